@@ -1,0 +1,641 @@
+"""A from-scratch Llama (Llama 2, 3, 3.1, 3.2 shapes) and its Hugging Face safetensors I/O.
+
+Read top to bottom: the model's numbers (`ModelArgs`, presets), the ops the kernels replace
+(`Ops`), the network, weight initialization, then loading and exporting HF checkpoints.
+
+The model knows nothing of sharding, checkpointing or offload: `shard.py` and `offload.py`
+apply those from the outside. Build it on the meta device and materialize it after sharding:
+
+    with torch.device("meta"):
+        model = Llama(ModelArgs.from_name("llama3.2-1b"))
+    model.to_empty(device="cuda")
+    model.init_weights(seed=0)          # or load_hf_checkpoint(model, path)
+"""
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kernels import (
+    IGNORE_INDEX,
+    apply_rope_reference,
+    linear_cross_entropy_reference,
+    rms_norm_reference,
+    swiglu_reference,
+)
+
+# ----------------------------------------------------------------------------------------
+# The model's numbers
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE scaling (HF `rope_type: "llama3"`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    vocab_size: int = 128256
+    ffn_dim: int = 14336
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_name(cls, name: str) -> "ModelArgs":
+        if name not in PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+        return PRESETS[name]
+
+    @classmethod
+    def from_hf_config(cls, path: str | os.PathLike) -> "ModelArgs":
+        """Reads a HF Llama `config.json` (a file or the directory holding it)."""
+        path = Path(path)
+        config_path = path / "config.json" if path.is_dir() else path
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no Hugging Face config.json at {config_path}")
+        config = json.loads(config_path.read_text())
+        if config.get("model_type") != "llama":
+            raise ValueError(
+                f"{config_path}: model_type is {config.get('model_type')!r}, expected 'llama'"
+            )
+        for key, expected in [("hidden_act", "silu"), ("attention_bias", False),
+                              ("mlp_bias", False)]:  # fmt: skip
+            if config.get(key, expected) != expected:
+                raise ValueError(f"{config_path}: {key} is {config[key]!r}, expected {expected!r}")
+        n_heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+        if head_dim * n_heads != config["hidden_size"]:
+            raise ValueError(
+                f"{config_path}: head_dim {head_dim} x {n_heads} heads != hidden_size "
+                f"{config['hidden_size']}; longtune needs head_dim = hidden_size / heads"
+            )
+        # transformers >= 5 keeps rope settings in `rope_parameters`; older files use
+        # `rope_theta` plus `rope_scaling`.
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(
+                f"{config_path}: rope_type {rope_type!r}; expected 'default' or 'llama3'"
+            )
+        scaling = None
+        if rope_type == "llama3":
+            scaling = RopeScaling(
+                factor=rope["factor"],
+                low_freq_factor=rope["low_freq_factor"],
+                high_freq_factor=rope["high_freq_factor"],
+                original_max_seq_len=rope["original_max_position_embeddings"],
+            )
+        return cls(
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            vocab_size=config["vocab_size"],
+            ffn_dim=config["intermediate_size"],
+            norm_eps=config["rms_norm_eps"],
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            max_seq_len=config["max_position_embeddings"],
+            tie_embeddings=config.get("tie_word_embeddings", False),
+        )
+
+    def num_params(self) -> int:
+        layer = (
+            self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)  # wq wk wv wo
+            + 3 * self.dim * self.ffn_dim  # w1 w2 w3
+            + 2 * self.dim  # the two norms
+        )
+        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * layer + embeddings + self.dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4),
+        plus causal attention: QK^T and AV are 2 matmuls of 2*S*d FLOPs per token each in
+        forward, halved by the causal mask, times 3 for forward+backward = 6*L*S*d.
+        The embedding lookup is not a matmul; a tied embedding still is the output matmul."""
+        matmul_params = self.num_params() - self.vocab_size * self.dim - self.dim
+        matmul_params -= self.n_layers * 2 * self.dim
+        if self.tie_embeddings:
+            matmul_params += self.vocab_size * self.dim
+        return 6 * matmul_params + 6 * self.n_layers * seq_len * self.dim
+
+
+_LLAMA31_SCALING = RopeScaling(factor=8.0)
+_LLAMA32_SCALING = RopeScaling(factor=32.0)
+
+PRESETS: dict[str, ModelArgs] = {
+    "llama2-7b": ModelArgs(
+        n_kv_heads=32, vocab_size=32000, ffn_dim=11008, rope_theta=10000.0, max_seq_len=4096
+    ),  # fmt: skip
+    "llama3-8b": ModelArgs(),
+    "llama3.1-8b": ModelArgs(rope_scaling=_LLAMA31_SCALING, max_seq_len=131072),
+    "llama3.1-70b": ModelArgs(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        ffn_dim=28672,
+        rope_scaling=_LLAMA31_SCALING,
+        max_seq_len=131072,
+    ),  # fmt: skip
+    "llama3.2-1b": ModelArgs(
+        dim=2048,
+        n_layers=16,
+        ffn_dim=8192,
+        tie_embeddings=True,
+        rope_scaling=_LLAMA32_SCALING,
+        max_seq_len=131072,
+    ),  # fmt: skip
+    "llama3.2-3b": ModelArgs(
+        dim=3072,
+        n_layers=28,
+        n_heads=24,
+        ffn_dim=8192,
+        tie_embeddings=True,
+        rope_scaling=_LLAMA32_SCALING,
+        max_seq_len=131072,
+    ),  # fmt: skip
+    # For tests and CPU runs: odd sizes on purpose, a vocabulary that fits the byte tokenizer.
+    "tiny": ModelArgs(
+        dim=96,
+        n_layers=4,
+        n_heads=6,
+        n_kv_heads=2,
+        vocab_size=320,
+        ffn_dim=200,
+        rope_scaling=RopeScaling(factor=4.0, original_max_seq_len=256),
+        max_seq_len=2048,
+    ),  # fmt: skip
+}
+
+
+def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
+    """inv_freq [head_dim/2] fp32, with Llama 3.1's scaling when the model has it: long
+    wavelengths (past original_max_seq_len / low_freq_factor) are slowed by `factor`, short
+    ones (below original_max_seq_len / high_freq_factor) kept, and the band between blended."""
+    exponents = torch.arange(0, args.head_dim, 2, device=device, dtype=torch.int64).float()
+    inv_freq = 1.0 / args.rope_theta ** (exponents / args.head_dim)
+    s = args.rope_scaling
+    if s is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    blend = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor
+    )
+    blended = (1 - blend) * inv_freq / s.factor + blend * inv_freq
+    scaled = torch.where(wavelen > s.original_max_seq_len / s.low_freq_factor, inv_freq / s.factor,
+                         inv_freq)  # fmt: skip
+    is_band = (wavelen >= s.original_max_seq_len / s.high_freq_factor) & (
+        wavelen <= s.original_max_seq_len / s.low_freq_factor
+    )
+    return torch.where(is_band, blended, scaled)
+
+
+# ----------------------------------------------------------------------------------------
+# The seam between the model and kernels/: the ops a kernel fuses, by reference or Triton
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable  # (x [..., D], weight [D], eps) -> [..., D]
+    apply_rope: Callable  # (q [B,S,H,Dh], k [B,S,Hkv,Dh], positions [B,S], inv_freq) -> q, k
+    swiglu: Callable  # (gate, up) -> silu(gate) * up
+    linear_cross_entropy: Callable  # (hidden [N,D], weight [V,D], labels [N], ignore, reduction)
+
+
+REFERENCE_OPS = Ops(
+    rms_norm=rms_norm_reference,
+    apply_rope=apply_rope_reference,
+    swiglu=swiglu_reference,
+    linear_cross_entropy=linear_cross_entropy_reference,
+)
+
+
+def triton_ops() -> Ops:
+    """The Triton kernels; they run on CUDA, or on the CPU under TRITON_INTERPRET=1."""
+    import kernels
+
+    return Ops(
+        rms_norm=kernels.rms_norm,
+        apply_rope=kernels.apply_rope,
+        swiglu=kernels.swiglu,
+        linear_cross_entropy=kernels.linear_cross_entropy,
+    )
+
+
+# Attention backends by name. "auto" tries cuDNN first: on an H100 at 128k tokens it measured
+# about 1.5x the flash backend. SDPA skips a backend that cannot take the inputs.
+SDPA_BACKENDS = {
+    "auto": [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ],  # fmt: skip
+    "cudnn": [SDPBackend.CUDNN_ATTENTION],
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+    "math": [SDPBackend.MATH],
+}
+
+
+# ----------------------------------------------------------------------------------------
+# The network
+# ----------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, ops: Ops):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, ops: Ops, sdpa_backends: list[SDPBackend]):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.ops = ops
+        self.sdpa_backends = sdpa_backends
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        bsz, seq_len, _ = x.shape
+        q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        q, k = self.ops.apply_rope(q, k, positions, inv_freq)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, Dh]
+        # The backend is chosen inside forward so that a checkpointed forward recomputed in
+        # backward takes the same one (a cuDNN forward recomputed by flash fails).
+        with sdpa_kernel(self.sdpa_backends, set_priority=True):
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
+            )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, ffn_dim: int, ops: Ops):
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.ops.swiglu(self.w1(x), self.w3(x)))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, ops: Ops, sdpa_backends: list[SDPBackend]):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.attention = Attention(args, ops, sdpa_backends)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim, ops)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), positions, inv_freq)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: ModelArgs, ops: Ops = REFERENCE_OPS, attention_backend: str = "auto"):
+        super().__init__()
+        if attention_backend not in SDPA_BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {attention_backend!r}; "
+                f"expected one of {sorted(SDPA_BACKENDS)}"
+            )
+        self.args = args
+        self.ops = ops
+        backends = SDPA_BACKENDS[attention_backend]
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(
+            TransformerBlock(args, ops, backends) for _ in range(args.n_layers)
+        )
+        self.norm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        reduction: str = "mean",
+    ) -> torch.Tensor:
+        """tokens, labels, positions: [B, S]. Returns logits [B, S, V] without labels; with
+        them, the loss ("mean" over labels that are not -100, or their "sum") computed by
+        `Ops.linear_cross_entropy`, which need not build the full logits.
+        positions default to 0..S-1; packed documents pass positions restarting at 0."""
+        bsz, seq_len = tokens.shape
+        if positions is None:
+            positions = torch.arange(seq_len, device=tokens.device).expand(bsz, seq_len)
+        inv_freq = rope_frequencies(self.args, tokens.device)
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, positions, inv_freq)
+        h = self.norm(h)
+        if labels is None:
+            return self.output(h)
+        return self.ops.linear_cross_entropy(
+            h.flatten(0, 1), self.output.weight, labels.flatten(), IGNORE_INDEX, reduction
+        )
+
+    # ------------------------------------------------------------------------------------
+    # Initialization: one value per (seed, parameter name), whatever the device it was
+    # built on and however it is sharded later.
+    # ------------------------------------------------------------------------------------
+
+    def initial_value(self, name: str, seed: int, device: torch.device) -> torch.Tensor:
+        """The full initial tensor of parameter `name` (fp32): norms 1, matrices N(0, 0.02),
+        the projections that write into the residual stream (wo, w2) scaled down by
+        sqrt(2 * n_layers) so the residual's variance does not grow with depth."""
+        shape = self.get_parameter(name).shape
+        if name.endswith("norm.weight"):
+            return torch.ones(shape, device=device)
+        std = 0.02
+        if name.endswith(("wo.weight", "w2.weight")):
+            std /= math.sqrt(2 * self.args.n_layers)
+        generator = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
+        return torch.randn(shape, generator=generator, device=device) * std
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        for name, param in self.named_parameters():
+            param.copy_(self.initial_value(name, seed, param.device))
+
+
+# ----------------------------------------------------------------------------------------
+# Hugging Face checkpoints: config.json + safetensors (one file, or shards with an index)
+# ----------------------------------------------------------------------------------------
+# RoPE layout: longtune rotates in HF's "rotate half" layout (the two halves of each head,
+# not interleaved pairs), which is the layout of HF checkpoints' q_proj/k_proj rows, so they
+# load without a permutation. (Meta's original checkpoints use interleaved pairs; they are
+# pickles, which longtune never loads.)
+
+_HF_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+
+
+def hf_names(args: ModelArgs) -> dict[str, str]:
+    """longtune parameter name -> HF tensor name (a tied output has no entry of its own)."""
+    names = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.weight": "model.norm.weight",
+    }
+    if not args.tie_embeddings:
+        names["output.weight"] = "lm_head.weight"
+    for i in range(args.n_layers):
+        for ours, theirs in _HF_LAYER_NAMES.items():
+            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+    return names
+
+
+def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file that holds it, from the index or the file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"Hugging Face checkpoint directory {path} does not exist")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        found = sorted(p.name for p in path.iterdir())
+        raise FileNotFoundError(
+            f"{path} has neither model.safetensors nor model.safetensors.index.json "
+            f"(found {found}); longtune reads safetensors only, never pickled .bin/.pth files"
+        )
+    with _open_safetensors(single) as f:
+        return {name: single for name in f.keys()}
+
+
+def _open_safetensors(file: Path):
+    if not file.is_file():
+        raise FileNotFoundError(f"safetensors file {file} (named in the index) does not exist")
+    try:
+        return safe_open(file, framework="pt")
+    except SafetensorError as e:
+        raise ValueError(f"{file} is not a readable safetensors file: {e}") from e
+
+
+def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, Path]:
+    """Refuses a checkpoint that does not fit `args`, reading only config and headers:
+    one ValueError listing every config field that differs and every missing, unexpected
+    or wrongly shaped tensor with both shapes. Returns HF tensor name -> file."""
+    theirs = ModelArgs.from_hf_config(path)
+    problems = [
+        f"config {f.name}: checkpoint has {getattr(theirs, f.name)!r}, model has "
+        f"{getattr(args, f.name)!r}"
+        for f in dataclasses.fields(ModelArgs)
+        if f.name != "max_seq_len" and getattr(theirs, f.name) != getattr(args, f.name)
+    ]
+    files = hf_tensor_files(path)
+    with torch.device("meta"):
+        params = dict(Llama(args).named_parameters())
+    expected = {hf: tuple(params[ours].shape) for ours, hf in hf_names(args).items()}
+    shapes = {}
+    for file in sorted(set(files.values())):
+        with _open_safetensors(file) as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    for name, shape in expected.items():
+        if name not in shapes:
+            problems.append(f"missing tensor {name}: expected shape {shape}")
+        elif shapes[name] != shape:
+            problems.append(f"tensor {name}: checkpoint shape {shapes[name]}, model {shape}")
+    # A tied model's checkpoint may still carry a copy of the embedding as lm_head.
+    tolerated = {"lm_head.weight"} if args.tie_embeddings else set()
+    for name in sorted(set(shapes) - set(expected) - tolerated):
+        if not name.endswith("rotary_emb.inv_freq"):  # a buffer older exports saved
+            problems.append(f"unexpected tensor {name} with shape {shapes[name]}")
+    if problems:
+        raise ValueError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(problems))
+    return files
+
+
+def copy_whole_tensor(param: torch.Tensor, tensor_slice) -> None:
+    """Reads the whole tensor from a safetensors slice into `param` (dtype converted)."""
+    param.copy_(tensor_slice[:])
+
+
+@torch.no_grad()
+def load_hf_checkpoint(
+    model: Llama,
+    path: str | os.PathLike,
+    copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
+) -> None:
+    """Loads HF weights into `model`'s materialized parameters, one tensor at a time so host
+    memory peaks near one tensor. `copy(param, safetensors_slice)` moves each tensor in;
+    shard.py passes one that reads only the rows its rank owns."""
+    files = check_hf_checkpoint(model.args, path)
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    for ours, theirs in hf_names(model.args).items():
+        by_file.setdefault(files[theirs], []).append((ours, theirs))
+    for file, names in sorted(by_file.items()):
+        with _open_safetensors(file) as f:
+            for ours, theirs in names:
+                copy(params[ours], f.get_slice(theirs))
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+    """A config.json that transformers reads as the same model (rope settings written both
+    the transformers >= 5 way and the older way)."""
+    rope = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling is not None:
+        s = args.rope_scaling
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": args.rope_theta,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_seq_len,
+        }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.ffn_dim,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rope_parameters": rope,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope if args.rope_scaling is not None else None,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def save_hf_checkpoint(
+    args: ModelArgs,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | os.PathLike,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Writes config.json, model-0000k-of-0000n.safetensors shards and their index, from
+    (longtune name, full tensor) pairs consumed one at a time (a sharded model can gather
+    each parameter just before it is written). Atomic: everything goes to a temporary
+    directory that replaces `out_dir` only once complete."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    names = hf_names(args)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    shard_files: list[str] = []
+
+    def flush():
+        shard_files.append(f"part-{len(shard_files)}.safetensors")
+        save_file(shards[-1], tmp / shard_files[-1], metadata={"format": "pt"})
+        shards[-1] = {}
+
+    for ours, tensor in named_tensors:
+        if ours not in names:
+            continue  # the tied output, which HF does not store
+        tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+        if shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
+            flush()
+            shard_bytes = 0
+        shards[-1][names[ours]] = tensor
+        shard_bytes += tensor.nbytes
+    flush()
+    weight_map, total_bytes = {}, 0
+    for k, part in enumerate(shard_files):
+        final = f"model-{k + 1:05d}-of-{len(shard_files):05d}.safetensors"
+        os.replace(tmp / part, tmp / final)
+        with safe_open(tmp / final, framework="pt") as f:
+            for name in f.keys():
+                weight_map[name] = final
+                shape = f.get_slice(name).get_shape()
+                total_bytes += math.prod(shape) * dtype.itemsize
+    missing = set(names.values()) - set(weight_map)
+    if missing:
+        shutil.rmtree(tmp)
+        raise ValueError(f"cannot export: no tensor given for {sorted(missing)[:5]}")
+    index = {
+        "metadata": {"total_size": total_bytes},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
+    # Swap in the new directory; the old one is removed only after the new one is in place.
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
