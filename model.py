@@ -366,9 +366,12 @@ class Llama(nn.Module):
             TransformerBlock(args, ops, backends) for _ in range(args.n_layers)
         )
         self.norm = RMSNorm(args.dim, args.norm_eps, ops)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        # A tied model has no output module: it reuses the embedding matrix. (Sharing one
+        # Parameter between two modules would not survive `to_empty`, which re-creates each
+        # module's parameters separately.)
+        self.output = None
+        if not args.tie_embeddings:
+            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def forward(
         self,
@@ -389,10 +392,11 @@ class Llama(nn.Module):
         for layer in self.layers:
             h = layer(h, positions, inv_freq)
         h = self.norm(h)
+        output_weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if labels is None:
-            return self.output(h)
+            return F.linear(h, output_weight)
         return self.ops.linear_cross_entropy(
-            h.flatten(0, 1), self.output.weight, labels.flatten(), IGNORE_INDEX, reduction
+            h.flatten(0, 1), output_weight, labels.flatten(), IGNORE_INDEX, reduction
         )
 
     # ------------------------------------------------------------------------------------

@@ -1,0 +1,335 @@
+"""The model against transformers' LlamaForCausalLM (the numerical oracle), HF checkpoint
+loading and export, meta-device init, and the errors a bad checkpoint gets.
+
+Tolerances: fp32 on CPU, max |a - b| / max |b| <= 1e-5 for logits, loss and gradients.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from model import (
+    PRESETS,
+    REFERENCE_OPS,
+    Llama,
+    ModelArgs,
+    check_hf_checkpoint,
+    hf_names,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+    triton_ops,
+)
+
+transformers = pytest.importorskip("transformers")
+
+FP32_RTOL = 1e-5
+
+HF_CONFIGS = {
+    "gqa-llama3.1-scaling-tied": dict(
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    ),
+    "gqa-untied": dict(
+        num_key_value_heads=3,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
+    "llama2-style": dict(
+        num_key_value_heads=6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
+}
+
+
+def make_hf_model(variant: str):
+    config = transformers.LlamaConfig(
+        hidden_size=72,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        intermediate_size=136,
+        vocab_size=211,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        **HF_CONFIGS[variant],
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # norms start at 1 in HF; random ones test that they are loaded
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def save_hf(model, path: Path, **kwargs) -> Path:
+    model.save_pretrained(path, **kwargs)
+    return path
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def load_longtune(path: Path) -> Llama:
+    args = ModelArgs.from_hf_config(path)
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device="cpu")
+    load_hf_checkpoint(model, path)
+    return model
+
+
+def sample_batch(vocab: int, bsz: int = 2, seq_len: int = 40):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, vocab, (bsz, seq_len), generator=g)
+    labels = torch.randint(0, vocab, (bsz, seq_len), generator=g)
+    labels[0, :7] = -100  # ignored labels, e.g. a prompt
+    return tokens, labels
+
+
+@pytest.mark.parametrize("variant", sorted(HF_CONFIGS))
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+def test_logits_loss_and_gradients_match_transformers(tmp_path, variant, sharded):
+    hf = make_hf_model(variant)
+    save_hf(hf, tmp_path, **({"max_shard_size": "40KB"} if sharded else {}))
+    if sharded:
+        assert (tmp_path / "model.safetensors.index.json").is_file()
+    ours = load_longtune(tmp_path)
+    tokens, labels = sample_batch(ours.args.vocab_size)
+
+    hf_logits = hf(tokens).logits
+    hf_loss = F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    hf_loss.backward()
+    logits = ours(tokens)
+    loss = ours(tokens, labels)
+    loss.backward()
+
+    assert rel_err(logits, hf_logits) <= FP32_RTOL
+    assert rel_err(loss, hf_loss) <= FP32_RTOL
+    hf_params = dict(hf.named_parameters())
+    for name, theirs in hf_names(ours.args).items():
+        grad = ours.get_parameter(name).grad
+        assert rel_err(grad, hf_params[theirs].grad) <= FP32_RTOL, name
+
+
+def test_packed_positions_match_transformers_position_ids(tmp_path):
+    hf = make_hf_model("gqa-llama3.1-scaling-tied")
+    ours = load_longtune(save_hf(hf, tmp_path))
+    tokens, _ = sample_batch(ours.args.vocab_size)
+    # Two documents packed in each row; positions restart at 0 where the second begins.
+    positions = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
+    expected = hf(tokens, position_ids=positions).logits
+    assert rel_err(ours(tokens, positions=positions), expected) <= FP32_RTOL
+
+
+def test_sum_reduction_is_mean_times_token_count(tmp_path):
+    ours = load_longtune(save_hf(make_hf_model("gqa-untied"), tmp_path))
+    tokens, labels = sample_batch(ours.args.vocab_size)
+    count = (labels != -100).sum()
+    total = ours(tokens, labels, reduction="sum")
+    assert rel_err(total, ours(tokens, labels) * count) <= FP32_RTOL
+
+
+@pytest.mark.parametrize("variant", sorted(HF_CONFIGS))
+def test_export_loads_back_into_transformers(tmp_path, variant):
+    hf = make_hf_model(variant)
+    ours = load_longtune(save_hf(hf, tmp_path / "in"))
+    out = tmp_path / "out"
+    save_hf_checkpoint(
+        ours.args, ours.named_parameters(), out, dtype=torch.float32, max_shard_bytes=50_000
+    )
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokens, _ = sample_batch(ours.args.vocab_size)
+    assert rel_err(reloaded(tokens).logits, hf(tokens).logits) <= FP32_RTOL
+    assert ModelArgs.from_hf_config(out) == ours.args
+
+
+def test_export_replaces_previous_directory_whole(tmp_path):
+    ours = load_longtune(save_hf(make_hf_model("gqa-untied"), tmp_path / "in"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an older export")
+    save_hf_checkpoint(ours.args, ours.named_parameters(), out)
+    assert not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # no temp dirs left
+
+
+def test_meta_build_then_init_equals_direct_build():
+    args = PRESETS["tiny"]
+    direct = Llama(args)
+    direct.init_weights(seed=3)
+    with torch.device("meta"):
+        late = Llama(args)
+    late.to_empty(device="cpu")
+    late.init_weights(seed=3)
+    for (name, a), (_, b) in zip(direct.named_parameters(), late.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    other = Llama(args)
+    other.init_weights(seed=4)
+    assert not torch.equal(
+        other.layers[0].attention.wq.weight, direct.layers[0].attention.wq.weight
+    )
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_param_count_matches_the_built_model(name):
+    args = PRESETS[name]
+    with torch.device("meta"):
+        model = Llama(args)
+    assert sum(p.numel() for p in model.parameters()) == args.num_params()
+
+
+def test_llama31_8b_preset_has_the_published_size():
+    assert PRESETS["llama3.1-8b"].num_params() == 8_030_261_248
+    assert PRESETS["llama3.2-1b"].num_params() == 1_235_814_400
+
+
+# ---- bad checkpoints: each refused with one clear error before anything is trained ----
+
+
+@pytest.fixture
+def good_checkpoint(tmp_path) -> Path:
+    return save_hf(make_hf_model("gqa-untied"), tmp_path / "ckpt")
+
+
+def rewrite_tensors(path: Path, edit) -> None:
+    tensors = load_file(path / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_tensor_is_named(good_checkpoint):
+    rewrite_tensors(good_checkpoint, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_longtune(good_checkpoint)
+
+
+def test_unexpected_tensor_is_named(good_checkpoint):
+    rewrite_tensors(good_checkpoint, lambda t: t.update(extra_adapter=torch.zeros(3)))
+    with pytest.raises(ValueError, match=r"unexpected tensor extra_adapter with shape \(3,\)"):
+        load_longtune(good_checkpoint)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(good_checkpoint):
+    rewrite_tensors(good_checkpoint, lambda t: t.update({"model.norm.weight": torch.ones(71)}))
+    with pytest.raises(
+        ValueError, match=r"model\.norm\.weight: checkpoint shape \(71,\), model \(72,\)"
+    ):
+        load_longtune(good_checkpoint)
+
+
+def test_checkpoint_of_another_model_names_the_config_fields(good_checkpoint):
+    args = ModelArgs.from_hf_config(good_checkpoint)
+    other = dataclasses.replace(args, n_layers=4, vocab_size=300)
+    with pytest.raises(ValueError, match=r"config n_layers: checkpoint has 3, model has 4") as e:
+        check_hf_checkpoint(other, good_checkpoint)
+    assert "config vocab_size: checkpoint has 211, model has 300" in str(e.value)
+
+
+def test_missing_directory_is_a_file_not_found_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no Hugging Face config.json"):
+        load_longtune(tmp_path / "nowhere")
+
+
+def test_pickled_weights_are_refused(good_checkpoint):
+    (good_checkpoint / "model.safetensors").rename(good_checkpoint / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="safetensors only"):
+        load_longtune(good_checkpoint)
+
+
+def test_file_that_is_not_safetensors_is_refused(good_checkpoint):
+    (good_checkpoint / "model.safetensors").write_bytes(
+        b"\x80\x04 this is a pickle, not safetensors"
+    )
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_longtune(good_checkpoint)
+
+
+def test_shard_named_in_index_but_absent_is_named(tmp_path):
+    path = save_hf(make_hf_model("gqa-untied"), tmp_path, max_shard_size="40KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    gone = sorted(set(index["weight_map"].values()))[-1]
+    (path / gone).unlink()
+    with pytest.raises(FileNotFoundError, match=gone):
+        load_longtune(path)
+
+
+def test_config_of_another_architecture_is_refused(good_checkpoint):
+    config = json.loads((good_checkpoint / "config.json").read_text())
+    config["model_type"] = "mistral"
+    (good_checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="model_type is 'mistral', expected 'llama'"):
+        load_longtune(good_checkpoint)
+
+
+def test_unknown_preset_and_attention_backend_list_the_options():
+    with pytest.raises(ValueError, match="expected one of"):
+        ModelArgs.from_name("llama9")
+    with pytest.raises(ValueError, match="expected one of"):
+        Llama(PRESETS["tiny"], attention_backend="fastest")
+
+
+# ---- GPU: the same oracle comparison at a real shape in bf16 ----
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference-ops", "triton-ops"])
+def test_llama32_1b_shape_bf16_matches_transformers_on_gpu(tmp_path, kernels):
+    """llama3.2-1b dims (random weights, 4 layers to keep the test short), seq 4096, bf16.
+    bf16 tolerance: logits within 2e-2 relative error (max abs diff / max abs) and loss
+    within 1e-2 relative of the fp32 HF model; both models run in bf16 against an fp32 oracle."""
+    p = PRESETS["llama3.2-1b"]
+    config = transformers.LlamaConfig(
+        hidden_size=p.dim,
+        num_hidden_layers=4,
+        num_attention_heads=p.n_heads,
+        num_key_value_heads=p.n_kv_heads,
+        intermediate_size=p.ffn_dim,
+        vocab_size=p.vocab_size,
+        max_position_embeddings=p.max_seq_len,
+        rms_norm_eps=p.norm_eps,
+        tie_word_embeddings=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": p.rope_theta,
+            "factor": p.rope_scaling.factor,
+            "low_freq_factor": p.rope_scaling.low_freq_factor,
+            "high_freq_factor": p.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": p.rope_scaling.original_max_seq_len,
+        },
+    )
+    torch.manual_seed(0)
+    oracle = transformers.LlamaForCausalLM(config).cuda().float().eval()
+    save_hf(oracle, tmp_path)
+    args = ModelArgs.from_hf_config(tmp_path)
+    with torch.device("meta"):
+        ours = Llama(args, ops=triton_ops() if kernels else REFERENCE_OPS)
+    ours.to_empty(device="cuda")
+    load_hf_checkpoint(ours, tmp_path)
+    ours = ours.to(torch.bfloat16)
+    tokens, labels = sample_batch(args.vocab_size, bsz=1, seq_len=4096)
+    tokens, labels = tokens.cuda(), labels.cuda()
+    with torch.no_grad():
+        expected = oracle(tokens).logits
+        expected_loss = F.cross_entropy(expected.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        logits = ours(tokens).float()
+        loss = ours(tokens, labels).float()
+    assert rel_err(logits, expected) <= 2e-2
+    assert abs(loss.item() - expected_loss.item()) / expected_loss.item() <= 1e-2
