@@ -1,0 +1,647 @@
+"""Tokenizers, dataset preparation, and the packed, resumable data loader.
+
+A prepared dataset is a directory of three files:
+    tokens.bin     uint32, every document as BOS + tokens + EOS, documents back to back
+    loss_mask.bin  uint8, one per token: 1 where the token may be a label, 0 where it may not
+                   (the prompt of a supervised fine-tuning example, and every BOS)
+    meta.json      the tokenizer that wrote it and the counts the two files must match
+
+    python data.py prepare --input docs/ chat.jsonl --output data/mine [--tokenizer tokenizer.model]
+
+The loader cuts the token stream into samples of seq_len + 1 tokens, shuffles them per epoch with
+a seed, and gives each rank a disjoint slice of every step. One global cursor counts the samples
+read by all ranks together, so a run can resume on another number of GPUs and go on reading the
+same samples in the same order.
+"""
+
+import argparse
+import base64
+import binascii
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import sentencepiece
+import tiktoken
+import torch
+
+FORMAT_VERSION = 1
+IGNORE_INDEX = -100  # the label value F.cross_entropy and kernels.cross_entropy skip
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+class Tokenizer(Protocol):
+    """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS."""
+
+    name: str  # identifies the tokenizer and its file, recorded in meta.json
+    vocab_size: int
+    bos_id: int
+    eos_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255, then BOS = 256 and EOS = 257: vocab_size 258, needs no file."""
+
+    name = "bytes"
+    vocab_size = 258
+    bos_id = 256
+    eos_id = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+# The pre-tokenizer split of Meta's Llama 3 tokenizer.py.
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Llama 3.1's 256 special tokens in id order, numbered after the BPE ranks (from 128000 in
+# Meta's file). Llama 3.0 named fewer of them; the ids of those it shares are the same.
+_LLAMA3_NAMED = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
+LLAMA3_SPECIALS = _LLAMA3_NAMED + [
+    f"<|reserved_special_token_{i}|>" for i in range(2, 2 + 256 - len(_LLAMA3_NAMED))
+]
+
+
+class TiktokenTokenizer:
+    """Llama 3: a tiktoken BPE ranks file ("base64-token rank" per line) plus 256 specials."""
+
+    def __init__(self, path: Path):
+        data = path.read_bytes()
+        ranks: dict[bytes, int] = {}
+        for lineno, line in enumerate(data.splitlines(), 1):
+            if not line:
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except (ValueError, binascii.Error) as e:
+                raise ValueError(f"{path} line {lineno}: expected 'base64-token rank'") from e
+        n = len(ranks)
+        if sorted(ranks.values()) != list(range(n)):
+            raise ValueError(f"{path}: the BPE ranks must be 0..{n - 1}, each once")
+        specials = {token: n + i for i, token in enumerate(LLAMA3_SPECIALS)}
+        self.name = f"tiktoken:{_sha256(data)}"
+        self.vocab_size = n + len(specials)
+        self.bos_id = specials["<|begin_of_text|>"]
+        self.eos_id = specials["<|end_of_text|>"]
+        self._encoding = tiktoken.Encoding(
+            self.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+        )
+
+    def encode(self, text: str) -> list[int]:
+        # Documents are plain text: an "<|eot_id|>" written in one is characters, not a control
+        # token, so data cannot inject structure the model was not meant to see.
+        return self._encoding.encode_ordinary(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._encoding.decode(list(ids))
+
+
+class SentencePieceTokenizer:
+    """Llama 2: a sentencepiece model proto (binary). Raises RuntimeError if it is not one."""
+
+    def __init__(self, path: Path):
+        data = path.read_bytes()
+        self._sp = sentencepiece.SentencePieceProcessor(model_proto=data)
+        self.name = f"sentencepiece:{_sha256(data)}"
+        self.vocab_size = self._sp.vocab_size()
+        self.bos_id = self._sp.bos_id()
+        self.eos_id = self._sp.eos_id()
+        if self.bos_id < 0 or self.eos_id < 0:
+            raise ValueError(
+                f"{path}: the sentencepiece model needs BOS and EOS pieces, "
+                f"has bos_id={self.bos_id} eos_id={self.eos_id}"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode(list(ids))
+
+
+def load_tokenizer(path: str | Path | None) -> Tokenizer:
+    """None gives the byte tokenizer; a file, Llama 3 (tiktoken) or Llama 2 (sentencepiece)."""
+    if path is None:
+        return ByteTokenizer()
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file {path} not found")
+    with open(path, "rb") as f:
+        first_line = f.readline(1024).split()
+    try:
+        if len(first_line) == 2 and first_line[1].isdigit():
+            base64.b64decode(first_line[0], validate=True)
+            return TiktokenTokenizer(path)
+    except binascii.Error:
+        pass  # not base64: try sentencepiece
+    try:
+        return SentencePieceTokenizer(path)
+    except RuntimeError as e:
+        raise ValueError(
+            f"tokenizer file {path} is neither a tiktoken BPE ranks file (Llama 3: lines of "
+            f"'base64-token rank') nor a sentencepiece model (Llama 2)"
+        ) from e
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparation: text and JSONL files -> tokens.bin, loss_mask.bin, meta.json
+
+
+Document = tuple[str, str, int]  # (prompt, text, bytes of input it came from)
+Encoded = tuple[np.ndarray, np.ndarray, int]  # (tokens uint32, loss mask uint8, bytes of input)
+
+
+def prepare(
+    inputs: Iterable[str | Path],
+    output_dir: str | Path,
+    tokenizer_path: str | Path | None = None,
+    workers: int | None = None,
+) -> Path:
+    """Tokenize `inputs` into the dataset directory `output_dir`, replacing any that is there.
+
+    Each input is a text file (one document), a .jsonl file (one document per line: {"text": ...}
+    or {"prompt": ..., "response": ...}, whose prompt gets no loss), or a directory standing for
+    all its files, sorted. Output is the same for any number of workers (None: one per CPU).
+    The directory appears complete or not at all: it is written beside, then renamed into place.
+    """
+    files = _input_files(inputs)
+    tokenizer = load_tokenizer(tokenizer_path)  # a bad tokenizer fails here, not in each worker
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    output_dir = Path(output_dir)
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
+    try:
+        progress = _Progress(total_bytes=sum(f.stat().st_size for f in files))
+        encoded = _encode_all(_read_documents(files), tokenizer, tokenizer_path, workers)
+        with (
+            open(tmp / "tokens.bin", "wb") as tokens_f,
+            open(tmp / "loss_mask.bin", "wb") as mask_f,
+        ):
+            for tokens, mask, n_bytes in encoded:
+                tokens.tofile(tokens_f)
+                mask.tofile(mask_f)
+                progress.update(n_bytes, len(tokens))
+        progress.finish()
+        if progress.documents == 0:
+            raise ValueError(f"no documents in the inputs {[str(f) for f in files]}")
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "tokenizer": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size,
+            "bos_id": tokenizer.bos_id,
+            "eos_id": tokenizer.eos_id,
+            "n_tokens": progress.tokens,
+            "n_documents": progress.documents,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if output_dir.exists():  # a directory cannot be renamed over a non-empty one
+            shutil.rmtree(output_dir)
+        tmp.rename(output_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
+    return output_dir
+
+
+def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
+    files = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            files += sorted(
+                p
+                for p in item.rglob("*")
+                if p.is_file()
+                and not any(part.startswith(".") for part in p.relative_to(item).parts)
+            )
+        elif item.is_file():
+            files.append(item)
+        else:
+            raise FileNotFoundError(f"input {item} not found")
+    return files
+
+
+def _read_documents(files: list[Path]) -> Iterator[Document]:
+    """The prompt is "" except in SFT examples; empty files are skipped."""
+    for path in files:
+        if path.suffix == ".jsonl":
+            with open(path, "rb") as f:
+                for lineno, line in enumerate(f, 1):
+                    if line.strip():
+                        yield (*_parse_jsonl_line(line, f"{path} line {lineno}"), len(line))
+        else:
+            data = path.read_bytes()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path} is not UTF-8 text (bad byte at offset {e.start}); inputs are UTF-8 "
+                    f"text files, one document each, or .jsonl files"
+                ) from e
+            if text:
+                yield "", text, len(data)
+
+
+def _parse_jsonl_line(line: bytes, where: str) -> tuple[str, str]:
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"{where}: not valid UTF-8 JSON ({e})") from e
+    if isinstance(record, dict):
+        if isinstance(record.get("text"), str):
+            return "", record["text"]
+        if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+            return record["prompt"], record["response"]
+    raise ValueError(
+        f'{where}: expected a JSON object with a string "text", or strings "prompt" and "response"'
+    )
+
+
+def _encode_document(tokenizer: Tokenizer, prompt: str, text: str, n_bytes: int) -> Encoded:
+    prompt_ids = tokenizer.encode(prompt) if prompt else []
+    tokens = np.array(
+        [tokenizer.bos_id, *prompt_ids, *tokenizer.encode(text), tokenizer.eos_id], dtype=np.uint32
+    )
+    mask = np.ones(len(tokens), dtype=np.uint8)
+    # BOS is never a label: it follows the previous document's EOS, and predicting the start of
+    # one document from the end of an unrelated one teaches nothing. Prompt tokens are the
+    # question of an SFT example, not what the model should learn to write.
+    mask[: 1 + len(prompt_ids)] = 0
+    return tokens, mask, n_bytes
+
+
+_worker_tokenizer: Tokenizer | None = None  # each pool process loads its own from the path
+
+
+def _init_worker(tokenizer_path: str | Path | None) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(tokenizer_path)
+
+
+def _encode_chunk(chunk: list[Document]) -> list[Encoded]:
+    return [_encode_document(_worker_tokenizer, *doc) for doc in chunk]
+
+
+def _encode_all(
+    documents: Iterator[Document],
+    tokenizer: Tokenizer,
+    tokenizer_path: str | Path | None,
+    workers: int,
+) -> Iterator[Encoded]:
+    """Encoded documents in input order. Chunks of about 1 MB go to the pool with at most two
+    per worker in flight: Pool.imap would read the whole corpus into its queue up front."""
+    if workers == 1:
+        yield from (_encode_document(tokenizer, *doc) for doc in documents)
+        return
+    with multiprocessing.Pool(workers, _init_worker, (tokenizer_path,)) as pool:
+        pending = deque()
+        for chunk in _chunks(documents, max_bytes=1 << 20):
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) >= 2 * workers:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+
+
+def _chunks(documents: Iterator[Document], max_bytes: int) -> Iterator[list]:
+    chunk, size = [], 0
+    for doc in documents:
+        chunk.append(doc)
+        size += doc[2]
+        if size >= max_bytes:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+@dataclass
+class _Progress:
+    """One line on stderr, redrawn at most 4 times a second: a bar over the input bytes,
+    documents, tokens, tokens/s."""
+
+    total_bytes: int
+    done_bytes: int = 0
+    documents: int = 0
+    tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+    last_draw: float = 0.0
+
+    def update(self, n_bytes: int, n_tokens: int) -> None:
+        self.done_bytes += n_bytes
+        self.documents += 1
+        self.tokens += n_tokens
+        if time.perf_counter() - self.last_draw >= 0.25:
+            self._draw()
+
+    def finish(self) -> None:
+        self.done_bytes = self.total_bytes  # blank JSONL lines are never counted
+        self._draw()
+        sys.stderr.write("\n")
+
+    def _draw(self) -> None:
+        self.last_draw = time.perf_counter()
+        fraction = min(self.done_bytes / max(self.total_bytes, 1), 1.0)
+        rate = self.tokens / max(self.last_draw - self.start, 1e-6)
+        sys.stderr.write(
+            f"\rprepare [{'#' * int(30 * fraction):<30}] {fraction:4.0%}  {self.documents:,} docs"
+            f"  {self.tokens:,} tokens  {rate:,.0f} tokens/s"
+        )
+        sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+class TokenDataset:
+    """A prepared dataset directory, memory-mapped, its files checked against meta.json."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        meta_path = self.path / "meta.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(
+                f"{meta_path} not found: {self.path} is not a prepared dataset "
+                f"(make one with `python data.py prepare --input FILES --output {self.path}`)"
+            )
+        self.meta = json.loads(meta_path.read_text())
+        if self.meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"{meta_path} has format_version {self.meta.get('format_version')!r}, "
+                f"expected {FORMAT_VERSION}: prepare the dataset again"
+            )
+        self.n_tokens: int = self.meta["n_tokens"]
+        self.bos_id: int = self.meta["bos_id"]
+        self.eos_id: int = self.meta["eos_id"]
+        self.tokens = self._map("tokens.bin", np.uint32)
+        self.loss_mask = self._map("loss_mask.bin", np.uint8)
+        self._max_token_id: int | None = None
+
+    def _map(self, name: str, dtype: type) -> np.ndarray:
+        file = self.path / name
+        expected = self.n_tokens * np.dtype(dtype).itemsize
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found (meta.json expects {expected:,} bytes)")
+        actual = file.stat().st_size
+        if actual != expected:
+            raise ValueError(
+                f"{file} is {actual:,} bytes, expected {expected:,} ({self.n_tokens:,} tokens of "
+                f"{np.dtype(dtype).name} per meta.json): truncated, or from another preparation"
+            )
+        if expected == 0:
+            return np.zeros(0, dtype)  # numpy cannot map an empty file
+        return np.memmap(file, dtype=dtype, mode="r")
+
+    def max_token_id(self) -> int:
+        if self._max_token_id is None:
+            chunk = 1 << 26  # 256 MB of uint32 at a time: flat memory on datasets larger than RAM
+            self._max_token_id = max(
+                int(self.tokens[i : i + chunk].max()) for i in range(0, self.n_tokens, chunk)
+            )
+        return self._max_token_id
+
+    def check(self, vocab_size: int, seq_len: int, max_seq_len: int) -> None:
+        """Raise one ValueError naming every reason this dataset cannot train this model."""
+        problems = []
+        if not 1 <= seq_len <= max_seq_len:
+            problems.append(
+                f"seq_len {seq_len} must be from 1 to the model's max_seq_len {max_seq_len}"
+            )
+        if self.n_tokens < seq_len + 1:
+            problems.append(
+                f"the dataset has {self.n_tokens:,} tokens, one sample of seq_len {seq_len} "
+                f"needs {seq_len + 1:,}"
+            )
+        if self.n_tokens and self.max_token_id() >= vocab_size:
+            problems.append(
+                f"token id {self.max_token_id():,} in tokens.bin is >= the model's vocab_size "
+                f"{vocab_size:,} (the dataset's tokenizer is {self.meta['tokenizer']} with "
+                f"vocab_size {self.meta['vocab_size']:,})"
+            )
+        if problems:
+            raise ValueError(f"dataset {self.path} cannot train this model: " + "; ".join(problems))
+
+
+@dataclass
+class Batch:
+    """One rank's micro-batch; each field is int64 [micro_batch, seq_len].
+
+    labels are the next tokens, IGNORE_INDEX where no loss is taken (SFT prompts, and the BOS
+    that follows an EOS). positions count from 0 at each document's BOS and at each sample's
+    first token, so they stay below seq_len; a 0 marks where attention may start a new document.
+    """
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        fields = (self.tokens, self.labels, self.positions)
+        return Batch(*(t.to(device, non_blocking=non_blocking) for t in fields))
+
+
+class PackedLoader:
+    """An endless iterator of Batch for one rank.
+
+    Sample i is tokens[i*seq_len : i*seq_len + seq_len + 1], so the stream is read exactly once
+    per epoch. The global order is the concatenation of one seeded permutation of the samples per
+    epoch. Each step takes the next world_size * micro_batch samples of it, rank r the r-th
+    micro_batch of them; the cursor (a position in that order, shared by all ranks) then moves
+    on. Only the product world_size * micro_batch is tied to the cursor, so state_dict() resumes
+    on any number of ranks.
+    """
+
+    def __init__(
+        self,
+        dataset: TokenDataset,
+        seq_len: int,
+        micro_batch: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        pin_memory: bool = False,
+    ):
+        if seq_len < 1 or micro_batch < 1:
+            raise ValueError(f"seq_len and micro_batch must be >= 1, got {seq_len}, {micro_batch}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        self.num_samples = (dataset.n_tokens - 1) // seq_len
+        if self.num_samples < 1:
+            raise ValueError(
+                f"dataset {dataset.path} has {dataset.n_tokens:,} tokens, "
+                f"one sample of seq_len {seq_len} needs {seq_len + 1:,}"
+            )
+        self.dataset = dataset
+        self.seq_len = seq_len
+        self.micro_batch = micro_batch
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.pin_memory = pin_memory
+        self.epoch = 0
+        self.cursor = 0  # samples of this epoch's order read so far, by all ranks together
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Input tokens of one optimizer step across all ranks (label-masked ones included)."""
+        return self.world_size * self.micro_batch * self.seq_len
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "seed": self.seed,
+            "num_samples": self.num_samples,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(
+                f"the checkpoint's loader cut its dataset into {state['num_samples']:,} samples, "
+                f"this one cuts {self.dataset.path} into {self.num_samples:,}: resume with the "
+                f"same dataset and seq_len"
+            )
+        self.epoch, self.cursor, self.seed = state["epoch"], state["cursor"], state["seed"]
+        self._orders = {}
+
+    def __iter__(self) -> "PackedLoader":
+        return self
+
+    def __next__(self) -> Batch:
+        first = self.cursor + self.rank * self.micro_batch
+        samples = [self._sample(self._sample_index(first + k)) for k in range(self.micro_batch)]
+        self.cursor += self.world_size * self.micro_batch
+        self.epoch += self.cursor // self.num_samples
+        self.cursor %= self.num_samples
+        tensors = [torch.from_numpy(np.stack(column)) for column in zip(*samples, strict=True)]
+        if self.pin_memory:
+            tensors = [t.pin_memory() for t in tensors]
+        return Batch(*tensors)
+
+    def _sample_index(self, offset: int) -> int:
+        """The sample at `offset` past the start of the current epoch's order; a step may run
+        into the next epoch."""
+        epoch = self.epoch + offset // self.num_samples
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e >= self.epoch}
+            rng = np.random.default_rng(self.seed + epoch)
+            self._orders[epoch] = rng.permutation(self.num_samples)
+        return int(self._orders[epoch][offset % self.num_samples])
+
+    def _sample(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        start = i * self.seq_len
+        window = self.dataset.tokens[start : start + self.seq_len + 1].astype(np.int64)
+        label_ok = self.dataset.loss_mask[start + 1 : start + self.seq_len + 1] != 0
+        tokens = window[:-1]
+        labels = np.where(label_ok, window[1:], IGNORE_INDEX)
+        # The sample's first token starts a span too: attention cannot see what came before it,
+        # so a document cut by the sample boundary restarts at position 0.
+        index = np.arange(self.seq_len)
+        is_start = tokens == self.dataset.bos_id
+        is_start[0] = True
+        positions = index - np.maximum.accumulate(np.where(is_start, index, 0))
+        return tokens, labels, positions
+
+
+# ---------------------------------------------------------------------------------------------
+# The default corpus
+
+
+def default_corpus(cache_dir: str | Path, max_bytes: int = 32 << 20) -> Path:
+    """The Python standard library's own source, byte-tokenized: a corpus on every machine.
+
+    Prepared once into cache_dir/stdlib-py<version>-<fingerprint> and reused afterwards; the
+    fingerprint covers the chosen files and their sizes, so each Python gets its own directory.
+    Not safe to call from several processes at once: call it on one rank, then barrier.
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files, listing, total = [], [], 0
+    for path in sorted(stdlib.rglob("*.py")):
+        parts = path.relative_to(stdlib).parts
+        # Installed packages differ between machines; test suites hold deliberately odd files
+        # (other encodings, generated data) that make a poor training corpus.
+        if parts[0] in ("site-packages", "dist-packages") or not path.is_file():
+            continue
+        if any(part in ("test", "tests", "idle_test") for part in parts[:-1]):
+            continue
+        size = path.stat().st_size
+        if total + size > max_bytes:
+            break
+        files.append(path)
+        listing.append(f"{'/'.join(parts)}\t{size}\n")
+        total += size
+    version = f"{sys.version_info.major}{sys.version_info.minor}"
+    output = Path(cache_dir) / f"stdlib-py{version}-{_sha256(''.join(listing).encode())}"
+    meta_path = output / "meta.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("format_version") == FORMAT_VERSION and meta.get("tokenizer") == "bytes":
+            return output
+    # One process: bytes tokenize in well under a second here, and train.py may call this once
+    # CUDA is up, when forking a pool of workers is best avoided.
+    return prepare(files, output, workers=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser("prepare", help="tokenize text and JSONL files into a dataset")
+    prep.add_argument("--input", nargs="+", required=True, help="files or directories")
+    prep.add_argument("--output", required=True, help="the dataset directory to write")
+    prep.add_argument(
+        "--tokenizer", default=None, help="a Llama 3 or Llama 2 tokenizer.model (default: bytes)"
+    )
+    prep.add_argument("--workers", type=int, default=None, help="default: one per CPU")
+    args = parser.parse_args(argv)
+    output = prepare(args.input, args.output, args.tokenizer, args.workers)
+    meta = json.loads((output / "meta.json").read_text())
+    print(
+        f"wrote {output}: {meta['n_documents']:,} documents, {meta['n_tokens']:,} tokens, "
+        f"tokenizer {meta['tokenizer']}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""Tokenizers, preparation, the packed loader and its errors, on small files made in each test."""
+
+import base64
+import io
+import json
+import random
+
+import numpy as np
+import pytest
+import sentencepiece
+import torch
+
+import data
+
+BYTES = data.ByteTokenizer()
+WORDS = ["the", "thing", "fox", "lazy", "dog", "data", "token", "model", "seed", "rank"]
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(12)) for _ in range(n)]
+
+
+def write_ranks_file(path):
+    """A tiny Llama 3 style ranks file: the 256 single bytes, then a few merges."""
+    merges = [b"th", b"he", b"the", b" t", b" the", b"in", b"ing"]
+    tokens = [bytes([i]) for i in range(256)] + merges
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
+    return path
+
+
+def write_sentencepiece_model(path):
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences(500)),
+        model_writer=model,
+        vocab_size=320,  # 256 byte-fallback pieces + merges, so any text round-trips
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
+    path.write_bytes(model.getvalue())
+    return path
+
+
+def write_dataset(path, tokens, mask=None, bos_id=256, eos_id=257):
+    """A dataset directory written by hand, for loader tests that want exact token values."""
+    path.mkdir()
+    tokens = np.asarray(tokens, dtype=np.uint32)
+    mask = np.ones(len(tokens), np.uint8) if mask is None else np.asarray(mask, np.uint8)
+    tokens.tofile(path / "tokens.bin")
+    mask.tofile(path / "loss_mask.bin")
+    meta = {
+        "format_version": data.FORMAT_VERSION,
+        "tokenizer": "test",
+        "vocab_size": 1 << 20,
+        "bos_id": bos_id,
+        "eos_id": eos_id,
+        "n_tokens": len(tokens),
+        "n_documents": 1,
+    }
+    (path / "meta.json").write_text(json.dumps(meta))
+    return data.TokenDataset(path)
+
+
+def arange_dataset(tmp_path, n_tokens=1001):
+    """Token i has value i (BOS/EOS ids out of range), so sample k starts with k * seq_len."""
+    return write_dataset(tmp_path / "arange", np.arange(n_tokens), bos_id=1 << 30, eos_id=1 << 30)
+
+
+def read_steps(loader, steps):
+    return [next(loader) for _ in range(steps)]
+
+
+def first_tokens(batches):
+    return [int(t) for b in batches for t in b.tokens[:, 0]]
+
+
+# Tokenizers
+
+
+def test_byte_tokenizer_round_trips_utf8():
+    text = "héllo wörld 🙂\n"
+    ids = BYTES.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert BYTES.decode([BYTES.bos_id, *ids, BYTES.eos_id]) == text
+    assert (BYTES.vocab_size, BYTES.bos_id, BYTES.eos_id) == (258, 256, 257)
+    assert data.load_tokenizer(None).name == "bytes"
+
+
+def test_tiktoken_ranks_file_loads_with_llama3_specials(tmp_path):
+    tok = data.load_tokenizer(write_ranks_file(tmp_path / "tokenizer.model"))
+    assert isinstance(tok, data.TiktokenTokenizer)
+    assert tok.name.startswith("tiktoken:") and len(tok.name) == len("tiktoken:") + 12
+    n = 256 + 7
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (n + 256, n, n + 1)
+    assert tok.encode("the")[0] == 258  # merged through "th" and "he"
+    text = "the thing <|eot_id|> héllo 🙂"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert max(ids) < n, "special-token text in a document must stay ordinary text"
+
+
+def test_sentencepiece_model_loads_and_round_trips(tmp_path):
+    tok = data.load_tokenizer(write_sentencepiece_model(tmp_path / "tokenizer.model"))
+    assert isinstance(tok, data.SentencePieceTokenizer)
+    assert tok.name.startswith("sentencepiece:")
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (320, 1, 2)
+    text = "the lazy fox, trained! émoji 🙂"
+    ids = tok.encode(text)
+    assert tok.bos_id not in ids and tok.eos_id not in ids
+    assert tok.decode(ids) == text
+
+
+def test_missing_tokenizer_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.model"):
+        data.load_tokenizer(tmp_path / "nope.model")
+
+
+def test_garbage_tokenizer_file_names_expected_formats(tmp_path):
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(b"\x00\x01 this is not a tokenizer \xff" * 10)
+    with pytest.raises(ValueError, match="tiktoken.*sentencepiece"):
+        data.load_tokenizer(path)
+
+
+def test_ranks_file_with_a_gap_is_rejected(tmp_path):
+    path = tmp_path / "tokenizer.model"
+    path.write_text("YQ== 0\nYg== 2\n")
+    with pytest.raises(ValueError, match="ranks must be 0..1"):
+        data.load_tokenizer(path)
+
+
+# Preparation
+
+
+def test_prepare_writes_bos_doc_eos_back_to_back(tmp_path):
+    (tmp_path / "a.txt").write_text("ab")
+    (tmp_path / "b.py").write_text("x = 1\n")
+    out = data.prepare([tmp_path / "a.txt", tmp_path / "b.py"], tmp_path / "ds", workers=1)
+    ds = data.TokenDataset(out)
+    expected = [256, *b"ab", 257, 256, *b"x = 1\n", 257]
+    assert ds.tokens.tolist() == expected
+    assert ds.loss_mask.tolist() == [0 if t == 256 else 1 for t in expected]
+    assert ds.meta["n_documents"] == 2 and ds.meta["n_tokens"] == len(expected)
+    assert ds.meta["tokenizer"] == "bytes" and ds.meta["vocab_size"] == 258
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ds")], "temp dir left over"
+
+
+def test_labels_skip_bos_and_positions_restart_at_each_document(tmp_path):
+    (tmp_path / "a.txt").write_text("abc")
+    (tmp_path / "b.txt").write_text("de")
+    ds = data.TokenDataset(data.prepare([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "ds"))
+    # stream: BOS a b c EOS BOS d e EOS (9 tokens) -> one sample of seq_len 8
+    batch = next(data.PackedLoader(ds, seq_len=8, micro_batch=1))
+    bos, eos, a, b, c, d, e = 256, 257, *b"abcde"
+    assert batch.tokens.dtype == torch.int64
+    assert batch.tokens[0].tolist() == [bos, a, b, c, eos, bos, d, e]
+    assert batch.labels[0].tolist() == [a, b, c, eos, -100, d, e, eos]
+    assert batch.positions[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+
+
+def test_positions_restart_where_a_sample_cuts_a_document(tmp_path):
+    (tmp_path / "a.txt").write_text("abcdefg")
+    ds = data.TokenDataset(data.prepare([tmp_path / "a.txt"], tmp_path / "ds"))
+    loader = data.PackedLoader(ds, seq_len=4, micro_batch=2, seed=0)
+    batch = next(loader)
+    assert batch.positions.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+
+
+def test_jsonl_text_and_prompt_response_mask_the_prompt(tmp_path):
+    lines = [{"text": "hi"}, {"prompt": "Q?", "response": "A."}]
+    path = tmp_path / "sft.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    ds = data.TokenDataset(data.prepare([path], tmp_path / "ds"))
+    bos, eos = 256, 257
+    assert ds.tokens.tolist() == [bos, *b"hi", eos, bos, *b"Q?", *b"A.", eos]
+    assert ds.loss_mask.tolist() == [0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
+    batch = next(data.PackedLoader(ds, seq_len=9, micro_batch=1))
+    # The labels of the inputs "hi" EOS BOS Q ? A . are: i EOS ignored ignored ignored A . EOS
+    assert batch.labels[0].tolist() == [*b"hi", eos, -100, -100, -100, *b"A.", eos]
+
+
+def test_jsonl_line_without_text_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "ok"}\n{"prompt": "no response"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl line 2.*prompt"):
+        data.prepare([path], tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_missing_input_and_empty_input_are_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        data.prepare([tmp_path / "missing.txt"], tmp_path / "ds")
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(ValueError, match="no documents"):
+        data.prepare([tmp_path / "empty.txt"], tmp_path / "ds")
+
+
+def test_output_is_identical_with_one_and_two_workers(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(24):  # ~2.4 MB: several chunks of about 1 MB for the pool
+        (corpus / f"{i:02d}.txt").write_text("\n".join(sentences(1200, seed=i)))
+    (corpus / "sft.jsonl").write_text(json.dumps({"prompt": "the", "response": "thing"}) + "\n")
+    ranks = write_ranks_file(tmp_path / "tokenizer.model")
+    one = data.prepare([corpus], tmp_path / "one", tokenizer_path=ranks, workers=1)
+    two = data.prepare([corpus], tmp_path / "two", tokenizer_path=ranks, workers=2)
+    for name in ("tokens.bin", "loss_mask.bin", "meta.json"):
+        assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    assert json.loads((one / "meta.json").read_text())["n_documents"] == 25
+
+
+def test_prepare_replaces_an_existing_dataset(tmp_path):
+    (tmp_path / "a.txt").write_text("first")
+    data.prepare([tmp_path / "a.txt"], tmp_path / "ds")
+    (tmp_path / "a.txt").write_text("second!")
+    ds = data.TokenDataset(data.prepare([tmp_path / "a.txt"], tmp_path / "ds"))
+    assert BYTES.decode(ds.tokens.tolist()) == "second!"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "ds"]
+
+
+def test_command_line_prepare(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello")
+    data.main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "ds")])
+    assert "1 documents, 7 tokens" in capsys.readouterr().out
+
+
+def test_default_corpus_is_prepared_once_and_reused(tmp_path):
+    path = data.default_corpus(tmp_path, max_bytes=200_000)
+    ds = data.TokenDataset(path)
+    assert (
+        ds.meta["tokenizer"] == "bytes" and 0 < ds.n_tokens <= 200_000 + 2 * ds.meta["n_documents"]
+    )
+    mtime = (path / "tokens.bin").stat().st_mtime_ns
+    assert data.default_corpus(tmp_path, max_bytes=200_000) == path
+    assert (path / "tokens.bin").stat().st_mtime_ns == mtime
+    ds.check(vocab_size=258, seq_len=128, max_seq_len=128)
+
+
+# Loader order
+
+
+def test_same_seed_gives_same_batches_and_another_seed_differs(tmp_path):
+    ds = arange_dataset(tmp_path)
+    a = first_tokens(read_steps(data.PackedLoader(ds, 10, 4, seed=1), 5))
+    b = first_tokens(read_steps(data.PackedLoader(ds, 10, 4, seed=1), 5))
+    c = first_tokens(read_steps(data.PackedLoader(ds, 10, 4, seed=2), 5))
+    assert a == b and a != c
+
+
+def test_sample_rows_are_contiguous_windows_with_shifted_labels(tmp_path):
+    ds = arange_dataset(tmp_path)
+    batch = next(data.PackedLoader(ds, seq_len=10, micro_batch=3, seed=0))
+    for tokens, labels in zip(batch.tokens.tolist(), batch.labels.tolist(), strict=True):
+        assert tokens[0] % 10 == 0
+        assert tokens == list(range(tokens[0], tokens[0] + 10))
+        assert labels == [t + 1 for t in tokens]
+
+
+def test_each_epoch_reads_every_sample_once_in_a_new_order(tmp_path):
+    ds = arange_dataset(tmp_path)  # 1001 tokens, seq_len 10 -> 100 samples
+    loader = data.PackedLoader(ds, seq_len=10, micro_batch=4, seed=0)
+    seen = first_tokens(read_steps(loader, 50))  # 200 samples: exactly two epochs
+    assert sorted(seen[:100]) == sorted(seen[100:]) == list(range(0, 1000, 10))
+    assert seen[:100] != seen[100:]
+    assert loader.state_dict()["epoch"] == 2 and loader.state_dict()["cursor"] == 0
+
+
+def test_ranks_read_disjoint_samples(tmp_path):
+    ds = arange_dataset(tmp_path)
+    ranks = [data.PackedLoader(ds, 10, 5, rank=r, world_size=2, seed=3) for r in range(2)]
+    seen = [first_tokens(read_steps(loader, 10)) for loader in ranks]  # one epoch in all
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == list(range(0, 1000, 10))
+
+
+def test_two_ranks_together_read_what_one_rank_with_twice_the_batch_reads(tmp_path):
+    ds = arange_dataset(tmp_path)
+    ranks = [data.PackedLoader(ds, 10, 3, rank=r, world_size=2, seed=5) for r in range(2)]
+    single = data.PackedLoader(ds, 10, 6, seed=5)
+    for _ in range(40):  # crosses epoch boundaries mid-step (100 samples, 6 per step)
+        together = torch.cat([next(ranks[0]).tokens, next(ranks[1]).tokens])
+        assert torch.equal(together, next(single).tokens)
+
+
+def test_resume_from_state_dict_gives_the_same_next_batches(tmp_path):
+    ds = arange_dataset(tmp_path)
+    reference = read_steps(data.PackedLoader(ds, 10, 4, seed=7), 40)
+    stopped = data.PackedLoader(ds, 10, 4, seed=7)
+    read_steps(stopped, 30)
+    state = json.loads(json.dumps(stopped.state_dict()))  # as a checkpoint would store it
+    resumed = data.PackedLoader(ds, 10, 4, seed=0)
+    resumed.load_state_dict(state)
+    for expected, got in zip(reference[30:], read_steps(resumed, 10), strict=True):
+        for name in ("tokens", "labels", "positions"):
+            assert torch.equal(getattr(expected, name), getattr(got, name))
+
+
+def test_resume_on_another_world_size_continues_the_global_order(tmp_path):
+    ds = arange_dataset(tmp_path)
+    reference = first_tokens(read_steps(data.PackedLoader(ds, 10, 4, seed=9), 30))
+    single = data.PackedLoader(ds, 10, 4, seed=9)
+    read_steps(single, 20)
+    ranks = [data.PackedLoader(ds, 10, 2, rank=r, world_size=2, seed=9) for r in range(2)]
+    for loader in ranks:
+        loader.load_state_dict(single.state_dict())
+    resumed = []
+    for _ in range(10):
+        resumed += first_tokens([next(ranks[0])]) + first_tokens([next(ranks[1])])
+    assert resumed == reference[80:]
+
+
+def test_resume_with_another_seq_len_is_refused(tmp_path):
+    ds = arange_dataset(tmp_path)
+    state = data.PackedLoader(ds, 10, 4).state_dict()
+    with pytest.raises(ValueError, match="same dataset and seq_len"):
+        data.PackedLoader(ds, 20, 4).load_state_dict(state)
+
+
+# Bad datasets
+
+
+def test_missing_meta_json_says_how_to_prepare(tmp_path):
+    with pytest.raises(FileNotFoundError, match="meta.json.*data.py prepare"):
+        data.TokenDataset(tmp_path)
+
+
+def test_missing_token_file_is_named(tmp_path):
+    arange_dataset(tmp_path)
+    (tmp_path / "arange" / "tokens.bin").unlink()
+    with pytest.raises(FileNotFoundError, match="tokens.bin"):
+        data.TokenDataset(tmp_path / "arange")
+
+
+def test_truncated_token_file_names_both_sizes(tmp_path):
+    arange_dataset(tmp_path, n_tokens=1001)
+    path = tmp_path / "arange" / "tokens.bin"
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"tokens.bin is 1,000 bytes, expected 4,004"):
+        data.TokenDataset(tmp_path / "arange")
+
+
+def test_token_id_beyond_the_vocab_is_named(tmp_path):
+    ds = arange_dataset(tmp_path)
+    with pytest.raises(ValueError, match=r"token id 1,000 .* vocab_size 500"):
+        ds.check(vocab_size=500, seq_len=10, max_seq_len=10)
+    ds.check(vocab_size=1001, seq_len=10, max_seq_len=10)
+
+
+def test_too_few_tokens_for_one_sample(tmp_path):
+    ds = write_dataset(tmp_path / "small", [256, 1, 2, 257])
+    with pytest.raises(ValueError, match=r"4 tokens, one sample of seq_len 8 needs 9"):
+        ds.check(vocab_size=258, seq_len=8, max_seq_len=16)
+    with pytest.raises(ValueError, match="needs 9"):
+        data.PackedLoader(ds, seq_len=8, micro_batch=1)
+
+
+def test_empty_dataset(tmp_path):
+    ds = write_dataset(tmp_path / "empty", [])
+    with pytest.raises(ValueError, match="has 0 tokens"):
+        ds.check(vocab_size=258, seq_len=8, max_seq_len=16)
+
+
+def test_seq_len_beyond_the_model_is_reported_with_every_other_problem(tmp_path):
+    ds = arange_dataset(tmp_path)
+    with pytest.raises(ValueError, match=r"max_seq_len 1024.*token id 1,000") as error:
+        ds.check(vocab_size=258, seq_len=2048, max_seq_len=1024)
+    assert "2,049" in str(error.value)
