@@ -1,0 +1,110 @@
+"""The peer longtune is measured against: Hugging Face transformers' LlamaForCausalLM with
+Liger-Kernel's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy), full
+gradient checkpointing, fused AdamW, fp32 master weights with bf16 autocast; with several
+GPUs (torchrun), FSDP2 `fully_shard` per decoder layer and on the root, bf16 compute, fp32
+reduction. Random weights, random tokens. Prints one JSON line of results on rank 0.
+
+    python bench/peer_hf.py --preset llama3.2-1b --seq-len 8192 [--no-liger]
+    torchrun --nproc-per-node 8 bench/peer_hf.py --preset llama3.1-8b --seq-len 8192
+"""
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from model import PRESETS, hf_config  # noqa: E402
+
+PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="llama3.2-1b", choices=sorted(PRESETS))
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps after 2 warm-up steps")
+    parser.add_argument("--no-liger", action="store_true")
+    opts = parser.parse_args()
+
+    import transformers
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1:
+        dist.init_process_group("nccl")
+    args = PRESETS[opts.preset]
+    config = transformers.LlamaConfig.from_dict(hf_config(args, torch.float32))
+    config.use_cache = False
+    if not opts.no_liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(
+            rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+            fused_linear_cross_entropy=True,
+        )  # fmt: skip
+    device = "meta" if world > 1 else "cuda"
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if world > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        model.to_empty(device="cuda")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        # RoPE's inverse frequencies are a buffer that to_empty left uninitialized.
+        model.model.rotary_emb = type(model.model.rotary_emb)(config, device="cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    tokens = torch.randint(0, args.vocab_size, (1, opts.seq_len), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=world == 1):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(opts.steps):
+        loss = step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / opts.steps
+    tokens_per_s = opts.seq_len / seconds
+    result = {
+        "impl": "hf" if opts.no_liger else "hf+liger",
+        "preset": opts.preset,
+        "seq_len": opts.seq_len,
+        "world_size": world,
+        "step_s": round(seconds, 4),
+        "tokens_per_s_per_gpu": round(tokens_per_s, 1),
+        "mfu": round(tokens_per_s * args.flops_per_token(opts.seq_len) / PEAK_FLOPS, 4),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "host_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "loss": round(loss.item(), 4),
+    }
+    if rank == 0:
+        print(json.dumps(result), flush=True)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
