@@ -3,15 +3,23 @@
 The model picks between the two sets through `model.Ops`; both have the same signatures.
 """
 
-from kernels.cross_entropy import IGNORE_INDEX, linear_cross_entropy_reference
-from kernels.rmsnorm import rms_norm_reference
-from kernels.rope import apply_rope_reference
-from kernels.swiglu import swiglu_reference
+from kernels.cross_entropy import (
+    IGNORE_INDEX,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from kernels.rmsnorm import rms_norm, rms_norm_reference
+from kernels.rope import apply_rope, apply_rope_reference
+from kernels.swiglu import swiglu, swiglu_reference
 
 __all__ = [
     "IGNORE_INDEX",
+    "apply_rope",
     "apply_rope_reference",
+    "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "rms_norm",
     "rms_norm_reference",
+    "swiglu",
     "swiglu_reference",
 ]
