@@ -45,20 +45,26 @@ def linear_cross_entropy_reference(
 
 # Bytes of one chunk's logits buffer. The extra memory of the op is this buffer plus the two
 # gradients (grad_weight the size of weight, grad_hidden the size of hidden), whatever N is.
-CHUNK_LOGITS_BYTES = 64 * 2**20
+# Every chunk's matmul reads and writes all of grad_weight, so fewer, larger chunks are
+# faster. Measured on an H100 at Llama 3 8B's output (V = 128256, d = 4096, 8k tokens, bf16),
+# forward + backward: 64 MiB (256 tokens) 65.5 ms and 1.10 GiB extra, 128 MiB (512 tokens)
+# 48.2 ms and 1.16 GiB, 256 MiB 43.8 ms and 1.29 GiB.
+CHUNK_LOGITS_BYTES = 128 * 2**20
 
 
 def _chunk_rows(vocab: int, itemsize: int) -> int:
     """Tokens per chunk: the most whose [rows, V] logits fit in CHUNK_LOGITS_BYTES, rounded
-    down to a power of two so the matmul tiles divide it (256 for V = 128256 in bf16)."""
+    down to a power of two so the matmul tiles divide it (512 for V = 128256 in bf16)."""
     rows = max(CHUNK_LOGITS_BYTES // (vocab * itemsize), 1)
     return 1 << (rows.bit_length() - 1)
 
 
 def _launch_config(vocab: int) -> tuple[int, int]:
-    """(block, num_warps): the kernel sweeps a row of `vocab` logits in blocks of this size."""
-    block = min(triton.next_power_of_2(vocab), 8192)
-    return block, min(max(block // 512, 1), 16)
+    """(block, num_warps): the kernel sweeps a row of `vocab` logits in blocks of this size.
+    At V = 128256 on an H100, blocks of 16384 with 32 warps measured 2.77 TB/s, 8192 with 16
+    warps 2.39 TB/s."""
+    block = min(triton.next_power_of_2(vocab), 16384)
+    return block, min(max(block // 512, 1), 32)
 
 
 @triton.jit
@@ -108,8 +114,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         hidden, labels = hidden.contiguous(), labels.contiguous()
         need_grad_hidden, need_grad_weight = ctx.needs_input_grad[:2]
-        # Gradients accumulate in the inputs' dtype: an fp32 grad_weight would double the
-        # op's memory (2 GiB for Llama 3's 128k x 4096 output) for a small gain in precision.
+        # Gradients accumulate in the inputs' dtype. An fp32 grad_weight (addmm with
+        # out_dtype=fp32) measured slower and larger at the 8B shape (61.7 ms and 3.0 GiB
+        # extra against 48.2 ms and 1.16 GiB) for little precision: dweight's error against
+        # an fp32 reference was 1.1e-3 against 1.3e-3, the bf16 rounding of the result.
         grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
         grad_weight = torch.zeros_like(weight) if need_grad_weight else None
         loss = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
@@ -158,7 +166,8 @@ def linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """hidden: [N, D], weight: [V, D] (same dtype), labels: [N] int. Never builds [N, V].
+    """hidden: [N, D], weight: [V, D] (same dtype), labels: [N] int in [0, V) or ignore_index
+    (not checked: that would need a host sync). Never builds the [N, V] logits.
 
     reduction "mean" divides by the number of non-ignored labels (0 when there are none);
     "sum" returns the plain sum. The gradients are computed during this forward and kept

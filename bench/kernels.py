@@ -1,0 +1,261 @@
+"""Times longtune's Triton kernels against the plain-PyTorch reference (eager), torch.compile
+of the reference, and Liger-Kernel, at Llama 3 8B shapes in bf16, on one CUDA GPU:
+
+    PYTHONUNBUFFERED=1 python bench/kernels.py       (Liger's rows are skipped without it)
+
+Each kernel is timed forward and forward + backward: median ms of triton.testing.do_bench
+(which flushes the L2 cache between calls), and for the memory-bound kernels also of
+do_bench_cudagraph, replaying the calls from a CUDA graph. The two differ where launching
+from Python (autograd, the Triton launcher) takes longer than the GPU work: the graph column
+is the GPU's time, the one that counts inside a training step whose GPU queue is full. Rates
+use these counts, each tensor read or written once:
+    RMSNorm   fwd: x, y                       bwd: x, dy, dx (+ weight, rstd: negligible)
+    SwiGLU    fwd: gate, up, out              bwd: gate, up, dout, dgate, dup
+    RoPE      fwd: q, k read and written      bwd: the same for their gradients
+    linear + cross-entropy: 2 N V D flops per matmul, 3 matmuls (logits, dhidden, dweight)
+"Extra" is torch.cuda.max_memory_allocated during one call minus what was allocated before
+it (inputs and upstream gradients), so it counts outputs, saved tensors and input gradients.
+The copy line gives the device's reachable bandwidth: a device-to-device copy, read + write.
+"""
+
+import gc
+import importlib.metadata
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import (  # noqa: E402
+    IGNORE_INDEX,
+    apply_rope,
+    apply_rope_reference,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+    rms_norm,
+    rms_norm_reference,
+    swiglu,
+    swiglu_reference,
+)
+
+try:
+    from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from liger_kernel.ops.rope import LigerRopeFunction
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+    LIGER = importlib.metadata.version("liger-kernel")
+except ImportError:
+    LIGER = None
+
+BF16 = torch.bfloat16
+GIB = 2**30
+ROWS: list[str] = []  # the summary tables, printed last
+MEMORY_ROWS: list[str] = []
+
+
+def measure(fn: Callable[[], None], leaves: list[torch.Tensor]) -> tuple[float, int]:
+    """(median ms, extra peak bytes) of fn, after one warm-up call (compilation, autotuning)."""
+    fn()
+    for t in leaves:
+        t.grad = None
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    ms = triton.testing.do_bench(fn, grad_to_none=leaves, return_mode="median")
+    return ms, extra
+
+
+def forward_only(op: Callable, inputs: list) -> Callable[[], None]:
+    return lambda: op(*inputs)
+
+
+def forward_backward(op: Callable, inputs: list, grads: list | None) -> Callable[[], None]:
+    """grads: the outputs' gradients, or None for a scalar loss."""
+
+    def step():
+        out = op(*inputs)
+        torch.autograd.backward(out if isinstance(out, tuple) else (out,), grads)
+
+    return step
+
+
+def graph_ms(fn: Callable[[], None], leaves: list[torch.Tensor]) -> float | None:
+    """Median ms of fn replayed from a CUDA graph, or None where fn cannot be captured."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, grad_to_none=leaves, return_mode="median")
+    except Exception as error:  # e.g. an op that synchronizes with the host
+        print(f"  (no CUDA graph: {type(error).__name__}: {str(error)[:80]})")
+        return None
+
+
+def report(kernel, mode, variant, ms, rate, extra, graph="- | -") -> None:
+    line = f"| {kernel} | {mode} | {variant} | {ms:.3f} | {rate} | {graph} | {extra / GIB:.2f} |"
+    print(line, flush=True)
+    ROWS.append(line)
+
+
+def bench_bandwidth_op(kernel, variants, inputs, grads, fwd_bytes, bwd_bytes):
+    """Times each (name, op) in variants forward and forward + backward; rates in TB/s."""
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    for name, op in variants:
+        for mode, fn, nbytes in [
+            ("fwd", forward_only(op, inputs), fwd_bytes),
+            ("fwd+bwd", forward_backward(op, inputs, grads), fwd_bytes + bwd_bytes),
+        ]:
+            ms, extra = measure(fn, leaves)
+            graph = graph_ms(fn, leaves)
+            graph = "n/a | n/a" if graph is None else f"{graph:.3f} | {nbytes / graph / 1e9:.2f}"
+            report(kernel, mode, name, ms, f"{nbytes / ms / 1e9:.2f} TB/s", extra, graph)
+
+
+def leaf(*shape, dtype=BF16, scale=1.0):
+    return (torch.randn(shape, device="cuda", dtype=dtype) * scale).requires_grad_()
+
+
+def bench_copy() -> None:
+    src = torch.randn(GIB // 2, device="cuda", dtype=BF16)
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    report("copy 1 GiB", "-", "torch", ms, f"{2 * GIB / ms / 1e9:.2f} TB/s", 0)
+
+
+def bench_rms_norm(tokens=16384, dim=4096, eps=1e-5):
+    x, weight = leaf(tokens, dim), leaf(dim)
+    variants = [
+        ("torch eager", rms_norm_reference),
+        ("torch.compile", torch.compile(rms_norm_reference)),
+        ("longtune", rms_norm),
+    ]
+    if LIGER:
+        liger = lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
+        variants.append(("Liger", liger))
+    size = tokens * dim * 2
+    kernel = f"RMSNorm T={tokens} d={dim}"
+    grads = [torch.randn_like(x)]
+    bench_bandwidth_op(kernel, variants, [x, weight, eps], grads, 2 * size, 3 * size)
+
+
+def bench_swiglu(tokens=16384, ffn_dim=14336):
+    gate, up = leaf(tokens, ffn_dim), leaf(tokens, ffn_dim)
+    variants = [
+        ("torch eager", swiglu_reference),
+        ("torch.compile", torch.compile(swiglu_reference)),
+        ("longtune", swiglu),
+    ]
+    if LIGER:
+        variants.append(("Liger", LigerSiLUMulFunction.apply))
+    size = tokens * ffn_dim * 2
+    kernel = f"SwiGLU T={tokens} f={ffn_dim}"
+    bench_bandwidth_op(kernel, variants, [gate, up], [torch.randn_like(gate)], 3 * size, 5 * size)
+
+
+def bench_rope(tokens=16384, n_heads=32, n_kv_heads=8, head_dim=128):
+    q, k = leaf(1, tokens, n_heads, head_dim), leaf(1, tokens, n_kv_heads, head_dim)
+    positions = torch.arange(tokens, device="cuda")[None]
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device="cuda") / head_dim)
+    variants = [
+        ("torch eager", apply_rope_reference),
+        ("torch.compile", torch.compile(apply_rope_reference)),
+        ("longtune", apply_rope),
+    ]
+    if LIGER:
+        # Liger takes [B, H, S, Dh] views and cos/sin tables built beforehand (not timed).
+        angles = torch.cat([positions[0, :, None] * inv_freq] * 2, dim=-1)[None]
+        cos, sin = angles.cos().to(BF16), angles.sin().to(BF16)
+
+        def liger(q, k, positions, inv_freq):
+            q, k = LigerRopeFunction.apply(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            return q.transpose(1, 2), k.transpose(1, 2)
+
+        variants.append(("Liger (cos/sin given)", liger))
+    size = (q.numel() + k.numel()) * 2
+    kernel = f"RoPE T={tokens} H={n_heads} Hkv={n_kv_heads} Dh={head_dim}"
+    grads = [torch.randn_like(q), torch.randn_like(k)]
+    bench_bandwidth_op(kernel, variants, [q, k, positions, inv_freq], grads, 2 * size, 2 * size)
+
+
+def cross_entropy_inputs(tokens, dim, vocab):
+    hidden = leaf(tokens, dim)
+    weight = leaf(vocab, dim, scale=1 / math.sqrt(dim))
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    labels[::10] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def cross_entropy_variants():
+    variants = [("torch eager", linear_cross_entropy_reference), ("longtune", linear_cross_entropy)]
+    if LIGER:
+        liger = lambda h, w, y: LigerFusedLinearCrossEntropyFunction.apply(h, w, y)[0]
+        variants.append(("Liger", liger))
+    return variants
+
+
+def bench_linear_cross_entropy(tokens=8192, dim=4096, vocab=128256):
+    hidden, weight, labels = cross_entropy_inputs(tokens, dim, vocab)
+    kernel = f"linear+CE T={tokens} d={dim} V={vocab}"
+    flops = 2 * tokens * dim * vocab
+    for name, op in cross_entropy_variants():
+        ms, extra = measure(forward_backward(op, [hidden, weight, labels], None), [hidden, weight])
+        report(kernel, "fwd+bwd", name, ms, f"{3 * flops / ms / 1e9:.0f} TFLOP/s", extra)
+
+
+def bench_cross_entropy_memory(dim=4096, vocab=128256):
+    """Extra memory of one forward + backward as the tokens grow; the scratch column takes away
+    the two gradients (weight-sized and hidden-sized), which every implementation returns."""
+    for tokens in (8192, 32768, 131072):
+        hidden, weight, labels = cross_entropy_inputs(tokens, dim, vocab)
+        gradients = (hidden.numel() + weight.numel()) * 2
+        for name, op in cross_entropy_variants()[1:]:
+            step = forward_backward(op, [hidden, weight, labels], None)
+            step()
+            hidden.grad = weight.grad = None
+            gc.collect()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            extra = torch.cuda.max_memory_allocated() - before
+            line = (
+                f"| T={tokens} | {name} | {start.elapsed_time(end):.1f} | {extra / GIB:.2f} | "
+                f"{(extra - gradients) / GIB:.3f} |"
+            )
+            print(line, flush=True)
+            MEMORY_ROWS.append(line)
+            hidden.grad = weight.grad = None
+        del hidden, weight, labels
+        gc.collect()
+
+
+def main() -> None:
+    props = torch.cuda.get_device_properties(0)
+    versions = f"torch {torch.__version__}, triton {triton.__version__}, liger {LIGER or 'absent'}"
+    print(f"{props.name}, {versions}")
+    bench_copy()
+    bench_rms_norm()
+    bench_swiglu()
+    bench_rope()
+    bench_linear_cross_entropy()
+    bench_cross_entropy_memory()
+    print(f"\n{props.name}, {versions}")
+    print("| kernel | mode | variant | ms | rate | graph ms | graph TB/s | extra GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n".join(ROWS))
+    print("\n| linear+CE fwd+bwd | variant | ms (one call) | extra GiB | scratch GiB |")
+    print("| --- | --- | --- | --- | --- |\n" + "\n".join(MEMORY_ROWS))
+
+
+if __name__ == "__main__":
+    main()

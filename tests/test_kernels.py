@@ -1,0 +1,347 @@
+"""The Triton kernels against their references, forward and every gradient.
+
+On the CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET),
+so the shapes are small and odd: non-power-of-two rows and row counts, masks on every edge.
+The `gpu` tests run the kernels compiled, at Llama 3 8B shapes, in bf16, against the fp32
+reference: norm-wise error ||out - ref|| / ||ref|| <= 1e-2, printed under `pytest -s`.
+
+On the CPU references run in float64 on upcast inputs, and the error is
+max |out - ref| / max |ref| per tensor. Tolerances, by the dtype of the inputs:
+    fp32: 1e-5 (fp32 arithmetic in a different order than the reference's)
+    bf16: 1e-2 (the output itself is rounded to bf16, an error of up to 2^-8 = 3.9e-3)
+The gradients of the fused linear + cross-entropy in bf16 get 2e-2: they pass through two
+bf16 roundings (the logits' gradient, then each chunk's product) before the sum.
+"""
+
+import pytest
+import torch
+
+import kernels
+from kernels import (
+    IGNORE_INDEX,
+    apply_rope,
+    apply_rope_reference,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+    rms_norm,
+    rms_norm_reference,
+    swiglu,
+    swiglu_reference,
+)
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+CE_GRAD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+GPU_BF16_TOLERANCE = 1e-2  # norm-wise, against fp32: bf16 rounding of inputs and outputs
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in the kernel's output"
+    return ((out.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tolerance: float, name: str) -> None:
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    error = relative_error(out, ref)
+    assert error <= tolerance, f"{name}: relative error {error:.2e} > {tolerance:.0e}"
+
+
+def leaf(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().requires_grad_()
+
+
+def forward_and_grads(fn, inputs: list[torch.Tensor], grad_out: list[torch.Tensor]):
+    """Runs fn on fresh leaves of inputs, backpropagates grad_out; (outputs, input grads)."""
+    leaves = [leaf(t) for t in inputs]
+    outputs = fn(*leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    torch.autograd.backward(outputs, grad_out)
+    return [o.detach() for o in outputs], [t.grad for t in leaves]
+
+
+# ----------------------------------------------------------------------------------------
+# RMSNorm
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, dim", [(1, 48), (7, 100), (33, 72)])
+def test_rms_norm_matches_reference_forward_and_grads(rows, dim, dtype):
+    x = torch.randn(rows, dim, dtype=dtype) * 3
+    weight = torch.randn(dim, dtype=dtype)
+    dy = torch.randn(rows, dim, dtype=dtype)
+    (y,), (dx, dw) = forward_and_grads(lambda a, b: rms_norm(a, b, 1e-6), [x, weight], [dy])
+    (y_ref,), (dx_ref, dw_ref) = forward_and_grads(
+        lambda a, b: rms_norm_reference(a, b, 1e-6), [x.double(), weight.double()], [dy.double()]
+    )
+    assert y.dtype == dx.dtype == dw.dtype == dtype
+    for name, out, ref in [("y", y, y_ref), ("dx", dx, dx_ref), ("dweight", dw, dw_ref)]:
+        assert_close(out, ref, TOLERANCE[dtype], name)
+
+
+def test_rms_norm_keeps_each_inputs_dtype_for_fp32_weight_and_bf16_x():
+    x = torch.randn(2, 5, 72, dtype=torch.bfloat16)
+    weight = torch.randn(72, dtype=torch.float32)
+    dy = torch.randn(2, 5, 72, dtype=torch.bfloat16)
+    (y,), (dx, dw) = forward_and_grads(lambda a, b: rms_norm(a, b, 1e-5), [x, weight], [dy])
+    (y_ref,), (dx_ref, dw_ref) = forward_and_grads(
+        lambda a, b: rms_norm_reference(a, b, 1e-5), [x.double(), weight.double()], [dy.double()]
+    )
+    assert (y.dtype, dx.dtype, dw.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
+    for name, out, ref in [("y", y, y_ref), ("dx", dx, dx_ref), ("dweight", dw, dw_ref)]:
+        assert_close(out, ref, TOLERANCE[torch.bfloat16], name)
+
+
+# ----------------------------------------------------------------------------------------
+# RoPE
+# ----------------------------------------------------------------------------------------
+
+
+def rope_inputs(bsz, seq_len, n_heads, n_kv_heads, head_dim, dtype, max_position=None):
+    q = torch.randn(bsz, seq_len, n_heads, head_dim, dtype=dtype)
+    k = torch.randn(bsz, seq_len, n_kv_heads, head_dim, dtype=dtype)
+    if max_position is None:  # packed documents: positions restart at 0 mid-row
+        positions = torch.cat([torch.arange(seq_len // 2), torch.arange(seq_len - seq_len // 2)])
+        positions = positions.expand(bsz, seq_len)
+    else:
+        positions = torch.randint(0, max_position, (bsz, seq_len))
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    return q, k, positions, inv_freq
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "bsz, seq_len, n_heads, n_kv_heads, head_dim",
+    [(1, 1, 1, 1, 8), (2, 7, 3, 1, 24), (1, 9, 5, 5, 20)],
+)
+def test_rope_matches_reference_forward_and_grads(
+    bsz, seq_len, n_heads, n_kv_heads, head_dim, dtype
+):
+    q, k, positions, inv_freq = rope_inputs(bsz, seq_len, n_heads, n_kv_heads, head_dim, dtype)
+    dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
+    (q_rot, k_rot), (dq, dk) = forward_and_grads(
+        lambda a, b: apply_rope(a, b, positions, inv_freq), [q, k], [dq_out, dk_out]
+    )
+    (q_ref, k_ref), (dq_ref, dk_ref) = forward_and_grads(
+        lambda a, b: apply_rope_reference(a, b, positions, inv_freq),
+        [q.double(), k.double()], [dq_out.double(), dk_out.double()],
+    )  # fmt: skip
+    pairs = [("q", q_rot, q_ref), ("k", k_rot, k_ref), ("dq", dq, dq_ref), ("dk", dk, dk_ref)]
+    for name, out, ref in pairs:
+        assert out.dtype == dtype
+        assert_close(out, ref, TOLERANCE[dtype], name)
+
+
+def test_rope_reads_strided_inputs_and_grads_and_leaves_them_untouched():
+    # q and k as slices of one fused projection, the way a fused qkv linear would give them;
+    # their gradients as SDPA's come back, [B, H, S, Dh] tensors seen through a transpose.
+    bsz, seq_len, n_heads, n_kv_heads, head_dim = 2, 5, 4, 2, 12
+    qkv = torch.randn(bsz, seq_len, (n_heads + n_kv_heads) * head_dim)
+    q = qkv[..., : n_heads * head_dim].view(bsz, seq_len, n_heads, head_dim)
+    k = qkv[..., n_heads * head_dim :].view(bsz, seq_len, n_kv_heads, head_dim)
+    dq_out = torch.randn(bsz, n_heads, seq_len, head_dim).transpose(1, 2)
+    dk_out = torch.randn(bsz, n_kv_heads, seq_len, head_dim).transpose(1, 2)
+    _, _, positions, inv_freq = rope_inputs(bsz, seq_len, n_heads, n_kv_heads, head_dim, None, 64)
+    before = qkv.clone()
+    (q_rot, k_rot), (dq, dk) = forward_and_grads(
+        lambda a, b: apply_rope(a, b, positions, inv_freq), [q, k], [dq_out, dk_out]
+    )
+    (q_ref, k_ref), (dq_ref, dk_ref) = forward_and_grads(
+        lambda a, b: apply_rope_reference(a, b, positions, inv_freq),
+        [q.double(), k.double()], [dq_out.double(), dk_out.double()],
+    )  # fmt: skip
+    assert torch.equal(qkv, before)
+    pairs = [("q", q_rot, q_ref), ("k", k_rot, k_ref), ("dq", dq, dq_ref), ("dk", dk, dk_ref)]
+    for name, out, ref in pairs:
+        assert_close(out, ref, TOLERANCE[torch.float32], name)
+
+
+# ----------------------------------------------------------------------------------------
+# SwiGLU
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 48), (7, 100), (3, 11, 72)])
+def test_swiglu_matches_reference_forward_and_grads(shape, dtype):
+    gate, up = torch.randn(shape, dtype=dtype) * 4, torch.randn(shape, dtype=dtype)
+    dout = torch.randn(shape, dtype=dtype)
+    (out,), (dgate, dup) = forward_and_grads(swiglu, [gate, up], [dout])
+    (out_ref,), (dgate_ref, dup_ref) = forward_and_grads(
+        swiglu_reference, [gate.double(), up.double()], [dout.double()]
+    )
+    for name, got, ref in [
+        ("out", out, out_ref),
+        ("dgate", dgate, dgate_ref),
+        ("dup", dup, dup_ref),
+    ]:
+        assert got.dtype == dtype
+        assert_close(got, ref, TOLERANCE[dtype], name)
+
+
+# ----------------------------------------------------------------------------------------
+# Linear + cross-entropy
+# ----------------------------------------------------------------------------------------
+
+
+def ce_inputs(n_tokens, dim, vocab, dtype, ignored=()):
+    hidden = torch.randn(n_tokens, dim, dtype=dtype)
+    weight = torch.randn(vocab, dim, dtype=dtype) / dim**0.5
+    labels = torch.randint(0, vocab, (n_tokens,))
+    labels[list(ignored)] = IGNORE_INDEX
+    return hidden, weight, labels
+
+
+def check_linear_cross_entropy(hidden, weight, labels, reduction):
+    dtype = hidden.dtype
+    grad_out = torch.tensor(1.7)  # not 1, so that the backward's scaling is exercised
+    (loss,), (dh, dw) = forward_and_grads(
+        lambda h, w: linear_cross_entropy(h, w, labels, IGNORE_INDEX, reduction),
+        [hidden, weight], [grad_out],
+    )  # fmt: skip
+    (loss_ref,), (dh_ref, dw_ref) = forward_and_grads(
+        lambda h, w: linear_cross_entropy_reference(h, w, labels, IGNORE_INDEX, reduction),
+        [hidden.double(), weight.double()], [grad_out.double()],
+    )  # fmt: skip
+    assert loss.dtype == torch.float32 and dh.dtype == dw.dtype == dtype
+    assert_close(loss, loss_ref, TOLERANCE[dtype], "loss")
+    assert_close(dh, dh_ref, CE_GRAD_TOLERANCE[dtype], "dhidden")
+    assert_close(dw, dw_ref, CE_GRAD_TOLERANCE[dtype], "dweight")
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 8 tokens (fp32) or 16 (bf16) for a vocab of 100, 1 for a vocab of 1000, so
+    that the small test shapes span several chunks and a partial last one."""
+    monkeypatch.setattr(kernels.cross_entropy, "CHUNK_LOGITS_BYTES", 8 * 100 * 4)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_tokens, dim, vocab", [(1, 48, 100), (33, 72, 100), (19, 40, 1000)])
+def test_linear_cross_entropy_matches_reference_with_some_labels_ignored(
+    n_tokens, dim, vocab, dtype, reduction, small_chunks
+):
+    hidden, weight, labels = ce_inputs(n_tokens, dim, vocab, dtype, ignored=range(1, n_tokens, 3))
+    check_linear_cross_entropy(hidden, weight, labels, reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_with_a_chunk_whose_labels_are_all_ignored(reduction, small_chunks):
+    hidden, weight, labels = ce_inputs(20, 48, 100, torch.float32, ignored=range(8, 16))
+    check_linear_cross_entropy(hidden, weight, labels, reduction)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_is_zero_not_nan_when_every_label_is_ignored(reduction, small_chunks):
+    hidden, weight, labels = ce_inputs(13, 48, 100, torch.float32, ignored=range(13))
+    hidden, weight = leaf(hidden), leaf(weight)
+    loss = linear_cross_entropy(hidden, weight, labels, IGNORE_INDEX, reduction)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert not hidden.grad.any() and not weight.grad.any()
+
+
+def test_linear_cross_entropy_refuses_a_second_backward_through_the_same_graph():
+    hidden, weight, labels = ce_inputs(5, 48, 100, torch.float32)
+    loss = linear_cross_entropy(leaf(hidden), leaf(weight), labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
+
+
+def test_linear_cross_entropy_chunk_is_sized_from_the_vocab_not_the_tokens():
+    bf16_llama3 = kernels.cross_entropy._chunk_rows(128256, 2)
+    assert bf16_llama3 == 512
+    assert bf16_llama3 * 128256 * 2 <= kernels.cross_entropy.CHUNK_LOGITS_BYTES
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: Llama 3 8B shapes, bf16 kernels against the fp32 reference
+# ----------------------------------------------------------------------------------------
+
+
+def gpu_inputs(*shapes, dtype=torch.bfloat16):
+    return [torch.randn(shape, device="cuda", dtype=dtype) for shape in shapes]
+
+
+def assert_close_on_gpu(out: torch.Tensor, ref: torch.Tensor, tolerance: float, name: str):
+    """Norm-wise relative error, ||out - ref|| / ||ref||, against an fp32 reference."""
+    assert out.shape == ref.shape and not out.isnan().any(), name
+    error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    print(f"{name}: {error:.1e}")
+    assert error <= tolerance, f"{name}: relative error {error:.2e} > {tolerance:.0e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dim", [2048, 4096])
+def test_rms_norm_bf16_matches_fp32_reference_at_llama_shapes(dim):
+    x, dy = gpu_inputs((8192, dim), (8192, dim))
+    weight = torch.rand(dim, device="cuda") + 0.5  # fp32, as the model's parameter
+    (y,), (dx, dw) = forward_and_grads(lambda a, b: rms_norm(a, b, 1e-5), [x, weight], [dy])
+    (y_ref,), (dx_ref, dw_ref) = forward_and_grads(
+        lambda a, b: rms_norm_reference(a, b, 1e-5), [x.float(), weight], [dy.float()]
+    )
+    for name, out, ref in [("y", y, y_ref), ("dx", dx, dx_ref), ("dweight", dw, dw_ref)]:
+        assert_close_on_gpu(out, ref, GPU_BF16_TOLERANCE, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_rope_bf16_matches_fp32_reference_at_llama3_8b_shape_and_long_positions():
+    bsz, seq_len, n_heads, n_kv_heads, head_dim = 1, 8192, 32, 8, 128
+    q, k, dq_out, dk_out = gpu_inputs(
+        *[(bsz, seq_len, h, head_dim) for h in (n_heads, n_kv_heads, n_heads, n_kv_heads)]
+    )
+    positions = torch.randint(0, 131072, (bsz, seq_len), device="cuda")  # Llama 3.1's 128k
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device="cuda") / head_dim)
+    (q_rot, k_rot), (dq, dk) = forward_and_grads(
+        lambda a, b: apply_rope(a, b, positions, inv_freq), [q, k], [dq_out, dk_out]
+    )
+    (q_ref, k_ref), (dq_ref, dk_ref) = forward_and_grads(
+        lambda a, b: apply_rope_reference(a, b, positions, inv_freq),
+        [q.float(), k.float()], [dq_out.float(), dk_out.float()],
+    )  # fmt: skip
+    pairs = [("q", q_rot, q_ref), ("k", k_rot, k_ref), ("dq", dq, dq_ref), ("dk", dk, dk_ref)]
+    for name, out, ref in pairs:
+        assert_close_on_gpu(out, ref, GPU_BF16_TOLERANCE, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ffn_dim", [8192, 14336])
+def test_swiglu_bf16_matches_fp32_reference_at_llama_shapes(ffn_dim):
+    gate, up, dout = gpu_inputs(*[(8192, ffn_dim)] * 3)
+    (out,), (dgate, dup) = forward_and_grads(swiglu, [gate, up], [dout])
+    (out_ref,), (dgate_ref, dup_ref) = forward_and_grads(
+        swiglu_reference, [gate.float(), up.float()], [dout.float()]
+    )
+    for name, got, ref in [
+        ("out", out, out_ref),
+        ("dgate", dgate, dgate_ref),
+        ("dup", dup, dup_ref),
+    ]:
+        assert_close_on_gpu(got, ref, GPU_BF16_TOLERANCE, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_bf16_matches_fp32_reference_at_llama3_8b_shape(reduction):
+    n_tokens, dim, vocab = 8192, 4096, 128256
+    hidden = torch.randn(n_tokens, dim, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(vocab, dim, device="cuda", dtype=torch.bfloat16) / dim**0.5
+    labels = torch.randint(0, vocab, (n_tokens,), device="cuda")
+    labels[::7] = IGNORE_INDEX
+    grad_out = torch.tensor(1.0, device="cuda")
+    (loss,), (dh, dw) = forward_and_grads(
+        lambda h, w: linear_cross_entropy(h, w, labels, IGNORE_INDEX, reduction),
+        [hidden, weight], [grad_out],
+    )  # fmt: skip
+    (loss_ref,), (dh_ref, dw_ref) = forward_and_grads(
+        lambda h, w: linear_cross_entropy_reference(h, w, labels, IGNORE_INDEX, reduction),
+        [hidden.float(), weight.float()], [grad_out],
+    )  # fmt: skip
+    assert_close_on_gpu(loss, loss_ref, GPU_BF16_TOLERANCE, "loss")
+    assert_close_on_gpu(dh, dh_ref, GPU_BF16_TOLERANCE, "dhidden")
+    assert_close_on_gpu(dw, dw_ref, GPU_BF16_TOLERANCE, "dweight")
