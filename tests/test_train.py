@@ -1,0 +1,394 @@
+"""train.py end to end on the CPU: the tiny preset for a few dozen steps on a small dataset.
+
+Runs that must survive a kill or use several processes run as subprocesses; the rest call
+train.main in this process. Losses are fp32 on the CPU: a resumed run repeats the same
+operations on the same numbers, so its losses match the uninterrupted run's to rtol 1e-6;
+runs that split the same batch over 2 processes sum in another order, so rtol 1e-4.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import data
+import train
+from model import Llama, ModelArgs
+
+REPO = Path(__file__).resolve().parent.parent
+# Tests that pin CPU numbers (fp32, reference ops, no MFU) or start 2 processes on one device;
+# test_gpu_run covers CUDA.
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="pins the CPU run's numbers")
+# Small enough for two CI cores: ~25 ms a step.
+SMALL = ["--seq-len", "128", "--micro-batch", "8", "--warmup-steps", "5", "--log-interval", "1"]
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> Path:
+    """280k tokens: three stdlib modules through the byte tokenizer."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [stdlib / name for name in ["argparse.py", "dataclasses.py", "inspect.py"]]
+    return data.prepare(files, tmp_path_factory.mktemp("data") / "stdlib", workers=1)
+
+
+def run_subprocess(*argv: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    result = subprocess.run(
+        [*launcher, str(REPO / "train.py"), *argv], capture_output=True, text=True, timeout=240
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"train.py failed:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="session")
+def reference_run(dataset, tmp_path_factory) -> Path:
+    """40 uninterrupted steps, checkpoints every 10: what the resumed runs must reproduce."""
+    run_dir = tmp_path_factory.mktemp("reference")
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "40", "--checkpoint-interval", "10"]
+    train.main([*argv, "--run-dir", str(run_dir)])
+    return run_dir
+
+
+@CPU_ONLY
+def test_loss_falls_and_each_step_is_logged(reference_run):
+    records = [json.loads(x) for x in (reference_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    # From about ln(320) = 5.8 (uniform over the vocabulary), by more than 2 in 40 steps.
+    assert records[0]["loss"] > 5.0
+    assert records[-1]["loss"] < records[0]["loss"] - 2.0
+    assert records[-1]["mfu"] is None and records[-1]["peak_gpu_mem_gib"] is None  # CPU
+    assert records[-1]["tokens"] == 40 * 128 * 8
+    assert records[4]["lr"] == pytest.approx(3e-3)  # step 5 ends the warmup
+    # keep_checkpoints defaults to 2
+    assert sorted(p.name for p in (reference_run / "checkpoints").iterdir()) == [
+        "step-000030",
+        "step-000040",
+    ]
+
+
+def test_lr_warms_up_linearly_then_decays_to_min_lr():
+    opts = train.Options(lr=1.0, min_lr=0.1, warmup_steps=4, decay="linear")
+    assert [train.lr_at(s, opts, 10) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    opts.warmup_steps = 3
+    # Steps 3..9 decay: step 9, the last of 10, is at min_lr.
+    assert train.lr_at(5, opts, 10) == pytest.approx(1.0 - 0.9 / 3)
+    assert train.lr_at(9, opts, 10) == pytest.approx(0.1)
+    opts.decay = "cosine"
+    assert train.lr_at(5, opts, 10) == pytest.approx(1.0 - 0.9 * 0.5 * (1 - np.cos(np.pi / 3)))
+    assert train.lr_at(9, opts, 10) == pytest.approx(0.1)
+
+
+@CPU_ONLY
+def test_killed_run_resumes_step_for_step(dataset, reference_run, tmp_path):
+    run_dir = tmp_path / "run"
+    argv = [
+        "--data",
+        str(dataset),
+        *SMALL,
+        "--max-steps",
+        "40",
+        "--checkpoint-interval",
+        "10",
+        "--run-dir",
+        str(run_dir),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    # SIGKILL while the step-20 checkpoint is being written, or just after.
+    deadline = time.monotonic() + 120
+    ckpts = run_dir / "checkpoints"
+    while not (ckpts / ".tmp-step-000020").exists() and not (ckpts / "step-000020").exists():
+        assert proc.poll() is None, "the run ended before its step-20 checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # Every step-* directory is complete; a half-written one still has its .tmp- name.
+    for ckpt in ckpts.glob("step-*"):
+        assert {".metadata", "train_state.json"} <= {p.name for p in ckpt.iterdir()}, ckpt
+    assert not (ckpts / "step-000040").exists()
+
+    run_subprocess(*argv, "--resume")
+    resumed, reference = losses(run_dir), losses(reference_run)
+    assert sorted(resumed) == list(range(1, 41))
+    for step, loss in reference.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-6), step
+    assert not list(ckpts.glob(".tmp-*"))
+
+
+@CPU_ONLY
+def test_accumulation_checkpointing_and_offload_keep_the_losses(dataset, tmp_path):
+    # One micro-batch of 8 against two of 4 with both activation-memory techniques: the same
+    # samples and math, summed in another order (fp32: rel 1e-5).
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "6"]
+    train.main([*argv, "--run-dir", str(tmp_path / "plain")])
+    train.main(
+        [
+            *argv,
+            "--run-dir",
+            str(tmp_path / "variant"),
+            "--micro-batch",
+            "4",
+            "--grad-accum",
+            "2",
+            "--ac",
+            "full",
+            "--ac-every",
+            "2",
+            "--activation-offload",
+        ]
+    )
+    plain, variant = losses(tmp_path / "plain"), losses(tmp_path / "variant")
+    assert variant == pytest.approx(plain, rel=1e-5)
+
+
+@CPU_ONLY
+def test_two_processes_then_resume_on_one(dataset, reference_run, tmp_path):
+    # 2 processes x 4 sequences read the same samples as 1 process x 8 (one global cursor).
+    argv = [
+        "--data",
+        str(dataset),
+        *SMALL,
+        "--max-steps",
+        "40",
+        "--checkpoint-interval",
+        "10",
+        "--keep-checkpoints",
+        "4",
+        "--run-dir",
+        str(tmp_path),
+    ]
+    run_subprocess(*argv, "--micro-batch", "4", nproc=2)
+    two, reference = losses(tmp_path), losses(reference_run)
+    for step, loss in reference.items():
+        assert two[step] == pytest.approx(loss, rel=1e-4), step
+    ckpt = tmp_path / "checkpoints/step-000020"
+    assert json.loads((ckpt / "train_state.json").read_text())["run"]["world_size"] == 2
+
+    # Back to step 20 on one process: DCP reshards the 2 shards into 1; the later
+    # checkpoints and metrics of the 2-process run are dropped.
+    run_subprocess(*argv, "--resume", str(ckpt))
+    resumed = losses(tmp_path)
+    assert sorted(resumed) == list(range(1, 41))
+    for step, loss in reference.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-4), step
+    assert resumed[20] == two[20]
+
+
+@CPU_ONLY
+def test_export_loads_in_transformers_with_the_same_logits(dataset, reference_run, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    export = tmp_path / "hf"
+    # Resuming at the last step trains no further: this only exports the final weights.
+    train.main(
+        [
+            "--data",
+            str(dataset),
+            *SMALL,
+            "--max-steps",
+            "40",
+            "--run-dir",
+            str(reference_run),
+            "--resume",
+            "--export-hf",
+            str(export),
+        ]
+    )
+    assert len(losses(reference_run)) == 40
+
+    args = ModelArgs.from_hf_config(export)
+    assert args == ModelArgs.from_name("tiny")
+    ours = Llama(args)
+    from model import load_hf_checkpoint
+
+    load_hf_checkpoint(ours, export)
+    init = ours.initial_value("layers.0.attention.wq.weight", 0, torch.device("cpu"))
+    assert not torch.equal(ours.layers[0].attention.wq.weight, init), "exported untrained weights"
+    theirs = LlamaForCausalLM.from_pretrained(export, torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        # fp32 on both sides; the two differ only in the order of float operations.
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+
+
+def write_dataset(path: Path, tokens, tokenizer: str = "bytes") -> Path:
+    path.mkdir()
+    np.asarray(tokens, np.uint32).tofile(path / "tokens.bin")
+    np.ones(len(tokens), np.uint8).tofile(path / "loss_mask.bin")
+    meta = {
+        "format_version": data.FORMAT_VERSION,
+        "tokenizer": tokenizer,
+        "vocab_size": 258,
+        "bos_id": 256,
+        "eos_id": 257,
+        "n_tokens": len(tokens),
+        "n_documents": 1,
+    }
+    (path / "meta.json").write_text(json.dumps(meta))
+    return path
+
+
+def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple[list, str]]:
+    """name -> (argv, a piece of the error message)."""
+    ckpt = str(reference_run / "checkpoints/step-000030")
+    past_vocab = write_dataset(tmp / "past_vocab", [1, 2, 3] * 100 + [400])
+    other_tokenizer = write_dataset(tmp / "other_tokenizer", [1, 2, 3] * 100, "tiktoken:abc")
+    return {
+        "token id past vocab": (["--data", str(past_vocab)], "token id 400 in tokens.bin"),
+        "seq len past max": (["--data", str(dataset), "--seq-len", "4096"], "max_seq_len 2048"),
+        "missing data dir": (["--data", str(tmp / "nowhere")], "is not a prepared dataset"),
+        "missing hf checkpoint": (
+            ["--data", str(dataset), "--hf-checkpoint", str(tmp / "nowhere")],
+            "no Hugging Face config.json",
+        ),
+        "checkpoint of another model": (
+            ["--data", str(dataset), "--model", "llama3.2-1b", "--resume", ckpt],
+            "model dim: checkpoint 96, this run 2048",
+        ),
+        "checkpoint of another seq len": (
+            ["--data", str(dataset), "--seq-len", "64", "--resume", ckpt],
+            "seq_len: checkpoint 128, this run 64",
+        ),
+        "checkpoint of another tokenizer": (
+            ["--data", str(other_tokenizer), "--seq-len", "128", "--resume", ckpt],
+            "tokenizer: checkpoint 'bytes', this run 'tiktoken:abc'",
+        ),
+        "earlier run without --resume": (
+            ["--data", str(dataset), "--run-dir", str(reference_run)],
+            "holds checkpoints of an earlier run: pass --resume",
+        ),
+        "bad option": (["--data", str(dataset), "--min-lr", "1.0"], "need 0 <= --min-lr <= --lr"),
+        "memory snapshot without CUDA": (
+            ["--data", str(dataset), "--memory-snapshot"],
+            "--memory-snapshot records CUDA allocations; this run has no GPU",
+        ),
+    }
+
+
+CASES = [
+    "token id past vocab",
+    "seq len past max",
+    "missing data dir",
+    "missing hf checkpoint",
+    "checkpoint of another model",
+    "checkpoint of another seq len",
+    "checkpoint of another tokenizer",
+    "earlier run without --resume",
+    "bad option",
+    "memory snapshot without CUDA",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_fails_before_any_step(case, dataset, reference_run, tmp_path, capsys):
+    if case == "memory snapshot without CUDA" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    argv, message = bad_inputs(tmp_path, dataset, reference_run)[case]
+    run_dir = tmp_path / "run"
+    if "--run-dir" not in argv:
+        argv = [*argv, "--run-dir", str(run_dir)]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(argv)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("train.py error") == 1 and "Traceback" not in err
+    assert not run_dir.exists()  # nothing trained, nothing written
+
+
+@CPU_ONLY
+def test_bad_input_ends_every_process(dataset, tmp_path):
+    result = run_subprocess("--data", str(tmp_path / "nowhere"), nproc=2, check=False)
+    assert result.returncode != 0
+    assert "train.py error (rank 0)" in result.stderr
+    assert "is not a prepared dataset" in result.stderr
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(dataset, tmp_path, capsys):
+    # An absurd learning rate: the first update overflows the weights, the next loss is NaN.
+    argv = [
+        "--data",
+        str(dataset),
+        *SMALL,
+        "--lr",
+        "1e30",
+        "--min-lr",
+        "1e30",
+        "--warmup-steps",
+        "0",
+        "--checkpoint-interval",
+        "1",
+        "--run-dir",
+        str(tmp_path),
+    ]
+    with pytest.raises(SystemExit):
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert "step 2: loss" in err and "nan" in err
+    assert f"the last checkpoint is {tmp_path / 'checkpoints/step-000001'}" in err
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000001"]
+    assert list(losses(tmp_path)) == [1]
+
+
+def test_estimate_memory_prints_a_table_without_training(tmp_path, capsys):
+    train.main(
+        [
+            "--estimate-memory",
+            "--model",
+            "llama3.1-8b",
+            "--world-size",
+            "8",
+            "--seq-len",
+            "8192",
+            "--micro-batch",
+            "1",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "GiB" in out
+    assert not (tmp_path / "run").exists()
+
+
+def test_help_lists_every_option():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--help"],
+        capture_output=True,
+        text=True,
+        env=os.environ,
+    )
+    assert result.returncode == 0
+    for flag in ["--hf-checkpoint", "--micro-batch", "--no-kernels", "--resume", "--export-hf"]:
+        assert flag in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_run_with_kernels_in_bf16(dataset, tmp_path):
+    run_subprocess("--data", str(dataset), *SMALL, "--max-steps", "30", "--run-dir", str(tmp_path))
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < records[0]["loss"] - 1.5
+    assert records[-1]["peak_gpu_mem_gib"] > 0
+    if any(name in torch.cuda.get_device_name() for name in train.PEAK_FLOPS):
+        assert 0 < records[-1]["mfu"] < 1

@@ -1,0 +1,643 @@
+"""Train a Llama: the whole loop in one file, read top to bottom.
+
+    python train.py                       # the "tiny" preset from scratch on the default corpus
+                                          # (Python's stdlib, byte-tokenized), CPU or one GPU
+    python train.py --help                # every option
+
+    # One node, 8 GPUs, fine-tuning Llama 3.1 8B on a prepared dataset (python data.py prepare):
+    torchrun --nproc-per-node=8 train.py --hf-checkpoint llama-3.1-8b/ --data data/mine \\
+        --seq-len 8192 --lr 2e-5 --min-lr 2e-6 --max-steps 1000 --ac selective \\
+        --run-dir runs/ft --export-hf runs/ft/hf
+
+    # Several nodes under SLURM (sbatch script): one torchrun per node, one process per GPU.
+    # --run-dir must be on a filesystem all nodes share; with --resume a requeued job
+    # continues from its latest checkpoint (and starts fresh when there is none).
+    srun --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 bash -c 'torchrun \\
+        --nnodes=$SLURM_NNODES --nproc-per-node=8 --rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d \\
+        --rdzv-endpoint=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1):29500 \\
+        train.py --hf-checkpoint llama-3.1-70b/ --data data/mine --run-dir runs/70b --resume'
+
+A step: count the labelled tokens of the step's micro-batches on all ranks, then for each
+micro-batch forward (loss summed) and backward (divided by that count), clip, AdamW step, log.
+The model is built on the meta device, then activation checkpointing, compile, FSDP and
+materialization are applied in that order (shard.py, offload.py).
+
+--run-dir holds metrics.jsonl (the logged records, one JSON object a line), checkpoints/
+step-XXXXXX (DCP directories that appear only once complete) and profiler traces. --resume
+continues from a checkpoint with the same data order, on any number of processes.
+Errors in what you gave (data, checkpoint, options) are raised before the first step, with
+the name of what is wrong and what was expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+
+import offload
+import shard
+from data import IGNORE_INDEX, PackedLoader, TokenDataset, default_corpus, load_tokenizer
+from model import (
+    PRESETS,
+    REFERENCE_OPS,
+    SDPA_BACKENDS,
+    Llama,
+    ModelArgs,
+    check_hf_checkpoint,
+    save_hf_checkpoint,
+    triton_ops,
+)
+
+REPO = Path(__file__).resolve().parent
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def flag(default, help: str, **argparse_kwargs):
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass
+class Options:
+    """Each field is the flag of the same name with dashes: `micro_batch` is --micro-batch."""
+
+    # What to train, on what
+    model: str | None = flag(
+        None, "model preset (default: tiny, unless --hf-checkpoint)", choices=sorted(PRESETS)
+    )
+    hf_checkpoint: str | None = flag(
+        None, "start from this HF Llama directory (config + weights)", metavar="DIR"
+    )
+    data: str | None = flag(
+        None,
+        "prepared dataset directory (python data.py prepare); default: the Python stdlib "
+        "sources, byte-tokenized, prepared once into .cache/",
+        metavar="DIR",
+    )
+    tokenizer: str | None = flag(
+        None, "tokenizer file the data must have been prepared with", metavar="FILE"
+    )
+    seq_len: int = flag(256, "tokens per sequence")
+    micro_batch: int = flag(16, "sequences per device per micro-batch")
+    grad_accum: int = flag(1, "micro-batches per optimizer step")
+    # Optimization
+    lr: float = flag(3e-3, "peak learning rate, reached after the warmup")
+    min_lr: float = flag(3e-4, "learning rate at the last step")
+    warmup_steps: int = flag(20, "steps of linear warmup from 0")
+    decay: str = flag(
+        "cosine", "decay from lr to min-lr after the warmup", choices=["cosine", "linear"]
+    )
+    weight_decay: float = flag(0.1, "AdamW weight decay of the matrices (not norms)")
+    beta1: float = flag(0.9, "AdamW beta1")
+    beta2: float = flag(0.95, "AdamW beta2")
+    grad_clip: float = flag(1.0, "clip the gradient's global norm to this (0: no clipping)")
+    max_steps: int = flag(1000, "optimizer steps to train for")
+    max_tokens: int | None = flag(None, "train for this many tokens instead (sets max steps)")
+    seed: int = flag(0, "seed of the initialization and the data order")
+    # Memory and speed
+    ac: str = flag("none", "activation checkpointing", choices=["none", "full", "selective"])
+    ac_every: int = flag(1, "checkpoint every n-th block")
+    activation_offload: bool = flag(False, "keep saved activations in host memory")
+    cpu_offload: bool = flag(False, "keep parameters, gradients, optimizer state on the CPU")
+    strategy: str = flag("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
+    param_dtype: str | None = flag(
+        None,
+        "compute dtype of parameters (default: bf16 on GPU, fp32 on CPU); master "
+        "weights and gradient reduction stay fp32",
+        choices=["bf16", "fp32"],
+    )
+    attention_backend: str = flag("auto", "SDPA backend", choices=sorted(SDPA_BACKENDS))
+    kernels: bool | None = flag(None, "the Triton kernels (default: on with CUDA, off on CPU)")
+    compile: bool = flag(False, "torch.compile each transformer block")
+    # Output
+    log_interval: int = flag(10, "log every n steps")
+    checkpoint_interval: int = flag(100, "save a checkpoint every n steps (and at the end)")
+    run_dir: str = flag("runs/default", "metrics.jsonl, checkpoints/, traces", metavar="DIR")
+    keep_checkpoints: int = flag(2, "keep the last k checkpoints")
+    resume: str | None = flag(
+        None,
+        "continue from the latest checkpoint in --run-dir (a fresh start if none), or "
+        "from the checkpoint directory given",
+        nargs="?",
+        const="latest",
+        metavar="PATH",
+    )
+    export_hf: str | None = flag(
+        None, "at the end, write the model as HF safetensors here", metavar="DIR"
+    )
+    profile: int = flag(0, "trace this many steps (after 2 warm ones) with torch.profiler")
+    memory_snapshot: bool = flag(False, "dump a CUDA memory snapshot of the first 3 steps")
+    estimate_memory: bool = flag(False, "print the estimated memory per GPU and exit")
+    world_size: int | None = flag(None, "GPUs for --estimate-memory (default: $WORLD_SIZE or 1)")
+
+
+def parse_options(argv: list[str] | None = None) -> Options:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    types = {"int": int, "float": float, "str": str}
+    for f in dataclasses.fields(Options):
+        name = "--" + f.name.replace("_", "-")
+        kwargs = dict(f.metadata, default=f.default)
+        if f.default not in (None, False):
+            kwargs["help"] += f" (default: {f.default})"
+        base = f.type.removesuffix(" | None")  # a string: this module has postponed annotations
+        if base == "bool":  # --x, and --no-x where the default (None) depends on the device
+            action = argparse.BooleanOptionalAction if f.default is None else "store_true"
+            parser.add_argument(name, action=action, **kwargs)
+        else:
+            kwargs.setdefault("metavar", "N" if base == "int" else None)
+            parser.add_argument(name, type=types[base], **kwargs)
+    return Options(**vars(parser.parse_args(argv)))
+
+
+def check_options(opts: Options) -> None:
+    """The options alone, before anything is read or any process group is joined."""
+    problems = []
+    if opts.model and opts.hf_checkpoint:
+        problems.append("give --model or --hf-checkpoint, not both")
+    at_least_one = "seq_len micro_batch grad_accum max_steps ac_every log_interval"
+    for name in (at_least_one + " checkpoint_interval keep_checkpoints").split():
+        if getattr(opts, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}")
+    if opts.max_tokens is not None and opts.max_tokens < 1:
+        problems.append(f"--max-tokens must be >= 1, got {opts.max_tokens}")
+    if not 0 <= opts.min_lr <= opts.lr:
+        problems.append(f"need 0 <= --min-lr <= --lr, got {opts.min_lr} and {opts.lr}")
+    if opts.warmup_steps < 0 or opts.profile < 0:
+        problems.append("--warmup-steps and --profile must be >= 0")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def lr_at(step: int, opts: Options, max_steps: int) -> float:
+    """The lr of step `step` (0-based): linear warmup up to lr at step warmup_steps - 1,
+    then cosine or linear decay down to min_lr at the last step, max_steps - 1."""
+    if step < opts.warmup_steps:
+        return opts.lr * (step + 1) / opts.warmup_steps
+    progress = (step - opts.warmup_steps) / max(max_steps - 1 - opts.warmup_steps, 1)
+    if opts.decay == "cosine":
+        progress = 0.5 * (1 - math.cos(math.pi * progress))
+    return opts.lr - (opts.lr - opts.min_lr) * min(progress, 1.0)
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoints: run_dir/checkpoints/step-XXXXXX, a DCP directory (model and optimizer shards,
+# resharded on load, so another world size can resume) plus train_state.json (step, data
+# cursor, RNG, and what the run was, to refuse resuming a different one).
+# ----------------------------------------------------------------------------------------
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step-"))
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    return sorted(root.glob("step-*"), key=step_of)
+
+
+def find_checkpoint(opts: Options, root: Path) -> Path | None:
+    if opts.resume is None:
+        if list_checkpoints(root):
+            raise ValueError(
+                f"{root} holds checkpoints of an earlier run: pass --resume to continue it, "
+                f"or choose another --run-dir"
+            )
+        return None
+    if opts.resume == "latest":
+        found = list_checkpoints(root)
+        return found[-1] if found else None
+    path = Path(opts.resume)
+    if not (path / "train_state.json").is_file():
+        raise FileNotFoundError(f"--resume {path}: not a checkpoint (no train_state.json in it)")
+    return path
+
+
+def check_resumable(saved: dict, run: dict) -> None:
+    """Refuses a checkpoint of another model, sequence length, tokenizer or strategy, naming
+    every field that differs. The world size may change: DCP reshards on load."""
+    problems = [
+        f"model {k}: checkpoint {v!r}, this run {run['model'][k]!r}"
+        for k, v in saved["model"].items()
+        if run["model"].get(k) != v
+    ]
+    problems += [
+        f"{k}: checkpoint {saved[k]!r}, this run {run[k]!r}"
+        for k in ["seq_len", "tokenizer", "strategy"]
+        if saved[k] != run[k]
+    ]
+    if problems:
+        raise ValueError("cannot resume from a different run:\n  " + "\n  ".join(problems))
+
+
+def save_checkpoint(
+    root: Path, step: int, model, optimizer, train_state: dict, keep: int, is_main: bool
+) -> None:
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-{final.name}"
+    if is_main:
+        for stale in root.glob(".tmp-*"):  # left by a run killed while it saved
+            shutil.rmtree(stale)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    # Only tensors go in: the hyperparameters in param_groups come from the command line, and
+    # DCP would store those Python values as pickles, which loading would have to unpickle.
+    dcp.save({"model": model_state, "optim": optim_state["state"]}, checkpoint_id=tmp)
+    if is_main:
+        (tmp / "train_state.json").write_text(json.dumps(train_state))
+    dist.barrier()  # every rank's shards are written before the directory gets its final name
+    if is_main:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+
+
+def load_checkpoint(path: Path, model, optimizer) -> None:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state["state"]}
+    dcp.load(state, checkpoint_id=path)  # fills the sharded tensors in place
+    optim_state = {"state": state["optim"], "param_groups": optim_state["param_groups"]}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state().tolist()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device).tolist()
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    # Rank 0's state restores every rank: all are seeded alike and draw alike.
+    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
+
+
+def export_hf(
+    model: Llama, out_dir: str, dtype: torch.dtype, device: torch.device, is_main: bool
+) -> None:
+    """Gathers one parameter at a time on every rank (each holds a shard); rank 0 writes."""
+
+    def full_tensors():
+        for name, param in model.named_parameters():
+            if isinstance(param, DTensor):  # with --cpu-offload the shard is on the CPU
+                param = param.detach().to(device).full_tensor()
+            yield name, param
+
+    if is_main:
+        save_hf_checkpoint(model.args, full_tensors(), out_dir, dtype)
+    else:
+        for _ in full_tensors():
+            pass
+    dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------
+# Logging
+# ----------------------------------------------------------------------------------------
+
+# Dense bf16 tensor-core FLOP/s by GPU name, the denominator of MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def host_peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
+
+
+def hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def format_record(r: dict, max_steps: int) -> str:
+    line = (
+        f"step {r['step']:>{len(str(max_steps))}}/{max_steps} | loss {r['loss']:.4f} | "
+        f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s "
+        f"({r['tokens_per_s_per_device']:,.0f}/device)"
+    )
+    if r["mfu"] is not None:
+        line += f" | mfu {100 * r['mfu']:.1f}%"
+    if r["peak_gpu_mem_gib"] is not None:
+        line += f" | gpu peak {r['peak_gpu_mem_gib']:.1f} GiB"
+    return line + (
+        f" | host peak rss {r['host_peak_rss_gib']:.1f} GiB | {hms(r['elapsed_s'])} elapsed, "
+        f"eta {hms(r['eta_s'])}"
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------
+
+
+def train(opts: Options) -> None:
+    check_options(opts)
+    if opts.hf_checkpoint:
+        args = ModelArgs.from_hf_config(opts.hf_checkpoint)
+    else:
+        args = ModelArgs.from_name(opts.model or "tiny")
+    if opts.estimate_memory:  # for a GPU run: the GPU defaults of --kernels, --param-dtype
+        env = os.environ
+        estimate = shard.estimate_memory(
+            args,
+            opts.seq_len,
+            opts.micro_batch,
+            world_size=opts.world_size or int(env.get("WORLD_SIZE", "1")),
+            strategy=opts.strategy,
+            ac_mode=opts.ac,
+            cpu_offload=opts.cpu_offload,
+            activation_offload=opts.activation_offload,
+            kernels=opts.kernels is not False,
+            local_world_size=int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None,
+            ac_every=opts.ac_every,
+            grad_accum_steps=opts.grad_accum,
+            param_dtype=DTYPES[opts.param_dtype or "bf16"],
+        )
+        print(estimate.format())
+        return
+
+    on_gpu = torch.cuda.is_available()  # shard.init_distributed takes a GPU when there is one
+    use_kernels = on_gpu if opts.kernels is None else opts.kernels
+    param_dtype = DTYPES[opts.param_dtype or ("bf16" if on_gpu else "fp32")]
+    if use_kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
+    if opts.memory_snapshot and not on_gpu:
+        raise ValueError("--memory-snapshot records CUDA allocations; this run has no GPU")
+
+    world = shard.init_distributed()
+    device, is_main = world.device, world.is_main
+    log = print if is_main else lambda *a, **k: None
+    torch.manual_seed(opts.seed)
+
+    # Checks of what was given, before any step. They read files that every rank sees alike
+    # (a shared filesystem), so all ranks raise the same error and none waits on another.
+    run_dir = Path(opts.run_dir)
+    ckpt_root = run_dir / "checkpoints"
+    if opts.hf_checkpoint:
+        check_hf_checkpoint(args, opts.hf_checkpoint)
+    resume_from = find_checkpoint(opts, ckpt_root)
+    saved = json.loads((resume_from / "train_state.json").read_text()) if resume_from else None
+    if opts.data:
+        dataset = TokenDataset(opts.data)
+    else:
+        if is_main:  # prepared once, by one process
+            default_corpus(REPO / ".cache")
+        dist.barrier()
+        dataset = TokenDataset(default_corpus(REPO / ".cache"))
+    dataset.check(args.vocab_size, opts.seq_len, args.max_seq_len)
+    tokenizer = dataset.meta["tokenizer"]
+    if opts.tokenizer and (given := load_tokenizer(opts.tokenizer).name) != tokenizer:
+        raise ValueError(
+            f"dataset {dataset.path} was prepared with tokenizer {tokenizer}, but --tokenizer "
+            f"{opts.tokenizer} is {given}"
+        )
+    run = {
+        "model": dataclasses.asdict(args),
+        "seq_len": opts.seq_len,
+        "tokenizer": tokenizer,
+        "strategy": opts.strategy,
+        "world_size": world.world_size,
+    }
+    if saved:
+        check_resumable(saved["run"], json.loads(json.dumps(run)))
+
+    with torch.device("meta"):
+        model = Llama(args, triton_ops() if use_kernels else REFERENCE_OPS, opts.attention_backend)
+    offload.apply_ac(model, opts.ac, every=opts.ac_every)
+    if opts.compile:
+        for block in model.layers:
+            block.compile()  # in place: parameter names, and so checkpoints, stay the same
+    mesh = shard.build_mesh(opts.strategy, world)
+    shard.apply_fsdp(
+        model,
+        mesh,
+        opts.strategy,
+        cpu_offload=opts.cpu_offload,
+        param_dtype=param_dtype,
+        reduce_dtype=torch.float32,
+    )
+    hf_path = opts.hf_checkpoint if resume_from is None else None  # else the checkpoint's weights
+    t0 = time.perf_counter()
+    if hf_path:
+        log(f"loading {hf_path} ...", file=sys.stderr, flush=True)
+    shard.materialize(model, world, opts.seed, hf_path, cpu_offload=opts.cpu_offload)
+    if hf_path:
+        log(f"loaded {hf_path} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": opts.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=opts.lr,
+        betas=(opts.beta1, opts.beta2),
+        fused=on_gpu or opts.cpu_offload,  # with --cpu-offload the step runs on the CPU
+    )
+    loader = PackedLoader(
+        dataset,
+        opts.seq_len,
+        opts.micro_batch,
+        world.rank,
+        world.world_size,
+        seed=opts.seed,
+        pin_memory=on_gpu,
+    )
+    tokens_per_step = loader.tokens_per_step * opts.grad_accum
+    max_steps = opts.max_steps
+    if opts.max_tokens:
+        max_steps = math.ceil(opts.max_tokens / tokens_per_step)
+
+    flops_per_token = args.flops_per_token(opts.seq_len)
+    peak = peak_flops(device)
+    log(
+        f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {args.num_params() / 1e6:.1f}M "
+        f"params, {flops_per_token / 1e6:.1f} MFLOP/token (6N + 6LSd) | data {dataset.path}: "
+        f"{dataset.n_tokens:,} tokens ({tokenizer}) | {world.world_size} x {device.type}, "
+        f"{opts.strategy}, {str(param_dtype).removeprefix('torch.')} params, kernels "
+        f"{'on' if use_kernels else 'off'} | {tokens_per_step:,} tokens/step, {max_steps} steps"
+    )
+
+    step = 0
+    if resume_from:
+        load_checkpoint(resume_from, model, optimizer)
+        loader.load_state_dict(saved["loader"])
+        set_rng_state(saved["rng"], device)
+        step = saved["step"]
+        log(
+            f"resumed from {resume_from} at step {step} (saved by {saved['run']['world_size']} "
+            f"processes, now {world.world_size})"
+        )
+    elif opts.resume:
+        log(f"no checkpoint in {ckpt_root}: starting from scratch")
+
+    metrics_path = run_dir / "metrics.jsonl"
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # A resumed run continues its checkpoint's history: the steps that a killed run did
+        # after it (or the later checkpoints of a run resumed from an earlier one) go.
+        kept = []
+        if resume_from and metrics_path.exists():
+            kept = [
+                line
+                for line in metrics_path.read_text().splitlines()
+                if json.loads(line)["step"] <= step
+            ]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+        for later in list_checkpoints(ckpt_root):
+            if step_of(later) > step:
+                shutil.rmtree(later)
+
+    profiler = contextlib.nullcontext()
+    if opts.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if on_gpu:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        trace = run_dir / f"trace-rank{world.rank}.json"
+        profiler = torch.profiler.profile(
+            activities=activities,
+            # The first steps carry one-off costs (allocator growth, compilation).
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=opts.profile, repeat=1),
+            on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
+            record_shapes=True,
+        )
+    if opts.memory_snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+
+    start_step, last_saved = step, resume_from
+    t_start = t_log = time.perf_counter()
+    step_at_log = step
+    batches = iter(loader)
+    model.train()
+    with profiler:
+        while step < max_steps:
+            lr = lr_at(step, opts, max_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            micro_batches = [
+                next(batches).to(device, non_blocking=True) for _ in range(opts.grad_accum)
+            ]
+            # The loss is the mean over the step's labelled tokens on all ranks, not a mean of
+            # per-micro-batch means: micro-batches hold different numbers of labelled tokens.
+            n_labels = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches)
+            dist.all_reduce(n_labels)
+            n_labels = n_labels.clamp(min=1)
+            loss_sum = torch.zeros((), device=device)
+            for i, b in enumerate(micro_batches):
+                model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                with offload.activation_offload(model, opts.activation_offload):
+                    loss = model(b.tokens, b.labels, b.positions, reduction="sum")
+                # shard.apply_fsdp makes FSDP sum gradients over ranks (divide factor 1), so
+                # dividing by the global count gives the gradient of the global mean.
+                (loss / n_labels).backward()
+                loss_sum += loss.detach()
+            grad_norm = shard.clip_grad_norm_(model, opts.grad_clip).item()
+            dist.all_reduce(loss_sum)
+            loss = (loss_sum / n_labels).item()
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                raise FloatingPointError(
+                    f"step {step + 1}: loss {loss}, gradient norm {grad_norm}. Stopped before "
+                    f"its optimizer step; the last checkpoint is {last_saved or 'none'}"
+                )
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if opts.profile:
+                profiler.step()
+            if opts.memory_snapshot and step == min(start_step + 3, max_steps):
+                snapshot = run_dir / f"memory-snapshot-rank{world.rank}.pickle"
+                torch.cuda.memory._dump_snapshot(str(snapshot))
+                torch.cuda.memory._record_memory_history(enabled=None)
+                log(f"wrote {snapshot} (open it at https://pytorch.org/memory_viz)")
+
+            if step % opts.log_interval == 0 or step == max_steps:
+                now = time.perf_counter()
+                tokens_per_s = (step - step_at_log) * tokens_per_step / (now - t_log)
+                per_device = tokens_per_s / world.world_size
+                gpu_mem = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None
+                record = {
+                    "step": step,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": grad_norm,
+                    "tokens": step * tokens_per_step,
+                    "tokens_per_s": tokens_per_s,
+                    "tokens_per_s_per_device": per_device,
+                    "mfu": per_device * flops_per_token / peak if peak else None,
+                    "peak_gpu_mem_gib": gpu_mem,
+                    "host_peak_rss_gib": host_peak_rss_gib(),
+                    "elapsed_s": now - t_start,
+                    "eta_s": (now - t_start) / (step - start_step) * (max_steps - step),
+                }
+                if is_main:
+                    print(format_record(record, max_steps), flush=True)
+                    with metrics_path.open("a") as f:
+                        f.write(json.dumps(record) + "\n")
+                t_log, step_at_log = now, step
+
+            if step % opts.checkpoint_interval == 0 or step == max_steps:
+                train_state = {
+                    "step": step,
+                    "loader": loader.state_dict(),
+                    "rng": rng_state(device),
+                    "run": run,
+                    "options": dataclasses.asdict(opts),
+                }
+                save_checkpoint(
+                    ckpt_root, step, model, optimizer, train_state, opts.keep_checkpoints, is_main
+                )
+                last_saved = ckpt_root / f"step-{step:06d}"
+                log(f"saved {last_saved}")
+
+    if opts.profile and trace.exists():
+        log(f"wrote {trace} (open it in https://ui.perfetto.dev)")
+    if opts.export_hf:
+        export_hf(model, opts.export_hf, param_dtype, device, is_main)
+        log(f"exported {opts.export_hf} ({str(param_dtype).removeprefix('torch.')})")
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = parse_options(argv)
+    try:
+        train(opts)
+    except Exception as e:
+        # torchrun ends the other ranks once this one exits nonzero.
+        where = (
+            f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        )
+        if not isinstance(e, (ValueError, FileNotFoundError, FloatingPointError)):
+            traceback.print_exc()
+        print(f"train.py error{where}: {e}", file=sys.stderr, flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
