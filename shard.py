@@ -1,0 +1,494 @@
+"""Data parallelism with FSDP2 (`torch.distributed.fsdp.fully_shard`), and what it needs:
+the process group, the device mesh, materializing a meta-built model shard by shard, a
+global gradient norm, and an estimate of the memory a configuration takes per rank.
+
+The order of application (torchtitan's): build the model on the meta device, `apply_ac`
+(offload.py), then `apply_fsdp`, then `materialize`:
+
+    dist = init_distributed()
+    with torch.device("meta"):
+        model = Llama(args, ops)
+    apply_ac(model, "full")
+    apply_fsdp(model, build_mesh("FULL_SHARD", dist), "FULL_SHARD")
+    materialize(model, dist, seed=0)            # or hf_path=...
+
+Multi-node runs need no code here: torchrun's rendezvous flags (`--nnodes`, `--node-rank`,
+`--rdzv-backend c10d --rdzv-endpoint host:port`) set RANK, WORLD_SIZE, LOCAL_RANK and
+LOCAL_WORLD_SIZE on every process, and `init_distributed` reads them.
+
+Gradient accumulation: train.py calls `model.set_requires_gradient_sync(is_last_microbatch)`
+before each micro-batch's backward, so gradients are reduce-scattered once per step rather
+than once per micro-batch. The price: between micro-batches each rank keeps its UNSHARDED
+gradients in fp32 (4 bytes per parameter, not divided by the world size), which
+`estimate_memory(..., grad_accum_steps=k)` counts.
+
+Gradients are SUMMED over the data-parallel ranks (divide factor 1): train.py divides each
+rank's summed loss by the global number of target tokens, which makes the step exactly the
+one a single process would take on the whole batch.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as torch_dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from kernels.cross_entropy import CHUNK_LOGITS_BYTES
+from model import Llama, ModelArgs, load_hf_checkpoint
+from offload import AC_MODES
+
+GiB = 2**30
+
+# ----------------------------------------------------------------------------------------
+# Processes and devices
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int  # processes per node: the shard group of HYBRID_SHARD
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> Dist:
+    """Joins the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE), or makes a group of one for a plain `python train.py`, so that
+    `fully_shard` and the rest of this file run the same way with one process or many.
+
+    With CUDA each process takes GPU `local_rank`; the backend is NCCL for CUDA tensors
+    and gloo for CPU tensors (the norm of gradients that CPU offload keeps on the host)."""
+    env = os.environ
+    rank = int(env.get("RANK", 0))
+    world_size = int(env.get("WORLD_SIZE", 1))
+    local_rank = int(env.get("LOCAL_RANK", 0))
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    if not torch_dist.is_initialized():
+        if "RANK" in env:
+            # device_id binds NCCL's communicator to this GPU up front (no guessing later).
+            device_id = device if device.type == "cuda" else None
+            torch_dist.init_process_group(backend, device_id=device_id)
+        else:
+            # One process: an in-memory store, no port to find or collide on.
+            torch_dist.init_process_group(
+                backend, store=torch_dist.HashStore(), rank=0, world_size=1
+            )
+    return Dist(rank, world_size, local_rank, local_world_size, device)
+
+
+# ----------------------------------------------------------------------------------------
+# Strategies: how parameters, gradients and optimizer state are laid out over the ranks
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Strategy:
+    shard_over: str  # "world", "node" (replicate across nodes) or "none" (replicate all)
+    reshard_after_forward: bool  # free each block's gathered weights after its forward
+    doc: str
+
+
+STRATEGIES: dict[str, Strategy] = {
+    "FULL_SHARD": Strategy(
+        "world", True, "shard everything over all ranks; blocks re-gathered in backward"
+    ),
+    "SHARD_GRAD_OP": Strategy(
+        "world", False, "shard over all ranks; gathered blocks kept from forward to backward"
+    ),
+    "HYBRID_SHARD": Strategy(
+        "node", True, "FULL_SHARD within a node, replicated across nodes (mesh replicate x shard)"
+    ),
+    # Resharding with a shard dim of 1 is a local copy in backward, cheaper than keeping
+    # every block's param_dtype copy (2 bytes per parameter) from forward to backward.
+    "NO_SHARD": Strategy(
+        "none", True, "plain data parallelism: a shard dim of size 1, every rank holds all"
+    ),
+}
+
+
+def _strategy(name: str) -> Strategy:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown sharding strategy {name!r}; expected one of {list(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def shard_group_size(strategy: str, world_size: int, local_world_size: int) -> int:
+    """How many ranks share one copy of the parameters (the mesh's "shard" dim)."""
+    match _strategy(strategy).shard_over:
+        case "world":
+            return world_size
+        case "node":
+            return local_world_size
+        case _:
+            return 1
+
+
+def build_mesh(strategy: str, dist: Dist) -> DeviceMesh:
+    """A 1-D mesh ("shard",) for FULL_SHARD / SHARD_GRAD_OP; a 2-D ("replicate", "shard")
+    mesh for HYBRID_SHARD (nodes x ranks per node) and NO_SHARD (world x 1): fully_shard
+    replicates over the first dim and shards over the second, so a shard dim of 1 is
+    plain data parallelism with gradients all-reduced."""
+    shard = shard_group_size(strategy, dist.world_size, dist.local_world_size)
+    if dist.world_size % shard:
+        raise ValueError(
+            f"{strategy} needs the world size {dist.world_size} to be a multiple of the "
+            f"ranks per node {dist.local_world_size}"
+        )
+    if _strategy(strategy).shard_over == "world":
+        return init_device_mesh(dist.device.type, (shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        dist.device.type, (dist.world_size // shard, shard), mesh_dim_names=("replicate", "shard")
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# FSDP
+# ----------------------------------------------------------------------------------------
+
+
+def apply_fsdp(
+    model: Llama,
+    mesh: DeviceMesh,
+    strategy: str,
+    cpu_offload: bool = False,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> None:
+    """Shards `model` in place: each TransformerBlock is one FSDP unit (one all-gather and
+    one reduce-scatter), then [norm, output] when the embeddings are untied, then the root,
+    which keeps the rest (tok_embeddings, which a tied model also uses as its output).
+
+    Master weights, gradients and optimizer state stay fp32 (sharded); forward and backward
+    run on `param_dtype` copies gathered per unit, and gradients are reduced in
+    `reduce_dtype`. With `cpu_offload` the sharded fp32 state lives in (pinned) host memory
+    and the optimizer steps on the CPU.
+
+    Prefetching is left to FSDP2's defaults: in forward the CPU runs ahead of the GPU, so
+    the next block's all-gather is issued while the current block computes, and backward
+    prefetches one block ahead. Explicit prefetch lists only help when the CPU cannot run
+    ahead (host syncs inside the step), which longtune's loop avoids."""
+    policy = _strategy(strategy)
+    # cast_forward_inputs=False: the blocks get RoPE's inv_freq (fp32) as an input, and
+    # rounding it to bf16 would shift the angles of long positions; the activations are
+    # already param_dtype (the embedding's output), so nothing else needs the cast.
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
+    offload_policy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    )
+    common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=policy.reshard_after_forward, **common)
+    if model.output is not None:
+        # Not resharded after forward: backward needs them first. model.forward reads
+        # output.weight for the fused loss without calling `output`: FSDP (torch >= 2.12)
+        # completes such a partly-run group at the root's post-forward; torch 2.11 warns
+        # that `output` "did not run forward" and computes the same (bench/RESULTS.md).
+        fully_shard([model.norm, model.output], reshard_after_forward=False, **common)
+    # The root is needed again right at the start of backward: keep it gathered.
+    fully_shard(model, reshard_after_forward=False, **common)
+    # Gradients summed over ranks (see the file docstring) by a plain SUM collective, which
+    # gloo supports too (a divide factor alone would use NCCL's PREMUL_SUM). With one rank
+    # the default already sums, and a factor would cost a gradient-sized temporary.
+    if mesh.size() > 1:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def local_rows(param: DTensor) -> tuple[int, int]:
+    """[start, stop) of dim 0 that this rank holds of a sharded parameter. FSDP2 shards
+    dim 0 like torch.chunk: ceil(n / shards) rows each, so the last ranks may hold fewer
+    rows or none (their local tensor is then padded by FSDP, not by us)."""
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
+    return offset[0], offset[0] + shape[0]
+
+
+@torch.no_grad()
+def materialize(
+    model: Llama,
+    dist: Dist,
+    seed: int = 0,
+    hf_path: str | os.PathLike | None = None,
+    cpu_offload: bool = False,
+) -> None:
+    """Allocates the sharded parameters of a meta-built, `apply_fsdp`-ed model (on the host
+    when `cpu_offload`, which must match apply_fsdp's) and fills them: from a Hugging Face
+    checkpoint, each rank reading only its own rows, or from `model.initial_value`.
+
+    Init computes each parameter's full initial tensor on the rank's device and keeps this
+    rank's rows, so the weights equal an unsharded `init_weights(seed)` on that device for
+    any number of ranks, with or without CPU offload. A checkpoint that does not fit the
+    model raises the same ValueError on every rank (it is checked from config and headers,
+    the same files on every rank) before anything is read, and nothing here communicates,
+    so no rank is left waiting in a collective."""
+    model.to_empty(device="cpu" if cpu_offload else dist.device)
+
+    def copy_rows(param: DTensor, tensor_slice) -> None:
+        start, stop = local_rows(param)
+        param.to_local().copy_(tensor_slice[start:stop])
+
+    if hf_path is not None:
+        load_hf_checkpoint(model, hf_path, copy=copy_rows)
+        return
+    for name, param in model.named_parameters():
+        start, stop = local_rows(param)
+        full = model.initial_value(name, seed, dist.device)
+        param.to_local().copy_(full[start:stop])
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Scales all gradients so that their global L2 norm is at most `max_norm` (only
+    computes it when max_norm <= 0) and returns that norm as a plain 0-dim tensor.
+    Each rank sums the squares of its shards; DTensor's full_tensor() reduces the partial
+    sums over the mesh, so every rank sees (and clips by) the same global norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
+# ----------------------------------------------------------------------------------------
+# Memory per rank
+# ----------------------------------------------------------------------------------------
+
+# CUDA context (~0.5 GiB with PyTorch on an H100), cuBLAS/cuDNN workspaces, NCCL's buffers
+# and the caching allocator's rounding and fragmentation: what nvidia-smi shows beyond the
+# tensors that torch.cuda.max_memory_allocated counts.
+OVERHEAD_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """GiB per rank at the step's peak; the GPU parts add up to gpu_total."""
+
+    num_params: int
+    phase: str  # when the peak happens: "backward start" or "backward end"
+    parameters: float  # fp32 master shards + gathered param_dtype copies
+    gradients: float  # fp32 gradient shards + the reduction in flight
+    optimizer: float  # AdamW's two fp32 moments (on the host with CPU offload)
+    activations: float  # tensors saved for backward + one block's backward working set
+    loss: float  # the output layer + cross-entropy buffers
+    overhead: float  # OVERHEAD_GIB
+    gpu_total: float
+    host_total: float  # pinned host memory: offloaded state and activations
+
+    @property
+    def gpu_tensors(self) -> float:
+        """What torch.cuda.max_memory_allocated should read."""
+        return self.gpu_total - self.overhead
+
+    def format(self) -> str:
+        rows = [
+            ("parameters", self.parameters),
+            ("gradients", self.gradients),
+            ("optimizer states", self.optimizer),
+            ("activations", self.activations),
+            ("loss / logits", self.loss),
+            ("context + allocator", self.overhead),
+            ("GPU total", self.gpu_total),
+            ("host total (pinned)", self.host_total),
+        ]
+        lines = [f"memory per rank ({self.num_params / 1e9:.2f}B params, peak at {self.phase})"]
+        lines += [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows]
+        return "\n".join(lines)
+
+
+def block_params(args: ModelArgs) -> int:
+    kv_dim = args.n_kv_heads * args.head_dim
+    return (
+        2 * args.dim * args.dim + 2 * args.dim * kv_dim + 3 * args.dim * args.ffn_dim + 2 * args.dim
+    )
+
+
+def block_saved_bytes(args: ModelArgs, n_tokens: int, act_bytes: int, kernels: bool) -> int:
+    """Bytes one TransformerBlock saves for backward without checkpointing, for n_tokens
+    = B * S, counted op by op (weights excluded: they are parameters). Assumes the flash
+    or cuDNN attention backend, which keeps q, k, v, out and a fp32 logsumexp; the math
+    backend would keep the [B, H, S, S] scores."""
+    n, d, f = n_tokens, args.dim, args.ffn_dim
+    kv = args.n_kv_heads * args.head_dim
+    a = act_bytes
+    linear_inputs = 2 * n * d * a + n * f * a  # normed x (wq/wk/wv), normed h (w1/w3), w2's
+    attention = (n * d + 2 * n * kv + n * d) * a + n * args.n_heads * 4  # q k v out, lse
+    if kernels:
+        norms = 2 * (n * d * a + n * 4)  # each RMSNorm kernel: its input and fp32 rstd [N]
+        rope = 0  # the kernel keeps positions and inv_freq only
+        swiglu = 2 * n * f * a  # gate and up
+    else:
+        norms = 2 * (2 * n * d * 4 + n * 4)  # fp32 upcast input, normalized x, rstd
+        rope = n * args.head_dim * 4  # cos and sin [B, S, 1, Dh/2] fp32
+        swiglu = 3 * n * f * a  # gate, silu(gate), up
+    return linear_inputs + attention + norms + rope + swiglu
+
+
+def block_selective_bytes(args: ModelArgs, n_tokens: int, act_bytes: int) -> int:
+    """Bytes one block keeps under selective checkpointing (offload.SAVED_OPS): its input,
+    every matmul output (wq, wk, wv, wo, w1, w3, w2) and attention's output and lse."""
+    n, d, f = n_tokens, args.dim, args.ffn_dim
+    kv = args.n_kv_heads * args.head_dim
+    matmuls = (3 * n * d + 2 * n * kv + 2 * n * f) * act_bytes
+    return n * d * act_bytes + matmuls + n * d * act_bytes + n * args.n_heads * 4
+
+
+def estimate_memory(
+    args: ModelArgs,
+    seq_len: int,
+    micro_batch: int,
+    world_size: int,
+    strategy: str,
+    ac_mode: str,
+    cpu_offload: bool,
+    activation_offload: bool,
+    kernels: bool = True,
+    local_world_size: int | None = None,
+    ac_every: int = 1,
+    grad_accum_steps: int = 1,
+    param_dtype: torch.dtype = torch.bfloat16,
+) -> MemoryEstimate:
+    """Memory per rank of one training step, counted from the shapes (see the comments on
+    each term). The peak is the larger of two moments:
+      backward start: every saved activation, the loss's buffers, the gathered weights
+          in use, and the first reductions;
+      backward end: activations freed, all gradient shards written, and the root's
+          (embedding's) gradient being reduced.
+    The AdamW step itself (fused, no temporaries) needs less than backward end.
+    Activations assume the flash/cuDNN attention backend; `kernels` picks the Triton
+    kernels' saved tensors or the PyTorch references'. With activation offload they
+    assume the host copies keep up with compute, true with full checkpointing; without
+    it the link falls behind and the GPU holds much more (bench/RESULTS.md)."""
+    if ac_mode not in AC_MODES:
+        raise ValueError(
+            f"unknown activation checkpointing mode {ac_mode!r}; expected one of {AC_MODES}"
+        )
+    s = shard_group_size(strategy, world_size, local_world_size or world_size)
+    p = torch.finfo(param_dtype).bits // 8  # bytes of a gathered weight and of activations
+    n = micro_batch * seq_len
+    d, v, layers = args.dim, args.vocab_size, args.n_layers
+    total = args.num_params()
+    block = block_params(args)
+    embedding = v * d
+    head = embedding + d if not args.tie_embeddings else 0  # the [norm, output] unit
+
+    # Sharded fp32 state, 4 bytes per parameter per copy, divided over the shard group.
+    master = 4 * total / s
+    optimizer = 2 * 4 * total / s  # exp_avg, exp_avg_sq
+    gpu_master = 0.0 if cpu_offload else master
+    gpu_optimizer = 0.0 if cpu_offload else optimizer
+
+    # Gathered param_dtype weights: the root (kept from forward through backward), the
+    # head unit (kept from the end of forward into backward), and the blocks: the one in
+    # backward plus the one prefetched when resharded after forward, all of them otherwise.
+    # (With CPU offload each fp32 shard is copied to the GPU before its cast: in backward,
+    # a block's largest, w1/w2/w3.)
+    gathered_blocks = 2 if _strategy(strategy).reshard_after_forward else layers
+    gathered = p * (embedding + head + gathered_blocks * block)
+    staging = 4 * args.ffn_dim * d / s if cpu_offload else 0.0
+
+    # Gradients. A unit's reduction: its param_dtype gradient is copied into an fp32
+    # buffer (both live), then freed while that buffer is reduce-scattered into the fp32
+    # shard (both live).
+    def reduction(numel: int) -> float:
+        return numel * max(p + 4, 4 + 4 / s)
+
+    # Earlier micro-batches' gradients, kept unsharded in fp32 while
+    # set_requires_gradient_sync(False); reduced unit by unit in the last backward.
+    accumulated = 4 * total if grad_accum_steps > 1 else 0.0
+    # The shards every unit but the root has written when backward ends.
+    grad_shards = 0.0 if cpu_offload else 4 * (total - embedding) / s
+
+    # Activations. Saved per block by mode; the block in backward rebuilds (recompute) or
+    # still has its full saved set, plus its backward's working set: the incoming and
+    # outgoing residual gradients and one [N, F] gradient (SwiGLU's others reuse the
+    # memory its saved tensors free as backward goes).
+    full_block = block_saved_bytes(args, n, p, kernels)
+    block_input = n * d * p
+    match ac_mode:
+        case "none":
+            per_block = [full_block] * layers
+        case "full":
+            per_block = [block_input if i % ac_every == 0 else full_block for i in range(layers)]
+        case _:
+            per_block = [block_selective_bytes(args, n, p)] * layers
+    working_set = full_block + 2 * n * d * p + n * args.ffn_dim * p
+    if activation_offload:
+        # All blocks but the last go to the host; on the GPU: the block in backward and
+        # the one prefetched. (Assumes the copies keep up; see offload.activation_offload.)
+        host_activations = sum(per_block[:-1])
+        saved = 2 * max(per_block)
+    else:
+        host_activations = 0
+        saved = sum(per_block)
+    final_norm = n * d * p + n * 4 if kernels else 2 * n * d * 4 + n * 4
+    activations = saved + working_set + final_norm
+
+    # Loss. Fused kernel: the logits chunk, and the gradients it computes in forward and
+    # keeps for backward (hidden-sized and output-weight-sized, param_dtype). Reference:
+    # [N, V] fp32 log-probabilities saved, then their gradient and the fp32 logits' one
+    # (12 bytes per logit), and the bf16 logits' gradient.
+    fused_loss = CHUNK_LOGITS_BYTES + n * d * p + v * d * p
+    loss = fused_loss if kernels else n * v * (12 + p)
+
+    # Backward start: the head's gradient (the loss's weight-sized buffer) is reduced
+    # first; a tied model's embedding gradient waits for the root, at the end.
+    first_reduction = max(reduction(block), (4 + 4 / s) * head)
+    start = {
+        "parameters": gpu_master + gathered + staging,
+        "gradients": accumulated + first_reduction,
+        "optimizer": gpu_optimizer,
+        "activations": activations,
+        "loss": loss,
+    }
+    # Backward end: the root's gradient (the embedding backward's dense [V, D], into which
+    # a tied model's output gradient accumulates) and its reduction.
+    end = {
+        "parameters": gpu_master + p * embedding + staging,
+        "gradients": grad_shards + reduction(embedding),
+        "optimizer": gpu_optimizer,
+        "activations": 0.0,
+        "loss": 0.0,
+    }
+    phase, parts = max(
+        (("backward start", start), ("backward end", end)), key=lambda x: sum(x[1].values())
+    )
+    gib = {k: val / GiB for k, val in parts.items()}
+    host = (master + 4 * total / s + optimizer if cpu_offload else 0.0) + host_activations
+    return MemoryEstimate(
+        num_params=total,
+        phase=phase,
+        overhead=OVERHEAD_GIB,
+        gpu_total=sum(gib.values()) + OVERHEAD_GIB,
+        host_total=host / GiB,
+        **gib,
+    )

@@ -1,0 +1,198 @@
+"""FSDP2 sharding on 2 CPU ranks (gloo) against one unsharded process, sharded init and HF
+loading, and the memory estimate.
+
+The 2-rank half runs once per session (`torchrun ... tests/dist_worker.py`, see there);
+the tests here compare what it wrote with plain `Llama` modules in this process.
+
+Tolerances, all fp32 on CPU (param_dtype fp32 so both sides compute the same math, only
+the order of the sums differs: per-rank partial sums reduced over ranks):
+  losses and global gradient norms: relative 1e-5;
+  the first step's clipped gradients: max |a - b| <= 1e-5 * max |b| per tensor;
+  weights after 3 AdamW steps: max |a - b| <= 0.05 * lr (absolute, 5e-5), because AdamW's
+  g / (sqrt(v) + eps) magnifies the rounding of gradients near eps (1e-8) by up to lr / eps:
+  measured 6e-6, where a wrong update of one element would show as ~lr = 1e-3;
+  init and HF loading: bitwise equal (copies, no arithmetic).
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dist_worker as w
+import pytest
+import torch
+
+from model import Llama, ModelArgs, load_hf_checkpoint, save_hf_checkpoint
+from shard import STRATEGIES, block_params, estimate_memory
+
+FP32_RTOL = 1e-5
+ADAMW_ATOL = 0.05 * w.LR
+REPO = Path(__file__).resolve().parents[1]
+
+
+def random_model(args: ModelArgs, seed: int) -> Llama:
+    model = Llama(args)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+@pytest.fixture(scope="module")
+def dist_out(tmp_path_factory) -> Path:
+    """Runs the 2-rank worker once; a hung rank fails the run at the timeout."""
+    out = tmp_path_factory.mktemp("dist")
+    save_hf_checkpoint(
+        w.ODD, random_model(w.ODD, 5).named_parameters(), out / "hf_odd",
+        dtype=torch.float32, max_shard_bytes=200_000,
+    )  # fmt: skip
+    other = dataclasses.replace(w.ODD, n_layers=3)
+    save_hf_checkpoint(other, Llama(other).named_parameters(), out / "hf_mismatch")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "tests" / "dist_worker.py"), str(out)]  # fmt: skip
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return out
+
+
+def reference_run(args: ModelArgs) -> dict:
+    """The same steps as dist_worker.train in one process, no FSDP: each step's whole
+    global batch, micro-batch by micro-batch, the sums divided by the global target count."""
+    model = Llama(args)
+    model.init_weights(w.SEED)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=w.LR, weight_decay=w.WEIGHT_DECAY, fused=True
+    )
+    tokens, labels = w.batches(args, world_size=2)
+    losses, norms = [], []
+    for step in range(w.STEPS):
+        n_targets = (labels[step] != -100).sum()
+        step_loss = 0.0
+        for mb in range(w.MICRO_BATCHES):
+            loss = model(tokens[step, mb], labels[step, mb], reduction="sum")
+            (loss / n_targets).backward()
+            step_loss += loss.item()
+        losses.append(step_loss / n_targets.item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), w.MAX_NORM).item())
+        if step == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "grads": grads, "weights": weights}
+
+
+def assert_tensors_close(got: dict, want: dict, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """Per tensor: max |a - b| <= rtol * max |b| + atol."""
+    assert got.keys() == want.keys()
+    for name, ref in want.items():
+        err = (got[name] - ref).abs().max()
+        assert err <= rtol * ref.abs().max() + atol, f"{name}: max error {err:.2e}"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The references are tiny: with CI's 2 cores shared with the 2 ranks, OpenMP threads
+    spin against each other (10 s instead of 0.1 s a run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("scenario", list(w.TRAIN_SCENARIOS))
+def test_sharded_training_matches_one_process(dist_out, scenario):
+    """Losses, global gradient norms (clipped: they exceed MAX_NORM) and the weights after
+    3 steps of 2 accumulated micro-batches equal the unsharded run's."""
+    got = torch.load(dist_out / f"{scenario}.pt")
+    want = reference_run(w.TRAIN_SCENARIOS[scenario][3])
+    assert min(want["norms"]) > w.MAX_NORM  # so clipping is exercised
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=FP32_RTOL, atol=0)
+    torch.testing.assert_close(got["norms"], want["norms"], rtol=FP32_RTOL, atol=0)
+    assert_tensors_close(got["grads"], want["grads"], rtol=FP32_RTOL)
+    assert_tensors_close(got["weights"], want["weights"], atol=ADAMW_ATOL)
+
+
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_sharded_init_equals_unsharded_init(dist_out, cpu_offload):
+    """Uneven shards (201 and 321 rows over 2 ranks) included; on the host or not."""
+    got = torch.load(dist_out / f"init_cpu_offload_{cpu_offload}.pt")
+    model = Llama(w.ODD)
+    model.init_weights(seed=7)
+    for name, param in model.named_parameters():
+        assert torch.equal(got[name], param.detach()), name
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_sharded_hf_load_equals_unsharded_load(dist_out, strategy):
+    got = torch.load(dist_out / f"hf_{strategy}.pt")
+    model = Llama(w.ODD)
+    load_hf_checkpoint(model, dist_out / "hf_odd")
+    for name, param in model.named_parameters():
+        assert torch.equal(got[name], param.detach()), name
+
+
+def test_mismatched_checkpoint_fails_on_every_rank_alike(dist_out):
+    messages = [(dist_out / f"hf_mismatch.rank{r}.txt").read_text() for r in range(2)]
+    assert messages[0] == messages[1]
+    assert "does not fit the model" in messages[0]
+    assert "num_hidden_layers" in messages[0] or "n_layers" in messages[0]
+
+
+# ----------------------------------------------------------------------------------------
+# The memory estimate
+# ----------------------------------------------------------------------------------------
+
+ESTIMATE_KW = dict(seq_len=4096, micro_batch=1, world_size=8, strategy="FULL_SHARD",
+                   ac_mode="full", cpu_offload=False, activation_offload=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama3.2-1b", "llama3-8b"])
+def test_estimate_counts_the_models_parameters(preset):
+    args = ModelArgs.from_name(preset)
+    with torch.device("meta"):
+        model = Llama(args)
+    est = estimate_memory(args, **ESTIMATE_KW)
+    assert est.num_params == sum(p.numel() for p in model.parameters())
+    assert block_params(args) == sum(p.numel() for p in model.layers[0].parameters())
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("ac_mode", ["none", "full", "selective"])
+def test_estimate_parts_add_up(strategy, ac_mode):
+    args = ModelArgs.from_name("llama3-8b")
+    kw = {**ESTIMATE_KW, "strategy": strategy, "ac_mode": ac_mode, "local_world_size": 4}
+    est = estimate_memory(args, **kw)
+    parts = [est.parameters, est.gradients, est.optimizer, est.activations, est.loss]
+    assert all(part >= 0 for part in parts)
+    assert sum(parts) + est.overhead == pytest.approx(est.gpu_total)
+    assert est.host_total == 0
+    assert "GPU total" in est.format()
+
+
+def test_estimate_orders_the_options_sensibly():
+    args = ModelArgs.from_name("llama3-8b")
+    est = lambda **kw: estimate_memory(args, **{**ESTIMATE_KW, **kw})  # noqa: E731
+    # 8B on 8 ranks: 16 bytes of fp32 state per parameter / 8 = 2 bytes each ~ 15 GiB.
+    fp32_state = 16 * args.num_params() / 8 / 2**30
+    assert est().optimizer == pytest.approx(fp32_state / 2)  # AdamW: 8 of the 16 bytes
+    assert est(ac_mode="none").activations > est(ac_mode="selective").activations
+    assert est(ac_mode="selective").activations > est(ac_mode="full").activations
+    assert est(activation_offload=True, ac_mode="none").activations < est(
+        ac_mode="none").activations  # fmt: skip
+    assert est(strategy="SHARD_GRAD_OP").parameters > est().parameters
+    assert est(strategy="NO_SHARD").gpu_total > est().gpu_total + fp32_state
+    offloaded = est(cpu_offload=True)
+    assert offloaded.optimizer == 0
+    assert offloaded.host_total == pytest.approx(fp32_state)
+    assert est(kernels=False, seq_len=8192).loss > est(seq_len=8192).loss
+    assert est(seq_len=16384).activations == pytest.approx(2 * est(seq_len=8192).activations,
+                                                           rel=0.05)  # fmt: skip
+    with pytest.raises(ValueError, match="expected one of"):
+        est(ac_mode="some")
+    with pytest.raises(ValueError, match="expected one of"):
+        est(strategy="ZERO3")
