@@ -30,26 +30,29 @@ from model import Llama
 
 aten = torch.ops.aten
 
-AC_MODES = ("none", "full", "selective")
+AC_MODES = ("none", "full", "attention", "selective")
 
-# Selective checkpointing: the ops whose outputs are kept; everything else in a block
-# (norms, RoPE, SwiGLU, reshapes) is recomputed in backward. The matmuls and attention are
-# the expensive ops to redo; the elementwise ones are cheap and their outputs as large.
-# (torchtitan also keeps reduce_scatter outputs: those appear inside a block only with
-# tensor parallelism, which longtune does not do.)
-SAVED_OPS = {
-    aten.mm.default,
+# Per-op checkpointing policies, as data: the ops whose outputs are kept; everything else in
+# a block is recomputed in backward.
+# "attention" keeps only attention's output (and its softmax statistics): at long sequences
+# attention is most of a block's FLOPs while its output is one [S, d] tensor, so this costs
+# little more memory than "full" and saves recomputing the most expensive op.
+# "selective" also keeps the matmuls' outputs; the norms, RoPE and SwiGLU (elementwise, cheap
+# to redo, with outputs as large) are recomputed. (torchtitan also keeps reduce_scatter
+# outputs: those appear inside a block only with tensor parallelism, which longtune lacks.)
+ATTENTION_OPS = {
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
+SAVED_OPS = {"attention": ATTENTION_OPS, "selective": ATTENTION_OPS | {aten.mm.default}}
 
 
 def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
     """Activation checkpointing of the transformer blocks: "none"; "full" keeps only each
-    checkpointed block's input and recomputes the block in backward; "selective" also
-    keeps the outputs of SAVED_OPS. With every=k only blocks 0, k, 2k, ... are
+    checkpointed block's input and recomputes the block in backward; "attention" and
+    "selective" also keep the outputs of their SAVED_OPS. With every=k only blocks 0, k, 2k, ... are
     checkpointed (the others keep everything: memory traded for less recompute)."""
     if mode not in AC_MODES:
         raise ValueError(
@@ -62,8 +65,10 @@ def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
             return
         case "full":
             context_fn = None
-        case "selective":
-            context_fn = functools.partial(create_selective_checkpoint_contexts, list(SAVED_OPS))
+        case "attention" | "selective":
+            context_fn = functools.partial(
+                create_selective_checkpoint_contexts, list(SAVED_OPS[mode])
+            )
     for i, block in enumerate(model.layers):
         if i % every == 0:
             # No randomness in the model (no dropout): no RNG state to save and restore.

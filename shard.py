@@ -439,7 +439,9 @@ def estimate_memory(
             per_block = [full_block] * layers
         case "full":
             per_block = [block_input if i % ac_every == 0 else full_block for i in range(layers)]
-        case _:
+        case "attention":  # the input, attention's output and its fp32 logsumexp
+            per_block = [block_input + n * d * p + n * args.n_heads * 4] * layers
+        case "selective":
             per_block = [block_selective_bytes(args, n, p)] * layers
     working_set = full_block + 2 * n * d * p + n * args.ffn_dim * p
     if activation_offload:

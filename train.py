@@ -111,7 +111,7 @@ class Options:
     max_tokens: int | None = flag(None, "train for this many tokens instead (sets max steps)")
     seed: int = flag(0, "seed of the initialization and the data order")
     # Memory and speed
-    ac: str = flag("none", "activation checkpointing", choices=["none", "full", "selective"])
+    ac: str = flag("none", "activation checkpointing", choices=list(offload.AC_MODES))
     ac_every: int = flag(1, "checkpoint every n-th block")
     activation_offload: bool = flag(False, "keep saved activations in host memory")
     cpu_offload: bool = flag(False, "keep parameters, gradients, optimizer state on the CPU")
@@ -127,7 +127,9 @@ class Options:
     compile: bool = flag(False, "torch.compile each transformer block")
     # Output
     log_interval: int = flag(10, "log every n steps")
-    checkpoint_interval: int = flag(100, "save a checkpoint every n steps (and at the end)")
+    checkpoint_interval: int = flag(
+        100, "save a checkpoint every n steps and at the end (0: never, e.g. for benchmarks)"
+    )
     run_dir: str = flag("runs/default", "metrics.jsonl, checkpoints/, traces", metavar="DIR")
     keep_checkpoints: int = flag(2, "keep the last k checkpoints")
     resume: str | None = flag(
@@ -171,15 +173,15 @@ def check_options(opts: Options) -> None:
     if opts.model and opts.hf_checkpoint:
         problems.append("give --model or --hf-checkpoint, not both")
     at_least_one = "seq_len micro_batch grad_accum max_steps ac_every log_interval"
-    for name in (at_least_one + " checkpoint_interval keep_checkpoints").split():
+    for name in (at_least_one + " keep_checkpoints").split():
         if getattr(opts, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}")
     if opts.max_tokens is not None and opts.max_tokens < 1:
         problems.append(f"--max-tokens must be >= 1, got {opts.max_tokens}")
     if not 0 <= opts.min_lr <= opts.lr:
         problems.append(f"need 0 <= --min-lr <= --lr, got {opts.min_lr} and {opts.lr}")
-    if opts.warmup_steps < 0 or opts.profile < 0:
-        problems.append("--warmup-steps and --profile must be >= 0")
+    if opts.warmup_steps < 0 or opts.profile < 0 or opts.checkpoint_interval < 0:
+        problems.append("--warmup-steps, --profile and --checkpoint-interval must be >= 0")
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -600,7 +602,9 @@ def train(opts: Options) -> None:
                         f.write(json.dumps(record) + "\n")
                 t_log, step_at_log = now, step
 
-            if step % opts.checkpoint_interval == 0 or step == max_steps:
+            if opts.checkpoint_interval and (
+                step % opts.checkpoint_interval == 0 or step == max_steps
+            ):
                 train_state = {
                     "step": step,
                     "loader": loader.state_dict(),

@@ -80,7 +80,7 @@ def reference():
 
 @pytest.mark.parametrize(
     "ac, every, offload",
-    [("full", 1, False), ("full", 2, False), ("selective", 1, False),
+    [("full", 1, False), ("full", 2, False), ("attention", 1, False), ("selective", 1, False),
      ("none", 1, True), ("full", 1, True), ("selective", 2, True)],
 )  # fmt: skip
 def test_checkpointing_and_offload_keep_gradients(reference, ac, every, offload):
@@ -111,7 +111,9 @@ def test_full_checkpointing_keeps_only_block_inputs():
 def test_unknown_checkpointing_mode_is_refused():
     with torch.device("meta"):
         model = Llama(ARGS)
-    with pytest.raises(ValueError, match=r"expected one of \('none', 'full', 'selective'\)"):
+    with pytest.raises(
+        ValueError, match=r"expected one of \('none', 'full', 'attention', 'selective'\)"
+    ):
         apply_ac(model, "layers")
     with pytest.raises(ValueError, match="every"):
         apply_ac(model, "full", every=0)
