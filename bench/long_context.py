@@ -80,7 +80,7 @@ def peer(impl: str, preset: str, seq_len: int, steps: int, log_dir: Path, nproc:
                       "--steps", str(steps - 2)]  # fmt: skip
     if impl == "hf":
         cmd.append("--no-liger")
-    code, output = run(cmd, log_dir, f"{impl}-{preset}-{seq_len}", timeout)
+    code, output = run(cmd, log_dir, f"{impl.replace('+', '-')}-{preset}-{seq_len}", timeout)
     results = [line for line in output.splitlines() if line.startswith("{")]
     if code != 0 or not results:
         return {"impl": impl, "error": last_error(output)}
