@@ -340,7 +340,7 @@ def format_record(r: dict, max_steps: int) -> str:
     line = (
         f"step {r['step']:>{len(str(max_steps))}}/{max_steps} | loss {r['loss']:.4f} | "
         f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s "
-        f"({r['tokens_per_s_per_device']:,.0f}/device)"
+        f"({r['tokens_per_s_per_device']:,.0f}/device) | optimizer {r['optimizer_s']:.2f} s"
     )
     if r["mfu"] is not None:
         line += f" | mfu {100 * r['mfu']:.1f}%"
@@ -566,8 +566,12 @@ def train(opts: Options) -> None:
                     f"step {step + 1}: loss {loss}, gradient norm {grad_norm}. Stopped before "
                     f"its optimizer step; the last checkpoint is {last_saved or 'none'}"
                 )
+            # The .item() calls above synchronized, so this times the step alone (on the CPU
+            # with --cpu-offload, where it can bound the step).
+            t_optimizer = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            optimizer_s = time.perf_counter() - t_optimizer
             step += 1
             if opts.profile:
                 profiler.step()
@@ -587,6 +591,7 @@ def train(opts: Options) -> None:
                     "loss": loss,
                     "lr": lr,
                     "grad_norm": grad_norm,
+                    "optimizer_s": optimizer_s,
                     "tokens": step * tokens_per_step,
                     "tokens_per_s": tokens_per_s,
                     "tokens_per_s_per_device": per_device,

@@ -67,6 +67,8 @@ def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, n
         "impl": f"longtune {flags}",
         "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in timed),
         "mfu": statistics.median(r["mfu"] for r in timed),
+        "step_s": seq_len / statistics.median(r["tokens_per_s_per_device"] for r in timed),
+        "optimizer_s": statistics.median(r["optimizer_s"] for r in timed),
         "peak_gib": max(r["peak_gpu_mem_gib"] for r in records),
         "host_gib": max(r["host_peak_rss_gib"] for r in records),
         "loss": records[-1]["loss"],
@@ -118,7 +120,9 @@ def main():
             print(f"{seq_len:7d}  {r['impl']:34} failed: {r['error']}")
         else:
             print(f"{seq_len:7d}  {r['impl']:34} {r['tokens_per_s_per_gpu']:10,.0f} "
-                  f"{r['mfu']:6.3f} {r['peak_gib']:9.2f} {r['host_gib']:9.2f}")  # fmt: skip
+                  f"{r['mfu']:6.3f} {r['peak_gib']:9.2f} {r['host_gib']:9.2f} "
+                  f"step {r['step_s']:.2f} s, "
+                  f"optimizer {r.get('optimizer_s', 0):.2f} s")  # fmt: skip
 
 
 if __name__ == "__main__":
