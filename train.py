@@ -23,8 +23,9 @@ The model is built on the meta device, then activation checkpointing, compile, F
 materialization are applied in that order (shard.py, offload.py).
 
 --run-dir holds metrics.jsonl (the logged records, one JSON object a line), checkpoints/
-step-XXXXXX (DCP directories that appear only once complete) and profiler traces. --resume
-continues from a checkpoint with the same data order, on any number of processes.
+step-XXXXXX (DCP directories of safetensors shards, which appear only once complete) and
+profiler traces. --resume continues from a checkpoint with the same data order, on any
+number of processes.
 Errors in what you gave (data, checkpoint, options) are raised before the first step, with
 the name of what is wrong and what was expected.
 """
@@ -198,9 +199,9 @@ def lr_at(step: int, opts: Options, max_steps: int) -> float:
 
 
 # ----------------------------------------------------------------------------------------
-# Checkpoints: run_dir/checkpoints/step-XXXXXX, a DCP directory (model and optimizer shards,
-# resharded on load, so another world size can resume) plus train_state.json (step, data
-# cursor, RNG, and what the run was, to refuse resuming a different one).
+# Checkpoints: run_dir/checkpoints/step-XXXXXX, a DCP directory (model and optimizer shards
+# as safetensors, resharded on load, so another world size can resume) plus train_state.json
+# (step, data cursor, RNG, and what the run was, to refuse resuming a different one).
 # ----------------------------------------------------------------------------------------
 
 
@@ -257,9 +258,14 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    # Only tensors go in: the hyperparameters in param_groups come from the command line, and
-    # DCP would store those Python values as pickles, which loading would have to unpickle.
-    dcp.save({"model": model_state, "optim": optim_state["state"]}, checkpoint_id=tmp)
+    # Only tensors go in, as safetensors files (each rank writes its own shards; the layout
+    # of the shards is JSON in their headers), so that resuming unpickles nothing: DCP's
+    # default format keeps its metadata as a pickle. The hyperparameters in param_groups
+    # come from the command line.
+    dcp.save(
+        {"model": model_state, "optim": optim_state["state"]},
+        storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True),
+    )
     if is_main:
         (tmp / "train_state.json").write_text(json.dumps(train_state))
     dist.barrier()  # every rank's shards are written before the directory gets its final name
@@ -274,7 +280,8 @@ def save_checkpoint(
 def load_checkpoint(path: Path, model, optimizer) -> None:
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state["state"]}
-    dcp.load(state, checkpoint_id=path)  # fills the sharded tensors in place
+    # Fills the sharded tensors in place, resharding if the world size changed.
+    dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     optim_state = {"state": state["optim"], "param_groups": optim_state["param_groups"]}
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
 
