@@ -97,8 +97,8 @@ class ModelArgs:
             raise ValueError(
                 f"{config_path}: model_type is {config.get('model_type')!r}, expected 'llama'"
             )
-        for key, expected in [("hidden_act", "silu"), ("attention_bias", False),
-                              ("mlp_bias", False)]:  # fmt: skip
+        required = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+        for key, expected in required.items():
             if config.get(key, expected) != expected:
                 raise ValueError(f"{config_path}: {key} is {config[key]!r}, expected {expected!r}")
         n_heads = config["num_attention_heads"]
@@ -165,7 +165,7 @@ _LLAMA32_SCALING = RopeScaling(factor=32.0)
 PRESETS: dict[str, ModelArgs] = {
     "llama2-7b": ModelArgs(
         n_kv_heads=32, vocab_size=32000, ffn_dim=11008, rope_theta=10000.0, max_seq_len=4096
-    ),  # fmt: skip
+    ),
     "llama3-8b": ModelArgs(),
     "llama3.1-8b": ModelArgs(rope_scaling=_LLAMA31_SCALING, max_seq_len=131072),
     "llama3.1-70b": ModelArgs(
@@ -175,7 +175,7 @@ PRESETS: dict[str, ModelArgs] = {
         ffn_dim=28672,
         rope_scaling=_LLAMA31_SCALING,
         max_seq_len=131072,
-    ),  # fmt: skip
+    ),
     "llama3.2-1b": ModelArgs(
         dim=2048,
         n_layers=16,
@@ -183,7 +183,7 @@ PRESETS: dict[str, ModelArgs] = {
         tie_embeddings=True,
         rope_scaling=_LLAMA32_SCALING,
         max_seq_len=131072,
-    ),  # fmt: skip
+    ),
     "llama3.2-3b": ModelArgs(
         dim=3072,
         n_layers=28,
@@ -192,7 +192,7 @@ PRESETS: dict[str, ModelArgs] = {
         tie_embeddings=True,
         rope_scaling=_LLAMA32_SCALING,
         max_seq_len=131072,
-    ),  # fmt: skip
+    ),
     # For tests and CPU runs: odd sizes on purpose, a vocabulary that fits the byte tokenizer.
     "tiny": ModelArgs(
         dim=96,
@@ -203,7 +203,7 @@ PRESETS: dict[str, ModelArgs] = {
         ffn_dim=200,
         rope_scaling=RopeScaling(factor=4.0, original_max_seq_len=256),
         max_seq_len=2048,
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -221,11 +221,10 @@ def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> tor
         s.high_freq_factor - s.low_freq_factor
     )
     blended = (1 - blend) * inv_freq / s.factor + blend * inv_freq
-    scaled = torch.where(wavelen > s.original_max_seq_len / s.low_freq_factor, inv_freq / s.factor,
-                         inv_freq)  # fmt: skip
-    is_band = (wavelen >= s.original_max_seq_len / s.high_freq_factor) & (
-        wavelen <= s.original_max_seq_len / s.low_freq_factor
-    )
+    long_wavelen = s.original_max_seq_len / s.low_freq_factor
+    short_wavelen = s.original_max_seq_len / s.high_freq_factor
+    scaled = torch.where(wavelen > long_wavelen, inv_freq / s.factor, inv_freq)
+    is_band = (wavelen >= short_wavelen) & (wavelen <= long_wavelen)
     return torch.where(is_band, blended, scaled)
 
 
@@ -270,7 +269,7 @@ SDPA_BACKENDS = {
         SDPBackend.FLASH_ATTENTION,
         SDPBackend.EFFICIENT_ATTENTION,
         SDPBackend.MATH,
-    ],  # fmt: skip
+    ],
     "cudnn": [SDPBackend.CUDNN_ATTENTION],
     "flash": [SDPBackend.FLASH_ATTENTION],
     "efficient": [SDPBackend.EFFICIENT_ATTENTION],
