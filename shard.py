@@ -302,7 +302,7 @@ class MemoryEstimate:
     loss: float  # the output layer + cross-entropy buffers
     overhead: float  # OVERHEAD_GIB
     gpu_total: float
-    host_total: float  # pinned host memory: offloaded state and activations
+    host_total: float  # host memory: offloaded state (pinned and not) and activations
 
     @property
     def gpu_tensors(self) -> float:
@@ -318,7 +318,7 @@ class MemoryEstimate:
             ("loss / logits", self.loss),
             ("context + allocator", self.overhead),
             ("GPU total", self.gpu_total),
-            ("host total (pinned)", self.host_total),
+            ("host total", self.host_total),
         ]
         lines = [f"memory per rank ({self.num_params / 1e9:.2f}B params, peak at {self.phase})"]
         lines += [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows]
@@ -330,6 +330,19 @@ def block_params(args: ModelArgs) -> int:
     return (
         2 * args.dim * args.dim + 2 * args.dim * kv_dim + 3 * args.dim * args.ffn_dim + 2 * args.dim
     )
+
+
+def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
+    """Pinned host bytes of one rank's fp32 parameter shards: each tensor's shard (dim 0
+    split over the shard group) rounded up to a power of two, as the caching host allocator
+    allocates it."""
+    with torch.device("meta"):
+        params = list(Llama(args).parameters())
+    total = 0
+    for p in params:
+        shard_bytes = -(-p.shape[0] // shard_size) * (p.numel() // p.shape[0]) * 4
+        total += 1 << (shard_bytes - 1).bit_length()
+    return total
 
 
 def block_saved_bytes(args: ModelArgs, n_tokens: int, act_bytes: int, kernels: bool) -> int:
@@ -485,7 +498,11 @@ def estimate_memory(
         (("backward start", start), ("backward end", end)), key=lambda x: sum(x[1].values())
     )
     gib = {k: val / GiB for k, val in parts.items()}
-    host = (master + 4 * total / s + optimizer if cpu_offload else 0.0) + host_activations
+    # With CPU offload the fp32 shards of parameters and gradients live in pinned memory,
+    # which PyTorch's caching host allocator hands out in powers of two per tensor (8-40%
+    # more here); AdamW's moments are plain host memory.
+    offloaded = 2 * pinned_shard_bytes(args, s) + optimizer if cpu_offload else 0.0
+    host = offloaded + host_activations
     return MemoryEstimate(
         num_params=total,
         phase=phase,
