@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from model import Llama
@@ -73,6 +74,35 @@ def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
         if i % every == 0:
             # No randomness in the model (no dropout): no RNG state to save and restore.
             checkpoint(block, context_fn=context_fn, preserve_rng_state=False)
+
+
+def apply_mlp_tiling(model: Llama, tile_tokens: int) -> None:
+    """Runs each block's feed-forward over tiles of `tile_tokens` positions, each tile
+    checkpointed on its own, so that the [tokens, ffn_dim] intermediates (gate, up, their
+    product, and their gradients: about 6 such tensors, 2 GiB each at 128k tokens for
+    llama3.2-1b) exist for one tile at a time, in forward and in backward. The price is
+    one more forward of the MLP per step. The feed-forward acts on each position alone, so
+    tiling does not change its result. Applied after `apply_ac`; 0 leaves the model as it is."""
+    if tile_tokens < 0:
+        raise ValueError(f"MLP tile size must be >= 0 tokens, got {tile_tokens}")
+    if tile_tokens == 0:
+        return
+    for block in model.layers:
+        feed_forward = block.feed_forward
+        # An instance attribute: nn.Module.__call__ finds it before the class's forward,
+        # and the parameters, their names and the module tree stay as they were.
+        feed_forward.forward = functools.partial(
+            _tiled_forward, type(feed_forward).forward.__get__(feed_forward), tile_tokens
+        )
+
+
+def _tiled_forward(forward, tile_tokens: int, x: torch.Tensor) -> torch.Tensor:
+    if x.shape[1] <= tile_tokens:
+        return forward(x)
+    tiles = x.split(tile_tokens, dim=1)  # [B, S, D] -> [B, tile, D] views
+    return torch.cat(
+        [torch_checkpoint(forward, tile, use_reentrant=False) for tile in tiles], dim=1
+    )
 
 
 # ----------------------------------------------------------------------------------------

@@ -345,24 +345,28 @@ def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
     return total
 
 
-def block_saved_bytes(args: ModelArgs, n_tokens: int, act_bytes: int, kernels: bool) -> int:
+def block_saved_bytes(
+    args: ModelArgs, n_tokens: int, act_bytes: int, kernels: bool, mlp_tokens: int | None = None
+) -> int:
     """Bytes one TransformerBlock saves for backward without checkpointing, for n_tokens
     = B * S, counted op by op (weights excluded: they are parameters). Assumes the flash
     or cuDNN attention backend, which keeps q, k, v, out and a fp32 logsumexp; the math
-    backend would keep the [B, H, S, S] scores."""
+    backend would keep the [B, H, S, S] scores. With MLP tiling (offload.apply_mlp_tiling)
+    the [tokens, ffn_dim] tensors exist for `mlp_tokens` = B * tile positions at a time."""
     n, d, f = n_tokens, args.dim, args.ffn_dim
     kv = args.n_kv_heads * args.head_dim
     a = act_bytes
-    linear_inputs = 2 * n * d * a + n * f * a  # normed x (wq/wk/wv), normed h (w1/w3), w2's
+    m = n if mlp_tokens is None else min(n, mlp_tokens)
+    linear_inputs = 2 * n * d * a + m * f * a  # normed x (wq/wk/wv), normed h (w1/w3), w2's
     attention = (n * d + 2 * n * kv + n * d) * a + n * args.n_heads * 4  # q k v out, lse
     if kernels:
         norms = 2 * (n * d * a + n * 4)  # each RMSNorm kernel: its input and fp32 rstd [N]
         rope = 0  # the kernel keeps positions and inv_freq only
-        swiglu = 2 * n * f * a  # gate and up
+        swiglu = 2 * m * f * a  # gate and up
     else:
         norms = 2 * (2 * n * d * 4 + n * 4)  # fp32 upcast input, normalized x, rstd
         rope = n * args.head_dim * 4  # cos and sin [B, S, 1, Dh/2] fp32
-        swiglu = 3 * n * f * a  # gate, silu(gate), up
+        swiglu = 3 * m * f * a  # gate, silu(gate), up
     return linear_inputs + attention + norms + rope + swiglu
 
 
@@ -389,6 +393,7 @@ def estimate_memory(
     ac_every: int = 1,
     grad_accum_steps: int = 1,
     param_dtype: torch.dtype = torch.bfloat16,
+    mlp_tile: int = 0,
 ) -> MemoryEstimate:
     """Memory per rank of one training step, counted from the shapes (see the comments on
     each term). The peak is the larger of two moments:
@@ -445,26 +450,34 @@ def estimate_memory(
     # still has its full saved set, plus its backward's working set: the incoming and
     # outgoing residual gradients and one [N, F] gradient (SwiGLU's others reuse the
     # memory its saved tensors free as backward goes).
-    full_block = block_saved_bytes(args, n, p, kernels)
+    mlp_tokens = micro_batch * mlp_tile if mlp_tile else None
+    full_block = block_saved_bytes(args, n, p, kernels, mlp_tokens)
     block_input = n * d * p
+    # Per block: what autograd saves through its hooks (`per_block`, which activation
+    # offload can move to the host) and what selective checkpointing keeps in its own cache
+    # (`cached`: attention's output and logsumexp, the matmuls' outputs), which stays on the
+    # GPU. Blocks that `ac_every` skips keep everything.
     match ac_mode:
         case "none":
-            per_block = [full_block] * layers
+            cached_by_mode = None
         case "full":
-            per_block = [block_input if i % ac_every == 0 else full_block for i in range(layers)]
-        case "attention":  # the input, attention's output and its fp32 logsumexp
-            per_block = [block_input + n * d * p + n * args.n_heads * 4] * layers
+            cached_by_mode = 0
+        case "attention":
+            cached_by_mode = n * d * p + n * args.n_heads * 4
         case "selective":
-            per_block = [block_selective_bytes(args, n, p)] * layers
-    working_set = full_block + 2 * n * d * p + n * args.ffn_dim * p
+            cached_by_mode = block_selective_bytes(args, n, p) - block_input
+    checkpointed = [cached_by_mode is not None and i % ac_every == 0 for i in range(layers)]
+    per_block = [block_input if c else full_block for c in checkpointed]
+    cached = sum(cached_by_mode for c in checkpointed if c)
+    working_set = full_block + 2 * n * d * p + (mlp_tokens or n) * args.ffn_dim * p
     if activation_offload:
         # All blocks but the last go to the host; on the GPU: the block in backward and
         # the one prefetched. (Assumes the copies keep up; see offload.activation_offload.)
         host_activations = sum(per_block[:-1])
-        saved = 2 * max(per_block)
+        saved = 2 * max(per_block) + cached
     else:
         host_activations = 0
-        saved = sum(per_block)
+        saved = sum(per_block) + cached
     final_norm = n * d * p + n * 4 if kernels else 2 * n * d * 4 + n * 4
     activations = saved + working_set + final_norm
 

@@ -114,6 +114,11 @@ class Options:
     # Memory and speed
     ac: str = flag("none", "activation checkpointing", choices=list(offload.AC_MODES))
     ac_every: int = flag(1, "checkpoint every n-th block")
+    mlp_tile: int = flag(
+        0,
+        "run each feed-forward over tiles of this many positions, to bound its memory at "
+        "long sequences (0: the whole sequence at once)",
+    )
     activation_offload: bool = flag(False, "keep saved activations in host memory")
     cpu_offload: bool = flag(False, "keep parameters, gradients, optimizer state on the CPU")
     strategy: str = flag("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
@@ -181,8 +186,10 @@ def check_options(opts: Options) -> None:
         problems.append(f"--max-tokens must be >= 1, got {opts.max_tokens}")
     if not 0 <= opts.min_lr <= opts.lr:
         problems.append(f"need 0 <= --min-lr <= --lr, got {opts.min_lr} and {opts.lr}")
-    if opts.warmup_steps < 0 or opts.profile < 0 or opts.checkpoint_interval < 0:
-        problems.append("--warmup-steps, --profile and --checkpoint-interval must be >= 0")
+    if min(opts.warmup_steps, opts.profile, opts.checkpoint_interval, opts.mlp_tile) < 0:
+        problems.append(
+            "--warmup-steps, --profile, --checkpoint-interval and --mlp-tile must be >= 0"
+        )
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -384,6 +391,7 @@ def train(opts: Options) -> None:
             kernels=opts.kernels is not False,
             local_world_size=int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None,
             ac_every=opts.ac_every,
+            mlp_tile=opts.mlp_tile,
             grad_accum_steps=opts.grad_accum,
             param_dtype=DTYPES[opts.param_dtype or "bf16"],
         )
@@ -438,6 +446,7 @@ def train(opts: Options) -> None:
     with torch.device("meta"):
         model = Llama(args, triton_ops() if use_kernels else REFERENCE_OPS, opts.attention_backend)
     offload.apply_ac(model, opts.ac, every=opts.ac_every)
+    offload.apply_mlp_tiling(model, opts.mlp_tile)
     if opts.compile:
         for block in model.layers:
             block.compile()  # in place: parameter names, and so checkpoints, stay the same

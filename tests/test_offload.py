@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from model import Llama, ModelArgs
-from offload import AC_MODES, activation_offload, apply_ac
+from offload import AC_MODES, activation_offload, apply_ac, apply_mlp_tiling
 
 FP32_RTOL = 1e-5
 ARGS = ModelArgs.from_name("tiny")
@@ -88,6 +88,20 @@ def test_checkpointing_and_offload_keep_gradients(reference, ac, every, offload)
     assert_grads_close(grads, reference)
     if offload:
         assert offloader.offloaded_tensors > 0
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "attention"])
+def test_mlp_tiles_keep_gradients(reference, ac):
+    model = build(ac)
+    apply_mlp_tiling(model, tile_tokens=16)  # SEQ 40: tiles of 16, 16 and 8 positions
+    grads, _ = gradients(model)
+    assert_grads_close(grads, reference)
+
+
+def test_mlp_tiles_hold_less_than_the_whole_sequence():
+    tiled = build("none")
+    apply_mlp_tiling(tiled, tile_tokens=8)
+    assert saved_bytes(tiled) < saved_bytes(build("none"))
 
 
 def test_checkpointing_keeps_parameter_names():
