@@ -112,7 +112,12 @@ class Options:
     max_tokens: int | None = flag(None, "train for this many tokens instead (sets max steps)")
     seed: int = flag(0, "seed of the initialization and the data order")
     # Memory and speed
-    ac: str = flag("none", "activation checkpointing", choices=list(offload.AC_MODES))
+    ac: str = flag(
+        "none",
+        "activation checkpointing: recompute in backward each whole block (full), all of it "
+        "but attention (attention), all but the matmuls and attention (selective)",
+        choices=list(offload.AC_MODES),
+    )
     ac_every: int = flag(1, "checkpoint every n-th block")
     mlp_tile: int = flag(
         0,
