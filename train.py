@@ -95,6 +95,9 @@ class Options:
         None, "tokenizer file the data must have been prepared with", metavar="FILE"
     )
     seq_len: int = flag(256, "tokens per sequence")
+    max_seq_len: int | None = flag(
+        None, "raise the model's maximum sequence length (context extension)", metavar="N"
+    )
     micro_batch: int = flag(16, "sequences per device per micro-batch")
     grad_accum: int = flag(1, "micro-batches per optimizer step")
     # Optimization
@@ -382,6 +385,10 @@ def train(opts: Options) -> None:
         args = ModelArgs.from_hf_config(opts.hf_checkpoint)
     else:
         args = ModelArgs.from_name(opts.model or "tiny")
+    if opts.max_seq_len:
+        # Context extension: RoPE has no table to outgrow (the angles come from positions),
+        # so this is the limit the data check enforces and an export records.
+        args = dataclasses.replace(args, max_seq_len=opts.max_seq_len)
     if opts.estimate_memory:  # for a GPU run: the GPU defaults of --kernels, --param-dtype
         env = os.environ
         estimate = shard.estimate_memory(

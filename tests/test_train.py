@@ -396,3 +396,14 @@ def test_gpu_run_with_kernels_in_bf16(dataset, tmp_path):
     assert records[-1]["peak_gpu_mem_gib"] > 0
     if any(name in torch.cuda.get_device_name() for name in train.PEAK_FLOPS):
         assert 0 < records[-1]["mfu"] < 1
+
+
+@CPU_ONLY
+def test_max_seq_len_extends_the_context_and_is_exported(dataset, tmp_path):
+    # tiny allows 2048 positions; --max-seq-len raises the limit the data check enforces.
+    out = tmp_path / "hf"
+    argv = ["--data", str(dataset), "--seq-len", "2560", "--micro-batch", "1",
+            "--max-steps", "1", "--checkpoint-interval", "0", "--max-seq-len", "4096",
+            "--export-hf", str(out)]  # fmt: skip
+    train.main([*argv, "--run-dir", str(tmp_path / "run")])
+    assert ModelArgs.from_hf_config(out).max_seq_len == 4096
