@@ -46,7 +46,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from kernels.cross_entropy import CHUNK_LOGITS_BYTES
 from model import Llama, ModelArgs, load_hf_checkpoint
-from offload import AC_MODES
+from offload import AC_MODES, STAGING_SLOTS
 
 GiB = 2**30
 
@@ -394,6 +394,7 @@ def estimate_memory(
     grad_accum_steps: int = 1,
     param_dtype: torch.dtype = torch.bfloat16,
     mlp_tile: int = 0,
+    optimizer_in_backward: bool = False,
 ) -> MemoryEstimate:
     """Memory per rank of one training step, counted from the shapes (see the comments on
     each term). The peak is the larger of two moments:
@@ -405,10 +406,18 @@ def estimate_memory(
     Activations assume the flash/cuDNN attention backend; `kernels` picks the Triton
     kernels' saved tensors or the PyTorch references'. With activation offload they
     assume the host copies keep up with compute, true with full checkpointing; without
-    it the link falls behind and the GPU holds much more (bench/RESULTS.md)."""
+    it the link falls behind and the GPU holds much more (bench/RESULTS.md).
+    `optimizer_in_backward` (offload.OptimizerInBackward): one GPU, no FSDP, the fp32 state
+    on the host; `strategy` is then unused."""
     if ac_mode not in AC_MODES:
         raise ValueError(
             f"unknown activation checkpointing mode {ac_mode!r}; expected one of {AC_MODES}"
+        )
+    if optimizer_in_backward and (world_size > 1 or cpu_offload or grad_accum_steps > 1):
+        raise ValueError(
+            f"optimizer_in_backward runs on one GPU without CPU offload or accumulation; got "
+            f"world_size {world_size}, cpu_offload {cpu_offload}, "
+            f"grad_accum_steps {grad_accum_steps}"
         )
     s = shard_group_size(strategy, world_size, local_world_size or world_size)
     p = torch.finfo(param_dtype).bits // 8  # bytes of a gathered weight and of activations
@@ -507,14 +516,34 @@ def estimate_memory(
         "activations": 0.0,
         "loss": 0.0,
     }
-    phase, parts = max(
-        (("backward start", start), ("backward end", end)), key=lambda x: sum(x[1].values())
-    )
-    gib = {k: val / GiB for k, val in parts.items()}
     # With CPU offload the fp32 shards of parameters and gradients live in pinned memory,
     # which PyTorch's caching host allocator hands out in powers of two per tensor (8-40%
     # more here); AdamW's moments are plain host memory.
     offloaded = 2 * pinned_shard_bytes(args, s) + optimizer if cpu_offload else 0.0
+
+    if optimizer_in_backward:
+        # Every param_dtype weight stays on the GPU, and no gradient buffer: a gradient
+        # lives from its computation until its copy to the host is done, with up to
+        # STAGING_SLOTS copies in flight behind the one being computed. The host holds
+        # the fp32 master weights and moments (plain memory, 12 bytes per parameter), the
+        # pinned staging buffers of the largest parameter (rounded up to a power of two)
+        # for each direction, and the worker's fp32 copy of one gradient.
+        largest = max(embedding, args.ffn_dim * d, d * d)
+        in_flight = (1 + STAGING_SLOTS) * largest * p
+        start = {
+            "parameters": p * total,
+            "gradients": in_flight,
+            "optimizer": 0.0,
+            "activations": activations,
+            "loss": loss,
+        }
+        end = {**start, "activations": 0.0, "loss": 0.0}
+        pinned_slot = 1 << (largest * p - 1).bit_length()
+        offloaded = 12 * total + 2 * STAGING_SLOTS * pinned_slot + 4 * largest
+    phase, parts = max(
+        (("backward start", start), ("backward end", end)), key=lambda x: sum(x[1].values())
+    )
+    gib = {k: val / GiB for k, val in parts.items()}
     host = offloaded + host_activations
     return MemoryEstimate(
         num_params=total,

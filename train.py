@@ -19,6 +19,8 @@
 
 A step: count the labelled tokens of the step's micro-batches on all ranks, then for each
 micro-batch forward (loss summed) and backward (divided by that count), clip, AdamW step, log.
+With --optimizer-in-backward (one GPU, no FSDP) AdamW runs on the CPU during backward instead,
+parameter by parameter (offload.OptimizerInBackward), and the step waits for its last updates.
 The model is built on the meta device, then activation checkpointing, compile, FSDP and
 materialization are applied in that order (shard.py, offload.py).
 
@@ -130,6 +132,11 @@ class Options:
     activation_offload: bool = flag(False, "keep saved activations in host memory")
     cpu_offload: bool = flag(False, "keep parameters, gradients, optimizer state on the CPU")
     strategy: str = flag("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
+    optimizer_in_backward: bool = flag(
+        False,
+        "one GPU, no FSDP: AdamW runs on the CPU for each parameter as soon as its gradient "
+        "is complete in backward; fp32 weights and AdamW's state stay on the host",
+    )
     param_dtype: str | None = flag(
         None,
         "compute dtype of parameters (default: bf16 on GPU, fp32 on CPU); master "
@@ -182,7 +189,8 @@ def parse_options(argv: list[str] | None = None) -> Options:
 
 
 def check_options(opts: Options) -> None:
-    """The options alone, before anything is read or any process group is joined."""
+    """The options (and torchrun's WORLD_SIZE) alone, before anything is read or any process
+    group is joined."""
     problems = []
     if opts.model and opts.hf_checkpoint:
         problems.append("give --model or --hf-checkpoint, not both")
@@ -198,6 +206,22 @@ def check_options(opts: Options) -> None:
         problems.append(
             "--warmup-steps, --profile, --checkpoint-interval and --mlp-tile must be >= 0"
         )
+    if opts.optimizer_in_backward:
+        # Each parameter is updated during backward, before the step's last gradient exists.
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        refused = {
+            "--cpu-offload (it offloads the optimizer with FSDP)": opts.cpu_offload,
+            f"--strategy {opts.strategy} (no FSDP)": opts.strategy != "FULL_SHARD",
+            f"--grad-clip {opts.grad_clip} (the global norm is known only after the "
+            f"updates; pass --grad-clip 0)": opts.grad_clip > 0,
+            f"--grad-accum {opts.grad_accum} (the updates happen in every backward)": (
+                opts.grad_accum > 1
+            ),
+            f"{world_size} processes (it runs on one GPU)": world_size > 1,
+        }
+        problems += [
+            f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
+        ]
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -272,13 +296,12 @@ def save_checkpoint(
             shutil.rmtree(stale)
         tmp.mkdir(parents=True)
     dist.barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
     # Only tensors go in, as safetensors files (each rank writes its own shards; the layout
     # of the shards is JSON in their headers), so that resuming unpickles nothing: DCP's
     # default format keeps its metadata as a pickle. The hyperparameters in param_groups
     # come from the command line.
     dcp.save(
-        {"model": model_state, "optim": optim_state["state"]},
+        checkpoint_state(model, optimizer),
         storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True),
     )
     if is_main:
@@ -292,12 +315,25 @@ def save_checkpoint(
             shutil.rmtree(old)
 
 
-def load_checkpoint(path: Path, model, optimizer) -> None:
+def checkpoint_state(model, optimizer) -> dict:
+    """The tensors of a checkpoint, by parameter name: {"model": fp32 weights, "optim":
+    AdamW's state}. The same layout with the optimizer in backward (its host state), so
+    either kind of run resumes from the other's checkpoints."""
+    if isinstance(optimizer, offload.OptimizerInBackward):
+        return optimizer.state_dict()
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state["state"]}
-    # Fills the sharded tensors in place, resharding if the world size changed.
+    return {"model": model_state, "optim": optim_state["state"]}
+
+
+def load_checkpoint(path: Path, model, optimizer) -> None:
+    state = checkpoint_state(model, optimizer)
+    # Fills the tensors in place, resharding if the world size changed.
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    optim_state = {"state": state["optim"], "param_groups": optim_state["param_groups"]}
+    if isinstance(optimizer, offload.OptimizerInBackward):
+        optimizer.load_state_dict(state)  # and on to the GPU's working weights
+        return
+    param_groups = get_state_dict(model, optimizer)[1]["param_groups"]
+    optim_state = {"state": state["optim"], "param_groups": param_groups}
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
 
 
@@ -406,6 +442,7 @@ def train(opts: Options) -> None:
             mlp_tile=opts.mlp_tile,
             grad_accum_steps=opts.grad_accum,
             param_dtype=DTYPES[opts.param_dtype or "bf16"],
+            optimizer_in_backward=opts.optimizer_in_backward,
         )
         print(estimate.format())
         return
@@ -462,33 +499,44 @@ def train(opts: Options) -> None:
     if opts.compile:
         for block in model.layers:
             block.compile()  # in place: parameter names, and so checkpoints, stay the same
-    mesh = shard.build_mesh(opts.strategy, world)
-    shard.apply_fsdp(
-        model,
-        mesh,
-        opts.strategy,
-        cpu_offload=opts.cpu_offload,
-        param_dtype=param_dtype,
-        reduce_dtype=torch.float32,
-    )
+    in_backward = opts.optimizer_in_backward
+    if not in_backward:
+        mesh = shard.build_mesh(opts.strategy, world)
+        shard.apply_fsdp(
+            model,
+            mesh,
+            opts.strategy,
+            cpu_offload=opts.cpu_offload,
+            param_dtype=param_dtype,
+            reduce_dtype=torch.float32,
+        )
     hf_path = opts.hf_checkpoint if resume_from is None else None  # else the checkpoint's weights
     t0 = time.perf_counter()
     if hf_path:
         log(f"loading {hf_path} ...", file=sys.stderr, flush=True)
-    shard.materialize(model, world, opts.seed, hf_path, cpu_offload=opts.cpu_offload)
+    if in_backward:
+        # Not sharded: fp32 on the host (the master weights), then param_dtype on the GPU.
+        offload.materialize_on_host(model, device, opts.seed, hf_path)
+    else:
+        shard.materialize(model, world, opts.seed, hf_path, cpu_offload=opts.cpu_offload)
     if hf_path:
         log(f"loaded {hf_path} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
 
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": opts.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ],
-        lr=opts.lr,
-        betas=(opts.beta1, opts.beta2),
-        fused=on_gpu or opts.cpu_offload,  # with --cpu-offload the step runs on the CPU
-    )
+    if in_backward:
+        optimizer = offload.OptimizerInBackward(
+            model, device, param_dtype, opts.lr, (opts.beta1, opts.beta2), opts.weight_decay
+        )
+    else:
+        params = list(model.parameters())
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.ndim >= 2], "weight_decay": opts.weight_decay},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            ],
+            lr=opts.lr,
+            betas=(opts.beta1, opts.beta2),
+            fused=on_gpu or opts.cpu_offload,  # with --cpu-offload the step runs on the CPU
+        )
     loader = PackedLoader(
         dataset,
         opts.seq_len,
@@ -505,11 +553,12 @@ def train(opts: Options) -> None:
 
     flops_per_token = args.flops_per_token(opts.seq_len)
     peak = peak_flops(device)
+    layout = "optimizer in backward" if in_backward else opts.strategy
     log(
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {args.num_params() / 1e6:.1f}M "
         f"params, {flops_per_token / 1e6:.1f} MFLOP/token (6N + 6LSd) | data {dataset.path}: "
         f"{dataset.n_tokens:,} tokens ({tokenizer}) | {world.world_size} x {device.type}, "
-        f"{opts.strategy}, {str(param_dtype).removeprefix('torch.')} params, kernels "
+        f"{layout}, {str(param_dtype).removeprefix('torch.')} params, kernels "
         f"{'on' if use_kernels else 'off'} | {tokens_per_step:,} tokens/step, {max_steps} steps"
     )
 
@@ -567,8 +616,11 @@ def train(opts: Options) -> None:
     with profiler:
         while step < max_steps:
             lr = lr_at(step, opts, max_steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            if in_backward:
+                optimizer.set_lr(lr)  # before backward, which makes the updates
+            else:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
             micro_batches = [
                 next(batches).to(device, non_blocking=True) for _ in range(opts.grad_accum)
             ]
@@ -579,27 +631,39 @@ def train(opts: Options) -> None:
             n_labels = n_labels.clamp(min=1)
             loss_sum = torch.zeros((), device=device)
             for i, b in enumerate(micro_batches):
-                model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                if not in_backward:  # FSDP's
+                    model.set_requires_gradient_sync(i == len(micro_batches) - 1)
                 with offload.activation_offload(model, opts.activation_offload):
                     loss = model(b.tokens, b.labels, b.positions, reduction="sum")
                 # shard.apply_fsdp makes FSDP sum gradients over ranks (divide factor 1), so
                 # dividing by the global count gives the gradient of the global mean.
                 (loss / n_labels).backward()
                 loss_sum += loss.detach()
-            grad_norm = shard.clip_grad_norm_(model, opts.grad_clip).item()
+            if in_backward:
+                # The updates ran during backward: this waits for the last ones, the time
+                # the optimizer adds to the step.
+                t_optimizer = time.perf_counter()
+                grad_norm = optimizer.finish_step()
+                optimizer_s = time.perf_counter() - t_optimizer
+            else:
+                grad_norm = shard.clip_grad_norm_(model, opts.grad_clip).item()
             dist.all_reduce(loss_sum)
             loss = (loss_sum / n_labels).item()
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                # With the optimizer in backward the update is made: the weights in memory
+                # are spoiled, the checkpoints on disk are not.
+                when = "after its update (made in backward)" if in_backward else "before its update"
                 raise FloatingPointError(
-                    f"step {step + 1}: loss {loss}, gradient norm {grad_norm}. Stopped before "
-                    f"its optimizer step; the last checkpoint is {last_saved or 'none'}"
+                    f"step {step + 1}: loss {loss}, gradient norm {grad_norm}. Stopped {when}; "
+                    f"the last checkpoint is {last_saved or 'none'}"
                 )
-            # The .item() calls above synchronized, so this times the step alone (on the CPU
-            # with --cpu-offload, where it can bound the step).
-            t_optimizer = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            optimizer_s = time.perf_counter() - t_optimizer
+            if not in_backward:
+                # The .item() calls above synchronized, so this times the step alone (on the
+                # CPU with --cpu-offload, where it can bound the step).
+                t_optimizer = time.perf_counter()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                optimizer_s = time.perf_counter() - t_optimizer
             step += 1
             if opts.profile:
                 profiler.step()

@@ -208,3 +208,21 @@ def test_estimate_orders_the_options_sensibly():
         est(ac_mode="some")
     with pytest.raises(ValueError, match="expected one of"):
         est(strategy="ZERO3")
+
+
+def test_estimate_of_the_optimizer_in_backward():
+    args = ModelArgs.from_name("llama3.1-8b")
+    kw = {**ESTIMATE_KW, "world_size": 1, "seq_len": 131072}
+    est = estimate_memory(args, **kw, optimizer_in_backward=True)
+    fsdp = estimate_memory(args, **kw)
+    total = args.num_params()
+    # GPU: the bf16 weights, no fp32 state, a few gradients in flight (not a full set).
+    assert est.parameters == pytest.approx(2 * total / 2**30)
+    assert est.optimizer == 0
+    assert est.gradients < 0.5 * est.parameters
+    assert est.activations == fsdp.activations
+    assert est.gpu_total < fsdp.gpu_total - 8 * total / 2**30
+    # Host: 12 bytes per parameter (96 GB for 8B) and the staging buffers, under 128 GiB.
+    assert 12 * total / 2**30 < est.host_total < 100
+    with pytest.raises(ValueError, match="one GPU"):
+        estimate_memory(args, **ESTIMATE_KW, optimizer_in_backward=True)

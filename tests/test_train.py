@@ -165,6 +165,58 @@ def test_accumulation_checkpointing_and_offload_keep_the_losses(dataset, tmp_pat
     assert variant == pytest.approx(plain, rel=1e-5)
 
 
+IN_BACKWARD = ["--optimizer-in-backward", "--grad-clip", "0"]
+
+
+@CPU_ONLY
+def test_optimizer_in_backward_trains_resumes_and_shares_checkpoints(dataset, tmp_path):
+    """8 steps with the optimizer in backward, with activation checkpointing and MLP tiling
+    (their recomputation must not update a parameter twice), against plain AdamW: the same
+    losses (rel 1e-5, fp32: the AdamW kernels round differently). Resumed from its step-4
+    checkpoint it repeats its losses (rel 1e-6), and plain AdamW resumes from that
+    checkpoint too (the same layout)."""
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "8", "--checkpoint-interval", "4"]
+    argv += ["--grad-clip", "0"]
+    train.main([*argv, "--run-dir", str(tmp_path / "plain")])
+    in_backward = [*IN_BACKWARD, "--ac", "full", "--mlp-tile", "32"]
+    train.main([*argv, *in_backward, "--run-dir", str(tmp_path / "oib")])
+    plain, oib = losses(tmp_path / "plain"), losses(tmp_path / "oib")
+    assert oib == pytest.approx(plain, rel=1e-5)
+    assert oib[8] < oib[1] - 1.0
+
+    ckpt = tmp_path / "oib/checkpoints/step-000004"
+    train.main([*argv, *in_backward, "--run-dir", str(tmp_path / "oib"), "--resume", str(ckpt)])
+    assert losses(tmp_path / "oib") == pytest.approx(oib, rel=1e-6)
+    train.main([*argv, "--run-dir", str(tmp_path / "plain_resumed"), "--resume", str(ckpt)])
+    later = {step: loss for step, loss in plain.items() if step > 4}
+    assert losses(tmp_path / "plain_resumed") == pytest.approx(later, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "argv, world_size, message",
+    [
+        ([], 1, "--grad-clip 1.0 (the global norm is known only after the updates; pass "
+                "--grad-clip 0)"),
+        (["--grad-clip", "0", "--cpu-offload"], 1, "cannot be used with --cpu-offload"),
+        (["--grad-clip", "0", "--grad-accum", "2"], 1, "cannot be used with --grad-accum 2"),
+        (["--grad-clip", "0", "--strategy", "NO_SHARD"], 1, "with --strategy NO_SHARD"),
+        (["--grad-clip", "0"], 2, "cannot be used with 2 processes (it runs on one GPU)"),
+    ],
+)  # fmt: skip
+def test_optimizer_in_backward_refuses_what_it_cannot_do(
+    argv, world_size, message, dataset, tmp_path, capsys, monkeypatch
+):
+    # As torchrun sets them; the check reads WORLD_SIZE before any process group is joined.
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    argv = ["--data", str(dataset), "--optimizer-in-backward", *argv]
+    with pytest.raises(SystemExit):
+        train.main([*argv, "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert message in err and "--optimizer-in-backward cannot be used with" in err
+    assert not (tmp_path / "run").exists()
+
+
 @CPU_ONLY
 def test_two_processes_then_resume_on_one(dataset, reference_run, tmp_path):
     # 2 processes x 4 sequences read the same samples as 1 process x 8 (one global cursor).
@@ -328,12 +380,14 @@ def test_bad_input_ends_every_process(dataset, tmp_path):
     assert "is not a prepared dataset" in result.stderr
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(dataset, tmp_path, capsys):
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(in_backward, dataset, tmp_path, capsys):
     # An absurd learning rate: the first update overflows the weights, the next loss is NaN.
     argv = [
         "--data",
         str(dataset),
         *SMALL,
+        *(IN_BACKWARD if in_backward else []),
         "--lr",
         "1e30",
         "--min-lr",
@@ -349,6 +403,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(dataset, tmp_path, ca
         train.main(argv)
     err = capsys.readouterr().err
     assert "step 2: loss" in err and "nan" in err
+    assert ("after its update (made in backward)" in err) == in_backward
     assert f"the last checkpoint is {tmp_path / 'checkpoints/step-000001'}" in err
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000001"]
     assert list(losses(tmp_path)) == [1]
