@@ -13,6 +13,7 @@ apply those from the outside. Build it on the meta device and materialize it aft
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from kernels import (
     IGNORE_INDEX,
@@ -277,6 +279,32 @@ SDPA_BACKENDS = {
 }
 
 
+@functools.cache
+def compiled_flex_attention():
+    """FlexAttention runs fast only compiled (into one Triton kernel that skips the masked
+    blocks); compiled on first use, so that importing the model does not load the compiler."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor | BlockMask:
+    """Causal attention that stays inside each packed document: a document starts where its
+    position is 0 (positions: [B, S]). On CUDA a FlexAttention block mask, which skips the
+    blocks between documents; elsewhere (FlexAttention has no CPU backward) a dense boolean
+    mask [B, 1, S, S] for SDPA, fine at the sequence lengths a CPU trains."""
+    bsz, seq_len = positions.shape
+    document = (positions == 0).cumsum(dim=-1)  # [B, S]: which document each token is in
+    if positions.is_cuda:
+
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (document[b, q_idx] == document[b, kv_idx])
+
+        return create_block_mask(
+            same_document_causal, bsz, None, seq_len, seq_len, device=positions.device
+        )
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=positions.device).tril()
+    return (causal & (document[:, :, None] == document[:, None, :]))[:, None]
+
+
 # ----------------------------------------------------------------------------------------
 # The network
 # ----------------------------------------------------------------------------------------
@@ -305,20 +333,29 @@ class Attention(nn.Module):
         self.sdpa_backends = sdpa_backends
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        mask: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
+        """Causal attention; `mask` (from `document_mask`) also keeps it inside documents."""
         bsz, seq_len, _ = x.shape
         q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
         q, k = self.ops.apply_rope(q, k, positions, inv_freq)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, Dh]
-        # The backend is chosen inside forward so that a checkpointed forward recomputed in
-        # backward takes the same one (a cuDNN forward recomputed by flash fails).
-        with sdpa_kernel(self.sdpa_backends, set_priority=True):
-            out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads
-            )
+        gqa = self.n_heads != self.n_kv_heads
+        if isinstance(mask, BlockMask):
+            out = compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            # The backend is chosen inside forward so that a checkpointed forward recomputed
+            # in backward takes the same one (a cuDNN forward recomputed by flash fails).
+            with sdpa_kernel(self.sdpa_backends, set_priority=True):
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+                )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
 
 
@@ -343,14 +380,26 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_dim, ops)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        mask: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), positions, inv_freq)
+        h = x + self.attention(self.attention_norm(x), positions, inv_freq, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Llama(nn.Module):
-    def __init__(self, args: ModelArgs, ops: Ops = REFERENCE_OPS, attention_backend: str = "auto"):
+    def __init__(
+        self,
+        args: ModelArgs,
+        ops: Ops = REFERENCE_OPS,
+        attention_backend: str = "auto",
+        mask_documents: bool = False,
+    ):
+        """`attention_backend`: an SDPA_BACKENDS name. `mask_documents`: no attention across
+        the documents packed in a sequence (`document_mask`), instead of plain causal."""
         super().__init__()
         if attention_backend not in SDPA_BACKENDS:
             raise ValueError(
@@ -359,6 +408,7 @@ class Llama(nn.Module):
             )
         self.args = args
         self.ops = ops
+        self.mask_documents = mask_documents
         backends = SDPA_BACKENDS[attention_backend]
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(
@@ -387,9 +437,10 @@ class Llama(nn.Module):
         if positions is None:
             positions = torch.arange(seq_len, device=tokens.device).expand(bsz, seq_len)
         inv_freq = rope_frequencies(self.args, tokens.device)
+        mask = document_mask(positions) if self.mask_documents else None
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, positions, inv_freq)
+            h = layer(h, positions, inv_freq, mask)
         h = self.norm(h)
         output_weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if labels is None:

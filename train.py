@@ -144,6 +144,9 @@ class Options:
         choices=["bf16", "fp32"],
     )
     attention_backend: str = flag("auto", "SDPA backend", choices=sorted(SDPA_BACKENDS))
+    document_mask: bool = flag(
+        False, "no attention across the documents packed in a sequence (FlexAttention on GPU)"
+    )
     kernels: bool | None = flag(None, "the Triton kernels (default: on with CUDA, off on CPU)")
     compile: bool = flag(False, "torch.compile each transformer block")
     # Output
@@ -493,7 +496,8 @@ def train(opts: Options) -> None:
         check_resumable(saved["run"], json.loads(json.dumps(run)))
 
     with torch.device("meta"):
-        model = Llama(args, triton_ops() if use_kernels else REFERENCE_OPS, opts.attention_backend)
+        ops = triton_ops() if use_kernels else REFERENCE_OPS
+        model = Llama(args, ops, opts.attention_backend, mask_documents=opts.document_mask)
     offload.apply_ac(model, opts.ac, every=opts.ac_every)
     offload.apply_mlp_tiling(model, opts.mlp_tile)
     if opts.compile:

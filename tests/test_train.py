@@ -462,3 +462,11 @@ def test_max_seq_len_extends_the_context_and_is_exported(dataset, tmp_path):
             "--export-hf", str(out)]  # fmt: skip
     train.main([*argv, "--run-dir", str(tmp_path / "run")])
     assert ModelArgs.from_hf_config(out).max_seq_len == 4096
+
+
+@CPU_ONLY
+def test_document_mask_trains(dataset, tmp_path):
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "10", "--checkpoint-interval", "0"]
+    train.main([*argv, "--document-mask", "--run-dir", str(tmp_path)])
+    logged = losses(tmp_path)
+    assert logged[10] < logged[1] - 0.5
