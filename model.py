@@ -582,19 +582,26 @@ def load_hf_checkpoint(
     model: Llama,
     path: str | os.PathLike,
     copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """Loads HF weights into `model`'s materialized parameters, one tensor at a time so host
     memory peaks near one tensor. `copy(param, safetensors_slice)` moves each tensor in;
-    shard.py passes one that reads only the rows its rank owns."""
+    shard.py passes one that reads only the rows its rank owns. `progress(done, total)` is
+    called after each tensor."""
     files = check_hf_checkpoint(model.args, path)
     params = dict(model.named_parameters())
+    names = hf_names(model.args)
     by_file: dict[Path, list[tuple[str, str]]] = {}
-    for ours, theirs in hf_names(model.args).items():
+    for ours, theirs in names.items():
         by_file.setdefault(files[theirs], []).append((ours, theirs))
-    for file, names in sorted(by_file.items()):
+    done = 0
+    for file, file_names in sorted(by_file.items()):
         with _open_safetensors(file) as f:
-            for ours, theirs in names:
+            for ours, theirs in file_names:
                 copy(params[ours], f.get_slice(theirs))
+                done += 1
+                if progress is not None:
+                    progress(done, len(names))
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:

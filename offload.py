@@ -25,7 +25,7 @@ import functools
 import os
 import queue
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -281,6 +281,7 @@ def materialize_on_host(
     device: torch.device,
     seed: int = 0,
     hf_path: str | os.PathLike | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """Allocates a meta-built model's parameters on the host in fp32 and fills them from a
     Hugging Face checkpoint or with the initial values (drawn on `device`, so they equal
@@ -288,7 +289,7 @@ def materialize_on_host(
     master weights: the model exists in fp32 only once, on the host."""
     model.to_empty(device="cpu")
     if hf_path is not None:
-        load_hf_checkpoint(model, hf_path)
+        load_hf_checkpoint(model, hf_path, progress=progress)
         return
     for name, param in model.named_parameters():
         param.copy_(model.initial_value(name, seed, device))

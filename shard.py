@@ -28,6 +28,7 @@ one a single process would take on the whole batch.
 """
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -239,6 +240,7 @@ def materialize(
     seed: int = 0,
     hf_path: str | os.PathLike | None = None,
     cpu_offload: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """Allocates the sharded parameters of a meta-built, `apply_fsdp`-ed model (on the host
     when `cpu_offload`, which must match apply_fsdp's) and fills them: from a Hugging Face
@@ -257,7 +259,7 @@ def materialize(
         param.to_local().copy_(tensor_slice[start:stop])
 
     if hf_path is not None:
-        load_hf_checkpoint(model, hf_path, copy=copy_rows)
+        load_hf_checkpoint(model, hf_path, copy=copy_rows, progress=progress)
         return
     for name, param in model.named_parameters():
         start, stop = local_rows(param)

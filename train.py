@@ -45,6 +45,7 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -392,6 +393,18 @@ def host_peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
 
 
+def show_progress(what: str) -> Callable[[int, int], None]:
+    """A one-line progress display on stderr for long work: done/total, elapsed time."""
+    start = time.perf_counter()
+
+    def report(done: int, total: int) -> None:
+        end = "\n" if done == total else ""
+        elapsed = hms(time.perf_counter() - start)
+        print(f"\r{what}: {done}/{total} tensors, {elapsed}", end=end, file=sys.stderr, flush=True)
+
+    return report
+
+
 def hms(seconds: float) -> str:
     seconds = int(seconds)
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
@@ -515,16 +528,12 @@ def train(opts: Options) -> None:
             reduce_dtype=torch.float32,
         )
     hf_path = opts.hf_checkpoint if resume_from is None else None  # else the checkpoint's weights
-    t0 = time.perf_counter()
-    if hf_path:
-        log(f"loading {hf_path} ...", file=sys.stderr, flush=True)
+    progress = show_progress(f"loading {hf_path}") if hf_path and is_main else None
     if in_backward:
         # Not sharded: fp32 on the host (the master weights), then param_dtype on the GPU.
-        offload.materialize_on_host(model, device, opts.seed, hf_path)
+        offload.materialize_on_host(model, device, opts.seed, hf_path, progress)
     else:
-        shard.materialize(model, world, opts.seed, hf_path, cpu_offload=opts.cpu_offload)
-    if hf_path:
-        log(f"loaded {hf_path} in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+        shard.materialize(model, world, opts.seed, hf_path, opts.cpu_offload, progress)
 
     if in_backward:
         optimizer = offload.OptimizerInBackward(
