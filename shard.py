@@ -296,7 +296,7 @@ class MemoryEstimate:
     """GiB per rank at the step's peak; the GPU parts add up to gpu_total."""
 
     num_params: int
-    phase: str  # when the peak happens: "backward start" or "backward end"
+    phase: str  # when the peak happens: "head backward", "block backward", "backward end"
     parameters: float  # fp32 master shards + gathered param_dtype copies
     gradients: float  # fp32 gradient shards + the reduction in flight
     optimizer: float  # AdamW's two fp32 moments (on the host with CPU offload)
@@ -399,9 +399,11 @@ def estimate_memory(
     optimizer_in_backward: bool = False,
 ) -> MemoryEstimate:
     """Memory per rank of one training step, counted from the shapes (see the comments on
-    each term). The peak is the larger of two moments:
-      backward start: every saved activation, the loss's buffers, the gathered weights
-          in use, and the first reductions;
+    each term). The peak is the largest of three moments:
+      head backward: every saved activation, the loss's buffers, the gathered weights in
+          use, and the head's (untied output's) gradient being reduced;
+      block backward: the last block's backward, its working set and its reduction, with
+          every other saved activation still there (the head's reduction is done by then);
       backward end: activations freed, all gradient shards written, and the root's
           (embedding's) gradient being reduced.
     The AdamW step itself (fused, no temporaries) needs less than backward end.
@@ -490,24 +492,31 @@ def estimate_memory(
         host_activations = 0
         saved = sum(per_block) + cached
     final_norm = n * d * p + n * 4 if kernels else 2 * n * d * 4 + n * 4
-    activations = saved + working_set + final_norm
 
     # Loss. Fused kernel: the logits chunk, and the gradients it computes in forward and
     # keeps for backward (hidden-sized and output-weight-sized, param_dtype). Reference:
     # [N, V] fp32 log-probabilities saved, then their gradient and the fp32 logits' one
     # (12 bytes per logit), and the bf16 logits' gradient.
-    fused_loss = CHUNK_LOGITS_BYTES + n * d * p + v * d * p
+    fused_loss = min(CHUNK_LOGITS_BYTES, n * v * p) + n * d * p + v * d * p
     loss = fused_loss if kernels else n * v * (12 + p)
 
-    # Backward start: the head's gradient (the loss's weight-sized buffer) is reduced
-    # first; a tied model's embedding gradient waits for the root, at the end.
-    first_reduction = max(reduction(block), (4 + 4 / s) * head)
-    start = {
+    # Backward starts with the head (final norm, output, loss): its gradient (the loss's
+    # weight-sized buffer) is reduced while every saved activation is still there. Then the
+    # last block's backward: the head's reduction is done, the block's working set and its
+    # own reduction are live; a tied model's output gradient (the loss's buffer) waits for
+    # the root, at the end.
+    head_backward = {
         "parameters": gpu_master + gathered + staging,
-        "gradients": accumulated + first_reduction,
+        "gradients": accumulated + (4 + 4 / s) * head,
         "optimizer": gpu_optimizer,
-        "activations": activations,
+        "activations": saved + final_norm,
         "loss": loss,
+    }
+    block_backward = {
+        **head_backward,
+        "gradients": accumulated + reduction(block),
+        "activations": saved + working_set,
+        "loss": v * d * p if args.tie_embeddings and kernels else 0.0,
     }
     # Backward end: the root's gradient (the embedding backward's dense [V, D], into which
     # a tied model's output gradient accumulates) and its reduction.
@@ -532,19 +541,15 @@ def estimate_memory(
         # for each direction, and the worker's fp32 copy of one gradient.
         largest = max(embedding, args.ffn_dim * d, d * d)
         in_flight = (1 + STAGING_SLOTS) * largest * p
-        start = {
-            "parameters": p * total,
-            "gradients": in_flight,
-            "optimizer": 0.0,
-            "activations": activations,
-            "loss": loss,
-        }
-        end = {**start, "activations": 0.0, "loss": 0.0}
+        weights = {"parameters": p * total, "gradients": in_flight, "optimizer": 0.0}
+        head_backward = {**head_backward, **weights}
+        block_backward = {**block_backward, **weights}
+        end = {**weights, "activations": 0.0, "loss": 0.0}
         pinned_slot = 1 << (largest * p - 1).bit_length()
         offloaded = 12 * total + 2 * STAGING_SLOTS * pinned_slot + 4 * largest
-    phase, parts = max(
-        (("backward start", start), ("backward end", end)), key=lambda x: sum(x[1].values())
-    )
+    moments = {"head backward": head_backward, "block backward": block_backward,
+               "backward end": end}  # fmt: skip
+    phase, parts = max(moments.items(), key=lambda x: sum(x[1].values()))
     gib = {k: val / GiB for k, val in parts.items()}
     host = offloaded + host_activations
     return MemoryEstimate(

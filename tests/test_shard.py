@@ -202,7 +202,10 @@ def test_estimate_orders_the_options_sensibly():
     # powers of two by the caching host allocator (more, but less than twice as much).
     assert fp32_state < offloaded.host_total < fp32_state * 1.5
     assert est(kernels=False, seq_len=8192).loss > est(seq_len=8192).loss
-    assert est(seq_len=16384).activations == pytest.approx(2 * est(seq_len=8192).activations,
+    # Past a few thousand tokens the peak is the last block's backward, where activations
+    # grow linearly with the sequence.
+    assert est(seq_len=32768).phase == est(seq_len=65536).phase == "block backward"
+    assert est(seq_len=65536).activations == pytest.approx(2 * est(seq_len=32768).activations,
                                                            rel=0.05)  # fmt: skip
     with pytest.raises(ValueError, match="expected one of"):
         est(ac_mode="some")
