@@ -45,7 +45,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from kernels.cross_entropy import CHUNK_LOGITS_BYTES
+from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, _chunk_rows
 from model import Llama, ModelArgs, load_hf_checkpoint
 from offload import AC_MODES, STAGING_SLOTS
 
@@ -296,7 +296,7 @@ class MemoryEstimate:
     """GiB per rank at the step's peak; the GPU parts add up to gpu_total."""
 
     num_params: int
-    phase: str  # when the peak happens: "head backward", "block backward", "backward end"
+    phase: str  # the moment of the peak: loss forward, head/block backward, backward end
     parameters: float  # fp32 master shards + gathered param_dtype copies
     gradients: float  # fp32 gradient shards + the reduction in flight
     optimizer: float  # AdamW's two fp32 moments (on the host with CPU offload)
@@ -399,7 +399,8 @@ def estimate_memory(
     optimizer_in_backward: bool = False,
 ) -> MemoryEstimate:
     """Memory per rank of one training step, counted from the shapes (see the comments on
-    each term). The peak is the largest of three moments:
+    each term). The peak is the largest of four moments:
+      loss forward: every saved activation and the fused loss's buffers, fp32 ones included;
       head backward: every saved activation, the loss's buffers, the gathered weights in
           use, and the head's (untied output's) gradient being reduced;
       block backward: the last block's backward, its working set and its reduction, with
@@ -499,6 +500,10 @@ def estimate_memory(
     # (12 bytes per logit), and the bf16 logits' gradient.
     fused_loss = min(CHUNK_LOGITS_BYTES, n * v * p) + n * d * p + v * d * p
     loss = fused_loss if kernels else n * v * (12 + p)
+    # Over more than BF16_SUM_CHUNKS chunks the fused loss's forward also sums the output
+    # weight's gradient in an fp32 buffer, freed before backward.
+    wide_sum = kernels and p < 4 and n > BF16_SUM_CHUNKS * _chunk_rows(v, p)
+    loss_forward_extra = 4 * v * d if wide_sum else 0.0
 
     # Backward starts with the head (final norm, output, loss): its gradient (the loss's
     # weight-sized buffer) is reduced while every saved activation is still there. Then the
@@ -518,6 +523,7 @@ def estimate_memory(
         "activations": saved + working_set,
         "loss": v * d * p if args.tie_embeddings and kernels else 0.0,
     }
+    loss_forward = {**head_backward, "gradients": accumulated, "loss": loss + loss_forward_extra}
     # Backward end: the root's gradient (the embedding backward's dense [V, D], into which
     # a tied model's output gradient accumulates) and its reduction.
     end = {
@@ -542,13 +548,14 @@ def estimate_memory(
         largest = max(embedding, args.ffn_dim * d, d * d)
         in_flight = (1 + STAGING_SLOTS) * largest * p
         weights = {"parameters": p * total, "gradients": in_flight, "optimizer": 0.0}
+        loss_forward = {**loss_forward, **weights, "gradients": 0.0}
         head_backward = {**head_backward, **weights}
         block_backward = {**block_backward, **weights}
         end = {**weights, "activations": 0.0, "loss": 0.0}
         pinned_slot = 1 << (largest * p - 1).bit_length()
         offloaded = 12 * total + 2 * STAGING_SLOTS * pinned_slot + 4 * largest
-    moments = {"head backward": head_backward, "block backward": block_backward,
-               "backward end": end}  # fmt: skip
+    moments = {"loss forward": loss_forward, "head backward": head_backward,
+               "block backward": block_backward, "backward end": end}  # fmt: skip
     phase, parts = max(moments.items(), key=lambda x: sum(x[1].values()))
     gib = {k: val / GiB for k, val in parts.items()}
     host = offloaded + host_activations

@@ -51,6 +51,14 @@ def linear_cross_entropy_reference(
 # 48.2 ms and 1.16 GiB, 256 MiB 43.8 ms and 1.29 GiB.
 CHUNK_LOGITS_BYTES = 128 * 2**20
 
+# Summing grad_weight in bf16 over many chunks loses precision as the sum grows: measured on
+# the CPU (V = 8192, D = 256, 512-token chunks), the norm-wise error against fp64 was 0.46%
+# after 16 chunks, 1.1% after 64 and 2.0% after 128, against 0.15% for one final rounding.
+# So at most this many chunks are summed in bf16; longer inputs add each group of them into
+# an fp32 buffer (weight-sized, fp32, during the forward only). 8k tokens at V = 128256 are
+# 16 chunks: the benchmarked shape never takes the fp32 path.
+BF16_SUM_CHUNKS = 16
+
 
 def _chunk_rows(vocab: int, itemsize: int) -> int:
     """Tokens per chunk: the most whose [rows, V] logits fit in CHUNK_LOGITS_BYTES, rounded
@@ -114,17 +122,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         hidden, labels = hidden.contiguous(), labels.contiguous()
         need_grad_hidden, need_grad_weight = ctx.needs_input_grad[:2]
-        # Gradients accumulate in the inputs' dtype. An fp32 grad_weight (addmm with
-        # out_dtype=fp32) measured slower and larger at the 8B shape (61.7 ms and 3.0 GiB
-        # extra against 48.2 ms and 1.16 GiB) for little precision: dweight's error against
-        # an fp32 reference was 1.1e-3 against 1.3e-3, the bf16 rounding of the result.
+        # Gradients accumulate in the inputs' dtype, grad_weight over at most
+        # BF16_SUM_CHUNKS chunks at a time. An fp32 grad_weight throughout (addmm with
+        # out_dtype=fp32) measured slower and larger at the 8B shape and 8k tokens (61.7 ms
+        # and 3.0 GiB extra against 48.2 ms and 1.16 GiB) for little precision there:
+        # dweight's error against an fp32 reference was 1.1e-3 against 1.3e-3.
         grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
         grad_weight = torch.zeros_like(weight) if need_grad_weight else None
         loss = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         rows = min(_chunk_rows(vocab, hidden.element_size()), max(n_tokens, 1))
+        n_chunks = -(-n_tokens // rows)
+        grad_weight_fp32 = None
+        if need_grad_weight and weight.dtype != torch.float32 and n_chunks > BF16_SUM_CHUNKS:
+            grad_weight_fp32 = torch.zeros_like(weight, dtype=torch.float32)
         logits = torch.empty(rows, vocab, dtype=hidden.dtype, device=hidden.device)
         block, num_warps = _launch_config(vocab)
-        for start in range(0, n_tokens, rows):
+        for chunk, start in enumerate(range(0, n_tokens, rows)):
             end = min(start + rows, n_tokens)
             hidden_c, grad_logits = hidden[start:end], logits[: end - start]
             torch.mm(hidden_c, weight.t(), out=grad_logits)
@@ -136,6 +149,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(grad_logits, weight, out=grad_hidden[start:end])
             if need_grad_weight:
                 grad_weight.addmm_(grad_logits.t(), hidden_c)
+                if grad_weight_fp32 is not None and (chunk + 1) % BF16_SUM_CHUNKS == 0:
+                    grad_weight_fp32 += grad_weight
+                    grad_weight.zero_()
+        if grad_weight_fp32 is not None:
+            grad_weight_fp32 += grad_weight
+            grad_weight.copy_(grad_weight_fp32)
+            del grad_weight_fp32  # freed here, not kept until backward
         total = loss.sum()
         if reduction == "mean":
             # A 0-dim tensor, so that no count leaves the GPU (no host sync).

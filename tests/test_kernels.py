@@ -241,6 +241,20 @@ def test_linear_cross_entropy_is_zero_not_nan_when_every_label_is_ignored(reduct
     assert not hidden.grad.any() and not weight.grad.any()
 
 
+def test_linear_cross_entropy_keeps_a_long_inputs_bf16_weight_gradient_accurate(small_chunks):
+    """128 chunks of 16 tokens: summed in bf16 throughout, dweight's norm-wise error
+    against fp64 measured 1.3%; in groups of BF16_SUM_CHUNKS added in fp32, 0.5%."""
+    hidden, weight, labels = ce_inputs(16 * 128, 40, 100, torch.bfloat16)
+    weight = leaf(weight)
+    linear_cross_entropy(hidden, weight, labels, IGNORE_INDEX, "sum").backward()
+    reference = leaf(weight.detach().double())
+    linear_cross_entropy_reference(
+        hidden.double(), reference, labels, IGNORE_INDEX, "sum"
+    ).backward()
+    error = (weight.grad.double() - reference.grad).norm() / reference.grad.norm()
+    assert error <= 8e-3
+
+
 def test_linear_cross_entropy_refuses_a_second_backward_through_the_same_graph():
     hidden, weight, labels = ce_inputs(5, 48, 100, torch.float32)
     loss = linear_cross_entropy(leaf(hidden), leaf(weight), labels)
