@@ -47,8 +47,15 @@ def main():
     parser.add_argument("--top", type=int, default=8, help="kernels to list by time")
     opts = parser.parse_args()
     events = json.loads(Path(opts.trace).read_text())["traceEvents"]
-    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#")]
     kernels = [e for e in events if e.get("cat") == "kernel"]
+    # The trace also holds the warm-up steps' annotations, whose kernels it does not record.
+    launches = [e["ts"] for e in events if e.get("cat") == "cuda_runtime"]
+    steps = [
+        e
+        for e in events
+        if e.get("name", "").startswith("ProfilerStep#")
+        and (not kernels or any(e["ts"] <= t <= e["ts"] + e["dur"] for t in launches))
+    ]
     copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
     wall_us = sum(e["dur"] for e in steps)
     n_steps = max(len(steps), 1)
