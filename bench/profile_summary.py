@@ -9,6 +9,7 @@ of all kernel and copy intervals, so idle = step wall time - busy is time no GPU
 """
 
 import argparse
+import bisect
 import collections
 import json
 import re
@@ -48,14 +49,16 @@ def main():
     opts = parser.parse_args()
     events = json.loads(Path(opts.trace).read_text())["traceEvents"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
-    # The trace also holds the warm-up steps' annotations, whose kernels it does not record.
-    launches = [e["ts"] for e in events if e.get("cat") == "cuda_runtime"]
-    steps = [
-        e
-        for e in events
-        if e.get("name", "").startswith("ProfilerStep#")
-        and (not kernels or any(e["ts"] <= t <= e["ts"] + e["dur"] for t in launches))
+    # The trace also holds the warm-up steps' annotations, whose kernels it does not record:
+    # a step counts if it holds at least half as many kernel starts as the busiest one.
+    starts = sorted(k["ts"] for k in kernels)
+    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#")]
+    held = [
+        bisect.bisect_right(starts, e["ts"] + e["dur"]) - bisect.bisect_left(starts, e["ts"])
+        for e in steps
     ]
+    if kernels:
+        steps = [e for e, n in zip(steps, held, strict=True) if n >= max(held) / 2]
     copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
     wall_us = sum(e["dur"] for e in steps)
     n_steps = max(len(steps), 1)
