@@ -52,7 +52,11 @@ def main():
     # The trace also holds the warm-up steps' annotations, whose kernels it does not record:
     # a step counts if it holds at least half as many kernel starts as the busiest one.
     starts = sorted(k["ts"] for k in kernels)
-    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#")]
+    steps = [
+        e
+        for e in events  # each step is annotated twice: on the CPU and on the GPU timeline
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith("ProfilerStep#")
+    ]
     held = [
         bisect.bisect_right(starts, e["ts"] + e["dur"]) - bisect.bisect_left(starts, e["ts"])
         for e in steps
