@@ -60,6 +60,12 @@ def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, n
     records = (
         [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     )
+    trace = run_dir / "trace-rank0.json"
+    if trace.exists():  # --profile in the flags: keep where the profiled step's time went
+        summary = subprocess.run([sys.executable, "bench/profile_summary.py", str(trace)],
+                                 cwd=ROOT, capture_output=True, text=True).stdout  # fmt: skip
+        (log_dir / f"{name}-profile.txt").write_text(summary)
+        print(summary, flush=True)
     timed = records[2:]
     if code != 0 or not timed:
         return {"impl": f"longtune {flags}", "error": last_error(output)}
