@@ -15,8 +15,8 @@ import json
 import re
 from pathlib import Path
 
-# First match wins: the order puts specific names before generic ones ("flash" kernels
-# contain "fwd", Triton kernels' names are ours).
+# First match wins: cuDNN's attention kernels also name "wgmma", so attention comes before
+# matmul. The longtune kernels are matched by the names of the @triton.jit functions.
 KINDS = [
     ("attention", r"cudnn|flash|fmha|attention|sdpa|flex"),
     ("nccl", r"nccl"),
@@ -61,7 +61,7 @@ def main():
         bisect.bisect_right(starts, e["ts"] + e["dur"]) - bisect.bisect_left(starts, e["ts"])
         for e in steps
     ]
-    if kernels:
+    if kernels and steps:
         steps = [e for e, n in zip(steps, held, strict=True) if n >= max(held) / 2]
     copies = [e for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
     wall_us = sum(e["dur"] for e in steps)
