@@ -168,7 +168,11 @@ class Options:
     export_hf: str | None = flag(
         None, "at the end, write the model as HF safetensors here", metavar="DIR"
     )
-    profile: int = flag(0, "trace this many steps (after 2 warm ones) with torch.profiler")
+    profile: int = flag(
+        0,
+        "trace this many steps (after 2 warm ones) with torch.profiler; their logged tokens/s "
+        "include the tracing and the writing of the trace (bench/profile_summary.py reads it)",
+    )
     memory_snapshot: bool = flag(False, "dump a CUDA memory snapshot of the first 3 steps")
     estimate_memory: bool = flag(False, "print the estimated memory per GPU and exit")
     world_size: int | None = flag(None, "GPUs for --estimate-memory (default: $WORLD_SIZE or 1)")
