@@ -58,6 +58,18 @@ def forward_and_grads(fn, inputs: list[torch.Tensor], grad_out: list[torch.Tenso
     return [o.detach() for o in outputs], [t.grad for t in leaves]
 
 
+def against_reference(kernel, reference, inputs, grad_out, names, reference_dtype):
+    """[(name, kernel's tensor, reference's tensor)] for each output, then each input's
+    gradient; the reference runs on the inputs and output gradients cast to reference_dtype."""
+    outputs, grads = forward_and_grads(kernel, inputs, grad_out)
+    ref_outputs, ref_grads = forward_and_grads(
+        reference,
+        [t.to(reference_dtype) for t in inputs],
+        [g.to(reference_dtype) for g in grad_out],
+    )
+    return list(zip(names, outputs + grads, ref_outputs + ref_grads, strict=True))
+
+
 # ----------------------------------------------------------------------------------------
 # RMSNorm
 # ----------------------------------------------------------------------------------------
@@ -69,12 +81,12 @@ def test_rms_norm_matches_reference_forward_and_grads(rows, dim, dtype):
     x = torch.randn(rows, dim, dtype=dtype) * 3
     weight = torch.randn(dim, dtype=dtype)
     dy = torch.randn(rows, dim, dtype=dtype)
-    (y,), (dx, dw) = forward_and_grads(lambda a, b: rms_norm(a, b, 1e-6), [x, weight], [dy])
-    (y_ref,), (dx_ref, dw_ref) = forward_and_grads(
-        lambda a, b: rms_norm_reference(a, b, 1e-6), [x.double(), weight.double()], [dy.double()]
-    )
-    assert y.dtype == dx.dtype == dw.dtype == dtype
-    for name, out, ref in [("y", y, y_ref), ("dx", dx, dx_ref), ("dweight", dw, dw_ref)]:
+    pairs = against_reference(
+        lambda a, b: rms_norm(a, b, 1e-6), lambda a, b: rms_norm_reference(a, b, 1e-6),
+        [x, weight], [dy], ["y", "dx", "dweight"], torch.float64,
+    )  # fmt: skip
+    for name, out, ref in pairs:
+        assert out.dtype == dtype
         assert_close(out, ref, TOLERANCE[dtype], name)
 
 
@@ -82,12 +94,12 @@ def test_rms_norm_keeps_each_inputs_dtype_for_fp32_weight_and_bf16_x():
     x = torch.randn(2, 5, 72, dtype=torch.bfloat16)
     weight = torch.randn(72, dtype=torch.float32)
     dy = torch.randn(2, 5, 72, dtype=torch.bfloat16)
-    (y,), (dx, dw) = forward_and_grads(lambda a, b: rms_norm(a, b, 1e-5), [x, weight], [dy])
-    (y_ref,), (dx_ref, dw_ref) = forward_and_grads(
-        lambda a, b: rms_norm_reference(a, b, 1e-5), [x.double(), weight.double()], [dy.double()]
-    )
-    assert (y.dtype, dx.dtype, dw.dtype) == (torch.bfloat16, torch.bfloat16, torch.float32)
-    for name, out, ref in [("y", y, y_ref), ("dx", dx, dx_ref), ("dweight", dw, dw_ref)]:
+    pairs = against_reference(
+        lambda a, b: rms_norm(a, b, 1e-5), lambda a, b: rms_norm_reference(a, b, 1e-5),
+        [x, weight], [dy], ["y", "dx", "dweight"], torch.float64,
+    )  # fmt: skip
+    assert [out.dtype for _, out, _ in pairs] == [torch.bfloat16, torch.bfloat16, torch.float32]
+    for name, out, ref in pairs:
         assert_close(out, ref, TOLERANCE[torch.bfloat16], name)
 
 
@@ -108,6 +120,14 @@ def rope_inputs(bsz, seq_len, n_heads, n_kv_heads, head_dim, dtype, max_position
     return q, k, positions, inv_freq
 
 
+def rope_against_reference(q, k, dq_out, dk_out, positions, inv_freq, reference_dtype):
+    return against_reference(
+        lambda a, b: apply_rope(a, b, positions, inv_freq),
+        lambda a, b: apply_rope_reference(a, b, positions, inv_freq),
+        [q, k], [dq_out, dk_out], ["q", "k", "dq", "dk"], reference_dtype,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "bsz, seq_len, n_heads, n_kv_heads, head_dim",
@@ -118,14 +138,7 @@ def test_rope_matches_reference_forward_and_grads(
 ):
     q, k, positions, inv_freq = rope_inputs(bsz, seq_len, n_heads, n_kv_heads, head_dim, dtype)
     dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
-    (q_rot, k_rot), (dq, dk) = forward_and_grads(
-        lambda a, b: apply_rope(a, b, positions, inv_freq), [q, k], [dq_out, dk_out]
-    )
-    (q_ref, k_ref), (dq_ref, dk_ref) = forward_and_grads(
-        lambda a, b: apply_rope_reference(a, b, positions, inv_freq),
-        [q.double(), k.double()], [dq_out.double(), dk_out.double()],
-    )  # fmt: skip
-    pairs = [("q", q_rot, q_ref), ("k", k_rot, k_ref), ("dq", dq, dq_ref), ("dk", dk, dk_ref)]
+    pairs = rope_against_reference(q, k, dq_out, dk_out, positions, inv_freq, torch.float64)
     for name, out, ref in pairs:
         assert out.dtype == dtype
         assert_close(out, ref, TOLERANCE[dtype], name)
@@ -142,15 +155,8 @@ def test_rope_reads_strided_inputs_and_grads_and_leaves_them_untouched():
     dk_out = torch.randn(bsz, n_kv_heads, seq_len, head_dim).transpose(1, 2)
     _, _, positions, inv_freq = rope_inputs(bsz, seq_len, n_heads, n_kv_heads, head_dim, None, 64)
     before = qkv.clone()
-    (q_rot, k_rot), (dq, dk) = forward_and_grads(
-        lambda a, b: apply_rope(a, b, positions, inv_freq), [q, k], [dq_out, dk_out]
-    )
-    (q_ref, k_ref), (dq_ref, dk_ref) = forward_and_grads(
-        lambda a, b: apply_rope_reference(a, b, positions, inv_freq),
-        [q.double(), k.double()], [dq_out.double(), dk_out.double()],
-    )  # fmt: skip
+    pairs = rope_against_reference(q, k, dq_out, dk_out, positions, inv_freq, torch.float64)
     assert torch.equal(qkv, before)
-    pairs = [("q", q_rot, q_ref), ("k", k_rot, k_ref), ("dq", dq, dq_ref), ("dk", dk, dk_ref)]
     for name, out, ref in pairs:
         assert_close(out, ref, TOLERANCE[torch.float32], name)
 
@@ -165,15 +171,10 @@ def test_rope_reads_strided_inputs_and_grads_and_leaves_them_untouched():
 def test_swiglu_matches_reference_forward_and_grads(shape, dtype):
     gate, up = torch.randn(shape, dtype=dtype) * 4, torch.randn(shape, dtype=dtype)
     dout = torch.randn(shape, dtype=dtype)
-    (out,), (dgate, dup) = forward_and_grads(swiglu, [gate, up], [dout])
-    (out_ref,), (dgate_ref, dup_ref) = forward_and_grads(
-        swiglu_reference, [gate.double(), up.double()], [dout.double()]
+    pairs = against_reference(
+        swiglu, swiglu_reference, [gate, up], [dout], ["out", "dgate", "dup"], torch.float64
     )
-    for name, got, ref in [
-        ("out", out, out_ref),
-        ("dgate", dgate, dgate_ref),
-        ("dup", dup, dup_ref),
-    ]:
+    for name, got, ref in pairs:
         assert got.dtype == dtype
         assert_close(got, ref, TOLERANCE[dtype], name)
 
@@ -191,17 +192,22 @@ def ce_inputs(n_tokens, dim, vocab, dtype, ignored=()):
     return hidden, weight, labels
 
 
+def linear_cross_entropy_against_reference(
+    hidden, weight, labels, reduction, grad_out, reference_dtype
+):
+    return against_reference(
+        lambda h, w: linear_cross_entropy(h, w, labels, IGNORE_INDEX, reduction),
+        lambda h, w: linear_cross_entropy_reference(h, w, labels, IGNORE_INDEX, reduction),
+        [hidden, weight], [grad_out], ["loss", "dhidden", "dweight"], reference_dtype,
+    )  # fmt: skip
+
+
 def check_linear_cross_entropy(hidden, weight, labels, reduction):
     dtype = hidden.dtype
     grad_out = torch.tensor(1.7)  # not 1, so that the backward's scaling is exercised
-    (loss,), (dh, dw) = forward_and_grads(
-        lambda h, w: linear_cross_entropy(h, w, labels, IGNORE_INDEX, reduction),
-        [hidden, weight], [grad_out],
-    )  # fmt: skip
-    (loss_ref,), (dh_ref, dw_ref) = forward_and_grads(
-        lambda h, w: linear_cross_entropy_reference(h, w, labels, IGNORE_INDEX, reduction),
-        [hidden.double(), weight.double()], [grad_out.double()],
-    )  # fmt: skip
+    (_, loss, loss_ref), (_, dh, dh_ref), (_, dw, dw_ref) = linear_cross_entropy_against_reference(
+        hidden, weight, labels, reduction, grad_out, torch.float64
+    )
     assert loss.dtype == torch.float32 and dh.dtype == dw.dtype == dtype
     assert_close(loss, loss_ref, TOLERANCE[dtype], "loss")
     assert_close(dh, dh_ref, CE_GRAD_TOLERANCE[dtype], "dhidden")
@@ -292,11 +298,11 @@ def assert_close_on_gpu(out: torch.Tensor, ref: torch.Tensor, tolerance: float, 
 def test_rms_norm_bf16_matches_fp32_reference_at_llama_shapes(dim):
     x, dy = gpu_inputs((8192, dim), (8192, dim))
     weight = torch.rand(dim, device="cuda") + 0.5  # fp32, as the model's parameter
-    (y,), (dx, dw) = forward_and_grads(lambda a, b: rms_norm(a, b, 1e-5), [x, weight], [dy])
-    (y_ref,), (dx_ref, dw_ref) = forward_and_grads(
-        lambda a, b: rms_norm_reference(a, b, 1e-5), [x.float(), weight], [dy.float()]
-    )
-    for name, out, ref in [("y", y, y_ref), ("dx", dx, dx_ref), ("dweight", dw, dw_ref)]:
+    pairs = against_reference(
+        lambda a, b: rms_norm(a, b, 1e-5), lambda a, b: rms_norm_reference(a, b, 1e-5),
+        [x, weight], [dy], ["y", "dx", "dweight"], torch.float32,
+    )  # fmt: skip
+    for name, out, ref in pairs:
         assert_close_on_gpu(out, ref, GPU_BF16_TOLERANCE, name)
 
 
@@ -309,14 +315,7 @@ def test_rope_bf16_matches_fp32_reference_at_llama3_8b_shape_and_long_positions(
     )
     positions = torch.randint(0, 131072, (bsz, seq_len), device="cuda")  # Llama 3.1's 128k
     inv_freq = 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2, device="cuda") / head_dim)
-    (q_rot, k_rot), (dq, dk) = forward_and_grads(
-        lambda a, b: apply_rope(a, b, positions, inv_freq), [q, k], [dq_out, dk_out]
-    )
-    (q_ref, k_ref), (dq_ref, dk_ref) = forward_and_grads(
-        lambda a, b: apply_rope_reference(a, b, positions, inv_freq),
-        [q.float(), k.float()], [dq_out.float(), dk_out.float()],
-    )  # fmt: skip
-    pairs = [("q", q_rot, q_ref), ("k", k_rot, k_ref), ("dq", dq, dq_ref), ("dk", dk, dk_ref)]
+    pairs = rope_against_reference(q, k, dq_out, dk_out, positions, inv_freq, torch.float32)
     for name, out, ref in pairs:
         assert_close_on_gpu(out, ref, GPU_BF16_TOLERANCE, name)
 
@@ -326,15 +325,10 @@ def test_rope_bf16_matches_fp32_reference_at_llama3_8b_shape_and_long_positions(
 @pytest.mark.parametrize("ffn_dim", [8192, 14336])
 def test_swiglu_bf16_matches_fp32_reference_at_llama_shapes(ffn_dim):
     gate, up, dout = gpu_inputs(*[(8192, ffn_dim)] * 3)
-    (out,), (dgate, dup) = forward_and_grads(swiglu, [gate, up], [dout])
-    (out_ref,), (dgate_ref, dup_ref) = forward_and_grads(
-        swiglu_reference, [gate.float(), up.float()], [dout.float()]
+    pairs = against_reference(
+        swiglu, swiglu_reference, [gate, up], [dout], ["out", "dgate", "dup"], torch.float32
     )
-    for name, got, ref in [
-        ("out", out, out_ref),
-        ("dgate", dgate, dgate_ref),
-        ("dup", dup, dup_ref),
-    ]:
+    for name, got, ref in pairs:
         assert_close_on_gpu(got, ref, GPU_BF16_TOLERANCE, name)
 
 
@@ -348,14 +342,8 @@ def test_linear_cross_entropy_bf16_matches_fp32_reference_at_llama3_8b_shape(red
     labels = torch.randint(0, vocab, (n_tokens,), device="cuda")
     labels[::7] = IGNORE_INDEX
     grad_out = torch.tensor(1.0, device="cuda")
-    (loss,), (dh, dw) = forward_and_grads(
-        lambda h, w: linear_cross_entropy(h, w, labels, IGNORE_INDEX, reduction),
-        [hidden, weight], [grad_out],
-    )  # fmt: skip
-    (loss_ref,), (dh_ref, dw_ref) = forward_and_grads(
-        lambda h, w: linear_cross_entropy_reference(h, w, labels, IGNORE_INDEX, reduction),
-        [hidden.float(), weight.float()], [grad_out],
-    )  # fmt: skip
-    assert_close_on_gpu(loss, loss_ref, GPU_BF16_TOLERANCE, "loss")
-    assert_close_on_gpu(dh, dh_ref, GPU_BF16_TOLERANCE, "dhidden")
-    assert_close_on_gpu(dw, dw_ref, GPU_BF16_TOLERANCE, "dweight")
+    pairs = linear_cross_entropy_against_reference(
+        hidden, weight, labels, reduction, grad_out, torch.float32
+    )
+    for name, out, ref in pairs:
+        assert_close_on_gpu(out, ref, GPU_BF16_TOLERANCE, name)
