@@ -475,10 +475,14 @@ class Batch:
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor
+    # Whether some row holds more than one document, read while the batch is on the host: the
+    # model picks its attention kernel by it without waiting for the GPU.
+    several_documents: bool
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         fields = (self.tokens, self.labels, self.positions)
-        return Batch(*(t.to(device, non_blocking=non_blocking) for t in fields))
+        moved = (t.to(device, non_blocking=non_blocking) for t in fields)
+        return Batch(*moved, self.several_documents)
 
 
 class PackedLoader:
@@ -556,9 +560,10 @@ class PackedLoader:
         self.epoch += self.cursor // self.num_samples
         self.cursor %= self.num_samples
         tensors = [torch.from_numpy(np.stack(column)) for column in zip(*samples, strict=True)]
+        several_documents = bool((tensors[2][:, 1:] == 0).any())  # a position restarts
         if self.pin_memory:
             tensors = [t.pin_memory() for t in tensors]
-        return Batch(*tensors)
+        return Batch(*tensors, several_documents)
 
     def _sample_index(self, offset: int) -> int:
         """The sample at `offset` past the start of the current epoch's order; a step may run

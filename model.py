@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from kernels import (
     IGNORE_INDEX,
@@ -286,21 +286,76 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def document_mask(positions: torch.Tensor) -> torch.Tensor | BlockMask:
-    """Causal attention that stays inside each packed document: a document starts where its
-    position is 0 (positions: [B, S]). On CUDA a FlexAttention block mask, which skips the
-    blocks between documents; elsewhere (FlexAttention has no CPU backward) a dense boolean
-    mask [B, 1, S, S] for SDPA, fine at the sequence lengths a CPU trains."""
+# FlexAttention's tile: the block mask says, for each tile of this many queries by this many
+# keys, whether to skip it, compute it whole, or apply the mask element by element.
+FLEX_BLOCK = 128
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """[B, S] -> [B, S]: which packed document each token is in, counted from 0 in each row
+    (a document starts where its position is 0). Nondecreasing along the row."""
+    return (positions == 0).cumsum(dim=-1) - 1
+
+
+def holds_several_documents(positions: torch.Tensor) -> bool:
+    """Whether some row restarts its positions past its first token. Read it off the host copy
+    of a batch: on a GPU tensor it would wait for the GPU."""
+    return bool((positions[:, 1:] == 0).any())
+
+
+def document_block_mask(positions: torch.Tensor) -> BlockMask:
+    """FlexAttention's mask for causal attention inside each packed document (positions:
+    [B, S]), built from the document boundaries one FLEX_BLOCK tile at a time: nothing of size
+    S x S exists, only [B, S/128, S/128] booleans (64M at 1M tokens).
+
+    Documents are contiguous and numbered in order, so for a query tile i and a key tile j < i
+    the key tile's last document is at most the query tile's first; they share a document
+    exactly when the two are equal. Such a tile is "full" (no element masked) when both tiles
+    lie inside that one document; the diagonal tile and a tile a document starts in are
+    "partial" (FlexAttention applies `same_document_causal` to each element); all others are
+    skipped. A sequence that is not a multiple of the tile is padded with a document no real
+    token is in."""
     bsz, seq_len = positions.shape
-    document = (positions == 0).cumsum(dim=-1)  # [B, S]: which document each token is in
-    if positions.is_cuda:
+    n_tiles = -(-seq_len // FLEX_BLOCK)
+    pad = n_tiles * FLEX_BLOCK - seq_len
+    document = F.pad(document_ids(positions), (0, pad), value=seq_len)  # [B, n_tiles * 128]
+    tiles = document.view(bsz, n_tiles, FLEX_BLOCK)
+    first, last = tiles[..., 0], tiles[..., -1]  # [B, n_tiles]
+    q_first, q_last = first[:, :, None], last[:, :, None]
+    k_first, k_last = first[:, None, :], last[:, None, :]
+    tile = torch.arange(n_tiles, device=positions.device)
+    causal = tile[:, None] >= tile[None, :]
+    shares_document = causal & (k_last >= q_first)  # [B, n_tiles (queries), n_tiles (keys)]
+    below_diagonal = tile[:, None] > tile[None, :]
+    full = below_diagonal & (k_first == k_last) & (k_last == q_first) & (q_first == q_last)
+    partial = shares_document & ~full
 
-        def same_document_causal(b, h, q_idx, kv_idx):
-            return (q_idx >= kv_idx) & (document[b, q_idx] == document[b, kv_idx])
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (document[b, q_idx] == document[b, kv_idx])
 
-        return create_block_mask(
-            same_document_causal, bsz, None, seq_len, seq_len, device=positions.device
-        )
+    return BlockMask.from_kv_blocks(
+        *_tile_indices(partial),
+        *_tile_indices(full),
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=same_document_causal,
+        seq_lengths=(seq_len, seq_len),
+    )
+
+
+def _tile_indices(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, Q, K] booleans -> BlockMask's (number of key tiles [B, 1, Q], their indices in
+    increasing order first [B, 1, Q, K]), int32."""
+    count = tiles.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True)
+    return count[:, None], order.to(torch.int32)[:, None]
+
+
+def dense_document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The same mask as `document_block_mask`, element by element: [B, 1, S, S] booleans for
+    SDPA. FlexAttention has no CPU backward, so CPU runs use this (fine at the sequence lengths
+    a CPU trains); the tests compare the two."""
+    seq_len = positions.shape[1]
+    document = document_ids(positions)
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=positions.device).tril()
     return (causal & (document[:, :, None] == document[:, None, :]))[:, None]
 
@@ -339,24 +394,35 @@ class Attention(nn.Module):
         inv_freq: torch.Tensor,
         mask: torch.Tensor | BlockMask | None = None,
     ) -> torch.Tensor:
-        """Causal attention; `mask` (from `document_mask`) also keeps it inside documents."""
+        """Causal attention; `mask` (`Llama.attention_mask`) also keeps it inside documents."""
         bsz, seq_len, _ = x.shape
         q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
         q, k = self.ops.apply_rope(q, k, positions, inv_freq)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, Dh]
+        out = self.attend(q, k, v, mask)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | BlockMask | None,
+    ) -> torch.Tensor:
+        """The attention kernel, [B, H, S, Dh] -> [B, H, S, Dh] (k, v with fewer heads): SDPA's
+        causal kernel without a mask, FlexAttention with a block mask, SDPA with a dense one.
+        A method of its own so that offload.apply_ac can keep its output."""
         gqa = self.n_heads != self.n_kv_heads
         if isinstance(mask, BlockMask):
-            out = compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
-        else:
-            # The backend is chosen inside forward so that a checkpointed forward recomputed
-            # in backward takes the same one (a cuDNN forward recomputed by flash fails).
-            with sdpa_kernel(self.sdpa_backends, set_priority=True):
-                out = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
-                )
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+            return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        # The backend is chosen inside forward so that a checkpointed forward recomputed in
+        # backward takes the same one (a cuDNN forward recomputed by flash fails).
+        with sdpa_kernel(self.sdpa_backends, set_priority=True):
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+            )
 
 
 class FeedForward(nn.Module):
@@ -399,7 +465,7 @@ class Llama(nn.Module):
         mask_documents: bool = False,
     ):
         """`attention_backend`: an SDPA_BACKENDS name. `mask_documents`: no attention across
-        the documents packed in a sequence (`document_mask`), instead of plain causal."""
+        the documents packed in a sequence (`attention_mask`), instead of plain causal."""
         super().__init__()
         if attention_backend not in SDPA_BACKENDS:
             raise ValueError(
@@ -422,22 +488,45 @@ class Llama(nn.Module):
         if not args.tie_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
+    def attention_mask(
+        self, positions: torch.Tensor, several_documents: bool | None = None
+    ) -> torch.Tensor | BlockMask | None:
+        """The mask every block's attention takes, chosen once per forward (a checkpointed
+        block recomputed in backward gets the same argument, so the same kernel): None (SDPA's
+        causal kernel; cuDNN first) unless the model masks documents and some row of the batch
+        holds several; then FlexAttention's block mask on CUDA (it skips the tiles between
+        documents), a dense mask elsewhere. For a row of one document SDPA is the faster:
+        FlexAttention measured 0.73x cuDNN there (bench/RESULTS.md).
+        `several_documents` (data.Batch's, read on the host) saves reading it off `positions`,
+        which waits for the GPU."""
+        if not self.mask_documents:
+            return None
+        if several_documents is None:
+            several_documents = holds_several_documents(positions)
+        if not several_documents:
+            return None
+        return (
+            document_block_mask(positions) if positions.is_cuda else dense_document_mask(positions)
+        )
+
     def forward(
         self,
         tokens: torch.Tensor,
         labels: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         reduction: str = "mean",
+        several_documents: bool | None = None,
     ) -> torch.Tensor:
         """tokens, labels, positions: [B, S]. Returns logits [B, S, V] without labels; with
         them, the loss ("mean" over labels that are not -100, or their "sum") computed by
         `Ops.linear_cross_entropy`, which need not build the full logits.
-        positions default to 0..S-1; packed documents pass positions restarting at 0."""
+        positions default to 0..S-1; packed documents pass positions restarting at 0.
+        `several_documents`: see `attention_mask`."""
         bsz, seq_len = tokens.shape
         if positions is None:
             positions = torch.arange(seq_len, device=tokens.device).expand(bsz, seq_len)
         inv_freq = rope_frequencies(self.args, tokens.device)
-        mask = document_mask(positions) if self.mask_documents else None
+        mask = self.attention_mask(positions, several_documents)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, positions, inv_freq, mask)

@@ -60,8 +60,9 @@ SAVED_OPS = {"attention": ATTENTION_OPS, "selective": ATTENTION_OPS | {aten.mm.d
 def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
     """Activation checkpointing of the transformer blocks: "none"; "full" keeps only each
     checkpointed block's input and recomputes the block in backward; "attention" and
-    "selective" also keep the outputs of their SAVED_OPS. With every=k only blocks 0, k, 2k, ... are
-    checkpointed (the others keep everything: memory traded for less recompute)."""
+    "selective" also keep the outputs of their SAVED_OPS, and the document-masked attention's
+    (`_KeptAttention`). With every=k only blocks 0, k, 2k, ... are checkpointed (the others
+    keep everything: memory traded for less recompute)."""
     if mode not in AC_MODES:
         raise ValueError(
             f"unknown activation checkpointing mode {mode!r}; expected one of {AC_MODES}"
@@ -74,13 +75,79 @@ def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
         case "full":
             context_fn = None
         case "attention" | "selective":
-            context_fn = functools.partial(
-                create_selective_checkpoint_contexts, list(SAVED_OPS[mode])
-            )
+            context_fn = functools.partial(_keeping_contexts, list(SAVED_OPS[mode]))
     for i, block in enumerate(model.layers):
         if i % every == 0:
+            if context_fn is not None:
+                block.attention.attend = _KeptAttention(block.attention.attend)
             # No randomness in the model (no dropout): no RNG state to save and restore.
             checkpoint(block, context_fn=context_fn, preserve_rng_state=False)
+
+
+class _Phase:
+    """Which pass of a checkpointed block is running: its forward, its recompute in backward,
+    or neither (a block not checkpointed, or outside any block). One at a time: forward runs
+    on the main thread, the recompute on autograd's, never both at once."""
+
+    now: str | None = None
+
+    @classmethod
+    @contextlib.contextmanager
+    def of(cls, phase: str) -> Iterator[None]:
+        cls.now = phase
+        try:
+            yield
+        finally:
+            cls.now = None
+
+
+def _keeping_contexts(saved_ops: list) -> tuple:
+    """The checkpoint's (forward, recompute) contexts: the selective policy for SAVED_OPS,
+    plus the phase `_KeptAttention` reads."""
+    forward, recompute = create_selective_checkpoint_contexts(saved_ops)
+    return _both(forward, _Phase.of("forward")), _both(recompute, _Phase.of("recompute"))
+
+
+@contextlib.contextmanager
+def _both(first, second) -> Iterator[None]:
+    with first, second:
+        yield
+
+
+class _KeptAttention:
+    """Keeps the document-masked attention's output through a checkpointed block's recompute,
+    as the selective policy keeps SDPA's. The policy works on the aten ops a dispatch mode
+    sees; compiled FlexAttention runs as Triton kernels no dispatch mode sees, so the policy
+    would recompute it. Instead, in the block's forward the kernel runs outside the
+    checkpoint's saved-tensor hooks (its autograd node keeps what its backward needs: q, k,
+    v, the output and the softmax statistics, on the GPU even with activation offload), its
+    output is kept here, and the recompute takes the kept output instead of running the
+    kernel again. Backward then runs the kernel's own backward from its own saved tensors.
+    That keeps q, k and v too (1.5x the output's size with 4 query heads per kv head), which
+    SDPA's policy recomputes: flex's backward is reachable only through its autograd node.
+    SDPA's causal kernel (mask None) is left to the policy."""
+
+    def __init__(self, attend):
+        self.attend = attend
+        self.kept: torch.Tensor | None = None  # detached; requires_grad says the original's
+
+    def __call__(self, q, k, v, mask):
+        if mask is None or _Phase.now is None or not torch.is_grad_enabled():
+            return self.attend(q, k, v, mask)
+        if _Phase.now == "recompute":
+            if self.kept is None:
+                raise RuntimeError("attention recompute without a kept forward output")
+            out, self.kept = self.kept, None
+            return out
+        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+            out = self.attend(q, k, v, mask)
+        # Requiring grad as the original does, so the recompute saves the same tensors.
+        self.kept = out.detach().requires_grad_(out.requires_grad)
+        return out
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def apply_mlp_tiling(model: Llama, tile_tokens: int) -> None:

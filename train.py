@@ -651,7 +651,7 @@ def train(opts: Options) -> None:
                 if not in_backward:  # FSDP's
                     model.set_requires_gradient_sync(i == len(micro_batches) - 1)
                 with offload.activation_offload(model, opts.activation_offload):
-                    loss = model(b.tokens, b.labels, b.positions, reduction="sum")
+                    loss = model(b.tokens, b.labels, b.positions, "sum", b.several_documents)
                 # shard.apply_fsdp makes FSDP sum gradients over ranks (divide factor 1), so
                 # dividing by the global count gives the gradient of the global mean.
                 (loss / n_labels).backward()

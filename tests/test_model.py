@@ -14,11 +14,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from model import (
+    FLEX_BLOCK,
     PRESETS,
     REFERENCE_OPS,
     Llama,
     ModelArgs,
     check_hf_checkpoint,
+    dense_document_mask,
+    document_block_mask,
     hf_names,
     load_hf_checkpoint,
     save_hf_checkpoint,
@@ -148,6 +151,88 @@ def test_document_mask_keeps_attention_inside_each_document():
     assert rel_err(packed[:, 15:], model(tokens[:, 15:])) <= FP32_RTOL
     model.mask_documents = False  # without the mask the second document sees the first
     assert rel_err(model(tokens, positions=positions)[:, 15:], packed[:, 15:]) > 1e-3
+
+
+def test_document_mask_gradients_equal_each_document_alone():
+    model = Llama(PRESETS["tiny"], mask_documents=True)
+    model.init_weights(seed=0)
+    tokens, labels = sample_batch(model.args.vocab_size)
+    positions = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
+    model(tokens, labels, positions, reduction="sum").backward()
+    packed = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    for part in (slice(0, 15), slice(15, 40)):
+        model(tokens[:, part], labels[:, part], reduction="sum").backward()
+    for name, param in model.named_parameters():
+        assert rel_err(packed[name], param.grad) <= FP32_RTOL, name
+
+
+def random_positions(lengths_per_row: list[list[int]], first_offset: int = 0) -> torch.Tensor:
+    """Positions of rows packed with documents of the given lengths; a row's first document
+    starts at `first_offset` (a document crossing into the row from the one before)."""
+    rows = []
+    for lengths in lengths_per_row:
+        parts = [torch.arange(n) for n in lengths]
+        parts[0] = parts[0] + first_offset
+        rows.append(torch.cat(parts))
+    return torch.stack(rows)
+
+
+def tiles(dense: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, 1, S, S] -> which FLEX_BLOCK tiles have some / all elements attended; padding
+    past S counts as masked."""
+    n = -(-seq_len // FLEX_BLOCK)
+    padded = F.pad(dense[:, 0], (0, n * FLEX_BLOCK - seq_len) * 2, value=False)
+    t = padded.view(-1, n, FLEX_BLOCK, n, FLEX_BLOCK).transpose(2, 3)
+    return t.any(-1).any(-1), t.all(-1).all(-1)
+
+
+def block_mask_tiles(mask) -> tuple[torch.Tensor, torch.Tensor]:
+    def to_set(num, idx):
+        out = torch.zeros(idx.shape[0], idx.shape[2], idx.shape[3], dtype=torch.bool)
+        for b in range(idx.shape[0]):
+            for q in range(idx.shape[2]):
+                out[b, q, idx[b, 0, q, : num[b, 0, q]].long()] = True
+        return out
+
+    partial = to_set(mask.kv_num_blocks, mask.kv_indices)
+    full = to_set(mask.full_kv_num_blocks, mask.full_kv_indices)
+    assert not (partial & full).any()
+    return partial | full, full
+
+
+@pytest.mark.parametrize(
+    "lengths, offset",
+    [
+        ([[300]], 0),  # one document per row
+        ([[1, 128, 127, 44], [129, 1, 1, 169]], 0),  # one-token documents, tile edges
+        ([[200, 56, 300], [256, 300]], 37),  # a document crossing in from the row before
+        ([[5] * 60 + [256]], 0),  # many short documents
+    ],
+)
+def test_block_mask_equals_the_dense_mask(lengths, offset):
+    positions = random_positions(lengths, offset)
+    seq_len = positions.shape[1]
+    dense = dense_document_mask(positions)
+    mask = document_block_mask(positions)
+    any_tile, all_tile = tiles(dense, seq_len)
+    some, full = block_mask_tiles(mask)
+    assert torch.equal(some, any_tile) and torch.equal(full, all_tile)
+    # The element-wise rule FlexAttention applies inside the partial tiles.
+    from torch.nn.attention.flex_attention import create_mask
+
+    elementwise = create_mask(mask.mask_mod, len(lengths), 1, seq_len, seq_len, device="cpu")
+    assert torch.equal(elementwise, dense)
+
+
+def test_attention_mask_chooses_sdpa_for_rows_of_one_document():
+    model = Llama(PRESETS["tiny"], mask_documents=True)
+    one = torch.arange(40).expand(2, 40)
+    two = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
+    assert model.attention_mask(one) is None and model.attention_mask(two, False) is None
+    assert model.attention_mask(two).shape == (2, 1, 40, 40)
+    model.mask_documents = False
+    assert model.attention_mask(two) is None
 
 
 def test_sum_reduction_is_mean_times_token_count(tmp_path):

@@ -15,10 +15,12 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from model import PRESETS, Llama, ModelArgs
+from model import PRESETS, Attention, Llama, ModelArgs
 from offload import (
     AC_MODES,
+    ATTENTION_OPS,
     OptimizerInBackward,
     activation_offload,
     apply_ac,
@@ -39,19 +41,26 @@ def batch(device="cpu"):
     return tokens.to(device), labels.to(device)
 
 
-def build(ac: str = "none", every: int = 1, device="cpu") -> Llama:
+def build(ac: str = "none", every: int = 1, device="cpu", mask_documents=False) -> Llama:
     with torch.device("meta"):
-        model = Llama(ARGS)
+        model = Llama(ARGS, mask_documents=mask_documents)
     apply_ac(model, ac, every)
     model.to_empty(device=device)
     model.init_weights(seed=0)
     return model
 
 
-def gradients(model: Llama, offload: bool = False, min_bytes: int = 0):
-    tokens, labels = batch(next(model.parameters()).device)
+# Two documents in each row, the second from position 0 at token 15.
+PACKED = torch.cat([torch.arange(15), torch.arange(SEQ - 15)]).expand(BATCH, SEQ)
+
+
+def gradients(model: Llama, offload: bool = False, min_bytes: int = 0, positions=None):
+    device = next(model.parameters()).device
+    tokens, labels = batch(device)
+    if positions is not None:
+        positions = positions.to(device)
     with activation_offload(model, enabled=offload, min_bytes=min_bytes) as offloader:
-        loss = model(tokens, labels)
+        loss = model(tokens, labels, positions)
     loss.backward()
     grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
     return grads, offloader
@@ -112,6 +121,63 @@ def test_mlp_tiles_keep_gradients(reference, ac):
     apply_mlp_tiling(model, tile_tokens=16)  # SEQ 40: tiles of 16, 16 and 8 positions
     grads, _ = gradients(model)
     assert_grads_close(grads, reference)
+
+
+@pytest.fixture(scope="module")
+def packed_reference():
+    return gradients(build(mask_documents=True), positions=PACKED)[0]
+
+
+@pytest.mark.parametrize(
+    "ac, offload, tile",
+    [("full", False, 0), ("attention", False, 0), ("selective", False, 0),
+     ("attention", True, 16), ("selective", True, 0)],
+)  # fmt: skip
+def test_document_masked_attention_keeps_gradients(packed_reference, ac, offload, tile):
+    model = build(ac, mask_documents=True)
+    apply_mlp_tiling(model, tile)
+    grads, _ = gradients(model, offload=offload, min_bytes=0, positions=PACKED)
+    assert_grads_close(grads, packed_reference)
+
+
+class CountSDPA(TorchDispatchMode):
+    """Counts the SDPA kernels that actually run: a kept output handed back by the selective
+    checkpoint's recompute never reaches a mode below it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in ATTENTION_OPS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("ac, per_block", [("none", 1), ("full", 2), ("attention", 1),
+                                           ("selective", 1)])  # fmt: skip
+@pytest.mark.parametrize("positions", [None, PACKED], ids=["causal", "documents"])
+def test_attention_runs_once_per_block_unless_fully_recomputed(
+    monkeypatch, ac, per_block, positions
+):
+    """The kernel behind each block's attention, counted over a forward and backward: SDPA's
+    causal kernel at the dispatcher, the document-masked one (dense SDPA on the CPU, compiled
+    FlexAttention on a GPU, both through Attention.attend) where it is called."""
+    calls = 0
+    attend = Attention.attend
+
+    def counted(self, q, k, v, mask):
+        nonlocal calls
+        calls += mask is not None
+        return attend(self, q, k, v, mask)
+
+    monkeypatch.setattr(Attention, "attend", counted)
+    model = build(ac, mask_documents=True)
+    with CountSDPA() as sdpa:
+        gradients(model, positions=positions)
+    if positions is None:
+        assert (calls, sdpa.calls) == (0, per_block * ARGS.n_layers)
+    else:
+        assert calls == per_block * ARGS.n_layers
 
 
 def test_mlp_tiles_hold_less_than_the_whole_sequence():
