@@ -1,6 +1,8 @@
 """longtune against its peer (HF transformers + Liger, bench/peer_hf.py) in one call: the
 same model shape, sequence length, optimizer (AdamW, fp32 master weights, bf16 compute)
-and random initial weights. longtune runs through train.py itself, on the default corpus.
+and random initial weights. longtune runs through train.py itself, on the default corpus,
+or both on the rows of --data (e.g. packed documents from bench/sft_corpus.py; the peer then
+masks attention between them with --peer-attn).
 
     python bench/long_context.py --preset llama3.2-1b --seq 8192 32768 \\
         --longtune "--ac full" "--ac none" --peers hf+liger hf
@@ -46,14 +48,14 @@ def last_error(output: str) -> str:
 
 
 def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, nproc: int,
-             timeout: float) -> dict:  # fmt: skip
+             timeout: float, data: str | None) -> dict:  # fmt: skip
     run_dir = Path(tempfile.mkdtemp(prefix="longtune-bench-"))
     launcher = [sys.executable] if nproc == 1 else ["torchrun", f"--nproc-per-node={nproc}"]
     cmd = launcher + [
         "train.py", "--model", preset, "--seq-len", str(seq_len), "--micro-batch", "1",
         "--max-steps", str(steps), "--log-interval", "1", "--checkpoint-interval", "0",
         "--lr", "1e-5", "--min-lr", "1e-5", "--warmup-steps", "0", "--run-dir", str(run_dir),
-    ] + shlex.split(flags)  # fmt: skip
+    ] + (["--data", data] if data else []) + shlex.split(flags)  # fmt: skip
     name = f"longtune-{preset}-{seq_len}-{flags.replace(' ', '').replace('-', '')}"
     code, output = run(cmd, log_dir, name, timeout)
     metrics = run_dir / "metrics.jsonl"
@@ -82,10 +84,12 @@ def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, n
 
 
 def peer(impl: str, preset: str, seq_len: int, steps: int, log_dir: Path, nproc: int,
-         timeout: float) -> dict:  # fmt: skip
+         timeout: float, data: str | None, attn: str) -> dict:  # fmt: skip
     launcher = [sys.executable] if nproc == 1 else ["torchrun", f"--nproc-per-node={nproc}"]
     cmd = launcher + ["bench/peer_hf.py", "--preset", preset, "--seq-len", str(seq_len),
-                      "--steps", str(steps - 2)]  # fmt: skip
+                      "--steps", str(steps - 2), "--attn", attn]  # fmt: skip
+    if data:
+        cmd += ["--data", data]
     if impl == "hf":
         cmd.append("--no-liger")
     code, output = run(cmd, log_dir, f"{impl.replace('+', '-')}-{preset}-{seq_len}", timeout)
@@ -104,6 +108,8 @@ def main():
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
+    parser.add_argument("--data", help="a prepared dataset both train on (default: random)")
+    parser.add_argument("--peer-attn", default="sdpa", choices=["sdpa", "flex_attention"])
     parser.add_argument("--log-dir", default=os.environ.get("OUT", "bench-logs"))
     opts = parser.parse_args()
     log_dir = Path(opts.log_dir)
@@ -112,11 +118,12 @@ def main():
     for seq_len in opts.seq:
         for flags in opts.longtune:
             result = longtune(opts.preset, seq_len, flags, opts.steps, log_dir, opts.nproc,
-                              opts.timeout)  # fmt: skip
+                              opts.timeout, opts.data)  # fmt: skip
             rows.append((seq_len, result))
             print(json.dumps({"seq_len": seq_len, **result}), flush=True)
         for impl in opts.peers:
-            result = peer(impl, opts.preset, seq_len, opts.steps, log_dir, opts.nproc, opts.timeout)
+            result = peer(impl, opts.preset, seq_len, opts.steps, log_dir, opts.nproc,
+                          opts.timeout, opts.data, opts.peer_attn)  # fmt: skip
             rows.append((seq_len, result))
             print(json.dumps({"seq_len": seq_len, **result}), flush=True)
     print(f"\n{opts.preset}, {opts.nproc} GPU(s)")

@@ -2,10 +2,14 @@
 Liger-Kernel's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy), full
 gradient checkpointing, fused AdamW, fp32 master weights with bf16 autocast; with several
 GPUs (torchrun), FSDP2 `fully_shard` per decoder layer and on the root, bf16 compute, fp32
-reduction. Random weights, random tokens. Prints one JSON line of results on rank 0.
+reduction. Random weights, random tokens, or with --data the rows longtune's loader gives
+(packed documents: `position_ids` restarting at each document, from which transformers
+masks attention between documents; --attn flex_attention builds that mask as a block mask).
+Prints one JSON line of results on rank 0.
 
     python bench/peer_hf.py --preset llama3.2-1b --seq-len 8192 [--no-liger]
     torchrun --nproc-per-node 8 bench/peer_hf.py --preset llama3.1-8b --seq-len 8192
+    python bench/peer_hf.py --preset llama3.2-1b --seq-len 131072 --data DIR --attn flex_attention
 """
 
 import argparse
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from data import PackedLoader, TokenDataset  # noqa: E402
 from model import PRESETS, hf_config  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16
@@ -31,6 +36,8 @@ def main():
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=6, help="timed steps after 2 warm-up steps")
     parser.add_argument("--no-liger", action="store_true")
+    parser.add_argument("--data", help="a prepared dataset: train on its packed rows")
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention"])
     opts = parser.parse_args()
 
     import transformers
@@ -52,7 +59,7 @@ def main():
         )  # fmt: skip
     device = "meta" if world > 1 else "cuda"
     with torch.device(device):
-        model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=opts.attn)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if world > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -68,11 +75,21 @@ def main():
         # RoPE's inverse frequencies are a buffer that to_empty left uninitialized.
         model.model.rotary_emb = type(model.model.rotary_emb)(config, device="cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
-    tokens = torch.randint(0, args.vocab_size, (1, opts.seq_len), device="cuda")
+    if opts.data:
+        rows = PackedLoader(TokenDataset(opts.data), opts.seq_len, 1, rank, world)
+    else:
+        tokens = torch.randint(0, args.vocab_size, (1, opts.seq_len), device="cuda")
 
     def step():
+        if opts.data:
+            # HF shifts labels itself; longtune's labels are already the next tokens, and
+            # the positions restart at each document.
+            b = next(rows).to("cuda")
+            inputs = dict(input_ids=b.tokens, position_ids=b.positions, labels=b.tokens)
+        else:
+            inputs = dict(input_ids=tokens, labels=tokens)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=world == 1):
-            loss = model(input_ids=tokens, labels=tokens).loss
+            loss = model(**inputs).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -89,7 +106,7 @@ def main():
     seconds = (time.perf_counter() - start) / opts.steps
     tokens_per_s = opts.seq_len / seconds
     result = {
-        "impl": "hf" if opts.no_liger else "hf+liger",
+        "impl": ("hf" if opts.no_liger else "hf+liger") + (f" {opts.attn}" if opts.data else ""),
         "preset": opts.preset,
         "seq_len": opts.seq_len,
         "world_size": world,

@@ -251,6 +251,29 @@ def test_offload_on_cuda_keeps_gradients(ac):
     assert_grads_close(got, want)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ac, per_block", [("full", 2), ("attention", 1), ("selective", 1)])
+def test_flex_attention_on_cuda_is_kept_and_keeps_gradients(monkeypatch, ac, per_block):
+    """Compiled FlexAttention (the document mask on CUDA), fp32: the gradients of each
+    checkpointing mode equal no checkpointing, and only "full" runs the kernel twice."""
+    import model as model_module
+
+    want = gradients(build(device="cuda", mask_documents=True), positions=PACKED)[0]
+    calls = 0
+    flex = model_module.compiled_flex_attention()
+
+    def counted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        return flex(*args, **kwargs)
+
+    monkeypatch.setattr(model_module, "compiled_flex_attention", lambda: counted)
+    got, _ = gradients(build(ac, device="cuda", mask_documents=True), positions=PACKED)
+    assert calls == per_block * ARGS.n_layers
+    assert_grads_close(got, want)
+
+
 # ----------------------------------------------------------------------------------------
 # Optimizer in backward
 # ----------------------------------------------------------------------------------------
