@@ -20,7 +20,7 @@ Gradient accumulation: train.py calls `model.set_requires_gradient_sync(is_last_
 before each micro-batch's backward, so gradients are reduce-scattered once per step rather
 than once per micro-batch. The price: between micro-batches each rank keeps its UNSHARDED
 gradients in fp32 (4 bytes per parameter, not divided by the world size), which
-`estimate_memory(..., grad_accum_steps=k)` counts.
+`estimate_memory` counts for a plan with grad_accum > 1.
 
 Gradients are SUMMED over the data-parallel ranks (divide factor 1): train.py divides each
 rank's summed loss by the global number of target tokens, which makes the step exactly the
@@ -381,25 +381,36 @@ def block_selective_bytes(args: ModelArgs, n_tokens: int, act_bytes: int) -> int
     return n * d * act_bytes + matmuls + n * d * act_bytes + n * args.n_heads * 4
 
 
-def estimate_memory(
-    args: ModelArgs,
-    seq_len: int,
-    micro_batch: int,
-    world_size: int,
-    strategy: str,
-    ac_mode: str,
-    cpu_offload: bool,
-    activation_offload: bool,
-    kernels: bool = True,
-    local_world_size: int | None = None,
-    ac_every: int = 1,
-    grad_accum_steps: int = 1,
-    param_dtype: torch.dtype = torch.bfloat16,
-    mlp_tile: int = 0,
-    optimizer_in_backward: bool = False,
-) -> MemoryEstimate:
-    """Memory per rank of one training step, counted from the shapes (see the comments on
-    each term). The peak is the largest of four moments:
+@dataclass(frozen=True)
+class Plan:
+    """How a run takes its steps: everything besides the model that the memory per rank
+    depends on. train.py makes one from the options (its planner fills in what they leave
+    open), applies it and saves it in the run directory; `estimate_memory` counts it. Each
+    field is the train.py flag of the same name."""
+
+    seq_len: int
+    micro_batch: int = 1  # sequences per rank per forward
+    grad_accum: int = 1  # micro-batches per optimizer step
+    world_size: int = 1
+    nproc_per_node: int | None = None  # HYBRID_SHARD's shard group; None: world_size
+    strategy: str = "FULL_SHARD"
+    ac: str = "none"  # offload.AC_MODES
+    ac_every: int = 1
+    mlp_tile: int = 0
+    activation_offload: bool = False
+    cpu_offload: bool = False
+    optimizer_in_backward: bool = False  # one GPU, no FSDP (offload.OptimizerInBackward)
+    param_dtype: str = "bf16"  # of the gathered weights and the activations: bf16 or fp32
+    kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batch * self.grad_accum * self.world_size
+
+
+def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
+    """Memory per rank of one training step of `plan`, counted from the shapes (see the
+    comments on each term). The peak is the largest of four moments:
       loss forward: every saved activation and the fused loss's buffers, fp32 ones included;
       head backward: every saved activation, the loss's buffers, the gathered weights in
           use, and the head's (untied output's) gradient being reduced;
@@ -408,24 +419,16 @@ def estimate_memory(
       backward end: activations freed, all gradient shards written, and the root's
           (embedding's) gradient being reduced.
     The AdamW step itself (fused, no temporaries) needs less than backward end.
-    Activations assume the flash/cuDNN attention backend; `kernels` picks the Triton
+    Activations assume the flash/cuDNN attention backend; `plan.kernels` picks the Triton
     kernels' saved tensors or the PyTorch references'. With activation offload they
     assume the host copies keep up with compute, true with full checkpointing; without
     it the link falls behind and the GPU holds much more (bench/RESULTS.md).
-    `optimizer_in_backward` (offload.OptimizerInBackward): one GPU, no FSDP, the fp32 state
-    on the host; `strategy` is then unused."""
-    if ac_mode not in AC_MODES:
-        raise ValueError(
-            f"unknown activation checkpointing mode {ac_mode!r}; expected one of {AC_MODES}"
-        )
-    if optimizer_in_backward and (world_size > 1 or cpu_offload or grad_accum_steps > 1):
-        raise ValueError(
-            f"optimizer_in_backward runs on one GPU without CPU offload or accumulation; got "
-            f"world_size {world_size}, cpu_offload {cpu_offload}, "
-            f"grad_accum_steps {grad_accum_steps}"
-        )
-    s = shard_group_size(strategy, world_size, local_world_size or world_size)
-    p = torch.finfo(param_dtype).bits // 8  # bytes of a gathered weight and of activations
+    With the optimizer in backward (one GPU, no FSDP, the fp32 state on the host) the
+    strategy is unused."""
+    strategy, cpu_offload = plan.strategy, plan.cpu_offload
+    seq_len, micro_batch = plan.seq_len, plan.micro_batch
+    s = shard_group_size(strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
+    p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
     n = micro_batch * seq_len
     d, v, layers = args.dim, args.vocab_size, args.n_layers
     total = args.num_params()
@@ -456,7 +459,7 @@ def estimate_memory(
 
     # Earlier micro-batches' gradients, kept unsharded in fp32 while
     # set_requires_gradient_sync(False); reduced unit by unit in the last backward.
-    accumulated = 4 * total if grad_accum_steps > 1 else 0.0
+    accumulated = 4 * total if plan.grad_accum > 1 else 0.0
     # The shards every unit but the root has written when backward ends.
     grad_shards = 0.0 if cpu_offload else 4 * (total - embedding) / s
 
@@ -464,14 +467,14 @@ def estimate_memory(
     # still has its full saved set, plus its backward's working set: the incoming and
     # outgoing residual gradients and one [N, F] gradient (SwiGLU's others reuse the
     # memory its saved tensors free as backward goes).
-    mlp_tokens = micro_batch * mlp_tile if mlp_tile else None
-    full_block = block_saved_bytes(args, n, p, kernels, mlp_tokens)
+    mlp_tokens = micro_batch * plan.mlp_tile if plan.mlp_tile else None
+    full_block = block_saved_bytes(args, n, p, plan.kernels, mlp_tokens)
     block_input = n * d * p
     # Per block: what autograd saves through its hooks (`per_block`, which activation
     # offload can move to the host) and what selective checkpointing keeps in its own cache
     # (`cached`: attention's output and logsumexp, the matmuls' outputs), which stays on the
     # GPU. Blocks that `ac_every` skips keep everything.
-    match ac_mode:
+    match plan.ac:
         case "none":
             cached_by_mode = None
         case "full":
@@ -480,11 +483,15 @@ def estimate_memory(
             cached_by_mode = n * d * p + n * args.n_heads * 4
         case "selective":
             cached_by_mode = block_selective_bytes(args, n, p) - block_input
-    checkpointed = [cached_by_mode is not None and i % ac_every == 0 for i in range(layers)]
+        case _:
+            raise ValueError(
+                f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
+            )
+    checkpointed = [cached_by_mode is not None and i % plan.ac_every == 0 for i in range(layers)]
     per_block = [block_input if c else full_block for c in checkpointed]
     cached = sum(cached_by_mode for c in checkpointed if c)
     working_set = full_block + 2 * n * d * p + (mlp_tokens or n) * args.ffn_dim * p
-    if activation_offload:
+    if plan.activation_offload:
         # All blocks but the last go to the host; on the GPU: the block in backward and
         # the one prefetched. (Assumes the copies keep up; see offload.activation_offload.)
         host_activations = sum(per_block[:-1])
@@ -492,17 +499,17 @@ def estimate_memory(
     else:
         host_activations = 0
         saved = sum(per_block) + cached
-    final_norm = n * d * p + n * 4 if kernels else 2 * n * d * 4 + n * 4
+    final_norm = n * d * p + n * 4 if plan.kernels else 2 * n * d * 4 + n * 4
 
     # Loss. Fused kernel: the logits chunk, and the gradients it computes in forward and
     # keeps for backward (hidden-sized and output-weight-sized, param_dtype). Reference:
     # [N, V] fp32 log-probabilities saved, then their gradient and the fp32 logits' one
     # (12 bytes per logit), and the bf16 logits' gradient.
     fused_loss = min(CHUNK_LOGITS_BYTES, n * v * p) + n * d * p + v * d * p
-    loss = fused_loss if kernels else n * v * (12 + p)
+    loss = fused_loss if plan.kernels else n * v * (12 + p)
     # Over more than BF16_SUM_CHUNKS chunks the fused loss's forward also sums the output
     # weight's gradient in an fp32 buffer, freed before backward.
-    wide_sum = kernels and p < 4 and n > BF16_SUM_CHUNKS * _chunk_rows(v, p)
+    wide_sum = plan.kernels and p < 4 and n > BF16_SUM_CHUNKS * _chunk_rows(v, p)
     loss_forward_extra = 4 * v * d if wide_sum else 0.0
 
     # Backward starts with the head (final norm, output, loss): its gradient (the loss's
@@ -521,7 +528,7 @@ def estimate_memory(
         **head_backward,
         "gradients": accumulated + reduction(block),
         "activations": saved + working_set,
-        "loss": v * d * p if args.tie_embeddings and kernels else 0.0,
+        "loss": v * d * p if args.tie_embeddings and plan.kernels else 0.0,
     }
     loss_forward = {**head_backward, "gradients": accumulated, "loss": loss + loss_forward_extra}
     # Backward end: the root's gradient (the embedding backward's dense [V, D], into which
@@ -538,7 +545,7 @@ def estimate_memory(
     # more here); AdamW's moments are plain host memory.
     offloaded = 2 * pinned_shard_bytes(args, s) + optimizer if cpu_offload else 0.0
 
-    if optimizer_in_backward:
+    if plan.optimizer_in_backward:
         # Every param_dtype weight stays on the GPU, and no gradient buffer: a gradient
         # lives from its computation until its copy to the host is done, with up to
         # STAGING_SLOTS copies in flight behind the one being computed. The host holds

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import REFERENCE_OPS, Llama, ModelArgs, triton_ops  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
 from shard import (  # noqa: E402
+    Plan,
     apply_fsdp,
     build_mesh,
     clip_grad_norm_,
@@ -66,8 +67,9 @@ def run(dist, preset, seq, ac, act_offload, cpu_offload=False, batch=1, steps=3)
     step_s = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / GiB
     reserved = torch.cuda.max_memory_reserved() / GiB
-    est = estimate_memory(args, seq, batch, 1, "FULL_SHARD", ac, cpu_offload, act_offload,
-                          kernels=kernels)  # fmt: skip
+    plan = Plan(seq, batch, ac=ac, activation_offload=act_offload, cpu_offload=cpu_offload,
+                kernels=kernels)  # fmt: skip
+    est = estimate_memory(args, plan)
     del model, optimizer, loss
     gc.collect()
     torch.cuda.empty_cache()

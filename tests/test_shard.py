@@ -15,6 +15,7 @@ the order of the sums differs: per-rank partial sums reduced over ranks):
 """
 
 import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 from model import Llama, ModelArgs, load_hf_checkpoint, save_hf_checkpoint
-from shard import STRATEGIES, block_params, estimate_memory, pinned_shard_bytes
+from shard import STRATEGIES, Plan, block_params, estimate_memory, pinned_shard_bytes
 
 FP32_RTOL = 1e-5
 ADAMW_ATOL = 0.05 * w.LR
@@ -147,8 +148,11 @@ def test_mismatched_checkpoint_fails_on_every_rank_alike(dist_out):
 # The memory estimate
 # ----------------------------------------------------------------------------------------
 
-ESTIMATE_KW = dict(seq_len=4096, micro_batch=1, world_size=8, strategy="FULL_SHARD",
-                   ac_mode="full", cpu_offload=False, activation_offload=False)  # fmt: skip
+PLAN = Plan(seq_len=4096, world_size=8, ac="full")
+
+
+def estimate(args: ModelArgs, **changes):
+    return estimate_memory(args, dataclasses.replace(PLAN, **changes))
 
 
 @pytest.mark.parametrize("preset", ["tiny", "llama3.2-1b", "llama3-8b"])
@@ -156,7 +160,7 @@ def test_estimate_counts_the_models_parameters(preset):
     args = ModelArgs.from_name(preset)
     with torch.device("meta"):
         model = Llama(args)
-    est = estimate_memory(args, **ESTIMATE_KW)
+    est = estimate(args)
     assert est.num_params == sum(p.numel() for p in model.parameters())
     assert block_params(args) == sum(p.numel() for p in model.layers[0].parameters())
 
@@ -165,8 +169,7 @@ def test_estimate_counts_the_models_parameters(preset):
 @pytest.mark.parametrize("ac_mode", ["none", "full", "selective"])
 def test_estimate_parts_add_up(strategy, ac_mode):
     args = ModelArgs.from_name("llama3-8b")
-    kw = {**ESTIMATE_KW, "strategy": strategy, "ac_mode": ac_mode, "local_world_size": 4}
-    est = estimate_memory(args, **kw)
+    est = estimate(args, strategy=strategy, ac=ac_mode, nproc_per_node=4)
     parts = [est.parameters, est.gradients, est.optimizer, est.activations, est.loss]
     assert all(part >= 0 for part in parts)
     assert sum(parts) + est.overhead == pytest.approx(est.gpu_total)
@@ -186,14 +189,14 @@ def test_pinned_host_memory_is_rounded_to_powers_of_two_per_tensor():
 
 def test_estimate_orders_the_options_sensibly():
     args = ModelArgs.from_name("llama3-8b")
-    est = lambda **kw: estimate_memory(args, **{**ESTIMATE_KW, **kw})  # noqa: E731
+    est = functools.partial(estimate, args)
     # 8B on 8 ranks: 16 bytes of fp32 state per parameter / 8 = 2 bytes each ~ 15 GiB.
     fp32_state = 16 * args.num_params() / 8 / 2**30
     assert est().optimizer == pytest.approx(fp32_state / 2)  # AdamW: 8 of the 16 bytes
-    assert est(ac_mode="none").activations > est(ac_mode="selective").activations
-    assert est(ac_mode="selective").activations > est(ac_mode="full").activations
-    assert est(activation_offload=True, ac_mode="none").activations < est(
-        ac_mode="none").activations  # fmt: skip
+    assert est(ac="none").activations > est(ac="selective").activations
+    assert est(ac="selective").activations > est(ac="full").activations
+    assert est(activation_offload=True, ac="none").activations < est(
+        ac="none").activations  # fmt: skip
     assert est(strategy="SHARD_GRAD_OP").parameters > est().parameters
     assert est(strategy="NO_SHARD").gpu_total > est().gpu_total + fp32_state
     offloaded = est(cpu_offload=True)
@@ -208,16 +211,15 @@ def test_estimate_orders_the_options_sensibly():
     assert est(seq_len=65536).activations == pytest.approx(2 * est(seq_len=32768).activations,
                                                            rel=0.05)  # fmt: skip
     with pytest.raises(ValueError, match="expected one of"):
-        est(ac_mode="some")
+        est(ac="some")
     with pytest.raises(ValueError, match="expected one of"):
         est(strategy="ZERO3")
 
 
 def test_estimate_of_the_optimizer_in_backward():
     args = ModelArgs.from_name("llama3.1-8b")
-    kw = {**ESTIMATE_KW, "world_size": 1, "seq_len": 131072}
-    est = estimate_memory(args, **kw, optimizer_in_backward=True)
-    fsdp = estimate_memory(args, **kw)
+    est = estimate(args, world_size=1, seq_len=131072, optimizer_in_backward=True)
+    fsdp = estimate(args, world_size=1, seq_len=131072)
     total = args.num_params()
     # GPU: the bf16 weights, no fp32 state, a few gradients in flight (not a full set).
     assert est.parameters == pytest.approx(2 * total / 2**30)
@@ -227,5 +229,3 @@ def test_estimate_of_the_optimizer_in_backward():
     assert est.gpu_total < fsdp.gpu_total - 8 * total / 2**30
     # Host: 12 bytes per parameter (96 GB for 8B) and the staging buffers, under 128 GiB.
     assert 12 * total / 2**30 < est.host_total < 100
-    with pytest.raises(ValueError, match="one GPU"):
-        estimate_memory(args, **ESTIMATE_KW, optimizer_in_backward=True)
