@@ -378,8 +378,8 @@ class OptimizerInBackward:
     with backward meanwhile, waits for that copy, converts the gradient to fp32, runs AdamW
     on the master (weight decay on matrices only, as train.py's param groups) and copies it
     back, rounded to param_dtype, into the working weight on a second side stream (the two
-    directions use different copy engines). `finish_step()` waits for all updates and makes
-    the compute stream wait for those copies, so the next forward reads the new weights.
+    directions use different copy engines). `step()` waits for all updates and makes the
+    compute stream wait for those copies, so the next forward reads the new weights.
     Without CUDA (the tests) the same hooks and thread run, without streams or staging.
 
     What updating before the step's last gradient exists rules out: clipping by the
@@ -519,24 +519,26 @@ class OptimizerInBackward:
             param.detach().copy_(staging, non_blocking=True)
             self.weight_copied[i] = self.h2d.record_event()
 
-    def finish_step(self) -> float:
-        """Waits for this step's updates (raising a worker's error here) and makes the
-        compute stream wait for their copies to the GPU; returns the global L2 norm of the
-        step's gradients (non-finite if any was: by then every update has been applied)."""
+    def step(self) -> torch.Tensor:
+        """Ends the step whose updates backward started: waits for them (raising a worker's
+        error here) and makes the compute stream wait for their copies to the GPU. Returns
+        the global L2 norm of the step's gradients as a 0-dim tensor on the device, unread,
+        so no host sync (non-finite if a gradient was: by then every update is applied).
+        The interface of train.py's optimizer; gradients need no zeroing (none is kept)."""
         pending, self.pending = self.pending, []
         for future in pending:
             future.result()
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.h2d)
-        norm = self.sq_norm.sqrt().item()
-        self.sq_norm.zero_()
+        norm = self.sq_norm.sqrt()
+        self.sq_norm.zero_()  # stream-ordered after the sqrt above
         return norm
 
     def state_dict(self) -> dict:
         """The host state by parameter name, laid out as train.py's FSDP checkpoints are:
         {"model": fp32 weights, "optim": torch.optim.AdamW's state}, so that either kind of
         run can resume from the other's checkpoint. The tensors themselves, not copies:
-        read it between steps (after finish_step)."""
+        read it between steps (after step())."""
         return {"model": dict(self.master), "optim": {n: dict(s) for n, s in self.state.items()}}
 
     @torch.no_grad()

@@ -17,12 +17,14 @@
         --rdzv-endpoint=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1):29500 \\
         train.py --hf-checkpoint llama-3.1-70b/ --data data/mine --run-dir runs/70b --resume'
 
+The file reads in the order a run goes: options -> plan (how the steps are taken:
+micro-batches, sharding, checkpointing, offload; shard.Plan) -> build (the model on the meta
+device, then `apply_techniques` in their fixed order) -> the loop.
 A step: count the labelled tokens of the step's micro-batches on all ranks, then for each
-micro-batch forward (loss summed) and backward (divided by that count), clip, AdamW step, log.
-With --optimizer-in-backward (one GPU, no FSDP) AdamW runs on the CPU during backward instead,
-parameter by parameter (offload.OptimizerInBackward), and the step waits for its last updates.
-The model is built on the meta device, then activation checkpointing, compile, FSDP and
-materialization are applied in that order (shard.py, offload.py).
+micro-batch forward (loss summed) and backward (divided by that count), then the optimizer's
+step (clip, AdamW), and on log steps only, read the loss and log. With
+--optimizer-in-backward (one GPU, no FSDP) AdamW runs on the CPU during backward instead,
+parameter by parameter (offload.OptimizerInBackward), behind the same interface.
 
 --run-dir holds metrics.jsonl (the logged records, one JSON object a line), checkpoints/
 step-XXXXXX (DCP directories of safetensors shards, which appear only once complete) and
@@ -149,7 +151,6 @@ class Options:
         False, "no attention across the documents packed in a sequence (FlexAttention on GPU)"
     )
     kernels: bool | None = flag(None, "the Triton kernels (default: on with CUDA, off on CPU)")
-    compile: bool = flag(False, "torch.compile each transformer block")
     # Output
     log_interval: int = flag(10, "log every n steps")
     checkpoint_interval: int = flag(
@@ -295,7 +296,7 @@ def check_resumable(saved: dict, run: dict) -> None:
 
 
 def save_checkpoint(
-    root: Path, step: int, model, optimizer, train_state: dict, keep: int, is_main: bool
+    root: Path, step: int, optimizer, train_state: dict, keep: int, is_main: bool
 ) -> None:
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-{final.name}"
@@ -309,7 +310,7 @@ def save_checkpoint(
     # default format keeps its metadata as a pickle. The hyperparameters in param_groups
     # come from the command line.
     dcp.save(
-        checkpoint_state(model, optimizer),
+        optimizer.state_dict(),
         storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True),
     )
     if is_main:
@@ -323,26 +324,11 @@ def save_checkpoint(
             shutil.rmtree(old)
 
 
-def checkpoint_state(model, optimizer) -> dict:
-    """The tensors of a checkpoint, by parameter name: {"model": fp32 weights, "optim":
-    AdamW's state}. The same layout with the optimizer in backward (its host state), so
-    either kind of run resumes from the other's checkpoints."""
-    if isinstance(optimizer, offload.OptimizerInBackward):
-        return optimizer.state_dict()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optim": optim_state["state"]}
-
-
-def load_checkpoint(path: Path, model, optimizer) -> None:
-    state = checkpoint_state(model, optimizer)
+def load_checkpoint(path: Path, optimizer) -> None:
+    state = optimizer.state_dict()
     # Fills the tensors in place, resharding if the world size changed.
     dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    if isinstance(optimizer, offload.OptimizerInBackward):
-        optimizer.load_state_dict(state)  # and on to the GPU's working weights
-        return
-    param_groups = get_state_dict(model, optimizer)[1]["param_groups"]
-    optim_state = {"state": state["optim"], "param_groups": param_groups}
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
+    optimizer.load_state_dict(state)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -376,6 +362,141 @@ def export_hf(
         for _ in full_tensors():
             pass
     dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------
+# The plan, and the model and optimizer it describes
+# ----------------------------------------------------------------------------------------
+
+
+def model_args(opts: Options) -> ModelArgs:
+    if opts.hf_checkpoint:
+        args = ModelArgs.from_hf_config(opts.hf_checkpoint)
+    else:
+        args = ModelArgs.from_name(opts.model or "tiny")
+    if opts.max_seq_len:
+        # Context extension: RoPE has no table to outgrow (the angles come from positions),
+        # so this is the limit the data check enforces and an export records.
+        args = dataclasses.replace(args, max_seq_len=opts.max_seq_len)
+    return args
+
+
+def plan_run(
+    opts: Options, on_gpu: bool, world_size: int, nproc_per_node: int | None
+) -> shard.Plan:
+    """How the run takes its steps (micro-batches, sharding, checkpointing, offload), from
+    the options, on GPUs or on the CPU (where --kernels and --param-dtype default off and
+    fp32)."""
+    return shard.Plan(
+        seq_len=opts.seq_len,
+        micro_batch=opts.micro_batch,
+        grad_accum=opts.grad_accum,
+        world_size=world_size,
+        nproc_per_node=nproc_per_node,
+        strategy=opts.strategy,
+        ac=opts.ac,
+        ac_every=opts.ac_every,
+        mlp_tile=opts.mlp_tile,
+        activation_offload=opts.activation_offload,
+        cpu_offload=opts.cpu_offload,
+        optimizer_in_backward=opts.optimizer_in_backward,
+        param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
+        kernels=on_gpu if opts.kernels is None else opts.kernels,
+    )
+
+
+def apply_techniques(
+    model: Llama,
+    plan: shard.Plan,
+    world: shard.Dist,
+    seed: int,
+    hf_path: str | None,
+    progress: Callable[[int, int], None] | None,
+) -> None:
+    """Makes the meta-built model the one the plan describes, in the one order in which the
+    techniques compose:
+      1. activation checkpointing (offload.apply_ac) and 2. MLP tiling (a checkpoint per
+         tile, inside the block's): they change how the blocks run, and come before
+         sharding so that the forward recomputed in backward runs through FSDP's hooks
+         again, which re-gather the weights freed after forward;
+      3. FSDP (shard.apply_fsdp) shards the blocks as they now are, with mixed precision
+         and, if planned, CPU offload;
+      4. materialization comes last, so that each rank allocates only its own shards: the
+         whole model never exists on one device.
+    With the optimizer in backward (one GPU) there is no FSDP: the model is materialized
+    in fp32 on the host, as the master weights offload.OptimizerInBackward keeps.
+    (torch.compile of each block, which would come between 2 and 3, measured slower than
+    eager here and is not offered.)"""
+    offload.apply_ac(model, plan.ac, every=plan.ac_every)
+    offload.apply_mlp_tiling(model, plan.mlp_tile)
+    if plan.optimizer_in_backward:
+        offload.materialize_on_host(model, world.device, seed, hf_path, progress)
+        return
+    mesh = shard.build_mesh(plan.strategy, world)
+    shard.apply_fsdp(
+        model,
+        mesh,
+        plan.strategy,
+        cpu_offload=plan.cpu_offload,
+        param_dtype=DTYPES[plan.param_dtype],
+        reduce_dtype=torch.float32,
+    )
+    shard.materialize(model, world, seed, hf_path, plan.cpu_offload, progress)
+
+
+class ShardedAdamW:
+    """torch.optim.AdamW over FSDP's sharded parameters (weight decay on the matrices, not
+    the norms), behind the interface the loop calls, which offload.OptimizerInBackward
+    shares: set_lr() before a step's backward, step() after it, and state_dict() /
+    load_state_dict() for checkpoints, {"model": fp32 weights, "optim": AdamW's state} by
+    parameter name in both, so either kind of run resumes from the other's checkpoints."""
+
+    def __init__(self, model: Llama, opts: Options, fused: bool):
+        self.model = model
+        self.grad_clip = opts.grad_clip
+        params = list(model.parameters())
+        self.adamw = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.ndim >= 2], "weight_decay": opts.weight_decay},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            ],
+            lr=opts.lr,
+            betas=(opts.beta1, opts.beta2),
+            fused=fused,
+        )
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> torch.Tensor:
+        """Clips the gradients by their global norm (--grad-clip), updates and frees them;
+        returns that norm as a 0-dim tensor, unread, so the step has no host sync."""
+        norm = shard.clip_grad_norm_(self.model, self.grad_clip)
+        self.adamw.step()
+        self.adamw.zero_grad(set_to_none=True)
+        return norm
+
+    def state_dict(self) -> dict:
+        model_state, optim_state = get_state_dict(self.model, self.adamw)
+        return {"model": model_state, "optim": optim_state["state"]}
+
+    def load_state_dict(self, state: dict) -> None:
+        # The hyperparameters in param_groups come from the command line, not the checkpoint.
+        param_groups = get_state_dict(self.model, self.adamw)[1]["param_groups"]
+        optim_state = {"state": state["optim"], "param_groups": param_groups}
+        set_state_dict(
+            self.model, self.adamw, model_state_dict=state["model"], optim_state_dict=optim_state
+        )
+
+
+def build_optimizer(model: Llama, plan: shard.Plan, opts: Options, device: torch.device):
+    if plan.optimizer_in_backward:
+        betas = (opts.beta1, opts.beta2)
+        dtype = DTYPES[plan.param_dtype]
+        return offload.OptimizerInBackward(model, device, dtype, opts.lr, betas, opts.weight_decay)
+    # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then.
+    return ShardedAdamW(model, opts, fused=device.type == "cuda" or plan.cpu_offload)
 
 
 # ----------------------------------------------------------------------------------------
@@ -430,6 +551,38 @@ def format_record(r: dict, max_steps: int) -> str:
     )
 
 
+def start_metrics(metrics_path: Path, ckpt_root: Path, step: int, resume_from: Path | None):
+    """A resumed run continues its checkpoint's history: the steps that a killed run did
+    after it (or the later checkpoints of a run resumed from an earlier one) go."""
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if resume_from and metrics_path.exists():
+        kept = [
+            line
+            for line in metrics_path.read_text().splitlines()
+            if json.loads(line)["step"] <= step
+        ]
+    metrics_path.write_text("".join(line + "\n" for line in kept))
+    for later in list_checkpoints(ckpt_root):
+        if step_of(later) > step:
+            shutil.rmtree(later)
+
+
+def make_profiler(opts: Options, trace: Path, on_gpu: bool):
+    if not opts.profile:
+        return contextlib.nullcontext()
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(
+        activities=activities,
+        # The first steps carry one-off costs (allocator growth, compilation).
+        schedule=torch.profiler.schedule(wait=1, warmup=1, active=opts.profile, repeat=1),
+        on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
+        record_shapes=True,
+    )
+
+
 # ----------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------
@@ -437,40 +590,17 @@ def format_record(r: dict, max_steps: int) -> str:
 
 def train(opts: Options) -> None:
     check_options(opts)
-    if opts.hf_checkpoint:
-        args = ModelArgs.from_hf_config(opts.hf_checkpoint)
-    else:
-        args = ModelArgs.from_name(opts.model or "tiny")
-    if opts.max_seq_len:
-        # Context extension: RoPE has no table to outgrow (the angles come from positions),
-        # so this is the limit the data check enforces and an export records.
-        args = dataclasses.replace(args, max_seq_len=opts.max_seq_len)
+    args = model_args(opts)
+    env = os.environ
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    nproc_per_node = int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None
     if opts.estimate_memory:  # for a GPU run: the GPU defaults of --kernels, --param-dtype
-        env = os.environ
-        estimate = shard.estimate_memory(
-            args,
-            opts.seq_len,
-            opts.micro_batch,
-            world_size=opts.world_size or int(env.get("WORLD_SIZE", "1")),
-            strategy=opts.strategy,
-            ac_mode=opts.ac,
-            cpu_offload=opts.cpu_offload,
-            activation_offload=opts.activation_offload,
-            kernels=opts.kernels is not False,
-            local_world_size=int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None,
-            ac_every=opts.ac_every,
-            mlp_tile=opts.mlp_tile,
-            grad_accum_steps=opts.grad_accum,
-            param_dtype=DTYPES[opts.param_dtype or "bf16"],
-            optimizer_in_backward=opts.optimizer_in_backward,
-        )
-        print(estimate.format())
+        plan = plan_run(opts, True, opts.world_size or world_size, nproc_per_node)
+        print(shard.estimate_memory(args, plan).format())
         return
-
     on_gpu = torch.cuda.is_available()  # shard.init_distributed takes a GPU when there is one
-    use_kernels = on_gpu if opts.kernels is None else opts.kernels
-    param_dtype = DTYPES[opts.param_dtype or ("bf16" if on_gpu else "fp32")]
-    if use_kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+    plan = plan_run(opts, on_gpu, world_size, nproc_per_node)
+    if plan.kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
     if opts.memory_snapshot and not on_gpu:
         raise ValueError("--memory-snapshot records CUDA allocations; this run has no GPU")
@@ -512,76 +642,42 @@ def train(opts: Options) -> None:
     if saved:
         check_resumable(saved["run"], json.loads(json.dumps(run)))
 
+    # Build: on the meta device, then the techniques, then the optimizer over the result.
     with torch.device("meta"):
-        ops = triton_ops() if use_kernels else REFERENCE_OPS
+        ops = triton_ops() if plan.kernels else REFERENCE_OPS
         model = Llama(args, ops, opts.attention_backend, mask_documents=opts.document_mask)
-    offload.apply_ac(model, opts.ac, every=opts.ac_every)
-    offload.apply_mlp_tiling(model, opts.mlp_tile)
-    if opts.compile:
-        for block in model.layers:
-            block.compile()  # in place: parameter names, and so checkpoints, stay the same
-    in_backward = opts.optimizer_in_backward
-    if not in_backward:
-        mesh = shard.build_mesh(opts.strategy, world)
-        shard.apply_fsdp(
-            model,
-            mesh,
-            opts.strategy,
-            cpu_offload=opts.cpu_offload,
-            param_dtype=param_dtype,
-            reduce_dtype=torch.float32,
-        )
     hf_path = opts.hf_checkpoint if resume_from is None else None  # else the checkpoint's weights
     progress = show_progress(f"loading {hf_path}") if hf_path and is_main else None
-    if in_backward:
-        # Not sharded: fp32 on the host (the master weights), then param_dtype on the GPU.
-        offload.materialize_on_host(model, device, opts.seed, hf_path, progress)
-    else:
-        shard.materialize(model, world, opts.seed, hf_path, opts.cpu_offload, progress)
-
-    if in_backward:
-        optimizer = offload.OptimizerInBackward(
-            model, device, param_dtype, opts.lr, (opts.beta1, opts.beta2), opts.weight_decay
-        )
-    else:
-        params = list(model.parameters())
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": [p for p in params if p.ndim >= 2], "weight_decay": opts.weight_decay},
-                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-            ],
-            lr=opts.lr,
-            betas=(opts.beta1, opts.beta2),
-            fused=on_gpu or opts.cpu_offload,  # with --cpu-offload the step runs on the CPU
-        )
+    apply_techniques(model, plan, world, opts.seed, hf_path, progress)
+    optimizer = build_optimizer(model, plan, opts, device)
     loader = PackedLoader(
         dataset,
         opts.seq_len,
-        opts.micro_batch,
+        plan.micro_batch,
         world.rank,
         world.world_size,
         seed=opts.seed,
         pin_memory=on_gpu,
     )
-    tokens_per_step = loader.tokens_per_step * opts.grad_accum
+    tokens_per_step = loader.tokens_per_step * plan.grad_accum
     max_steps = opts.max_steps
     if opts.max_tokens:
         max_steps = math.ceil(opts.max_tokens / tokens_per_step)
 
     flops_per_token = args.flops_per_token(opts.seq_len)
     peak = peak_flops(device)
-    layout = "optimizer in backward" if in_backward else opts.strategy
+    layout = "optimizer in backward" if plan.optimizer_in_backward else plan.strategy
     log(
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {args.num_params() / 1e6:.1f}M "
         f"params, {flops_per_token / 1e6:.1f} MFLOP/token (6N + 6LSd) | data {dataset.path}: "
         f"{dataset.n_tokens:,} tokens ({tokenizer}) | {world.world_size} x {device.type}, "
-        f"{layout}, {str(param_dtype).removeprefix('torch.')} params, kernels "
-        f"{'on' if use_kernels else 'off'} | {tokens_per_step:,} tokens/step, {max_steps} steps"
+        f"{layout}, {plan.param_dtype} params, kernels {'on' if plan.kernels else 'off'} | "
+        f"{tokens_per_step:,} tokens/step, {max_steps} steps"
     )
 
     step = 0
     if resume_from:
-        load_checkpoint(resume_from, model, optimizer)
+        load_checkpoint(resume_from, optimizer)
         loader.load_state_dict(saved["loader"])
         set_rng_state(saved["rng"], device)
         step = saved["step"]
@@ -591,55 +687,25 @@ def train(opts: Options) -> None:
         )
     elif opts.resume:
         log(f"no checkpoint in {ckpt_root}: starting from scratch")
-
     metrics_path = run_dir / "metrics.jsonl"
     if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        # A resumed run continues its checkpoint's history: the steps that a killed run did
-        # after it (or the later checkpoints of a run resumed from an earlier one) go.
-        kept = []
-        if resume_from and metrics_path.exists():
-            kept = [
-                line
-                for line in metrics_path.read_text().splitlines()
-                if json.loads(line)["step"] <= step
-            ]
-        metrics_path.write_text("".join(line + "\n" for line in kept))
-        for later in list_checkpoints(ckpt_root):
-            if step_of(later) > step:
-                shutil.rmtree(later)
-
-    profiler = contextlib.nullcontext()
-    if opts.profile:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if on_gpu:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        trace = run_dir / f"trace-rank{world.rank}.json"
-        profiler = torch.profiler.profile(
-            activities=activities,
-            # The first steps carry one-off costs (allocator growth, compilation).
-            schedule=torch.profiler.schedule(wait=1, warmup=1, active=opts.profile, repeat=1),
-            on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
-            record_shapes=True,
-        )
+        start_metrics(metrics_path, ckpt_root, step, resume_from)
+    profiler = make_profiler(opts, run_dir / f"trace-rank{world.rank}.json", on_gpu)
     if opts.memory_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
 
-    start_step, last_saved = step, resume_from
+    start_step, last_saved, checked_step = step, resume_from, step
     t_start = t_log = time.perf_counter()
     step_at_log = step
     batches = iter(loader)
+    nonfinite = torch.zeros((), dtype=torch.int32, device=device)  # steps since the last check
     model.train()
     with profiler:
         while step < max_steps:
             lr = lr_at(step, opts, max_steps)
-            if in_backward:
-                optimizer.set_lr(lr)  # before backward, which makes the updates
-            else:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
+            optimizer.set_lr(lr)  # before backward, where the optimizer in backward updates
             micro_batches = [
-                next(batches).to(device, non_blocking=True) for _ in range(opts.grad_accum)
+                next(batches).to(device, non_blocking=True) for _ in range(plan.grad_accum)
             ]
             # The loss is the mean over the step's labelled tokens on all ranks, not a mean of
             # per-micro-batch means: micro-batches hold different numbers of labelled tokens.
@@ -648,39 +714,21 @@ def train(opts: Options) -> None:
             n_labels = n_labels.clamp(min=1)
             loss_sum = torch.zeros((), device=device)
             for i, b in enumerate(micro_batches):
-                if not in_backward:  # FSDP's
-                    model.set_requires_gradient_sync(i == len(micro_batches) - 1)
-                with offload.activation_offload(model, opts.activation_offload):
+                if plan.grad_accum > 1:  # FSDP reduces the gradients in the last backward only
+                    model.set_requires_gradient_sync(i == plan.grad_accum - 1)
+                with offload.activation_offload(model, plan.activation_offload):
                     loss = model(b.tokens, b.labels, b.positions, "sum", b.several_documents)
                 # shard.apply_fsdp makes FSDP sum gradients over ranks (divide factor 1), so
                 # dividing by the global count gives the gradient of the global mean.
                 (loss / n_labels).backward()
                 loss_sum += loss.detach()
-            if in_backward:
-                # The updates ran during backward: this waits for the last ones, the time
-                # the optimizer adds to the step.
-                t_optimizer = time.perf_counter()
-                grad_norm = optimizer.finish_step()
-                optimizer_s = time.perf_counter() - t_optimizer
-            else:
-                grad_norm = shard.clip_grad_norm_(model, opts.grad_clip).item()
-            dist.all_reduce(loss_sum)
-            loss = (loss_sum / n_labels).item()
-            if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-                # With the optimizer in backward the update is made: the weights in memory
-                # are spoiled, the checkpoints on disk are not.
-                when = "after its update (made in backward)" if in_backward else "before its update"
-                raise FloatingPointError(
-                    f"step {step + 1}: loss {loss}, gradient norm {grad_norm}. Stopped {when}; "
-                    f"the last checkpoint is {last_saved or 'none'}"
-                )
-            if not in_backward:
-                # The .item() calls above synchronized, so this times the step alone (on the
-                # CPU with --cpu-offload, where it can bound the step).
-                t_optimizer = time.perf_counter()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                optimizer_s = time.perf_counter() - t_optimizer
+            t_optimizer = time.perf_counter()
+            grad_norm = optimizer.step()
+            # Host time of the step: the CPU AdamW with --cpu-offload, the wait for the last
+            # updates with the optimizer in backward, kernel launches otherwise.
+            optimizer_s = time.perf_counter() - t_optimizer
+            finite = loss_sum.isfinite() & grad_norm.to(device, non_blocking=True).isfinite()
+            nonfinite += ~finite
             step += 1
             if opts.profile:
                 profiler.step()
@@ -690,11 +738,29 @@ def train(opts: Options) -> None:
                 torch.cuda.memory._record_memory_history(enabled=None)
                 log(f"wrote {snapshot} (open it at https://pytorch.org/memory_viz)")
 
-            if step % opts.log_interval == 0 or step == max_steps:
+            logging = step % opts.log_interval == 0 or step == max_steps
+            saving = opts.checkpoint_interval and (
+                step % opts.checkpoint_interval == 0 or step == max_steps
+            )
+            if not (logging or saving):
+                continue
+            # Values are read only here, as in nanoGPT: reading them every step would make
+            # the host wait for the GPU each step. The check covers every step since the last
+            # one, and comes before a checkpoint could save spoiled weights.
+            dist.all_reduce(loss_sum)
+            dist.all_reduce(nonfinite, op=dist.ReduceOp.MAX)
+            loss, grad_norm = (loss_sum / n_labels).item(), grad_norm.item()
+            if nonfinite.item():
+                raise FloatingPointError(
+                    f"step {step}: loss {loss}, gradient norm {grad_norm}: a non-finite loss "
+                    f"or gradient norm in steps {checked_step + 1}-{step}. Stopped after its "
+                    f"update; the last checkpoint is {last_saved or 'none'}"
+                )
+            checked_step = step
+            if logging:
                 now = time.perf_counter()
                 tokens_per_s = (step - step_at_log) * tokens_per_step / (now - t_log)
                 per_device = tokens_per_s / world.world_size
-                gpu_mem = torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None
                 record = {
                     "step": step,
                     "loss": loss,
@@ -705,7 +771,9 @@ def train(opts: Options) -> None:
                     "tokens_per_s": tokens_per_s,
                     "tokens_per_s_per_device": per_device,
                     "mfu": per_device * flops_per_token / peak if peak else None,
-                    "peak_gpu_mem_gib": gpu_mem,
+                    "peak_gpu_mem_gib": (
+                        torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None
+                    ),
                     "host_peak_rss_gib": host_peak_rss_gib(),
                     "elapsed_s": now - t_start,
                     "eta_s": (now - t_start) / (step - start_step) * (max_steps - step),
@@ -715,10 +783,7 @@ def train(opts: Options) -> None:
                     with metrics_path.open("a") as f:
                         f.write(json.dumps(record) + "\n")
                 t_log, step_at_log = now, step
-
-            if opts.checkpoint_interval and (
-                step % opts.checkpoint_interval == 0 or step == max_steps
-            ):
+            if saving:
                 train_state = {
                     "step": step,
                     "loader": loader.state_dict(),
@@ -727,16 +792,16 @@ def train(opts: Options) -> None:
                     "options": dataclasses.asdict(opts),
                 }
                 save_checkpoint(
-                    ckpt_root, step, model, optimizer, train_state, opts.keep_checkpoints, is_main
+                    ckpt_root, step, optimizer, train_state, opts.keep_checkpoints, is_main
                 )
                 last_saved = ckpt_root / f"step-{step:06d}"
                 log(f"saved {last_saved}")
 
-    if opts.profile and trace.exists():
+    if opts.profile and (trace := run_dir / f"trace-rank{world.rank}.json").exists():
         log(f"wrote {trace} (open it in https://ui.perfetto.dev)")
     if opts.export_hf:
-        export_hf(model, opts.export_hf, param_dtype, device, is_main)
-        log(f"exported {opts.export_hf} ({str(param_dtype).removeprefix('torch.')})")
+        export_hf(model, opts.export_hf, DTYPES[plan.param_dtype], device, is_main)
+        log(f"exported {opts.export_hf} ({plan.param_dtype})")
     dist.destroy_process_group()
 
 

@@ -314,7 +314,7 @@ def adamw_steps(args: ModelArgs, in_backward: bool, device="cpu", steps: int = 4
                 group["lr"] = lr
         model(tokens.to(device), labels.to(device)).backward()
         if in_backward:
-            norms.append(optimizer.finish_step())
+            norms.append(optimizer.step().item())
         else:
             grads = [p.grad for p in model.parameters()]
             norms.append(torch.nn.utils.get_total_norm(grads).item())

@@ -402,8 +402,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(in_backward, dataset,
     with pytest.raises(SystemExit):
         train.main(argv)
     err = capsys.readouterr().err
-    assert "step 2: loss" in err and "nan" in err
-    assert ("after its update (made in backward)" in err) == in_backward
+    # Checked at log steps, with no host sync in between: the update of the step is made.
+    assert "step 2: loss" in err and "nan" in err and "Stopped after its update" in err
     assert f"the last checkpoint is {tmp_path / 'checkpoints/step-000001'}" in err
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000001"]
     assert list(losses(tmp_path)) == [1]
