@@ -4,9 +4,14 @@ A prepared dataset is a directory of three files:
     tokens.bin     uint32, every document as BOS + tokens + EOS, documents back to back
     loss_mask.bin  uint8, one per token: 1 where the token may be a label, 0 where it may not
                    (the prompt of a supervised fine-tuning example, and every BOS)
-    meta.json      the tokenizer that wrote it and the counts the two files must match
+    meta.json      the tokenizer that wrote it, the counts the two files must match, and "sft":
+                   true when some documents have unlabelled prompts (prompt/response pairs,
+                   conversations), so training can keep packed documents apart by default
 
     python data.py prepare --input docs/ chat.jsonl --output data/mine [--tokenizer tokenizer.model]
+
+Conversations ({"messages": [{"role": ..., "content": ...}, ...]}) are rendered in the chat
+format of the tokenizer's model family, with loss on the assistant turns only.
 
 The loader cuts the token stream into samples of seq_len + 1 tokens, shuffles them per epoch with
 a seed, and gives each rank a disjoint slice of every step. One global cursor counts the samples
@@ -44,8 +49,20 @@ IGNORE_INDEX = -100  # the label value F.cross_entropy and kernels.cross_entropy
 # Tokenizers
 
 
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
+# A rendered conversation as runs of token ids, each with whether its tokens are labels.
+Segments = list[tuple[list[int], bool]]
+
+
 class Tokenizer(Protocol):
-    """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS."""
+    """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS.
+
+    `render_chat` takes a conversation that `_check_messages` accepted (an optional system
+    message, then user and assistant turns alternating from a user turn) and renders it from
+    its BOS on, labelling the assistant turns' content and end-of-turn token. Conversations
+    have one BOS each: the loader starts a packed document (positions from 0, its own
+    attention span) at every BOS.
+    """
 
     name: str  # identifies the tokenizer and its file, recorded in meta.json
     vocab_size: int
@@ -55,6 +72,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def render_chat(self, messages: list[Message]) -> Segments: ...
 
 
 class ByteTokenizer:
@@ -70,6 +89,16 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[Message]) -> Segments:
+        """The bytes have no special tokens but BOS and EOS, so a turn is the text
+        "<|role|>\n" + content followed by EOS as its end-of-turn token."""
+        segments = [([self.bos_id], False)]
+        for message in messages:
+            is_assistant = message["role"] == "assistant"
+            segments.append((self.encode(f"<|{message['role']}|>\n"), False))
+            segments.append(([*self.encode(message["content"]), self.eos_id], is_assistant))
+        return segments
 
 
 # The pre-tokenizer split of Meta's Llama 3 tokenizer.py.
@@ -119,6 +148,9 @@ class TiktokenTokenizer:
         self.vocab_size = n + len(specials)
         self.bos_id = specials["<|begin_of_text|>"]
         self.eos_id = specials["<|end_of_text|>"]
+        self._start_header_id = specials["<|start_header_id|>"]
+        self._end_header_id = specials["<|end_header_id|>"]
+        self._eot_id = specials["<|eot_id|>"]
         self._encoding = tiktoken.Encoding(
             self.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
         )
@@ -130,6 +162,18 @@ class TiktokenTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._encoding.decode(list(ids))
+
+    def render_chat(self, messages: list[Message]) -> Segments:
+        """Meta's Llama 3 chat format: <|begin_of_text|>, then per turn
+        <|start_header_id|>role<|end_header_id|> "\n\n" content <|eot_id|>, content stripped
+        of surrounding whitespace as Meta's ChatFormat does."""
+        segments = [([self.bos_id], False)]
+        for message in messages:
+            role, content = message["role"], message["content"].strip()
+            header = [self._start_header_id, *self.encode(role), self._end_header_id]
+            segments.append(([*header, *self.encode("\n\n")], False))
+            segments.append(([*self.encode(content), self._eot_id], role == "assistant"))
+        return segments
 
 
 class SentencePieceTokenizer:
@@ -153,6 +197,25 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
+
+    def render_chat(self, messages: list[Message]) -> Segments:
+        """Meta's Llama 2 chat format: "[INST] user [/INST]" then the answer and EOS, the system
+        prompt wrapped in <<SYS>> inside the first [INST]. Meta's code starts every exchange
+        with BOS; here only the first, since a BOS starts a new document for the loader. The
+        answer is encoded on its own (sentencepiece's leading "▁" stands for the space after
+        [/INST]), so the label boundary falls between tokens."""
+        system = messages[0]["content"].strip() if messages[0]["role"] == "system" else None
+        segments = [([self.bos_id], False)]
+        for message in messages[1:] if system is not None else messages:
+            content = message["content"].strip()
+            if message["role"] == "assistant":
+                segments.append(([*self.encode(content), self.eos_id], True))
+                continue
+            if system is not None:
+                content = f"<<SYS>>\n{system}\n<</SYS>>\n\n{content}"
+                system = None
+            segments.append((self.encode(f"[INST] {content} [/INST]"), False))
+        return segments
 
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:
@@ -187,8 +250,11 @@ def _sha256(data: bytes) -> str:
 # Preparation: text and JSONL files -> tokens.bin, loss_mask.bin, meta.json
 
 
-Document = tuple[str, str, int]  # (prompt, text, bytes of input it came from)
-Encoded = tuple[np.ndarray, np.ndarray, int]  # (tokens uint32, loss mask uint8, bytes of input)
+# (prompt, text) of a text document or a prompt/response pair, or a conversation's messages
+Example = tuple[str, str] | list[Message]
+Document = tuple[Example, int]  # with the bytes of input it came from
+Encoded = tuple[np.ndarray, np.ndarray]  # (tokens uint32, loss mask uint8)
+ROLES = ("system", "user", "assistant")
 
 
 def prepare(
@@ -196,52 +262,116 @@ def prepare(
     output_dir: str | Path,
     tokenizer_path: str | Path | None = None,
     workers: int | None = None,
+    seq_len: int | None = None,
 ) -> Path:
     """Tokenize `inputs` into the dataset directory `output_dir`, replacing any that is there.
 
-    Each input is a text file (one document), a .jsonl file (one document per line: {"text": ...}
-    or {"prompt": ..., "response": ...}, whose prompt gets no loss), or a directory standing for
-    all its files, sorted. Output is the same for any number of workers (None: one per CPU).
-    The directory appears complete or not at all: it is written beside, then renamed into place.
+    Each input is a text file (one document), a .jsonl file (one document per line: {"text": ...},
+    {"prompt": ..., "response": ...} whose prompt gets no loss, or {"messages": [...]}, a
+    conversation with loss on its assistant turns), or a directory standing for all its files,
+    sorted. With `seq_len`, a conversation longer than seq_len tokens is split between its
+    exchanges into several documents (`_split_conversation`); other documents stay whole, and
+    the loader cuts every document at the boundaries of its seq_len samples. meta.json counts
+    the splits and the documents still longer than seq_len. Output is the same for any number
+    of workers (None: one per CPU). The directory appears complete or not at all.
     """
     files = _input_files(inputs)
     tokenizer = load_tokenizer(tokenizer_path)  # a bad tokenizer fails here, not in each worker
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    output_dir = Path(output_dir)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output_dir.name}.tmp-", dir=output_dir.parent))
-    try:
-        progress = _Progress(total_bytes=sum(f.stat().st_size for f in files))
-        encoded = _encode_all(_read_documents(files), tokenizer, tokenizer_path, workers)
-        with (
-            open(tmp / "tokens.bin", "wb") as tokens_f,
-            open(tmp / "loss_mask.bin", "wb") as mask_f,
-        ):
-            for tokens, mask, n_bytes in encoded:
-                tokens.tofile(tokens_f)
-                mask.tofile(mask_f)
-                progress.update(n_bytes, len(tokens))
+    if seq_len is not None and seq_len < 1:
+        raise ValueError(f"seq_len must be at least 1 (or None: split nothing), got {seq_len}")
+    progress = _Progress(total_bytes=sum(f.stat().st_size for f in files))
+    sft, split, pieces, longest, too_long = False, 0, 0, 0, 0
+    with DatasetWriter(output_dir) as writer:
+        encoded = _encode_all(_read_documents(files), tokenizer, tokenizer_path, seq_len, workers)
+        for documents, n_bytes in encoded:
+            if len(documents) > 1:
+                split, pieces = split + 1, pieces + len(documents)
+            for tokens, mask in documents:
+                writer.add(tokens, mask)
+                # An unlabelled token after the BOS is a prompt: SFT data.
+                sft = sft or not mask[1:].all()
+                longest = max(longest, len(tokens))
+                too_long += seq_len is not None and len(tokens) > seq_len
+            progress.update(n_bytes, len(documents), sum(len(t) for t, _ in documents))
         progress.finish()
-        if progress.documents == 0:
+        if writer.n_documents == 0:
             raise ValueError(f"no documents in the inputs {[str(f) for f in files]}")
+        return writer.finish(
+            tokenizer,
+            sft=sft,
+            longest_document=longest,
+            split_seq_len=seq_len,
+            n_conversations_split=split,
+            n_documents_from_splits=pieces,
+            n_documents_longer_than_seq_len=too_long,
+        )
+
+
+class DatasetWriter:
+    """Writes a dataset directory beside `output_dir`, and on `finish` renames it into place,
+    replacing any that is there: it appears complete or not at all. A context manager; leaving
+    it without `finish` removes what was written."""
+
+    def __init__(self, output_dir: str | Path):
+        self.output_dir = Path(output_dir)
+        self.output_dir.parent.mkdir(parents=True, exist_ok=True)
+        prefix = f".{self.output_dir.name}.tmp-"
+        self._tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=self.output_dir.parent))
+        # Open for the writer's life: closed by `finish`, or by __exit__ after an error.
+        self._tokens_file = open(self._tmp / "tokens.bin", "wb")  # noqa: SIM115
+        self._mask_file = open(self._tmp / "loss_mask.bin", "wb")  # noqa: SIM115
+        self.n_tokens = 0
+        self.n_documents = 0
+
+    def add(self, tokens: np.ndarray, loss_mask: np.ndarray) -> None:
+        """One document: its tokens (uint32, from BOS on) and where they may be labels (uint8)."""
+        if (
+            tokens.dtype != np.uint32
+            or loss_mask.dtype != np.uint8
+            or tokens.shape != (len(loss_mask),)
+        ):
+            raise ValueError(
+                f"a document is uint32 tokens and a uint8 loss mask of the same 1-d shape, got "
+                f"{tokens.dtype} {tokens.shape} and {loss_mask.dtype} {loss_mask.shape}"
+            )
+        tokens.tofile(self._tokens_file)
+        loss_mask.tofile(self._mask_file)
+        self.n_tokens += len(tokens)
+        self.n_documents += 1
+
+    def finish(self, tokenizer: Tokenizer, sft: bool, **counts: int | None) -> Path:
+        """Write meta.json (with `counts`, prepare's summary) and move the dataset into place."""
+        self._close()
         meta = {
             "format_version": FORMAT_VERSION,
             "tokenizer": tokenizer.name,
             "vocab_size": tokenizer.vocab_size,
             "bos_id": tokenizer.bos_id,
             "eos_id": tokenizer.eos_id,
-            "n_tokens": progress.tokens,
-            "n_documents": progress.documents,
+            "n_tokens": self.n_tokens,
+            "n_documents": self.n_documents,
+            "sft": sft,
+            **counts,
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if output_dir.exists():  # a directory cannot be renamed over a non-empty one
-            shutil.rmtree(output_dir)
-        tmp.rename(output_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
-    return output_dir
+        (self._tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if self.output_dir.exists():  # a directory cannot be renamed over a non-empty one
+            shutil.rmtree(self.output_dir)
+        self._tmp.rename(self.output_dir)
+        return self.output_dir
+
+    def _close(self) -> None:
+        self._tokens_file.close()
+        self._mask_file.close()
+
+    def __enter__(self) -> "DatasetWriter":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._close()
+        shutil.rmtree(self._tmp, ignore_errors=True)  # gone already after `finish`
 
 
 def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
@@ -262,13 +392,13 @@ def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
 
 
 def _read_documents(files: list[Path]) -> Iterator[Document]:
-    """The prompt is "" except in SFT examples; empty files are skipped."""
+    """Empty files are skipped."""
     for path in files:
         if path.suffix == ".jsonl":
             with open(path, "rb") as f:
                 for lineno, line in enumerate(f, 1):
                     if line.strip():
-                        yield (*_parse_jsonl_line(line, f"{path} line {lineno}"), len(line))
+                        yield _parse_jsonl_line(line, f"{path} line {lineno}"), len(line)
         else:
             data = path.read_bytes()
             try:
@@ -279,61 +409,131 @@ def _read_documents(files: list[Path]) -> Iterator[Document]:
                     f"text files, one document each, or .jsonl files"
                 ) from e
             if text:
-                yield "", text, len(data)
+                yield ("", text), len(data)
 
 
-def _parse_jsonl_line(line: bytes, where: str) -> tuple[str, str]:
+def _parse_jsonl_line(line: bytes, where: str) -> Example:
     try:
         record = json.loads(line)
     except ValueError as e:
         raise ValueError(f"{where}: not valid UTF-8 JSON ({e})") from e
     if isinstance(record, dict):
+        if "messages" in record:
+            return _check_messages(record["messages"], where)
         if isinstance(record.get("text"), str):
             return "", record["text"]
         if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
             return record["prompt"], record["response"]
     raise ValueError(
-        f'{where}: expected a JSON object with a string "text", or strings "prompt" and "response"'
+        f'{where}: expected a JSON object with a string "text", strings "prompt" and "response", '
+        f'or a list "messages"'
     )
 
 
-def _encode_document(tokenizer: Tokenizer, prompt: str, text: str, n_bytes: int) -> Encoded:
+def _check_messages(messages: object, where: str) -> list[Message]:
+    """The conversations every chat format renders: an optional system message first, then user
+    and assistant turns alternating from a user turn, with at least one assistant turn."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(
+            f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
+            f"objects, got {json.dumps(messages)[:80]}"
+        )
+    has_system = isinstance(messages[0], dict) and messages[0].get("role") == "system"
+    for i, message in enumerate(messages):
+        name = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ValueError(f'{where}: {name} must be an object with "role" and "content"')
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ValueError(f"{where}: {name}.role is {role!r}, expected one of {ROLES}")
+        if not isinstance(content, str):
+            got = "missing" if content is None else f"a {type(content).__name__}"
+            raise ValueError(f"{where}: {name}.content is {got}, expected a string")
+        expected = "system" if i == 0 and has_system else ROLES[1 + (i - has_system) % 2]
+        if role != expected:
+            raise ValueError(
+                f"{where}: {name}.role is {role!r}, expected {expected!r}: an optional system "
+                f"message first, then user and assistant turns alternating from a user turn"
+            )
+    if len(messages) < 2 + has_system:
+        raise ValueError(f"{where}: messages has no assistant turn, so nothing to train on")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _encode_example(tokenizer: Tokenizer, example: Example, seq_len: int | None) -> list[Encoded]:
+    """The documents of one example: one, or several for a conversation split at seq_len."""
+    if isinstance(example, list):
+        pieces = [example] if seq_len is None else _split_conversation(tokenizer, example, seq_len)
+        return [_encode_segments(tokenizer.render_chat(piece)) for piece in pieces]
+    prompt, text = example
+    # BOS is never a label: it follows the previous document's last token, and predicting the
+    # start of one document from the end of an unrelated one teaches nothing. Prompt tokens are
+    # the question of an SFT example, not what the model should learn to write.
     prompt_ids = tokenizer.encode(prompt) if prompt else []
-    tokens = np.array(
-        [tokenizer.bos_id, *prompt_ids, *tokenizer.encode(text), tokenizer.eos_id], dtype=np.uint32
-    )
-    mask = np.ones(len(tokens), dtype=np.uint8)
-    # BOS is never a label: it follows the previous document's EOS, and predicting the start of
-    # one document from the end of an unrelated one teaches nothing. Prompt tokens are the
-    # question of an SFT example, not what the model should learn to write.
-    mask[: 1 + len(prompt_ids)] = 0
-    return tokens, mask, n_bytes
+    segments = [([tokenizer.bos_id, *prompt_ids], False)]
+    segments.append(([*tokenizer.encode(text), tokenizer.eos_id], True))
+    return [_encode_segments(segments)]
+
+
+def _encode_segments(segments: Segments) -> Encoded:
+    tokens = np.array([i for ids, _ in segments for i in ids], dtype=np.uint32)
+    mask = np.array([is_label for ids, is_label in segments for _ in ids], dtype=np.uint8)
+    return tokens, mask
+
+
+def _split_conversation(
+    tokenizer: Tokenizer, messages: list[Message], seq_len: int
+) -> list[list[Message]]:
+    """A conversation rendering to more than seq_len tokens, cut between its exchanges (a user
+    turn and its answer) into pieces of at most seq_len tokens, filled greedily, each led by the
+    system prompt so every piece is a conversation the model could have seen. An exchange longer
+    than seq_len alone stays whole in its piece (the loader cuts it). A trailing user turn
+    without an answer has nothing to learn from alone, so a piece of only that is dropped."""
+
+    def length(piece: list[Message]) -> int:
+        return sum(len(ids) for ids, _ in tokenizer.render_chat(piece))
+
+    if length(messages) <= seq_len:
+        return [messages]
+    system = messages[:1] if messages[0]["role"] == "system" else []
+    exchanges = [messages[i : i + 2] for i in range(len(system), len(messages), 2)]
+    pieces, current = [], exchanges[0]
+    for exchange in exchanges[1:]:
+        if length(system + current + exchange) > seq_len:
+            pieces.append(system + current)
+            current = []
+        current = current + exchange
+    pieces.append(system + current)
+    return [piece for piece in pieces if any(m["role"] == "assistant" for m in piece)]
 
 
 _worker_tokenizer: Tokenizer | None = None  # each pool process loads its own from the path
+_worker_seq_len: int | None = None
 
 
-def _init_worker(tokenizer_path: str | Path | None) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = load_tokenizer(tokenizer_path)
+def _init_worker(tokenizer_path: str | Path | None, seq_len: int | None) -> None:
+    global _worker_tokenizer, _worker_seq_len
+    _worker_tokenizer, _worker_seq_len = load_tokenizer(tokenizer_path), seq_len
 
 
-def _encode_chunk(chunk: list[Document]) -> list[Encoded]:
-    return [_encode_document(_worker_tokenizer, *doc) for doc in chunk]
+def _encode_chunk(chunk: list[Document]) -> list[tuple[list[Encoded], int]]:
+    return [(_encode_example(_worker_tokenizer, ex, _worker_seq_len), n) for ex, n in chunk]
 
 
 def _encode_all(
     documents: Iterator[Document],
     tokenizer: Tokenizer,
     tokenizer_path: str | Path | None,
+    seq_len: int | None,
     workers: int,
-) -> Iterator[Encoded]:
-    """Encoded documents in input order. Chunks of about 1 MB go to the pool with at most two
-    per worker in flight: Pool.imap would read the whole corpus into its queue up front."""
+) -> Iterator[tuple[list[Encoded], int]]:
+    """Each example's documents, with its bytes of input, in input order. Chunks of about 1 MB
+    go to the pool with at most two per worker in flight: Pool.imap would read the whole corpus
+    into its queue up front."""
     if workers == 1:
-        yield from (_encode_document(tokenizer, *doc) for doc in documents)
+        yield from ((_encode_example(tokenizer, ex, seq_len), n) for ex, n in documents)
         return
-    with multiprocessing.Pool(workers, _init_worker, (tokenizer_path,)) as pool:
+    with multiprocessing.Pool(workers, _init_worker, (tokenizer_path, seq_len)) as pool:
         pending = deque()
         for chunk in _chunks(documents, max_bytes=1 << 20):
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -347,7 +547,7 @@ def _chunks(documents: Iterator[Document], max_bytes: int) -> Iterator[list]:
     chunk, size = [], 0
     for doc in documents:
         chunk.append(doc)
-        size += doc[2]
+        size += doc[1]
         if size >= max_bytes:
             yield chunk
             chunk, size = [], 0
@@ -367,9 +567,9 @@ class _Progress:
     start: float = field(default_factory=time.perf_counter)
     last_draw: float = 0.0
 
-    def update(self, n_bytes: int, n_tokens: int) -> None:
+    def update(self, n_bytes: int, n_documents: int, n_tokens: int) -> None:
         self.done_bytes += n_bytes
-        self.documents += 1
+        self.documents += n_documents
         self.tokens += n_tokens
         if time.perf_counter() - self.last_draw >= 0.25:
             self._draw()
@@ -417,6 +617,13 @@ class TokenDataset:
         self.tokens = self._map("tokens.bin", np.uint32)
         self.loss_mask = self._map("loss_mask.bin", np.uint8)
         self._max_token_id: int | None = None
+
+    @property
+    def is_sft(self) -> bool:
+        """Whether the documents are SFT examples (prompt/response pairs, conversations): packed
+        side by side, they should not attend to each other. Datasets from before the "sft"
+        field were prepared from text."""
+        return bool(self.meta.get("sft", False))
 
     def _map(self, name: str, dtype: type) -> np.ndarray:
         file = self.path / name
@@ -639,13 +846,45 @@ def main(argv: list[str] | None = None) -> None:
         "--tokenizer", default=None, help="a Llama 3 or Llama 2 tokenizer.model (default: bytes)"
     )
     prep.add_argument("--workers", type=int, default=None, help="default: one per CPU")
-    args = parser.parse_args(argv)
-    output = prepare(args.input, args.output, args.tokenizer, args.workers)
-    meta = json.loads((output / "meta.json").read_text())
-    print(
-        f"wrote {output}: {meta['n_documents']:,} documents, {meta['n_tokens']:,} tokens, "
-        f"tokenizer {meta['tokenizer']}"
+    prep.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="split conversations longer than this many tokens between their exchanges "
+        "(default: split none; the loader cuts every document at its samples' boundaries)",
     )
+    args = parser.parse_args(argv)
+    output = prepare(args.input, args.output, args.tokenizer, args.workers, args.seq_len)
+    print(summary(json.loads((output / "meta.json").read_text()), output))
+
+
+def summary(meta: dict, output: Path) -> str:
+    """What prepare wrote, and what happens to documents too long for the samples."""
+    lines = [
+        f"wrote {output}: {meta['n_documents']:,} documents, {meta['n_tokens']:,} tokens, "
+        f"tokenizer {meta['tokenizer']}, longest document {meta['longest_document']:,} tokens"
+    ]
+    if meta["sft"]:
+        lines.append("SFT data: loss only on responses and assistant turns")
+    seq_len = meta["split_seq_len"]
+    if seq_len is None:
+        lines.append(
+            "conversations were not split (no --seq-len): the loader cuts any document longer "
+            "than a sample, and one crossing a sample boundary, into pieces that see only "
+            "themselves"
+        )
+        return "\n".join(lines)
+    lines.append(
+        f"{meta['n_conversations_split']:,} conversations longer than --seq-len {seq_len:,} "
+        f"tokens were split between exchanges into {meta['n_documents_from_splits']:,} documents"
+    )
+    if meta["n_documents_longer_than_seq_len"]:
+        lines.append(
+            f"{meta['n_documents_longer_than_seq_len']:,} documents are still longer than "
+            f"{seq_len:,} tokens (text, or a single exchange): the loader cuts them into pieces "
+            f"that see only themselves"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
