@@ -447,7 +447,7 @@ def _check_messages(messages: object, where: str) -> list[Message]:
         if role not in ROLES:
             raise ValueError(f"{where}: {name}.role is {role!r}, expected one of {ROLES}")
         if not isinstance(content, str):
-            got = "missing" if content is None else f"a {type(content).__name__}"
+            got = "missing" if content is None else f"of type {type(content).__name__}"
             raise ValueError(f"{where}: {name}.content is {got}, expected a string")
         expected = "system" if i == 0 and has_system else ROLES[1 + (i - has_system) % 2]
         if role != expected:

@@ -183,6 +183,156 @@ def test_jsonl_text_and_prompt_response_mask_the_prompt(tmp_path):
     assert batch.labels[0].tolist() == [*b"hi", eos, -100, -100, -100, *b"A.", eos]
 
 
+# Conversations
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": " Hello! "},  # Llama 2 and 3 strip it, bytes keep it
+    {"role": "user", "content": "Bye"},
+    {"role": "assistant", "content": "Ciao"},
+]
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def labelled(ds):
+    return [int(t) for t, m in zip(ds.tokens, ds.loss_mask, strict=True) if m]
+
+
+def test_llama3_chat_tokens_are_pinned_and_only_assistant_turns_are_labels(tmp_path):
+    ranks = write_ranks_file(tmp_path / "tokenizer.model")  # 263 BPE ranks: byte b is id b
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+    ds = data.TokenDataset(data.prepare([chat], tmp_path / "ds", tokenizer_path=ranks))
+    # <|begin_of_text|>, <|start_header_id|>, <|end_header_id|>, <|eot_id|> of Llama 3
+    # (128000, 128006, 128007, 128009 in Meta's tokenizer: 128000 ranks there, 263 here)
+    bot, start, end, eot = 263, 263 + 6, 263 + 7, 263 + 9
+
+    def header(role):
+        return [start, *role.encode(), end, *b"\n\n"]
+
+    expected = [
+        *[bot, *header("system"), *b"Be brief.", eot],
+        *[*header("user"), *b"Hi", eot, *header("assistant"), *b"Hello!", eot],
+        *[*header("user"), *b"Bye", eot, *header("assistant"), *b"Ciao", eot],
+    ]
+    assert ds.tokens.tolist() == expected
+    assert labelled(ds) == [*b"Hello!", eot, *b"Ciao", eot]
+    assert ds.meta["sft"] and ds.is_sft and ds.meta["n_documents"] == 1
+    tok = data.load_tokenizer(ranks)
+    assert tok.decode(labelled(ds)) == "Hello!<|eot_id|>Ciao<|eot_id|>"
+    batch = next(data.PackedLoader(ds, seq_len=len(expected) - 1, micro_batch=1))
+    kept = batch.labels[0][batch.labels[0] != -100].tolist()
+    assert kept == [*b"Hello!", eot, *b"Ciao", eot]
+
+
+def test_special_token_text_in_a_message_stays_text(tmp_path):
+    tok = data.load_tokenizer(write_ranks_file(tmp_path / "tokenizer.model"))
+    messages = [{"role": "user", "content": "<|eot_id|>"}, {"role": "assistant", "content": "x"}]
+    ids = [i for ids, _ in tok.render_chat(messages) for i in ids]
+    assert ids.count(263 + 9) == 2, "only the two real ends of turns are <|eot_id|>"
+
+
+def test_llama2_chat_format_with_system_prompt(tmp_path):
+    sp = write_sentencepiece_model(tmp_path / "tokenizer.model")
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
+    ds = data.TokenDataset(data.prepare([chat], tmp_path / "ds", tokenizer_path=sp))
+    tok = data.load_tokenizer(sp)
+    bos, eos = tok.bos_id, tok.eos_id
+    first = tok.encode("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]")
+    second = tok.encode("[INST] Bye [/INST]")
+    hello, ciao = tok.encode("Hello!"), tok.encode("Ciao")
+    assert ds.tokens.tolist() == [bos, *first, *hello, eos, *second, *ciao, eos]
+    assert labelled(ds) == [*hello, eos, *ciao, eos]
+    text = tok.decode(ds.tokens.tolist())
+    assert (
+        text == "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST] Hello! [INST] Bye [/INST] Ciao"
+    )
+
+
+def test_byte_chat_format_ends_turns_with_eos(tmp_path):
+    messages = CONVERSATION[1:3]
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}, {"text": "ok"}])
+    ds = data.TokenDataset(data.prepare([chat], tmp_path / "ds"))
+    bos, eos = 256, 257
+    conversation = [bos, *b"<|user|>\nHi", eos, *b"<|assistant|>\n Hello! ", eos]
+    assert ds.tokens.tolist() == [*conversation, bos, *b"ok", eos]
+    assert labelled(ds) == [*b" Hello! ", eos, *b"ok", eos]
+    assert ds.is_sft
+
+
+def test_text_data_is_not_sft_and_prompt_response_is(tmp_path):
+    text = write_jsonl(tmp_path / "text.jsonl", [{"text": "hello"}])
+    assert not data.TokenDataset(data.prepare([text], tmp_path / "a")).is_sft
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q", "response": "A"}])
+    assert data.TokenDataset(data.prepare([pairs], tmp_path / "b")).is_sft
+    assert not write_dataset(tmp_path / "old", [256, 1, 257]).is_sft, "no field: text"
+
+
+def exchange(i, length):
+    return [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a" * length}]
+
+
+def test_long_conversation_is_split_between_exchanges_with_the_system_prompt(tmp_path, capsys):
+    system = {"role": "system", "content": "S"}
+    # bytes: BOS "<|system|>\nS" EOS is 14 tokens; an exchange with an answer of n: 27 + n
+    long = [system, *exchange(1, 6), *exchange(2, 6), *exchange(3, 6), *exchange(4, 200)]
+    short = [system, *exchange(5, 6)]
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": long}, {"messages": short}])
+    seq_len = 14 + 2 * 33  # two short exchanges fit, a third does not
+    argv = ["prepare", "--input", str(chat), "--output", str(tmp_path / "ds")]
+    data.main([*argv, "--seq-len", str(seq_len)])
+    ds = data.TokenDataset(tmp_path / "ds")
+    texts = BYTES.decode(ds.tokens.tolist()).split("<|system|>\nS")
+    assert texts[1:] == [
+        "<|user|>\nq1<|assistant|>\naaaaaa<|user|>\nq2<|assistant|>\naaaaaa",
+        "<|user|>\nq3<|assistant|>\naaaaaa",
+        "<|user|>\nq4<|assistant|>\n" + "a" * 200,
+        "<|user|>\nq5<|assistant|>\naaaaaa",
+    ]
+    assert ds.tokens.tolist().count(256) == 4 and ds.meta["n_documents"] == 4
+    assert ds.meta["n_conversations_split"] == 1 and ds.meta["n_documents_from_splits"] == 3
+    assert ds.meta["n_documents_longer_than_seq_len"] == 1
+    out = capsys.readouterr().out
+    assert f"1 conversations longer than --seq-len {seq_len} tokens were split" in out
+    assert "into 3 documents" in out and "1 documents are still longer than 80" in out
+    data.main(argv)
+    out = capsys.readouterr().out
+    assert "2 documents" in out and "not split" in out
+
+
+@pytest.mark.parametrize(
+    "messages, error",
+    [
+        ([], '"messages" must be a non-empty list'),
+        ("hi", '"messages" must be a non-empty list'),
+        ([{"role": "bot", "content": "x"}], r"messages\[0\]\.role is 'bot', expected one of"),
+        ([{"role": "user"}], r"messages\[0\]\.content is missing, expected a string"),
+        ([{"role": "user", "content": 3}], r"messages\[0\]\.content is of type int"),
+        ([{"role": "user", "content": "x"}], "messages has no assistant turn"),
+        ([{"role": "assistant", "content": "x"}], r"messages\[0\]\.role .* expected 'user'"),
+        (
+            [{"role": "user", "content": "x"}, {"role": "system", "content": "y"}],
+            r"messages\[1\]\.role is 'system', expected 'assistant'",
+        ),
+        (
+            [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}],
+            r"messages\[1\]\.role is 'user', expected 'assistant'",
+        ),
+        (["x"], r"messages\[0\] must be an object"),
+    ],
+)
+def test_bad_conversation_names_file_line_and_field(tmp_path, messages, error):
+    good = {"messages": CONVERSATION}
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, {"messages": messages}])
+    with pytest.raises(ValueError, match=r"bad.jsonl line 2: " + error):
+        data.prepare([path], tmp_path / "ds")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"], "nothing left behind"
+
+
 def test_jsonl_line_without_text_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"prompt": "no response"}\n')
@@ -204,13 +354,17 @@ def test_output_is_identical_with_one_and_two_workers(tmp_path):
     corpus.mkdir()
     for i in range(24):  # ~2.4 MB: several chunks of about 1 MB for the pool
         (corpus / f"{i:02d}.txt").write_text("\n".join(sentences(1200, seed=i)))
-    (corpus / "sft.jsonl").write_text(json.dumps({"prompt": "the", "response": "thing"}) + "\n")
+    conversation = [*exchange(1, 40), *exchange(2, 40)]  # split at seq_len 64 into two
+    write_jsonl(
+        corpus / "sft.jsonl",
+        [{"prompt": "the", "response": "thing"}, {"messages": conversation}],
+    )
     ranks = write_ranks_file(tmp_path / "tokenizer.model")
-    one = data.prepare([corpus], tmp_path / "one", tokenizer_path=ranks, workers=1)
-    two = data.prepare([corpus], tmp_path / "two", tokenizer_path=ranks, workers=2)
+    one = data.prepare([corpus], tmp_path / "one", ranks, workers=1, seq_len=64)
+    two = data.prepare([corpus], tmp_path / "two", ranks, workers=2, seq_len=64)
     for name in ("tokens.bin", "loss_mask.bin", "meta.json"):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
-    assert json.loads((one / "meta.json").read_text())["n_documents"] == 25
+    assert json.loads((one / "meta.json").read_text())["n_documents"] == 27
 
 
 def test_prepare_replaces_an_existing_dataset(tmp_path):
