@@ -342,8 +342,9 @@ class DatasetWriter:
         self.n_tokens += len(tokens)
         self.n_documents += 1
 
-    def finish(self, tokenizer: Tokenizer, sft: bool, **counts: int | None) -> Path:
-        """Write meta.json (with `counts`, prepare's summary) and move the dataset into place."""
+    def finish(self, tokenizer: Tokenizer, sft: bool, **summary: object) -> Path:
+        """Write meta.json (`summary`: what the writer's caller reports of the documents, such as
+        prepare's counts) and move the dataset into place."""
         self._close()
         meta = {
             "format_version": FORMAT_VERSION,
@@ -354,7 +355,7 @@ class DatasetWriter:
             "n_tokens": self.n_tokens,
             "n_documents": self.n_documents,
             "sft": sft,
-            **counts,
+            **summary,
         }
         (self._tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         if self.output_dir.exists():  # a directory cannot be renamed over a non-empty one
