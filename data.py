@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Protocol
 
@@ -477,9 +478,9 @@ def _encode_example(tokenizer: Tokenizer, example: Example, seq_len: int | None)
 
 
 def _encode_segments(segments: Segments) -> Encoded:
-    tokens = np.array([i for ids, _ in segments for i in ids], dtype=np.uint32)
-    mask = np.array([is_label for ids, is_label in segments for _ in ids], dtype=np.uint8)
-    return tokens, mask
+    tokens = np.fromiter(chain.from_iterable(ids for ids, _ in segments), dtype=np.uint32)
+    is_label = np.array([is_label for _, is_label in segments], dtype=np.uint8)
+    return tokens, np.repeat(is_label, [len(ids) for ids, _ in segments])
 
 
 def _split_conversation(
