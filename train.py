@@ -147,8 +147,11 @@ class Options:
         choices=["bf16", "fp32"],
     )
     attention_backend: str = flag("auto", "SDPA backend", choices=sorted(SDPA_BACKENDS))
-    document_mask: bool = flag(
-        False, "no attention across the documents packed in a sequence (FlexAttention on GPU)"
+    document_mask: bool | None = flag(
+        None,
+        "no attention across the documents packed in a sequence (default: on for SFT data, "
+        "whose meta.json says sft; --no-document-mask turns it off): FlexAttention on a GPU "
+        "for rows of several documents, SDPA's causal kernel for rows of one",
     )
     kernels: bool | None = flag(None, "the Triton kernels (default: on with CUDA, off on CPU)")
     # Output
@@ -645,7 +648,8 @@ def train(opts: Options) -> None:
     # Build: on the meta device, then the techniques, then the optimizer over the result.
     with torch.device("meta"):
         ops = triton_ops() if plan.kernels else REFERENCE_OPS
-        model = Llama(args, ops, opts.attention_backend, mask_documents=opts.document_mask)
+        mask_documents = dataset.is_sft if opts.document_mask is None else opts.document_mask
+        model = Llama(args, ops, opts.attention_backend, mask_documents)
     hf_path = opts.hf_checkpoint if resume_from is None else None  # else the checkpoint's weights
     progress = show_progress(f"loading {hf_path}") if hf_path and is_main else None
     apply_techniques(model, plan, world, opts.seed, hf_path, progress)
@@ -670,7 +674,9 @@ def train(opts: Options) -> None:
     log(
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {args.num_params() / 1e6:.1f}M "
         f"params, {flops_per_token / 1e6:.1f} MFLOP/token (6N + 6LSd) | data {dataset.path}: "
-        f"{dataset.n_tokens:,} tokens ({tokenizer}) | {world.world_size} x {device.type}, "
+        f"{dataset.n_tokens:,} tokens ({tokenizer}"
+        f"{', attention masked between documents' if mask_documents else ''}) | "
+        f"{world.world_size} x {device.type}, "
         f"{layout}, {plan.param_dtype} params, kernels {'on' if plan.kernels else 'off'} | "
         f"{tokens_per_step:,} tokens/step, {max_steps} steps"
     )

@@ -3,7 +3,7 @@ written as a prepared dataset (data.DatasetWriter) in Llama 3's vocabulary, with
 file: its token ids are random, since only the document lengths shape the attention's cost.
 
     python bench/sft_corpus.py --out /tmp/sft --tokens 50000000 [--seed 0]
-    python train.py --preset llama3.2-1b --data /tmp/sft --seq-len 131072 ...
+    python train.py --model llama3.2-1b --data /tmp/sft --seq-len 131072 ...
 
 Document lengths (BOS included) are drawn from a log-normal with a median of 3,000 tokens
 and sigma 1.0 (mean ~4,900; 10% above ~10,800; 1% above ~30,600), capped at 32,768 and at

@@ -464,6 +464,18 @@ def test_max_seq_len_extends_the_context_and_is_exported(dataset, tmp_path):
     assert ModelArgs.from_hf_config(out).max_seq_len == 4096
 
 
+def test_sft_data_masks_documents_unless_told_not_to(tmp_path, capsys):
+    pairs = tmp_path / "pairs.jsonl"
+    lines = [{"prompt": f"question {i}? " * 3, "response": f"answer {i}. " * 4} for i in range(60)]
+    pairs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    sft = data.prepare([pairs], tmp_path / "sft", workers=1)
+    argv = ["--data", str(sft), *SMALL, "--max-steps", "1", "--checkpoint-interval", "0"]
+    train.main([*argv, "--run-dir", str(tmp_path / "a")])
+    assert "attention masked between documents" in capsys.readouterr().out
+    train.main([*argv, "--no-document-mask", "--run-dir", str(tmp_path / "b")])
+    assert "attention masked between documents" not in capsys.readouterr().out
+
+
 @CPU_ONLY
 def test_document_mask_trains(dataset, tmp_path):
     argv = ["--data", str(dataset), *SMALL, "--max-steps", "10", "--checkpoint-interval", "0"]
