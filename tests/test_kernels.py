@@ -21,13 +21,18 @@ from kernels import (
     IGNORE_INDEX,
     apply_rope,
     apply_rope_reference,
+    dequantize_nf4,
+    dequantize_nf4_reference,
     linear_cross_entropy,
     linear_cross_entropy_reference,
+    nf4_linear,
+    quantize_nf4,
     rms_norm,
     rms_norm_reference,
     swiglu,
     swiglu_reference,
 )
+from kernels.nf4 import DYNAMIC_CODE, NF4_CODE
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 CE_GRAD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -347,3 +352,133 @@ def test_linear_cross_entropy_bf16_matches_fp32_reference_at_llama3_8b_shape(red
     )
     for name, out, ref in pairs:
         assert_close_on_gpu(out, ref, GPU_BF16_TOLERANCE, name)
+
+
+# ----------------------------------------------------------------------------------------
+# NF4 (kernels/nf4.py): quantization as bitsandbytes does it, dequantization bit for bit
+# ----------------------------------------------------------------------------------------
+
+
+def test_nf4_code_is_qlora_s_and_the_scale_code_is_bitsandbytes_dynamic_map():
+    # QLoRA's NF4: 16 values, -1 and 1 at the ends, an exact 0 at index 7, 8 positive ones.
+    assert NF4_CODE.dtype == torch.float32 and NF4_CODE.numel() == 16
+    assert NF4_CODE[0] == -1 and NF4_CODE[7] == 0 and NF4_CODE[15] == 1
+    assert NF4_CODE[8].item() == 0.07958029955625534 and NF4_CODE[1].item() == -0.6961928009986877
+    assert (NF4_CODE.diff() > 0).all()
+    # create_dynamic_map(signed=True): 256 sorted values, 0 and 1 included, smallest 1e-6 scale
+    assert DYNAMIC_CODE.numel() == 256 and (DYNAMIC_CODE.diff() >= 0).all()
+    assert DYNAMIC_CODE[-1] == 1 and (DYNAMIC_CODE == 0).sum() == 1
+    assert DYNAMIC_CODE[0].item() == pytest.approx(-0.99296875, abs=1e-7)
+
+
+def golden_weight() -> torch.Tensor:
+    return torch.randn(48, 128, generator=torch.Generator().manual_seed(0)) * 0.02
+
+
+def test_nf4_quantization_equals_bitsandbytes_pinned():
+    """The packed codes and quantized scales of bitsandbytes 0.50.2 (`quantize_4bit(w,
+    blocksize=64, compress_statistics=True, quant_type="nf4")`) for this weight, pinned as a
+    hash of its bytes, and its second-level scale and offset."""
+    import hashlib
+
+    quantized = quantize_nf4(golden_weight())
+    packed = quantized.rows[:, :64].reshape(-1)
+    qabsmax = quantized.rows[:, 64:66].reshape(-1)
+    digest = hashlib.sha256(packed.numpy().tobytes() + qabsmax.numpy().tobytes()).hexdigest()
+    assert digest == "97e448b14b16beec7a7fb315013aa5b7c66fbc61ffe86e777801278717cb6c90"
+    assert quantized.absmax2.tolist() == [0.029020901769399643]
+    assert quantized.offset.item() == 0.05300896242260933
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nf4_equals_bitsandbytes(dtype):
+    """Where bitsandbytes is installed (it is not a test dependency): its quantization and
+    dequantization against ours, bit for bit, on rows that do not fill the last scale block."""
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    weight = (torch.randn(37, 192, generator=torch.Generator().manual_seed(2)) * 0.05).to(dtype)
+    packed, state = bnb.quantize_4bit(
+        weight, blocksize=64, compress_statistics=True, quant_type="nf4"
+    )
+    ours = quantize_nf4(weight)
+    assert torch.equal(DYNAMIC_CODE, bnb.create_dynamic_map())
+    assert torch.equal(ours.rows[:, :96].reshape(-1), packed.reshape(-1))
+    assert torch.equal(ours.absmax2, state.state2.absmax) and torch.equal(ours.offset, state.offset)
+    # (bitsandbytes' CPU build finds the scales' 8-bit codes by a table, not the CUDA search
+    # that quantize_nf4 repeats; dequantizing our codes with its code tests the rest.)
+    state.absmax = ours.rows[:, 96:99].reshape(-1).clone()
+    ref = dequantize_nf4_reference(ours.rows, ours.absmax2, ours.offset, 192, dtype)
+    assert torch.equal(bnb.dequantize_4bit(packed, state), ref)
+
+
+def test_nf4_dequantized_weight_is_within_half_a_code_step_of_the_weight():
+    weight = golden_weight()
+    quantized = quantize_nf4(weight)
+    dequantized = dequantize_nf4_reference(
+        quantized.rows, quantized.absmax2, quantized.offset, 128, torch.float32
+    )
+    absmax = weight.reshape(-1, 64).abs().amax(1, keepdim=True)
+    error = ((dequantized - weight).reshape(-1, 64).abs() / absmax).max()
+    assert error <= NF4_CODE.diff().max() / 2 + 0.01  # plus the 8-bit scale's rounding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, cols", [(3, 64), (37, 192), (70, 320)])
+def test_nf4_dequantize_kernel_equals_reference(rows, cols, dtype):
+    """fp32: bit for bit. bf16: the interpreter rounds fp32 -> bf16 toward zero where the
+    compiled kernel rounds to nearest even (bit for bit on CUDA: the gpu test below), so
+    here one bf16 step (up to 2^-7 relative) is allowed."""
+    weight = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 0.03
+    q = quantize_nf4(weight)
+    out = dequantize_nf4(q.rows.view(torch.float32), q.absmax2, q.offset, cols, dtype)
+    ref = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, cols, dtype)
+    if dtype == torch.float32:
+        assert torch.equal(out, ref)
+    else:
+        assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2**-7).all()
+
+
+def test_nf4_linear_gradient_is_through_the_dequantized_weight():
+    weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(4)) * 0.03
+    q = quantize_nf4(weight)
+    dense = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, 128, torch.float32)
+    x = torch.randn(2, 5, 128, generator=torch.Generator().manual_seed(5))
+    dy = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(6))
+    (out,), (dx,) = forward_and_grads(
+        lambda t: nf4_linear(t, q.rows, q.absmax2, q.offset, 128), [x], [dy]
+    )
+    (ref,), (ref_dx,) = forward_and_grads(lambda t: t @ dense.t(), [x], [dy])
+    assert_close(out, ref, TOLERANCE[torch.float32], "out")
+    assert_close(dx, ref_dx, TOLERANCE[torch.float32], "dx")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nf4_dequantize_kernel_on_cuda_is_bitwise_and_its_bandwidth():
+    """llama3.1-8b's w1 (14336 x 4096) in bf16: bit for bit the reference, and the bytes read
+    and written per second, printed under -s (target: >= 80% of the device's copy rate)."""
+    weight = torch.randn(14336, 4096, device="cuda") * 0.02
+    q = quantize_nf4(weight)
+    rows = q.rows.view(torch.bfloat16)
+    out = dequantize_nf4(rows, q.absmax2, q.offset, 4096, torch.bfloat16)
+    ref = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, 4096, torch.bfloat16)
+    assert torch.equal(out, ref)
+    copy_src = torch.empty(out.numel() * 5 // 4, dtype=torch.bfloat16, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+    timings = {}
+    for name, fn, nbytes in [
+        ("nf4 dequantize", lambda: dequantize_nf4(rows, q.absmax2, q.offset, 4096,
+                                                   torch.bfloat16), q.rows.numel() + out.nbytes),
+        ("copy", lambda: copy_dst.copy_(copy_src), 2 * copy_src.nbytes),
+    ]:  # fmt: skip
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        timings[name] = nbytes * 20 / (start.elapsed_time(end) / 1e3) / 1e12
+    ratio = timings["nf4 dequantize"] / timings["copy"]
+    print(f"\nNF4 dequantize {timings['nf4 dequantize']:.2f} TB/s, copy {timings['copy']:.2f} "
+          f"TB/s: {100 * ratio:.0f}% of the copy rate")  # fmt: skip
