@@ -35,10 +35,16 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from kernels import (
     IGNORE_INDEX,
     apply_rope_reference,
+    dequantize_nf4_reference,
     linear_cross_entropy_reference,
+    nf4_linear,
+    quantize_nf4,
     rms_norm_reference,
     swiglu_reference,
 )
+from kernels.nf4 import BLOCK as NF4_BLOCK
+from kernels.nf4 import SCALE_BLOCK as NF4_SCALE_BLOCK
+from kernels.nf4 import check_quantizable, row_bytes
 
 # ----------------------------------------------------------------------------------------
 # The model's numbers
@@ -547,7 +553,9 @@ class Llama(nn.Module):
         """The full initial tensor of parameter `name` (fp32): norms 1, matrices N(0, 0.02),
         the projections that write into the residual stream (wo, w2) scaled down by
         sqrt(2 * n_layers) so the residual's variance does not grow with depth."""
-        shape = self.get_parameter(name).shape
+        if ".lora_" in name:
+            return lora_initial_value(self, name, seed, device)
+        shape = weight_shape(self, name)
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=device)
         std = 0.02
@@ -557,9 +565,19 @@ class Llama(nn.Module):
         return torch.randn(shape, generator=generator, device=device) * std
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
+    def init_weights(
+        self,
+        seed: int = 0,
+        device: torch.device | None = None,
+        copy: Callable[[torch.Tensor, object], None] | None = None,
+    ) -> None:
+        """Each parameter's initial value, computed whole on `device` (default: the
+        parameter's) and moved in by `copy(param, full_tensor)` (default: all of it; shard.py
+        passes one that keeps this rank's rows). A 4-bit base weight is quantized from it."""
         for name, param in self.named_parameters():
-            param.copy_(self.initial_value(name, seed, param.device))
+            name = name.removesuffix(NF4_SUFFIX)  # a quantized weight's value is the weight's
+            full = self.initial_value(name, seed, device or param.device)
+            copy_into(self, name, full, copy or copy_whole_tensor)
 
 
 # ----------------------------------------------------------------------------------------
@@ -676,9 +694,9 @@ def load_hf_checkpoint(
     """Loads HF weights into `model`'s materialized parameters, one tensor at a time so host
     memory peaks near one tensor. `copy(param, safetensors_slice)` moves each tensor in;
     shard.py passes one that reads only the rows its rank owns. `progress(done, total)` is
-    called after each tensor."""
+    called after each tensor. A base weight that `apply_lora` stores in 4 bits is quantized
+    as it is read (`LoRALinear.load_weight`), one tensor at a time."""
     files = check_hf_checkpoint(model.args, path)
-    params = dict(model.named_parameters())
     names = hf_names(model.args)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for ours, theirs in names.items():
@@ -687,7 +705,7 @@ def load_hf_checkpoint(
     for file, file_names in sorted(by_file.items()):
         with _open_safetensors(file) as f:
             for ours, theirs in file_names:
-                copy(params[ours], f.get_slice(theirs))
+                copy_into(model, ours, f.get_slice(theirs), copy)
                 done += 1
                 if progress is not None:
                     progress(done, len(names))
@@ -789,3 +807,350 @@ def save_hf_checkpoint(
         os.replace(out_dir, old)
     os.replace(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------
+# LoRA: low-rank adapters on the blocks' linear layers over a frozen base, which may be
+# stored in 4-bit NormalFloat (QLoRA). Applied from outside, like offload.apply_ac:
+#
+#     with torch.device("meta"):
+#         model = Llama(args)
+#     apply_lora(model, LoRAConfig(rank=16, alpha=32, quantize_base="nf4"), torch.bfloat16)
+#
+# Parameter names: each adapted projection keeps its base weight as `weight` (frozen; a
+# 4-bit one as `weight_nf4`) and gains `lora_A` [rank, in] and `lora_B` [out, rank], PEFT's
+# `lora_A.weight` / `lora_B.weight`. Saved adapters use PEFT's names and adapter_config.json.
+# ----------------------------------------------------------------------------------------
+
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+# The same projections by their HF / PEFT module names (adapter_config.json's target_modules).
+HF_LORA_TARGETS = {
+    "wq": "q_proj",
+    "wk": "k_proj",
+    "wv": "v_proj",
+    "wo": "o_proj",
+    "w1": "gate_proj",
+    "w3": "up_proj",
+    "w2": "down_proj",
+}
+NF4_SUFFIX = "_nf4"  # `wq.weight_nf4`: the 4-bit storage of `wq.weight`
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    quantize_base: str | None = None  # None (the base in the compute dtype) or "nf4"
+
+    def __post_init__(self):
+        problems = []
+        if self.rank < 1:
+            problems.append(f"rank must be >= 1, got {self.rank}")
+        if not 0 <= self.dropout < 1:
+            problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            problems.append(f"targets {list(self.targets)}: expected some of {LORA_TARGETS}")
+        if self.quantize_base not in (None, "nf4"):
+            problems.append(f"quantize_base {self.quantize_base!r}: expected None or 'nf4'")
+        if problems:
+            raise ValueError("LoRA: " + "; ".join(problems))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+def parse_lora_targets(text: str) -> tuple[str, ...]:
+    """ "all", or a comma-separated list of longtune names (wq,wk,...) or HF names
+    (q_proj,k_proj,...; see HF_LORA_TARGETS), into longtune names in LORA_TARGETS order."""
+    if text == "all":
+        return LORA_TARGETS
+    by_hf = {hf: ours for ours, hf in HF_LORA_TARGETS.items()}
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LORA_TARGETS and n not in by_hf]
+    if unknown or not names:
+        raise ValueError(
+            f"LoRA targets {text!r}: unknown {unknown}; expected 'all' or names from "
+            f"{list(LORA_TARGETS)} or their HF names {list(HF_LORA_TARGETS.values())}"
+        )
+    chosen = {by_hf.get(n, n) for n in names}
+    return tuple(t for t in LORA_TARGETS if t in chosen)
+
+
+class LoRALinear(nn.Module):
+    """y = x W^T + scale * dropout(x) A^T B^T, scale = alpha / rank (PEFT's LoRA layer), with
+    W frozen. W is stored in `base_dtype`, or in NF4 (kernels/nf4.py) as `weight_nf4`: its
+    packed rows viewed as `base_dtype`, which must be the compute dtype FSDP gathers in (so
+    its mixed precision policy has nothing to cast), and two small second-level tensors
+    kept whole as buffers (not in checkpoints: the base is re-read from the HF checkpoint)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        config: LoRAConfig,
+        base_dtype: torch.dtype,
+        dequantize: Callable,
+        device: torch.device | None = None,
+    ):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scale, self.dropout = config.scale, config.dropout
+        self.dequantize = dequantize
+        self.quantized = config.quantize_base == "nf4"
+        if self.quantized:
+            words = row_bytes(in_features) // base_dtype.itemsize
+            packed = torch.empty(out_features, words, dtype=base_dtype, device=device)
+            self.weight_nf4 = nn.Parameter(packed, requires_grad=False)
+            n_scales = -(-out_features * in_features // (NF4_BLOCK * NF4_SCALE_BLOCK))
+            self.register_buffer("absmax2", torch.empty(n_scales, device=device), persistent=False)
+            self.register_buffer("offset", torch.empty((), device=device), persistent=False)
+        else:
+            weight = torch.empty(out_features, in_features, dtype=base_dtype, device=device)
+            self.weight = nn.Parameter(weight, requires_grad=False)
+        self.lora_A = nn.Parameter(torch.empty(config.rank, in_features, device=device))
+        self.lora_B = nn.Parameter(torch.empty(out_features, config.rank, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized:
+            # With FSDP's CPU offload the buffers stay on the host; they are a few KB.
+            absmax2 = self.absmax2.to(x.device, non_blocking=True)
+            offset = self.offset.to(x.device, non_blocking=True)
+            base = nf4_linear(
+                x, self.weight_nf4, absmax2, offset, self.in_features, self.dequantize
+            )
+        else:
+            base = F.linear(x, self.weight)
+        if self.dropout and self.training:
+            x = F.dropout(x, self.dropout)
+        return base + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+
+    @torch.no_grad()
+    def load_weight(self, tensor_slice, copy: Callable[[torch.Tensor, object], None]) -> None:
+        """Sets W from the whole weight (a safetensors slice or a tensor): directly, or
+        quantized on the device of the buffers (the rank's GPU) and then moved in by `copy`
+        (which may keep only this rank's rows of the packed storage)."""
+        if not self.quantized:
+            copy(self.weight, tensor_slice)
+            return
+        quantized = quantize_nf4(tensor_slice[:].to(self.absmax2.device))
+        copy(self.weight_nf4, quantized.rows.view(self.weight_nf4.dtype))
+        self.absmax2.copy_(quantized.absmax2)
+        self.offset.copy_(quantized.offset)
+
+    def base_weight(self, stored: torch.Tensor) -> torch.Tensor:
+        """W in fp32 from `stored`, the whole of its stored parameter (`weight` or
+        `weight_nf4`, gathered when this rank holds only a shard)."""
+        if not self.quantized:
+            return stored.float()
+        return dequantize_nf4_reference(
+            stored, self.absmax2.to(stored.device), self.offset.to(stored.device),
+            self.in_features, torch.float32,
+        )  # fmt: skip
+
+
+def _lora_module_paths(args: ModelArgs, targets: tuple[str, ...]) -> list[str]:
+    """`layers.{i}.attention.wq` and the like, in layer then target order."""
+    where = {ours.split(".")[1]: ours.split(".")[0] for ours in _HF_LAYER_NAMES}
+    return [f"layers.{i}.{where[t]}.{t}" for i in range(args.n_layers) for t in targets]
+
+
+def apply_lora(
+    model: Llama, config: LoRAConfig, base_dtype: torch.dtype, kernels: bool = False
+) -> None:
+    """Replaces the target projections of every block with LoRALinear and freezes the rest
+    of the model, stored in `base_dtype` (the compute dtype: no fp32 master copy of what is
+    not trained). Applied to the meta-built model, before `offload.apply_ac` and
+    `shard.apply_fsdp`; `kernels` picks the Triton NF4 dequantization or its reference."""
+    from kernels import dequantize_nf4
+
+    dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
+    for path in _lora_module_paths(model.args, config.targets):
+        parent_path, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        linear = getattr(parent, attr)
+        if config.quantize_base:
+            check_quantizable(f"{path}.weight", tuple(linear.weight.shape))
+        lora = LoRALinear(
+            linear.in_features, linear.out_features, config, base_dtype, dequantize,
+            device=linear.weight.device,
+        )  # fmt: skip
+        setattr(parent, attr, lora)
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            continue
+        for name, param in list(module.named_parameters(recurse=False)):
+            frozen = torch.empty_like(param, dtype=base_dtype)
+            setattr(module, name, nn.Parameter(frozen, requires_grad=False))
+
+
+def weight_shape(model: Llama, name: str) -> torch.Size:
+    """The shape of parameter `name`, or of the weight a 4-bit `weight_nf4` stores."""
+    owner_path, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    if isinstance(owner, LoRALinear) and owner.quantized and leaf == "weight":
+        return torch.Size((owner.out_features, owner.in_features))
+    return model.get_parameter(name).shape
+
+
+def copy_into(model: Llama, name: str, tensor_slice, copy: Callable) -> None:
+    """`copy(parameter, tensor_slice)` for parameter `name`; for a base weight stored in
+    4 bits, `LoRALinear.load_weight` quantizes it on the way in."""
+    owner_path, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_path)
+    if isinstance(owner, LoRALinear) and leaf == "weight":
+        owner.load_weight(tensor_slice, copy)
+    else:
+        copy(model.get_parameter(name), tensor_slice)
+
+
+def lora_initial_value(model: Llama, name: str, seed: int, device: torch.device) -> torch.Tensor:
+    """PEFT's initialization, one value per (seed, name): A ~ U(-1/sqrt(in), 1/sqrt(in))
+    (nn.Linear's default, kaiming-uniform with a = sqrt(5)), B = 0, so an adapted model
+    starts equal to its base."""
+    shape = model.get_parameter(name).shape
+    if name.endswith("lora_B"):
+        return torch.zeros(shape, device=device)
+    bound = 1 / math.sqrt(shape[1])
+    generator = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
+    return (torch.rand(shape, generator=generator, device=device) * 2 - 1) * bound
+
+
+def peft_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, str]:
+    """longtune adapter name -> PEFT's (`base_model.model.model.layers.0.self_attn.q_proj.
+    lora_A.weight`)."""
+    hf = hf_names(args)
+    names = {}
+    for path in _lora_module_paths(args, targets):
+        module = "base_model.model." + hf[f"{path}.weight"].removesuffix(".weight")
+        for ab in ("lora_A", "lora_B"):
+            names[f"{path}.{ab}"] = f"{module}.{ab}.weight"
+    return names
+
+
+def peft_adapter_config(config: LoRAConfig, base_model: str | None) -> dict:
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": sorted(HF_LORA_TARGETS[t] for t in config.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def save_peft_adapter(
+    args: ModelArgs,
+    config: LoRAConfig,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    out_dir: str | os.PathLike,
+    base_model: str | None = None,
+) -> None:
+    """Writes adapter_config.json + adapter_model.safetensors (fp32, PEFT's names), which
+    `peft.PeftModel.from_pretrained(base, out_dir)` loads, from (longtune name, full tensor)
+    pairs of the adapters. Atomic like save_hf_checkpoint."""
+    names = peft_names(args, config.targets)
+    tensors = {
+        names[ours]: t.detach().to("cpu", torch.float32).contiguous()
+        for ours, t in named_tensors
+        if ours in names
+    }
+    if missing := sorted(set(names.values()) - set(tensors)):
+        raise ValueError(f"cannot save the adapter: no tensor given for {missing[:5]}")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    adapter_config = peft_adapter_config(config, base_model)
+    (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathLike) -> Path:
+    """Refuses a PEFT adapter directory that does not fit (config fields and tensor shapes,
+    read from the headers), with one ValueError listing every difference. Returns the
+    safetensors file."""
+    path = Path(path)
+    config_file, tensors_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    for file in (config_file, tensors_file):
+        if not file.is_file():
+            raise FileNotFoundError(f"LoRA adapter: {file} does not exist")
+    theirs = json.loads(config_file.read_text())
+    ours = peft_adapter_config(config, None)
+    problems = [
+        f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected {ours[key]!r}"
+        for key in ("peft_type", "r", "lora_alpha", "bias", "use_rslora", "use_dora")
+        if theirs.get(key, ours[key]) != ours[key]
+    ]
+    targets = theirs.get("target_modules")
+    if sorted(targets if isinstance(targets, list) else [targets]) != ours["target_modules"]:
+        problems.append(
+            f"adapter_config.json target_modules: adapter has {targets!r}, expected "
+            f"{ours['target_modules']} (--lora-targets)"
+        )
+    with torch.device("meta"):
+        model = Llama(args)
+    apply_lora(model, config, torch.float32)
+    expected = {
+        peft: tuple(model.get_parameter(name).shape)
+        for name, peft in peft_names(args, config.targets).items()
+    }
+    with _open_safetensors(tensors_file) as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    for name, shape in expected.items():
+        if name not in shapes:
+            problems.append(f"missing tensor {name}: expected shape {shape}")
+        elif shapes[name] != shape:
+            problems.append(f"tensor {name}: adapter shape {shapes[name]}, model {shape}")
+    problems += [f"unexpected tensor {n}" for n in sorted(set(shapes) - set(expected))]
+    if problems:
+        raise ValueError(f"LoRA adapter {path} does not fit:\n  " + "\n  ".join(problems))
+    return tensors_file
+
+
+@torch.no_grad()
+def load_peft_adapter(
+    model: Llama,
+    config: LoRAConfig,
+    path: str | os.PathLike,
+    copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
+) -> None:
+    """Loads a PEFT LoRA adapter directory into the adapters of an `apply_lora`-ed model,
+    after `check_peft_adapter`; `copy` as in load_hf_checkpoint."""
+    file = check_peft_adapter(model.args, config, path)
+    with _open_safetensors(file) as f:
+        for ours, theirs in peft_names(model.args, config.targets).items():
+            copy(model.get_parameter(ours), f.get_slice(theirs))
+
+
+def merged_named_tensors(
+    model: Llama, gather: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """(parameter name, full tensor) for save_hf_checkpoint, with each LoRALinear merged
+    into one weight, W + scale * B @ A in fp32 (a 4-bit W dequantized first), so that a
+    plain Llama (transformers' or longtune's) computes what the adapted model computes
+    (without dropout). `gather(param)` returns the whole tensor of a (sharded) parameter."""
+    lora = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    for name, param in model.named_parameters():
+        owner_path, _, leaf = name.rpartition(".")
+        if owner_path not in lora:
+            yield name, gather(param)
+        elif leaf in ("weight", "weight" + NF4_SUFFIX):
+            module = lora[owner_path]
+            base = module.base_weight(gather(param))
+            delta = gather(module.lora_B).float() @ gather(module.lora_A).float()
+            yield f"{owner_path}.weight", base + module.scale * delta

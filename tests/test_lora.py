@@ -1,0 +1,215 @@
+"""LoRA (model.apply_lora) against PEFT's LoRA on transformers (the numerical oracle), PEFT
+adapters out and in, the merged export, and the model on a 4-bit base.
+
+Tolerances: fp32 on CPU, max |a - b| / max |b| <= 1e-5 for logits and gradients. The model
+on an NF4 base against the same model on the dequantized base: the same weights, so the
+same 1e-5 (the matmul runs as x @ W^T in one and F.linear in the other).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import (
+    HF_LORA_TARGETS,
+    LORA_TARGETS,
+    Llama,
+    LoRAConfig,
+    LoRALinear,
+    ModelArgs,
+    apply_lora,
+    load_hf_checkpoint,
+    load_peft_adapter,
+    merged_named_tensors,
+    parse_lora_targets,
+    peft_names,
+    save_hf_checkpoint,
+    save_peft_adapter,
+)
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+FP32_RTOL = 1e-5
+CONFIG = LoRAConfig(rank=4, alpha=8.0)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def hf_checkpoint(path: Path) -> Path:
+    """A tiny HF Llama (GQA, untied) whose rows are multiples of 64, so NF4 applies."""
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=192,
+        vocab_size=160,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).float().save_pretrained(path)
+    return path
+
+
+def hf_model(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def lora_model(path: Path, config: LoRAConfig = CONFIG, seed: int = 0) -> Llama:
+    with torch.device("meta"):
+        model = Llama(ModelArgs.from_hf_config(path))
+    apply_lora(model, config, torch.float32)
+    model.to_empty(device="cpu")
+    model.init_weights(seed)  # the adapters' initial values (the base is then loaded)
+    load_hf_checkpoint(model, path)
+    return model
+
+
+def randomize_adapters(model: Llama) -> None:
+    """B starts at 0, which would leave A without a gradient: random values for both."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def tokens_for(model: Llama) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, model.args.vocab_size, (2, 24), generator=g)
+
+
+def adapters(model: Llama) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_only_adapters_train_and_the_base_model_is_unchanged_at_step_0(tmp_path):
+    path = hf_checkpoint(tmp_path)
+    model = lora_model(path)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * len(LORA_TARGETS) * model.args.n_layers
+    assert all(".lora_A" in n or ".lora_B" in n for n in trainable)
+    tokens = tokens_for(model)
+    assert rel_err(model(tokens), hf_model(path)(tokens).logits) <= FP32_RTOL
+    # One initial value per (seed, name): the same again, another with another seed.
+    again = adapters(lora_model(path))
+    assert all(torch.equal(t, again[n]) for n, t in adapters(model).items())
+    a_name = next(n for n in trainable if n.endswith("lora_A"))
+    assert not torch.equal(adapters(model)[a_name], adapters(lora_model(path, seed=1))[a_name])
+    bound = 1 / model.args.dim**0.5  # PEFT's kaiming-uniform A, over wq's dim inputs
+    assert adapters(model)[a_name].abs().max() <= bound
+
+
+def peft_model_like(model: Llama, path: Path):
+    """PEFT's LoRA on transformers with our config and our adapters' values."""
+    config = peft.LoraConfig(
+        r=CONFIG.rank,
+        lora_alpha=CONFIG.alpha,
+        lora_dropout=0.0,
+        target_modules=sorted(HF_LORA_TARGETS.values()),
+    )
+    theirs = peft.get_peft_model(hf_model(path), config)
+    names = peft_names(model.args, CONFIG.targets)
+    state = {names[n]: t for n, t in adapters(model).items()}
+    result = peft.set_peft_model_state_dict(theirs, state)
+    assert not result.unexpected_keys
+    return theirs
+
+
+def test_logits_and_adapter_gradients_match_peft(tmp_path):
+    path = hf_checkpoint(tmp_path)
+    model = lora_model(path)
+    randomize_adapters(model)
+    theirs = peft_model_like(model, path)
+    tokens = tokens_for(model)
+    logits, their_logits = model(tokens), theirs(tokens).logits
+    assert rel_err(logits, their_logits) <= FP32_RTOL
+    (logits.square().mean()).backward()
+    (their_logits.square().mean()).backward()
+    their_params = {n.replace(".default", ""): p for n, p in theirs.named_parameters()}
+    for ours, peft_name in peft_names(model.args, CONFIG.targets).items():
+        grad = model.get_parameter(ours).grad
+        assert rel_err(grad, their_params[peft_name].grad) <= FP32_RTOL, ours
+
+
+def test_saved_adapter_loads_in_peft_and_back(tmp_path):
+    path = hf_checkpoint(tmp_path / "base")
+    model = lora_model(path)
+    randomize_adapters(model)
+    out = tmp_path / "adapter"
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), out, base_model=str(path))
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == CONFIG.rank
+    theirs = peft.PeftModel.from_pretrained(hf_model(path), out).eval()
+    tokens = tokens_for(model)
+    assert rel_err(model(tokens), theirs(tokens).logits) <= FP32_RTOL
+    fresh = lora_model(path)
+    load_peft_adapter(fresh, CONFIG, out)
+    loaded = adapters(fresh)
+    assert all(torch.equal(t, loaded[n]) for n, t in adapters(model).items())
+
+
+def test_an_adapter_of_another_config_is_refused_with_each_difference(tmp_path):
+    path = hf_checkpoint(tmp_path / "base")
+    model = lora_model(path)
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), tmp_path / "adapter")
+    other = LoRAConfig(rank=8, alpha=8.0, targets=("wq", "wv"))
+    with pytest.raises(ValueError) as error:
+        load_peft_adapter(lora_model(path, other), other, tmp_path / "adapter")
+    message = str(error.value)
+    for expected in ("r: adapter has 4, expected 8", "target_modules", "lora_A.weight"):
+        assert expected in message
+
+
+def test_merged_export_loads_in_transformers(tmp_path):
+    path = hf_checkpoint(tmp_path / "base")
+    model = lora_model(path)
+    randomize_adapters(model)
+    out = tmp_path / "merged"
+    named = merged_named_tensors(model, lambda p: p.detach())
+    save_hf_checkpoint(model.args, named, out, dtype=torch.float32)
+    tokens = tokens_for(model)
+    assert rel_err(hf_model(out)(tokens).logits, model(tokens)) <= FP32_RTOL
+
+
+def test_targets_accept_hf_names_and_refuse_unknown_ones():
+    assert parse_lora_targets("q_proj, v_proj,w2") == ("wq", "wv", "w2")
+    assert parse_lora_targets("all") == LORA_TARGETS
+    with pytest.raises(ValueError, match="qkv"):
+        parse_lora_targets("qkv")
+
+
+def test_model_on_nf4_base_equals_model_on_dequantized_base(tmp_path):
+    path = hf_checkpoint(tmp_path)
+    quantized = lora_model(path, LoRAConfig(rank=4, alpha=8.0, quantize_base="nf4"))
+    plain = lora_model(path)
+    randomize_adapters(quantized)
+    randomize_adapters(plain)
+    with torch.no_grad():  # the plain model's base := the dequantized 4-bit base
+        for name, module in quantized.named_modules():
+            if isinstance(module, LoRALinear):
+                dequantized = module.base_weight(module.weight_nf4)
+                plain.get_submodule(name).weight.copy_(dequantized)
+    assert not any(isinstance(getattr(m, "weight", None), torch.nn.Parameter)
+                   for m in quantized.modules() if isinstance(m, LoRALinear))  # fmt: skip
+    tokens = tokens_for(plain)
+    logits, plain_logits = quantized(tokens), plain(tokens)
+    assert rel_err(logits, plain_logits) <= FP32_RTOL
+    logits.square().mean().backward()
+    plain_logits.square().mean().backward()
+    for name, p in plain.named_parameters():
+        if p.requires_grad:
+            assert rel_err(quantized.get_parameter(name).grad, p.grad) <= FP32_RTOL, name
+
+
+def test_nf4_needs_rows_that_are_multiples_of_64():
+    with torch.device("meta"):
+        model = Llama(ModelArgs.from_name("tiny"))  # dim 96
+    with pytest.raises(ValueError, match=r"layers.0.attention.wq.weight: NF4 .* \(96, 96\)"):
+        apply_lora(model, LoRAConfig(rank=2, alpha=2.0, quantize_base="nf4"), torch.float32)
