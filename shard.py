@@ -46,7 +46,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, _chunk_rows
-from model import Llama, ModelArgs, load_hf_checkpoint
+from kernels.nf4 import row_bytes
+from model import Llama, LoRAConfig, ModelArgs, load_hf_checkpoint, load_peft_adapter
 from offload import AC_MODES, STAGING_SLOTS
 
 GiB = 2**30
@@ -241,6 +242,8 @@ def materialize(
     hf_path: str | os.PathLike | None = None,
     cpu_offload: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    lora: LoRAConfig | None = None,
+    lora_adapter: str | os.PathLike | None = None,
 ) -> None:
     """Allocates the sharded parameters of a meta-built, `apply_fsdp`-ed model (on the host
     when `cpu_offload`, which must match apply_fsdp's) and fills them: from a Hugging Face
@@ -251,7 +254,11 @@ def materialize(
     any number of ranks, with or without CPU offload. A checkpoint that does not fit the
     model raises the same ValueError on every rank (it is checked from config and headers,
     the same files on every rank) before anything is read, and nothing here communicates,
-    so no rank is left waiting in a collective."""
+    so no rank is left waiting in a collective.
+
+    With LoRA (model.apply_lora) the adapters come from `lora_adapter` (a PEFT adapter
+    directory, with `lora` its config) or from their initial values; a 4-bit base is
+    quantized tensor by tensor as it is read or initialized, each rank keeping its rows."""
     model.to_empty(device="cpu" if cpu_offload else dist.device)
 
     def copy_rows(param: DTensor, tensor_slice) -> None:
@@ -260,11 +267,14 @@ def materialize(
 
     if hf_path is not None:
         load_hf_checkpoint(model, hf_path, copy=copy_rows, progress=progress)
-        return
-    for name, param in model.named_parameters():
-        start, stop = local_rows(param)
-        full = model.initial_value(name, seed, dist.device)
-        param.to_local().copy_(full[start:stop])
+        if lora is not None and lora_adapter is None:  # adapters from their initial values
+            for name, param in model.named_parameters():
+                if param.requires_grad:
+                    copy_rows(param, model.initial_value(name, seed, dist.device))
+    else:
+        model.init_weights(seed, device=dist.device, copy=copy_rows)
+    if lora_adapter is not None:
+        load_peft_adapter(model, lora, lora_adapter, copy=copy_rows)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -332,6 +342,23 @@ def block_params(args: ModelArgs) -> int:
     return (
         2 * args.dim * args.dim + 2 * args.dim * kv_dim + 3 * args.dim * args.ffn_dim + 2 * args.dim
     )
+
+
+def lora_block(args: ModelArgs, lora: LoRAConfig, param_bytes: int) -> tuple[int, int, int]:
+    """(adapter parameters, bytes of the frozen base, the largest target's numel) of one
+    block under `lora`: a target's base in NF4 is row_bytes(in) per row, otherwise every
+    frozen weight is param_bytes per value."""
+    kv = args.n_kv_heads * args.head_dim
+    shapes = {"wq": (args.dim, args.dim), "wk": (kv, args.dim), "wv": (kv, args.dim),
+              "wo": (args.dim, args.dim), "w1": (args.ffn_dim, args.dim),
+              "w3": (args.ffn_dim, args.dim), "w2": (args.dim, args.ffn_dim)}  # fmt: skip
+    adapters = sum(lora.rank * (n + k) for t, (n, k) in shapes.items() if t in lora.targets)
+    base = 2 * args.dim * param_bytes  # the norms
+    for target, (n, k) in shapes.items():
+        quantized = lora.quantize_base and target in lora.targets
+        base += n * row_bytes(k) if quantized else n * k * param_bytes
+    largest = max(n * k for t, (n, k) in shapes.items() if t in lora.targets)
+    return adapters, base, largest
 
 
 def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
@@ -402,6 +429,10 @@ class Plan:
     optimizer_in_backward: bool = False  # one GPU, no FSDP (offload.OptimizerInBackward)
     param_dtype: str = "bf16"  # of the gathered weights and the activations: bf16 or fp32
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
+    # LoRA adapters on a frozen base (model.apply_lora): only the adapters have fp32 master
+    # weights, gradients and optimizer state; the base is stored in param_dtype, its
+    # adapted projections in NF4 with lora.quantize_base.
+    lora: LoRAConfig | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -439,6 +470,13 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     # Sharded fp32 state, 4 bytes per parameter per copy, divided over the shard group.
     master = 4 * total / s
     optimizer = 2 * 4 * total / s  # exp_avg, exp_avg_sq
+    lora = plan.lora
+    if lora is not None:
+        adapter_block, base_block, largest_target = lora_block(args, lora, p)
+        trainable = layers * adapter_block
+        frozen = layers * base_block + p * (embedding + head)
+        master = (4 * trainable + frozen) / s
+        optimizer = 2 * 4 * trainable / s
     gpu_master = 0.0 if cpu_offload else master
     gpu_optimizer = 0.0 if cpu_offload else optimizer
 
@@ -449,6 +487,11 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     # a block's largest, w1/w2/w3.)
     gathered_blocks = 2 if _strategy(strategy).reshard_after_forward else layers
     gathered = p * (embedding + head + gathered_blocks * block)
+    if lora is not None:
+        # A 4-bit weight is dequantized for its matmul and freed: one at a time.
+        dequantized = p * largest_target if lora.quantize_base else 0
+        gathered = p * (embedding + head) + gathered_blocks * (base_block + p * adapter_block)
+        gathered += dequantized
     staging = 4 * args.ffn_dim * d / s if cpu_offload else 0.0
 
     # Gradients. A unit's reduction: its param_dtype gradient is copied into an fp32
@@ -462,6 +505,11 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     accumulated = 4 * total if plan.grad_accum > 1 else 0.0
     # The shards every unit but the root has written when backward ends.
     grad_shards = 0.0 if cpu_offload else 4 * (total - embedding) / s
+    # What each unit reduces: with LoRA only a block's adapters (the head and root are frozen).
+    head_grad, block_grad, root_grad = head, block, embedding
+    if lora is not None:
+        grad_shards = 0.0 if cpu_offload else 4 * trainable / s
+        head_grad, block_grad, root_grad = 0, adapter_block, 0
 
     # Activations. Saved per block by mode; the block in backward rebuilds (recompute) or
     # still has its full saved set, plus its backward's working set: the incoming and
@@ -505,7 +553,8 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     # keeps for backward (hidden-sized and output-weight-sized, param_dtype). Reference:
     # [N, V] fp32 log-probabilities saved, then their gradient and the fp32 logits' one
     # (12 bytes per logit), and the bf16 logits' gradient.
-    fused_loss = min(CHUNK_LOGITS_BYTES, n * v * p) + n * d * p + v * d * p
+    output_grad = 0 if lora is not None else v * d * p  # a frozen output: no gradient
+    fused_loss = min(CHUNK_LOGITS_BYTES, n * v * p) + n * d * p + output_grad
     loss = fused_loss if plan.kernels else n * v * (12 + p)
     # Over more than BF16_SUM_CHUNKS chunks the fused loss's forward also sums the output
     # weight's gradient in an fp32 buffer, freed before backward.
@@ -519,14 +568,14 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     # the root, at the end.
     head_backward = {
         "parameters": gpu_master + gathered + staging,
-        "gradients": accumulated + (4 + 4 / s) * head,
+        "gradients": accumulated + (4 + 4 / s) * head_grad,
         "optimizer": gpu_optimizer,
         "activations": saved + final_norm,
         "loss": loss,
     }
     block_backward = {
         **head_backward,
-        "gradients": accumulated + reduction(block),
+        "gradients": accumulated + reduction(block_grad),
         "activations": saved + working_set,
         "loss": v * d * p if args.tie_embeddings and plan.kernels else 0.0,
     }
@@ -535,7 +584,7 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     # a tied model's output gradient accumulates) and its reduction.
     end = {
         "parameters": gpu_master + p * embedding + staging,
-        "gradients": grad_shards + reduction(embedding),
+        "gradients": grad_shards + reduction(root_grad),
         "optimizer": gpu_optimizer,
         "activations": 0.0,
         "loss": 0.0,

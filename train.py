@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -54,7 +55,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 import offload
@@ -65,9 +70,15 @@ from model import (
     REFERENCE_OPS,
     SDPA_BACKENDS,
     Llama,
+    LoRAConfig,
     ModelArgs,
+    apply_lora,
     check_hf_checkpoint,
+    check_peft_adapter,
+    merged_named_tensors,
+    parse_lora_targets,
     save_hf_checkpoint,
+    save_peft_adapter,
     triton_ops,
 )
 
@@ -154,6 +165,26 @@ class Options:
         "for rows of several documents, SDPA's causal kernel for rows of one",
     )
     kernels: bool | None = flag(None, "the Triton kernels (default: on with CUDA, off on CPU)")
+    # LoRA: adapters on a frozen base (model.apply_lora)
+    lora_rank: int = flag(
+        0, "train LoRA adapters of this rank on a frozen base (0: full fine-tuning)"
+    )
+    lora_alpha: float = flag(16.0, "LoRA's alpha: the adapters' output is scaled by alpha / rank")
+    lora_dropout: float = flag(0.0, "dropout on the adapters' input")
+    lora_targets: str = flag(
+        "all",
+        "the projections that get adapters: all, or a comma list of wq,wk,wv,wo,w1,w2,w3 or "
+        "their HF names q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,up_proj",
+    )
+    quantize_base: str | None = flag(
+        None, "store the frozen base's adapted projections in 4 bits (QLoRA)", choices=["nf4"]
+    )
+    lora_adapter: str | None = flag(
+        None, "start the adapters from this PEFT adapter directory", metavar="DIR"
+    )
+    export_adapter: str | None = flag(
+        None, "at the end, write the LoRA adapters in PEFT's format here", metavar="DIR"
+    )
     # Output
     log_interval: int = flag(10, "log every n steps")
     checkpoint_interval: int = flag(
@@ -234,8 +265,34 @@ def check_options(opts: Options) -> None:
         problems += [
             f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
         ]
+    if not opts.lora_rank:
+        problems += [
+            f"--{name.replace('_', '-')} needs --lora-rank > 0"
+            for name in ("quantize_base", "lora_adapter", "export_adapter")
+            if getattr(opts, name)
+        ]
+    elif opts.optimizer_in_backward:
+        problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
+    try:
+        lora_config(opts)
+    except ValueError as e:
+        problems.append(str(e))
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def lora_config(opts: Options) -> LoRAConfig | None:
+    if opts.lora_rank < 0:
+        raise ValueError(f"--lora-rank must be >= 0, got {opts.lora_rank}")
+    if opts.lora_rank == 0:
+        return None
+    return LoRAConfig(
+        rank=opts.lora_rank,
+        alpha=opts.lora_alpha,
+        dropout=opts.lora_dropout,
+        targets=parse_lora_targets(opts.lora_targets),
+        quantize_base=opts.quantize_base,
+    )
 
 
 def lr_at(step: int, opts: Options, max_steps: int) -> float:
@@ -351,18 +408,36 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 def export_hf(
     model: Llama, out_dir: str, dtype: torch.dtype, device: torch.device, is_main: bool
 ) -> None:
-    """Gathers one parameter at a time on every rank (each holds a shard); rank 0 writes."""
-
-    def full_tensors():
-        for name, param in model.named_parameters():
-            if isinstance(param, DTensor):  # with --cpu-offload the shard is on the CPU
-                param = param.detach().to(device).full_tensor()
-            yield name, param
-
+    """Gathers one parameter at a time on every rank (each holds a shard); rank 0 writes.
+    LoRA adapters are merged into their base weights (model.merged_named_tensors)."""
+    named = merged_named_tensors(model, functools.partial(full_tensor, device=device))
     if is_main:
-        save_hf_checkpoint(model.args, full_tensors(), out_dir, dtype)
+        save_hf_checkpoint(model.args, named, out_dir, dtype)
     else:
-        for _ in full_tensors():
+        for _ in named:
+            pass
+    dist.barrier()
+
+
+def full_tensor(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(param, DTensor):  # with --cpu-offload the shard is on the CPU
+        return param.detach().to(device).full_tensor()
+    return param.detach()
+
+
+def export_adapter(
+    model: Llama, lora: LoRAConfig, out_dir: str, base: str | None, device, is_main: bool
+) -> None:
+    """The adapters in PEFT's format, gathered like export_hf's weights."""
+    named = (
+        (name, full_tensor(param, device))
+        for name, param in model.named_parameters()
+        if param.requires_grad
+    )
+    if is_main:
+        save_peft_adapter(model.args, lora, named, out_dir, base_model=base)
+    else:
+        for _ in named:
             pass
     dist.barrier()
 
@@ -405,6 +480,7 @@ def plan_run(
         optimizer_in_backward=opts.optimizer_in_backward,
         param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
         kernels=on_gpu if opts.kernels is None else opts.kernels,
+        lora=lora_config(opts),
     )
 
 
@@ -415,9 +491,12 @@ def apply_techniques(
     seed: int,
     hf_path: str | None,
     progress: Callable[[int, int], None] | None,
+    lora_adapter: str | None = None,
 ) -> None:
     """Makes the meta-built model the one the plan describes, in the one order in which the
     techniques compose:
+      0. LoRA (model.apply_lora) replaces the adapted projections and freezes the rest: the
+         modules the next steps wrap, shard and fill must be the final ones;
       1. activation checkpointing (offload.apply_ac) and 2. MLP tiling (a checkpoint per
          tile, inside the block's): they change how the blocks run, and come before
          sharding so that the forward recomputed in backward runs through FSDP's hooks
@@ -430,6 +509,8 @@ def apply_techniques(
     in fp32 on the host, as the master weights offload.OptimizerInBackward keeps.
     (torch.compile of each block, which would come between 2 and 3, measured slower than
     eager here and is not offered.)"""
+    if plan.lora:
+        apply_lora(model, plan.lora, base_dtype=DTYPES[plan.param_dtype], kernels=plan.kernels)
     offload.apply_ac(model, plan.ac, every=plan.ac_every)
     offload.apply_mlp_tiling(model, plan.mlp_tile)
     if plan.optimizer_in_backward:
@@ -444,7 +525,9 @@ def apply_techniques(
         param_dtype=DTYPES[plan.param_dtype],
         reduce_dtype=torch.float32,
     )
-    shard.materialize(model, world, seed, hf_path, plan.cpu_offload, progress)
+    shard.materialize(
+        model, world, seed, hf_path, plan.cpu_offload, progress, plan.lora, lora_adapter
+    )
 
 
 class ShardedAdamW:
@@ -457,7 +540,7 @@ class ShardedAdamW:
     def __init__(self, model: Llama, opts: Options, fused: bool):
         self.model = model
         self.grad_clip = opts.grad_clip
-        params = list(model.parameters())
+        params = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters
         self.adamw = torch.optim.AdamW(
             [
                 {"params": [p for p in params if p.ndim >= 2], "weight_decay": opts.weight_decay},
@@ -481,16 +564,28 @@ class ShardedAdamW:
         return norm
 
     def state_dict(self) -> dict:
-        model_state, optim_state = get_state_dict(self.model, self.adamw)
+        # Frozen parameters (a LoRA run's base) are not saved: they come from --hf-checkpoint.
+        model_state, optim_state = get_state_dict(self.model, self.adamw, options=FROZEN_LEFT_OUT)
         return {"model": model_state, "optim": optim_state["state"]}
 
     def load_state_dict(self, state: dict) -> None:
         # The hyperparameters in param_groups come from the command line, not the checkpoint.
-        param_groups = get_state_dict(self.model, self.adamw)[1]["param_groups"]
+        param_groups = get_state_dict(self.model, self.adamw, options=FROZEN_LEFT_OUT)[1][
+            "param_groups"
+        ]
         optim_state = {"state": state["optim"], "param_groups": param_groups}
         set_state_dict(
-            self.model, self.adamw, model_state_dict=state["model"], optim_state_dict=optim_state
+            self.model,
+            self.adamw,
+            model_state_dict=state["model"],
+            optim_state_dict=optim_state,
+            options=FROZEN_LEFT_OUT,
         )
+
+
+# strict=False: the frozen parameters are missing from the state on purpose; DCP has checked
+# that the checkpoint holds every tensor of the state it filled.
+FROZEN_LEFT_OUT = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def build_optimizer(model: Llama, plan: shard.Plan, opts: Options, device: torch.device):
@@ -619,6 +714,8 @@ def train(opts: Options) -> None:
     ckpt_root = run_dir / "checkpoints"
     if opts.hf_checkpoint:
         check_hf_checkpoint(args, opts.hf_checkpoint)
+    if opts.lora_adapter:
+        check_peft_adapter(args, plan.lora, opts.lora_adapter)
     resume_from = find_checkpoint(opts, ckpt_root)
     saved = json.loads((resume_from / "train_state.json").read_text()) if resume_from else None
     if opts.data:
@@ -641,6 +738,7 @@ def train(opts: Options) -> None:
         "tokenizer": tokenizer,
         "strategy": opts.strategy,
         "world_size": world.world_size,
+        "lora": dataclasses.asdict(plan.lora) if plan.lora else None,
     }
     if saved:
         check_resumable(saved["run"], json.loads(json.dumps(run)))
@@ -650,9 +748,11 @@ def train(opts: Options) -> None:
         ops = triton_ops() if plan.kernels else REFERENCE_OPS
         mask_documents = dataset.is_sft if opts.document_mask is None else opts.document_mask
         model = Llama(args, ops, opts.attention_backend, mask_documents)
-    hf_path = opts.hf_checkpoint if resume_from is None else None  # else the checkpoint's weights
+    # Resuming reads the checkpoint's weights, except a LoRA run's frozen base, not in it.
+    hf_path = opts.hf_checkpoint if resume_from is None or plan.lora else None
+    adapter = opts.lora_adapter if resume_from is None else None
     progress = show_progress(f"loading {hf_path}") if hf_path and is_main else None
-    apply_techniques(model, plan, world, opts.seed, hf_path, progress)
+    apply_techniques(model, plan, world, opts.seed, hf_path, progress, adapter)
     optimizer = build_optimizer(model, plan, opts, device)
     loader = PackedLoader(
         dataset,
@@ -808,6 +908,9 @@ def train(opts: Options) -> None:
     if opts.export_hf:
         export_hf(model, opts.export_hf, DTYPES[plan.param_dtype], device, is_main)
         log(f"exported {opts.export_hf} ({plan.param_dtype})")
+    if opts.export_adapter:
+        export_adapter(model, plan.lora, opts.export_adapter, opts.hf_checkpoint, device, is_main)
+        log(f"exported the LoRA adapter to {opts.export_adapter}")
     dist.destroy_process_group()
 
 

@@ -15,13 +15,19 @@ import torch.distributed as torch_dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model import Llama, ModelArgs  # noqa: E402
+from model import Llama, LoRAConfig, ModelArgs, apply_lora  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
 from shard import apply_fsdp, build_mesh, clip_grad_norm_, init_distributed, materialize  # noqa: E402
 
 TINY = ModelArgs.from_name("tiny")
 # Dims that 2 ranks do not divide evenly (w1: 201 rows = 101 + 100; vocab 321).
 ODD = dataclasses.replace(TINY, vocab_size=321, ffn_dim=201)
+
+# QLoRA: rows that are multiples of 64 (NF4 blocks), w1/w3's 192 rows split 96 + 96; a
+# large alpha so that the adapters' gradient norm exceeds MAX_NORM from the first step.
+QLORA_ARGS = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_dim=192)
+QLORA = LoRAConfig(rank=4, alpha=64.0, quantize_base="nf4")
+LORA_SCENARIOS = {"qlora_full_shard_ac": QLORA}
 
 STEPS, MICRO_BATCHES, BATCH, SEQ = 3, 2, 2, 32
 LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 1
@@ -46,6 +52,7 @@ TRAIN_SCENARIOS = {
     ),  # fmt: skip
     "full_shard_ac_offload": ("FULL_SHARD", 2, False, TINY, "full", True),
     "full_shard_selective_ac": ("FULL_SHARD", 2, False, ODD, "selective", False),
+    "qlora_full_shard_ac": ("FULL_SHARD", 2, False, QLORA_ARGS, "full", False),
 }
 
 
@@ -60,14 +67,22 @@ def batches(args: ModelArgs, world_size: int) -> tuple[torch.Tensor, torch.Tenso
     return tokens, labels
 
 
-def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}
+def full_weights(model: torch.nn.Module, trainable: bool = False) -> dict[str, torch.Tensor]:
+    return {
+        n: p.full_tensor().detach().cpu().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad or not trainable
+    }
 
 
-def sharded_model(dist, args, strategy, local_world_size, cpu_offload, ac="none", seed=SEED):
+def sharded_model(
+    dist, args, strategy, local_world_size, cpu_offload, ac="none", seed=SEED, lora=None
+):
     dist = dataclasses.replace(dist, local_world_size=local_world_size)
     with torch.device("meta"):
         model = Llama(args)
+    if lora is not None:
+        apply_lora(model, lora, torch.float32)
     apply_ac(model, ac)
     apply_fsdp(model, build_mesh(strategy, dist), strategy, cpu_offload, param_dtype=torch.float32)
     materialize(model, dist, seed=seed, cpu_offload=cpu_offload)
@@ -76,8 +91,10 @@ def sharded_model(dist, args, strategy, local_world_size, cpu_offload, ac="none"
 
 def train(dist, out: Path, name: str) -> None:
     strategy, local_world_size, cpu_offload, args, ac, act_offload = TRAIN_SCENARIOS[name]
-    model = sharded_model(dist, args, strategy, local_world_size, cpu_offload, ac)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    lora = LORA_SCENARIOS.get(name)
+    model = sharded_model(dist, args, strategy, local_world_size, cpu_offload, ac, lora=lora)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     tokens, labels = batches(args, dist.world_size)
     mine = slice(dist.rank * BATCH, (dist.rank + 1) * BATCH)
     losses, norms = [], []
@@ -94,12 +111,19 @@ def train(dist, out: Path, name: str) -> None:
         losses.append(step_loss.item() / n_targets.item())
         norms.append(clip_grad_norm_(model, MAX_NORM).item())
         if step == 0:
-            grads = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}
+            grads = {
+                n: p.grad.full_tensor().cpu()
+                for n, p in model.named_parameters()
+                if p.requires_grad
+            }
         optimizer.step()
         optimizer.zero_grad()
-    weights = full_weights(model)
+    weights = full_weights(model, trainable=True)
+    # The frozen ones (a 4-bit base's packed bytes among them), compared bit for bit.
+    frozen = {n: t.view(torch.uint8) for n, t in full_weights(model).items() if n not in weights}
     if dist.is_main:
-        result = {"losses": losses, "norms": norms, "grads": grads, "weights": weights}
+        result = {"losses": losses, "norms": norms, "grads": grads, "weights": weights,
+                  "frozen": frozen}  # fmt: skip
         torch.save(result, out / f"{name}.pt")
 
 

@@ -25,7 +25,7 @@ import dist_worker as w
 import pytest
 import torch
 
-from model import Llama, ModelArgs, load_hf_checkpoint, save_hf_checkpoint
+from model import Llama, LoRAConfig, ModelArgs, apply_lora, load_hf_checkpoint, save_hf_checkpoint
 from shard import STRATEGIES, Plan, block_params, estimate_memory, pinned_shard_bytes
 
 FP32_RTOL = 1e-5
@@ -60,14 +60,15 @@ def dist_out(tmp_path_factory) -> Path:
     return out
 
 
-def reference_run(args: ModelArgs) -> dict:
+def reference_run(args: ModelArgs, lora: LoRAConfig | None = None) -> dict:
     """The same steps as dist_worker.train in one process, no FSDP: each step's whole
     global batch, micro-batch by micro-batch, the sums divided by the global target count."""
     model = Llama(args)
+    if lora is not None:
+        apply_lora(model, lora, torch.float32)
     model.init_weights(w.SEED)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=w.LR, weight_decay=w.WEIGHT_DECAY, fused=True
-    )
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=w.LR, weight_decay=w.WEIGHT_DECAY, fused=True)
     tokens, labels = w.batches(args, world_size=2)
     losses, norms = [], []
     for step in range(w.STEPS):
@@ -78,13 +79,16 @@ def reference_run(args: ModelArgs) -> dict:
             (loss / n_targets).backward()
             step_loss += loss.item()
         losses.append(step_loss / n_targets.item())
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), w.MAX_NORM).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(trained, w.MAX_NORM).item())
         if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         optimizer.step()
         optimizer.zero_grad()
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "grads": grads, "weights": weights}
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {
+        n: p.detach().view(torch.uint8) for n, p in model.named_parameters() if not p.requires_grad
+    }
+    return {"losses": losses, "norms": norms, "grads": grads, "weights": weights, "frozen": frozen}
 
 
 def assert_tensors_close(got: dict, want: dict, rtol: float = 0.0, atol: float = 0.0) -> None:
@@ -108,14 +112,18 @@ def one_thread():
 @pytest.mark.parametrize("scenario", list(w.TRAIN_SCENARIOS))
 def test_sharded_training_matches_one_process(dist_out, scenario):
     """Losses, global gradient norms (clipped: they exceed MAX_NORM) and the weights after
-    3 steps of 2 accumulated micro-batches equal the unsharded run's."""
+    3 steps of 2 accumulated micro-batches equal the unsharded run's. With QLoRA: the
+    adapters, and the 4-bit base that each rank quantized and kept its rows of, bit for bit."""
     got = torch.load(dist_out / f"{scenario}.pt")
-    want = reference_run(w.TRAIN_SCENARIOS[scenario][3])
+    want = reference_run(w.TRAIN_SCENARIOS[scenario][3], w.LORA_SCENARIOS.get(scenario))
     assert min(want["norms"]) > w.MAX_NORM  # so clipping is exercised
     torch.testing.assert_close(got["losses"], want["losses"], rtol=FP32_RTOL, atol=0)
     torch.testing.assert_close(got["norms"], want["norms"], rtol=FP32_RTOL, atol=0)
     assert_tensors_close(got["grads"], want["grads"], rtol=FP32_RTOL)
     assert_tensors_close(got["weights"], want["weights"], atol=ADAMW_ATOL)
+    assert got["frozen"].keys() == want["frozen"].keys()
+    for name, frozen in want["frozen"].items():
+        assert torch.equal(got["frozen"][name], frozen), name
 
 
 @pytest.mark.parametrize("cpu_offload", [False, True])
@@ -229,3 +237,25 @@ def test_estimate_of_the_optimizer_in_backward():
     assert est.gpu_total < fsdp.gpu_total - 8 * total / 2**30
     # Host: 12 bytes per parameter (96 GB for 8B) and the staging buffers, under 128 GiB.
     assert 12 * total / 2**30 < est.host_total < 100
+
+
+def test_estimate_of_qlora_counts_adapters_state_and_a_4_bit_base():
+    args = ModelArgs.from_name("llama3.1-8b")
+    est = functools.partial(estimate, args, world_size=1)
+    lora = LoRAConfig(rank=16, alpha=32.0)
+    qlora = LoRAConfig(rank=16, alpha=32.0, quantize_base="nf4")
+    # rank 16 on all seven projections of 32 blocks: 42M adapter parameters, AdamW's 8 bytes.
+    adapters = 32 * 16 * (2 * (4096 + 4096) + 2 * (1024 + 4096) + 3 * (14336 + 4096))
+    assert est(lora=qlora).optimizer == pytest.approx(8 * adapters / 2**30)
+    # The frozen base: bf16 (2 bytes a weight) with LoRA, about half a byte with NF4.
+    # (plus the gathered copies: embedding and output, kept from forward into backward,
+    # and two blocks).
+    bf16_base = 2 * args.num_params() / 2**30
+    assert bf16_base < est(lora=lora).parameters < bf16_base + 3
+    # The difference: the linears of the 32 stored blocks and of the 2 gathered ones, at
+    # 2 - 33/64 bytes a weight, less the one weight that NF4 dequantizes at a time (w1).
+    linears = 2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096
+    saved = (32 + 2) * linears * (2 - 33 / 64) - 2 * 14336 * 4096
+    difference = est(lora=lora).parameters - est(lora=qlora).parameters
+    assert difference == pytest.approx(saved / 2**30, rel=1e-3)
+    assert est(lora=qlora).gradients < 0.1 < est().gradients

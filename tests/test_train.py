@@ -338,6 +338,18 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--memory-snapshot"],
             "--memory-snapshot records CUDA allocations; this run has no GPU",
         ),
+        "lora options without a rank": (
+            ["--data", str(dataset), "--quantize-base", "nf4", "--lora-targets", "qkv"],
+            "--quantize-base needs --lora-rank > 0",
+        ),
+        "nf4 on rows of 96": (
+            ["--data", str(dataset), "--lora-rank", "2", "--quantize-base", "nf4"],
+            "layers.0.attention.wq.weight: NF4 needs a matrix whose rows are a multiple of 64",
+        ),
+        "missing lora adapter": (
+            ["--data", str(dataset), "--lora-rank", "2", "--lora-adapter", str(tmp / "nowhere")],
+            "adapter_config.json does not exist",
+        ),
     }
 
 
@@ -352,6 +364,9 @@ CASES = [
     "earlier run without --resume",
     "bad option",
     "memory snapshot without CUDA",
+    "lora options without a rank",
+    "nf4 on rows of 96",
+    "missing lora adapter",
 ]
 
 
@@ -482,3 +497,74 @@ def test_document_mask_trains(dataset, tmp_path):
     train.main([*argv, "--document-mask", "--run-dir", str(tmp_path)])
     logged = losses(tmp_path)
     assert logged[10] < logged[1] - 0.5
+
+
+def qlora_base(path: Path) -> Path:
+    """A small HF Llama whose rows are multiples of 64 (NF4 blocks), for the byte dataset."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=192, vocab_size=320, max_position_embeddings=512,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).float().save_pretrained(path)
+    return path
+
+
+@CPU_ONLY
+def test_qlora_trains_resumes_and_exports_what_peft_and_transformers_load(dataset, tmp_path):
+    """--lora-rank with --quantize-base nf4 from an HF checkpoint: checkpoints hold only
+    the adapters and resume step for step; the adapter loads in PEFT and continues with
+    --lora-adapter; the merged export is the dequantized base + scale * B @ A."""
+    peft = pytest.importorskip("peft")
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from kernels import dequantize_nf4_reference, quantize_nf4
+
+    base = qlora_base(tmp_path / "base")
+    run_dir, adapter, merged = tmp_path / "run", tmp_path / "adapter", tmp_path / "merged"
+    lora = ["--hf-checkpoint", str(base), "--lora-rank", "4", "--lora-alpha", "8", "--lr", "1e-2",
+            "--lora-targets", "q_proj,v_proj,w2", "--quantize-base", "nf4"]  # fmt: skip
+    argv = ["--data", str(dataset), *SMALL, *lora, "--max-steps", "6",
+            "--checkpoint-interval", "3", "--run-dir", str(run_dir)]  # fmt: skip
+    train.main([*argv, "--export-adapter", str(adapter), "--export-hf", str(merged)])
+    first = losses(run_dir)
+    assert first[6] < first[1]
+    for file in (run_dir / "checkpoints" / "step-000003").glob("*.safetensors"):
+        with safe_open(file, "pt") as f:
+            names = [n for n in f.keys() if n.startswith("model.")]
+        assert names and all(".lora_" in n for n in names), names
+
+    train.main([*argv, "--resume", str(run_dir / "checkpoints" / "step-000003")])
+    for step, loss in first.items():
+        assert losses(run_dir)[step] == pytest.approx(loss, rel=1e-6), step
+
+    theirs = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter
+    )
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        prefix = "base_model.model.model.layers.1.self_attn.q_proj"
+        lora_a, lora_b = (
+            f.get_tensor(f"{prefix}.lora_A.weight"),
+            f.get_tensor(f"{prefix}.lora_B.weight"),
+        )
+    loaded = theirs.base_model.model.model.layers[1].self_attn.q_proj
+    assert torch.equal(loaded.lora_B["default"].weight, lora_b) and lora_b.abs().max() > 0
+
+    original = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    q = quantize_nf4(original.model.layers[1].self_attn.q_proj.weight.detach())
+    dequantized = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, 128, torch.float32)
+    expected = dequantized + (8 / 4) * lora_b @ lora_a
+    torch.testing.assert_close(
+        exported.model.layers[1].self_attn.q_proj.weight, expected, rtol=1e-6, atol=1e-6
+    )
+    # Not a target: the base's own weights.
+    assert torch.equal(exported.model.layers[1].self_attn.k_proj.weight,
+                       original.model.layers[1].self_attn.k_proj.weight)  # fmt: skip
+
+    continued = tmp_path / "continued"
+    train.main([*argv[:-1], str(continued), "--lora-adapter", str(adapter), "--max-steps", "1"])
+    assert losses(continued)[1] < first[1]
