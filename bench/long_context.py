@@ -6,6 +6,9 @@ masks attention between them with --peer-attn).
 
     python bench/long_context.py --preset llama3.2-1b --seq 8192 32768 \\
         --longtune "--ac full" "--ac none" --peers hf+liger hf
+    # QLoRA: longtune's flags carry the LoRA options; --peer-qlora R makes the peer QLoRA too
+    python bench/long_context.py --preset llama3.1-8b --seq 8192 --peer-qlora 16 \\
+        --longtune "--lora-rank 16 --lora-alpha 32 --quantize-base nf4 --ac full"
 
 Prints one row per run: tokens/s per GPU, MFU (6*N + 6*L*S*d FLOPs per token against 989
 TFLOP/s), peak GPU memory (torch.cuda.max_memory_allocated), peak host RSS. Step times
@@ -84,7 +87,7 @@ def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, n
 
 
 def peer(impl: str, preset: str, seq_len: int, steps: int, log_dir: Path, nproc: int,
-         timeout: float, data: str | None, attn: str) -> dict:  # fmt: skip
+         timeout: float, data: str | None, attn: str, qlora: int) -> dict:  # fmt: skip
     launcher = [sys.executable] if nproc == 1 else ["torchrun", f"--nproc-per-node={nproc}"]
     cmd = launcher + ["bench/peer_hf.py", "--preset", preset, "--seq-len", str(seq_len),
                       "--steps", str(steps - 2), "--attn", attn]  # fmt: skip
@@ -92,6 +95,8 @@ def peer(impl: str, preset: str, seq_len: int, steps: int, log_dir: Path, nproc:
         cmd += ["--data", data]
     if impl == "hf":
         cmd.append("--no-liger")
+    if qlora:
+        cmd += ["--qlora", str(qlora)]
     code, output = run(cmd, log_dir, f"{impl.replace('+', '-')}-{preset}-{seq_len}", timeout)
     results = [line for line in output.splitlines() if line.startswith("{")]
     if code != 0 or not results:
@@ -110,6 +115,8 @@ def main():
     parser.add_argument("--timeout", type=float, default=300, help="seconds per run")
     parser.add_argument("--data", help="a prepared dataset both train on (default: random)")
     parser.add_argument("--peer-attn", default="sdpa", choices=["sdpa", "flex_attention"])
+    parser.add_argument("--peer-qlora", type=int, default=0, metavar="R",
+                        help="the peers train QLoRA of rank R (bench/peer_hf.py)")  # fmt: skip
     parser.add_argument("--log-dir", default=os.environ.get("OUT", "bench-logs"))
     opts = parser.parse_args()
     log_dir = Path(opts.log_dir)
@@ -123,7 +130,7 @@ def main():
             print(json.dumps({"seq_len": seq_len, **result}), flush=True)
         for impl in opts.peers:
             result = peer(impl, opts.preset, seq_len, opts.steps, log_dir, opts.nproc,
-                          opts.timeout, opts.data, opts.peer_attn)  # fmt: skip
+                          opts.timeout, opts.data, opts.peer_attn, opts.peer_qlora)  # fmt: skip
             rows.append((seq_len, result))
             print(json.dumps({"seq_len": seq_len, **result}), flush=True)
     print(f"\n{opts.preset}, {opts.nproc} GPU(s)")

@@ -5,11 +5,16 @@ GPUs (torchrun), FSDP2 `fully_shard` per decoder layer and on the root, bf16 com
 reduction. Random weights, random tokens, or with --data the rows longtune's loader gives
 (packed documents: `position_ids` restarting at each document, from which transformers
 masks attention between documents; --attn flex_attention builds that mask as a block mask).
+With --qlora R (one GPU), the usual QLoRA recipe instead: the decoder's linear layers in
+bitsandbytes' 4-bit NF4 with double quantization and bf16 compute, `peft.
+prepare_model_for_kbit_training` (the other weights in fp32, gradient checkpointing), PEFT
+LoRA of rank R (alpha 2R, no dropout) on all seven projections, AdamW on the adapters.
 Prints one JSON line of results on rank 0.
 
     python bench/peer_hf.py --preset llama3.2-1b --seq-len 8192 [--no-liger]
     torchrun --nproc-per-node 8 bench/peer_hf.py --preset llama3.1-8b --seq-len 8192
     python bench/peer_hf.py --preset llama3.2-1b --seq-len 131072 --data DIR --attn flex_attention
+    python bench/peer_hf.py --preset llama3.1-8b --seq-len 8192 --qlora 16
 """
 
 import argparse
@@ -38,6 +43,7 @@ def main():
     parser.add_argument("--no-liger", action="store_true")
     parser.add_argument("--data", help="a prepared dataset: train on its packed rows")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention"])
+    parser.add_argument("--qlora", type=int, default=0, metavar="R", help="QLoRA of rank R")
     opts = parser.parse_args()
 
     import transformers
@@ -46,6 +52,8 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
+        if opts.qlora:
+            raise SystemExit("--qlora runs on one GPU")
         dist.init_process_group("nccl")
     args = PRESETS[opts.preset]
     config = transformers.LlamaConfig.from_dict(hf_config(args, torch.float32))
@@ -58,9 +66,15 @@ def main():
             fused_linear_cross_entropy=True,
         )  # fmt: skip
     device = "meta" if world > 1 else "cuda"
+    dtype = torch.bfloat16 if opts.qlora else torch.float32
     with torch.device(device):
-        model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=opts.attn)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = transformers.LlamaForCausalLM._from_config(
+            config, attn_implementation=opts.attn, dtype=dtype
+        )
+    if opts.qlora:
+        model = qlora(model, opts.qlora)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if world > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -74,7 +88,8 @@ def main():
                 p.normal_(0, 0.02)
         # RoPE's inverse frequencies are a buffer that to_empty left uninitialized.
         model.model.rotary_emb = type(model.model.rotary_emb)(config, device="cuda")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True)
     if opts.data:
         rows = PackedLoader(TokenDataset(opts.data), opts.seq_len, 1, rank, world)
     else:
@@ -106,7 +121,9 @@ def main():
     seconds = (time.perf_counter() - start) / opts.steps
     tokens_per_s = opts.seq_len / seconds
     result = {
-        "impl": ("hf" if opts.no_liger else "hf+liger") + (f" {opts.attn}" if opts.data else ""),
+        "impl": ("hf" if opts.no_liger else "hf+liger")
+        + (f" qlora r={opts.qlora}" if opts.qlora else "")
+        + (f" {opts.attn}" if opts.data else ""),
         "preset": opts.preset,
         "seq_len": opts.seq_len,
         "world_size": world,
@@ -121,6 +138,40 @@ def main():
         print(json.dumps(result), flush=True)
     if world > 1:
         dist.destroy_process_group()
+
+
+def qlora(model, rank: int):
+    """The bf16 model's decoder linears replaced by bitsandbytes' Linear4bit (quantized as
+    they move to the GPU, one at a time), then prepared and wrapped as PEFT's QLoRA recipe."""
+    import bitsandbytes as bnb
+    import peft
+
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, linear in list(parent.named_children()):
+                if not isinstance(linear, torch.nn.Linear):
+                    continue
+                quantized = bnb.nn.Linear4bit(
+                    linear.in_features, linear.out_features, bias=False,
+                    compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                    device="meta",
+                )  # fmt: skip
+                quantized.weight = bnb.nn.Params4bit(
+                    linear.weight.data.cpu(), requires_grad=False, compress_statistics=True,
+                    quant_type="nf4",
+                )  # fmt: skip
+                setattr(parent, name, quantized.to("cuda"))
+        torch.cuda.empty_cache()
+    model.is_loaded_in_4bit = True  # what from_pretrained(quantization_config=...) sets
+    model = peft.prepare_model_for_kbit_training(
+        model, gradient_checkpointing_kwargs={"use_reentrant": False}
+    )
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, task_type="CAUSAL_LM",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                        "down_proj"],
+    )  # fmt: skip
+    return peft.get_peft_model(model, config)
 
 
 if __name__ == "__main__":
