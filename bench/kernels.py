@@ -13,6 +13,10 @@ use these counts, each tensor read or written once:
     SwiGLU    fwd: gate, up, out              bwd: gate, up, dout, dgate, dup
     RoPE      fwd: q, k read and written      bwd: the same for their gradients
     linear + cross-entropy: 2 N V D flops per matmul, 3 matmuls (logits, dhidden, dweight)
+    NF4 dequantize: the packed rows read (K/2 + K/64 bytes a row, padded to 4), W written
+    NF4 linear: x @ W^T from the NF4 weight (dequantize, then cuBLAS) against F.linear on the
+        bf16 weight, forward and + backward (dx only: the weight is frozen); TFLOP/s counted
+        as 2 N K M per matmul, so the difference is what dequantizing costs
 "Extra" is torch.cuda.max_memory_allocated during one call minus what was allocated before
 it (inputs and upstream gradients), so it counts outputs, saved tensors and input gradients.
 The copy line gives the device's reachable bandwidth: a device-to-device copy, read + write.
@@ -34,8 +38,12 @@ from kernels import (  # noqa: E402
     IGNORE_INDEX,
     apply_rope,
     apply_rope_reference,
+    dequantize_nf4,
+    dequantize_nf4_reference,
     linear_cross_entropy,
     linear_cross_entropy_reference,
+    nf4_linear,
+    quantize_nf4,
     rms_norm,
     rms_norm_reference,
     swiglu,
@@ -239,6 +247,49 @@ def bench_cross_entropy_memory(dim=4096, vocab=128256):
         gc.collect()
 
 
+def bench_nf4(rows=14336, cols=4096, tokens=8192):
+    """llama3.1-8b's w1: the dequantization alone (Triton, eager reference, compiled
+    reference, bitsandbytes where installed), then the matmul through it."""
+    q = quantize_nf4(torch.randn(rows, cols, device="cuda") * 0.02)
+    packed = q.rows.view(BF16)
+    nbytes = q.rows.numel() + rows * cols * 2
+    compiled = torch.compile(dequantize_nf4_reference)
+    variants = [("triton", dequantize_nf4), ("eager", dequantize_nf4_reference),
+                ("torch.compile", compiled)]  # fmt: skip
+    for name, fn in variants:
+        call = lambda fn=fn: fn(packed, q.absmax2, q.offset, cols, BF16)  # noqa: E731
+        ms, extra = measure(call, [])
+        graph = graph_ms(call, [])
+        graph = "n/a | n/a" if graph is None else f"{graph:.3f} | {nbytes / graph / 1e9:.2f}"
+        report("NF4 dequantize", "fwd", name, ms, f"{nbytes / ms / 1e9:.2f} TB/s", extra, graph)
+    try:
+        import bitsandbytes.functional as bnb
+
+        weight = torch.randn(rows, cols, device="cuda", dtype=BF16) * 0.02
+        bnb_packed, state = bnb.quantize_4bit(
+            weight, blocksize=64, compress_statistics=True, quant_type="nf4"
+        )
+        call = lambda: bnb.dequantize_4bit(bnb_packed, state)  # noqa: E731
+        ms, extra = measure(call, [])
+        report("NF4 dequantize", "fwd", "bitsandbytes", ms, f"{nbytes / ms / 1e9:.2f} TB/s", extra)
+    except ImportError:
+        print("  (bitsandbytes absent: no row)")
+    x = leaf(tokens, cols)
+    dy = torch.randn(tokens, rows, device="cuda", dtype=BF16)
+    dense = dequantize_nf4(packed, q.absmax2, q.offset, cols, BF16)
+    flops = 2 * tokens * rows * cols
+    for name, op in [
+        ("nf4_linear", lambda t: nf4_linear(t, packed, q.absmax2, q.offset, cols)),
+        ("F.linear bf16", lambda t: torch.nn.functional.linear(t, dense)),
+    ]:
+        for mode, fn, n_flops in [
+            ("fwd", forward_only(op, [x]), flops),
+            ("fwd+bwd", forward_backward(op, [x], [dy]), 2 * flops),
+        ]:
+            ms, extra = measure(fn, [x])
+            report("NF4 linear", mode, name, ms, f"{n_flops / ms / 1e9:.0f} TFLOP/s", extra)
+
+
 def main() -> None:
     props = torch.cuda.get_device_properties(0)
     versions = f"torch {torch.__version__}, triton {triton.__version__}, liger {LIGER or 'absent'}"
@@ -249,6 +300,7 @@ def main() -> None:
     bench_rope()
     bench_linear_cross_entropy()
     bench_cross_entropy_memory()
+    bench_nf4()
     print(f"\n{props.name}, {versions}")
     print("| kernel | mode | variant | ms | rate | graph ms | graph TB/s | extra GiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
