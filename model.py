@@ -35,6 +35,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from kernels import (
     IGNORE_INDEX,
     apply_rope_reference,
+    dequantize_nf4,
     dequantize_nf4_reference,
     linear_cross_entropy_reference,
     nf4_linear,
@@ -552,7 +553,8 @@ class Llama(nn.Module):
     def initial_value(self, name: str, seed: int, device: torch.device) -> torch.Tensor:
         """The full initial tensor of parameter `name` (fp32): norms 1, matrices N(0, 0.02),
         the projections that write into the residual stream (wo, w2) scaled down by
-        sqrt(2 * n_layers) so the residual's variance does not grow with depth."""
+        sqrt(2 * n_layers) so the residual's variance does not grow with depth; LoRA's
+        adapters as PEFT initializes them (`lora_initial_value`)."""
         if ".lora_" in name:
             return lora_initial_value(self, name, seed, device)
         shape = weight_shape(self, name)
@@ -965,8 +967,6 @@ def apply_lora(
     of the model, stored in `base_dtype` (the compute dtype: no fp32 master copy of what is
     not trained). Applied to the meta-built model, before `offload.apply_ac` and
     `shard.apply_fsdp`; `kernels` picks the Triton NF4 dequantization or its reference."""
-    from kernels import dequantize_nf4
-
     dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
     for path in _lora_module_paths(model.args, config.targets):
         parent_path, _, attr = path.rpartition(".")

@@ -27,7 +27,7 @@ ODD = dataclasses.replace(TINY, vocab_size=321, ffn_dim=201)
 # large alpha so that the adapters' gradient norm exceeds MAX_NORM from the first step.
 QLORA_ARGS = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_dim=192)
 QLORA = LoRAConfig(rank=4, alpha=64.0, quantize_base="nf4")
-LORA_SCENARIOS = {"qlora_full_shard": QLORA, "qlora_full_shard_ac": QLORA}
+LORA_SCENARIOS = {name: QLORA for name in ("qlora_full_shard", "qlora_full_shard_ac_offload")}
 
 STEPS, MICRO_BATCHES, BATCH, SEQ = 3, 2, 2, 32
 LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 1
@@ -53,7 +53,7 @@ TRAIN_SCENARIOS = {
     "full_shard_ac_offload": ("FULL_SHARD", 2, False, TINY, "full", True),
     "full_shard_selective_ac": ("FULL_SHARD", 2, False, ODD, "selective", False),
     "qlora_full_shard": ("FULL_SHARD", 2, False, QLORA_ARGS, "none", False),
-    "qlora_full_shard_ac": ("FULL_SHARD", 2, False, QLORA_ARGS, "full", False),
+    "qlora_full_shard_ac_offload": ("FULL_SHARD", 2, False, QLORA_ARGS, "full", True),
 }
 
 
