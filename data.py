@@ -703,6 +703,10 @@ class PackedLoader:
     micro_batch of them; the cursor (a position in that order, shared by all ranks) then moves
     on. Only the product world_size * micro_batch is tied to the cursor, so state_dict() resumes
     on any number of ranks.
+
+    With context parallelism, rank and world_size count the data-parallel groups, and each
+    of the `context_parallel` ranks of a group gets its slice of the same rows: columns
+    [context_rank * S/N, (context_rank + 1) * S/N), positions counted on the whole row.
     """
 
     def __init__(
@@ -714,11 +718,23 @@ class PackedLoader:
         world_size: int = 1,
         seed: int = 0,
         pin_memory: bool = False,
+        context_rank: int = 0,
+        context_parallel: int = 1,
     ):
         if seq_len < 1 or micro_batch < 1:
             raise ValueError(f"seq_len and micro_batch must be >= 1, got {seq_len}, {micro_batch}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if context_parallel < 1 or seq_len % context_parallel:
+            raise ValueError(
+                f"context_parallel must be >= 1 and divide seq_len {seq_len}, got "
+                f"{context_parallel}"
+            )
+        if not 0 <= context_rank < context_parallel:
+            raise ValueError(
+                f"context_rank must be in [0, context_parallel={context_parallel}), "
+                f"got {context_rank}"
+            )
         self.num_samples = (dataset.n_tokens - 1) // seq_len
         if self.num_samples < 1:
             raise ValueError(
@@ -732,6 +748,8 @@ class PackedLoader:
         self.world_size = world_size
         self.seed = seed
         self.pin_memory = pin_memory
+        shard = seq_len // context_parallel
+        self.columns = slice(context_rank * shard, (context_rank + 1) * shard)
         self.epoch = 0
         self.cursor = 0  # samples of this epoch's order read so far, by all ranks together
         self._orders: dict[int, np.ndarray] = {}
@@ -768,8 +786,10 @@ class PackedLoader:
         self.cursor += self.world_size * self.micro_batch
         self.epoch += self.cursor // self.num_samples
         self.cursor %= self.num_samples
-        tensors = [torch.from_numpy(np.stack(column)) for column in zip(*samples, strict=True)]
-        several_documents = bool((tensors[2][:, 1:] == 0).any())  # a position restarts
+        rows = [np.stack(field) for field in zip(*samples, strict=True)]
+        # Of the whole rows: the ranks sharing a row (context parallelism) pick one kernel.
+        several_documents = bool((rows[2][:, 1:] == 0).any())  # a position restarts
+        tensors = [torch.from_numpy(np.ascontiguousarray(x[:, self.columns])) for x in rows]
         if self.pin_memory:
             tensors = [t.pin_memory() for t in tensors]
         return Batch(*tensors, several_documents)

@@ -303,13 +303,15 @@ class _Offloader:
 
 @contextlib.contextmanager
 def activation_offload(
-    model: Llama, enabled: bool = True, min_bytes: int = 2**20
+    model: Llama, enabled: bool = True, min_bytes: int = 2**20, blocks: int | None = None
 ) -> Iterator[_Offloader | None]:
     """While active (around forward), tensors that the TransformerBlocks save for backward
     go to pinned host memory: with full checkpointing the block inputs, without it every
     saved activation (with selective, the block inputs: the kept op outputs stay on the
     GPU). Tensors under `min_bytes` and weights stay where they are, and so does all of the
     last block: backward needs it first, so copying it out and back would only stall.
+    `blocks` limits the offload to the first `blocks` blocks, for when host memory holds
+    less than all of them (the first ones are the last needed in backward).
     Yields the offloader (its `offloaded_bytes`, `offloaded_tensors`), or None.
 
     The copies run at the host link's speed, and a block's memory is freed only once its
@@ -319,9 +321,12 @@ def activation_offload(
     if not enabled:
         yield None
         return
+    last = len(model.layers) - 1
+    if blocks is not None and not 0 <= blocks <= last:
+        raise ValueError(f"activation offload of {blocks} blocks; expected 0 to {last}")
     offloader = _Offloader(min_bytes)
     handles = []
-    for i, block in enumerate(model.layers[:-1]):
+    for i, block in enumerate(model.layers[: last if blocks is None else blocks]):
         enter = functools.partial(offloader.enter_block, i)
         handles.append(block.register_forward_pre_hook(enter, prepend=True))
         handles.append(block.register_forward_hook(offloader.exit_block, always_call=True))

@@ -1,14 +1,17 @@
 """Data parallelism with FSDP2 (`torch.distributed.fsdp.fully_shard`), and what it needs:
 the process group, the device mesh, materializing a meta-built model shard by shard, a
-global gradient norm, and an estimate of the memory a configuration takes per rank.
+global gradient norm, context parallelism (the ranks of a group share each sequence), and
+an estimate of the memory a configuration takes per rank.
 
 The order of application (torchtitan's): build the model on the meta device, `apply_ac`
-(offload.py), then `apply_fsdp`, then `materialize`:
+(offload.py), `apply_context_parallel` (when ranks share sequences), then `apply_fsdp`,
+then `materialize`:
 
     dist = init_distributed()
     with torch.device("meta"):
         model = Llama(args, ops)
     apply_ac(model, "full")
+    apply_context_parallel(model, context_parallel_group(dist, 2))   # optional
     apply_fsdp(model, build_mesh("FULL_SHARD", dist), "FULL_SHARD")
     materialize(model, dist, seed=0)            # or hf_path=...
 
@@ -27,6 +30,7 @@ rank's summed loss by the global number of target tokens, which makes the step e
 one a single process would take on the whole batch.
 """
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -292,6 +296,137 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------
+# Context parallelism: the ranks of a group share one sequence
+# ----------------------------------------------------------------------------------------
+# Ulysses-style sequence parallelism. Each of the N ranks of a context-parallel group holds
+# S/N consecutive tokens of every row through the embedding, the norms, the projections,
+# RoPE (by the row's positions, so a packed document crossing a shard boundary just works),
+# the MLP and the loss. Around the attention kernel an all-to-all trades the sequence
+# shards for head shards: each rank then holds the whole sequence for H/N query heads (and
+# their key/value heads), runs the unchanged kernel (SDPA's cuDNN backend for causal rows,
+# the document mask for packed rows), and a second all-to-all trades back. Ring attention
+# would keep the heads and pass key/value blocks around the ring, but it needs its own
+# kernel loop, and a document mask would have to be split into blocks across ranks; here
+# both kernels stay as they are. The cost: 4 all-to-alls of S/N x d per block and forward
+# (q, k, v, out), inside a node (NVLink). The limit: N must divide the query heads, and
+# the key/value heads too, or be a multiple of them (each is then repeated, so every rank
+# gets one).
+#
+# FSDP is unaffected: it shards over all the ranks as before (a context-parallel rank holds
+# a parameter shard like any other), and summing the gradients over all ranks sums each
+# token's contribution once, because each token lives on one rank. train.py divides the
+# summed loss by the labelled tokens of all ranks, each counted once too.
+
+
+def context_parallel_group(dist: Dist, n: int) -> torch_dist.ProcessGroup | None:
+    """The group of ranks that share this rank's sequences: N consecutive ranks, so with
+    torchrun's numbering (a node's ranks are consecutive) a group never spans nodes. The
+    mesh is ("data", "context"); together with build_mesh's (replicate, shard) over the same
+    ranks, the layout is (replicate across nodes) x (shard) x (context). None when n is 1."""
+    if n < 1 or dist.world_size % n or dist.local_world_size % n:
+        raise ValueError(
+            f"--context-parallel {n} must divide the ranks per node ({dist.local_world_size}) "
+            f"and the world size ({dist.world_size}): a context-parallel group stays in a node"
+        )
+    if n == 1:
+        return None
+    mesh = init_device_mesh(
+        dist.device.type, (dist.world_size // n, n), mesh_dim_names=("data", "context")
+    )
+    return mesh.get_group("context")
+
+
+def check_context_parallel(args: ModelArgs, n: int) -> None:
+    """Refuses what the head split cannot do, naming the heads and what N must be."""
+    kv_ok = args.n_kv_heads % n == 0 or n % args.n_kv_heads == 0
+    if args.n_heads % n or not kv_ok:
+        raise ValueError(
+            f"--context-parallel {n} splits attention by heads: it must divide the "
+            f"{args.n_heads} query heads, and divide the {args.n_kv_heads} key/value heads or "
+            f"be a multiple of them"
+        )
+
+
+def _all_to_all(
+    x: torch.Tensor, group: torch_dist.ProcessGroup, scatter_dim: int, gather_dim: int
+) -> torch.Tensor:
+    """Chunk j of x along scatter_dim goes to rank j; what rank i sent is chunk i of the
+    result along gather_dim. all_to_all_single runs on NCCL for CUDA tensors and on gloo
+    for CPU ones (gloo has it too), so the tests run the same code as the GPUs."""
+    send = torch.stack(x.chunk(group.size(), dim=scatter_dim))  # [N, ...], contiguous
+    received = torch.empty_like(send)
+    torch_dist.all_to_all_single(received, send, group=group)
+    # The pieces joined along gather_dim: a view, not a copy, where the layout allows (the
+    # sequence of one row: q, k, v on their way to the kernel).
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+class _AllToAll(torch.autograd.Function):
+    """The all-to-all as an autograd op: its gradient is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def _attend_whole_sequence(attend, group, q, k, v, mask):
+    """Attention.attend over this rank's slice of a row, q [B, H, S/N, Dh]: the sequence
+    shards become head shards [B, H/N, S, Dh] for the kernel, and back. The all-to-alls
+    run on the [B, S, H, Dh] views, so the kernel gets the strides it gets without
+    context parallelism (the projections' layout) and its output goes back in that layout."""
+    n = group.size()
+    if k.shape[1] < n:  # fewer key/value heads than ranks: each rank gets one, repeated
+        k, v = (t.repeat_interleave(n // t.shape[1], dim=1) for t in (k, v))
+    q, k, v = (_AllToAll.apply(t.transpose(1, 2), group, 2, 1).transpose(1, 2) for t in (q, k, v))
+    out = attend(q, k, v, mask)
+    return _AllToAll.apply(out.transpose(1, 2), group, 1, 2).transpose(1, 2)
+
+
+def _whole_row_mask(attention_mask, group, positions: torch.Tensor, several_documents=None):
+    """The mask of the whole row, from the positions [B, S/N] of every rank of the group
+    (`several_documents`, when given, must be the whole rows', as data.PackedLoader's is)."""
+    pieces = [torch.empty_like(positions) for _ in range(group.size())]
+    torch_dist.all_gather(pieces, positions.contiguous(), group=group)
+    return attention_mask(torch.cat(pieces, dim=1), several_documents)
+
+
+def _require_positions(module, args, kwargs):
+    positions = kwargs.get("positions", args[2] if len(args) > 2 else None)
+    if positions is None:
+        raise ValueError(
+            "a context-parallel model needs the positions of its slice of each row "
+            "(its default 0..S/N-1 would be wrong on every rank but the first)"
+        )
+
+
+def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) -> None:
+    """Makes `model` take this rank's slice of each row (tokens, labels and positions
+    [B, S/N]) and attend over the whole row, as the section's comment describes. The model
+    code stays as it is: Attention.attend and Llama.attention_mask are wrapped on the
+    instances (like offload.apply_mlp_tiling), so parameter names and checkpoints do not
+    change, and model.py holds no process group or collective (a group attribute on
+    Attention would put both there, for a seam two small methods already give). Apply
+    after offload.apply_ac, whose kept attention then sits inside the all-to-alls (it keeps
+    the kernel's output). The wrappers run inside the blocks' forward, so a checkpointed
+    block redoes its all-to-alls when it is recomputed."""
+    if group is None:
+        return
+    check_context_parallel(model.args, group.size())
+    for block in model.layers:
+        block.attention.attend = functools.partial(
+            _attend_whole_sequence, block.attention.attend, group
+        )
+    if model.mask_documents:  # else the mask is None, whatever the positions
+        model.attention_mask = functools.partial(_whole_row_mask, model.attention_mask, group)
+    model.register_forward_pre_hook(_require_positions, with_kwargs=True)
+
+
+# ----------------------------------------------------------------------------------------
 # Memory per rank
 # ----------------------------------------------------------------------------------------
 
@@ -425,6 +560,7 @@ class Plan:
     ac_every: int = 1
     mlp_tile: int = 0
     activation_offload: bool = False
+    offload_blocks: int | None = None  # of activation offload; None: all blocks but the last
     cpu_offload: bool = False
     optimizer_in_backward: bool = False  # one GPU, no FSDP (offload.OptimizerInBackward)
     param_dtype: str = "bf16"  # of the gathered weights and the activations: bf16 or fp32
@@ -433,10 +569,12 @@ class Plan:
     # weights, gradients and optimizer state; the base is stored in param_dtype, its
     # adapted projections in NF4 with lora.quantize_base.
     lora: LoRAConfig | None = None
+    context_parallel: int = 1  # ranks sharing each sequence, seq_len / N tokens each
 
     @property
     def tokens_per_step(self) -> int:
-        return self.seq_len * self.micro_batch * self.grad_accum * self.world_size
+        rows_per_micro_batch = self.micro_batch * self.world_size // self.context_parallel
+        return self.seq_len * rows_per_micro_batch * self.grad_accum
 
 
 def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
@@ -455,12 +593,15 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     assume the host copies keep up with compute, true with full checkpointing; without
     it the link falls behind and the GPU holds much more (bench/RESULTS.md).
     With the optimizer in backward (one GPU, no FSDP, the fp32 state on the host) the
-    strategy is unused."""
+    strategy is unused. With context parallelism each rank holds seq_len / N tokens of each
+    row, so every activation term divides by N (attention's q, k, v and output hold the
+    whole sequence for H/N heads: as many bytes); parameters, gradients and optimizer state
+    are sharded over all world_size ranks as before."""
     strategy, cpu_offload = plan.strategy, plan.cpu_offload
     seq_len, micro_batch = plan.seq_len, plan.micro_batch
     s = shard_group_size(strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
-    n = micro_batch * seq_len
+    n = micro_batch * seq_len // plan.context_parallel  # the tokens this rank holds
     d, v, layers = args.dim, args.vocab_size, args.n_layers
     total = args.num_params()
     block = block_params(args)
@@ -540,10 +681,12 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     cached = sum(cached_by_mode for c in checkpointed if c)
     working_set = full_block + 2 * n * d * p + (mlp_tokens or n) * args.ffn_dim * p
     if plan.activation_offload:
-        # All blocks but the last go to the host; on the GPU: the block in backward and
-        # the one prefetched. (Assumes the copies keep up; see offload.activation_offload.)
-        host_activations = sum(per_block[:-1])
-        saved = 2 * max(per_block) + cached
+        # All blocks but the last (or the first `offload_blocks`) go to the host; on the
+        # GPU: the others, the block in backward and the one prefetched. (Assumes the
+        # copies keep up; see offload.activation_offload.)
+        offloaded = layers - 1 if plan.offload_blocks is None else plan.offload_blocks
+        host_activations = sum(per_block[:offloaded])
+        saved = sum(per_block[offloaded:]) + max(per_block) + cached
     else:
         host_activations = 0
         saved = sum(per_block) + cached

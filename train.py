@@ -114,7 +114,7 @@ class Options:
     max_seq_len: int | None = flag(
         None, "raise the model's maximum sequence length (context extension)", metavar="N"
     )
-    micro_batch: int = flag(16, "sequences per device per micro-batch")
+    micro_batch: int = flag(16, "sequences per device (per context-parallel group) per micro-batch")
     grad_accum: int = flag(1, "micro-batches per optimizer step")
     # Optimization
     lr: float = flag(3e-3, "peak learning rate, reached after the warmup")
@@ -144,8 +144,18 @@ class Options:
         "long sequences (0: the whole sequence at once)",
     )
     activation_offload: bool = flag(False, "keep saved activations in host memory")
+    offload_blocks: int | None = flag(
+        None,
+        "with --activation-offload, offload only the first N blocks, for when host memory "
+        "holds less than all (default: all but the last)",
+    )
     cpu_offload: bool = flag(False, "keep parameters, gradients, optimizer state on the CPU")
     strategy: str = flag("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
+    context_parallel: int = flag(
+        1,
+        "ranks that share each sequence, each holding seq-len / N of its tokens (attention "
+        "by an all-to-all over heads; N divides the ranks per node and the heads)",
+    )
     optimizer_in_backward: bool = flag(
         False,
         "one GPU, no FSDP: AdamW runs on the CPU for each parameter as soon as its gradient "
@@ -237,7 +247,7 @@ def check_options(opts: Options) -> None:
     problems = []
     if opts.model and opts.hf_checkpoint:
         problems.append("give --model or --hf-checkpoint, not both")
-    at_least_one = "seq_len micro_batch grad_accum max_steps ac_every log_interval"
+    at_least_one = "seq_len micro_batch grad_accum max_steps ac_every log_interval context_parallel"
     for name in (at_least_one + " keep_checkpoints").split():
         if getattr(opts, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}")
@@ -248,6 +258,10 @@ def check_options(opts: Options) -> None:
     if min(opts.warmup_steps, opts.profile, opts.checkpoint_interval, opts.mlp_tile) < 0:
         problems.append(
             "--warmup-steps, --profile, --checkpoint-interval and --mlp-tile must be >= 0"
+        )
+    if opts.context_parallel > 1 and opts.seq_len % opts.context_parallel:
+        problems.append(
+            f"--context-parallel {opts.context_parallel} must divide --seq-len {opts.seq_len}"
         )
     if opts.optimizer_in_backward:
         # Each parameter is updated during backward, before the step's last gradient exists.
@@ -476,11 +490,13 @@ def plan_run(
         ac_every=opts.ac_every,
         mlp_tile=opts.mlp_tile,
         activation_offload=opts.activation_offload,
+        offload_blocks=opts.offload_blocks,
         cpu_offload=opts.cpu_offload,
         optimizer_in_backward=opts.optimizer_in_backward,
         param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
         kernels=on_gpu if opts.kernels is None else opts.kernels,
         lora=lora_config(opts),
+        context_parallel=opts.context_parallel,
     )
 
 
@@ -501,18 +517,22 @@ def apply_techniques(
          tile, inside the block's): they change how the blocks run, and come before
          sharding so that the forward recomputed in backward runs through FSDP's hooks
          again, which re-gather the weights freed after forward;
-      3. FSDP (shard.apply_fsdp) shards the blocks as they now are, with mixed precision
+      3. context parallelism (shard.apply_context_parallel), when ranks share sequences:
+         its all-to-alls go around attention as checkpointing left it (around the kept
+         attention), and run inside the blocks, so a recomputed block redoes them;
+      4. FSDP (shard.apply_fsdp) shards the blocks as they now are, with mixed precision
          and, if planned, CPU offload;
-      4. materialization comes last, so that each rank allocates only its own shards: the
+      5. materialization comes last, so that each rank allocates only its own shards: the
          whole model never exists on one device.
     With the optimizer in backward (one GPU) there is no FSDP: the model is materialized
     in fp32 on the host, as the master weights offload.OptimizerInBackward keeps.
-    (torch.compile of each block, which would come between 2 and 3, measured slower than
+    (torch.compile of each block, which would come between 2 and 4, measured slower than
     eager here and is not offered.)"""
     if plan.lora:
         apply_lora(model, plan.lora, base_dtype=DTYPES[plan.param_dtype], kernels=plan.kernels)
     offload.apply_ac(model, plan.ac, every=plan.ac_every)
     offload.apply_mlp_tiling(model, plan.mlp_tile)
+    shard.apply_context_parallel(model, shard.context_parallel_group(world, plan.context_parallel))
     if plan.optimizer_in_backward:
         offload.materialize_on_host(model, world.device, seed, hf_path, progress)
         return
@@ -692,6 +712,12 @@ def train(opts: Options) -> None:
     env = os.environ
     world_size = int(env.get("WORLD_SIZE", "1"))
     nproc_per_node = int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None
+    blocks = opts.offload_blocks
+    if blocks is not None and not (opts.activation_offload and 0 <= blocks < args.n_layers):
+        raise ValueError(
+            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
+            f"{args.n_layers - 1} (the model's blocks but the last)"
+        )
     if opts.estimate_memory:  # for a GPU run: the GPU defaults of --kernels, --param-dtype
         plan = plan_run(opts, True, opts.world_size or world_size, nproc_per_node)
         print(shard.estimate_memory(args, plan).format())
@@ -716,6 +742,7 @@ def train(opts: Options) -> None:
         check_hf_checkpoint(args, opts.hf_checkpoint)
     if opts.lora_adapter:
         check_peft_adapter(args, plan.lora, opts.lora_adapter)
+    shard.check_context_parallel(args, opts.context_parallel)
     resume_from = find_checkpoint(opts, ckpt_root)
     saved = json.loads((resume_from / "train_state.json").read_text()) if resume_from else None
     if opts.data:
@@ -739,6 +766,7 @@ def train(opts: Options) -> None:
         "strategy": opts.strategy,
         "world_size": world.world_size,
         "lora": dataclasses.asdict(plan.lora) if plan.lora else None,
+        "context_parallel": opts.context_parallel,
     }
     if saved:
         check_resumable(saved["run"], json.loads(json.dumps(run)))
@@ -754,14 +782,19 @@ def train(opts: Options) -> None:
     progress = show_progress(f"loading {hf_path}") if hf_path and is_main else None
     apply_techniques(model, plan, world, opts.seed, hf_path, progress, adapter)
     optimizer = build_optimizer(model, plan, opts, device)
+    # Each data-parallel group of context_parallel ranks reads its rows; each of its ranks
+    # gets a slice of them (shard.py's context parallelism section).
+    cp = plan.context_parallel
     loader = PackedLoader(
         dataset,
         opts.seq_len,
         plan.micro_batch,
-        world.rank,
-        world.world_size,
+        world.rank // cp,
+        world.world_size // cp,
         seed=opts.seed,
         pin_memory=on_gpu,
+        context_rank=world.rank % cp,
+        context_parallel=cp,
     )
     tokens_per_step = loader.tokens_per_step * plan.grad_accum
     max_steps = opts.max_steps
@@ -771,6 +804,8 @@ def train(opts: Options) -> None:
     flops_per_token = args.flops_per_token(opts.seq_len)
     peak = peak_flops(device)
     layout = "optimizer in backward" if plan.optimizer_in_backward else plan.strategy
+    if cp > 1:
+        layout += f", context parallel {cp}"
     log(
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {args.num_params() / 1e6:.1f}M "
         f"params, {flops_per_token / 1e6:.1f} MFLOP/token (6N + 6LSd) | data {dataset.path}: "
@@ -822,7 +857,9 @@ def train(opts: Options) -> None:
             for i, b in enumerate(micro_batches):
                 if plan.grad_accum > 1:  # FSDP reduces the gradients in the last backward only
                     model.set_requires_gradient_sync(i == plan.grad_accum - 1)
-                with offload.activation_offload(model, plan.activation_offload):
+                with offload.activation_offload(
+                    model, plan.activation_offload, blocks=plan.offload_blocks
+                ):
                     loss = model(b.tokens, b.labels, b.positions, "sum", b.several_documents)
                 # shard.apply_fsdp makes FSDP sum gradients over ranks (divide factor 1), so
                 # dividing by the global count gives the gradient of the global mean.

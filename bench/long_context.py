@@ -78,7 +78,9 @@ def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, n
         "impl": f"longtune {flags}",
         "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in timed),
         "mfu": statistics.median(r["mfu"] for r in timed),
-        "step_s": seq_len / statistics.median(r["tokens_per_s_per_device"] for r in timed),
+        # The tokens of a step over its time: with --context-parallel a row is split over
+        # GPUs, so seq_len / (tokens/s per GPU) would not be a step's time.
+        "step_s": statistics.median(r["tokens"] / r["step"] / r["tokens_per_s"] for r in timed),
         "optimizer_s": statistics.median(r["optimizer_s"] for r in timed),
         "peak_gib": max(r["peak_gpu_mem_gib"] for r in records),
         "host_gib": max(r["host_peak_rss_gib"] for r in records),

@@ -1,5 +1,7 @@
 """The distributed half of tests/test_shard.py, run by it as
-`torchrun --nproc-per-node=2 tests/dist_worker.py OUT_DIR` (gloo, CPU).
+`torchrun --nproc-per-node=2 tests/dist_worker.py OUT_DIR` (gloo, CPU), and as two torchrun
+agents of 2 processes each (`--nnodes 2`, one per "node", told apart by LONGTUNE_TEST_NODE)
+with `tests/dist_worker.py OUT_DIR nodes`: the groups each rank is in, and a training run.
 
 Every scenario runs on both ranks; rank 0 writes what the test compares (losses, global
 gradient norms, full weights gathered from the shards) to OUT_DIR/<scenario>.pt. Errors a
@@ -7,7 +9,10 @@ scenario is meant to raise are written per rank to OUT_DIR/<scenario>.rank<r>.tx
 """
 
 import dataclasses
+import json
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +22,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import Llama, LoRAConfig, ModelArgs, apply_lora  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
-from shard import apply_fsdp, build_mesh, clip_grad_norm_, init_distributed, materialize  # noqa: E402
+from shard import (  # noqa: E402
+    apply_context_parallel,
+    apply_fsdp,
+    build_mesh,
+    clip_grad_norm_,
+    context_parallel_group,
+    init_distributed,
+    materialize,
+)
 
 TINY = ModelArgs.from_name("tiny")
 # Dims that 2 ranks do not divide evenly (w1: 201 rows = 101 + 100; vocab 321).
@@ -27,45 +40,81 @@ ODD = dataclasses.replace(TINY, vocab_size=321, ffn_dim=201)
 # large alpha so that the adapters' gradient norm exceeds MAX_NORM from the first step.
 QLORA_ARGS = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_dim=192)
 QLORA = LoRAConfig(rank=4, alpha=64.0, quantize_base="nf4")
-LORA_SCENARIOS = {name: QLORA for name in ("qlora_full_shard", "qlora_full_shard_ac_offload")}
 
 STEPS, MICRO_BATCHES, BATCH, SEQ = 3, 2, 2, 32
 LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 1
 
-# name -> (strategy, ranks per node, cpu offload, model args, ac mode, activation offload)
+
+@dataclass(frozen=True)
+class Scenario:
+    strategy: str = "FULL_SHARD"
+    local_world_size: int = 2  # ranks per node, as torchrun would say
+    cpu_offload: bool = False
+    args: ModelArgs = TINY
+    ac: str = "none"
+    activation_offload: bool = False
+    context_parallel: int = 1  # ranks sharing each row (shard.apply_context_parallel)
+    document_mask: bool = False  # packed documents, one crossing the ranks' row halves
+    lora: LoRAConfig | None = None  # adapters on a frozen base (model.apply_lora)
+
+
 TRAIN_SCENARIOS = {
-    "full_shard": ("FULL_SHARD", 2, False, TINY, "none", False),
-    "full_shard_cpu_offload": ("FULL_SHARD", 2, True, TINY, "none", False),
-    "shard_grad_op": ("SHARD_GRAD_OP", 2, False, TINY, "none", False),
-    "shard_grad_op_cpu_offload": ("SHARD_GRAD_OP", 2, True, TINY, "none", False),
-    "no_shard": ("NO_SHARD", 2, False, TINY, "none", False),
-    "no_shard_cpu_offload": ("NO_SHARD", 2, True, TINY, "none", False),
-    "hybrid_1x2": ("HYBRID_SHARD", 2, False, TINY, "none", False),
-    "hybrid_2x1_cpu_offload": ("HYBRID_SHARD", 1, True, TINY, "none", False),
-    "tied_full_shard": (
-        "FULL_SHARD",
-        2,
-        False,
-        dataclasses.replace(TINY, tie_embeddings=True),
-        "none",
-        False,
+    "full_shard": Scenario(),
+    "full_shard_cpu_offload": Scenario(cpu_offload=True),
+    "shard_grad_op": Scenario("SHARD_GRAD_OP"),
+    "shard_grad_op_cpu_offload": Scenario("SHARD_GRAD_OP", cpu_offload=True),
+    "no_shard": Scenario("NO_SHARD"),
+    "no_shard_cpu_offload": Scenario("NO_SHARD", cpu_offload=True),
+    "hybrid_1x2": Scenario("HYBRID_SHARD"),
+    "hybrid_2x1_cpu_offload": Scenario("HYBRID_SHARD", local_world_size=1, cpu_offload=True),
+    "tied_full_shard": Scenario(args=dataclasses.replace(TINY, tie_embeddings=True)),
+    "full_shard_ac_offload": Scenario(ac="full", activation_offload=True),
+    "full_shard_selective_ac": Scenario(args=ODD, ac="selective"),
+    # Both ranks on the same rows, each with half of every row.
+    "context_parallel_causal": Scenario(context_parallel=2),
+    "context_parallel_documents_ac_attention": Scenario(
+        context_parallel=2, document_mask=True, ac="attention"
+    ),
+    # Context parallel within each node, sharded over the node's ranks, replicated across
+    # nodes (the 2-node run; on one node of 2 ranks it is 1 x 2).
+    "hybrid_context_parallel": Scenario("HYBRID_SHARD", context_parallel=2),
+    "context_parallel_no_shard_both_offloads": Scenario(
+        "NO_SHARD",
+        cpu_offload=True,
+        ac="full",
+        activation_offload=True,
+        context_parallel=2,
+        document_mask=True,
     ),  # fmt: skip
-    "full_shard_ac_offload": ("FULL_SHARD", 2, False, TINY, "full", True),
-    "full_shard_selective_ac": ("FULL_SHARD", 2, False, ODD, "selective", False),
-    "qlora_full_shard": ("FULL_SHARD", 2, False, QLORA_ARGS, "none", False),
-    "qlora_full_shard_ac_offload": ("FULL_SHARD", 2, False, QLORA_ARGS, "full", True),
+    "qlora_full_shard": Scenario(args=QLORA_ARGS, lora=QLORA),
+    "qlora_full_shard_ac_offload": Scenario(
+        args=QLORA_ARGS, ac="full", activation_offload=True, lora=QLORA
+    ),
+    # One key/value head for 2 ranks: each rank gets a copy of it.
+    "context_parallel_repeated_kv_head_full_ac": Scenario(
+        args=dataclasses.replace(TINY, n_kv_heads=1), context_parallel=2, ac="full"
+    ),
 }
+# Where the packed documents of the document-mask scenarios start: the one at 13 runs past
+# the middle of the row (16), where the second context-parallel rank's half begins.
+DOCUMENT_STARTS = [0, 5, 13, 27]
 
 
-def batches(args: ModelArgs, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens, labels [STEPS, MICRO_BATCHES, world_size * BATCH, SEQ]: the global batches,
-    some labels ignored (-100) so the token count differs between micro-batches."""
+def batches(
+    args: ModelArgs, world_size: int, documents: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tokens, labels, positions [STEPS, MICRO_BATCHES, world_size * BATCH, SEQ]: the
+    global batches, some labels ignored (-100) so the token count differs between
+    micro-batches; positions restart at DOCUMENT_STARTS with `documents`."""
     g = torch.Generator().manual_seed(1234)
     shape = (STEPS, MICRO_BATCHES, world_size * BATCH, SEQ)
     tokens = torch.randint(0, args.vocab_size, shape, generator=g)
     labels = torch.randint(0, args.vocab_size, shape, generator=g)
     labels[torch.rand(shape, generator=g) < 0.2] = -100
-    return tokens, labels
+    index = torch.arange(SEQ)
+    starts = DOCUMENT_STARTS if documents else [0]
+    start_of = torch.tensor(starts)[torch.searchsorted(torch.tensor(starts), index, right=True) - 1]
+    return tokens, labels, (index - start_of).expand(shape)
 
 
 def full_weights(model: torch.nn.Module, trainable: bool = False) -> dict[str, torch.Tensor]:
@@ -77,35 +126,53 @@ def full_weights(model: torch.nn.Module, trainable: bool = False) -> dict[str, t
 
 
 def sharded_model(
-    dist, args, strategy, local_world_size, cpu_offload, ac="none", seed=SEED, lora=None
+    dist,
+    args,
+    strategy,
+    local_world_size,
+    cpu_offload,
+    ac="none",
+    seed=SEED,
+    lora=None,
+    cp=1,
+    mask=False,
 ):
     dist = dataclasses.replace(dist, local_world_size=local_world_size)
     with torch.device("meta"):
-        model = Llama(args)
+        model = Llama(args, mask_documents=mask)
     if lora is not None:
         apply_lora(model, lora, torch.float32)
     apply_ac(model, ac)
+    apply_context_parallel(model, context_parallel_group(dist, cp))
     apply_fsdp(model, build_mesh(strategy, dist), strategy, cpu_offload, param_dtype=torch.float32)
     materialize(model, dist, seed=seed, cpu_offload=cpu_offload)
     return model
 
 
 def train(dist, out: Path, name: str) -> None:
-    strategy, local_world_size, cpu_offload, args, ac, act_offload = TRAIN_SCENARIOS[name]
-    lora = LORA_SCENARIOS.get(name)
-    model = sharded_model(dist, args, strategy, local_world_size, cpu_offload, ac, lora=lora)
+    s = TRAIN_SCENARIOS[name]
+    model = sharded_model(
+        dist, s.args, s.strategy, s.local_world_size, s.cpu_offload, s.ac, lora=s.lora,
+        cp=s.context_parallel, mask=s.document_mask,
+    )  # fmt: skip
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-    tokens, labels = batches(args, dist.world_size)
-    mine = slice(dist.rank * BATCH, (dist.rank + 1) * BATCH)
+    # The global batch of 2 * BATCH rows: a data-parallel rank takes its rows, and a
+    # context-parallel rank its columns of them.
+    tokens, labels, positions = batches(s.args, 2, s.document_mask)
+    data_ranks = dist.world_size // s.context_parallel
+    rows = torch.arange(2 * BATCH).chunk(data_ranks)[dist.rank // s.context_parallel]
+    columns = torch.arange(SEQ).chunk(s.context_parallel)[dist.rank % s.context_parallel]
+    mine = (rows[:, None], columns)
     losses, norms = [], []
     for step in range(STEPS):
         n_targets = (labels[step] != -100).sum()  # the global count, known to every rank
         step_loss = torch.zeros(())
         for mb in range(MICRO_BATCHES):
             model.set_requires_gradient_sync(mb == MICRO_BATCHES - 1)
-            with activation_offload(model, enabled=act_offload, min_bytes=0):
-                loss = model(tokens[step, mb, mine], labels[step, mb, mine], reduction="sum")
+            batch = (t[step, mb][mine] for t in (tokens, labels, positions))
+            with activation_offload(model, enabled=s.activation_offload, min_bytes=0):
+                loss = model(*batch, reduction="sum")
             (loss / n_targets).backward()
             step_loss += loss.detach().cpu()
         torch_dist.all_reduce(step_loss)
@@ -158,12 +225,42 @@ def hf_load(dist, out: Path) -> None:
     torch_dist.barrier()  # both ranks got here: neither is stuck in a collective
 
 
+def context_parallel_without_positions(dist, out: Path) -> None:
+    """A context-parallel model called without positions: every rank refuses alike."""
+    model = sharded_model(dist, TINY, "FULL_SHARD", 2, False, cp=2)
+    try:
+        model(torch.zeros(1, SEQ // 2, dtype=torch.int64))
+        message = "no error"
+    except ValueError as e:
+        message = str(e)
+    (out / f"cp_without_positions.rank{dist.rank}.txt").write_text(message)
+
+
+def nodes(dist, out: Path) -> None:
+    """Each rank's node and the ranks of its groups: HYBRID_SHARD's shard and replicate
+    groups, and the context-parallel group (2 ranks)."""
+    mesh = build_mesh("HYBRID_SHARD", dist)
+    groups = {dim: mesh.get_group(dim) for dim in ("shard", "replicate")}
+    groups["context"] = context_parallel_group(dist, 2)
+    record = {
+        "node": os.environ["LONGTUNE_TEST_NODE"],
+        **{name: torch_dist.get_process_group_ranks(g) for name, g in groups.items()},
+    }
+    (out / f"nodes.rank{dist.rank}.json").write_text(json.dumps(record))
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dist = init_distributed()
     torch.use_deterministic_algorithms(True)
+    if sys.argv[2:] == ["nodes"]:
+        nodes(dist, out)
+        train(dist, out, "hybrid_context_parallel")
+        torch_dist.destroy_process_group()
+        return
     init(dist, out)
     hf_load(dist, out)
+    context_parallel_without_positions(dist, out)
     for name in TRAIN_SCENARIOS:
         train(dist, out, name)
     torch_dist.destroy_process_group()

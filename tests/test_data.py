@@ -440,6 +440,34 @@ def test_two_ranks_together_read_what_one_rank_with_twice_the_batch_reads(tmp_pa
         assert torch.equal(together, next(single).tokens)
 
 
+def test_context_parallel_ranks_read_their_halves_of_the_same_rows(tmp_path):
+    # Documents (BOS = 0) start at tokens 0, 7, 14, ...: some cross the halves of a row, and
+    # some halves hold no start past their first token while their row does.
+    tokens = np.arange(1, 1001)
+    tokens[::7] = 0
+    ds = write_dataset(tmp_path / "docs", tokens, bos_id=0)
+    whole = data.PackedLoader(ds, 12, 1, rank=1, world_size=2, seed=4)
+    halves = [
+        data.PackedLoader(ds, 12, 1, rank=1, world_size=2, seed=4, context_rank=c,
+                          context_parallel=2)
+        for c in range(2)
+    ]  # fmt: skip
+    half_alone_differs = 0
+    for _ in range(40):
+        row, parts = next(whole), [next(loader) for loader in halves]
+        for name in ("tokens", "labels", "positions"):
+            joined = torch.cat([getattr(part, name) for part in parts], dim=1)
+            assert torch.equal(joined, getattr(row, name)), name
+        # Of the whole rows, so that the ranks sharing them pick the same attention kernel.
+        assert parts[0].several_documents == parts[1].several_documents == row.several_documents
+        half_alone_differs += any(
+            bool((part.positions[:, 1:] == 0).any()) != row.several_documents for part in parts
+        )
+    assert half_alone_differs > 0
+    with pytest.raises(ValueError, match="divide seq_len 12"):
+        data.PackedLoader(ds, 12, 1, context_parallel=5)
+
+
 def test_resume_from_state_dict_gives_the_same_next_batches(tmp_path):
     ds = arange_dataset(tmp_path)
     reference = read_steps(data.PackedLoader(ds, 10, 4, seed=7), 40)

@@ -234,6 +234,19 @@ def test_offload_skips_weights_and_small_tensors_and_frees_its_copies():
     assert offloader.offloaded_tensors == 0
 
 
+def test_offload_of_the_first_blocks_only(reference):
+    model = build()
+    with activation_offload(model, min_bytes=0, blocks=2) as offloader:
+        loss = model(*batch())
+    assert sorted(offloader.blocks) == [0, 1]
+    loss.backward()
+    grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
+    assert_grads_close(grads, reference)
+    too_many = activation_offload(model, blocks=ARGS.n_layers)
+    with pytest.raises(ValueError, match=f"expected 0 to {ARGS.n_layers - 1}"), too_many:
+        pass
+
+
 def test_disabled_offload_is_a_plain_forward(reference):
     grads, offloader = gradients(build(), offload=False)
     assert offloader is None

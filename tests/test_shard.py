@@ -16,7 +16,9 @@ the order of the sums differs: per-rank partial sums reduced over ranks):
 
 import dataclasses
 import functools
+import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -60,22 +62,23 @@ def dist_out(tmp_path_factory) -> Path:
     return out
 
 
-def reference_run(args: ModelArgs, lora: LoRAConfig | None = None) -> dict:
+def reference_run(scenario: w.Scenario) -> dict:
     """The same steps as dist_worker.train in one process, no FSDP: each step's whole
-    global batch, micro-batch by micro-batch, the sums divided by the global target count."""
-    model = Llama(args)
-    if lora is not None:
-        apply_lora(model, lora, torch.float32)
+    global batch (whole rows), micro-batch by micro-batch, the sums divided by the global
+    target count."""
+    model = Llama(scenario.args, mask_documents=scenario.document_mask)
+    if scenario.lora is not None:
+        apply_lora(model, scenario.lora, torch.float32)
     model.init_weights(w.SEED)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=w.LR, weight_decay=w.WEIGHT_DECAY, fused=True)
-    tokens, labels = w.batches(args, world_size=2)
+    tokens, labels, positions = w.batches(scenario.args, 2, scenario.document_mask)
     losses, norms = [], []
     for step in range(w.STEPS):
         n_targets = (labels[step] != -100).sum()
         step_loss = 0.0
         for mb in range(w.MICRO_BATCHES):
-            loss = model(tokens[step, mb], labels[step, mb], reduction="sum")
+            loss = model(tokens[step, mb], labels[step, mb], positions[step, mb], "sum")
             (loss / n_targets).backward()
             step_loss += loss.item()
         losses.append(step_loss / n_targets.item())
@@ -112,10 +115,12 @@ def one_thread():
 @pytest.mark.parametrize("scenario", list(w.TRAIN_SCENARIOS))
 def test_sharded_training_matches_one_process(dist_out, scenario):
     """Losses, global gradient norms (clipped: they exceed MAX_NORM) and the weights after
-    3 steps of 2 accumulated micro-batches equal the unsharded run's. With QLoRA: the
-    adapters, and the 4-bit base that each rank quantized and kept its rows of, bit for bit."""
+    3 steps of 2 accumulated micro-batches equal the unsharded run's; with context
+    parallelism too, where each rank holds half of each row (and one packed document
+    crosses the halves). With QLoRA: the adapters, and the 4-bit base that each rank
+    quantized and kept its rows of, bit for bit."""
     got = torch.load(dist_out / f"{scenario}.pt")
-    want = reference_run(w.TRAIN_SCENARIOS[scenario][3], w.LORA_SCENARIOS.get(scenario))
+    want = reference_run(w.TRAIN_SCENARIOS[scenario])
     assert min(want["norms"]) > w.MAX_NORM  # so clipping is exercised
     torch.testing.assert_close(got["losses"], want["losses"], rtol=FP32_RTOL, atol=0)
     torch.testing.assert_close(got["norms"], want["norms"], rtol=FP32_RTOL, atol=0)
@@ -124,6 +129,52 @@ def test_sharded_training_matches_one_process(dist_out, scenario):
     assert got["frozen"].keys() == want["frozen"].keys()
     for name, frozen in want["frozen"].items():
         assert torch.equal(got["frozen"][name], frozen), name
+
+
+def test_context_parallel_model_needs_the_positions_of_its_slice(dist_out):
+    for rank in range(2):
+        message = (dist_out / f"cp_without_positions.rank{rank}.txt").read_text()
+        assert "needs the positions of its slice of each row" in message
+
+
+def test_two_nodes_shard_within_a_node_and_share_rows_within_it(tmp_path):
+    """Two torchrun agents on this host (--nnodes 2, 2 processes each, c10d rendezvous):
+    HYBRID_SHARD's shard group is a node's ranks, its replicate group one rank per node, the
+    context-parallel group within a node; and training across them equals one process."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agents = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+             "--nproc-per-node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+             "--rdzv-id=longtune-test", str(REPO / "tests" / "dist_worker.py"), str(tmp_path),
+             "nodes"],
+            cwd=REPO, env={**env, "LONGTUNE_TEST_NODE": str(node)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in range(2)
+    ]  # fmt: skip
+    for agent in agents:
+        output = agent.communicate(timeout=240)[0]
+        assert agent.returncode == 0, output[-6000:]
+    records = [json.loads((tmp_path / f"nodes.rank{r}.json").read_text()) for r in range(4)]
+    node_of = [r["node"] for r in records]
+    for rank, r in enumerate(records):
+        same_node = [other for other in range(4) if node_of[other] == r["node"]]
+        assert r["shard"] == same_node
+        assert sorted(node_of[other] for other in r["replicate"]) == ["0", "1"]
+        assert rank in r["context"] and set(r["context"]) <= set(same_node)
+        assert len(r["context"]) == 2
+    got = torch.load(tmp_path / "hybrid_context_parallel.pt")
+    want = reference_run(w.TRAIN_SCENARIOS["hybrid_context_parallel"])
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=FP32_RTOL, atol=0)
+    assert_tensors_close(got["grads"], want["grads"], rtol=FP32_RTOL)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("cpu_offload", [False, True])
@@ -222,6 +273,17 @@ def test_estimate_orders_the_options_sensibly():
         est(ac="some")
     with pytest.raises(ValueError, match="expected one of"):
         est(strategy="ZERO3")
+
+
+def test_context_parallel_divides_the_activations_not_the_state():
+    args = ModelArgs.from_name("llama3.1-8b")
+    kw = dict(world_size=2, seq_len=262144, ac="attention")
+    whole, halves = estimate(args, **kw), estimate(args, **kw, context_parallel=2)
+    assert halves.activations == pytest.approx(whole.activations / 2, rel=1e-6)
+    assert (halves.parameters, halves.optimizer) == (whole.parameters, whole.optimizer)
+    # Each rank holds 131072 tokens of the row: what one rank would need for a row of those.
+    alone = estimate(args, **{**kw, "seq_len": 131072})
+    assert halves.activations == pytest.approx(alone.activations, rel=1e-6)
 
 
 def test_estimate_of_the_optimizer_in_backward():

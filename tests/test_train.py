@@ -251,6 +251,63 @@ def test_two_processes_then_resume_on_one(dataset, reference_run, tmp_path):
 
 
 @CPU_ONLY
+def test_context_parallel_equals_data_parallel_and_resumes_on_another_layout(dataset, tmp_path):
+    """4 processes as 2 (data) x 2 (context), each holding half of each row of its data
+    group, against 2 data-parallel processes on the same global batch, with packed
+    documents, --ac attention and 2 accumulated micro-batches: the same losses and gradient
+    norms (fp32: rel 1e-5, the sums go in another order). Resumed from its step-3
+    checkpoint on one process (another world size, no context parallelism), the same
+    later steps."""
+    argv = ["--data", str(dataset), *SMALL, "--micro-batch", "2", "--grad-accum", "2",
+            "--document-mask", "--ac", "attention", "--max-steps", "6",
+            "--checkpoint-interval", "3", "--keep-checkpoints", "2"]  # fmt: skip
+    run_subprocess(*argv, "--run-dir", str(tmp_path / "dp"), nproc=2)
+    cp_dir = tmp_path / "cp"
+    run_subprocess(*argv, "--run-dir", str(cp_dir), "--context-parallel", "2", nproc=4)
+    records = {name: metrics(tmp_path / name) for name in ("dp", "cp")}
+    for key in ("loss", "grad_norm"):
+        cp = [r[key] for r in records["cp"]]
+        assert cp == pytest.approx([r[key] for r in records["dp"]], rel=1e-5), key
+    assert records["cp"][-1]["tokens"] == 6 * 2 * 2 * 2 * 128  # steps x data x mb x accum x S
+
+    ckpt = cp_dir / "checkpoints/step-000003"
+    state = json.loads((ckpt / "train_state.json").read_text())
+    assert state["run"]["context_parallel"] == 2 and state["run"]["world_size"] == 4
+    resumed_dir = tmp_path / "resumed"
+    one = [*argv, "--micro-batch", "8", "--grad-accum", "1", "--run-dir", str(resumed_dir)]
+    run_subprocess(*one, "--resume", str(ckpt))
+    resumed = losses(resumed_dir)
+    assert sorted(resumed) == [4, 5, 6]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(losses(cp_dir)[step], rel=1e-5), step
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("flags", [[], ["--document-mask"]], ids=["causal", "documents"])
+def test_context_parallel_on_two_gpus_equals_one(flags, tmp_path):
+    """One 8192-token row per step over 2 GPUs (NCCL's all-to-all; cuDNN for causal rows,
+    FlexAttention's block mask for packed documents of 50 to 3000 tokens, which cross the
+    halves) against the same rows on one GPU: the losses agree to bf16's 2e-2."""
+    rng = np.random.default_rng(0)
+    tokens = []
+    while len(tokens) < 100_000:
+        tokens += [256, *rng.integers(0, 256, rng.integers(50, 3000)), 257]
+    docs = write_dataset(tmp_path / "docs", tokens)
+    argv = ["--data", str(docs), "--seq-len", "8192", "--max-seq-len", "8192",
+            "--micro-batch", "1", "--max-steps", "4", "--warmup-steps", "1", "--log-interval",
+            "1", "--checkpoint-interval", "0", "--ac", "attention", *flags]  # fmt: skip
+    run_subprocess(*argv, "--run-dir", str(tmp_path / "one"))
+    run_subprocess(*argv, "--run-dir", str(tmp_path / "cp"), "--context-parallel", "2", nproc=2)
+    one, cp = losses(tmp_path / "one"), losses(tmp_path / "cp")
+    assert cp == pytest.approx(one, rel=2e-2)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@CPU_ONLY
 def test_export_loads_in_transformers_with_the_same_logits(dataset, reference_run, tmp_path):
     from transformers import LlamaForCausalLM
 
@@ -350,6 +407,22 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--lora-rank", "2", "--lora-adapter", str(tmp / "nowhere")],
             "adapter_config.json does not exist",
         ),
+        "context parallel not dividing the sequence": (
+            ["--data", str(dataset), "--seq-len", "100", "--context-parallel", "3"],
+            "--context-parallel 3 must divide --seq-len 100",
+        ),
+        "context parallel not dividing the heads": (
+            ["--data", str(dataset), "--context-parallel", "4"],
+            "--context-parallel 4 splits attention by heads: it must divide the 6 query heads",
+        ),
+        "offload blocks past the model": (
+            ["--data", str(dataset), "--activation-offload", "--offload-blocks", "4"],
+            "--offload-blocks 4 needs --activation-offload and a value from 0 to 3",
+        ),
+        "context parallel past the processes": (
+            ["--data", str(dataset), "--context-parallel", "2"],
+            "--context-parallel 2 must divide the ranks per node (1) and the world size (1)",
+        ),
     }
 
 
@@ -367,6 +440,10 @@ CASES = [
     "lora options without a rank",
     "nf4 on rows of 96",
     "missing lora adapter",
+    "context parallel not dividing the sequence",
+    "context parallel not dividing the heads",
+    "context parallel past the processes",
+    "offload blocks past the model",
 ]
 
 
