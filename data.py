@@ -69,12 +69,18 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int
     eos_id: int
+    pad_id: int | None  # a token meant for padding only, if the tokenizer has one
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def render_chat(self, messages: list[Message]) -> Segments: ...
+
+    def hf_files(self) -> dict[str, bytes]:
+        """The same tokenizer as files transformers' AutoTokenizer loads (file name ->
+        contents), adding BOS as training saw it at the start of each document."""
+        ...
 
 
 class ByteTokenizer:
@@ -84,6 +90,7 @@ class ByteTokenizer:
     vocab_size = 258
     bos_id = 256
     eos_id = 257
+    pad_id = None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -100,6 +107,11 @@ class ByteTokenizer:
             segments.append((self.encode(f"<|{message['role']}|>\n"), False))
             segments.append(([*self.encode(message["content"]), self.eos_id], is_assistant))
         return segments
+
+    def hf_files(self) -> dict[str, bytes]:
+        byte_ranks = {bytes([b]): b for b in range(256)}
+        specials = {"<bos>": 256, "<eos>": 257}
+        return byte_level_bpe_files(byte_ranks, specials, pattern=None, pad="<eos>")
 
 
 # The pre-tokenizer split of Meta's Llama 3 tokenizer.py.
@@ -146,12 +158,14 @@ class TiktokenTokenizer:
             raise ValueError(f"{path}: the BPE ranks must be 0..{n - 1}, each once")
         specials = {token: n + i for i, token in enumerate(LLAMA3_SPECIALS)}
         self.name = f"tiktoken:{_sha256(data)}"
+        self._ranks, self._specials = ranks, specials
         self.vocab_size = n + len(specials)
         self.bos_id = specials["<|begin_of_text|>"]
         self.eos_id = specials["<|end_of_text|>"]
         self._start_header_id = specials["<|start_header_id|>"]
         self._end_header_id = specials["<|end_header_id|>"]
         self._eot_id = specials["<|eot_id|>"]
+        self.pad_id = specials["<|finetune_right_pad_id|>"]
         self._encoding = tiktoken.Encoding(
             self.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
         )
@@ -176,6 +190,10 @@ class TiktokenTokenizer:
             segments.append(([*self.encode(content), self._eot_id], role == "assistant"))
         return segments
 
+    def hf_files(self) -> dict[str, bytes]:
+        pad = "<|finetune_right_pad_id|>"
+        return byte_level_bpe_files(self._ranks, self._specials, LLAMA3_PATTERN, pad)
+
 
 class SentencePieceTokenizer:
     """Llama 2: a sentencepiece model proto (binary). Raises RuntimeError if it is not one."""
@@ -183,10 +201,12 @@ class SentencePieceTokenizer:
     def __init__(self, path: Path):
         data = path.read_bytes()
         self._sp = sentencepiece.SentencePieceProcessor(model_proto=data)
+        self._proto = data
         self.name = f"sentencepiece:{_sha256(data)}"
         self.vocab_size = self._sp.vocab_size()
         self.bos_id = self._sp.bos_id()
         self.eos_id = self._sp.eos_id()
+        self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
         if self.bos_id < 0 or self.eos_id < 0:
             raise ValueError(
                 f"{path}: the sentencepiece model needs BOS and EOS pieces, "
@@ -218,6 +238,22 @@ class SentencePieceTokenizer:
             segments.append((self.encode(f"[INST] {content} [/INST]"), False))
         return segments
 
+    def hf_files(self) -> dict[str, bytes]:
+        # transformers builds its LlamaTokenizer from the sentencepiece model itself.
+        bos, eos = self._sp.id_to_piece(self.bos_id), self._sp.id_to_piece(self.eos_id)
+        config = {
+            "tokenizer_class": "LlamaTokenizer",
+            "bos_token": bos,
+            "eos_token": eos,
+            "pad_token": self._sp.id_to_piece(self.eos_id if self.pad_id is None else self.pad_id),
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self._sp.unk_id() >= 0:
+            config["unk_token"] = self._sp.id_to_piece(self._sp.unk_id())
+        return {"tokenizer.model": self._proto, "tokenizer_config.json": _json_bytes(config)}
+
 
 def load_tokenizer(path: str | Path | None) -> Tokenizer:
     """None gives the byte tokenizer; a file, Llama 3 (tiktoken) or Llama 2 (sentencepiece)."""
@@ -243,8 +279,139 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
         ) from e
 
 
+def _bytes_as_text() -> dict[int, str]:
+    """GPT-2's byte-level alphabet, the one HF byte-level BPE files (Llama 3's) are written
+    in: each byte one printable character, the printable ASCII and Latin-1 ones as themselves."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = (b for b in range(256) if b not in printable)
+    return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+
+
+def byte_level_bpe_files(
+    ranks: dict[bytes, int], specials: dict[str, int], pattern: str | None, pad: str
+) -> dict[str, bytes]:
+    """tokenizer.json and tokenizer_config.json of a byte-level BPE with tiktoken's `ranks`:
+    the text split by `pattern` (None: not split), each piece's bytes merged pairwise.
+    tiktoken merges first the adjacent pair whose joined bytes have the lowest rank; HF's BPE
+    merges first the pair listed first. So every split of a token into two tokens is listed,
+    ordered by the rank of the token they make. The first special is BOS, the second EOS;
+    `pad` is the special that pads batches."""
+    alphabet = _bytes_as_text()
+    text = lambda token: "".join(alphabet[b] for b in token)
+    splits = sorted(
+        (rank, ranks[token[:i]], text(token[:i]), text(token[i:]))
+        for token, rank in ranks.items()
+        for i in range(1, len(token))
+        if token[:i] in ranks and token[i:] in ranks
+    )
+    bos, eos = list(specials)[:2]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
+    split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated"}
+    split["invert"] = False
+    pre_tokenizers = [split] if pattern else []
+    bos_first = [
+        {"SpecialToken": {"id": bos, "type_id": 0}},
+        {"Sequence": {"id": "A", "type_id": 0}},
+    ]
+    tokenizer = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [
+            {
+                "id": i,
+                "content": token,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+            for token, i in specials.items()
+        ],
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [*pre_tokenizers, {**byte_level, "use_regex": False}],
+        },
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": bos_first,
+            "pair": [
+                *bos_first,
+                {"SpecialToken": {"id": bos, "type_id": 1}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {bos: {"id": bos, "ids": [specials[bos]], "tokens": [bos]}},
+        },
+        "decoder": {**byte_level, "use_regex": False},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": True,  # a piece that is a token is that token, as in tiktoken
+            "vocab": {text(token): rank for token, rank in ranks.items()},
+            "merges": [[left, right] for *_, left, right in splits],
+        },
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": pad,
+        "clean_up_tokenization_spaces": False,
+    }
+    return {"tokenizer.json": _json_bytes(tokenizer), "tokenizer_config.json": _json_bytes(config)}
+
+
+def _json_bytes(value: dict) -> bytes:
+    return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode()
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------------------------------
+# Files a user gives or keeps: JSON read with the file's name in every error, directories
+# written whole and readable by whoever may read the user's other files
+
+
+def read_json(path: str | Path) -> dict:
+    """The JSON object in `path`; a ValueError naming the file if it holds anything else."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_bytes())
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def make_temp_dir(final: Path) -> Path:
+    """An empty directory beside `final`, to be renamed onto it once complete. mkdtemp makes
+    it rwx for its owner only; it gets the mode any new directory gets (umask applied), so
+    that the renamed result can be shared like the user's other files."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp.chmod(0o777 & ~_umask())
+    return tmp
+
+
+def give_ordinary_mode(file: Path) -> None:
+    """The mode a new file gets from open() (umask applied), for files written 0600 (as
+    safetensors writes them)."""
+    file.chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    umask = os.umask(0)  # reading it means setting it: put it back at once
+    os.umask(umask)
+    return umask
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +452,7 @@ def prepare(
         raise ValueError(f"seq_len must be at least 1 (or None: split nothing), got {seq_len}")
     progress = _Progress(total_bytes=sum(f.stat().st_size for f in files))
     sft, split, pieces, longest, too_long = False, 0, 0, 0, 0
-    with DatasetWriter(output_dir) as writer:
+    with progress, DatasetWriter(output_dir) as writer:
         encoded = _encode_all(_read_documents(files), tokenizer, tokenizer_path, seq_len, workers)
         for documents, n_bytes in encoded:
             if len(documents) > 1:
@@ -319,8 +486,7 @@ class DatasetWriter:
     def __init__(self, output_dir: str | Path):
         self.output_dir = Path(output_dir)
         self.output_dir.parent.mkdir(parents=True, exist_ok=True)
-        prefix = f".{self.output_dir.name}.tmp-"
-        self._tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=self.output_dir.parent))
+        self._tmp = make_temp_dir(self.output_dir)
         # Open for the writer's life: closed by `finish`, or by __exit__ after an error.
         self._tokens_file = open(self._tmp / "tokens.bin", "wb")  # noqa: SIM115
         self._mask_file = open(self._tmp / "loss_mask.bin", "wb")  # noqa: SIM115
@@ -579,7 +745,18 @@ class _Progress:
     def finish(self) -> None:
         self.done_bytes = self.total_bytes  # blank JSONL lines are never counted
         self._draw()
-        sys.stderr.write("\n")
+        self.end_line()
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.end_line()  # after an error too, which then gets a line of its own
+
+    def end_line(self) -> None:
+        if self.last_draw:
+            sys.stderr.write("\n")
+            self.last_draw = 0.0
 
     def _draw(self) -> None:
         self.last_draw = time.perf_counter()
@@ -596,6 +773,17 @@ class _Progress:
 # Loading
 
 
+# What meta.json holds besides format_version, as `prepare` writes it.
+META_FIELDS = {
+    "tokenizer": str,
+    "vocab_size": int,
+    "bos_id": int,
+    "eos_id": int,
+    "n_tokens": int,
+    "n_documents": int,
+}
+
+
 class TokenDataset:
     """A prepared dataset directory, memory-mapped, its files checked against meta.json."""
 
@@ -607,12 +795,20 @@ class TokenDataset:
                 f"{meta_path} not found: {self.path} is not a prepared dataset "
                 f"(make one with `python data.py prepare --input FILES --output {self.path}`)"
             )
-        self.meta = json.loads(meta_path.read_text())
+        self.meta = read_json(meta_path)
         if self.meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(
                 f"{meta_path} has format_version {self.meta.get('format_version')!r}, "
                 f"expected {FORMAT_VERSION}: prepare the dataset again"
             )
+        problems = []
+        for key, kind in META_FIELDS.items():
+            if key not in self.meta:
+                problems.append(f"no field {key!r} (expected type {kind.__name__})")
+            elif type(self.meta[key]) is not kind:  # not isinstance: True is not a count
+                problems.append(f"{key} is {self.meta[key]!r}, expected type {kind.__name__}")
+        if problems:
+            raise ValueError(f"{meta_path}: " + "; ".join(problems))
         self.n_tokens: int = self.meta["n_tokens"]
         self.bos_id: int = self.meta["bos_id"]
         self.eos_id: int = self.meta["eos_id"]
@@ -650,6 +846,11 @@ class TokenDataset:
             )
         return self._max_token_id
 
+    def has_labels(self) -> bool:
+        """Whether any token past the first may be a label (the first never is one)."""
+        chunk = 1 << 28  # 256 MB at a time; a normal dataset answers in its first chunk
+        return any(self.loss_mask[i : i + chunk].any() for i in range(1, self.n_tokens, chunk))
+
     def check(self, vocab_size: int, seq_len: int, max_seq_len: int) -> None:
         """Raise one ValueError naming every reason this dataset cannot train this model."""
         problems = []
@@ -667,6 +868,11 @@ class TokenDataset:
                 f"token id {self.max_token_id():,} in tokens.bin is >= the model's vocab_size "
                 f"{vocab_size:,} (the dataset's tokenizer is {self.meta['tokenizer']} with "
                 f"vocab_size {self.meta['vocab_size']:,})"
+            )
+        if self.n_tokens and not self.has_labels():
+            problems.append(
+                "loss_mask.bin is all 0: no token is a label, so the loss would be 0 and "
+                "nothing would be learned"
             )
         if problems:
             raise ValueError(f"dataset {self.path} cannot train this model: " + "; ".join(problems))
@@ -850,7 +1056,7 @@ def default_corpus(cache_dir: str | Path, max_bytes: int = 32 << 20) -> Path:
     output = Path(cache_dir) / f"stdlib-py{version}-{_sha256(''.join(listing).encode())}"
     meta_path = output / "meta.json"
     if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
+        meta = read_json(meta_path)
         if meta.get("format_version") == FORMAT_VERSION and meta.get("tokenizer") == "bytes":
             return output
     # One process: bytes tokenize in well under a second here, and train.py may call this once
@@ -876,8 +1082,12 @@ def main(argv: list[str] | None = None) -> None:
         "(default: split none; the loader cuts every document at its samples' boundaries)",
     )
     args = parser.parse_args(argv)
-    output = prepare(args.input, args.output, args.tokenizer, args.workers, args.seq_len)
-    print(summary(json.loads((output / "meta.json").read_text()), output))
+    try:
+        output = prepare(args.input, args.output, args.tokenizer, args.workers, args.seq_len)
+    except (ValueError, FileNotFoundError) as e:  # what was given: one line, no traceback
+        print(f"data.py error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    print(summary(read_json(output / "meta.json"), output))
 
 
 def summary(meta: dict, output: Path) -> str:

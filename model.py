@@ -18,7 +18,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from safetensors.torch import save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from data import give_ordinary_mode, make_temp_dir, read_json
 from kernels import (
     IGNORE_INDEX,
     apply_rope_reference,
@@ -96,22 +96,27 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, path: str | os.PathLike) -> "ModelArgs":
-        """Reads a HF Llama `config.json` (a file or the directory holding it)."""
+        """Reads a HF Llama `config.json` (a file or the directory holding it). A key the
+        file leaves out means what it means to transformers: its LlamaConfig default."""
         path = Path(path)
         config_path = path / "config.json" if path.is_dir() else path
         if not config_path.is_file():
             raise FileNotFoundError(f"no Hugging Face config.json at {config_path}")
-        config = json.loads(config_path.read_text())
+        config = read_json(config_path)
         if config.get("model_type") != "llama":
             raise ValueError(
-                f"{config_path}: model_type is {config.get('model_type')!r}, expected 'llama'"
+                f"{config_path}: model_type is {config.get('model_type', 'missing')!r}, "
+                f"expected 'llama'"
             )
+        # A null num_key_value_heads or head_dim is derived, as transformers derives it.
+        given = {k: v for k, v in config.items() if v is not None}
+        config = {**HF_CONFIG_DEFAULTS, **given}
         required = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
         for key, expected in required.items():
-            if config.get(key, expected) != expected:
+            if config[key] != expected:
                 raise ValueError(f"{config_path}: {key} is {config[key]!r}, expected {expected!r}")
         n_heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim") or config["hidden_size"] // n_heads
+        head_dim = config.get("head_dim", config["hidden_size"] // n_heads)
         if head_dim * n_heads != config["hidden_size"]:
             raise ValueError(
                 f"{config_path}: head_dim {head_dim} x {n_heads} heads != hidden_size "
@@ -127,6 +132,11 @@ class ModelArgs:
             )
         scaling = None
         if rope_type == "llama3":
+            keys = ["factor", "low_freq_factor", "high_freq_factor"]
+            keys.append("original_max_position_embeddings")
+            missing = [k for k in keys if k not in rope]
+            if missing:  # transformers refuses these too: it has no default for them
+                raise ValueError(f"{config_path}: rope_type 'llama3' needs {missing} as well")
             scaling = RopeScaling(
                 factor=rope["factor"],
                 low_freq_factor=rope["low_freq_factor"],
@@ -137,14 +147,14 @@ class ModelArgs:
             dim=config["hidden_size"],
             n_layers=config["num_hidden_layers"],
             n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            n_kv_heads=config.get("num_key_value_heads", n_heads),
             vocab_size=config["vocab_size"],
             ffn_dim=config["intermediate_size"],
             norm_eps=config["rms_norm_eps"],
-            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            rope_theta=rope.get("rope_theta", config["rope_theta"]),
             rope_scaling=scaling,
             max_seq_len=config["max_position_embeddings"],
-            tie_embeddings=config.get("tie_word_embeddings", False),
+            tie_embeddings=config["tie_word_embeddings"],
         )
 
     def num_params(self) -> int:
@@ -167,6 +177,24 @@ class ModelArgs:
             matmul_params += self.vocab_size * self.dim
         return 6 * matmul_params + 6 * self.n_layers * seq_len * self.dim
 
+
+# transformers' LlamaConfig defaults (5.x, unchanged since 4.x but for where rope_theta lives):
+# what a config.json without the key means. tests/test_model.py compares them with
+# LlamaConfig(). num_key_value_heads and head_dim, when absent, derive from the heads.
+HF_CONFIG_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "rope_theta": 10000.0,
+}
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0)
 _LLAMA32_SCALING = RopeScaling(factor=32.0)
@@ -582,6 +610,33 @@ class Llama(nn.Module):
             copy_into(self, name, full, copy or copy_whole_tensor)
 
 
+@torch.no_grad()
+def generate(
+    model: Llama,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    allowed_ids: int | None = None,
+    seed: int = 0,
+) -> list[int]:
+    """The tokens that continue `prompt`, each sampled at `temperature` (0: the most likely)
+    from the ids below `allowed_ids` (a tokenizer smaller than the model's vocabulary).
+    The whole sequence goes through the model for each token (no cache): for short samples.
+    The draws are on the CPU with `seed`, so every rank of a sharded model draws alike."""
+    device = model.tok_embeddings.weight.device
+    tokens = torch.tensor([prompt], device=device)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(max_new_tokens):
+        logits = model(tokens)[0, -1, :allowed_ids].float().cpu()  # [V]
+        if temperature == 0:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            next_id = torch.multinomial(probs, 1, generator=generator)
+        tokens = torch.cat([tokens, next_id.to(device)[None]], dim=1)
+    return tokens[0, len(prompt) :].tolist()
+
+
 # ----------------------------------------------------------------------------------------
 # Hugging Face checkpoints: config.json + safetensors (one file, or shards with an index)
 # ----------------------------------------------------------------------------------------
@@ -624,7 +679,14 @@ def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
         raise FileNotFoundError(f"Hugging Face checkpoint directory {path} does not exist")
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(file, str) for file in weight_map.values()
+        ):
+            raise ValueError(
+                f'{index}: expected a "weight_map" object of tensor name -> safetensors '
+                f"file name, found {type(weight_map).__name__ if weight_map else 'none'}"
+            )
         return {name: path / file for name, file in weight_map.items()}
     single = path / "model.safetensors"
     if not single.is_file():
@@ -635,6 +697,10 @@ def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
         )
     with _open_safetensors(single) as f:
         return {name: single for name in f.keys()}
+
+
+# The dtypes of a weight, as safetensors headers name them.
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
 def _open_safetensors(file: Path):
@@ -661,16 +727,22 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
     with torch.device("meta"):
         params = dict(Llama(args).named_parameters())
     expected = {hf: tuple(params[ours].shape) for ours, hf in hf_names(args).items()}
-    shapes = {}
+    shapes, dtypes = {}, {}
     for file in sorted(set(files.values())):
         with _open_safetensors(file) as f:
             for name in f.keys():
                 shapes[name] = tuple(f.get_slice(name).get_shape())
+                dtypes[name] = f.get_slice(name).get_dtype()
     for name, shape in expected.items():
         if name not in shapes:
             problems.append(f"missing tensor {name}: expected shape {shape}")
         elif shapes[name] != shape:
             problems.append(f"tensor {name}: checkpoint shape {shapes[name]}, model {shape}")
+        elif dtypes[name] not in FLOAT_DTYPES:
+            # Copied into a float parameter an integer tensor would load without a word.
+            problems.append(
+                f"tensor {name}: dtype {dtypes[name]}, expected one of {sorted(FLOAT_DTYPES)}"
+            )
     # A tied model's checkpoint may still carry a copy of the embedding as lm_head.
     tolerated = {"lm_head.weight"} if args.tie_embeddings else set()
     for name in sorted(set(shapes) - set(expected) - tolerated):
@@ -713,9 +785,39 @@ def load_hf_checkpoint(
                     progress(done, len(names))
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
+# The files of a HF checkpoint that make its tokenizer and its generation defaults.
+HF_TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+]
+SPECIAL_TOKEN_KEYS = ["bos_token_id", "eos_token_id", "pad_token_id"]
+
+
+@dataclass(frozen=True)
+class HFTokenizer:
+    """What an export carries besides the weights: the tokenizer's files (name -> contents)
+    and its special token ids by config key (bos_token_id, eos_token_id, pad_token_id)."""
+
+    files: dict[str, bytes]
+    special_ids: dict[str, int | list[int] | None]
+
+
+def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
+    """The tokenizer files a HF checkpoint directory holds, with the special token ids of
+    its config.json."""
+    path = Path(path)
+    files = {n: (path / n).read_bytes() for n in HF_TOKENIZER_FILES if (path / n).is_file()}
+    config = read_json(path / "config.json")
+    return HFTokenizer(files, {key: config.get(key) for key in SPECIAL_TOKEN_KEYS})
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = None) -> dict:
     """A config.json that transformers reads as the same model (rope settings written both
-    the transformers >= 5 way and the older way)."""
+    the transformers >= 5 way and the older way), with the tokenizer's special token ids."""
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling is not None:
         s = args.rope_scaling
@@ -747,7 +849,20 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
         "rope_theta": args.rope_theta,
         "rope_scaling": rope if args.rope_scaling is not None else None,
         "torch_dtype": str(dtype).removeprefix("torch."),
+        **(special_ids or {}),
     }
+
+
+def check_export_dir(out_dir: str | os.PathLike) -> None:
+    """An export replaces `out_dir`: refuse a directory that holds anything but an export."""
+    out_dir = Path(out_dir)
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
+        raise ValueError(
+            f"export directory {out_dir} holds files but no config.json: an export would "
+            f"replace them; give a new directory or an earlier export"
+        )
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"export directory {out_dir} is a file")
 
 
 def save_hf_checkpoint(
@@ -756,14 +871,17 @@ def save_hf_checkpoint(
     out_dir: str | os.PathLike,
     dtype: torch.dtype = torch.bfloat16,
     max_shard_bytes: int = 5 * 2**30,
+    tokenizer: HFTokenizer | None = None,
 ) -> None:
     """Writes config.json, model-0000k-of-0000n.safetensors shards and their index, from
     (longtune name, full tensor) pairs consumed one at a time (a sharded model can gather
-    each parameter just before it is written). Atomic: everything goes to a temporary
-    directory that replaces `out_dir` only once complete."""
+    each parameter just before it is written), and the tokenizer's files with a
+    generation_config.json. Atomic: everything goes to a temporary directory that replaces
+    `out_dir` (an earlier export, or nothing) only once complete."""
     out_dir = Path(out_dir)
+    check_export_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp = make_temp_dir(out_dir)
     names = hf_names(args)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
@@ -788,6 +906,7 @@ def save_hf_checkpoint(
     for k, part in enumerate(shard_files):
         final = f"model-{k + 1:05d}-of-{len(shard_files):05d}.safetensors"
         os.replace(tmp / part, tmp / final)
+        give_ordinary_mode(tmp / final)
         with safe_open(tmp / final, framework="pt") as f:
             for name in f.keys():
                 weight_map[name] = final
@@ -802,7 +921,20 @@ def save_hf_checkpoint(
         "weight_map": dict(sorted(weight_map.items())),
     }
     (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2))
+    special_ids = tokenizer.special_ids if tokenizer else {}
+    (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype, special_ids), indent=2))
+    if tokenizer:
+        for name, contents in tokenizer.files.items():
+            (tmp / name).write_bytes(contents)
+        if "generation_config.json" not in tokenizer.files:
+            # generate() pads a batch's finished rows with EOS when there is no pad token.
+            # (config.json names only a pad token that is one: transformers' Llama gives
+            # the embedding row of config's pad_token_id no gradient.)
+            pad_id = special_ids.get("pad_token_id")
+            if pad_id is None:
+                pad_id = special_ids["eos_token_id"]
+            generation = {**special_ids, "pad_token_id": pad_id}
+            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
     # Swap in the new directory; the old one is removed only after the new one is in place.
     old = out_dir.with_name(f".{out_dir.name}.old")
     if out_dir.exists():
@@ -1069,8 +1201,9 @@ def save_peft_adapter(
         raise ValueError(f"cannot save the adapter: no tensor given for {missing[:5]}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    tmp = make_temp_dir(out_dir)
     save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+    give_ordinary_mode(tmp / "adapter_model.safetensors")
     adapter_config = peft_adapter_config(config, base_model)
     (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
     old = out_dir.with_name(f".{out_dir.name}.old")

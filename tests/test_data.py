@@ -3,7 +3,12 @@
 import base64
 import io
 import json
+import os
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +17,7 @@ import torch
 
 import data
 
+REPO = Path(__file__).resolve().parents[1]
 BYTES = data.ByteTokenizer()
 WORDS = ["the", "thing", "fox", "lazy", "dog", "data", "token", "model", "seed", "rank"]
 
@@ -551,3 +557,85 @@ def test_seq_len_beyond_the_model_is_reported_with_every_other_problem(tmp_path)
     with pytest.raises(ValueError, match=r"max_seq_len 1024.*token id 1,000") as error:
         ds.check(vocab_size=258, seq_len=2048, max_seq_len=1024)
     assert "2,049" in str(error.value)
+
+
+def test_all_masked_dataset_is_refused(tmp_path):
+    ds = write_dataset(tmp_path / "masked", [256, 1, 2, 3, 257] * 10, mask=[0] * 50)
+    with pytest.raises(ValueError, match="loss_mask.bin is all 0: no token is a label"):
+        ds.check(vocab_size=258, seq_len=8, max_seq_len=16)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda meta: meta.pop("n_tokens"), "meta.json: no field 'n_tokens' (expected type int)"),
+        (lambda meta: meta.update(bos_id="256"), "meta.json: bos_id is '256', expected type int"),
+    ],
+)
+def test_meta_json_field_missing_or_mistyped_is_named(tmp_path, edit, message):
+    arange_dataset(tmp_path)
+    meta_path = tmp_path / "arange" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    edit(meta)
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        data.TokenDataset(tmp_path / "arange")
+
+
+def test_meta_json_that_is_not_json_is_named(tmp_path):
+    arange_dataset(tmp_path)
+    (tmp_path / "arange" / "meta.json").write_text('{"format_version": 1,')
+    with pytest.raises(ValueError, match="meta.json is not valid JSON"):
+        data.TokenDataset(tmp_path / "arange")
+
+
+def test_prepared_dataset_has_ordinary_modes(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    ds = data.prepare([tmp_path / "a.txt"], tmp_path / "ds")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert ds.stat().st_mode & 0o777 == 0o777 & ~umask  # mkdtemp alone gives 0700
+
+
+@pytest.mark.parametrize("case", ["missing input", "bad JSONL line"])
+def test_command_line_errors_are_one_line_naming_file_and_line(tmp_path, case):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"text": "ok"}\nnot json\n')
+    given, message = {
+        "missing input": (tmp_path / "missing.txt", "data.py error: input "),
+        "bad JSONL line": (bad, "data.py error: "),
+    }[case]
+    where = {"missing input": "missing.txt not found", "bad JSONL line": "bad.jsonl line 3:"}[case]
+    result = subprocess.run(
+        [sys.executable, str(REPO / "data.py"), "prepare", "--input", str(given),
+         "--output", str(tmp_path / "ds"), "--workers", "1"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert result.returncode == 1
+    error_lines = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(error_lines) == 1 and error_lines[0].startswith(message), result.stderr
+    assert where in error_lines[0] and "Traceback" not in result.stderr
+    assert not (tmp_path / "ds").exists()
+
+
+TEXTS = ["the thing, the lazy fox!\n\n  héllo 🙂 12345", "  leading spaces\tand tabs", "the"]
+
+
+@pytest.mark.parametrize("kind", ["bytes", "tiktoken"])
+def test_hf_tokenizer_files_encode_as_ours_with_bos(tmp_path, kind):
+    """The files an export carries load in transformers' AutoTokenizer and give our ids
+    (after BOS, as training saw each document); decoding gives the text back."""
+    transformers = pytest.importorskip("transformers")
+    tok = BYTES
+    if kind == "tiktoken":
+        tok = data.load_tokenizer(write_ranks_file(tmp_path / "tokenizer.model"))
+    out = tmp_path / "hf"
+    out.mkdir()
+    for name, contents in tok.hf_files().items():
+        (out / name).write_bytes(contents)
+    theirs = transformers.AutoTokenizer.from_pretrained(out)
+    assert (theirs.bos_token_id, theirs.eos_token_id) == (tok.bos_id, tok.eos_id)
+    for text in TEXTS:
+        ids = theirs(text)["input_ids"]
+        assert ids == [tok.bos_id, *tok.encode(text)], text
+        assert theirs.decode(ids, skip_special_tokens=True) == text

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from model import (
     FLEX_BLOCK,
+    HF_CONFIG_DEFAULTS,
     PRESETS,
     REFERENCE_OPS,
     Llama,
@@ -24,6 +25,7 @@ from model import (
     document_block_mask,
     hf_names,
     load_hf_checkpoint,
+    read_hf_tokenizer,
     save_hf_checkpoint,
     triton_ops,
 )
@@ -261,11 +263,20 @@ def test_export_loads_back_into_transformers(tmp_path, variant):
 def test_export_replaces_previous_directory_whole(tmp_path):
     ours = load_longtune(save_hf(make_hf_model("gqa-untied"), tmp_path / "in"))
     out = tmp_path / "out"
-    out.mkdir()
+    save_hf_checkpoint(ours.args, ours.named_parameters(), out)
     (out / "stale.txt").write_text("from an older export")
     save_hf_checkpoint(ours.args, ours.named_parameters(), out)
     assert not (out / "stale.txt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # no temp dirs left
+
+
+def test_export_refuses_a_directory_that_is_not_an_export(tmp_path):
+    ours = load_longtune(save_hf(make_hf_model("gqa-untied"), tmp_path / "in"))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("the user's")
+    with pytest.raises(ValueError, match="mine holds files but no config.json"):
+        save_hf_checkpoint(ours.args, ours.named_parameters(), tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's"
 
 
 def test_meta_build_then_init_equals_direct_build():
@@ -376,6 +387,64 @@ def test_config_of_another_architecture_is_refused(good_checkpoint):
         load_longtune(good_checkpoint)
 
 
+def test_non_float_tensor_is_refused(good_checkpoint):
+    # Copied into a float parameter it would load without a word, as integers.
+    rewrite_tensors(
+        good_checkpoint,
+        lambda t: t.update({"model.norm.weight": torch.ones(72, dtype=torch.int32)}),
+    )
+    with pytest.raises(ValueError, match=r"tensor model\.norm\.weight: dtype I32, expected"):
+        load_longtune(good_checkpoint)
+
+
+def test_config_defaults_are_transformers_llama_defaults():
+    defaults = transformers.LlamaConfig()
+    for key, value in HF_CONFIG_DEFAULTS.items():
+        if key == "rope_theta":  # transformers 5 keeps it in rope_parameters
+            assert defaults.rope_parameters == {"rope_theta": value, "rope_type": "default"}
+        else:
+            assert getattr(defaults, key) == value, key
+
+
+def test_config_without_optional_keys_reads_as_transformers_reads_it(good_checkpoint):
+    config = json.loads((good_checkpoint / "config.json").read_text())
+    for key in ["rms_norm_eps", "num_key_value_heads", "head_dim", "max_position_embeddings"]:
+        config.pop(key)
+    (good_checkpoint / "config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoConfig.from_pretrained(good_checkpoint)
+    ours = ModelArgs.from_hf_config(good_checkpoint)
+    assert ours.norm_eps == theirs.rms_norm_eps == 1e-6
+    assert ours.n_kv_heads == theirs.num_key_value_heads == ours.n_heads
+    assert ours.max_seq_len == theirs.max_position_embeddings == 2048
+
+
+def test_config_without_a_key_transformers_cannot_default_names_it(good_checkpoint):
+    config = json.loads((good_checkpoint / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    (good_checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json: rope_type 'llama3' needs \['low_freq"):
+        ModelArgs.from_hf_config(good_checkpoint)
+    config.pop("model_type")
+    (good_checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="config.json: model_type is 'missing'"):
+        ModelArgs.from_hf_config(good_checkpoint)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_file_that_is_not_json_is_named(tmp_path, name):
+    path = save_hf(make_hf_model("gqa-untied"), tmp_path, max_shard_size="40KB")
+    (path / name).write_text('{"model_type": "llama",')
+    with pytest.raises(ValueError, match=f"{name} is not valid JSON"):
+        load_longtune(path)
+
+
+def test_index_without_weight_map_is_named(tmp_path):
+    path = save_hf(make_hf_model("gqa-untied"), tmp_path, max_shard_size="40KB")
+    (path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match='index.json: expected a "weight_map" object'):
+        load_longtune(path)
+
+
 def test_unknown_preset_and_attention_backend_list_the_options():
     with pytest.raises(ValueError, match="expected one of"):
         ModelArgs.from_name("llama9")
@@ -453,3 +522,25 @@ def test_llama32_1b_shape_bf16_matches_transformers_on_gpu(tmp_path, kernels):
         loss = ours(tokens, labels).float()
     assert rel_err(logits, expected) <= 2e-2
     assert abs(loss.item() - expected_loss.item()) / expected_loss.item() <= 1e-2
+
+
+def test_export_carries_the_hf_checkpoints_tokenizer_and_ids(good_checkpoint, tmp_path):
+    """An export of a model that came from a HF checkpoint carries that checkpoint's
+    tokenizer files and generation_config.json as they were, and its special token ids."""
+    import data
+
+    for name, contents in data.ByteTokenizer().hf_files().items():
+        (good_checkpoint / name).write_bytes(contents)
+    (good_checkpoint / "generation_config.json").write_text('{"temperature": 0.6}')
+    config = json.loads((good_checkpoint / "config.json").read_text())
+    config.update(bos_token_id=256, eos_token_id=[257, 1], pad_token_id=None)
+    (good_checkpoint / "config.json").write_text(json.dumps(config))
+    ours = load_longtune(good_checkpoint)
+    out = tmp_path / "export"
+    tokenizer = read_hf_tokenizer(good_checkpoint)
+    save_hf_checkpoint(ours.args, ours.named_parameters(), out, tokenizer=tokenizer)
+    for name in ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]:
+        assert (out / name).read_bytes() == (good_checkpoint / name).read_bytes(), name
+    exported = json.loads((out / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (256, [257, 1])
+    assert transformers.AutoTokenizer.from_pretrained(out)("a")["input_ids"] == [256, 97]

@@ -6,8 +6,10 @@ operations on the same numbers, so its losses match the uninterrupted run's to r
 runs that split the same batch over 2 processes sum in another order, so rtol 1e-4.
 """
 
+import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,10 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import data
 import train
-from model import Llama, ModelArgs
+from model import Llama, ModelArgs, generate
 
 REPO = Path(__file__).resolve().parent.parent
 # Tests that pin CPU numbers (fp32, reference ops, no MFU) or start 2 processes on one device;
@@ -29,6 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="pins the CPU run's numbers")
 # Small enough for two CI cores: ~25 ms a step.
 SMALL = ["--seq-len", "128", "--micro-batch", "8", "--warmup-steps", "5", "--log-interval", "1"]
+SMALL += ["--sample-tokens", "0"]  # test_readme_train_then_test sees the sample
 
 
 @pytest.fixture(scope="session")
@@ -52,8 +57,10 @@ def run_subprocess(*argv: str, nproc: int = 1, check: bool = True) -> subprocess
 
 
 def losses(run_dir: Path) -> dict[int, float]:
+    """Step -> loss; the last record of a step counts (a resumed run logs again the steps
+    a killed run took after its checkpoint; metrics.jsonl keeps both)."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
 @pytest.fixture(scope="session")
@@ -185,9 +192,11 @@ def test_optimizer_in_backward_trains_resumes_and_shares_checkpoints(dataset, tm
     assert oib[8] < oib[1] - 1.0
 
     ckpt = tmp_path / "oib/checkpoints/step-000004"
-    train.main([*argv, *in_backward, "--run-dir", str(tmp_path / "oib"), "--resume", str(ckpt)])
-    assert losses(tmp_path / "oib") == pytest.approx(oib, rel=1e-6)
-    train.main([*argv, "--run-dir", str(tmp_path / "plain_resumed"), "--resume", str(ckpt)])
+    branch = ["--resume", str(ckpt), "--run-dir"]
+    train.main([*argv, *in_backward, *branch, str(tmp_path / "oib_resumed")])
+    later = {step: loss for step, loss in oib.items() if step > 4}
+    assert losses(tmp_path / "oib_resumed") == pytest.approx(later, rel=1e-6)
+    train.main([*argv, *branch, str(tmp_path / "plain_resumed")])
     later = {step: loss for step, loss in plain.items() if step > 4}
     assert losses(tmp_path / "plain_resumed") == pytest.approx(later, rel=1e-5)
 
@@ -240,14 +249,14 @@ def test_two_processes_then_resume_on_one(dataset, reference_run, tmp_path):
     ckpt = tmp_path / "checkpoints/step-000020"
     assert json.loads((ckpt / "train_state.json").read_text())["run"]["world_size"] == 2
 
-    # Back to step 20 on one process: DCP reshards the 2 shards into 1; the later
-    # checkpoints and metrics of the 2-process run are dropped.
-    run_subprocess(*argv, "--resume", str(ckpt))
-    resumed = losses(tmp_path)
-    assert sorted(resumed) == list(range(1, 41))
-    for step, loss in reference.items():
-        assert resumed[step] == pytest.approx(loss, rel=1e-4), step
-    assert resumed[20] == two[20]
+    # Back to step 20 on one process, in a branch (the run directory has later checkpoints):
+    # DCP reshards the 2 shards into 1.
+    run_subprocess(*argv, "--resume", str(ckpt), "--run-dir", str(tmp_path / "branch"))
+    resumed = losses(tmp_path / "branch")
+    assert sorted(resumed) == list(range(21, 41))
+    for step in resumed:
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-4), step
+    assert losses(tmp_path) == two  # the 2-process run's own history is untouched
 
 
 @CPU_ONLY
@@ -309,7 +318,7 @@ def metrics(run_dir: Path) -> list[dict]:
 
 @CPU_ONLY
 def test_export_loads_in_transformers_with_the_same_logits(dataset, reference_run, tmp_path):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     export = tmp_path / "hf"
     # Resuming at the last step trains no further: this only exports the final weights.
@@ -342,6 +351,88 @@ def test_export_loads_in_transformers_with_the_same_logits(dataset, reference_ru
     with torch.no_grad():
         # fp32 on both sides; the two differ only in the order of float operations.
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=1e-5, atol=1e-5)
+
+    # As a user of transformers takes it: the tokenizer the data was prepared with (bytes),
+    # BOS first as in training, the special ids in both configs, generation that continues
+    # as ours does (greedy, fp32), files anyone may read (mkdtemp alone makes 0700).
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    inputs = tokenizer("def main(", return_tensors="pt")
+    assert inputs.input_ids[0].tolist() == [256, *b"def main("]
+    generated = model.generate(**inputs, max_new_tokens=12, do_sample=False)[
+        0, inputs.input_ids.shape[1] :
+    ]
+    assert generated.tolist() == generate(ours, inputs.input_ids[0].tolist(), 12, temperature=0)
+    assert tokenizer.decode(generated, skip_special_tokens=True)  # some text
+    for name, pad in [("config.json", None), ("generation_config.json", 257)]:
+        config = json.loads((export / name).read_text())
+        assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (
+            256,
+            257,
+            pad,
+        )
+    umask = os.umask(0)
+    os.umask(umask)
+    assert export.stat().st_mode & 0o777 == 0o777 & ~umask
+    assert all(f.stat().st_mode & 0o777 == 0o666 & ~umask for f in export.iterdir())
+
+
+DAMAGES = {
+    "truncated shard": "shard-00001-model-00001-of-00001.safetensors is 2,360,130 bytes, it was "
+    "4,720,260 when saved",
+    "missing shard": "shard shard-00001-model-00001-of-00001.safetensors is missing",
+    "foreign shard": "holds model.lora_a, not a tensor of this checkpoint",
+    "non-float tensor": "model.norm.weight has dtype I32",
+    "missing train_state.json": "is incomplete: it has no train_state.json",
+}
+
+
+def damage(checkpoint: Path, case: str) -> None:
+    shard = checkpoint / "shard-00001-model-00001-of-00001.safetensors"
+    if case == "truncated shard":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif case == "missing shard":
+        shard.unlink()
+    elif case == "foreign shard":
+        save_file({"model.lora_a": torch.zeros(1_180_000)}, shard)  # about the same size
+    elif case == "non-float tensor":  # int32 is as long as float32: the file keeps its size
+        with safe_open(shard, framework="pt") as f:
+            metadata, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+        save_file(tensors, shard, metadata=metadata)
+    else:
+        (checkpoint / "train_state.json").unlink()
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGES))
+def test_damaged_checkpoint_is_refused_naming_it(case, dataset, reference_run, tmp_path, capsys):
+    """Checked from sizes and headers before anything is loaded: one line naming the
+    checkpoint and the damage, no traceback from inside torch's checkpoint reader."""
+    checkpoint = tmp_path / "step-000040"
+    shutil.copytree(reference_run / "checkpoints" / checkpoint.name, checkpoint)
+    damage(checkpoint, case)
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "40", "--resume", str(checkpoint)]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*argv, "--run-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert f"checkpoint {checkpoint} is " in err and DAMAGES[case] in err, err
+    assert err.count("train.py error") == 1 and "Traceback" not in err
+
+
+@CPU_ONLY
+def test_resume_latest_passes_over_a_damaged_checkpoint(dataset, reference_run, tmp_path, capsys):
+    shutil.copytree(reference_run / "checkpoints", tmp_path / "checkpoints")
+    damage(tmp_path / "checkpoints/step-000040", "truncated shard")
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "40", "--run-dir", str(tmp_path)]
+    train.main([*argv, "--resume"])
+    out = capsys.readouterr().out
+    assert "passing over a damaged checkpoint: checkpoint" in out
+    assert f"resuming from {tmp_path / 'checkpoints/step-000030'}, the newest intact" in out
+    reference = losses(reference_run)
+    assert losses(tmp_path) == pytest.approx({s: reference[s] for s in range(31, 41)}, rel=1e-6)
+    # The damaged one is set aside, not deleted, and not replaced by the new step 40.
+    assert (tmp_path / "checkpoints/damaged-step-000040").is_dir()
 
 
 def write_dataset(path: Path, tokens, tokenizer: str = "bytes") -> Path:
@@ -390,7 +481,12 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--run-dir", str(reference_run)],
             "holds checkpoints of an earlier run: pass --resume",
         ),
+        "older checkpoint in place": (
+            ["--data", str(dataset), *SMALL, "--resume", ckpt, "--run-dir", str(reference_run)],
+            "here would save over the later checkpoints ['step-000040']",
+        ),
         "bad option": (["--data", str(dataset), "--min-lr", "1.0"], "need 0 <= --min-lr <= --lr"),
+        "non-finite option": (["--data", str(dataset), "--beta2", "nan"], "--beta2 must be in"),
         "memory snapshot without CUDA": (
             ["--data", str(dataset), "--memory-snapshot"],
             "--memory-snapshot records CUDA allocations; this run has no GPU",
@@ -435,7 +531,9 @@ CASES = [
     "checkpoint of another seq len",
     "checkpoint of another tokenizer",
     "earlier run without --resume",
+    "older checkpoint in place",
     "bad option",
+    "non-finite option",
     "memory snapshot without CUDA",
     "lora options without a rank",
     "nf4 on rows of 96",
@@ -466,9 +564,11 @@ def test_bad_input_fails_before_any_step(case, dataset, reference_run, tmp_path,
 
 @CPU_ONLY
 def test_bad_input_ends_every_process(dataset, tmp_path):
-    result = run_subprocess("--data", str(tmp_path / "nowhere"), nproc=2, check=False)
+    argv = ["--data", str(tmp_path / "nowhere"), "--run-dir", str(tmp_path / "run")]
+    result = run_subprocess(*argv, nproc=2, check=False)
     assert result.returncode != 0
-    assert "train.py error (rank 0)" in result.stderr
+    # Every rank finds the same error; rank 0 says it, once.
+    assert result.stderr.count("train.py error: ") == 1, result.stderr
     assert "is not a prepared dataset" in result.stderr
 
 
@@ -550,8 +650,8 @@ def test_max_seq_len_extends_the_context_and_is_exported(dataset, tmp_path):
     # tiny allows 2048 positions; --max-seq-len raises the limit the data check enforces.
     out = tmp_path / "hf"
     argv = ["--data", str(dataset), "--seq-len", "2560", "--micro-batch", "1",
-            "--max-steps", "1", "--checkpoint-interval", "0", "--max-seq-len", "4096",
-            "--export-hf", str(out)]  # fmt: skip
+            "--sample-tokens", "0", "--max-steps", "1", "--checkpoint-interval", "0",
+            "--max-seq-len", "4096", "--export-hf", str(out)]  # fmt: skip
     train.main([*argv, "--run-dir", str(tmp_path / "run")])
     assert ModelArgs.from_hf_config(out).max_seq_len == 4096
 
@@ -614,9 +714,12 @@ def test_qlora_trains_resumes_and_exports_what_peft_and_transformers_load(datase
             names = [n for n in f.keys() if n.startswith("model.")]
         assert names and all(".lora_" in n for n in names), names
 
-    train.main([*argv, "--resume", str(run_dir / "checkpoints" / "step-000003")])
-    for step, loss in first.items():
-        assert losses(run_dir)[step] == pytest.approx(loss, rel=1e-6), step
+    branch = tmp_path / "branch"  # run_dir has the later step-000006
+    resume = ["--resume", str(run_dir / "checkpoints" / "step-000003"), "--run-dir", str(branch)]
+    train.main([*argv, *resume])
+    for step, loss in losses(branch).items():
+        assert loss == pytest.approx(first[step], rel=1e-6), step
+    assert sorted(losses(branch)) == [4, 5, 6]
 
     theirs = peft.PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter
@@ -645,3 +748,115 @@ def test_qlora_trains_resumes_and_exports_what_peft_and_transformers_load(datase
     continued = tmp_path / "continued"
     train.main([*argv[:-1], str(continued), "--lora-adapter", str(adapter), "--max-steps", "1"])
     assert losses(continued)[1] < first[1]
+
+
+@CPU_ONLY
+def test_sigterm_under_torchrun_saves_and_the_resume_matches_step_for_step(
+    dataset, reference_run, tmp_path
+):
+    """SIGTERM to torchrun's whole process group (as SLURM and Ctrl-C signal every process;
+    torchrun then passes it on again): both ranks finish the step they are in, agree to
+    stop, save a checkpoint there and say how to resume; the resumed run then matches the
+    uninterrupted one step for step (2 processes x 4 against 1 x 8: rel 1e-4, as above)."""
+    run_dir = tmp_path / "run"
+    argv = ["--data", str(dataset), *SMALL, "--micro-batch", "4", "--max-steps", "40",
+            "--checkpoint-interval", "25", "--run-dir", str(run_dir)]  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    proc = subprocess.Popen(
+        [*launcher, str(REPO / "train.py"), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, to signal as a whole
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    stopped = int(out.split("stopped at step ")[1].split()[0])
+    assert 3 <= stopped < 25, out + err
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == [f"step-{stopped:06d}"]
+    # (torchrun itself ends with a traceback of the SignalException it raises to stop.)
+    assert err.count("SIGTERM: stopping after this step") == 1 and "train.py error" not in err
+    resume = out.split("Resume with:\n")[1].split("\n")[0].split()
+    assert resume[:2] == ["torchrun", "--nproc-per-node=2"] and "--resume" in resume
+
+    run_subprocess(*argv, "--resume", nproc=2)
+    resumed, reference = losses(run_dir), losses(reference_run)
+    assert sorted(resumed) == list(range(1, 41))
+    for step, loss in reference.items():
+        assert resumed[step] == pytest.approx(loss, rel=1e-4), step
+
+
+def test_a_live_run_locks_its_directory_and_a_dead_one_does_not(dataset, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "1", "--checkpoint-interval", "0"]
+    argv += ["--run-dir", str(run_dir)]
+    with open(run_dir / ".lock", "w") as held:  # what a live run holds
+        held.write("pid 123 on elsewhere\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(SystemExit):
+            train.main(argv)
+    err = capsys.readouterr().err
+    assert f"run directory {run_dir} is in use by a live run (pid 123 on elsewhere)" in err
+    assert not (run_dir / "metrics.jsonl").exists()
+    # The lock file of a run that died is not held: the next run goes ahead.
+    train.main(argv)
+    assert list(losses(run_dir)) == [1]
+
+
+@CPU_ONLY
+def test_resume_keeps_the_global_batch_and_schedule_unless_given(
+    dataset, reference_run, tmp_path, capsys
+):
+    # The reference ran 1 process x 8 sequences for 40 steps; this command names neither.
+    argv = ["--data", str(dataset), "--seq-len", "128", "--warmup-steps", "5"]
+    argv += ["--log-interval", "1", "--sample-tokens", "0", "--run-dir", str(tmp_path)]
+    argv += ["--resume", str(reference_run / "checkpoints/step-000030")]
+    train.main(argv)
+    out = capsys.readouterr().out
+    kept = "global batch 1,024 tokens/step kept (micro-batch 8 x grad-accum 1 x 1 data-parallel"
+    assert kept in out
+    assert "schedule of 40 steps kept" in out
+    reference = losses(reference_run)
+    assert losses(tmp_path) == pytest.approx({s: reference[s] for s in range(31, 41)}, rel=1e-6)
+
+
+@CPU_ONLY
+def test_readme_train_then_test(tmp_path):
+    """README's Train command (shortened) in a copy of the checkout, then the tests that
+    start train.py in a process of its own: they pass beside the run's runs/default and
+    .cache/, and (tests/conftest.py) leave the copy as it was. The run ends with a sample
+    of its model, where its files are, and the commands to resume and export."""
+    copy = tmp_path / "longtune"
+    copy.mkdir()
+    for name in ["train.py", "model.py", "data.py", "shard.py", "offload.py", "pyproject.toml"]:
+        shutil.copy(REPO / name, copy / name)
+    for folder in ["kernels", "tests"]:
+        shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    train_run = subprocess.run(
+        [sys.executable, "train.py", "--max-steps", "2", "--micro-batch", "2", "--seq-len", "64",
+         "--checkpoint-interval", "2", "--sample-tokens", "40"],
+        cwd=copy, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert train_run.returncode == 0, train_run.stderr
+    out = train_run.stdout
+    assert "a sample of the trained model" in out
+    assert "metrics: runs/default/metrics.jsonl" in out
+    assert "checkpoints: runs/default/checkpoints (the last: step-000002)" in out
+    assert "resume:  python train.py --seq-len 64 --micro-batch 2 --max-steps 2" in out
+    assert "export:  python train.py" in out and "--export-hf runs/default/hf" in out
+    test_run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_train.py",
+         "-k", "bad_input_ends_every_process or help_lists_every_option"],
+        cwd=copy, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert test_run.returncode == 0, test_run.stdout + test_run.stderr
+    assert "2 passed" in test_run.stdout
