@@ -178,9 +178,9 @@ class ModelArgs:
         return 6 * matmul_params + 6 * self.n_layers * seq_len * self.dim
 
 
-# transformers' LlamaConfig defaults (5.x, unchanged since 4.x but for where rope_theta lives):
-# what a config.json without the key means. tests/test_model.py compares them with
-# LlamaConfig(). num_key_value_heads and head_dim, when absent, derive from the heads.
+# transformers' LlamaConfig defaults (5.x keeps rope_theta in rope_parameters): what a
+# config.json without the key means. tests/test_model.py compares them with LlamaConfig().
+# num_key_value_heads and head_dim, when absent, derive from the heads.
 HF_CONFIG_DEFAULTS = {
     "vocab_size": 32000,
     "hidden_size": 4096,

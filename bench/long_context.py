@@ -58,6 +58,7 @@ def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, n
         "train.py", "--model", preset, "--seq-len", str(seq_len), "--micro-batch", "1",
         "--max-steps", str(steps), "--log-interval", "1", "--checkpoint-interval", "0",
         "--lr", "1e-5", "--min-lr", "1e-5", "--warmup-steps", "0", "--run-dir", str(run_dir),
+        "--sample-tokens", "0",
     ] + (["--data", data] if data else []) + shlex.split(flags)  # fmt: skip
     name = f"longtune-{preset}-{seq_len}-{flags.replace(' ', '').replace('-', '')}"
     code, output = run(cmd, log_dir, name, timeout)
