@@ -407,7 +407,8 @@ def find_checkpoint(opts: Options, root: Path, log: Callable) -> tuple[Path, dic
     return None
 
 
-# What train_state.json holds; "files" (name -> size of each shard) since shards are checked.
+# What train_state.json holds; since shards are checked also "files" (name -> size of each
+# shard) and "tensors" (name -> full shape of each tensor).
 TRAIN_STATE_KEYS = ["step", "loader", "rng", "run", "options"]
 
 
@@ -415,8 +416,8 @@ def check_checkpoint(path: Path) -> dict:
     """The train_state of the checkpoint at `path`, once its files are checked, from their
     sizes and headers alone: train_state.json, the shards it was saved with (each present,
     of the size it had, none added) and in them, float tensors making up each tensor it
-    saved, whole. One ValueError naming the checkpoint and every
-    problem, so that a damaged checkpoint is refused before anything is loaded."""
+    saved, whole. One ValueError naming the checkpoint and every problem, so that a damaged
+    checkpoint is refused before anything is loaded."""
     state_path = path / "train_state.json"
     if not path.is_dir():
         raise ValueError(f"checkpoint {path} does not exist")
@@ -1079,10 +1080,6 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
         data_parallel = world.world_size // opts.context_parallel
         opts = resume_options(opts, given, saved, data_parallel, log)
         plan = plan_run(opts, on_gpu, world_size, nproc_per_node)
-    # Everything given is checked: from here on the run writes into its directory.
-    lock = lock_run_dir(run_dir, is_main)  # noqa: F841 (held until the process ends)
-    if is_main:
-        set_aside(damaged, log)
 
     # Build: on the meta device, then the techniques, then the optimizer over the result.
     with torch.device("meta"):
@@ -1141,8 +1138,11 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
         )
     elif opts.resume:
         log(f"no checkpoint in {ckpt_root}: starting from scratch")
+    # Everything given is checked and loaded: from here on the run writes into its directory.
+    lock = lock_run_dir(run_dir, is_main)  # noqa: F841 (held until the process ends)
     metrics_path = run_dir / "metrics.jsonl"
     if is_main:
+        set_aside(damaged, log)
         start_metrics(metrics_path, step, resume_from)
     profiler = make_profiler(opts, run_dir / f"trace-rank{world.rank}.json", on_gpu)
     if opts.memory_snapshot:
