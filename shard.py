@@ -1,7 +1,8 @@
 """Data parallelism with FSDP2 (`torch.distributed.fsdp.fully_shard`), and what it needs:
 the process group, the device mesh, materializing a meta-built model shard by shard, a
-global gradient norm, context parallelism (the ranks of a group share each sequence), and
-an estimate of the memory a configuration takes per rank.
+global gradient norm, context parallelism (the ranks of a group share each sequence), an
+estimate of the memory a run's plan takes per rank, and the planner that picks the fastest
+plan whose estimate fits the machine.
 
 The order of application (torchtitan's): build the model on the meta device, `apply_ac`
 (offload.py), `apply_context_parallel` (when ranks share sequences), then `apply_fsdp`,
@@ -30,6 +31,7 @@ rank's summed loss by the global number of target tokens, which makes the step e
 one a single process would take on the whole batch.
 """
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -323,17 +325,21 @@ def context_parallel_group(dist: Dist, n: int) -> torch_dist.ProcessGroup | None
     torchrun's numbering (a node's ranks are consecutive) a group never spans nodes. The
     mesh is ("data", "context"); together with build_mesh's (replicate, shard) over the same
     ranks, the layout is (replicate across nodes) x (shard) x (context). None when n is 1."""
-    if n < 1 or dist.world_size % n or dist.local_world_size % n:
-        raise ValueError(
-            f"--context-parallel {n} must divide the ranks per node ({dist.local_world_size}) "
-            f"and the world size ({dist.world_size}): a context-parallel group stays in a node"
-        )
+    check_context_parallel_ranks(n, dist.world_size, dist.local_world_size)
     if n == 1:
         return None
     mesh = init_device_mesh(
         dist.device.type, (dist.world_size // n, n), mesh_dim_names=("data", "context")
     )
     return mesh.get_group("context")
+
+
+def check_context_parallel_ranks(n: int, world_size: int, ranks_per_node: int) -> None:
+    if n < 1 or world_size % n or ranks_per_node % n:
+        raise ValueError(
+            f"--context-parallel {n} must divide the ranks per node ({ranks_per_node}) "
+            f"and the world size ({world_size}): a context-parallel group stays in a node"
+        )
 
 
 def check_context_parallel(args: ModelArgs, n: int) -> None:
@@ -496,6 +502,7 @@ def lora_block(args: ModelArgs, lora: LoRAConfig, param_bytes: int) -> tuple[int
     return adapters, base, largest
 
 
+@functools.cache  # the planner asks for it once per plan it tries
 def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
     """Pinned host bytes of one rank's fp32 parameter shards: each tensor's shard (dim 0
     split over the shard group) rounded up to a power of two, as the caching host allocator
@@ -570,6 +577,7 @@ class Plan:
     # adapted projections in NF4 with lora.quantize_base.
     lora: LoRAConfig | None = None
     context_parallel: int = 1  # ranks sharing each sequence, seq_len / N tokens each
+    document_mask: bool = False  # attention masked between packed documents (FlexAttention)
 
     @property
     def tokens_per_step(self) -> int:
@@ -642,8 +650,10 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
         return numel * max(p + 4, 4 + 4 / s)
 
     # Earlier micro-batches' gradients, kept unsharded in fp32 while
-    # set_requires_gradient_sync(False); reduced unit by unit in the last backward.
-    accumulated = 4 * total if plan.grad_accum > 1 else 0.0
+    # set_requires_gradient_sync(False); reduced unit by unit in the last backward. With
+    # LoRA, only the adapters have gradients.
+    trained = total if lora is None else trainable
+    accumulated = 4 * trained if plan.grad_accum > 1 else 0.0
     # The shards every unit but the root has written when backward ends.
     grad_shards = 0.0 if cpu_offload else 4 * (total - embedding) / s
     # What each unit reduces: with LoRA only a block's adapters (the head and root are frozen).
@@ -676,6 +686,10 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
             raise ValueError(
                 f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
             )
+    if plan.document_mask and plan.ac in ("attention", "selective"):
+        # The document-masked attention's kept output comes with its q, k and v, which its
+        # backward needs (offload._KeptAttention).
+        cached_by_mode += (n * d + 2 * n * args.n_kv_heads * args.head_dim) * p
     checkpointed = [cached_by_mode is not None and i % plan.ac_every == 0 for i in range(layers)]
     per_block = [block_input if c else full_block for c in checkpointed]
     cached = sum(cached_by_mode for c in checkpointed if c)
@@ -766,3 +780,261 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
         host_total=host / GiB,
         **gib,
     )
+
+
+# ----------------------------------------------------------------------------------------
+# The plan: the fastest way to take the steps whose estimate fits the machine
+# ----------------------------------------------------------------------------------------
+
+# The share of each memory a plan may fill by its estimate. GPU: the estimate has been within
+# -12% and +7% of every measured peak (bench/RESULTS.md; the misses low are activation
+# offload's copies lagging), and the caching allocator needs room to place what it frees:
+# with 15%, a plan at the limit whose estimate is 12% low still peaks at 0.85 / 0.88 = 97%.
+# Host: the estimate was within 3% of the measured RSS, to which each process adds its own
+# (torch, the CUDA context, the loader: 1.5-1.7 GiB measured).
+GPU_MARGIN = 0.15
+HOST_MARGIN = 0.05
+HOST_PROCESS_GIB = 2.0
+
+# Plans are ranked by a model of the step's time fitted to bench/RESULTS.md: its FLOPs,
+# recomputation included, at the GPU_FLOPS those runs sustained, plus the host time that
+# offload leaves uncovered. It only orders plans; its seconds are not a prediction. What it
+# reproduces (llama3.2-1b on one H100 unless said): no checkpointing before selective (+1%
+# at 16k) before attention (+16% at 8k, +5% at 128k: the forward again, without attention)
+# before full (+14% over attention at 32k, +21% at 128k: attention's forward again); an MLP
+# tiling +3% (one more MLP forward); activation offload with checkpointing +0.5%; CPU
+# offload +0.9 s a step for 1.24B parameters (the CPU AdamW, the fp32 shards' copies; 8B on
+# 2 GPUs sharing a host: +11 s), so at 128k it beats full recomputation and at 8k it does
+# not; the optimizer in backward leaves the GPU idle 1.1 s a step for 8B.
+GPU_FLOPS = 4e14  # bf16, MFU 0.35-0.49 of an H100's 989 TFLOP/s in those runs
+SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again (16k: 0.393/0.388 s)
+ACTIVATION_OFFLOAD_COST = 0.01  # of the step (measured 0.4-0.6% with checkpointing)
+CPU_OFFLOAD_S_PER_PARAM = 0.75e-9  # per parameter of a rank's shard, per rank on the host
+IN_BACKWARD_S_PER_PARAM = 0.15e-9
+AC_ORDER = ("none", "selective", "attention", "full")  # fastest first
+MLP_TILES = (16384, 8192, 4096)  # positions; the larger tile first at equal cost
+# The fields the planner chooses when the user leaves them open (None).
+PLANNED = ("ac", "mlp_tile", "activation_offload", "cpu_offload", "optimizer_in_backward",
+           "micro_batch", "grad_accum")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a plan must fit in."""
+
+    world_size: int
+    nproc_per_node: int
+    gpu_gib: float | None  # free memory of each GPU; None: a CPU run, all of it on the host
+    host_gib: float  # available memory of each node's host
+
+
+def step_seconds(args: ModelArgs, plan: Plan) -> float:
+    """The modelled time of one step of `plan` on one rank (see GPU_FLOPS above)."""
+    layers, d, s = args.n_layers, args.dim, plan.seq_len
+    checkpointed = -(-layers // plan.ac_every) / layers
+    blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
+    attention_forward = 2 * layers * s * d  # causal: a third of flops_per_token's 6LSd
+    per_token = args.flops_per_token(s)
+    per_token += (
+        checkpointed
+        * {
+            "none": 0.0,
+            "selective": SELECTIVE_RECOMPUTE * per_token,
+            "attention": blocks_forward,
+            "full": blocks_forward + attention_forward,
+        }[plan.ac]
+    )
+    if 0 < plan.mlp_tile < s:
+        per_token += 2 * layers * 3 * d * args.ffn_dim  # the MLP's forward once more
+    gpu_s = plan.seq_len * plan.micro_batch * plan.grad_accum * per_token / GPU_FLOPS
+    if plan.activation_offload:
+        gpu_s *= 1 + ACTIVATION_OFFLOAD_COST
+    shard_params = args.num_params() / shard_group_size(
+        plan.strategy, plan.world_size, plan.nproc_per_node or plan.world_size
+    )
+    host_s = 0.0
+    if plan.cpu_offload:
+        per_node = plan.nproc_per_node or plan.world_size
+        host_s = shard_params * CPU_OFFLOAD_S_PER_PARAM * per_node
+    if plan.optimizer_in_backward:
+        host_s = args.num_params() * IN_BACKWARD_S_PER_PARAM
+    return gpu_s + host_s
+
+
+def memory_needed(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
+    """(GPU GiB per GPU, host GiB per node) a plan needs, margins excluded. A CPU run keeps
+    the estimate's GPU part on the host too (the context constant aside)."""
+    on_host = est.host_total + HOST_PROCESS_GIB
+    if machine.gpu_gib is None:
+        on_host += est.gpu_tensors
+    return est.gpu_total, on_host * machine.nproc_per_node
+
+
+def fits(est: MemoryEstimate, machine: Machine) -> bool:
+    gpu, host = memory_needed(est, machine)
+    gpu_ok = machine.gpu_gib is None or gpu <= (1 - GPU_MARGIN) * machine.gpu_gib
+    return gpu_ok and host <= (1 - HOST_MARGIN) * machine.host_gib
+
+
+def candidate_plans(
+    args: ModelArgs, base: Plan, wanted: dict, sequences: int, on_gpu: bool
+) -> list[Plan]:
+    """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
+    the user set), fastest first by step_seconds; at equal time, the larger micro-batch,
+    then the larger MLP tile; the optimizer in backward after all others. On the CPU only
+    the micro-batch is planned: no checkpointing, tiling or offload unless asked (there is
+    no GPU memory to save)."""
+
+    def options(name: str, planned: tuple) -> tuple:
+        if wanted.get(name) is not None:
+            return (wanted[name],)
+        return planned if on_gpu else planned[:1]
+
+    mb, accum = wanted.get("micro_batch"), wanted.get("grad_accum")
+    if mb and accum:
+        batches = [(mb, accum)]
+    elif mb:
+        batches = [(mb, max(1, round(sequences / mb)))]
+    elif accum:
+        batches = [(max(1, round(sequences / accum)), accum)]
+    else:
+        batches = [(m, sequences // m) for m in range(sequences, 0, -1) if sequences % m == 0]
+    tiles = (0, *(t for t in MLP_TILES if t < base.seq_len))
+    plans = []
+    for ac in options("ac", AC_ORDER):
+        for tile in options("mlp_tile", tiles):
+            for act_offload in options("activation_offload", (False, True)):
+                for cpu in options("cpu_offload", (False, True)):
+                    for in_backward in options("optimizer_in_backward", (False, True)):
+                        for micro_batch, grad_accum in batches:
+                            plans.append(dataclasses.replace(
+                                base, ac=ac, mlp_tile=tile, activation_offload=act_offload,
+                                cpu_offload=cpu, optimizer_in_backward=in_backward,
+                                micro_batch=micro_batch, grad_accum=grad_accum,
+                            ))  # fmt: skip
+
+    def valid(p: Plan) -> bool:
+        # Activation offload without checkpointing measured 1.95x slower (the host link
+        # cannot move every saved tensor in time); the optimizer in backward runs on one
+        # GPU, without accumulation or CPU offload.
+        offload_ok = p.ac != "none" or not p.activation_offload or wanted.get("ac") == "none"
+        in_backward_ok = not p.optimizer_in_backward or (
+            p.world_size == 1 and p.grad_accum == 1 and not p.cpu_offload
+        )
+        return offload_ok and in_backward_ok
+
+    plans = [p for p in plans if valid(p)]
+    # The optimizer in backward last, whatever its speed: it rules out gradient clipping.
+    return sorted(
+        plans,
+        key=lambda p: (p.optimizer_in_backward, step_seconds(args, p), -p.micro_batch, -p.mlp_tile),
+    )
+
+
+def choose_plan(
+    args: ModelArgs,
+    machine: Machine,
+    base: Plan,
+    wanted: dict,
+    sequences: int,
+    batch_is_fixed: bool,
+) -> Plan:
+    """The fastest plan (candidate_plans' order) whose estimate fits `machine` with the
+    margins above, for `sequences` per rank per step. `base` holds what is not planned
+    (seq_len, strategy, dtype, kernels...), `wanted` the planned fields the user set,
+    which are kept. When the batch was not set (`batch_is_fixed` False) and nothing fits,
+    one sequence per rank per step is tried: without accumulation, whose gradients take
+    memory, and where the optimizer in backward can run. Raises ValueError naming the
+    largest terms of the smallest plan, and what would make a plan fit."""
+    base = dataclasses.replace(
+        base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
+    )
+    on_gpu = machine.gpu_gib is not None
+    tries = [sequences] if batch_is_fixed or sequences == 1 else [sequences, 1]
+    for n in tries:
+        plans = candidate_plans(args, base, wanted, n, on_gpu)
+        for plan in plans:
+            if fits(estimate_memory(args, plan), machine):
+                return plan
+    raise ValueError(no_fit_message(args, machine, base, wanted, plans))
+
+
+def no_fit_message(
+    args: ModelArgs, machine: Machine, base: Plan, wanted: dict, plans: list[Plan]
+) -> str:
+    gpu_usable = (1 - GPU_MARGIN) * machine.gpu_gib if machine.gpu_gib else None
+    host_usable = (1 - HOST_MARGIN) * machine.host_gib
+
+    def overshoot(plan: Plan) -> tuple[float, float]:
+        """How many times what is usable the plan needs: the worse memory, then both."""
+        gpu, host = memory_needed(estimate_memory(args, plan), machine)
+        ratios = (gpu / gpu_usable if gpu_usable else 0.0, host / host_usable)
+        return max(ratios), sum(ratios)
+
+    closest = min(plans, key=overshoot)
+    est = estimate_memory(args, closest)
+    gpu, host = memory_needed(est, machine)
+    terms = {"activations": est.activations, "parameters": est.parameters,
+             "gradients": est.gradients, "optimizer states": est.optimizer,
+             "loss": est.loss}  # fmt: skip
+    largest = ", ".join(f"{k} {v:.1f}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])[:3])
+    nproc = machine.nproc_per_node
+    where = f"{machine.world_size} x {machine.gpu_gib:.1f} GiB GPU" if gpu_usable else "the CPU"
+    lines = [
+        f"no plan fits {base.seq_len}-token sequences on {where} with {machine.host_gib:.1f} "
+        f"GiB of host memory per node ({nproc} process{'es' if nproc > 1 else ''} on it).",
+        f"The closest, {plan_flags(closest)}, needs "
+        + (f"{gpu:.1f} GiB per GPU of {gpu_usable:.1f} usable ({largest} GiB) and " if gpu_usable
+           else f"on the host {largest} GiB, and in all ")
+        + f"{host:.1f} GiB of host memory per node of {host_usable:.1f} usable (margins: "
+        f"{GPU_MARGIN:.0%} of a GPU, {HOST_MARGIN:.0%} of a host kept free).",
+    ]  # fmt: skip
+    ways = []
+    if wanted and fits_any(args, machine, base, {}):
+        ways.append(f"the planner's choice instead of {flags_of(wanted, negated=True)}")
+    for k in (2, 4, 8, 16, 32, 64):
+        world = machine.world_size * k
+        more = dataclasses.replace(
+            machine, world_size=world, nproc_per_node=min(world, max(nproc, 8))
+        )
+        if gpu_usable and fits_any(args, more, base, wanted):
+            ways.append(f"{world} GPUs ({more.nproc_per_node} per node)")
+            break
+    seq = base.seq_len // 2
+    while seq >= 1024:
+        if fits_any(args, machine, dataclasses.replace(base, seq_len=seq), wanted):
+            ways.append(f"--seq-len {seq}")
+            break
+        seq //= 2
+    if ways:
+        lines.append("It would fit with: " + "; or ".join(ways))
+    else:
+        lines.append("Neither more GPUs (up to 64x) nor a shorter sequence would make it fit.")
+    return "\n".join(lines)
+
+
+def fits_any(args: ModelArgs, machine: Machine, base: Plan, wanted: dict) -> bool:
+    """Whether some plan fits `machine` with one sequence per rank per step."""
+    base = dataclasses.replace(
+        base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
+    )
+    plans = candidate_plans(args, base, wanted, 1, machine.gpu_gib is not None)
+    return any(fits(estimate_memory(args, p), machine) for p in plans)
+
+
+def flags_of(fields: dict, negated: bool = False) -> str:
+    """The train.py flags that set these planned fields; False as --no-x when `negated`."""
+    out = []
+    for name, value in fields.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            out += [f"--no-{flag[2:]}"] if negated else []
+        else:
+            out.append(f"{flag} {value}")
+    return " ".join(out)
+
+
+def plan_flags(plan: Plan) -> str:
+    return flags_of({name: getattr(plan, name) for name in PLANNED})

@@ -4,10 +4,14 @@
                                           # (Python's stdlib, byte-tokenized), CPU or one GPU
     python train.py --help                # every option
 
-    # One node, 8 GPUs, fine-tuning Llama 3.1 8B on a prepared dataset (python data.py prepare):
+    # One node, 8 GPUs, fine-tuning Llama 3.1 8B on a prepared dataset (python data.py prepare);
+    # checkpointing, offload and micro-batches are planned to fit (printed, and in plan.json):
     torchrun --nproc-per-node=8 train.py --hf-checkpoint llama-3.1-8b/ --data data/mine \\
-        --seq-len 8192 --lr 2e-5 --min-lr 2e-6 --max-steps 1000 --ac selective \\
-        --run-dir runs/ft --export-hf runs/ft/hf
+        --seq-len 131072 --lr 1e-5 --max-steps 1000 --run-dir runs/ft --export-hf runs/ft/hf
+
+    # What that plan would be, and its memory, on a machine you are not on:
+    python train.py --estimate-memory --model llama3.1-8b --seq-len 131072 \\
+        --world-size 8 --gpu-memory 80 --host-memory 1000
 
     # Several nodes under SLURM (sbatch script): one torchrun per node, one process per GPU.
     # --run-dir must be on a filesystem all nodes share; with --resume a requeued job
@@ -15,7 +19,8 @@
     srun --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 bash -c 'torchrun \\
         --nnodes=$SLURM_NNODES --nproc-per-node=8 --rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d \\
         --rdzv-endpoint=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1):29500 \\
-        train.py --hf-checkpoint llama-3.1-70b/ --data data/mine --run-dir runs/70b --resume'
+        train.py --hf-checkpoint llama-3.1-70b/ --data data/mine --lr 5e-6 --run-dir runs/70b \\
+        --resume'
 
 The file reads in the order a run goes: options -> plan (how the steps are taken:
 micro-batches, sharding, checkpointing, offload; shard.Plan) -> build (the model on the meta
@@ -26,14 +31,14 @@ step (clip, AdamW), and on log steps only, read the loss and log. With
 --optimizer-in-backward (one GPU, no FSDP) AdamW runs on the CPU during backward instead,
 parameter by parameter (offload.OptimizerInBackward), behind the same interface.
 
---run-dir holds metrics.jsonl (the logged records, one JSON object a line, only ever
-appended to), checkpoints/step-XXXXXX (DCP directories of safetensors shards, which appear
-only once complete) and profiler traces; one live run at a time (a lock the kernel drops
-when the run's process ends). --resume continues from a checkpoint with the same data order,
-global batch and schedule, on any number of processes; a damaged checkpoint is refused, or
-passed over for the newest intact one. SIGTERM or Ctrl-C stops the run after the step in
-progress with a checkpoint (a second one stops it at once). A run ends by printing a sample
-of its model and the commands to resume and to export it.
+--run-dir holds plan.json (the plan, its estimate and the peaks reached), metrics.jsonl (the
+logged records, one JSON object a line, only ever appended to), checkpoints/step-XXXXXX (DCP
+directories of safetensors shards, which appear only once complete) and profiler traces; one
+live run at a time (a lock the kernel drops when the run's process ends). --resume continues
+from a checkpoint with the same data order, global batch and schedule, on any number of
+processes; a damaged checkpoint is refused, or passed over for the newest intact one. SIGTERM
+or Ctrl-C stops the run after the step in progress with a checkpoint (a second one stops it at
+once). A run ends by printing a sample of its model and the commands to resume and export it.
 Errors in what you gave (data, checkpoint, options) are raised before the first step, with
 the name of what is wrong and what was expected.
 """
@@ -109,6 +114,13 @@ REPO = Path(__file__).resolve().parent
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+# The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; for
+# models under 100M parameters (the tiny preset of the default run and the tests), 16
+# sequences of 256 tokens.
+BATCH_TOKENS = 2**19
+SMALL_MODEL_BATCH_TOKENS = 4096
+
+
 def flag(default, help: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
@@ -137,11 +149,30 @@ class Options:
     max_seq_len: int | None = flag(
         None, "raise the model's maximum sequence length (context extension)", metavar="N"
     )
-    micro_batch: int = flag(16, "sequences per device (per context-parallel group) per micro-batch")
-    grad_accum: int = flag(1, "micro-batches per optimizer step")
+    batch_tokens: int | None = flag(
+        None,
+        "tokens per optimizer step over all processes, rounded to whole sequences, at least "
+        f"one per process (default: {BATCH_TOKENS:,}, a usual fine-tuning batch such as 128 "
+        f"sequences of 4096 tokens; {SMALL_MODEL_BATCH_TOKENS:,} for models under 100M "
+        "parameters); --micro-batch and --grad-accum follow from it",
+    )
+    micro_batch: int | None = flag(
+        None,
+        "sequences per process (per context-parallel group) per micro-batch (default: planned)",
+    )
+    grad_accum: int | None = flag(
+        None, "micro-batches per optimizer step (default: --batch-tokens / the micro-batches)"
+    )
     # Optimization
-    lr: float = flag(3e-3, "peak learning rate, reached after the warmup")
-    min_lr: float = flag(3e-4, "learning rate at the last step")
+    lr: float | None = flag(
+        None,
+        "peak learning rate, reached after the warmup. Default for a preset trained from "
+        "scratch, by its size as Llama 2 and 3 were pre-trained: 3e-3 under 100M parameters, "
+        "3e-4 up to 10B, 1.5e-4 above. Required with --hf-checkpoint: a fine-tune's rate "
+        "depends on its data and length more than on the model (full fine-tunes of 8B use "
+        "5e-6 to 2e-5), and a pre-training rate wrecks a checkpoint within steps",
+    )
+    min_lr: float | None = flag(None, "learning rate at the last step (default: --lr / 10)")
     warmup_steps: int = flag(20, "steps of linear warmup from 0")
     decay: str = flag(
         "cosine", "decay from lr to min-lr after the warmup", choices=["cosine", "linear"]
@@ -149,40 +180,51 @@ class Options:
     weight_decay: float = flag(0.1, "AdamW weight decay of the matrices (not norms)")
     beta1: float = flag(0.9, "AdamW beta1")
     beta2: float = flag(0.95, "AdamW beta2")
-    grad_clip: float = flag(1.0, "clip the gradient's global norm to this (0: no clipping)")
+    grad_clip: float | None = flag(
+        None,
+        "clip the gradient's global norm to this, 0: no clipping (default: 1.0; 0 with the "
+        "optimizer in backward, which cannot clip)",
+    )
     max_steps: int = flag(1000, "optimizer steps to train for")
     max_tokens: int | None = flag(None, "train for this many tokens instead (sets max steps)")
     seed: int = flag(0, "seed of the initialization and the data order")
-    # Memory and speed
-    ac: str = flag(
-        "none",
+    # Memory and speed. The five below, and --micro-batch, are planned when not given: the
+    # fastest combination whose memory estimate fits the GPUs and the host (shard.choose_plan).
+    ac: str | None = flag(
+        None,
         "activation checkpointing: recompute in backward each whole block (full), all of it "
-        "but attention (attention), all but the matmuls and attention (selective)",
+        "but attention (attention), all but the matmuls and attention (selective), or not "
+        "(none) (default: planned)",
         choices=list(offload.AC_MODES),
     )
     ac_every: int = flag(1, "checkpoint every n-th block")
-    mlp_tile: int = flag(
-        0,
+    mlp_tile: int | None = flag(
+        None,
         "run each feed-forward over tiles of this many positions, to bound its memory at "
-        "long sequences (0: the whole sequence at once)",
+        "long sequences (0: the whole sequence at once) (default: planned)",
     )
-    activation_offload: bool = flag(False, "keep saved activations in host memory")
+    activation_offload: bool | None = flag(
+        None, "keep saved activations in host memory (default: planned)"
+    )
+    cpu_offload: bool | None = flag(
+        None, "keep parameters, gradients, optimizer state on the CPU (default: planned)"
+    )
     offload_blocks: int | None = flag(
         None,
         "with --activation-offload, offload only the first N blocks, for when host memory "
         "holds less than all (default: all but the last)",
     )
-    cpu_offload: bool = flag(False, "keep parameters, gradients, optimizer state on the CPU")
     strategy: str = flag("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
     context_parallel: int = flag(
         1,
         "ranks that share each sequence, each holding seq-len / N of its tokens (attention "
         "by an all-to-all over heads; N divides the ranks per node and the heads)",
     )
-    optimizer_in_backward: bool = flag(
-        False,
+    optimizer_in_backward: bool | None = flag(
+        None,
         "one GPU, no FSDP: AdamW runs on the CPU for each parameter as soon as its gradient "
-        "is complete in backward; fp32 weights and AdamW's state stay on the host",
+        "is complete in backward; fp32 weights and AdamW's state stay on the host (default: "
+        "planned, only where nothing else fits, since it cannot clip gradients)",
     )
     param_dtype: str | None = flag(
         None,
@@ -245,8 +287,27 @@ class Options:
         "include the tracing and the writing of the trace (bench/profile_summary.py reads it)",
     )
     memory_snapshot: bool = flag(False, "dump a CUDA memory snapshot of the first 3 steps")
-    estimate_memory: bool = flag(False, "print the estimated memory per GPU and exit")
-    world_size: int | None = flag(None, "GPUs for --estimate-memory (default: $WORLD_SIZE or 1)")
+    # The machine to plan for: measured for a run; for --estimate-memory, any machine.
+    estimate_memory: bool = flag(
+        False, "print the plan for the machine below and its memory estimate, and exit"
+    )
+    gpu_memory: float | None = flag(
+        None,
+        "GiB of each GPU to plan within (default: its free memory; for --estimate-memory "
+        "without a GPU here, 80)",
+        metavar="GIB",
+    )
+    host_memory: float | None = flag(
+        None,
+        "GiB of each node's host memory to plan within (default: its available memory)",
+        metavar="GIB",
+    )
+    world_size: int | None = flag(
+        None, "processes (GPUs) in all, for --estimate-memory (a run takes torchrun's)"
+    )
+    nproc_per_node: int | None = flag(
+        None, "processes per node, for --estimate-memory (default: up to 8 of --world-size)"
+    )
 
 
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
@@ -286,24 +347,30 @@ def check_options(opts: Options) -> None:
         and Path(opts.export_hf).resolve() == Path(opts.hf_checkpoint).resolve()
     ):
         problems.append("--export-hf is the --hf-checkpoint directory: it would replace it")
-    at_least_one = "seq_len micro_batch grad_accum max_steps ac_every log_interval context_parallel"
-    for name in (at_least_one + " keep_checkpoints").split():
-        if getattr(opts, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(opts, name)}")
-    if opts.max_tokens is not None and opts.max_tokens < 1:
-        problems.append(f"--max-tokens must be >= 1, got {opts.max_tokens}")
-    if not 0 <= opts.min_lr <= opts.lr < math.inf:
-        problems.append(f"need 0 <= --min-lr <= --lr < inf, got {opts.min_lr} and {opts.lr}")
+    at_least_one = "seq_len max_steps ac_every log_interval keep_checkpoints max_tokens "
+    at_least_one += "batch_tokens micro_batch grad_accum world_size nproc_per_node context_parallel"
+    for name in at_least_one.split():
+        if (value := getattr(opts, name)) is not None and value < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    numbers = ["lr", "min_lr", "grad_clip", "gpu_memory", "host_memory", "weight_decay"]
+    for name in numbers:
+        value = getattr(opts, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            problems.append(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
     for name in ["beta1", "beta2"]:
         if not 0 <= getattr(opts, name) < 1:  # also refuses nan
             problems.append(f"--{name} must be in [0, 1), got {getattr(opts, name)}")
-    for name in ["weight_decay", "grad_clip"]:
-        if not 0 <= getattr(opts, name) < math.inf:
-            problems.append(f"--{name.replace('_', '-')} must be >= 0 and finite")
-    at_least_zero = "warmup_steps profile checkpoint_interval mlp_tile sample_tokens"
-    for name in at_least_zero.split():
-        if getattr(opts, name) < 0:
-            problems.append(f"--{name.replace('_', '-')} must be >= 0, got {getattr(opts, name)}")
+    at_least_zero = [opts.warmup_steps, opts.profile, opts.checkpoint_interval, opts.mlp_tile or 0]
+    if min(*at_least_zero, opts.sample_tokens) < 0:
+        problems.append(
+            "--warmup-steps, --profile, --checkpoint-interval, --mlp-tile and --sample-tokens "
+            "must be >= 0"
+        )
+    if not opts.estimate_memory and (opts.world_size or opts.nproc_per_node):
+        problems.append(
+            "--world-size and --nproc-per-node describe a machine for --estimate-memory; "
+            "a run takes them from torchrun"
+        )
     if opts.context_parallel > 1 and opts.seq_len % opts.context_parallel:
         problems.append(
             f"--context-parallel {opts.context_parallel} must divide --seq-len {opts.seq_len}"
@@ -315,9 +382,9 @@ def check_options(opts: Options) -> None:
             "--cpu-offload (it offloads the optimizer with FSDP)": opts.cpu_offload,
             f"--strategy {opts.strategy} (no FSDP)": opts.strategy != "FULL_SHARD",
             f"--grad-clip {opts.grad_clip} (the global norm is known only after the "
-            f"updates; pass --grad-clip 0)": opts.grad_clip > 0,
+            f"updates; pass --grad-clip 0)": bool(opts.grad_clip),
             f"--grad-accum {opts.grad_accum} (the updates happen in every backward)": (
-                opts.grad_accum > 1
+                (opts.grad_accum or 1) > 1
             ),
             f"{world_size} processes (it runs on one GPU)": world_size > 1,
         }
@@ -610,31 +677,181 @@ def model_args(opts: Options) -> ModelArgs:
     return args
 
 
-def plan_run(
-    opts: Options, on_gpu: bool, world_size: int, nproc_per_node: int | None
+def default_lr(args: ModelArgs) -> float:
+    """Peak rates of pre-training by size: Llama 2 and 3 used 3e-4 at 7-8B and 1.5e-4 at
+    70B; models under 100M parameters (tiny) train stably at 10x that."""
+    n = args.num_params()
+    return 3e-3 if n < 100e6 else 3e-4 if n <= 10e9 else 1.5e-4
+
+
+def default_batch_tokens(args: ModelArgs) -> int:
+    return SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS
+
+
+def batch_asked(opts: Options, args: ModelArgs) -> int | None:
+    """The tokens per step asked for, if they were (or the default), else None: the batch
+    is then --micro-batch x --grad-accum."""
+    if opts.micro_batch and opts.grad_accum:
+        return opts.batch_tokens
+    return opts.batch_tokens or default_batch_tokens(args)
+
+
+def host_memory_gib() -> float:
+    """Memory this host can give a run: MemAvailable, within the cgroup's limit if one is
+    set (a container or a SLURM job sees the whole machine's /proc/meminfo)."""
+    meminfo = Path("/proc/meminfo").read_text()
+    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    limit, usage = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
+    if limit.exists() and usage.exists() and limit.read_text().strip() != "max":
+        available = min(available, int(limit.read_text()) - int(usage.read_text()))
+    return available / 2**30
+
+
+def this_machine(opts: Options, world: shard.Dist) -> shard.Machine:
+    """The machine the run is on: its processes, each GPU's free memory and the host's
+    available memory (--gpu-memory, --host-memory instead where given). Every rank plans
+    with the smallest over all ranks, so that all choose the same plan."""
+    gpu = opts.gpu_memory
+    if gpu is None and world.device.type == "cuda":
+        gpu = torch.cuda.mem_get_info(world.device)[0] / 2**30
+    memory = torch.tensor([gpu or 0.0, opts.host_memory or host_memory_gib()], dtype=torch.float64)
+    dist.all_reduce(memory, op=dist.ReduceOp.MIN)
+    gpu_gib = memory[0].item() if gpu is not None else None
+    return shard.Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
+
+
+def machine_to_estimate(opts: Options) -> shard.Machine:
+    """The machine --estimate-memory plans for: the flags', else torchrun's and this one's."""
+    env = os.environ
+    world_size = opts.world_size or int(env.get("WORLD_SIZE", "1"))
+    nproc = opts.nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
+    gpu = opts.gpu_memory
+    if gpu is None:
+        gpu = torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 80.0
+    return shard.Machine(world_size, nproc, gpu, opts.host_memory or host_memory_gib())
+
+
+def make_plan(
+    opts: Options, args: ModelArgs, machine: shard.Machine, mask_documents: bool
 ) -> shard.Plan:
-    """How the run takes its steps (micro-batches, sharding, checkpointing, offload), from
-    the options, on GPUs or on the CPU (where --kernels and --param-dtype default off and
-    fp32)."""
-    return shard.Plan(
+    """The plan of the run: what the options set, and the fastest choice for the rest that
+    fits `machine` (shard.choose_plan; on the CPU, only the micro-batch is chosen). The batch
+    is --batch-tokens (or its default) in whole sequences per process, unless both
+    --micro-batch and --grad-accum are given."""
+    on_gpu = machine.gpu_gib is not None
+    base = shard.Plan(
         seq_len=opts.seq_len,
-        micro_batch=opts.micro_batch,
-        grad_accum=opts.grad_accum,
-        world_size=world_size,
-        nproc_per_node=nproc_per_node,
         strategy=opts.strategy,
-        ac=opts.ac,
         ac_every=opts.ac_every,
-        mlp_tile=opts.mlp_tile,
-        activation_offload=opts.activation_offload,
-        offload_blocks=opts.offload_blocks,
-        cpu_offload=opts.cpu_offload,
-        optimizer_in_backward=opts.optimizer_in_backward,
         param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
         kernels=on_gpu if opts.kernels is None else opts.kernels,
         lora=lora_config(opts),
+        document_mask=mask_documents,
+        offload_blocks=opts.offload_blocks,
         context_parallel=opts.context_parallel,
     )
+    wanted = {k: getattr(opts, k) for k in shard.PLANNED if getattr(opts, k) is not None}
+    if (opts.grad_clip or opts.lora_rank) and opts.optimizer_in_backward is None:
+        # It cannot clip, and it updates every parameter: not LoRA's frozen base.
+        wanted["optimizer_in_backward"] = False
+    cp = opts.context_parallel
+    shard.check_context_parallel_ranks(cp, machine.world_size, machine.nproc_per_node)
+    per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
+    if opts.micro_batch and opts.grad_accum:
+        sequences = opts.micro_batch * opts.grad_accum
+        if opts.batch_tokens and opts.batch_tokens != sequences * per_sequence:
+            raise ValueError(
+                f"--batch-tokens {opts.batch_tokens} is not --micro-batch {opts.micro_batch} x "
+                f"--grad-accum {opts.grad_accum} x {machine.world_size // cp} processes x "
+                f"--seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
+            )
+    else:
+        batch = opts.batch_tokens or default_batch_tokens(args)
+        sequences = max(1, round(batch / per_sequence))
+    batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
+    return shard.choose_plan(args, machine, base, wanted, sequences, batch_is_fixed)
+
+
+def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
+    """The options with what they left open decided: the planned fields as planned, the
+    batch as run, the learning rates and clipping."""
+    lr = default_lr(args) if opts.lr is None else opts.lr
+    min_lr = lr / 10 if opts.min_lr is None else opts.min_lr
+    if not 0 <= min_lr <= lr:
+        raise ValueError(f"need 0 <= --min-lr <= --lr, got {min_lr} and {lr}")
+    grad_clip = opts.grad_clip
+    if grad_clip is None:
+        grad_clip = 0.0 if plan.optimizer_in_backward else 1.0
+    planned = {k: getattr(plan, k) for k in shard.PLANNED}
+    return dataclasses.replace(
+        opts,
+        lr=lr,
+        min_lr=min_lr,
+        grad_clip=grad_clip,
+        batch_tokens=plan.tokens_per_step,
+        **planned,
+    )
+
+
+def describe_plan(
+    plan: shard.Plan,
+    est: shard.MemoryEstimate,
+    machine: shard.Machine,
+    given: list[str],
+    batch_asked: int | None,
+) -> dict:
+    """The plan as printed at the start and saved in the run directory (plan.json); `given`
+    names the planned fields the user set, `batch_asked` the tokens per step asked for."""
+    gpu, host = shard.memory_needed(est, machine)
+    return {
+        "flags": shard.plan_flags(plan),
+        "planned": [k for k in shard.PLANNED if k not in given],
+        "tokens_per_step": plan.tokens_per_step,
+        "tokens_per_step_asked": batch_asked,
+        "plan": dataclasses.asdict(plan),
+        "machine": dataclasses.asdict(machine),
+        "estimate": dataclasses.asdict(est),
+        "gpu_needed_gib": gpu,
+        "host_needed_gib_per_node": host,
+        "margins": {"gpu": shard.GPU_MARGIN, "host": shard.HOST_MARGIN},
+        "host_per_process_gib": shard.HOST_PROCESS_GIB,
+    }
+
+
+def processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def format_plan(described: dict) -> str:
+    d, m = described, described["machine"]
+    plan = d["plan"]
+    planned = ", ".join(d["planned"]) or "nothing: every option was given"
+    asked, tokens = d["tokens_per_step_asked"], d["tokens_per_step"]
+    batch = ""
+    if asked and asked != tokens:
+        batch = (
+            f" ({asked:,} asked: rounded to whole sequences per process)"
+            if tokens > asked or asked < 2 * plan["seq_len"] * plan["world_size"]
+            else f" (of the {asked:,} asked, more would need accumulation, which does not fit)"
+        )
+    if m["gpu_gib"] is None:
+        gpu = "on the CPU, all of it on the host"
+    else:
+        gpu = (
+            f"needs {d['gpu_needed_gib']:.1f} of {m['gpu_gib']:.1f} GiB per GPU "
+            f"({d['margins']['gpu']:.0%} kept free)"
+        )
+    lines = [
+        f"plan: {d['flags']} | {tokens:,} tokens/step{batch} = {plan['seq_len']} x "
+        f"{plan['micro_batch']} sequences x {plan['grad_accum']} micro-batches x "
+        f"{processes(plan['world_size'])} | planned: {planned}",
+        shard.MemoryEstimate(**d["estimate"]).format(),
+        f"{processes(m['world_size'])}: {gpu}; host {d['host_needed_gib_per_node']:.1f} of "
+        f"{m['host_gib']:.1f} GiB per node ({d['margins']['host']:.0%} kept free; "
+        f"{processes(m['nproc_per_node'])}, {d['host_per_process_gib']:.0f} GiB each "
+        "besides the estimate)",
+    ]
+    return "\n".join(lines)
 
 
 def apply_techniques(
@@ -928,45 +1145,73 @@ def resume_options(
     opts: Options, given: frozenset[str], saved: dict, data_parallel: int, log: Callable
 ) -> Options:
     """Resuming keeps the checkpoint's global batch (tokens per step) and schedule (max
-    steps) unless this command gives --micro-batch or --grad-accum (the batch), --max-steps
-    or --max-tokens (the schedule): on another number of processes the batch is split into
-    micro-batches of at most the checkpoint's size and accumulated. `data_parallel`: the
+    steps) unless this command gives --batch-tokens, --micro-batch or --grad-accum (the
+    batch), --max-steps or --max-tokens (the schedule): on another number of processes the
+    plan splits the same batch into micro-batches and accumulation. `data_parallel`: the
     ranks that read rows of their own (those of a context-parallel group share theirs).
     One line says what is kept and what changes."""
     before = saved["options"]
-    tokens = data_parallel * opts.micro_batch * opts.grad_accum * opts.seq_len
-    saved_tokens = saved["run"].get(
-        "tokens_per_step",
-        saved["run"]["world_size"] * before["micro_batch"] * before["grad_accum"] * opts.seq_len,
-    )
+    saved_tokens = saved["run"].get("tokens_per_step")
+    if saved_tokens is None:  # a checkpoint written before the run recorded it
+        sequences = before["micro_batch"] * before["grad_accum"] * saved["run"]["world_size"]
+        saved_tokens = sequences * opts.seq_len // saved["run"].get("context_parallel", 1)
     saved_steps = saved["run"].get("max_steps", before["max_steps"])
     if "max_steps" not in saved["run"] and before["max_tokens"]:
         saved_steps = math.ceil(before["max_tokens"] / saved_tokens)
     said = []
-    if given & {"micro_batch", "grad_accum"}:
-        said.append(f"global batch {saved_tokens:,} -> {tokens:,} tokens/step as given")
+    if given & {"batch_tokens", "micro_batch", "grad_accum"}:
+        said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
     else:
-        per_process, left = divmod(saved_tokens // opts.seq_len, data_parallel)
-        if left:
+        if saved_tokens % (data_parallel * opts.seq_len):
             raise ValueError(
-                f"the checkpoint's global batch of {saved_tokens // opts.seq_len} sequences "
-                f"does not split over {data_parallel} data-parallel ranks: pass --micro-batch "
-                f"and --grad-accum to choose another"
+                f"the checkpoint's global batch of {saved_tokens:,} tokens does not split into "
+                f"rows of {opts.seq_len} over {data_parallel} data-parallel ranks: pass "
+                f"--batch-tokens to choose another"
             )
-        micro = max(m for m in range(1, before["micro_batch"] + 1) if per_process % m == 0)
-        opts = dataclasses.replace(opts, micro_batch=micro, grad_accum=per_process // micro)
-        said.append(
-            f"global batch {saved_tokens:,} tokens/step kept (micro-batch {micro} x "
-            f"grad-accum {per_process // micro} x {data_parallel} data-parallel ranks)"
-        )
+        opts = dataclasses.replace(opts, batch_tokens=saved_tokens)
+        said.append(f"global batch of {saved_tokens:,} tokens/step kept")
     if given & {"max_steps", "max_tokens"}:
         steps = f"--max-tokens {opts.max_tokens}" if opts.max_tokens else opts.max_steps
         said.append(f"schedule {saved_steps} -> {steps} steps as given")
     else:
         opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
         said.append(f"schedule of {saved_steps} steps kept")
-    log("resuming: " + "; ".join(said) + " (--micro-batch/--grad-accum/--max-steps change them)")
+    log("resuming: " + "; ".join(said) + " (--batch-tokens, --max-steps change them)")
     return opts
+
+
+def write_json(path: Path, value: dict) -> None:
+    """Written whole or not at all: a reader never sees half a file."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def measured_memory(steps: int, device: torch.device) -> dict:
+    on_gpu = device.type == "cuda"
+    return {
+        "steps": steps,
+        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None,
+        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if on_gpu else None,
+        "host_peak_rss_gib": host_peak_rss_gib(),
+    }
+
+
+def format_measured(described: dict) -> str:
+    """The peaks reached beside the plan's estimates."""
+    measured, est = described["measured"], described["estimate"]
+    per_process = described["host_needed_gib_per_node"] / described["machine"]["nproc_per_node"]
+    line = f"memory after {measured['steps']} steps: "
+    if measured["gpu_peak_gib"] is not None:
+        tensors = est["gpu_total"] - est["overhead"]
+        line += (
+            f"GPU peak {measured['gpu_peak_gib']:.2f} GiB allocated, "
+            f"{measured['gpu_reserved_gib']:.2f} reserved (estimate {tensors:.2f} allocated, "
+            f"{est['gpu_total']:.2f} with the context); "
+        )
+    return line + (
+        f"host peak RSS {measured['host_peak_rss_gib']:.2f} GiB (estimate {per_process:.2f})"
+    )
 
 
 def make_profiler(opts: Options, trace: Path, on_gpu: bool):
@@ -993,22 +1238,28 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     """`given`: the options on the command line (parse_options), which resuming keeps."""
     check_options(opts)
     args = model_args(opts)
-    env = os.environ
-    world_size = int(env.get("WORLD_SIZE", "1"))
-    nproc_per_node = int(env["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in env else None
     blocks = opts.offload_blocks
     if blocks is not None and not (opts.activation_offload and 0 <= blocks < args.n_layers):
         raise ValueError(
             f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
             f"{args.n_layers - 1} (the model's blocks but the last)"
         )
-    if opts.estimate_memory:  # for a GPU run: the GPU defaults of --kernels, --param-dtype
-        plan = plan_run(opts, True, opts.world_size or world_size, nproc_per_node)
-        print(shard.estimate_memory(args, plan).format())
+    if opts.hf_checkpoint and opts.lr is None:
+        raise ValueError(
+            f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
+            f"length (full fine-tunes of 7-8B models use 5e-6 to 2e-5; this model has "
+            f"{args.num_params() / 1e9:.2f}B parameters)"
+        )
+    user_set = [k for k in shard.PLANNED if getattr(opts, k) is not None]
+    if opts.estimate_memory:  # for a GPU machine: the GPU defaults of --kernels, --param-dtype
+        machine = machine_to_estimate(opts)
+        plan = make_plan(opts, args, machine, bool(opts.document_mask))
+        estimate = shard.estimate_memory(args, plan)
+        described = describe_plan(plan, estimate, machine, user_set, batch_asked(opts, args))
+        print(format_plan(described))
         return
     on_gpu = torch.cuda.is_available()  # shard.init_distributed takes a GPU when there is one
-    plan = plan_run(opts, on_gpu, world_size, nproc_per_node)
-    if plan.kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+    if opts.kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
     if opts.memory_snapshot and not on_gpu:
         raise ValueError("--memory-snapshot records CUDA allocations; this run has no GPU")
@@ -1025,7 +1276,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     if opts.hf_checkpoint:
         check_hf_checkpoint(args, opts.hf_checkpoint)
     if opts.lora_adapter:
-        check_peft_adapter(args, plan.lora, opts.lora_adapter)
+        check_peft_adapter(args, lora_config(opts), opts.lora_adapter)
     shard.check_context_parallel(args, opts.context_parallel)
     resume_from, saved = find_checkpoint(opts, ckpt_root, log) or (None, None)
     if opts.export_hf:
@@ -1070,7 +1321,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
         "tokenizer": tokenizer,
         "strategy": opts.strategy,
         "world_size": world.world_size,
-        "lora": dataclasses.asdict(plan.lora) if plan.lora else None,
+        "lora": dataclasses.asdict(lora) if (lora := lora_config(opts)) else None,
         "context_parallel": opts.context_parallel,
     }
     damaged = []
@@ -1079,13 +1330,21 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
         damaged = check_no_newer_checkpoints(ckpt_root, saved["step"], resume_from)
         data_parallel = world.world_size // opts.context_parallel
         opts = resume_options(opts, given, saved, data_parallel, log)
-        plan = plan_run(opts, on_gpu, world_size, nproc_per_node)
+
+    # The plan, before anything is loaded or built: a run that cannot fit the GPUs or the
+    # host stops here, with what would make it fit.
+    mask_documents = dataset.is_sft if opts.document_mask is None else opts.document_mask
+    machine = this_machine(opts, world)
+    plan = make_plan(opts, args, machine, mask_documents)
+    estimate = shard.estimate_memory(args, plan)
+    described = describe_plan(plan, estimate, machine, user_set, batch_asked(opts, args))
+    opts = settle_options(opts, args, plan)
+    log(format_plan(described))
 
     # Build: on the meta device, then the techniques, then the optimizer over the result.
     with torch.device("meta"):
         ops = triton_ops() if plan.kernels else REFERENCE_OPS
-        mask_documents = dataset.is_sft if opts.document_mask is None else opts.document_mask
-        model = Llama(args, ops, opts.attention_backend, mask_documents)
+        model = Llama(args, ops, opts.attention_backend, plan.document_mask)
     # Resuming reads the checkpoint's weights, except a LoRA run's frozen base, not in it.
     hf_path = opts.hf_checkpoint if resume_from is None or plan.lora else None
     adapter = opts.lora_adapter if resume_from is None else None
@@ -1144,6 +1403,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     if is_main:
         set_aside(damaged, log)
         start_metrics(metrics_path, step, resume_from)
+        write_json(run_dir / "plan.json", described)
     profiler = make_profiler(opts, run_dir / f"trace-rank{world.rank}.json", on_gpu)
     if opts.memory_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
@@ -1190,6 +1450,11 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
             step += 1
             if opts.profile:
                 profiler.step()
+            if step == min(start_step + 2, max_steps):  # AdamW's state exists by then
+                described["measured"] = measured_memory(step - start_step, device)
+                log(format_measured(described))
+                if is_main:
+                    write_json(run_dir / "plan.json", described)
             if opts.memory_snapshot and step == min(start_step + 3, max_steps):
                 snapshot = run_dir / f"memory-snapshot-rank{world.rank}.pickle"
                 torch.cuda.memory._dump_snapshot(str(snapshot))

@@ -10,6 +10,8 @@ masks attention between them with --peer-attn).
     python bench/long_context.py --preset llama3.1-8b --seq 8192 --peer-qlora 16 \\
         --longtune "--lora-rank 16 --lora-alpha 32 --quantize-base nf4 --ac full"
 
+One sequence per GPU per step (--batch-tokens seq x nproc); what the flags leave open,
+train.py plans (the "plan" field of each longtune row).
 Prints one row per run: tokens/s per GPU, MFU (6*N + 6*L*S*d FLOPs per token against 989
 TFLOP/s), peak GPU memory (torch.cuda.max_memory_allocated), peak host RSS. Step times
 are the median over the steps after the first two (warm-up: compilation, allocator).
@@ -55,7 +57,8 @@ def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, n
     run_dir = Path(tempfile.mkdtemp(prefix="longtune-bench-"))
     launcher = [sys.executable] if nproc == 1 else ["torchrun", f"--nproc-per-node={nproc}"]
     cmd = launcher + [
-        "train.py", "--model", preset, "--seq-len", str(seq_len), "--micro-batch", "1",
+        "train.py", "--model", preset, "--seq-len", str(seq_len),
+        "--batch-tokens", str(seq_len * nproc),
         "--max-steps", str(steps), "--log-interval", "1", "--checkpoint-interval", "0",
         "--lr", "1e-5", "--min-lr", "1e-5", "--warmup-steps", "0", "--run-dir", str(run_dir),
         "--sample-tokens", "0",
@@ -73,10 +76,14 @@ def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, n
         (log_dir / f"{name}-profile.txt").write_text(summary)
         print(summary, flush=True)
     timed = records[2:]
+    # The flags train.py planned for the run, whatever of them were given.
+    plan = [line for line in output.splitlines() if line.startswith("plan: ")]
+    impl = f"longtune {flags}" if flags else "longtune, planned"
     if code != 0 or not timed:
-        return {"impl": f"longtune {flags}", "error": last_error(output)}
+        return {"impl": impl, "error": last_error(output)}
     return {
-        "impl": f"longtune {flags}",
+        "impl": impl,
+        "plan": plan[0].split(" | ")[0].removeprefix("plan: ") if plan else None,
         "tokens_per_s_per_gpu": statistics.median(r["tokens_per_s_per_device"] for r in timed),
         "mfu": statistics.median(r["mfu"] for r in timed),
         # The tokens of a step over its time: with --context-parallel a row is split over
@@ -111,7 +118,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="llama3.2-1b")
     parser.add_argument("--seq", type=int, nargs="+", default=[8192])
-    parser.add_argument("--longtune", nargs="*", default=["--ac full"], help="flag sets")
+    parser.add_argument(
+        "--longtune", nargs="*", default=[""], help='flag sets; "" (the default): all planned'
+    )
     parser.add_argument("--peers", nargs="*", default=["hf+liger"], choices=["hf+liger", "hf"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--nproc", type=int, default=1)

@@ -6,6 +6,7 @@ operations on the same numbers, so its losses match the uninterrupted run's to r
 runs that split the same batch over 2 processes sum in another order, so rtol 1e-4.
 """
 
+import dataclasses
 import fcntl
 import json
 import os
@@ -24,15 +25,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import data
+import shard
 import train
-from model import Llama, ModelArgs, generate
+from model import Llama, ModelArgs, generate, save_hf_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 # Tests that pin CPU numbers (fp32, reference ops, no MFU) or start 2 processes on one device;
 # test_gpu_run covers CUDA.
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="pins the CPU run's numbers")
 # Small enough for two CI cores: ~25 ms a step.
-SMALL = ["--seq-len", "128", "--micro-batch", "8", "--warmup-steps", "5", "--log-interval", "1"]
+SMALL = ["--seq-len", "128", "--batch-tokens", "1024", "--micro-batch", "8", "--warmup-steps", "5",
+         "--log-interval", "1"]  # fmt: skip
 SMALL += ["--sample-tokens", "0"]  # test_readme_train_then_test sees the sample
 
 
@@ -204,8 +207,8 @@ def test_optimizer_in_backward_trains_resumes_and_shares_checkpoints(dataset, tm
 @pytest.mark.parametrize(
     "argv, world_size, message",
     [
-        ([], 1, "--grad-clip 1.0 (the global norm is known only after the updates; pass "
-                "--grad-clip 0)"),
+        (["--grad-clip", "1.0"], 1, "--grad-clip 1.0 (the global norm is known only after "
+                                    "the updates; pass --grad-clip 0)"),
         (["--grad-clip", "0", "--cpu-offload"], 1, "cannot be used with --cpu-offload"),
         (["--grad-clip", "0", "--grad-accum", "2"], 1, "cannot be used with --grad-accum 2"),
         (["--grad-clip", "0", "--strategy", "NO_SHARD"], 1, "with --strategy NO_SHARD"),
@@ -519,6 +522,28 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--context-parallel", "2"],
             "--context-parallel 2 must divide the ranks per node (1) and the world size (1)",
         ),
+        # llama3.2-1b's fp32 state alone is 18.5 GiB: checked before anything is loaded.
+        "host too small": (
+            ["--data", str(dataset), "--model", "llama3.2-1b", "--host-memory", "8"],
+            "no plan fits 256-token sequences on the CPU with 8.0 GiB of host memory",
+        ),
+        "batch tokens against micro-batches": (
+            [
+                "--data",
+                str(dataset),
+                "--batch-tokens",
+                "1000",
+                "--micro-batch",
+                "2",
+                "--grad-accum",
+                "2",
+            ],
+            "--batch-tokens 1000 is not --micro-batch 2 x --grad-accum 2 x 1 processes",
+        ),  # fmt: skip
+        "machine flags without --estimate-memory": (
+            ["--data", str(dataset), "--world-size", "8"],
+            "--world-size and --nproc-per-node describe a machine for --estimate-memory",
+        ),
     }
 
 
@@ -542,6 +567,9 @@ CASES = [
     "context parallel not dividing the heads",
     "context parallel past the processes",
     "offload blocks past the model",
+    "host too small",
+    "batch tokens against micro-batches",
+    "machine flags without --estimate-memory",
 ]
 
 
@@ -601,25 +629,57 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(in_backward, dataset,
     assert list(losses(tmp_path)) == [1]
 
 
-def test_estimate_memory_prints_a_table_without_training(tmp_path, capsys):
-    train.main(
-        [
-            "--estimate-memory",
-            "--model",
-            "llama3.1-8b",
-            "--world-size",
-            "8",
-            "--seq-len",
-            "8192",
-            "--micro-batch",
-            "1",
-            "--run-dir",
-            str(tmp_path / "run"),
-        ]
-    )
-    out = capsys.readouterr().out
-    assert "GiB" in out
+def test_estimate_memory_plans_for_the_machine_given(tmp_path, capsys):
+    """llama3.1-8b at 131072 tokens: on one 80 GiB GPU with a 128 GiB host only the
+    optimizer in backward fits (one sequence a step); on 8 GPUs of a node, FSDP shards the
+    fp32 state and the default batch (2^19 tokens, at least a sequence per GPU) holds."""
+    argv = ["--estimate-memory", "--model", "llama3.1-8b", "--seq-len", "131072",
+            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    train.main([*argv, "--gpu-memory", "80", "--host-memory", "128"])
+    one = capsys.readouterr().out
+    assert "--optimizer-in-backward" in one and "131,072 tokens/step" in one
+    assert "needs 61.2 of 80.0 GiB per GPU" in one and "GPU total" in one
+    train.main([*argv, "--gpu-memory", "80", "--host-memory", "1000", "--world-size", "8"])
+    eight = capsys.readouterr().out
+    assert "--optimizer-in-backward" not in eight and "1,048,576 tokens/step" in eight
+    assert "8 processes" in eight
     assert not (tmp_path / "run").exists()
+
+
+def test_lr_follows_the_model_size_and_is_required_for_a_hf_checkpoint(tmp_path, capsys):
+    tiny, eight_b = ModelArgs.from_name("tiny"), ModelArgs.from_name("llama3.1-8b")
+    assert (train.default_lr(tiny), train.default_lr(eight_b)) == (3e-3, 3e-4)
+    plan = shard.Plan(256)
+    settled = train.settle_options(train.Options(), eight_b, plan)
+    assert (settled.lr, settled.min_lr, settled.grad_clip) == (3e-4, pytest.approx(3e-5), 1.0)
+    settled = train.settle_options(train.Options(lr=1e-5), eight_b, plan)
+    assert settled.min_lr == pytest.approx(1e-6)  # follows --lr unless set
+    in_backward = dataclasses.replace(plan, optimizer_in_backward=True)
+    assert train.settle_options(train.Options(), tiny, in_backward).grad_clip == 0
+
+    hf = tmp_path / "hf"
+    model = Llama(tiny)
+    save_hf_checkpoint(tiny, model.named_parameters(), hf, torch.float32)
+    with pytest.raises(SystemExit):
+        train.main(["--hf-checkpoint", str(hf), "--run-dir", str(tmp_path / "run")])
+    assert "--lr is required with --hf-checkpoint" in capsys.readouterr().err
+
+
+@CPU_ONLY
+def test_the_plan_is_saved_with_the_peaks_reached_and_keeps_the_flags_given(dataset, tmp_path,
+                                                                             capsys):  # fmt: skip
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "3", "--checkpoint-interval", "0",
+            "--ac", "full", "--mlp-tile", "32", "--run-dir", str(tmp_path)]  # fmt: skip
+    train.main(argv)
+    out = capsys.readouterr().out
+    assert "plan: --ac full --mlp-tile 32 --micro-batch 8 --grad-accum 1" in out
+    assert "memory after 2 steps: host peak RSS" in out
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["plan"]["ac"] == "full" and saved["plan"]["mlp_tile"] == 32
+    planned = ["activation_offload", "cpu_offload", "optimizer_in_backward", "grad_accum"]
+    assert saved["planned"] == planned
+    assert saved["tokens_per_step"] == 1024 and saved["machine"]["gpu_gib"] is None
+    assert saved["measured"]["steps"] == 2 and saved["measured"]["host_peak_rss_gib"] > 0
 
 
 def test_help_lists_every_option():
@@ -649,7 +709,7 @@ def test_gpu_run_with_kernels_in_bf16(dataset, tmp_path):
 def test_max_seq_len_extends_the_context_and_is_exported(dataset, tmp_path):
     # tiny allows 2048 positions; --max-seq-len raises the limit the data check enforces.
     out = tmp_path / "hf"
-    argv = ["--data", str(dataset), "--seq-len", "2560", "--micro-batch", "1",
+    argv = ["--data", str(dataset), "--seq-len", "2560", "--batch-tokens", "2560",
             "--sample-tokens", "0", "--max-steps", "1", "--checkpoint-interval", "0",
             "--max-seq-len", "4096", "--export-hf", str(out)]  # fmt: skip
     train.main([*argv, "--run-dir", str(tmp_path / "run")])

@@ -1,0 +1,64 @@
+"""Plots a run's loss and tokens/s from its metrics.jsonl into a PNG you can open.
+
+    pip install matplotlib        # or: pip install ".[plot]"; never needed to train
+    python bench/plot_metrics.py runs/default            # writes runs/default/metrics.png
+    python bench/plot_metrics.py runs/a runs/b --out compare.png
+
+One figure, two panels sharing the step axis: the loss (and the learning rate, on a second
+axis) above, tokens/s per device below. Several run directories are drawn on the same
+panels, labelled by directory. A record is one log step (train.py's --log-interval).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics.jsonl (is {run_dir} a --run-dir?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(runs: dict[str, list[dict]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    fig, (loss_ax, speed_ax) = plt.subplots(2, 1, sharex=True, figsize=(9, 7))
+    lr_ax = loss_ax.twinx()
+    for name, records in runs.items():
+        steps = [r["step"] for r in records]
+        (line,) = loss_ax.plot(steps, [r["loss"] for r in records], label=name)
+        lr_ax.plot(steps, [r["lr"] for r in records], color=line.get_color(), alpha=0.3, ls="--")
+        speed_ax.plot(steps, [r["tokens_per_s_per_device"] for r in records], label=name)
+    loss_ax.set_ylabel("loss (mean over the step's labelled tokens)")
+    lr_ax.set_ylabel("learning rate (dashed)")
+    speed_ax.set_ylabel("tokens/s per device")
+    speed_ax.set_xlabel("step")
+    loss_ax.legend()
+    for ax in (loss_ax, speed_ax):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", nargs="+", type=Path, help="train.py --run-dir directories")
+    parser.add_argument("--out", type=Path, help="PNG to write (default: RUN_DIR/metrics.png)")
+    opts = parser.parse_args()
+    try:
+        runs = {str(d): read_metrics(d) for d in opts.run_dirs}
+    except FileNotFoundError as e:
+        sys.exit(f"plot_metrics.py: {e}")
+    out = opts.out or opts.run_dirs[0] / "metrics.png"
+    plot(runs, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
