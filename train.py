@@ -844,7 +844,12 @@ def format_plan(described: dict) -> str:
     lines = [
         f"plan: {d['flags']} | {tokens:,} tokens/step{batch} = {plan['seq_len']} x "
         f"{plan['micro_batch']} sequences x {plan['grad_accum']} micro-batches x "
-        f"{processes(plan['world_size'])} | planned: {planned}",
+        + (
+            f"{plan['world_size'] // cp} groups of {cp} context-parallel ranks"
+            if (cp := plan["context_parallel"]) > 1
+            else processes(plan["world_size"])
+        )
+        + f" | planned: {planned}",
         shard.MemoryEstimate(**d["estimate"]).format(),
         f"{processes(m['world_size'])}: {gpu}; host {d['host_needed_gib_per_node']:.1f} of "
         f"{m['host_gib']:.1f} GiB per node ({d['margins']['host']:.0%} kept free; "
