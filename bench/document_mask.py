@@ -21,6 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.attention import time_ms  # noqa: E402
 from model import PRESETS, compiled_flex_attention, document_block_mask, document_ids  # noqa: E402
 
 
@@ -32,18 +33,6 @@ def packed_positions(seq_len: int, seed: int = 0) -> torch.Tensor:
         parts.append(np.arange(min(n, seq_len - total)))
         total += len(parts[-1])
     return torch.from_numpy(np.concatenate(parts))[None].cuda()
-
-
-def time_ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def mask_cost(positions: torch.Tensor) -> tuple[float, float]:
