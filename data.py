@@ -402,6 +402,16 @@ def make_temp_dir(final: Path) -> Path:
     return tmp
 
 
+def swap_in_dir(tmp: Path, final: Path) -> None:
+    """Puts the complete directory `tmp` (make_temp_dir) in place of `final`; an old `final`
+    is removed only after the new one is in place."""
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def give_ordinary_mode(file: Path) -> None:
     """The mode a new file gets from open() (umask applied), for files written 0600 (as
     safetensors writes them)."""

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from data import give_ordinary_mode, make_temp_dir, read_json
+from data import give_ordinary_mode, make_temp_dir, read_json, swap_in_dir
 from kernels import (
     IGNORE_INDEX,
     apply_rope_reference,
@@ -935,12 +935,7 @@ def save_hf_checkpoint(
                 pad_id = special_ids["eos_token_id"]
             generation = {**special_ids, "pad_token_id": pad_id}
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    # Swap in the new directory; the old one is removed only after the new one is in place.
-    old = out_dir.with_name(f".{out_dir.name}.old")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in_dir(tmp, out_dir)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1206,11 +1201,7 @@ def save_peft_adapter(
     give_ordinary_mode(tmp / "adapter_model.safetensors")
     adapter_config = peft_adapter_config(config, base_model)
     (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
-    old = out_dir.with_name(f".{out_dir.name}.old")
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in_dir(tmp, out_dir)
 
 
 def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathLike) -> Path:
