@@ -723,8 +723,13 @@ def this_machine(opts: Options, world: shard.Dist) -> shard.Machine:
 def machine_to_estimate(opts: Options) -> shard.Machine:
     """The machine --estimate-memory plans for: the flags', else torchrun's and this one's."""
     env = os.environ
-    world_size = opts.world_size or int(env.get("WORLD_SIZE", "1"))
+    # --nproc-per-node alone reads as torchrun's: one node of that many processes.
+    world_size = opts.world_size or opts.nproc_per_node or int(env.get("WORLD_SIZE", "1"))
     nproc = opts.nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
+    if world_size % nproc:
+        raise ValueError(
+            f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
+        )
     gpu = opts.gpu_memory
     if gpu is None:
         gpu = torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 80.0
