@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as torch_dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -401,22 +402,40 @@ def _whole_row_mask(attention_mask, group, positions: torch.Tensor, several_docu
     return attention_mask(torch.cat(pieces, dim=1), several_documents)
 
 
-def _require_positions(module, args, kwargs):
-    positions = kwargs.get("positions", args[2] if len(args) > 2 else None)
-    if positions is None:
+def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **kwargs):
+    """The model's forward under context parallelism. Training passes positions with its
+    slice of each row [B, S/N] (data.PackedLoader's) and gets its part of the loss. A call
+    without positions brings whole rows [B, T] for their logits (model.generate's sample at
+    the end of a run): each rank runs its slice of them, the rows padded at the end to N
+    equal slices (the causal mask hides the padding from the tokens before it), and the
+    logits are gathered back whole on every rank, as one process would return them."""
+    if positions is not None:
+        return forward(tokens, labels, positions, *rest, **kwargs)
+    if labels is not None:
         raise ValueError(
-            "a context-parallel model needs the positions of its slice of each row "
-            "(its default 0..S/N-1 would be wrong on every rank but the first)"
+            "a context-parallel model computes a loss on its slice of each row: pass the "
+            "positions of the slice (its default 0..S/N-1 would be wrong on every rank but "
+            "the first)"
         )
+    n, length = group.size(), tokens.shape[1]
+    per_rank = -(-length // n)
+    start = group.rank() * per_rank
+    piece = F.pad(tokens, (0, per_rank * n - length))[:, start : start + per_rank]
+    positions = torch.arange(start, start + per_rank, device=tokens.device)
+    logits = forward(piece, None, positions.expand_as(piece), *rest, **kwargs)
+    pieces = [torch.empty_like(logits) for _ in range(n)]
+    torch_dist.all_gather(pieces, logits.contiguous(), group=group)
+    return torch.cat(pieces, dim=1)[:, :length]
 
 
 def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) -> None:
     """Makes `model` take this rank's slice of each row (tokens, labels and positions
     [B, S/N]) and attend over the whole row, as the section's comment describes. The model
-    code stays as it is: Attention.attend and Llama.attention_mask are wrapped on the
-    instances (like offload.apply_mlp_tiling), so parameter names and checkpoints do not
-    change, and model.py holds no process group or collective (a group attribute on
-    Attention would put both there, for a seam two small methods already give). Apply
+    code stays as it is: Attention.attend, Llama.attention_mask and Llama.forward (for calls
+    with whole rows) are wrapped on the instances (like offload.apply_mlp_tiling), so
+    parameter names and checkpoints do not change, and model.py holds no process group or
+    collective (a group attribute on Attention would put both there, for a seam three
+    methods already give). Apply
     after offload.apply_ac, whose kept attention then sits inside the all-to-alls (it keeps
     the kernel's output). The wrappers run inside the blocks' forward, so a checkpointed
     block redoes its all-to-alls when it is recomputed."""
@@ -429,7 +448,7 @@ def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) 
         )
     if model.mask_documents:  # else the mask is None, whatever the positions
         model.attention_mask = functools.partial(_whole_row_mask, model.attention_mask, group)
-    model.register_forward_pre_hook(_require_positions, with_kwargs=True)
+    model.forward = functools.partial(_forward_rows, model.forward, group)
 
 
 # ----------------------------------------------------------------------------------------

@@ -225,11 +225,16 @@ def hf_load(dist, out: Path) -> None:
     torch_dist.barrier()  # both ranks got here: neither is stuck in a collective
 
 
-def context_parallel_without_positions(dist, out: Path) -> None:
-    """A context-parallel model called without positions: every rank refuses alike."""
+def context_parallel_whole_rows(dist, out: Path) -> None:
+    """A context-parallel model called with whole rows of an odd length and no positions
+    (generate's call): the logits of the whole rows on every rank; with labels but no
+    positions, every rank refuses alike."""
     model = sharded_model(dist, TINY, "FULL_SHARD", 2, False, cp=2)
+    tokens = torch.arange(2 * 13).reshape(2, 13) % TINY.vocab_size
+    with torch.no_grad():
+        torch.save(model(tokens), out / f"cp_whole_rows.rank{dist.rank}.pt")
     try:
-        model(torch.zeros(1, SEQ // 2, dtype=torch.int64))
+        model(tokens[:, :8], tokens[:, :8])
         message = "no error"
     except ValueError as e:
         message = str(e)
@@ -260,7 +265,7 @@ def main() -> None:
         return
     init(dist, out)
     hf_load(dist, out)
-    context_parallel_without_positions(dist, out)
+    context_parallel_whole_rows(dist, out)
     for name in TRAIN_SCENARIOS:
         train(dist, out, name)
     torch_dist.destroy_process_group()

@@ -146,10 +146,19 @@ def test_sharded_training_matches_one_process(dist_out, scenario):
         assert torch.equal(got["frozen"][name], frozen), name
 
 
-def test_context_parallel_model_needs_the_positions_of_its_slice(dist_out):
+def test_context_parallel_model_takes_whole_rows_or_the_positions_of_its_slice(dist_out):
+    """Whole rows without positions (generate's call): the logits one process computes, on
+    every rank; a loss without the positions of the rank's slice is refused."""
+    model = Llama(w.TINY)
+    model.init_weights(w.SEED)
+    tokens = torch.arange(2 * 13).reshape(2, 13) % w.TINY.vocab_size
+    with torch.no_grad():
+        want = model(tokens)
     for rank in range(2):
+        got = torch.load(dist_out / f"cp_whole_rows.rank{rank}.pt")
+        torch.testing.assert_close(got, want, rtol=FP32_RTOL, atol=1e-6)
         message = (dist_out / f"cp_without_positions.rank{rank}.txt").read_text()
-        assert "needs the positions of its slice of each row" in message
+        assert "pass the positions of the slice" in message
 
 
 def test_two_nodes_shard_within_a_node_and_share_rows_within_it(tmp_path):

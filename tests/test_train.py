@@ -269,13 +269,23 @@ def test_context_parallel_equals_data_parallel_and_resumes_on_another_layout(dat
     documents, --ac attention and 2 accumulated micro-batches: the same losses and gradient
     norms (fp32: rel 1e-5, the sums go in another order). Resumed from its step-3
     checkpoint on one process (another world size, no context parallelism), the same
-    later steps."""
+    later steps. Both end with the same sample: the context-parallel model generates
+    through whole rows."""
     argv = ["--data", str(dataset), *SMALL, "--micro-batch", "2", "--grad-accum", "2",
             "--document-mask", "--ac", "attention", "--max-steps", "6",
             "--checkpoint-interval", "3", "--keep-checkpoints", "2"]  # fmt: skip
-    run_subprocess(*argv, "--run-dir", str(tmp_path / "dp"), nproc=2)
+    sample = ["--sample-tokens", "12"]
+    dp = run_subprocess(*argv, *sample, "--run-dir", str(tmp_path / "dp"), nproc=2)
     cp_dir = tmp_path / "cp"
-    run_subprocess(*argv, "--run-dir", str(cp_dir), "--context-parallel", "2", nproc=4)
+    cp = run_subprocess(
+        *argv, *sample, "--run-dir", str(cp_dir), "--context-parallel", "2", nproc=4
+    )
+    heading = "a sample of the trained model"
+    assert heading in cp.stdout
+    assert (
+        cp.stdout.split(heading)[1].split("metrics:")[0]
+        == (dp.stdout.split(heading)[1].split("metrics:")[0])
+    )
     records = {name: metrics(tmp_path / name) for name in ("dp", "cp")}
     for key in ("loss", "grad_norm"):
         cp = [r[key] for r in records["cp"]]
