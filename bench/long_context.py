@@ -14,7 +14,8 @@ One sequence per GPU per step (--batch-tokens seq x nproc); what the flags leave
 train.py plans (the "plan" field of each longtune row).
 Prints one row per run: tokens/s per GPU, MFU (6*N + 6*L*S*d FLOPs per token against 989
 TFLOP/s), peak GPU memory (torch.cuda.max_memory_allocated), peak host RSS. Step times
-are the median over the steps after the first two (warm-up: compilation, allocator).
+are the median over the steps after the first two (warm-up: compilation, allocator), or
+the last step's when --steps is below 3 (for steps of minutes, where warm-up is a small part).
 A run that fails (e.g. out of memory) gets its last error line instead.
 """
 
@@ -75,7 +76,7 @@ def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, n
                                  cwd=ROOT, capture_output=True, text=True).stdout  # fmt: skip
         (log_dir / f"{name}-profile.txt").write_text(summary)
         print(summary, flush=True)
-    timed = records[2:]
+    timed = records[2:] or records[-1:]
     # The flags train.py planned for the run, whatever of them were given.
     plan = [line for line in output.splitlines() if line.startswith("plan: ")]
     impl = f"longtune {flags}" if flags else "longtune, planned"
