@@ -58,7 +58,7 @@ from kernels import (  # noqa: E402
     swiglu,
     swiglu_reference,
 )
-from kernels.nf4 import nf4_matmul_dequantized, nf4_matmul_fused  # noqa: E402
+from kernels.nf4 import FUSED_TILES, nf4_matmul_dequantized, nf4_matmul_fused  # noqa: E402
 
 try:
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
@@ -271,6 +271,10 @@ NF4_DEQUANTIZE_LAUNCHES = [(64, 8, "table"), (64, 8, "select"), (32, 8, "table")
                            (32, 8, "select"), (128, 8, "table"), (128, 8, "select"),
                            (256, 8, "table"), (256, 8, "select"), (128, 4, "table"),
                            (128, 16, "table")]  # fmt: skip
+# The fused kernel's tiles (BLOCK_M, BLOCK_P, BLOCK_R, num_warps, num_stages): kernels/nf4.py's
+# two, and two with twice the output tile (each dequantized W tile then feeds twice the rows,
+# or each row of a meets twice the columns).
+NF4_FUSED_TILES = {**FUSED_TILES, "256x128": (256, 128, 64, 8, 3), "128x256": (128, 256, 64, 8, 3)}
 NF4_FAILURES: list[str] = []
 
 
@@ -297,11 +301,12 @@ def check_nf4_on_gpu() -> None:
         dense = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, cols, torch.float32)
         x = torch.randn(1000, cols, device="cuda", dtype=BF16)
         dy = torch.randn(1000, rows, device="cuda", dtype=BF16)
-        for tiles, lookup in [("small", "table"), ("large", "table"), ("large", "select")]:
-            y = nf4_matmul_fused(x, q.rows.view(BF16), q.absmax2, q.offset, cols, True, tiles,
-                                 lookup)  # fmt: skip
+        candidates = [(tiles, "table") for tiles in NF4_FUSED_TILES] + [("large", "select")]
+        for tiles, lookup in candidates:
+            y = nf4_matmul_fused(x, q.rows.view(BF16), q.absmax2, q.offset, cols, True,
+                                 NF4_FUSED_TILES[tiles], lookup)  # fmt: skip
             dx = nf4_matmul_fused(dy, q.rows.view(BF16), q.absmax2, q.offset, cols, False,
-                                  tiles, lookup)  # fmt: skip
+                                  NF4_FUSED_TILES[tiles], lookup)  # fmt: skip
             for what, out, exact in [
                 ("y", y, x.float() @ dense.t()),
                 ("dx", dx, dy.float() @ dense),
@@ -391,12 +396,12 @@ def bench_nf4_matmul_case(name: str, q, tokens: int) -> bool:
         NF4_MATMUL_ROWS.append(line + f" | {faster} {ratio:.2f}x |")
         NF4_VERDICTS.append(f"{name} T={tokens} {mode}: {faster} faster by {ratio:.2f}x")
     timings = []
-    for tiles, lookup in [("small", "table"), ("large", "table"), ("small", "select"),
-                          ("large", "select")]:  # fmt: skip
+    candidates = [(label, tiles, "table") for label, tiles in NF4_FUSED_TILES.items()]
+    for tiles_name, tiles, lookup in candidates + [("default", None, "select")]:
         call = partial(nf4_matmul_fused, x.detach(), packed, q.absmax2, q.offset, cols, True,
                        tiles, lookup)  # fmt: skip
         ms = triton.testing.do_bench(call, rep=30, return_mode="median")
-        timings.append((ms, f"{tiles}/{lookup}"))
+        timings.append((ms, f"{tiles_name}/{lookup}"))
     print("  fused fwd by tiles/lookup: " + ", ".join(f"{n} {ms:.3f}" for ms, n in timings))
     NF4_VERDICTS.append(f"{name} T={tokens} fwd: fastest fused tiles/lookup {min(timings)[1]}")
     return fused < dequantized

@@ -426,12 +426,13 @@ FUSED_LOOKUP = "table"  # how a code finds its NF4 value in the fused kernel (_n
 
 def nf4_matmul_fused(
     a: torch.Tensor, rows: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tensor,
-    in_features: int, w_transposed: bool, tiles: str | None = None,
+    in_features: int, w_transposed: bool, tiles: tuple[int, ...] | None = None,
     lookup: str = FUSED_LOOKUP,
 ) -> torch.Tensor:  # fmt: skip
     """`nf4_matmul_reference`'s product from one Triton kernel that dequantizes each tile
-    of W as it loads it for tl.dot; `tiles` names an entry of FUSED_TILES (by default
-    chosen by a's rows), `lookup` is "table" or "select" (`_nf4_values`)."""
+    of W as it loads it for tl.dot. `tiles`: (BLOCK_M, BLOCK_P, BLOCK_R, num_warps,
+    num_stages), by default from FUSED_TILES by a's rows; `lookup`: "table" or "select"
+    (`_nf4_values`)."""
     data = rows.view(torch.uint8).reshape(rows.shape[0], -1)
     n = data.shape[0]
     m, r = a.shape
@@ -441,8 +442,8 @@ def nf4_matmul_fused(
             f"NF4 matmul: a has {r} columns; expected {in_features if w_transposed else n} "
             f"for W [{n}, {in_features}]{'^T' if w_transposed else ''}"
         )
-    tiles = tiles or ("small" if m <= FUSED_SMALL_ROWS else "large")
-    block_m, block_p, block_r, num_warps, num_stages = FUSED_TILES[tiles]
+    tiles = tiles or FUSED_TILES["small" if m <= FUSED_SMALL_ROWS else "large"]
+    block_m, block_p, block_r, num_warps, num_stages = tiles
     out = torch.empty(m, p, dtype=a.dtype, device=a.device)
     nf4, dynamic = _codes_on(a.device)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(p, block_p),)

@@ -34,6 +34,7 @@ from kernels import (
 )
 from kernels.nf4 import (
     DYNAMIC_CODE,
+    FUSED_TILES,
     NF4_CODE,
     nf4_matmul_dequantized,
     nf4_matmul_fused,
@@ -481,8 +482,8 @@ def test_nf4_fused_matmul_equals_reference(m, n, k, tiles, lookup, dtype):
     x = torch.randn(m, k, generator=generator).to(dtype)
     dy = torch.randn(m, n, generator=generator).to(dtype)
     rows = q.rows.view(torch.float32)  # as the model stores them
-    y = nf4_matmul_fused(x, rows, q.absmax2, q.offset, k, True, tiles, lookup)
-    dx = nf4_matmul_fused(dy, rows, q.absmax2, q.offset, k, False, tiles, lookup)
+    y = nf4_matmul_fused(x, rows, q.absmax2, q.offset, k, True, FUSED_TILES[tiles], lookup)
+    dx = nf4_matmul_fused(dy, rows, q.absmax2, q.offset, k, False, FUSED_TILES[tiles], lookup)
     assert y.dtype == dx.dtype == dtype
     assert_close(y, x.double() @ dense.t(), NF4_FUSED_TOLERANCE[dtype], "y")
     assert_close(dx, dy.double() @ dense, NF4_FUSED_TOLERANCE[dtype], "dx")
@@ -568,8 +569,8 @@ def test_nf4_fused_matmul_on_cuda_matches_fp32_reference(tokens):
     dense = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, 4096, torch.float32)
     x, dy = gpu_inputs((tokens, 4096), (tokens, 14336))
     for tiles in ("small", "large"):
-        y = nf4_matmul_fused(x, rows, q.absmax2, q.offset, 4096, True, tiles)
-        dx = nf4_matmul_fused(dy, rows, q.absmax2, q.offset, 4096, False, tiles)
+        y = nf4_matmul_fused(x, rows, q.absmax2, q.offset, 4096, True, FUSED_TILES[tiles])
+        dx = nf4_matmul_fused(dy, rows, q.absmax2, q.offset, 4096, False, FUSED_TILES[tiles])
         assert_close_on_gpu(y, x.float() @ dense.t(), GPU_BF16_TOLERANCE, f"y {tiles}")
         assert_close_on_gpu(dx, dy.float() @ dense, GPU_BF16_TOLERANCE, f"dx {tiles}")
     ref = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, 4096, torch.bfloat16)
