@@ -604,6 +604,12 @@ class Plan:
         return self.seq_len * rows_per_micro_batch * self.grad_accum
 
 
+def offloaded_blocks(args: ModelArgs, plan: Plan) -> int:
+    """The blocks whose saved activations activation offload keeps on the host: the first
+    `offload_blocks`, by default all but the last (whose backward comes first)."""
+    return args.n_layers - 1 if plan.offload_blocks is None else plan.offload_blocks
+
+
 def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     """Memory per rank of one training step of `plan`, counted from the shapes (see the
     comments on each term). The peak is the largest of four moments:
@@ -717,7 +723,7 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
         # All blocks but the last (or the first `offload_blocks`) go to the host; on the
         # GPU: the others, the block in backward and the one prefetched. (Assumes the
         # copies keep up; see offload.activation_offload.)
-        offloaded = layers - 1 if plan.offload_blocks is None else plan.offload_blocks
+        offloaded = offloaded_blocks(args, plan)
         host_activations = sum(per_block[:offloaded])
         saved = sum(per_block[offloaded:]) + max(per_block) + cached
     else:
@@ -833,8 +839,8 @@ IN_BACKWARD_S_PER_PARAM = 0.15e-9
 AC_ORDER = ("none", "selective", "attention", "full")  # fastest first
 MLP_TILES = (16384, 8192, 4096)  # positions; the larger tile first at equal cost
 # The fields the planner chooses when the user leaves them open (None).
-PLANNED = ("ac", "mlp_tile", "activation_offload", "cpu_offload", "optimizer_in_backward",
-           "micro_batch", "grad_accum")  # fmt: skip
+PLANNED = ("ac", "mlp_tile", "activation_offload", "offload_blocks", "cpu_offload",
+           "optimizer_in_backward", "micro_batch", "grad_accum")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -900,7 +906,8 @@ def candidate_plans(
 ) -> list[Plan]:
     """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
     the user set), fastest first by step_seconds; at equal time, the larger micro-batch,
-    then the larger MLP tile; the optimizer in backward after all others. On the CPU only
+    then the larger MLP tile; partial activation offload after the others, and the
+    optimizer in backward after all those. On the CPU only
     the micro-batch is planned: no checkpointing, tiling or offload unless asked (there is
     no GPU memory to save)."""
 
@@ -919,18 +926,27 @@ def candidate_plans(
     else:
         batches = [(m, sequences // m) for m in range(sequences, 0, -1) if sequences % m == 0]
     tiles = (0, *(t for t in MLP_TILES if t < base.seq_len))
+    # Activation offload of all blocks but the last (None), else of the first N, N falling
+    # in about 8 steps: fewer blocks on the host where it cannot hold them all. Ranked after
+    # the plans without it (no partial offload has been measured against them), the most
+    # blocks first.
+    step = max(1, (args.n_layers - 1) // 8)
+    some_blocks = (None, *range(args.n_layers - 1 - step, 0, -step))
     plans = []
     for ac in options("ac", AC_ORDER):
         for tile in options("mlp_tile", tiles):
             for act_offload in options("activation_offload", (False, True)):
-                for cpu in options("cpu_offload", (False, True)):
-                    for in_backward in options("optimizer_in_backward", (False, True)):
-                        for micro_batch, grad_accum in batches:
-                            plans.append(dataclasses.replace(
-                                base, ac=ac, mlp_tile=tile, activation_offload=act_offload,
-                                cpu_offload=cpu, optimizer_in_backward=in_backward,
-                                micro_batch=micro_batch, grad_accum=grad_accum,
-                            ))  # fmt: skip
+                blocks = options("offload_blocks", some_blocks) if act_offload else (None,)
+                for offload_blocks in blocks:
+                    for cpu in options("cpu_offload", (False, True)):
+                        for in_backward in options("optimizer_in_backward", (False, True)):
+                            for micro_batch, grad_accum in batches:
+                                plans.append(dataclasses.replace(
+                                    base, ac=ac, mlp_tile=tile, activation_offload=act_offload,
+                                    offload_blocks=offload_blocks, cpu_offload=cpu,
+                                    optimizer_in_backward=in_backward,
+                                    micro_batch=micro_batch, grad_accum=grad_accum,
+                                ))  # fmt: skip
 
     def valid(p: Plan) -> bool:
         # Activation offload without checkpointing measured 1.95x slower (the host link
@@ -946,8 +962,9 @@ def candidate_plans(
     # The optimizer in backward last, whatever its speed: it rules out gradient clipping.
     return sorted(
         plans,
-        key=lambda p: (p.optimizer_in_backward, step_seconds(args, p), -p.micro_batch, -p.mlp_tile),
-    )
+        key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,
+                       step_seconds(args, p), -p.micro_batch, -p.mlp_tile),
+    )  # fmt: skip
 
 
 def choose_plan(
@@ -1046,6 +1063,8 @@ def flags_of(fields: dict, negated: bool = False) -> str:
     out = []
     for name, value in fields.items():
         flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
         if value is True:
             out.append(flag)
         elif value is False:

@@ -390,6 +390,8 @@ RECORDED = [
     ("llama3.1-8b", 131072, H200_X2, dict(ac="full", mlp_tile=16384), 93.06, 2485),
     ("llama3.1-8b", 131072, H200_X2, dict(ac="attention", mlp_tile=16384), 124.54, 3029),
     ("llama3.1-8b", 131072, H200_X2, dict(ac="full", cpu_offload=True), 59.94, 2183),
+    ("llama3.1-8b", 131072, H200_X2, dict(ac="attention", activation_offload=True), 106.28,
+     3165),
     ("llama3.2-1b", 4096, H200, dict(ac="none"), 19.94, 4096 / 0.116),
     ("llama3.2-1b", 4096, H200, dict(ac="full"), 19.46, 4096 / 0.115),
     ("llama3.2-1b", 16384, H200, dict(ac="none"), 34.09, 16384 / 0.388),
@@ -445,6 +447,24 @@ def test_the_plan_for_each_recorded_run_fits_and_is_no_slower(preset, seq_len, m
     inside = [r for r in runs if r[4] + OVERHEAD_GIB <= (1 - GPU_MARGIN) * machine.gpu_gib]
     fastest = min(step_seconds(args, recorded_plan(seq_len, machine, r[3])) for r in inside)
     assert step_seconds(args, plan) <= fastest * 1.001, planned
+
+
+def test_a_host_that_cannot_hold_every_block_gets_the_first_blocks_it_can():
+    """llama3.1-8b, one 1,048,576-token sequence over 2 x H200 (context parallel): every
+    block's activations on the host need more than the node has, and fewer on the GPU more
+    than a GPU has; the plan offloads the first N blocks, the most that fit the host."""
+    args = ModelArgs.from_name("llama3.1-8b")
+    base = Plan(1048576, context_parallel=2)
+    plan = choose_plan(args, H200_X2, base, {}, sequences=1, batch_is_fixed=True)
+    assert plan.activation_offload and 0 < plan.offload_blocks < args.n_layers - 1
+    assert fits(estimate_memory(args, plan), H200_X2)
+    for more in (plan.offload_blocks + 1, None):
+        assert not fits(estimate_memory(args, dataclasses.replace(plan, offload_blocks=more)),
+                        H200_X2)  # fmt: skip
+    # A user's --offload-blocks is kept: 20 leaves too much on the GPU.
+    with pytest.raises(ValueError, match="the planner's choice instead of --offload-blocks 20"):
+        choose_plan(args, H200_X2, base, {"offload_blocks": 20, "activation_offload": True},
+                    sequences=1, batch_is_fixed=True)  # fmt: skip
 
 
 def test_8b_at_128k_has_a_plan_inside_one_80_gib_gpu_and_a_128_gib_host():
