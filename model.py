@@ -35,11 +35,10 @@ from data import give_ordinary_mode, make_temp_dir, read_json, swap_in_dir
 from kernels import (
     IGNORE_INDEX,
     apply_rope_reference,
+    dequantize_nf4,
     dequantize_nf4_reference,
     linear_cross_entropy_reference,
     nf4_linear,
-    nf4_matmul,
-    nf4_matmul_reference,
     quantize_nf4,
     rms_norm_reference,
     swiglu_reference,
@@ -1023,13 +1022,13 @@ class LoRALinear(nn.Module):
         out_features: int,
         config: LoRAConfig,
         base_dtype: torch.dtype,
-        nf4_matmul: Callable,
+        dequantize: Callable,
         device: torch.device | None = None,
     ):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.scale, self.dropout = config.scale, config.dropout
-        self.nf4_matmul = nf4_matmul
+        self.dequantize = dequantize
         self.quantized = config.quantize_base == "nf4"
         if self.quantized:
             words = row_bytes(in_features) // base_dtype.itemsize
@@ -1050,7 +1049,7 @@ class LoRALinear(nn.Module):
             absmax2 = self.absmax2.to(x.device, non_blocking=True)
             offset = self.offset.to(x.device, non_blocking=True)
             base = nf4_linear(
-                x, self.weight_nf4, absmax2, offset, self.in_features, self.nf4_matmul
+                x, self.weight_nf4, absmax2, offset, self.in_features, self.dequantize
             )
         else:
             base = F.linear(x, self.weight)
@@ -1094,8 +1093,8 @@ def apply_lora(
     """Replaces the target projections of every block with LoRALinear and freezes the rest
     of the model, stored in `base_dtype` (the compute dtype: no fp32 master copy of what is
     not trained). Applied to the meta-built model, before `offload.apply_ac` and
-    `shard.apply_fsdp`; `kernels` picks the Triton NF4 matmul or its reference."""
-    matmul = nf4_matmul if kernels else nf4_matmul_reference
+    `shard.apply_fsdp`; `kernels` picks the Triton NF4 dequantization or its reference."""
+    dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
     for path in _lora_module_paths(model.args, config.targets):
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path)
@@ -1103,7 +1102,7 @@ def apply_lora(
         if config.quantize_base:
             check_quantizable(f"{path}.weight", tuple(linear.weight.shape))
         lora = LoRALinear(
-            linear.in_features, linear.out_features, config, base_dtype, matmul,
+            linear.in_features, linear.out_features, config, base_dtype, dequantize,
             device=linear.weight.device,
         )  # fmt: skip
         setattr(parent, attr, lora)

@@ -15,15 +15,12 @@ use these counts, each tensor read or written once:
     RoPE      fwd: q, k read and written      bwd: the same for their gradients
     linear + cross-entropy: 2 N V D flops per matmul, 3 matmuls (logits, dhidden, dweight)
     NF4 dequantize: the packed rows read (K/2 + K/64 bytes a row, padded to 4), W written;
-        each launch of the Triton kernel (values per program, warps, NF4 lookup by a table
-        gather or by selection), its rate beside the copy's measured in the same run
-    NF4 linear: x @ W^T from the NF4 weight through the fused kernel (W dequantized tile by
-        tile inside the matmul) and through dequantize, then cuBLAS, against F.linear on the
+        its rate beside the copy's measured in the same run, after a check on the GPU that
+        the Triton kernel gives the reference's bits (PASS/FAIL, repeated at the end)
+    NF4 linear: x @ W^T from the NF4 weight (dequantize, then cuBLAS) against F.linear on the
         bf16 weight, forward and + backward (dx only: the weight is frozen), at each of 8B's
         weight shapes and 512, 2048, 8192 tokens; TFLOP/s counted as 2 N K M per matmul, so
-        the difference to F.linear is what dequantizing costs. The NF4 part first checks
-        its kernels on the GPU (PASS/FAIL lines, repeated at the end) and ends with one line
-        per case saying which path is faster, and the FUSED_MAX_ROWS that follows.
+        the difference is what dequantizing costs
 "Extra" is torch.cuda.max_memory_allocated during one call minus what was allocated before
 it (inputs and upstream gradients), so it counts outputs, saved tensors and input gradients.
 The copy line gives the device's reachable bandwidth: a device-to-device copy, read + write.
@@ -58,7 +55,6 @@ from kernels import (  # noqa: E402
     swiglu,
     swiglu_reference,
 )
-from kernels.nf4 import FUSED_TILES, nf4_matmul_dequantized, nf4_matmul_fused  # noqa: E402
 
 try:
     from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
@@ -263,85 +259,32 @@ def bench_cross_entropy_memory(dim=4096, vocab=128256):
 NF4_SHAPES = {"wq/wo": (4096, 4096), "wk/wv": (1024, 4096), "w1/w3": (14336, 4096),
               "w2": (4096, 14336)}  # fmt: skip
 NF4_TOKENS = (512, 2048, 8192)
-# dequantize_nf4's launches: (blocks of 64 values per program, warps, lookup); the first was
-# its only launch before the others were written (2.04 TB/s on an H100, 70% of the copy).
-# Fewer bytes per thread (32 blocks, 8 warps: 4) give 16-byte stores that a warp writes
-# contiguously; more (256 blocks) give more loads in flight per thread.
-NF4_DEQUANTIZE_LAUNCHES = [(64, 8, "table"), (64, 8, "select"), (32, 8, "table"),
-                           (32, 8, "select"), (128, 8, "table"), (128, 8, "select"),
-                           (256, 8, "table"), (256, 8, "select"), (128, 4, "table"),
-                           (128, 16, "table")]  # fmt: skip
-# The fused kernel's tiles (BLOCK_M, BLOCK_P, BLOCK_R, num_warps, num_stages): kernels/nf4.py's
-# two, and two with twice the output tile (each dequantized W tile then feeds twice the rows,
-# or each row of a meets twice the columns).
-NF4_FUSED_TILES = {**FUSED_TILES, "256x128": (256, 128, 64, 8, 3), "128x256": (128, 256, 64, 8, 3)}
-NF4_FAILURES: list[str] = []
 
 
-def nf4_check(name: str, passed: bool, detail: str) -> None:
-    print(f"  {'PASS' if passed else 'FAIL'} {name}: {detail}", flush=True)
-    if not passed:
-        NF4_FAILURES.append(f"{name}: {detail}")
-
-
-def check_nf4_on_gpu() -> None:
-    """Before any timing: each dequantization launch bit for bit the reference (w1, bf16),
-    and the fused matmul's y and dx against fp32 matmuls of the reference's fp32 W, norm-wise
-    within 1e-2 (bf16 inputs and output), at every shape, with both tile sets and lookups."""
-    q = quantize_nf4(torch.randn(*NF4_SHAPES["w1/w3"], device="cuda") * 0.02)
-    cols = NF4_SHAPES["w1/w3"][1]
-    ref = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, cols, BF16)
-    for blocks, warps, lookup in NF4_DEQUANTIZE_LAUNCHES:
-        out = dequantize_nf4(q.rows.view(BF16), q.absmax2, q.offset, cols, BF16, blocks, warps,
-                             lookup)  # fmt: skip
-        differ = (out.view(torch.int16) != ref.view(torch.int16)).sum().item()
-        nf4_check(f"dequantize {blocks}/{warps}/{lookup}", differ == 0, f"{differ} values differ")
-    for name, (rows, cols) in NF4_SHAPES.items():
-        q = quantize_nf4(torch.randn(rows, cols, device="cuda") * 0.02)
-        dense = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, cols, torch.float32)
-        x = torch.randn(1000, cols, device="cuda", dtype=BF16)
-        dy = torch.randn(1000, rows, device="cuda", dtype=BF16)
-        candidates = [(tiles, "table") for tiles in NF4_FUSED_TILES] + [("large", "select")]
-        for tiles, lookup in candidates:
-            y = nf4_matmul_fused(x, q.rows.view(BF16), q.absmax2, q.offset, cols, True,
-                                 NF4_FUSED_TILES[tiles], lookup)  # fmt: skip
-            dx = nf4_matmul_fused(dy, q.rows.view(BF16), q.absmax2, q.offset, cols, False,
-                                  NF4_FUSED_TILES[tiles], lookup)  # fmt: skip
-            for what, out, exact in [
-                ("y", y, x.float() @ dense.t()),
-                ("dx", dx, dy.float() @ dense),
-            ]:
-                error = ((out.float() - exact).norm() / exact.norm()).item()
-                ok = error <= 1e-2 and not out.isnan().any().item()
-                nf4_check(
-                    f"fused {what} {name} {tiles}/{lookup}", ok, f"norm-wise error {error:.1e}"
-                )
-
-
-def bench_nf4_dequantize(copy_rate: float) -> None:
-    """llama3.1-8b's w1: each launch of the Triton dequantization, then the eager and
-    compiled reference and bitsandbytes where installed; TB/s beside the copy's."""
+def bench_nf4_dequantize(copy_rate: float) -> str:
+    """llama3.1-8b's w1: the Triton dequantization checked bit for bit against the reference,
+    then timed with the eager and compiled reference and bitsandbytes where installed; TB/s
+    beside the copy's. Returns the check's PASS/FAIL line."""
     rows, cols = NF4_SHAPES["w1/w3"]
     q = quantize_nf4(torch.randn(rows, cols, device="cuda") * 0.02)
     packed = q.rows.view(BF16)
+    ref = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, cols, BF16)
+    out = dequantize_nf4(packed, q.absmax2, q.offset, cols, BF16)
+    differ = (out.view(torch.int16) != ref.view(torch.int16)).sum().item()
+    check = f"{'PASS' if differ == 0 else 'FAIL'} NF4 dequantize bit for bit: {differ} differ"
+    print(f"  {check}", flush=True)
     nbytes = q.rows.numel() + rows * cols * 2
-    launches = [
-        (f"triton {b}x64/{w}w/{lookup}", partial(dequantize_nf4, blocks_per_program=b,
-                                                 num_warps=w, lookup=lookup))
-        for b, w, lookup in NF4_DEQUANTIZE_LAUNCHES
-    ]  # fmt: skip
-    variants = launches + [("eager", dequantize_nf4_reference),
-                           ("torch.compile", torch.compile(dequantize_nf4_reference))]  # fmt: skip
-    best = (0.0, "")
+    compiled = torch.compile(dequantize_nf4_reference)
+    variants = [("triton", dequantize_nf4), ("eager", dequantize_nf4_reference),
+                ("torch.compile", compiled)]  # fmt: skip
     for name, fn in variants:
         call = lambda fn=fn: fn(packed, q.absmax2, q.offset, cols, BF16)  # noqa: E731
         ms, extra = measure(call, [])
         graph = graph_ms(call, [])
         graph = "n/a | n/a" if graph is None else f"{graph:.3f} | {nbytes / graph / 1e9:.2f}"
         rate = nbytes / ms / 1e9
-        share = f"{rate:.2f} TB/s = {100 * rate / copy_rate:.0f}% of copy {copy_rate:.2f}"
+        share = f"{rate:.2f} TB/s = {100 * rate / copy_rate:.0f}% of copy"
         report("NF4 dequantize", "fwd", name, ms, share, extra, graph)
-        best = max(best, (rate, name)) if name.startswith("triton") else best
     try:
         import bitsandbytes.functional as bnb
 
@@ -354,95 +297,32 @@ def bench_nf4_dequantize(copy_rate: float) -> None:
         report("NF4 dequantize", "fwd", "bitsandbytes", ms, f"{nbytes / ms / 1e9:.2f} TB/s", extra)
     except ImportError:
         print("  (bitsandbytes absent: no row)")
-    NF4_VERDICTS.append(
-        f"NF4 dequantize: fastest launch {best[1]}, {best[0]:.2f} TB/s = "
-        f"{100 * best[0] / copy_rate:.0f}% of the copy's {copy_rate:.2f} TB/s (target >= 80%)"
-    )
+    return check
 
 
-NF4_MATMUL_ROWS: list[str] = []
-NF4_VERDICTS: list[str] = []
-
-
-def bench_nf4_matmul_case(name: str, q, tokens: int) -> bool:
-    """One weight at one token count: the table rows for fwd and fwd+bwd, the fused kernel's
-    tile sets and lookups (forward); True where the fused path wins fwd+bwd."""
-    rows, cols = q.rows.shape[0], NF4_SHAPES[name][1]
-    packed = q.rows.view(BF16)
-    nf4 = dict(rows=packed, absmax2=q.absmax2, offset=q.offset, in_features=cols)
-    paths = {
-        "fused": partial(nf4_linear, **nf4, matmul=nf4_matmul_fused),
-        "dequantize+cuBLAS": partial(nf4_linear, **nf4, matmul=nf4_matmul_dequantized),
-        "F.linear bf16": partial(
-            torch.nn.functional.linear,
-            weight=dequantize_nf4(packed, q.absmax2, q.offset, cols, BF16),
-        ),
-    }
-    x = leaf(tokens, cols)
-    dy = torch.randn(tokens, rows, device="cuda", dtype=BF16)
-    flops = 2 * tokens * rows * cols
-    for mode, n_flops in [("fwd", flops), ("fwd+bwd", 2 * flops)]:
-        cells, ms_of = [], {}
-        for path, op in paths.items():
-            fn = forward_only(op, [x]) if mode == "fwd" else forward_backward(op, [x], [dy])
-            ms, extra = measure(fn, [x])
-            ms_of[path] = ms
-            cells.append(f"{ms:.3f} ({n_flops / ms / 1e9:.0f} TF/s, {extra / GIB:.2f} GiB)")
-        fused, dequantized = ms_of["fused"], ms_of["dequantize+cuBLAS"]
-        faster = "fused" if fused < dequantized else "dequantize+cuBLAS"
-        ratio = max(fused, dequantized) / min(fused, dequantized)
-        line = f"| {name} [{rows}, {cols}] | {tokens} | {mode} | " + " | ".join(cells)
-        print(line + f" | {faster} {ratio:.2f}x |", flush=True)
-        NF4_MATMUL_ROWS.append(line + f" | {faster} {ratio:.2f}x |")
-        NF4_VERDICTS.append(f"{name} T={tokens} {mode}: {faster} faster by {ratio:.2f}x")
-    timings = []
-    candidates = [(label, tiles, "table") for label, tiles in NF4_FUSED_TILES.items()]
-    for tiles_name, tiles, lookup in candidates + [("default", None, "select")]:
-        call = partial(nf4_matmul_fused, x.detach(), packed, q.absmax2, q.offset, cols, True,
-                       tiles, lookup)  # fmt: skip
-        ms = triton.testing.do_bench(call, rep=30, return_mode="median")
-        timings.append((ms, f"{tiles_name}/{lookup}"))
-    print("  fused fwd by tiles/lookup: " + ", ".join(f"{n} {ms:.3f}" for ms, n in timings))
-    NF4_VERDICTS.append(f"{name} T={tokens} fwd: fastest fused tiles/lookup {min(timings)[1]}")
-    return fused < dequantized
-
-
-def bench_nf4_matmul() -> None:
-    """nf4_linear through the fused kernel against dequantize + cuBLAS, forward and forward +
-    backward (dx only), at each 8B shape and token count; F.linear on the bf16 weight as the
-    floor. Ends with the FUSED_MAX_ROWS these timings call for."""
-    fused_wins = {tokens: True for tokens in NF4_TOKENS}
+def bench_nf4_linear() -> None:
+    """nf4_linear against F.linear on the bf16 weight at each 8B shape and token count."""
     for name, (rows, cols) in NF4_SHAPES.items():
         q = quantize_nf4(torch.randn(rows, cols, device="cuda") * 0.02)
+        packed = q.rows.view(BF16)
+        dense = dequantize_nf4(packed, q.absmax2, q.offset, cols, BF16)
+        variants = [
+            ("nf4_linear", partial(nf4_linear, rows=packed, absmax2=q.absmax2, offset=q.offset,
+                                   in_features=cols)),
+            ("F.linear bf16", partial(torch.nn.functional.linear, weight=dense)),
+        ]  # fmt: skip
         for tokens in NF4_TOKENS:
-            fused_wins[tokens] &= bench_nf4_matmul_case(name, q, tokens)
-    # The largest token count up to which the fused path wins at every shape, or 0.
-    fused_up_to = 0
-    for tokens in NF4_TOKENS:
-        if not fused_wins[tokens]:
-            break
-        fused_up_to = tokens
-    NF4_VERDICTS.append(
-        f"=> kernels/nf4.py: FUSED_MAX_ROWS = {fused_up_to} (fwd+bwd: fused faster at every "
-        f"shape for tokens {[t for t in NF4_TOKENS if fused_wins[t]]} of {list(NF4_TOKENS)})"
-    )
-
-
-def print_nf4_summary() -> None:
-    print("\n| W | tokens | mode | fused ms (TFLOP/s, extra) | dequantize+cuBLAS | "
-          "F.linear bf16 | faster |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(NF4_MATMUL_ROWS))
-    print("\n" + "\n".join(NF4_VERDICTS))
-    verdict = "FAIL: " + "; ".join(NF4_FAILURES) if NF4_FAILURES else "all NF4 checks passed"
-    print(f"NF4 correctness on the GPU: {verdict}")
-
-
-def bench_nf4(copy_rate: float) -> None:
-    """Correctness first (printed PASS/FAIL), then the dequantization's launches and the
-    matmul's two paths."""
-    check_nf4_on_gpu()
-    bench_nf4_dequantize(copy_rate)
-    bench_nf4_matmul()
+            x = leaf(tokens, cols)
+            dy = torch.randn(tokens, rows, device="cuda", dtype=BF16)
+            flops = 2 * tokens * rows * cols
+            kernel = f"NF4 linear {name} [{rows}, {cols}], {tokens} tokens"
+            for variant, op in variants:
+                for mode, fn, n_flops in [
+                    ("fwd", forward_only(op, [x]), flops),
+                    ("fwd+bwd", forward_backward(op, [x], [dy]), 2 * flops),
+                ]:
+                    ms, extra = measure(fn, [x])
+                    report(kernel, mode, variant, ms, f"{n_flops / ms / 1e9:.0f} TFLOP/s", extra)
 
 
 def main() -> None:
@@ -459,7 +339,8 @@ def main() -> None:
         bench_rope()
         bench_linear_cross_entropy()
         bench_cross_entropy_memory()
-    bench_nf4(copy_rate)
+    nf4_check = bench_nf4_dequantize(copy_rate)
+    bench_nf4_linear()
     print(f"\n{props.name}, {versions}")
     print("| kernel | mode | variant | ms | rate | graph ms | graph TB/s | extra GiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -467,7 +348,7 @@ def main() -> None:
     if only is None:
         print("\n| linear+CE fwd+bwd | variant | ms (one call) | extra GiB | scratch GiB |")
         print("| --- | --- | --- | --- | --- |\n" + "\n".join(MEMORY_ROWS))
-    print_nf4_summary()
+    print(f"\n{nf4_check}")
 
 
 if __name__ == "__main__":

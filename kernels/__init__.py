@@ -8,14 +8,7 @@ from kernels.cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_reference,
 )
-from kernels.nf4 import (
-    dequantize_nf4,
-    dequantize_nf4_reference,
-    nf4_linear,
-    nf4_matmul,
-    nf4_matmul_reference,
-    quantize_nf4,
-)
+from kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, nf4_linear, quantize_nf4
 from kernels.rmsnorm import rms_norm, rms_norm_reference
 from kernels.rope import apply_rope, apply_rope_reference
 from kernels.swiglu import swiglu, swiglu_reference
@@ -29,8 +22,6 @@ __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "nf4_linear",
-    "nf4_matmul",
-    "nf4_matmul_reference",
     "quantize_nf4",
     "rms_norm",
     "rms_norm_reference",

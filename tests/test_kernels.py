@@ -32,13 +32,7 @@ from kernels import (
     swiglu,
     swiglu_reference,
 )
-from kernels.nf4 import (
-    DYNAMIC_CODE,
-    FUSED_TILES,
-    NF4_CODE,
-    nf4_matmul_dequantized,
-    nf4_matmul_fused,
-)
+from kernels.nf4 import DYNAMIC_CODE, NF4_CODE
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 CE_GRAD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -443,73 +437,6 @@ def test_nf4_dequantize_kernel_equals_reference(rows, cols, dtype):
         assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2**-7).all()
 
 
-@pytest.mark.parametrize(
-    "blocks_per_program, num_warps, lookup",
-    [(64, 8, "select"), (128, 4, "table"), (256, 8, "select")],
-)
-def test_nf4_dequantize_kernel_launches_give_the_reference_bits(
-    blocks_per_program, num_warps, lookup
-):
-    """Every launch the benchmark chooses among: fp32, bit for bit (rows that end inside a
-    program, so the last program's mask is exercised)."""
-    weight = torch.randn(37, 192, generator=torch.Generator().manual_seed(7)) * 0.03
-    q = quantize_nf4(weight)
-    out = dequantize_nf4(
-        q.rows, q.absmax2, q.offset, 192, torch.float32, blocks_per_program, num_warps, lookup
-    )
-    assert torch.equal(
-        out, dequantize_nf4_reference(q.rows, q.absmax2, q.offset, 192, torch.float32)
-    )
-
-
-# The fused NF4 matmul in bf16 under the interpreter: the interpreter rounds fp32 -> bf16
-# toward zero, for W's tiles and for the output (up to 2^-7 relative each, where the
-# compiled kernel rounds to nearest even), so twice the bf16 tolerance.
-NF4_FUSED_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "m, n, k, tiles, lookup", [(37, 96, 128, "small", "table"), (37, 160, 192, "large", "select")]
-)
-def test_nf4_fused_matmul_equals_reference(m, n, k, tiles, lookup, dtype):
-    """y = x @ W^T and dx = dy @ W from the fused kernel against W from
-    dequantize_nf4_reference in fp32 and a float64 matmul; N and K not multiples of the
-    tiles (masked rows and columns of W on every edge), M odd."""
-    generator = torch.Generator().manual_seed(m + n + k)
-    q = quantize_nf4(torch.randn(n, k, generator=generator) * 0.03)
-    dense = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, k, torch.float32).double()
-    x = torch.randn(m, k, generator=generator).to(dtype)
-    dy = torch.randn(m, n, generator=generator).to(dtype)
-    rows = q.rows.view(torch.float32)  # as the model stores them
-    y = nf4_matmul_fused(x, rows, q.absmax2, q.offset, k, True, FUSED_TILES[tiles], lookup)
-    dx = nf4_matmul_fused(dy, rows, q.absmax2, q.offset, k, False, FUSED_TILES[tiles], lookup)
-    assert y.dtype == dx.dtype == dtype
-    assert_close(y, x.double() @ dense.t(), NF4_FUSED_TOLERANCE[dtype], "y")
-    assert_close(dx, dy.double() @ dense, NF4_FUSED_TOLERANCE[dtype], "dx")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nf4_linear_through_the_fused_kernel_equals_the_dequantized_path(dtype):
-    """nf4_linear's two Triton paths: the same output and gradient of x (x [2, 5, K])."""
-    generator = torch.Generator().manual_seed(8)
-    q = quantize_nf4(torch.randn(96, 128, generator=generator) * 0.03)
-    x = torch.randn(2, 5, 128, generator=generator).to(dtype)
-    dy = torch.randn(2, 5, 96, generator=generator).to(dtype)
-    results = [
-        forward_and_grads(
-            lambda t, matmul=matmul: nf4_linear(t, q.rows, q.absmax2, q.offset, 128, matmul),
-            [x],
-            [dy],
-        )
-        for matmul in (nf4_matmul_fused, nf4_matmul_dequantized)
-    ]
-    (out,), (dx,) = results[0]
-    (ref,), (ref_dx,) = results[1]
-    assert_close(out, ref, NF4_FUSED_TOLERANCE[dtype], "out")
-    assert_close(dx, ref_dx, NF4_FUSED_TOLERANCE[dtype], "dx")
-
-
 def test_nf4_linear_gradient_is_through_the_dequantized_weight():
     weight = torch.randn(64, 128, generator=torch.Generator().manual_seed(4)) * 0.03
     q = quantize_nf4(weight)
@@ -555,25 +482,3 @@ def test_nf4_dequantize_kernel_on_cuda_is_bitwise_and_its_bandwidth():
     ratio = timings["nf4 dequantize"] / timings["copy"]
     print(f"\nNF4 dequantize {timings['nf4 dequantize']:.2f} TB/s, copy {timings['copy']:.2f} "
           f"TB/s: {100 * ratio:.0f}% of the copy rate")  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("tokens", [512, 8192])
-def test_nf4_fused_matmul_on_cuda_matches_fp32_reference(tokens):
-    """llama3.1-8b's w1 (14336 x 4096) in bf16: the fused kernel's y = x @ W^T and
-    dx = dy @ W against fp32 matmuls of the reference's fp32 W, norm-wise; each launch of
-    the dequantization kernel bit for bit."""
-    q = quantize_nf4(torch.randn(14336, 4096, device="cuda") * 0.02)
-    rows = q.rows.view(torch.bfloat16)
-    dense = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, 4096, torch.float32)
-    x, dy = gpu_inputs((tokens, 4096), (tokens, 14336))
-    for tiles in ("small", "large"):
-        y = nf4_matmul_fused(x, rows, q.absmax2, q.offset, 4096, True, FUSED_TILES[tiles])
-        dx = nf4_matmul_fused(dy, rows, q.absmax2, q.offset, 4096, False, FUSED_TILES[tiles])
-        assert_close_on_gpu(y, x.float() @ dense.t(), GPU_BF16_TOLERANCE, f"y {tiles}")
-        assert_close_on_gpu(dx, dy.float() @ dense, GPU_BF16_TOLERANCE, f"dx {tiles}")
-    ref = dequantize_nf4_reference(q.rows, q.absmax2, q.offset, 4096, torch.bfloat16)
-    for blocks, warps, lookup in [(64, 8, "table"), (256, 8, "select"), (128, 4, "table")]:
-        out = dequantize_nf4(rows, q.absmax2, q.offset, 4096, torch.bfloat16, blocks, warps, lookup)
-        assert torch.equal(out, ref), (blocks, warps, lookup)
