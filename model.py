@@ -166,8 +166,10 @@ class ModelArgs:
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + embeddings + self.dim
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, frozen: bool = False) -> float:
         """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4),
+        or 4 for `frozen` weights (LoRA's base: backward computes the input's gradient, not
+        the weight's; the adapters, under 1% of the FLOPs at rank 16, are not counted),
         plus causal attention: QK^T and AV are 2 matmuls of 2*S*d FLOPs per token each in
         forward, halved by the causal mask, times 3 for forward+backward = 6*L*S*d.
         The embedding lookup is not a matmul; a tied embedding still is the output matmul."""
@@ -175,7 +177,7 @@ class ModelArgs:
         matmul_params -= self.n_layers * 2 * self.dim
         if self.tie_embeddings:
             matmul_params += self.vocab_size * self.dim
-        return 6 * matmul_params + 6 * self.n_layers * seq_len * self.dim
+        return (4 if frozen else 6) * matmul_params + 6 * self.n_layers * seq_len * self.dim
 
 
 # transformers' LlamaConfig defaults (5.x keeps rope_theta in rope_parameters): what a

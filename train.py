@@ -1380,14 +1380,15 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     if opts.max_tokens:
         max_steps = math.ceil(opts.max_tokens / tokens_per_step)
 
-    flops_per_token = args.flops_per_token(opts.seq_len)
+    flops_per_token = args.flops_per_token(opts.seq_len, frozen=plan.lora is not None)
     peak = peak_flops(device)
     layout = "optimizer in backward" if plan.optimizer_in_backward else plan.strategy
     if cp > 1:
         layout += f", context parallel {cp}"
     log(
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {args.num_params() / 1e6:.1f}M "
-        f"params, {flops_per_token / 1e6:.1f} MFLOP/token (6N + 6LSd) | data {dataset.path}: "
+        f"params, {flops_per_token / 1e6:.1f} MFLOP/token ({4 if plan.lora else 6}N + 6LSd) | "
+        f"data {dataset.path}: "
         f"{dataset.n_tokens:,} tokens ({tokenizer}"
         f"{', attention masked between documents' if mask_documents else ''}) | "
         f"{world.world_size} x {device.type}, "
