@@ -273,10 +273,11 @@ def dequantize_nf4(
 # ----------------------------------------------------------------------------------------
 
 
-# W dequantized whole, then cuBLAS: a Triton matmul that dequantizes each tile of W as it
-# loads it was measured 5-30x slower at training token counts, since it dequantizes each W
-# tile again for each tile of 128 rows (64 times at 8192 tokens), where this path dequantizes
-# each weight once, a few % of its matmul (bench/RESULTS.md, "LoRA and QLoRA (issue #14)").
+# W dequantized whole, then cuBLAS: a Triton matmul that dequantized each tile of W as it
+# loaded it measured 1.7-7x slower on an H100 at its best tiles (512-8192 tokens at 8B's
+# shapes), since it dequantizes each W tile again for each tile of rows (64 times at 8192
+# tokens), where this path dequantizes each weight once, a few % of its matmul
+# (bench/RESULTS.md, "LoRA and QLoRA (issue #14)").
 class _NF4Linear(torch.autograd.Function):
     """y = x @ W^T with W dequantized from NF4 for the matmul and freed right after: backward
     dequantizes it again for dx = dy @ W. (F.linear would keep the dequantized W from forward
