@@ -435,10 +435,9 @@ def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) 
     with whole rows) are wrapped on the instances (like offload.apply_mlp_tiling), so
     parameter names and checkpoints do not change, and model.py holds no process group or
     collective (a group attribute on Attention would put both there, for a seam three
-    methods already give). Apply
-    after offload.apply_ac, whose kept attention then sits inside the all-to-alls (it keeps
-    the kernel's output). The wrappers run inside the blocks' forward, so a checkpointed
-    block redoes its all-to-alls when it is recomputed."""
+    methods already give). Apply after offload.apply_ac, whose kept attention then sits
+    inside the all-to-alls (it keeps the kernel's output). The wrappers run inside the
+    blocks' forward, so a checkpointed block redoes its all-to-alls when it is recomputed."""
     if group is None:
         return
     check_context_parallel(model.args, group.size())
@@ -907,9 +906,8 @@ def candidate_plans(
     """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
     the user set), fastest first by step_seconds; at equal time, the larger micro-batch,
     then the larger MLP tile; partial activation offload after the others, and the
-    optimizer in backward after all those. On the CPU only
-    the micro-batch is planned: no checkpointing, tiling or offload unless asked (there is
-    no GPU memory to save)."""
+    optimizer in backward after all those. On the CPU only the micro-batch is planned: no
+    checkpointing, tiling or offload unless asked (there is no GPU memory to save)."""
 
     def options(name: str, planned: tuple) -> tuple:
         if wanted.get(name) is not None:

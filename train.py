@@ -1388,8 +1388,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     log(
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {args.num_params() / 1e6:.1f}M "
         f"params, {flops_per_token / 1e6:.1f} MFLOP/token ({4 if plan.lora else 6}N + 6LSd) | "
-        f"data {dataset.path}: "
-        f"{dataset.n_tokens:,} tokens ({tokenizer}"
+        f"data {dataset.path}: {dataset.n_tokens:,} tokens ({tokenizer}"
         f"{', attention masked between documents' if mask_documents else ''}) | "
         f"{world.world_size} x {device.type}, "
         f"{layout}, {plan.param_dtype} params, kernels {'on' if plan.kernels else 'off'} | "

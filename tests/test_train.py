@@ -653,6 +653,9 @@ def test_estimate_memory_plans_for_the_machine_given(tmp_path, capsys):
     eight = capsys.readouterr().out
     assert "--optimizer-in-backward" not in eight and "1,048,576 tokens/step" in eight
     assert "8 processes" in eight
+    # --nproc-per-node alone is one node of that many, as torchrun reads it.
+    train.main([*argv, "--gpu-memory", "80", "--host-memory", "1000", "--nproc-per-node", "8"])
+    assert capsys.readouterr().out == eight
     assert not (tmp_path / "run").exists()
 
 
