@@ -166,18 +166,26 @@ class ModelArgs:
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * layer + embeddings + self.dim
 
-    def flops_per_token(self, seq_len: int, frozen: bool = False) -> float:
-        """Training FLOPs per token: 6 per weight used in a matmul (forward 2, backward 4),
+    def training_flops(self, tokens: float, attended_pairs: float, frozen: bool = False) -> float:
+        """Training FLOPs of `tokens` tokens whose causal attention computes `attended_pairs`
+        (query, key) pairs: 6 per weight used in a matmul per token (forward 2, backward 4),
         or 4 for `frozen` weights (LoRA's base: backward computes the input's gradient, not
-        the weight's; the adapters, under 1% of the FLOPs at rank 16, are not counted),
-        plus causal attention: QK^T and AV are 2 matmuls of 2*S*d FLOPs per token each in
-        forward, halved by the causal mask, times 3 for forward+backward = 6*L*S*d.
+        the weight's; the adapters, under 1% of the FLOPs at rank 16, are not counted), plus
+        12*L*d per pair: QK^T and AV are 2*d FLOPs each per pair in forward, times 3 for
+        forward+backward. A causal row of S tokens attends S^2/2 pairs (the mask halves the
+        S x S square); masked between documents, each document attends its own length^2/2.
         The embedding lookup is not a matmul; a tied embedding still is the output matmul."""
         matmul_params = self.num_params() - self.vocab_size * self.dim - self.dim
         matmul_params -= self.n_layers * 2 * self.dim
         if self.tie_embeddings:
             matmul_params += self.vocab_size * self.dim
-        return (4 if frozen else 6) * matmul_params + 6 * self.n_layers * seq_len * self.dim
+        per_pair = 12 * self.n_layers * self.dim
+        return (4 if frozen else 6) * matmul_params * tokens + per_pair * attended_pairs
+
+    def flops_per_token(self, seq_len: int, frozen: bool = False) -> float:
+        """Training FLOPs per token of causal rows of `seq_len` tokens: 6N + 6*L*S*d (4N with
+        a frozen base), a token attending S/2 keys on average."""
+        return self.training_flops(1, seq_len / 2, frozen)
 
 
 # transformers' LlamaConfig defaults (5.x keeps rope_theta in rope_parameters): what a

@@ -996,6 +996,19 @@ def peak_flops(device: torch.device) -> float | None:
     return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
 
 
+def attended_pairs(
+    positions: torch.Tensor, document_mask: bool, seq_len: int
+) -> torch.Tensor | float:
+    """The (query, key) pairs that causal attention computes for these rows (a
+    context-parallel rank's slices of them), counted as ModelArgs.training_flops counts them.
+    Masked between documents, a document of l tokens attends l^2/2, the sum over its tokens
+    of (position + 1/2), positions restarting at each document; else each token of a row of
+    seq_len attends seq_len/2. A tensor stays on the device: it is read on log steps only."""
+    if document_mask:
+        return positions.sum(dtype=torch.float64) + positions.numel() / 2
+    return positions.numel() * seq_len / 2
+
+
 def host_peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
 
@@ -1380,14 +1393,16 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     if opts.max_tokens:
         max_steps = math.ceil(opts.max_tokens / tokens_per_step)
 
-    flops_per_token = args.flops_per_token(opts.seq_len, frozen=plan.lora is not None)
+    frozen = plan.lora is not None
+    flops_per_token = args.flops_per_token(opts.seq_len, frozen)
     peak = peak_flops(device)
     layout = "optimizer in backward" if plan.optimizer_in_backward else plan.strategy
     if cp > 1:
         layout += f", context parallel {cp}"
     log(
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {args.num_params() / 1e6:.1f}M "
-        f"params, {flops_per_token / 1e6:.1f} MFLOP/token ({4 if plan.lora else 6}N + 6LSd) | "
+        f"params, {flops_per_token / 1e6:.1f} MFLOP/token ({4 if frozen else 6}N + 6LSd"
+        f"{'; MFU counts attention within documents' if mask_documents else ''}) | "
         f"data {dataset.path}: {dataset.n_tokens:,} tokens ({tokenizer}"
         f"{', attention masked between documents' if mask_documents else ''}) | "
         f"{world.world_size} x {device.type}, "
@@ -1423,6 +1438,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     step_at_log = step
     batches = iter(loader)
     nonfinite = torch.zeros((), dtype=torch.int32, device=device)  # steps since the last check
+    attended = torch.zeros((), dtype=torch.float64, device=device)  # since the last log, for MFU
     model.train()
     stop = StopSignals(is_main, lambda: last_saved)
     stopping = False
@@ -1450,6 +1466,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
                 # dividing by the global count gives the gradient of the global mean.
                 (loss / n_labels).backward()
                 loss_sum += loss.detach()
+                attended += attended_pairs(b.positions, plan.document_mask, opts.seq_len)
             t_optimizer = time.perf_counter()
             grad_norm = optimizer.step()
             # Host time of the step: the CPU AdamW with --cpu-offload, the wait for the last
@@ -1495,6 +1512,12 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
                 now = time.perf_counter()
                 tokens_per_s = (step - step_at_log) * tokens_per_step / (now - t_log)
                 per_device = tokens_per_s / world.world_size
+                dist.all_reduce(attended)
+                flops = args.training_flops(
+                    (step - step_at_log) * tokens_per_step, attended.item(), frozen
+                )
+                attended.zero_()
+                flops_per_device = flops / (now - t_log) / world.world_size
                 record = {
                     "step": step,
                     "loss": loss,
@@ -1504,7 +1527,8 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
                     "tokens": step * tokens_per_step,
                     "tokens_per_s": tokens_per_s,
                     "tokens_per_s_per_device": per_device,
-                    "mfu": per_device * flops_per_token / peak if peak else None,
+                    "model_tflops_per_device": flops_per_device / 1e12,
+                    "mfu": flops_per_device / peak if peak else None,
                     "peak_gpu_mem_gib": (
                         torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None
                     ),

@@ -95,13 +95,20 @@ def main():
     else:
         tokens = torch.randint(0, args.vocab_size, (1, opts.seq_len), device="cuda")
 
+    # (query, key) pairs attention computed in the timed steps, for the MFU: as train.py
+    # counts them, each document of l tokens l^2/2 (masked apart), a whole row S^2/2.
+    attended = [0.0]
+
     def step():
         if opts.data:
             # HF shifts labels itself; longtune's labels are already the next tokens, and
-            # the positions restart at each document.
-            b = next(rows).to("cuda")
+            # the positions restart at each document (on the host: no wait for the GPU).
+            b = next(rows)
+            attended[0] += (b.positions.double() + 0.5).sum().item()
+            b = b.to("cuda")
             inputs = dict(input_ids=b.tokens, position_ids=b.positions, labels=b.tokens)
         else:
+            attended[0] += opts.seq_len**2 / 2
             inputs = dict(input_ids=tokens, labels=tokens)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=world == 1):
             loss = model(**inputs).loss
@@ -114,6 +121,7 @@ def main():
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    attended[0] = 0.0
     start = time.perf_counter()
     for _ in range(opts.steps):
         loss = step()
@@ -129,7 +137,12 @@ def main():
         "world_size": world,
         "step_s": round(seconds, 4),
         "tokens_per_s_per_gpu": round(tokens_per_s, 1),
-        "mfu": round(tokens_per_s * args.flops_per_token(opts.seq_len) / PEAK_FLOPS, 4),
+        "mfu": round(
+            args.training_flops(opts.seq_len, attended[0] / opts.steps, frozen=opts.qlora > 0)
+            / seconds
+            / PEAK_FLOPS,
+            4,
+        ),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "host_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "loss": round(loss.item(), 4),

@@ -317,6 +317,10 @@ def test_flops_per_token_count_weight_gradients_only_for_trained_weights():
     attention = 6 * 32 * 8192 * 4096
     assert args.flops_per_token(8192) == 6 * matmul_weights + attention
     assert args.flops_per_token(8192, frozen=True) == 4 * matmul_weights + attention
+    # Two documents of 3000 and 5192 tokens in the row, masked apart: each attends its own.
+    two_documents = args.training_flops(8192, (3000**2 + 5192**2) / 2)
+    assert two_documents == 8192 * 6 * matmul_weights + 12 * 32 * 4096 * (3000**2 + 5192**2) / 2
+    assert args.training_flops(8192, 8192**2 / 2) == 8192 * args.flops_per_token(8192)
 
 
 # ---- bad checkpoints: each refused with one clear error before anything is trained ----

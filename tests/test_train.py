@@ -291,6 +291,12 @@ def test_context_parallel_equals_data_parallel_and_resumes_on_another_layout(dat
         cp = [r[key] for r in records["cp"]]
         assert cp == pytest.approx([r[key] for r in records["dp"]], rel=1e-5), key
     assert records["cp"][-1]["tokens"] == 6 * 2 * 2 * 2 * 128  # steps x data x mb x accum x S
+    # Each rank counts the attention of its slices of the rows; together, the rows' own.
+    flops = {
+        name: [r["model_tflops_per_device"] / r["tokens_per_s_per_device"] for r in records[name]]
+        for name in ("dp", "cp")
+    }
+    assert flops["cp"] == pytest.approx(flops["dp"], rel=1e-9)
 
     ckpt = cp_dir / "checkpoints/step-000003"
     state = json.loads((ckpt / "train_state.json").read_text())
@@ -740,6 +746,21 @@ def test_sft_data_masks_documents_unless_told_not_to(tmp_path, capsys):
     assert "attention masked between documents" in capsys.readouterr().out
     train.main([*argv, "--no-document-mask", "--run-dir", str(tmp_path / "b")])
     assert "attention masked between documents" not in capsys.readouterr().out
+
+    # The logged FLOPs count the attention computed: within each document when masked (each
+    # document of l tokens l^2/2 pairs), over the whole row of 128 otherwise.
+    def flops_per_token(run: str) -> float:
+        record = json.loads((tmp_path / run / "metrics.jsonl").read_text())
+        return record["model_tflops_per_device"] * 1e12 / record["tokens_per_s_per_device"]
+
+    rows = next(iter(data.PackedLoader(data.TokenDataset(sft), 128, 8)))
+    starts = torch.nonzero(rows.positions.flatten() == 0).flatten().tolist()
+    lengths = torch.tensor(starts[1:] + [rows.positions.numel()]) - torch.tensor(starts)
+    assert len(starts) > 8 and lengths.max() < 128  # several documents a row
+    args = train.model_args(train.Options())
+    pairs = (lengths.double() ** 2 / 2).sum().item()
+    assert flops_per_token("a") == pytest.approx(args.training_flops(1024, pairs) / 1024, rel=1e-9)
+    assert flops_per_token("b") == pytest.approx(args.flops_per_token(128), rel=1e-9)
 
 
 @CPU_ONLY
