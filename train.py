@@ -84,6 +84,7 @@ from data import (
     ByteTokenizer,
     PackedLoader,
     TokenDataset,
+    Tokenizer,
     default_corpus,
     load_tokenizer,
     read_json,
@@ -335,9 +336,9 @@ def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str
     return opts, frozenset(given)
 
 
-def check_options(opts: Options) -> None:
-    """The options (and torchrun's WORLD_SIZE) alone, before anything is read or any process
-    group is joined."""
+def check_options(opts: Options, args: ModelArgs) -> None:
+    """The options (and torchrun's WORLD_SIZE) against the model's shape, before any data or
+    weights are read or any process group is joined; every problem in one error."""
     problems = []
     if opts.model and opts.hf_checkpoint:
         problems.append("give --model or --hf-checkpoint, not both")
@@ -403,6 +404,18 @@ def check_options(opts: Options) -> None:
         lora_config(opts)
     except ValueError as e:
         problems.append(str(e))
+    blocks = opts.offload_blocks
+    if blocks is not None and not (opts.activation_offload and 0 <= blocks < args.n_layers):
+        problems.append(
+            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
+            f"{args.n_layers - 1} (the model's blocks but the last)"
+        )
+    if opts.hf_checkpoint and opts.lr is None:
+        problems.append(
+            f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
+            f"length (full fine-tunes of 7-8B models use 5e-6 to 2e-5; this model has "
+            f"{args.num_params() / 1e9:.2f}B parameters)"
+        )
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -658,6 +671,55 @@ def export_adapter(
         for _ in named:
             pass
     dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------
+# The data and its tokenizers
+# ----------------------------------------------------------------------------------------
+
+
+def open_data(
+    opts: Options, args: ModelArgs, is_main: bool, log: Callable
+) -> tuple[TokenDataset, Tokenizer | None, HFTokenizer | None]:
+    """The dataset (--data, or the default corpus, prepared once by one process), checked
+    against the model; the tokenizer that decodes the end-of-run sample (--tokenizer's, or
+    the bytes a byte dataset holds; none otherwise); the tokenizer files an export carries
+    (the HF checkpoint's, else --tokenizer's)."""
+    if opts.data:
+        dataset = TokenDataset(opts.data)
+    else:
+        if is_main:  # prepared once, by one process
+            default_corpus(REPO / ".cache")
+        dist.barrier()
+        dataset = TokenDataset(default_corpus(REPO / ".cache"))
+    dataset.check(args.vocab_size, opts.seq_len, args.max_seq_len)
+    tokenizer = dataset.meta["tokenizer"]
+    text_tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
+    if text_tokenizer and text_tokenizer.name != tokenizer:
+        raise ValueError(
+            f"dataset {dataset.path} was prepared with tokenizer {tokenizer}, but --tokenizer "
+            f"{opts.tokenizer} is {text_tokenizer.name}"
+        )
+    if tokenizer == ByteTokenizer.name:
+        text_tokenizer = ByteTokenizer()
+    export_tokenizer = None
+    if opts.hf_checkpoint:
+        export_tokenizer = read_hf_tokenizer(opts.hf_checkpoint)
+    elif text_tokenizer:
+        export_tokenizer = HFTokenizer(
+            text_tokenizer.hf_files(),
+            {
+                "bos_token_id": text_tokenizer.bos_id,
+                "eos_token_id": text_tokenizer.eos_id,
+                "pad_token_id": text_tokenizer.pad_id,
+            },
+        )
+    elif opts.export_hf:
+        log(
+            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
+            f"prepared {dataset.path} ({tokenizer}) to include it"
+        )
+    return dataset, text_tokenizer, export_tokenizer
 
 
 # ----------------------------------------------------------------------------------------
@@ -1259,20 +1321,8 @@ def make_profiler(opts: Options, trace: Path, on_gpu: bool):
 
 def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     """`given`: the options on the command line (parse_options), which resuming keeps."""
-    check_options(opts)
     args = model_args(opts)
-    blocks = opts.offload_blocks
-    if blocks is not None and not (opts.activation_offload and 0 <= blocks < args.n_layers):
-        raise ValueError(
-            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
-            f"{args.n_layers - 1} (the model's blocks but the last)"
-        )
-    if opts.hf_checkpoint and opts.lr is None:
-        raise ValueError(
-            f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
-            f"length (full fine-tunes of 7-8B models use 5e-6 to 2e-5; this model has "
-            f"{args.num_params() / 1e9:.2f}B parameters)"
-        )
+    check_options(opts, args)
     user_set = [k for k in shard.PLANNED if getattr(opts, k) is not None]
     if opts.estimate_memory:  # for a GPU machine: the GPU defaults of --kernels, --param-dtype
         machine = machine_to_estimate(opts)
@@ -1304,40 +1354,8 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     resume_from, saved = find_checkpoint(opts, ckpt_root, log) or (None, None)
     if opts.export_hf:
         check_export_dir(opts.export_hf)
-    if opts.data:
-        dataset = TokenDataset(opts.data)
-    else:
-        if is_main:  # prepared once, by one process
-            default_corpus(REPO / ".cache")
-        dist.barrier()
-        dataset = TokenDataset(default_corpus(REPO / ".cache"))
-    dataset.check(args.vocab_size, opts.seq_len, args.max_seq_len)
+    dataset, text_tokenizer, export_tokenizer = open_data(opts, args, is_main, log)
     tokenizer = dataset.meta["tokenizer"]
-    text_tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
-    if text_tokenizer and text_tokenizer.name != tokenizer:
-        raise ValueError(
-            f"dataset {dataset.path} was prepared with tokenizer {tokenizer}, but --tokenizer "
-            f"{opts.tokenizer} is {text_tokenizer.name}"
-        )
-    if tokenizer == ByteTokenizer.name:
-        text_tokenizer = ByteTokenizer()
-    export_tokenizer = None
-    if opts.hf_checkpoint:
-        export_tokenizer = read_hf_tokenizer(opts.hf_checkpoint)
-    elif text_tokenizer:
-        export_tokenizer = HFTokenizer(
-            text_tokenizer.hf_files(),
-            {
-                "bos_token_id": text_tokenizer.bos_id,
-                "eos_token_id": text_tokenizer.eos_id,
-                "pad_token_id": text_tokenizer.pad_id,
-            },
-        )
-    elif opts.export_hf:
-        log(
-            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
-            f"prepared {dataset.path} ({tokenizer}) to include it"
-        )
     run = {
         "model": dataclasses.asdict(args),
         "seq_len": opts.seq_len,
