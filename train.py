@@ -153,9 +153,9 @@ class Options:
     batch_tokens: int | None = flag(
         None,
         "tokens per optimizer step over all processes, rounded to whole sequences, at least "
-        f"one per process (default: {BATCH_TOKENS:,}, a usual fine-tuning batch such as 128 "
-        f"sequences of 4096 tokens; {SMALL_MODEL_BATCH_TOKENS:,} for models under 100M "
-        "parameters); --micro-batch and --grad-accum follow from it",
+        f"one per process or context-parallel group (default: {BATCH_TOKENS:,}, a usual "
+        f"fine-tuning batch such as 128 sequences of 4096 tokens; {SMALL_MODEL_BATCH_TOKENS:,} "
+        "for models under 100M parameters); --micro-batch and --grad-accum follow from it",
     )
     micro_batch: int | None = flag(
         None,
@@ -896,9 +896,11 @@ def format_plan(described: dict) -> str:
     asked, tokens = d["tokens_per_step_asked"], d["tokens_per_step"]
     batch = ""
     if asked and asked != tokens:
+        cp = plan["context_parallel"]  # a group of cp processes shares each sequence
+        holders = "process" if cp == 1 else f"group of {cp} context-parallel processes"
         batch = (
-            f" ({asked:,} asked: rounded to whole sequences per process)"
-            if tokens > asked or asked < 2 * plan["seq_len"] * plan["world_size"]
+            f" ({asked:,} asked: rounded to whole sequences per {holders})"
+            if tokens > asked or asked < 2 * plan["seq_len"] * plan["world_size"] // cp
             else f" (of the {asked:,} asked, more would need accumulation, which does not fit)"
         )
     if m["gpu_gib"] is None:
