@@ -7,10 +7,10 @@ file: its token ids are random, since only the document lengths shape the attent
 
 Document lengths (BOS included) are drawn from a log-normal with a median of 3,000 tokens
 and sigma 1.0 (mean ~4,900; 10% above ~10,800; 1% above ~30,600), capped at 32,768 and at
-least 16; the last document is cut (or, if that leaves it under 16, merged into the one before) so
-the corpus holds exactly --tokens tokens. Each
-document is one exchange as data.py's chat rendering labels it: BOS, a prompt of a quarter
-of it (no loss), a response (loss) ending in Llama 3's <|eot_id|> (a label). Ids are drawn
+least 16; the last document is cut (or, if that leaves it under 16, merged into the one
+before) so the corpus holds exactly --tokens tokens. Each document is one exchange as
+data.py's chat rendering labels it: BOS, a prompt of a quarter of it (no loss), a response
+(loss) ending in Llama 3's <|eot_id|> (a label). Ids are drawn
 uniformly from the 128,000 BPE ranks of Llama 3, so the dataset checks against any model of
 the Llama 3 vocabulary (128,256). meta.json marks it SFT ("sft": true), so training masks
 attention between its documents by default.
