@@ -682,9 +682,9 @@ def open_data(
     opts: Options, args: ModelArgs, is_main: bool, log: Callable
 ) -> tuple[TokenDataset, Tokenizer | None, HFTokenizer | None]:
     """The dataset (--data, or the default corpus, prepared once by one process), checked
-    against the model; the tokenizer that decodes the end-of-run sample (--tokenizer's, or
-    the bytes a byte dataset holds; none otherwise); the tokenizer files an export carries
-    (the HF checkpoint's, else --tokenizer's)."""
+    against the model; the tokenizer that decodes the end-of-run sample (--tokenizer's, the
+    byte tokenizer for a byte-tokenized dataset, else none); the tokenizer files an export
+    carries (the HF checkpoint's, else --tokenizer's)."""
     if opts.data:
         dataset = TokenDataset(opts.data)
     else:
