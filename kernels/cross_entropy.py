@@ -46,9 +46,9 @@ def linear_cross_entropy_reference(
 # Bytes of one chunk's logits buffer. The extra memory of the op is this buffer plus the two
 # gradients (grad_weight the size of weight, grad_hidden the size of hidden), whatever N is.
 # Every chunk's matmul reads and writes all of grad_weight, so fewer, larger chunks are
-# faster. Measured on an H100 at Llama 3 8B's output (V = 128256, d = 4096, 8k tokens, bf16),
-# forward + backward: 64 MiB (256 tokens) 65.5 ms and 1.10 GiB extra, 128 MiB (512 tokens)
-# 48.2 ms and 1.16 GiB, 256 MiB 43.8 ms and 1.29 GiB.
+# faster, and each takes more memory: 128 MiB (512 tokens at Llama 3's vocabulary) is the
+# middle of the three sizes measured at 8B's output (bench/RESULTS.md, "Kernels": half
+# the size cost a third more time, double it saved a tenth for more memory).
 CHUNK_LOGITS_BYTES = 128 * 2**20
 
 # Summing grad_weight in bf16 over many chunks loses precision as the sum grows: measured on
@@ -124,9 +124,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_grad_hidden, need_grad_weight = ctx.needs_input_grad[:2]
         # Gradients accumulate in the inputs' dtype, grad_weight over at most
         # BF16_SUM_CHUNKS chunks at a time. An fp32 grad_weight throughout (addmm with
-        # out_dtype=fp32) measured slower and larger at the 8B shape and 8k tokens (61.7 ms
-        # and 3.0 GiB extra against 48.2 ms and 1.16 GiB) for little precision there:
-        # dweight's error against an fp32 reference was 1.1e-3 against 1.3e-3.
+        # out_dtype=fp32) measured slower and over twice the memory at the 8B shape for
+        # little precision there (bench/RESULTS.md, "Kernels").
         grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
         grad_weight = torch.zeros_like(weight) if need_grad_weight else None
         loss = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
