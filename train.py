@@ -1094,6 +1094,13 @@ def hms(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def printable(text: str) -> str:
+    """`text` with control characters but newlines and tabs escaped (\\x1b, \\r): a barely
+    trained model samples any bytes, and raw ones would move the cursor or restyle the
+    terminal the log is read in."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
 def format_record(r: dict, max_steps: int) -> str:
     line = (
         f"step {r['step']:>{len(str(max_steps))}}/{max_steps} | loss {r['loss']:.4f} | "
@@ -1600,7 +1607,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
         allowed = min(text_tokenizer.vocab_size, args.vocab_size)
         sample = generate(model, [text_tokenizer.bos_id], opts.sample_tokens, 0.8, allowed)
         log(f"\na sample of the trained model (after BOS, temperature 0.8):\n{'-' * 60}")
-        log(text_tokenizer.decode(sample) + f"\n{'-' * 60}")
+        log(printable(text_tokenizer.decode(sample)) + f"\n{'-' * 60}")
     log(f"metrics: {metrics_path}")
     if last_saved:
         log(f"checkpoints: {ckpt_root} (the last: {last_saved.name})")

@@ -92,6 +92,11 @@ def test_loss_falls_and_each_step_is_logged(reference_run):
     ]
 
 
+def test_a_sample_prints_control_characters_escaped():
+    sampled = data.ByteTokenizer().decode(list(b"ok\x1b[2J\rdone\n\tend\x00") + [0xFF])
+    assert train.printable(sampled) == "ok\\x1b[2J\\rdone\n\tend\\x00\ufffd"
+
+
 def test_lr_warms_up_linearly_then_decays_to_min_lr():
     opts = train.Options(lr=1.0, min_lr=0.1, warmup_steps=4, decay="linear")
     assert [train.lr_at(s, opts, 10) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
