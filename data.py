@@ -998,10 +998,26 @@ class PackedLoader:
 
     def __next__(self) -> Batch:
         first = self.cursor + self.rank * self.micro_batch
-        samples = [self._sample(self._sample_index(first + k)) for k in range(self.micro_batch)]
+        indices = [self._sample_index(first + k) for k in range(self.micro_batch)]
         self.cursor += self.world_size * self.micro_batch
         self.epoch += self.cursor // self.num_samples
         self.cursor %= self.num_samples
+        return self._batch(indices)
+
+    def in_order(self, max_samples: int | None = None) -> Iterator[Batch]:
+        """The first `max_samples` samples (all by default) once, in their stored order, for
+        evaluation: this rank's group takes its contiguous share, in micro-batches (the last
+        may be smaller). Every group gets as many samples, so every rank runs as many
+        forwards (FSDP's collectives pair them): the remainder past a multiple of
+        world_size is left out. The training order's cursor is not touched."""
+        n = self.num_samples if max_samples is None else min(max_samples, self.num_samples)
+        share = n // self.world_size
+        first = self.rank * share
+        for start in range(first, first + share, self.micro_batch):
+            yield self._batch(range(start, min(start + self.micro_batch, first + share)))
+
+    def _batch(self, indices: Iterable[int]) -> Batch:
+        samples = [self._sample(i) for i in indices]
         rows = [np.stack(field) for field in zip(*samples, strict=True)]
         # Of the whole rows: the ranks sharing a row (context parallelism) pick one kernel.
         several_documents = bool((rows[2][:, 1:] == 0).any())  # a position restarts

@@ -27,7 +27,8 @@ micro-batches, sharding, checkpointing, offload; shard.Plan) -> build (the model
 device, then `apply_techniques` in their fixed order) -> the loop.
 A step: count the labelled tokens of the step's micro-batches on all ranks, then for each
 micro-batch forward (loss summed) and backward (divided by that count), then the optimizer's
-step (clip, AdamW), and on log steps only, read the loss and log. With
+step (clip, AdamW), and on log steps only, read the loss and log (and with --eval-data,
+every --eval-interval steps, the held-out loss: forward only, under no_grad). With
 --optimizer-in-backward (one GPU, no FSDP) AdamW runs on the CPU during backward instead,
 parameter by parameter (offload.OptimizerInBackward), behind the same interface.
 
@@ -61,7 +62,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,6 +82,7 @@ import offload
 import shard
 from data import (
     IGNORE_INDEX,
+    Batch,
     ByteTokenizer,
     PackedLoader,
     TokenDataset,
@@ -145,6 +147,16 @@ class Options:
     )
     tokenizer: str | None = flag(
         None, "tokenizer file the data must have been prepared with", metavar="FILE"
+    )
+    eval_data: str | None = flag(
+        None,
+        "a held-out prepared dataset (the same tokenizer as --data): its mean loss over the "
+        "labelled tokens is logged every --eval-interval steps and at the end; never trained on",
+        metavar="DIR",
+    )
+    eval_interval: int = flag(100, "evaluate --eval-data every n steps (and at the end)")
+    eval_tokens: int | None = flag(
+        None, "evaluate the first n tokens of --eval-data (default: all of it)", metavar="N"
     )
     seq_len: int = flag(256, "tokens per sequence")
     max_seq_len: int | None = flag(
@@ -350,6 +362,7 @@ def check_options(opts: Options, args: ModelArgs) -> None:
         problems.append("--export-hf is the --hf-checkpoint directory: it would replace it")
     at_least_one = "seq_len max_steps ac_every log_interval keep_checkpoints max_tokens "
     at_least_one += "batch_tokens micro_batch grad_accum world_size nproc_per_node context_parallel"
+    at_least_one += " eval_interval eval_tokens"
     for name in at_least_one.split():
         if (value := getattr(opts, name)) is not None and value < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -720,6 +733,24 @@ def open_data(
             f"prepared {dataset.path} ({tokenizer}) to include it"
         )
     return dataset, text_tokenizer, export_tokenizer
+
+
+def open_eval_data(opts: Options, args: ModelArgs, dataset: TokenDataset) -> TokenDataset | None:
+    """--eval-data, checked against the model and the training data: the same tokenizer,
+    and not the training data itself."""
+    if not opts.eval_data:
+        return None
+    held_out = TokenDataset(opts.eval_data)
+    held_out.check(args.vocab_size, opts.seq_len, args.max_seq_len)
+    if held_out.path.resolve() == dataset.path.resolve():
+        raise ValueError(f"--eval-data {held_out.path} is the training data: nothing is held out")
+    if held_out.meta["tokenizer"] != dataset.meta["tokenizer"]:
+        raise ValueError(
+            f"--eval-data {held_out.path} was prepared with tokenizer "
+            f"{held_out.meta['tokenizer']}, the training data {dataset.path} with "
+            f"{dataset.meta['tokenizer']}: prepare both with the same one"
+        )
+    return held_out
 
 
 # ----------------------------------------------------------------------------------------
@@ -1094,6 +1125,23 @@ def hms(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
+def evaluate(model: Llama, batches: Iterator[Batch], device: torch.device) -> tuple[float, int]:
+    """The mean loss over the labelled tokens of `batches` on all ranks, and their count:
+    forward only (no_grad: no activations kept, no gradients in the fused loss), with
+    dropout off; the model is back in training mode after."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, labelled tokens
+    with torch.no_grad():
+        for b in batches:
+            b = b.to(device, non_blocking=True)
+            loss = model(b.tokens, b.labels, b.positions, "sum", b.several_documents)
+            totals += torch.stack([loss.double(), (b.labels != IGNORE_INDEX).sum().double()])
+    model.train()
+    dist.all_reduce(totals)
+    loss_sum, count = totals.tolist()
+    return loss_sum / max(count, 1), int(count)
+
+
 def printable(text: str) -> str:
     """`text` with control characters but newlines and tabs escaped (\\x1b, \\r): a barely
     trained model samples any bytes, and raw ones would move the cursor or restyle the
@@ -1102,9 +1150,11 @@ def printable(text: str) -> str:
 
 
 def format_record(r: dict, max_steps: int) -> str:
-    line = (
-        f"step {r['step']:>{len(str(max_steps))}}/{max_steps} | loss {r['loss']:.4f} | "
-        f"lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s "
+    line = f"step {r['step']:>{len(str(max_steps))}}/{max_steps} | loss {r['loss']:.4f}"
+    if r["eval_loss"] is not None:
+        line += f" | eval loss {r['eval_loss']:.4f} ({r['eval_tokens']:,} tokens)"
+    line += (
+        f" | lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s "
         f"({r['tokens_per_s_per_device']:,.0f}/device) | optimizer {r['optimizer_s']:.2f} s"
     )
     if r["mfu"] is not None:
@@ -1364,6 +1414,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     if opts.export_hf:
         check_export_dir(opts.export_hf)
     dataset, text_tokenizer, export_tokenizer = open_data(opts, args, is_main, log)
+    held_out = open_eval_data(opts, args, dataset)
     tokenizer = dataset.meta["tokenizer"]
     run = {
         "model": dataclasses.asdict(args),
@@ -1415,6 +1466,28 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
         context_rank=world.rank % cp,
         context_parallel=cp,
     )
+    # The held-out rows, read in order and split the same way, each group its share.
+    eval_loader, eval_samples = None, None
+    if held_out:
+        eval_loader = PackedLoader(
+            held_out,
+            opts.seq_len,
+            plan.micro_batch,
+            world.rank // cp,
+            world.world_size // cp,
+            pin_memory=on_gpu,
+            context_rank=world.rank % cp,
+            context_parallel=cp,
+        )
+        if opts.eval_tokens:
+            eval_samples = -(-opts.eval_tokens // opts.seq_len)
+        if not next(eval_loader.in_order(eval_samples), None):
+            raise ValueError(
+                f"--eval-data {held_out.path} (--eval-tokens {opts.eval_tokens}) holds "
+                f"{min(eval_samples or math.inf, eval_loader.num_samples):,} sequences of "
+                f"{opts.seq_len} tokens: fewer than the {world.world_size // cp} data-parallel "
+                f"groups that share them"
+            )
     tokens_per_step = loader.tokens_per_step * plan.grad_accum
     max_steps = opts.max_steps
     if opts.max_tokens:
@@ -1516,7 +1589,12 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
                 log(f"wrote {snapshot} (open it at https://pytorch.org/memory_viz)")
 
             stopping = stop.agreed()
-            logging = step % opts.log_interval == 0 or step == max_steps or stopping
+            evaluating = (
+                eval_loader is not None
+                and (step % opts.eval_interval == 0 or step == max_steps)
+                and not stopping
+            )
+            logging = step % opts.log_interval == 0 or step == max_steps or stopping or evaluating
             saving = opts.checkpoint_interval and (
                 step % opts.checkpoint_interval == 0 or step == max_steps or stopping
             )
@@ -1562,7 +1640,15 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
                     "host_peak_rss_gib": host_peak_rss_gib(),
                     "elapsed_s": now - t_start,
                     "eta_s": (now - t_start) / (step - start_step) * (max_steps - step),
+                    "eval_loss": None,
+                    "eval_tokens": None,
                 }
+                if evaluating:  # after the step's timing, and left out of the next one's
+                    batches_held_out = eval_loader.in_order(eval_samples)
+                    record["eval_loss"], record["eval_tokens"] = evaluate(
+                        model, batches_held_out, device
+                    )
+                    now = time.perf_counter()
                 if is_main:
                     print(format_record(record, max_steps), flush=True)
                     with metrics_path.open("a") as f:

@@ -4,9 +4,10 @@
     python bench/plot_metrics.py runs/default            # writes runs/default/metrics.png
     python bench/plot_metrics.py runs/a runs/b --out compare.png
 
-One figure, two panels sharing the step axis: the loss (and the learning rate, on a second
-axis) above, tokens/s per device below. Several run directories are drawn on the same
-panels, labelled by directory. A record is one log step (train.py's --log-interval).
+One figure, two panels sharing the step axis: the loss (dots: the held-out loss, where the
+run had --eval-data; the learning rate on a second axis) above, tokens/s per device below.
+Several run directories are drawn on the same panels, labelled by directory. A record is
+one log step (train.py's --log-interval).
 """
 
 import argparse
@@ -33,6 +34,12 @@ def plot(runs: dict[str, list[dict]], out: Path) -> None:
     for name, records in runs.items():
         steps = [r["step"] for r in records]
         (line,) = loss_ax.plot(steps, [r["loss"] for r in records], label=name)
+        evals = [r for r in records if r.get("eval_loss") is not None]
+        if evals:
+            eval_steps, eval_losses = [r["step"] for r in evals], [r["eval_loss"] for r in evals]
+            loss_ax.plot(
+                eval_steps, eval_losses, "o", color=line.get_color(), label=f"{name}, held out"
+            )
         lr_ax.plot(steps, [r["lr"] for r in records], color=line.get_color(), alpha=0.3, ls="--")
         speed_ax.plot(steps, [r["tokens_per_s_per_device"] for r in records], label=name)
     loss_ax.set_ylabel("loss (mean over the step's labelled tokens)")

@@ -117,11 +117,15 @@ def _cross_entropy_kernel(
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, reduction):
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, grad_enabled):
         n_tokens = hidden.shape[0]
         vocab = weight.shape[0]
         hidden, labels = hidden.contiguous(), labels.contiguous()
-        need_grad_hidden, need_grad_weight = ctx.needs_input_grad[:2]
+        # needs_input_grad says what the inputs require, also under torch.no_grad (an
+        # evaluation), where no backward will come: then no gradient is computed.
+        need_grad_hidden, need_grad_weight = (
+            grad_enabled and needs for needs in ctx.needs_input_grad[:2]
+        )
         # Gradients accumulate in the inputs' dtype, grad_weight over at most
         # BF16_SUM_CHUNKS chunks at a time. An fp32 grad_weight throughout (addmm with
         # out_dtype=fp32) measured slower and over twice the memory at the 8B shape for
@@ -175,7 +179,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_hidden.mul_(grad_scale)
         if grad_weight is not None:
             grad_weight.mul_(grad_scale)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -203,4 +207,5 @@ def linear_cross_entropy(
             f"expected hidden [N, D], weight [V, D], labels [N], got {tuple(hidden.shape)}, "
             f"{tuple(weight.shape)}, {tuple(labels.shape)}"
         )
-    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, reduction)
+    grad_enabled = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, reduction, grad_enabled)

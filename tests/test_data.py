@@ -474,6 +474,26 @@ def test_context_parallel_ranks_read_their_halves_of_the_same_rows(tmp_path):
         data.PackedLoader(ds, 12, 1, context_parallel=5)
 
 
+def test_in_order_gives_each_group_an_equal_contiguous_share_once(tmp_path):
+    """100 samples of 10, the first 23 asked, 3 groups of micro-batches of 4: samples 0-6,
+    7-13 and 14-20 in stored order (21 and 22, past a multiple of 3, left out), as 4 + 3
+    rows; the training order's cursor untouched."""
+    ds = arange_dataset(tmp_path)  # token i is i: a row starts at its sample's index x 10
+    shares = []
+    for rank in range(3):
+        loader = data.PackedLoader(ds, 10, 4, rank=rank, world_size=3, seed=1)
+        batches = list(loader.in_order(23))
+        assert [b.tokens.shape[0] for b in batches] == [4, 3]
+        shares.append([row[0] // 10 for b in batches for row in b.tokens.tolist()])
+        assert (loader.epoch, loader.cursor) == (0, 0)
+        assert first_tokens([next(loader)]) == first_tokens(
+            [next(data.PackedLoader(ds, 10, 4, rank=rank, world_size=3, seed=1))]
+        )
+    assert shares == [list(range(0, 7)), list(range(7, 14)), list(range(14, 21))]
+    everything = data.PackedLoader(ds, 10, 8).in_order()
+    assert sum(b.tokens.shape[0] for b in everything) == 100
+
+
 def test_resume_from_state_dict_gives_the_same_next_batches(tmp_path):
     ds = arange_dataset(tmp_path)
     reference = read_steps(data.PackedLoader(ds, 10, 4, seed=7), 40)

@@ -274,6 +274,27 @@ def test_linear_cross_entropy_refuses_a_second_backward_through_the_same_graph()
         loss.backward()
 
 
+def test_linear_cross_entropy_computes_no_gradients_under_no_grad(small_chunks):
+    """An evaluation's forward (torch.no_grad) on inputs that require gradients: the same
+    loss, and none of the gradient matmuls (one logits matmul a chunk, no more)."""
+    hidden, weight, labels = ce_inputs(33, 72, 100, torch.float32, ignored=[3, 4])
+    hidden, weight = leaf(hidden), leaf(weight)
+
+    def matmuls(grad: bool) -> tuple[torch.Tensor, dict[str, int]]:
+        with torch.set_grad_enabled(grad), torch.profiler.profile() as prof:
+            loss = linear_cross_entropy(hidden, weight, labels, IGNORE_INDEX, "sum")
+        ops = [e.name for e in prof.events()]
+        return loss, {op: ops.count(op) for op in ("aten::mm", "aten::addmm_")}
+
+    loss, counted = matmuls(grad=False)
+    chunks = -(-33 // kernels.cross_entropy._chunk_rows(100, 4))
+    assert counted == {"aten::mm": chunks, "aten::addmm_": 0}
+    assert loss.grad_fn is None
+    trained, counted = matmuls(grad=True)
+    assert counted == {"aten::mm": 2 * chunks, "aten::addmm_": chunks}
+    assert loss.item() == trained.item()
+
+
 def test_linear_cross_entropy_chunk_is_sized_from_the_vocab_not_the_tokens():
     bf16_llama3 = kernels.cross_entropy._chunk_rows(128256, 2)
     assert bf16_llama3 == 512

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -275,10 +276,14 @@ def test_context_parallel_equals_data_parallel_and_resumes_on_another_layout(dat
     norms (fp32: rel 1e-5, the sums go in another order). Resumed from its step-3
     checkpoint on one process (another world size, no context parallelism), the same
     later steps. Both end with the same sample: the context-parallel model generates
-    through whole rows."""
+    through whole rows. The held-out loss (every 3 steps, 20 sequences split over the
+    data-parallel groups) is the same in all three."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    held_out = data.prepare([stdlib / "textwrap.py"], tmp_path / "held_out", workers=1)
     argv = ["--data", str(dataset), *SMALL, "--micro-batch", "2", "--grad-accum", "2",
             "--document-mask", "--ac", "attention", "--max-steps", "6",
-            "--checkpoint-interval", "3", "--keep-checkpoints", "2"]  # fmt: skip
+            "--checkpoint-interval", "3", "--keep-checkpoints", "2", "--eval-data",
+            str(held_out), "--eval-interval", "3", "--eval-tokens", "2560"]  # fmt: skip
     sample = ["--sample-tokens", "12"]
     dp = run_subprocess(*argv, *sample, "--run-dir", str(tmp_path / "dp"), nproc=2)
     cp_dir = tmp_path / "cp"
@@ -292,9 +297,10 @@ def test_context_parallel_equals_data_parallel_and_resumes_on_another_layout(dat
         == (dp.stdout.split(heading)[1].split("metrics:")[0])
     )
     records = {name: metrics(tmp_path / name) for name in ("dp", "cp")}
-    for key in ("loss", "grad_norm"):
-        cp = [r[key] for r in records["cp"]]
-        assert cp == pytest.approx([r[key] for r in records["dp"]], rel=1e-5), key
+    for key in ("loss", "grad_norm", "eval_loss"):
+        cp = [r[key] for r in records["cp"] if r[key] is not None]
+        assert cp == pytest.approx([r[key] for r in records["dp"] if r[key] is not None], rel=1e-5)
+    assert [r["eval_tokens"] for r in records["cp"] if r["eval_loss"]] == [20 * 128] * 2
     assert records["cp"][-1]["tokens"] == 6 * 2 * 2 * 2 * 128  # steps x data x mb x accum x S
     # Each rank counts the attention of its slices of the rows; together, the rows' own.
     flops = {
@@ -313,6 +319,9 @@ def test_context_parallel_equals_data_parallel_and_resumes_on_another_layout(dat
     assert sorted(resumed) == [4, 5, 6]
     for step, loss in resumed.items():
         assert loss == pytest.approx(losses(cp_dir)[step], rel=1e-5), step
+    assert metrics(resumed_dir)[-1]["eval_loss"] == pytest.approx(
+        records["cp"][-1]["eval_loss"], rel=1e-5
+    )
 
 
 @pytest.mark.gpu
@@ -481,6 +490,7 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
     ckpt = str(reference_run / "checkpoints/step-000030")
     past_vocab = write_dataset(tmp / "past_vocab", [1, 2, 3] * 100 + [400])
     other_tokenizer = write_dataset(tmp / "other_tokenizer", [1, 2, 3] * 100, "tiktoken:abc")
+    short = write_dataset(tmp / "short", [1, 2, 3] * 100)
     return {
         "token id past vocab": (["--data", str(past_vocab)], "token id 400 in tokens.bin"),
         "seq len past max": (["--data", str(dataset), "--seq-len", "4096"], "max_seq_len 2048"),
@@ -565,6 +575,18 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--world-size", "8"],
             "--world-size and --nproc-per-node describe a machine for --estimate-memory",
         ),
+        "eval data of another tokenizer": (
+            ["--data", str(dataset), "--seq-len", "128", "--eval-data", str(other_tokenizer)],
+            "the training data " + str(dataset) + " with bytes: prepare both with the same one",
+        ),
+        "eval data is the training data": (
+            ["--data", str(dataset), "--eval-data", str(dataset)],
+            "is the training data: nothing is held out",
+        ),
+        "eval data shorter than a sequence": (
+            ["--data", str(dataset), "--eval-data", str(short), "--seq-len", "512"],
+            "short cannot train this model: the dataset has 300 tokens, one sample of seq_len 512",
+        ),
     }
 
 
@@ -591,6 +613,9 @@ CASES = [
     "host too small",
     "batch tokens against micro-batches",
     "machine flags without --estimate-memory",
+    "eval data of another tokenizer",
+    "eval data is the training data",
+    "eval data shorter than a sequence",
 ]
 
 
@@ -766,6 +791,37 @@ def test_sft_data_masks_documents_unless_told_not_to(tmp_path, capsys):
     pairs = (lengths.double() ** 2 / 2).sum().item()
     assert flops_per_token("a") == pytest.approx(args.training_flops(1024, pairs) / 1024, rel=1e-9)
     assert flops_per_token("b") == pytest.approx(args.flops_per_token(128), rel=1e-9)
+
+
+@CPU_ONLY
+def test_eval_loss_is_the_held_out_loss_that_transformers_computes(dataset, tmp_path):
+    """--eval-data every 2 steps and at the end, over the first 2000 tokens (16 sequences
+    of 128, in order): the last one equals the mean loss transformers computes on the same
+    rows with the exported weights (fp32: rel 1e-5); evaluating changes no training step."""
+    from transformers import LlamaForCausalLM
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    held_out = data.prepare([stdlib / "textwrap.py"], tmp_path / "held_out", workers=1)
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "5", "--checkpoint-interval", "0"]
+    evaluated = ["--eval-data", str(held_out), "--eval-interval", "2", "--eval-tokens", "2000"]
+    train.main([*argv, *evaluated, "--export-hf", str(tmp_path / "hf"), "--run-dir",
+                str(tmp_path / "run")])  # fmt: skip
+    train.main([*argv, "--run-dir", str(tmp_path / "plain")])
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records if r["eval_loss"] is not None] == [2, 4, 5]
+    assert [r["loss"] for r in records] == [r["loss"] for r in metrics(tmp_path / "plain")]
+
+    model = LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    for b in data.PackedLoader(data.TokenDataset(held_out), 128, 8).in_order(16):
+        with torch.no_grad():
+            logits = model(input_ids=b.tokens, position_ids=b.positions).logits
+        total += F.cross_entropy(
+            logits.flatten(0, 1).double(), b.labels.flatten(), reduction="sum"
+        ).item()  # labels of -100 (IGNORE_INDEX) are left out
+        count += int((b.labels != data.IGNORE_INDEX).sum())
+    assert count == records[-1]["eval_tokens"] and count > 1900
+    assert records[-1]["eval_loss"] == pytest.approx(total / count, rel=1e-5)
 
 
 @CPU_ONLY
