@@ -861,8 +861,9 @@ class TokenDataset:
         chunk = 1 << 28  # 256 MB at a time; a normal dataset answers in its first chunk
         return any(self.loss_mask[i : i + chunk].any() for i in range(1, self.n_tokens, chunk))
 
-    def check(self, vocab_size: int, seq_len: int, max_seq_len: int) -> None:
-        """Raise one ValueError naming every reason this dataset cannot train this model."""
+    def check(self, vocab_size: int, seq_len: int, max_seq_len: int, use: str = "train") -> None:
+        """Raise one ValueError naming every reason this dataset cannot `use` ("train",
+        "evaluate") this model."""
         problems = []
         if not 1 <= seq_len <= max_seq_len:
             problems.append(
@@ -885,7 +886,7 @@ class TokenDataset:
                 "nothing would be learned"
             )
         if problems:
-            raise ValueError(f"dataset {self.path} cannot train this model: " + "; ".join(problems))
+            raise ValueError(f"dataset {self.path} cannot {use} this model: " + "; ".join(problems))
 
 
 @dataclass

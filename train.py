@@ -741,7 +741,7 @@ def open_eval_data(opts: Options, args: ModelArgs, dataset: TokenDataset) -> Tok
     if not opts.eval_data:
         return None
     held_out = TokenDataset(opts.eval_data)
-    held_out.check(args.vocab_size, opts.seq_len, args.max_seq_len)
+    held_out.check(args.vocab_size, opts.seq_len, args.max_seq_len, use="evaluate")
     if held_out.path.resolve() == dataset.path.resolve():
         raise ValueError(f"--eval-data {held_out.path} is the training data: nothing is held out")
     if held_out.meta["tokenizer"] != dataset.meta["tokenizer"]:

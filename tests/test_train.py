@@ -585,7 +585,7 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
         ),
         "eval data shorter than a sequence": (
             ["--data", str(dataset), "--eval-data", str(short), "--seq-len", "512"],
-            "short cannot train this model: the dataset has 300 tokens, one sample of seq_len 512",
+            "short cannot evaluate this model: the dataset has 300 tokens, one sample of seq_len",
         ),
     }
 
