@@ -1481,12 +1481,13 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
         )
         if opts.eval_tokens:
             eval_samples = -(-opts.eval_tokens // opts.seq_len)
-        if not next(eval_loader.in_order(eval_samples), None):
+        available = min(eval_samples or eval_loader.num_samples, eval_loader.num_samples)
+        if available < world.world_size // cp:
             raise ValueError(
-                f"--eval-data {held_out.path} (--eval-tokens {opts.eval_tokens}) holds "
-                f"{min(eval_samples or math.inf, eval_loader.num_samples):,} sequences of "
-                f"{opts.seq_len} tokens: fewer than the {world.world_size // cp} data-parallel "
-                f"groups that share them"
+                f"--eval-data {held_out.path} gives {available:,} "
+                f"sequence{'s' * (available != 1)} of {opts.seq_len} "
+                f"tokens{' within --eval-tokens' if eval_samples else ''}: fewer than the "
+                f"{world.world_size // cp} data-parallel groups, which take one at least each"
             )
     tokens_per_step = loader.tokens_per_step * plan.grad_accum
     max_steps = opts.max_steps

@@ -644,6 +644,15 @@ def test_bad_input_ends_every_process(dataset, tmp_path):
     # Every rank finds the same error; rank 0 says it, once.
     assert result.stderr.count("train.py error: ") == 1, result.stderr
     assert "is not a prepared dataset" in result.stderr
+    # Found only once the data-parallel groups are known: still before any step, said once.
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    held_out = data.prepare([stdlib / "textwrap.py"], tmp_path / "held_out", workers=1)
+    argv = ["--data", str(dataset), *SMALL, "--eval-data", str(held_out), "--eval-tokens",
+            "100", "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    result = run_subprocess(*argv, nproc=2, check=False)
+    assert result.returncode != 0 and result.stderr.count("train.py error: ") == 1
+    assert "gives 1 sequence of 128 tokens within --eval-tokens: fewer than the 2" in result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("in_backward", [False, True])
