@@ -1645,9 +1645,8 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
                     "eval_tokens": None,
                 }
                 if evaluating:  # after the step's timing, and left out of the next one's
-                    batches_held_out = eval_loader.in_order(eval_samples)
                     record["eval_loss"], record["eval_tokens"] = evaluate(
-                        model, batches_held_out, device
+                        model, eval_loader.in_order(eval_samples), device
                     )
                     now = time.perf_counter()
                 if is_main:

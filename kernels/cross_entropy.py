@@ -123,9 +123,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, labels = hidden.contiguous(), labels.contiguous()
         # needs_input_grad says what the inputs require, also under torch.no_grad (an
         # evaluation), where no backward will come: then no gradient is computed.
-        need_grad_hidden, need_grad_weight = (
-            grad_enabled and needs for needs in ctx.needs_input_grad[:2]
-        )
+        need_grad_hidden = grad_enabled and ctx.needs_input_grad[0]
+        need_grad_weight = grad_enabled and ctx.needs_input_grad[1]
         # Gradients accumulate in the inputs' dtype, grad_weight over at most
         # BF16_SUM_CHUNKS chunks at a time. An fp32 grad_weight throughout (addmm with
         # out_dtype=fp32) measured slower and over twice the memory at the 8B shape for
