@@ -29,7 +29,6 @@ import os
 import shutil
 import sys
 import sysconfig
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -43,8 +42,10 @@ import sentencepiece
 import tiktoken
 import torch
 
+from kernels import IGNORE_INDEX
+from model import OutputDir, UsageError, read_json
+
 FORMAT_VERSION = 1
-IGNORE_INDEX = -100  # the label value F.cross_entropy and kernels.cross_entropy skip
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers
@@ -261,7 +262,7 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
         return ByteTokenizer()
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer file {path} not found")
+        raise UsageError(f"tokenizer file {path} not found")
     with open(path, "rb") as f:
         first_line = f.readline(1024).split()
     try:
@@ -377,54 +378,6 @@ def _sha256(data: bytes) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Files a user gives or keeps: JSON read with the file's name in every error, directories
-# written whole and readable by whoever may read the user's other files
-
-
-def read_json(path: str | Path) -> dict:
-    """The JSON object in `path`; a ValueError naming the file if it holds anything else."""
-    path = Path(path)
-    try:
-        value = json.loads(path.read_bytes())
-    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(value).__name__}")
-    return value
-
-
-def make_temp_dir(final: Path) -> Path:
-    """An empty directory beside `final`, to be renamed onto it once complete. mkdtemp makes
-    it rwx for its owner only; it gets the mode any new directory gets (umask applied), so
-    that the renamed result can be shared like the user's other files."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    tmp.chmod(0o777 & ~_umask())
-    return tmp
-
-
-def swap_in_dir(tmp: Path, final: Path) -> None:
-    """Puts the complete directory `tmp` (make_temp_dir) in place of `final`; an old `final`
-    is removed only after the new one is in place."""
-    old = final.with_name(f".{final.name}.old")
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def give_ordinary_mode(file: Path) -> None:
-    """The mode a new file gets from open() (umask applied), for files written 0600 (as
-    safetensors writes them)."""
-    file.chmod(0o666 & ~_umask())
-
-
-def _umask() -> int:
-    umask = os.umask(0)  # reading it means setting it: put it back at once
-    os.umask(umask)
-    return umask
-
-
-# ---------------------------------------------------------------------------------------------
 # Preparation: text and JSONL files -> tokens.bin, loss_mask.bin, meta.json
 
 
@@ -454,12 +407,15 @@ def prepare(
     of workers (None: one per CPU). The directory appears complete or not at all.
     """
     files = _input_files(inputs)
+    output = Path(output_dir).resolve()
+    if inside := [str(f) for f in files if output in f.resolve().parents]:
+        raise UsageError(f"the inputs {inside} are inside the output directory {output_dir}")
     tokenizer = load_tokenizer(tokenizer_path)  # a bad tokenizer fails here, not in each worker
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
-        raise ValueError(f"workers must be at least 1, got {workers}")
+        raise UsageError(f"workers must be at least 1, got {workers}")
     if seq_len is not None and seq_len < 1:
-        raise ValueError(f"seq_len must be at least 1 (or None: split nothing), got {seq_len}")
+        raise UsageError(f"seq_len must be at least 1 (or None: split nothing), got {seq_len}")
     progress = _Progress(total_bytes=sum(f.stat().st_size for f in files))
     sft, split, pieces, longest, too_long = False, 0, 0, 0, 0
     with progress, DatasetWriter(output_dir) as writer:
@@ -476,7 +432,7 @@ def prepare(
             progress.update(n_bytes, len(documents), sum(len(t) for t, _ in documents))
         progress.finish()
         if writer.n_documents == 0:
-            raise ValueError(f"no documents in the inputs {[str(f) for f in files]}")
+            raise UsageError(f"no documents in the inputs {[str(f) for f in files]}")
         return writer.finish(
             tokenizer,
             sft=sft,
@@ -488,15 +444,18 @@ def prepare(
         )
 
 
+# A dataset directory is replaced only by another (model.OutputDir): new, empty, or these files.
+DATASET = OutputDir("dataset", "meta.json", ("meta.json", "tokens.bin", "loss_mask.bin"))
+
+
 class DatasetWriter:
     """Writes a dataset directory beside `output_dir`, and on `finish` renames it into place,
-    replacing any that is there: it appears complete or not at all. A context manager; leaving
-    it without `finish` removes what was written."""
+    replacing an earlier dataset there: it appears complete or not at all. A context manager;
+    leaving it without `finish` removes what was written."""
 
     def __init__(self, output_dir: str | Path):
         self.output_dir = Path(output_dir)
-        self.output_dir.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = make_temp_dir(self.output_dir)
+        self._tmp = DATASET.make_temp(self.output_dir)
         # Open for the writer's life: closed by `finish`, or by __exit__ after an error.
         self._tokens_file = open(self._tmp / "tokens.bin", "wb")  # noqa: SIM115
         self._mask_file = open(self._tmp / "loss_mask.bin", "wb")  # noqa: SIM115
@@ -510,7 +469,7 @@ class DatasetWriter:
             or loss_mask.dtype != np.uint8
             or tokens.shape != (len(loss_mask),)
         ):
-            raise ValueError(
+            raise UsageError(
                 f"a document is uint32 tokens and a uint8 loss mask of the same 1-d shape, got "
                 f"{tokens.dtype} {tokens.shape} and {loss_mask.dtype} {loss_mask.shape}"
             )
@@ -535,9 +494,7 @@ class DatasetWriter:
             **summary,
         }
         (self._tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        if self.output_dir.exists():  # a directory cannot be renamed over a non-empty one
-            shutil.rmtree(self.output_dir)
-        self._tmp.rename(self.output_dir)
+        DATASET.swap_in(self._tmp, self.output_dir)
         return self.output_dir
 
     def _close(self) -> None:
@@ -565,7 +522,7 @@ def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
         elif item.is_file():
             files.append(item)
         else:
-            raise FileNotFoundError(f"input {item} not found")
+            raise UsageError(f"input {item} not found")
     return files
 
 
@@ -582,7 +539,7 @@ def _read_documents(files: list[Path]) -> Iterator[Document]:
             try:
                 text = data.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(
+                raise UsageError(
                     f"{path} is not UTF-8 text (bad byte at offset {e.start}); inputs are UTF-8 "
                     f"text files, one document each, or .jsonl files"
                 ) from e
@@ -594,7 +551,7 @@ def _parse_jsonl_line(line: bytes, where: str) -> Example:
     try:
         record = json.loads(line)
     except ValueError as e:
-        raise ValueError(f"{where}: not valid UTF-8 JSON ({e})") from e
+        raise UsageError(f"{where}: not valid UTF-8 JSON ({e})") from e
     if isinstance(record, dict):
         if "messages" in record:
             return _check_messages(record["messages"], where)
@@ -602,7 +559,7 @@ def _parse_jsonl_line(line: bytes, where: str) -> Example:
             return "", record["text"]
         if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
             return record["prompt"], record["response"]
-    raise ValueError(
+    raise UsageError(
         f'{where}: expected a JSON object with a string "text", strings "prompt" and "response", '
         f'or a list "messages"'
     )
@@ -612,7 +569,7 @@ def _check_messages(messages: object, where: str) -> list[Message]:
     """The conversations every chat format renders: an optional system message first, then user
     and assistant turns alternating from a user turn, with at least one assistant turn."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(
+        raise UsageError(
             f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
             f"objects, got {json.dumps(messages)[:80]}"
         )
@@ -620,21 +577,21 @@ def _check_messages(messages: object, where: str) -> list[Message]:
     for i, message in enumerate(messages):
         name = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise ValueError(f'{where}: {name} must be an object with "role" and "content"')
+            raise UsageError(f'{where}: {name} must be an object with "role" and "content"')
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
-            raise ValueError(f"{where}: {name}.role is {role!r}, expected one of {ROLES}")
+            raise UsageError(f"{where}: {name}.role is {role!r}, expected one of {ROLES}")
         if not isinstance(content, str):
             got = "missing" if content is None else f"of type {type(content).__name__}"
-            raise ValueError(f"{where}: {name}.content is {got}, expected a string")
+            raise UsageError(f"{where}: {name}.content is {got}, expected a string")
         expected = "system" if i == 0 and has_system else ROLES[1 + (i - has_system) % 2]
         if role != expected:
-            raise ValueError(
+            raise UsageError(
                 f"{where}: {name}.role is {role!r}, expected {expected!r}: an optional system "
                 f"message first, then user and assistant turns alternating from a user turn"
             )
     if len(messages) < 2 + has_system:
-        raise ValueError(f"{where}: messages has no assistant turn, so nothing to train on")
+        raise UsageError(f"{where}: messages has no assistant turn, so nothing to train on")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -801,13 +758,13 @@ class TokenDataset:
         self.path = Path(path)
         meta_path = self.path / "meta.json"
         if not meta_path.is_file():
-            raise FileNotFoundError(
+            raise UsageError(
                 f"{meta_path} not found: {self.path} is not a prepared dataset "
                 f"(make one with `python data.py prepare --input FILES --output {self.path}`)"
             )
         self.meta = read_json(meta_path)
         if self.meta.get("format_version") != FORMAT_VERSION:
-            raise ValueError(
+            raise UsageError(
                 f"{meta_path} has format_version {self.meta.get('format_version')!r}, "
                 f"expected {FORMAT_VERSION}: prepare the dataset again"
             )
@@ -818,7 +775,7 @@ class TokenDataset:
             elif type(self.meta[key]) is not kind:  # not isinstance: True is not a count
                 problems.append(f"{key} is {self.meta[key]!r}, expected type {kind.__name__}")
         if problems:
-            raise ValueError(f"{meta_path}: " + "; ".join(problems))
+            raise UsageError(f"{meta_path}: " + "; ".join(problems))
         self.n_tokens: int = self.meta["n_tokens"]
         self.bos_id: int = self.meta["bos_id"]
         self.eos_id: int = self.meta["eos_id"]
@@ -837,10 +794,10 @@ class TokenDataset:
         file = self.path / name
         expected = self.n_tokens * np.dtype(dtype).itemsize
         if not file.is_file():
-            raise FileNotFoundError(f"{file} not found (meta.json expects {expected:,} bytes)")
+            raise UsageError(f"{file} not found (meta.json expects {expected:,} bytes)")
         actual = file.stat().st_size
         if actual != expected:
-            raise ValueError(
+            raise UsageError(
                 f"{file} is {actual:,} bytes, expected {expected:,} ({self.n_tokens:,} tokens of "
                 f"{np.dtype(dtype).name} per meta.json): truncated, or from another preparation"
             )
@@ -886,7 +843,7 @@ class TokenDataset:
                 "nothing would be learned"
             )
         if problems:
-            raise ValueError(f"dataset {self.path} cannot {use} this model: " + "; ".join(problems))
+            raise UsageError(f"dataset {self.path} cannot {use} this model: " + "; ".join(problems))
 
 
 @dataclass
@@ -986,7 +943,7 @@ class PackedLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_samples"] != self.num_samples:
-            raise ValueError(
+            raise UsageError(
                 f"the checkpoint's loader cut its dataset into {state['num_samples']:,} samples, "
                 f"this one cuts {self.dataset.path} into {self.num_samples:,}: resume with the "
                 f"same dataset and seq_len"
@@ -1111,7 +1068,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         output = prepare(args.input, args.output, args.tokenizer, args.workers, args.seq_len)
-    except (ValueError, FileNotFoundError) as e:  # what was given: one line, no traceback
+    except UsageError as e:  # what was given: one line, no traceback
         print(f"data.py error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     print(summary(read_json(output / "meta.json"), output))

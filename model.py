@@ -13,11 +13,13 @@ apply those from the outside. Build it on the meta device and materialize it aft
 """
 
 import dataclasses
+import fnmatch
 import functools
 import json
 import math
 import os
 import shutil
+import tempfile
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -31,7 +33,6 @@ from safetensors.torch import save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from data import give_ordinary_mode, make_temp_dir, read_json, swap_in_dir
 from kernels import (
     IGNORE_INDEX,
     apply_rope_reference,
@@ -78,9 +79,9 @@ class ModelArgs:
 
     def __post_init__(self):
         if self.dim % self.n_heads:
-            raise ValueError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+            raise UsageError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise UsageError(
                 f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
             )
 
@@ -91,7 +92,7 @@ class ModelArgs:
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
         if name not in PRESETS:
-            raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
+            raise UsageError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
         return PRESETS[name]
 
     @classmethod
@@ -101,10 +102,10 @@ class ModelArgs:
         path = Path(path)
         config_path = path / "config.json" if path.is_dir() else path
         if not config_path.is_file():
-            raise FileNotFoundError(f"no Hugging Face config.json at {config_path}")
+            raise UsageError(f"no Hugging Face config.json at {config_path}")
         config = read_json(config_path)
         if config.get("model_type") != "llama":
-            raise ValueError(
+            raise UsageError(
                 f"{config_path}: model_type is {config.get('model_type', 'missing')!r}, "
                 f"expected 'llama'"
             )
@@ -114,11 +115,11 @@ class ModelArgs:
         required = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
         for key, expected in required.items():
             if config[key] != expected:
-                raise ValueError(f"{config_path}: {key} is {config[key]!r}, expected {expected!r}")
+                raise UsageError(f"{config_path}: {key} is {config[key]!r}, expected {expected!r}")
         n_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim", config["hidden_size"] // n_heads)
         if head_dim * n_heads != config["hidden_size"]:
-            raise ValueError(
+            raise UsageError(
                 f"{config_path}: head_dim {head_dim} x {n_heads} heads != hidden_size "
                 f"{config['hidden_size']}; longtune needs head_dim = hidden_size / heads"
             )
@@ -127,7 +128,7 @@ class ModelArgs:
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
-            raise ValueError(
+            raise UsageError(
                 f"{config_path}: rope_type {rope_type!r}; expected 'default' or 'llama3'"
             )
         scaling = None
@@ -136,7 +137,7 @@ class ModelArgs:
             keys.append("original_max_position_embeddings")
             missing = [k for k in keys if k not in rope]
             if missing:  # transformers refuses these too: it has no default for them
-                raise ValueError(f"{config_path}: rope_type 'llama3' needs {missing} as well")
+                raise UsageError(f"{config_path}: rope_type 'llama3' needs {missing} as well")
             scaling = RopeScaling(
                 factor=rope["factor"],
                 low_freq_factor=rope["low_freq_factor"],
@@ -513,7 +514,7 @@ class Llama(nn.Module):
         the documents packed in a sequence (`attention_mask`), instead of plain causal."""
         super().__init__()
         if attention_backend not in SDPA_BACKENDS:
-            raise ValueError(
+            raise UsageError(
                 f"unknown attention backend {attention_backend!r}; "
                 f"expected one of {sorted(SDPA_BACKENDS)}"
             )
@@ -648,6 +649,102 @@ def generate(
 
 
 # ----------------------------------------------------------------------------------------
+# Files a user gives or keeps: one error type for what the user got wrong, JSON read with
+# the file's name in every error, directories written whole, and never over anything else
+# ----------------------------------------------------------------------------------------
+
+
+class UsageError(ValueError):
+    """Something the user gave (a flag, a file, a directory) is wrong. train.py and data.py
+    print its message alone, once; any other exception is a bug and keeps its traceback."""
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """The JSON object in `path`; a UsageError naming the file if it holds anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path} is not a file" if path.exists() else f"{path} does not exist")
+    try:
+        value = json.loads(path.read_bytes())
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UsageError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise UsageError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class OutputDir:
+    """A kind of directory longtune writes whole and may later replace: `marker` is the file
+    every one of them holds, `names` the patterns of every file it writes. An existing
+    directory is replaced only if it is empty or holds that kind's files and no others, so a
+    mistyped path never deletes what the user keeps there."""
+
+    kind: str
+    marker: str
+    names: tuple[str, ...]
+
+    def check(self, final: str | os.PathLike) -> None:
+        final = Path(final)
+        if final.exists() and not final.is_dir():
+            raise UsageError(f"{self.kind} directory {final} is a file")
+        held = sorted(p.name for p in final.iterdir()) if final.is_dir() else []
+        foreign = [n for n in held if not any(fnmatch.fnmatch(n, p) for p in self.names)]
+        if held and (self.marker not in held or foreign):
+            raise UsageError(
+                f"{self.kind} directory {final} holds {', '.join((foreign or held)[:5])}"
+                f"{' ...' if len(foreign or held) > 5 else ''}, which no {self.kind} "
+                f"writes: writing one there would replace them; give a new or empty "
+                f"directory, or an earlier {self.kind}"
+            )
+
+    def make_temp(self, final: str | os.PathLike) -> Path:
+        """An empty directory beside `final` to write into, renamed onto it by `swap_in`.
+        mkdtemp makes it rwx for its owner only; it gets the mode any new directory gets
+        (umask applied), so the result can be shared like the user's other files."""
+        final = Path(final)
+        self.check(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        tmp.chmod(0o777 & ~_umask())
+        return tmp
+
+    def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:
+        """Puts the complete directory `tmp` in place of `final`, checked again (something
+        may have been put there meanwhile); an old `final` is removed only after the new
+        one is in place."""
+        final = Path(final)
+        self.check(final)
+        old = final.with_name(f".{final.name}.old")
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+
+
+HF_EXPORT = OutputDir(
+    "export",
+    "config.json",
+    ("*.json", "*.safetensors", "tokenizer.model", "chat_template.jinja"),
+)
+PEFT_ADAPTER = OutputDir(
+    "adapter", "adapter_config.json", ("adapter_*.json", "adapter_*.safetensors")
+)
+
+
+def give_ordinary_mode(file: Path) -> None:
+    """The mode a new file gets from open() (umask applied), for files written 0600 (as
+    safetensors writes them)."""
+    file.chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    umask = os.umask(0)  # reading it means setting it: put it back at once
+    os.umask(umask)
+    return umask
+
+
+# ----------------------------------------------------------------------------------------
 # Hugging Face checkpoints: config.json + safetensors (one file, or shards with an index)
 # ----------------------------------------------------------------------------------------
 # RoPE layout: longtune rotates in HF's "rotate half" layout (the two halves of each head,
@@ -686,14 +783,14 @@ def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
     """HF tensor name -> the safetensors file that holds it, from the index or the file."""
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"Hugging Face checkpoint directory {path} does not exist")
+        raise UsageError(f"Hugging Face checkpoint directory {path} does not exist")
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(
             isinstance(file, str) for file in weight_map.values()
         ):
-            raise ValueError(
+            raise UsageError(
                 f'{index}: expected a "weight_map" object of tensor name -> safetensors '
                 f"file name, found {type(weight_map).__name__ if weight_map else 'none'}"
             )
@@ -701,7 +798,7 @@ def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
     single = path / "model.safetensors"
     if not single.is_file():
         found = sorted(p.name for p in path.iterdir())
-        raise FileNotFoundError(
+        raise UsageError(
             f"{path} has neither model.safetensors nor model.safetensors.index.json "
             f"(found {found}); longtune reads safetensors only, never pickled .bin/.pth files"
         )
@@ -715,11 +812,11 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 def _open_safetensors(file: Path):
     if not file.is_file():
-        raise FileNotFoundError(f"safetensors file {file} (named in the index) does not exist")
+        raise UsageError(f"safetensors file {file} (named in the index) does not exist")
     try:
         return safe_open(file, framework="pt")
     except SafetensorError as e:
-        raise ValueError(f"{file} is not a readable safetensors file: {e}") from e
+        raise UsageError(f"{file} is not a readable safetensors file: {e}") from e
 
 
 def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, Path]:
@@ -759,7 +856,7 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
         if not name.endswith("rotary_emb.inv_freq"):  # a buffer older exports saved
             problems.append(f"unexpected tensor {name} with shape {shapes[name]}")
     if problems:
-        raise ValueError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(problems))
+        raise UsageError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(problems))
     return files
 
 
@@ -863,18 +960,6 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
     }
 
 
-def check_export_dir(out_dir: str | os.PathLike) -> None:
-    """An export replaces `out_dir`: refuse a directory that holds anything but an export."""
-    out_dir = Path(out_dir)
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
-        raise ValueError(
-            f"export directory {out_dir} holds files but no config.json: an export would "
-            f"replace them; give a new directory or an earlier export"
-        )
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"export directory {out_dir} is a file")
-
-
 def save_hf_checkpoint(
     args: ModelArgs,
     named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -888,10 +973,7 @@ def save_hf_checkpoint(
     each parameter just before it is written), and the tokenizer's files with a
     generation_config.json. Atomic: everything goes to a temporary directory that replaces
     `out_dir` (an earlier export, or nothing) only once complete."""
-    out_dir = Path(out_dir)
-    check_export_dir(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(out_dir)
+    tmp = HF_EXPORT.make_temp(out_dir)
     names = hf_names(args)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
@@ -945,7 +1027,7 @@ def save_hf_checkpoint(
                 pad_id = special_ids["eos_token_id"]
             generation = {**special_ids, "pad_token_id": pad_id}
             (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    swap_in_dir(tmp, out_dir)
+    HF_EXPORT.swap_in(tmp, out_dir)
 
 
 # ----------------------------------------------------------------------------------------
@@ -995,7 +1077,7 @@ class LoRAConfig:
         if self.quantize_base not in (None, "nf4"):
             problems.append(f"quantize_base {self.quantize_base!r}: expected None or 'nf4'")
         if problems:
-            raise ValueError("LoRA: " + "; ".join(problems))
+            raise UsageError("LoRA: " + "; ".join(problems))
 
     @property
     def scale(self) -> float:
@@ -1011,7 +1093,7 @@ def parse_lora_targets(text: str) -> tuple[str, ...]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in LORA_TARGETS and n not in by_hf]
     if unknown or not names:
-        raise ValueError(
+        raise UsageError(
             f"LoRA targets {text!r}: unknown {unknown}; expected 'all' or names from "
             f"{list(LORA_TARGETS)} or their HF names {list(HF_LORA_TARGETS.values())}"
         )
@@ -1110,7 +1192,10 @@ def apply_lora(
         parent = model.get_submodule(parent_path)
         linear = getattr(parent, attr)
         if config.quantize_base:
-            check_quantizable(f"{path}.weight", tuple(linear.weight.shape))
+            try:  # the kernel's own check, about a model the user chose
+                check_quantizable(f"{path}.weight", tuple(linear.weight.shape))
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         lora = LoRALinear(
             linear.in_features, linear.out_features, config, base_dtype, dequantize,
             device=linear.weight.device,
@@ -1204,14 +1289,12 @@ def save_peft_adapter(
     }
     if missing := sorted(set(names.values()) - set(tensors)):
         raise ValueError(f"cannot save the adapter: no tensor given for {missing[:5]}")
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_dir(out_dir)
+    tmp = PEFT_ADAPTER.make_temp(out_dir)
     save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
     give_ordinary_mode(tmp / "adapter_model.safetensors")
     adapter_config = peft_adapter_config(config, base_model)
     (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
-    swap_in_dir(tmp, out_dir)
+    PEFT_ADAPTER.swap_in(tmp, out_dir)
 
 
 def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathLike) -> Path:
@@ -1222,7 +1305,7 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
     config_file, tensors_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     for file in (config_file, tensors_file):
         if not file.is_file():
-            raise FileNotFoundError(f"LoRA adapter: {file} does not exist")
+            raise UsageError(f"LoRA adapter: {file} does not exist")
     theirs = json.loads(config_file.read_text())
     ours = peft_adapter_config(config, None)
     problems = [
@@ -1252,7 +1335,7 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
             problems.append(f"tensor {name}: adapter shape {shapes[name]}, model {shape}")
     problems += [f"unexpected tensor {n}" for n in sorted(set(shapes) - set(expected))]
     if problems:
-        raise ValueError(f"LoRA adapter {path} does not fit:\n  " + "\n  ".join(problems))
+        raise UsageError(f"LoRA adapter {path} does not fit:\n  " + "\n  ".join(problems))
     return tensors_file
 
 

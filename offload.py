@@ -34,7 +34,7 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from model import Llama, load_hf_checkpoint
+from model import Llama, UsageError, load_hf_checkpoint
 
 aten = torch.ops.aten
 
@@ -64,7 +64,7 @@ def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
     (`_KeptAttention`). With every=k only blocks 0, k, 2k, ... are checkpointed (the others
     keep everything: memory traded for less recompute)."""
     if mode not in AC_MODES:
-        raise ValueError(
+        raise UsageError(
             f"unknown activation checkpointing mode {mode!r}; expected one of {AC_MODES}"
         )
     if every < 1:
@@ -415,7 +415,7 @@ class OptimizerInBackward:
         self.state: dict[str, dict[str, torch.Tensor]] = {}  # torch.optim.AdamW's names
         for name, param in model.named_parameters():
             if param.device.type != "cpu" or param.dtype != torch.float32:
-                raise ValueError(
+                raise UsageError(
                     f"OptimizerInBackward takes a model on the host in fp32 "
                     f"(materialize_on_host); {name} is {param.dtype} on {param.device}"
                 )

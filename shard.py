@@ -54,7 +54,14 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, _chunk_rows
 from kernels.nf4 import row_bytes
-from model import Llama, LoRAConfig, ModelArgs, load_hf_checkpoint, load_peft_adapter
+from model import (
+    Llama,
+    LoRAConfig,
+    ModelArgs,
+    UsageError,
+    load_hf_checkpoint,
+    load_peft_adapter,
+)
 from offload import AC_MODES, STAGING_SLOTS
 
 GiB = 2**30
@@ -141,7 +148,7 @@ STRATEGIES: dict[str, Strategy] = {
 
 def _strategy(name: str) -> Strategy:
     if name not in STRATEGIES:
-        raise ValueError(f"unknown sharding strategy {name!r}; expected one of {list(STRATEGIES)}")
+        raise UsageError(f"unknown sharding strategy {name!r}; expected one of {list(STRATEGIES)}")
     return STRATEGIES[name]
 
 
@@ -163,7 +170,7 @@ def build_mesh(strategy: str, dist: Dist) -> DeviceMesh:
     plain data parallelism with gradients all-reduced."""
     shard = shard_group_size(strategy, dist.world_size, dist.local_world_size)
     if dist.world_size % shard:
-        raise ValueError(
+        raise UsageError(
             f"{strategy} needs the world size {dist.world_size} to be a multiple of the "
             f"ranks per node {dist.local_world_size}"
         )
@@ -337,7 +344,7 @@ def context_parallel_group(dist: Dist, n: int) -> torch_dist.ProcessGroup | None
 
 def check_context_parallel_ranks(n: int, world_size: int, ranks_per_node: int) -> None:
     if n < 1 or world_size % n or ranks_per_node % n:
-        raise ValueError(
+        raise UsageError(
             f"--context-parallel {n} must divide the ranks per node ({ranks_per_node}) "
             f"and the world size ({world_size}): a context-parallel group stays in a node"
         )
@@ -347,7 +354,7 @@ def check_context_parallel(args: ModelArgs, n: int) -> None:
     """Refuses what the head split cannot do, naming the heads and what N must be."""
     kv_ok = args.n_kv_heads % n == 0 or n % args.n_kv_heads == 0
     if args.n_heads % n or not kv_ok:
-        raise ValueError(
+        raise UsageError(
             f"--context-parallel {n} splits attention by heads: it must divide the "
             f"{args.n_heads} query heads, and divide the {args.n_kv_heads} key/value heads or "
             f"be a multiple of them"
@@ -412,7 +419,7 @@ def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **
     if positions is not None:
         return forward(tokens, labels, positions, *rest, **kwargs)
     if labels is not None:
-        raise ValueError(
+        raise UsageError(
             "a context-parallel model computes a loss on its slice of each row: pass the "
             "positions of the slice (its default 0..S/N-1 would be wrong on every rank but "
             "the first)"
@@ -707,7 +714,7 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
         case "selective":
             cached_by_mode = block_selective_bytes(args, n, p) - block_input
         case _:
-            raise ValueError(
+            raise UsageError(
                 f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
             )
     if plan.document_mask and plan.ac in ("attention", "selective"):
@@ -990,7 +997,7 @@ def choose_plan(
         for plan in plans:
             if fits(estimate_memory(args, plan), machine):
                 return plan
-    raise ValueError(no_fit_message(args, machine, base, wanted, plans))
+    raise UsageError(no_fit_message(args, machine, base, wanted, plans))
 
 
 def no_fit_message(

@@ -89,10 +89,11 @@ from data import (
     Tokenizer,
     default_corpus,
     load_tokenizer,
-    read_json,
 )
 from model import (
     FLOAT_DTYPES,
+    HF_EXPORT,
+    PEFT_ADAPTER,
     PRESETS,
     REFERENCE_OPS,
     SDPA_BACKENDS,
@@ -100,14 +101,15 @@ from model import (
     Llama,
     LoRAConfig,
     ModelArgs,
+    UsageError,
     apply_lora,
-    check_export_dir,
     check_hf_checkpoint,
     check_peft_adapter,
     generate,
     merged_named_tensors,
     parse_lora_targets,
     read_hf_tokenizer,
+    read_json,
     save_hf_checkpoint,
     save_peft_adapter,
     triton_ops,
@@ -430,12 +432,12 @@ def check_options(opts: Options, args: ModelArgs) -> None:
             f"{args.num_params() / 1e9:.2f}B parameters)"
         )
     if problems:
-        raise ValueError("; ".join(problems))
+        raise UsageError("; ".join(problems))
 
 
 def lora_config(opts: Options) -> LoRAConfig | None:
     if opts.lora_rank < 0:
-        raise ValueError(f"--lora-rank must be >= 0, got {opts.lora_rank}")
+        raise UsageError(f"--lora-rank must be >= 0, got {opts.lora_rank}")
     if opts.lora_rank == 0:
         return None
     return LoRAConfig(
@@ -478,7 +480,7 @@ def find_checkpoint(opts: Options, root: Path, log: Callable) -> tuple[Path, dic
     --resume (latest) takes the newest intact one in `root`, saying which it passed over."""
     if opts.resume is None:
         if list_checkpoints(root):
-            raise ValueError(
+            raise UsageError(
                 f"{root} holds checkpoints of an earlier run: pass --resume to continue it, "
                 f"or choose another --run-dir"
             )
@@ -496,7 +498,7 @@ def find_checkpoint(opts: Options, root: Path, log: Callable) -> tuple[Path, dic
             log(f"resuming from {checkpoint}, the newest intact checkpoint")
         return checkpoint, train_state
     if found:
-        raise ValueError(f"no intact checkpoint in {root}: each one above is damaged")
+        raise UsageError(f"no intact checkpoint in {root}: each one above is damaged")
     return None
 
 
@@ -513,13 +515,13 @@ def check_checkpoint(path: Path) -> dict:
     checkpoint is refused before anything is loaded."""
     state_path = path / "train_state.json"
     if not path.is_dir():
-        raise ValueError(f"checkpoint {path} does not exist")
+        raise UsageError(f"checkpoint {path} does not exist")
     if not state_path.is_file():
-        raise ValueError(f"checkpoint {path} is incomplete: it has no train_state.json")
+        raise UsageError(f"checkpoint {path} is incomplete: it has no train_state.json")
     train_state = read_json(state_path)
     missing = [key for key in TRAIN_STATE_KEYS if key not in train_state]
     if missing:
-        raise ValueError(f"{state_path}: no {', '.join(missing)}: not a longtune checkpoint")
+        raise UsageError(f"{state_path}: no {', '.join(missing)}: not a longtune checkpoint")
     problems = []
     shards = {f.name: f for f in sorted(path.glob("*.safetensors"))}
     saved_sizes = train_state.get("files", {})
@@ -553,7 +555,7 @@ def check_checkpoint(path: Path) -> dict:
             if elements[key] != n
         ][:5]
     if problems:
-        raise ValueError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+        raise UsageError(f"checkpoint {path} is damaged: " + "; ".join(problems))
     return train_state
 
 
@@ -571,7 +573,7 @@ def check_resumable(saved: dict, run: dict) -> None:
         if saved[k] != run[k]
     ]
     if problems:
-        raise ValueError("cannot resume from a different run:\n  " + "\n  ".join(problems))
+        raise UsageError("cannot resume from a different run:\n  " + "\n  ".join(problems))
 
 
 def save_checkpoint(
@@ -625,7 +627,7 @@ def load_checkpoint(path: Path, optimizer) -> None:
         dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
     except CheckpointException as e:  # a BaseException: `except Exception` lets it through
         failures = "; ".join(f"rank {r}: {error}" for r, (error, _) in e.failures.items())
-        raise ValueError(f"checkpoint {path} could not be read: {failures}") from None
+        raise UsageError(f"checkpoint {path} could not be read: {failures}") from None
     optimizer.load_state_dict(state)
 
 
@@ -709,7 +711,7 @@ def open_data(
     tokenizer = dataset.meta["tokenizer"]
     text_tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
     if text_tokenizer and text_tokenizer.name != tokenizer:
-        raise ValueError(
+        raise UsageError(
             f"dataset {dataset.path} was prepared with tokenizer {tokenizer}, but --tokenizer "
             f"{opts.tokenizer} is {text_tokenizer.name}"
         )
@@ -743,9 +745,9 @@ def open_eval_data(opts: Options, args: ModelArgs, dataset: TokenDataset) -> Tok
     held_out = TokenDataset(opts.eval_data)
     held_out.check(args.vocab_size, opts.seq_len, args.max_seq_len, use="evaluate")
     if held_out.path.resolve() == dataset.path.resolve():
-        raise ValueError(f"--eval-data {held_out.path} is the training data: nothing is held out")
+        raise UsageError(f"--eval-data {held_out.path} is the training data: nothing is held out")
     if held_out.meta["tokenizer"] != dataset.meta["tokenizer"]:
-        raise ValueError(
+        raise UsageError(
             f"--eval-data {held_out.path} was prepared with tokenizer "
             f"{held_out.meta['tokenizer']}, the training data {dataset.path} with "
             f"{dataset.meta['tokenizer']}: prepare both with the same one"
@@ -820,7 +822,7 @@ def machine_to_estimate(opts: Options) -> shard.Machine:
     world_size = opts.world_size or opts.nproc_per_node or int(env.get("WORLD_SIZE", "1"))
     nproc = opts.nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
     if world_size % nproc:
-        raise ValueError(
+        raise UsageError(
             f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
         )
     gpu = opts.gpu_memory
@@ -858,7 +860,7 @@ def make_plan(
     if opts.micro_batch and opts.grad_accum:
         sequences = opts.micro_batch * opts.grad_accum
         if opts.batch_tokens and opts.batch_tokens != sequences * per_sequence:
-            raise ValueError(
+            raise UsageError(
                 f"--batch-tokens {opts.batch_tokens} is not --micro-batch {opts.micro_batch} x "
                 f"--grad-accum {opts.grad_accum} x {machine.world_size // cp} processes x "
                 f"--seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
@@ -876,7 +878,7 @@ def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
     lr = default_lr(args) if opts.lr is None else opts.lr
     min_lr = lr / 10 if opts.min_lr is None else opts.min_lr
     if not 0 <= min_lr <= lr:
-        raise ValueError(f"need 0 <= --min-lr <= --lr, got {min_lr} and {lr}")
+        raise UsageError(f"need 0 <= --min-lr <= --lr, got {min_lr} and {lr}")
     grad_clip = opts.grad_clip
     if grad_clip is None:
         grad_clip = 0.0 if plan.optimizer_in_backward else 1.0
@@ -1180,7 +1182,7 @@ def check_no_newer_checkpoints(ckpt_root: Path, step: int, resume_from: Path) ->
         except ValueError:
             damaged.append(checkpoint)
     if intact:
-        raise ValueError(
+        raise UsageError(
             f"resuming from {resume_from} here would save over the later checkpoints "
             f"{[c.name for c in intact]} of {ckpt_root}: branch off into a new run directory "
             f"(--resume {resume_from} --run-dir NEW_DIR), or resume from the latest"
@@ -1255,6 +1257,24 @@ def say(line: str) -> None:
     sys.stderr.flush()
 
 
+# What a run writes into --run-dir; a directory that holds none of them is someone else's.
+RUN_FILES = ("plan.json", "metrics.jsonl", "checkpoints", ".lock")
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """A run writes into a new or empty directory, or one a run wrote into: never into a
+    directory of other files, where its plan.json could replace one of the user's."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"--run-dir {run_dir} is a file")
+    held = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if held and not set(held) & set(RUN_FILES):
+        raise UsageError(
+            f"--run-dir {run_dir} holds {', '.join(held[:5])}{' ...' if len(held) > 5 else ''} "
+            f"and no run's files ({', '.join(RUN_FILES)}): give a new or empty directory, or "
+            f"the run directory of an earlier run"
+        )
+
+
 def lock_run_dir(run_dir: Path, is_main: bool):
     """One live run per run directory: rank 0 holds an exclusive flock on run_dir/.lock
     for as long as the run lives (hold on to the returned file). The kernel drops it when
@@ -1278,7 +1298,7 @@ def lock_run_dir(run_dir: Path, is_main: bool):
     taken = torch.tensor([lock is not None or not is_main], dtype=torch.int32)
     dist.all_reduce(taken, op=dist.ReduceOp.MIN)  # a CPU integer: through gloo
     if not taken:
-        raise ValueError(
+        raise UsageError(
             f"run directory {run_dir} is in use by a live run ({holder or 'see rank 0'}): "
             f"wait for it to end, or choose another --run-dir"
         )
@@ -1307,7 +1327,7 @@ def resume_options(
         said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
     else:
         if saved_tokens % (data_parallel * opts.seq_len):
-            raise ValueError(
+            raise UsageError(
                 f"the checkpoint's global batch of {saved_tokens:,} tokens does not split into "
                 f"rows of {opts.seq_len} over {data_parallel} data-parallel ranks: pass "
                 f"--batch-tokens to choose another"
@@ -1392,9 +1412,9 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
         return
     on_gpu = torch.cuda.is_available()  # shard.init_distributed takes a GPU when there is one
     if opts.kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
+        raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
     if opts.memory_snapshot and not on_gpu:
-        raise ValueError("--memory-snapshot records CUDA allocations; this run has no GPU")
+        raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
 
     world = shard.init_distributed()
     device, is_main = world.device, world.is_main
@@ -1404,6 +1424,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     # Checks of what was given, before any step. They read files that every rank sees alike
     # (a shared filesystem), so all ranks raise the same error and none waits on another.
     run_dir = Path(opts.run_dir)
+    check_run_dir(run_dir)
     ckpt_root = run_dir / "checkpoints"
     if opts.hf_checkpoint:
         check_hf_checkpoint(args, opts.hf_checkpoint)
@@ -1412,7 +1433,9 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     shard.check_context_parallel(args, opts.context_parallel)
     resume_from, saved = find_checkpoint(opts, ckpt_root, log) or (None, None)
     if opts.export_hf:
-        check_export_dir(opts.export_hf)
+        HF_EXPORT.check(opts.export_hf)
+    if opts.export_adapter:
+        PEFT_ADAPTER.check(opts.export_adapter)
     dataset, text_tokenizer, export_tokenizer = open_data(opts, args, is_main, log)
     held_out = open_eval_data(opts, args, dataset)
     tokenizer = dataset.meta["tokenizer"]
@@ -1483,7 +1506,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
             eval_samples = -(-opts.eval_tokens // opts.seq_len)
         available = min(eval_samples or eval_loader.num_samples, eval_loader.num_samples)
         if available < world.world_size // cp:
-            raise ValueError(
+            raise UsageError(
                 f"--eval-data {held_out.path} gives {available:,} "
                 f"sequence{'s' * (available != 1)} of {opts.seq_len} "
                 f"tokens{' within --eval-tokens' if eval_samples else ''}: fewer than the "
@@ -1738,7 +1761,7 @@ def main(argv: list[str] | None = None) -> None:
         # says it once. Anything else may be one rank's own: that rank says it, with its
         # traceback. Every rank exits non-zero.
         world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK", "0")
-        alike = isinstance(e, (ValueError, FileNotFoundError, FloatingPointError))
+        alike = isinstance(e, (UsageError, FloatingPointError))
         if not alike:
             sys.stderr.write(traceback.format_exc())
         if rank == "0" or not alike:

@@ -121,7 +121,7 @@ def test_sentencepiece_model_loads_and_round_trips(tmp_path):
 
 
 def test_missing_tokenizer_file_names_the_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.model"):
+    with pytest.raises(ValueError, match="nope.model"):
         data.load_tokenizer(tmp_path / "nope.model")
 
 
@@ -348,7 +348,7 @@ def test_jsonl_line_without_text_names_file_and_line(tmp_path):
 
 
 def test_missing_input_and_empty_input_are_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.txt"):
+    with pytest.raises(ValueError, match="missing.txt"):
         data.prepare([tmp_path / "missing.txt"], tmp_path / "ds")
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="no documents"):
@@ -380,6 +380,29 @@ def test_prepare_replaces_an_existing_dataset(tmp_path):
     ds = data.TokenDataset(data.prepare([tmp_path / "a.txt"], tmp_path / "ds"))
     assert BYTES.decode(ds.tokens.tolist()) == "second!"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "ds"]
+
+
+def test_prepare_never_deletes_what_it_did_not_write(tmp_path, capsys):
+    """The output directory holding the input (or any file of the user's) is refused from the
+    command line with one line, and every file stays; an earlier dataset is replaced."""
+    mydata = tmp_path / "mydata"
+    mydata.mkdir()
+    (mydata / "corpus.jsonl").write_text('{"text": "hello"}\n')
+    argv = ["prepare", "--input", str(mydata / "corpus.jsonl"), "--output", str(mydata)]
+    with pytest.raises(SystemExit) as exit:
+        data.main(argv)
+    assert exit.value.code != 0
+    assert "inside the output directory" in capsys.readouterr().err
+    (tmp_path / "a.txt").write_text("hello")
+    with pytest.raises(ValueError, match="mydata holds corpus.jsonl, which no dataset writes"):
+        data.prepare([tmp_path / "a.txt"], mydata)
+    data.prepare([tmp_path / "a.txt"], tmp_path / "ds")
+    (tmp_path / "ds" / "notes.txt").write_text("the user's")  # a dataset with a file added
+    with pytest.raises(ValueError, match="ds holds notes.txt"):
+        data.prepare([tmp_path / "a.txt"], tmp_path / "ds")
+    assert (mydata / "corpus.jsonl").read_text() == '{"text": "hello"}\n'
+    assert (tmp_path / "ds" / "notes.txt").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "ds", "mydata"]
 
 
 def test_command_line_prepare(tmp_path, capsys):
@@ -532,14 +555,14 @@ def test_resume_with_another_seq_len_is_refused(tmp_path):
 
 
 def test_missing_meta_json_says_how_to_prepare(tmp_path):
-    with pytest.raises(FileNotFoundError, match="meta.json.*data.py prepare"):
+    with pytest.raises(ValueError, match="meta.json.*data.py prepare"):
         data.TokenDataset(tmp_path)
 
 
 def test_missing_token_file_is_named(tmp_path):
     arange_dataset(tmp_path)
     (tmp_path / "arange" / "tokens.bin").unlink()
-    with pytest.raises(FileNotFoundError, match="tokens.bin"):
+    with pytest.raises(ValueError, match="tokens.bin"):
         data.TokenDataset(tmp_path / "arange")
 
 

@@ -264,19 +264,27 @@ def test_export_replaces_previous_directory_whole(tmp_path):
     ours = load_longtune(save_hf(make_hf_model("gqa-untied"), tmp_path / "in"))
     out = tmp_path / "out"
     save_hf_checkpoint(ours.args, ours.named_parameters(), out)
-    (out / "stale.txt").write_text("from an older export")
+    stale = out / "model-00002-of-00002.safetensors"  # a shard of an older, larger export
+    stale.write_bytes(b"")
     save_hf_checkpoint(ours.args, ours.named_parameters(), out)
-    assert not (out / "stale.txt").exists()
+    assert not stale.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # no temp dirs left
 
 
-def test_export_refuses_a_directory_that_is_not_an_export(tmp_path):
+@pytest.mark.parametrize("with_config", [False, True])
+def test_export_never_replaces_files_an_export_does_not_write(tmp_path, with_config):
+    """A directory of the user's files is refused, also when it holds a config.json (a
+    downloaded model with its README): nothing in it is touched."""
     ours = load_longtune(save_hf(make_hf_model("gqa-untied"), tmp_path / "in"))
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "notes.txt").write_text("the user's")
-    with pytest.raises(ValueError, match="mine holds files but no config.json"):
-        save_hf_checkpoint(ours.args, ours.named_parameters(), tmp_path / "mine")
-    assert (tmp_path / "mine" / "notes.txt").read_text() == "the user's"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    if with_config:
+        (mine / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="mine holds notes.txt, which no export writes"):
+        save_hf_checkpoint(ours.args, ours.named_parameters(), mine)
+    assert (mine / "notes.txt").read_text() == "the user's"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "mine"]
 
 
 def test_meta_build_then_init_equals_direct_build():
@@ -366,13 +374,13 @@ def test_checkpoint_of_another_model_names_the_config_fields(good_checkpoint):
 
 
 def test_missing_directory_is_a_file_not_found_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no Hugging Face config.json"):
+    with pytest.raises(ValueError, match="no Hugging Face config.json"):
         load_longtune(tmp_path / "nowhere")
 
 
 def test_pickled_weights_are_refused(good_checkpoint):
     (good_checkpoint / "model.safetensors").rename(good_checkpoint / "pytorch_model.bin")
-    with pytest.raises(FileNotFoundError, match="safetensors only"):
+    with pytest.raises(ValueError, match="safetensors only"):
         load_longtune(good_checkpoint)
 
 
@@ -389,7 +397,7 @@ def test_shard_named_in_index_but_absent_is_named(tmp_path):
     index = json.loads((path / "model.safetensors.index.json").read_text())
     gone = sorted(set(index["weight_map"].values()))[-1]
     (path / gone).unlink()
-    with pytest.raises(FileNotFoundError, match=gone):
+    with pytest.raises(ValueError, match=gone):
         load_longtune(path)
 
 

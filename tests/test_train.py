@@ -491,7 +491,22 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
     past_vocab = write_dataset(tmp / "past_vocab", [1, 2, 3] * 100 + [400])
     other_tokenizer = write_dataset(tmp / "other_tokenizer", [1, 2, 3] * 100, "tiktoken:abc")
     short = write_dataset(tmp / "short", [1, 2, 3] * 100)
+    users_dir = tmp / "users_dir"
+    users_dir.mkdir()
+    (users_dir / "notes.txt").write_text("the user's")
     return {
+        "run dir of the user's files": (
+            ["--data", str(dataset), "--run-dir", str(users_dir)],
+            "holds notes.txt and no run's files",
+        ),
+        "export over the user's files": (
+            ["--data", str(dataset), "--export-hf", str(users_dir)],
+            "export directory " + str(users_dir) + " holds notes.txt, which no export writes",
+        ),
+        "adapter over the user's files": (
+            ["--data", str(dataset), "--lora-rank", "2", "--export-adapter", str(users_dir)],
+            "adapter directory " + str(users_dir) + " holds notes.txt, which no adapter writes",
+        ),
         "token id past vocab": (["--data", str(past_vocab)], "token id 400 in tokens.bin"),
         "seq len past max": (["--data", str(dataset), "--seq-len", "4096"], "max_seq_len 2048"),
         "missing data dir": (["--data", str(tmp / "nowhere")], "is not a prepared dataset"),
@@ -591,6 +606,9 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
 
 
 CASES = [
+    "run dir of the user's files",
+    "export over the user's files",
+    "adapter over the user's files",
     "token id past vocab",
     "seq len past max",
     "missing data dir",
@@ -634,6 +652,7 @@ def test_bad_input_fails_before_any_step(case, dataset, reference_run, tmp_path,
     assert message in err
     assert err.count("train.py error") == 1 and "Traceback" not in err
     assert not run_dir.exists()  # nothing trained, nothing written
+    assert sorted(p.name for p in (tmp_path / "users_dir").iterdir()) == ["notes.txt"]
 
 
 @CPU_ONLY
