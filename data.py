@@ -519,6 +519,12 @@ def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
                 if p.is_file()
                 and not any(part.startswith(".") for part in p.relative_to(item).parts)
             )
+        elif item.suffix == ".json":  # JSON lines read as one text would train on its syntax
+            raise UsageError(
+                f"input {item}: a .json file is not read; prepare reads .jsonl files (one JSON "
+                f"object a line: text, prompt/response or messages) and text files; rename it "
+                f".jsonl if it holds one object a line"
+            )
         elif item.is_file():
             files.append(item)
         else:
@@ -757,6 +763,11 @@ class TokenDataset:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         meta_path = self.path / "meta.json"
+        if self.path.is_file():
+            raise UsageError(
+                f"{self.path} is a file, not a prepared dataset directory: make one with "
+                f"`python data.py prepare --input {self.path} --output DIR`, then pass DIR"
+            )
         if not meta_path.is_file():
             raise UsageError(
                 f"{meta_path} not found: {self.path} is not a prepared dataset "

@@ -1081,3 +1081,139 @@ def flags_of(fields: dict, negated: bool = False) -> str:
 
 def plan_flags(plan: Plan) -> str:
     return flags_of({name: getattr(plan, name) for name in PLANNED})
+
+
+# ---- TEMPORARY SHIM (replaced by the planner branch) ----
+BATCH_TOKENS = 2**19
+SMALL_MODEL_BATCH_TOKENS = 4096
+
+
+def technique_problems(opts, args, world_size, per_node):
+    problems = []
+    if opts.context_parallel > 1 and opts.seq_len % opts.context_parallel:
+        problems.append(
+            f"--context-parallel {opts.context_parallel} must divide --seq-len {opts.seq_len}"
+        )
+    if opts.optimizer_in_backward:
+        refused = {
+            "--cpu-offload (it offloads the optimizer with FSDP)": opts.cpu_offload,
+            f"--strategy {opts.strategy} (no FSDP)": opts.strategy != "FULL_SHARD",
+            f"--grad-clip {opts.grad_clip} (the global norm is known only after the "
+            f"updates; pass --grad-clip 0)": bool(opts.grad_clip),
+            f"--grad-accum {opts.grad_accum} (the updates happen in every backward)": (
+                (opts.grad_accum or 1) > 1
+            ),
+            f"{world_size} processes (it runs on one GPU)": world_size > 1,
+        }
+        problems += [
+            f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
+        ]
+        if opts.lora_rank:
+            problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
+    blocks = opts.offload_blocks
+    if blocks is not None and not (opts.activation_offload and 0 <= blocks < args.n_layers):
+        problems.append(
+            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
+            f"{args.n_layers - 1} (the model's blocks but the last)"
+        )
+    try:
+        check_context_parallel(args, opts.context_parallel)
+    except ValueError as e:
+        problems.append(str(e))
+    return problems
+
+
+def this_machine(gpu, host, world):
+    import train as _t
+    o = type("O", (), {"gpu_memory": gpu, "host_memory": host})
+    gpu = o.gpu_memory
+    if gpu is None and world.device.type == "cuda":
+        gpu = torch.cuda.mem_get_info(world.device)[0] / 2**30
+    memory = torch.tensor([gpu or 0.0, host or _host_gib()], dtype=torch.float64)
+    torch_dist.all_reduce(memory, op=torch_dist.ReduceOp.MIN)
+    gpu_gib = memory[0].item() if gpu is not None else None
+    return Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
+
+
+def _host_gib():
+    from pathlib import Path
+    meminfo = Path("/proc/meminfo").read_text()
+    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    return available / 2**30
+
+
+def machine_to_estimate(world_size, nproc_per_node, gpu, host):
+    import os
+    env = os.environ
+    world_size = world_size or nproc_per_node or int(env.get("WORLD_SIZE", "1"))
+    nproc = nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
+    if world_size % nproc:
+        raise UsageError(
+            f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
+        )
+    if gpu is None:
+        gpu = torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 80.0
+    return Machine(world_size, nproc, gpu, host or _host_gib())
+
+
+def make_plan(opts, args, machine, mask_documents, lora=None):
+    import types
+    on_gpu = machine.gpu_gib is not None
+    base = Plan(
+        seq_len=opts.seq_len, strategy=opts.strategy, ac_every=opts.ac_every,
+        param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
+        kernels=on_gpu if opts.kernels is None else opts.kernels, lora=lora,
+        document_mask=mask_documents, offload_blocks=opts.offload_blocks,
+        context_parallel=opts.context_parallel,
+    )
+    wanted = {k: getattr(opts, k) for k in PLANNED if getattr(opts, k) is not None}
+    if (opts.grad_clip or opts.lora_rank) and opts.optimizer_in_backward is None:
+        wanted["optimizer_in_backward"] = False
+    cp = opts.context_parallel
+    check_context_parallel_ranks(cp, machine.world_size, machine.nproc_per_node)
+    per_sequence = opts.seq_len * machine.world_size // cp
+    if opts.micro_batch and opts.grad_accum:
+        sequences = opts.micro_batch * opts.grad_accum
+        if opts.batch_tokens and opts.batch_tokens != sequences * per_sequence:
+            raise UsageError(
+                f"--batch-tokens {opts.batch_tokens} is not --micro-batch {opts.micro_batch} x "
+                f"--grad-accum {opts.grad_accum} x {machine.world_size // cp} processes x "
+                f"--seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
+            )
+    else:
+        small = args.num_params() < 100e6
+        batch = opts.batch_tokens or (SMALL_MODEL_BATCH_TOKENS if small else BATCH_TOKENS)
+        sequences = max(1, round(batch / per_sequence))
+    batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
+    plan = choose_plan(args, machine, base, wanted, sequences, batch_is_fixed)
+    import train as _t
+    user_set = [k for k in PLANNED if getattr(opts, k) is not None]
+    asked = opts.batch_tokens if (opts.micro_batch and opts.grad_accum) else (opts.batch_tokens or (SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS))
+    est = estimate_memory(args, plan)
+    described = _t._old_describe(plan, est, machine, user_set, asked)
+    object.__setattr__(plan, "_described", described)
+    return plan
+
+
+def _fmt(self):
+    import train as _t
+    return _t._old_format(self._described)
+
+
+def _json(self):
+    return dict(self._described)
+
+
+def _fmt_measured(self, measured):
+    import train as _t
+    return _t._old_format_measured({**self._described, "measured": measured})
+
+
+def measured_memory(steps, device):
+    import train as _t
+    return _t._old_measured(steps, device)
+
+
+Plan.format = _fmt
+Plan.to_json = _json
+Plan.format_measured = _fmt_measured

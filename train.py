@@ -1,8 +1,8 @@
-"""Train a Llama: the whole loop in one file, read top to bottom.
+"""Train a Llama: options, setup, then the loop, read top to bottom.
 
     python train.py                       # the "tiny" preset from scratch on the default corpus
                                           # (Python's stdlib, byte-tokenized), CPU or one GPU
-    python train.py --help                # every option
+    python train.py --help                # every option, in groups
 
     # One node, 8 GPUs, fine-tuning Llama 3.1 8B on a prepared dataset (python data.py prepare);
     # checkpointing, offload and micro-batches are planned to fit (printed, and in plan.json):
@@ -22,26 +22,14 @@
         train.py --hf-checkpoint llama-3.1-70b/ --data data/mine --lr 5e-6 --run-dir runs/70b \\
         --resume'
 
-The file reads in the order a run goes: options -> plan (how the steps are taken:
-micro-batches, sharding, checkpointing, offload; shard.Plan) -> build (the model on the meta
-device, then `apply_techniques` in their fixed order) -> the loop.
-A step: count the labelled tokens of the step's micro-batches on all ranks, then for each
-micro-batch forward (loss summed) and backward (divided by that count), then the optimizer's
-step (clip, AdamW), and on log steps only, read the loss and log (and with --eval-data,
-every --eval-interval steps, the held-out loss: forward only, under no_grad). With
---optimizer-in-backward (one GPU, no FSDP) AdamW runs on the CPU during backward instead,
-parameter by parameter (offload.OptimizerInBackward), behind the same interface.
-
---run-dir holds plan.json (the plan, its estimate and the peaks reached), metrics.jsonl (the
-logged records, one JSON object a line, only ever appended to), checkpoints/step-XXXXXX (DCP
-directories of safetensors shards, which appear only once complete) and profiler traces; one
-live run at a time (a lock the kernel drops when the run's process ends). --resume continues
-from a checkpoint with the same data order, global batch and schedule, on any number of
-processes; a damaged checkpoint is refused, or passed over for the newest intact one. SIGTERM
-or Ctrl-C stops the run after the step in progress with a checkpoint (a second one stops it at
-once). A run ends by printing a sample of its model and the commands to resume and export it.
-Errors in what you gave (data, checkpoint, options) are raised before the first step, with
-the name of what is wrong and what was expected.
+The file reads in the order a run goes: the options; checkpoints (what a run saves and
+resumes from); setup (`setup`: check what was given, plan, build the model through
+`apply_techniques`, which states the order in which the techniques compose, open the data);
+then `train`: a loop of `train_step` calls, with logging, evaluation, saving and stopping
+each decided by the object that owns it.
+Errors in what was given (data, checkpoint, options) are raised before the first step, as
+one UsageError naming what is wrong and what was expected. SIGTERM or Ctrl-C stop the run
+after the step in progress, with a checkpoint, and it exits with EXIT_STOPPED (75).
 """
 
 from __future__ import annotations
@@ -49,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import difflib
 import fcntl
 import functools
 import json
@@ -117,13 +106,14 @@ from model import (
 
 REPO = Path(__file__).resolve().parent
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# The exit status of a run stopped by SIGTERM or Ctrl-C after saving a checkpoint (EX_TEMPFAIL:
+# "try again"), so `train.py && export` stops there and a requeue script can tell it apart.
+EXIT_STOPPED = 75
 
 
-# The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; for
-# models under 100M parameters (the tiny preset of the default run and the tests), 16
-# sequences of 256 tokens.
-BATCH_TOKENS = 2**19
-SMALL_MODEL_BATCH_TOKENS = 4096
+# ----------------------------------------------------------------------------------------
+# Options: one dataclass; each field is the flag of the same name with dashes
+# ----------------------------------------------------------------------------------------
 
 
 def flag(default, help: str, **argparse_kwargs):
@@ -132,9 +122,10 @@ def flag(default, help: str, **argparse_kwargs):
 
 @dataclass
 class Options:
-    """Each field is the flag of the same name with dashes: `micro_batch` is --micro-batch."""
+    """Each field is the flag of the same name with dashes: `micro_batch` is --micro-batch.
+    The comments are the groups --help shows (GROUPS: the first field of each)."""
 
-    # What to train, on what
+    # Model and data
     model: str | None = flag(
         None, "model preset (default: tiny, unless --hf-checkpoint)", choices=sorted(PRESETS)
     )
@@ -143,8 +134,8 @@ class Options:
     )
     data: str | None = flag(
         None,
-        "prepared dataset directory (python data.py prepare); default: the Python stdlib "
-        "sources, byte-tokenized, prepared once into .cache/",
+        "prepared dataset directory (python data.py prepare) (default: the Python stdlib "
+        "sources, byte-tokenized, prepared once into .cache/)",
         metavar="DIR",
     )
     tokenizer: str | None = flag(
@@ -162,14 +153,25 @@ class Options:
     )
     seq_len: int = flag(256, "tokens per sequence")
     max_seq_len: int | None = flag(
-        None, "raise the model's maximum sequence length (context extension)", metavar="N"
+        None,
+        "raise a HF checkpoint's maximum sequence length (context extension; a preset trained "
+        "from scratch takes any --seq-len)",
+        metavar="N",
     )
+    document_mask: bool | None = flag(
+        None,
+        "no attention across the documents packed in a sequence (default: on for SFT data, "
+        "whose meta.json says sft; --no-document-mask turns it off): FlexAttention on a GPU "
+        "for rows of several documents, SDPA's causal kernel for rows of one",
+    )
+    # Batch and schedule
     batch_tokens: int | None = flag(
         None,
         "tokens per optimizer step over all processes, rounded to whole sequences, at least "
-        f"one per process or context-parallel group (default: {BATCH_TOKENS:,}, a usual "
-        f"fine-tuning batch such as 128 sequences of 4096 tokens; {SMALL_MODEL_BATCH_TOKENS:,} "
-        "for models under 100M parameters); --micro-batch and --grad-accum follow from it",
+        f"one per process or context-parallel group (default: {shard.BATCH_TOKENS:,}, a "
+        f"usual fine-tuning batch such as 128 sequences of 4096 tokens; "
+        f"{shard.SMALL_MODEL_BATCH_TOKENS:,} for models under 100M parameters); "
+        "--micro-batch and --grad-accum follow from it",
     )
     micro_batch: int | None = flag(
         None,
@@ -178,7 +180,10 @@ class Options:
     grad_accum: int | None = flag(
         None, "micro-batches per optimizer step (default: --batch-tokens / the micro-batches)"
     )
-    # Optimization
+    max_steps: int = flag(1000, "optimizer steps to train for")
+    max_tokens: int | None = flag(
+        None, "train for this many tokens instead (sets max steps) (default: none)"
+    )
     lr: float | None = flag(
         None,
         "peak learning rate, reached after the warmup. Default for a preset trained from "
@@ -200,11 +205,9 @@ class Options:
         "clip the gradient's global norm to this, 0: no clipping (default: 1.0; 0 with the "
         "optimizer in backward, which cannot clip)",
     )
-    max_steps: int = flag(1000, "optimizer steps to train for")
-    max_tokens: int | None = flag(None, "train for this many tokens instead (sets max steps)")
     seed: int = flag(0, "seed of the initialization and the data order")
-    # Memory and speed. The five below, and --micro-batch, are planned when not given: the
-    # fastest combination whose memory estimate fits the GPUs and the host (shard.choose_plan).
+    # Memory plan: the five below and --micro-batch are planned when not given, the fastest
+    # combination whose memory estimate fits the GPUs and the host (shard.make_plan).
     ac: str | None = flag(
         None,
         "activation checkpointing: recompute in backward each whole block (full), all of it "
@@ -221,19 +224,13 @@ class Options:
     activation_offload: bool | None = flag(
         None, "keep saved activations in host memory (default: planned)"
     )
-    cpu_offload: bool | None = flag(
-        None, "keep parameters, gradients, optimizer state on the CPU (default: planned)"
-    )
     offload_blocks: int | None = flag(
         None,
         "with --activation-offload, offload only the first N blocks, for when host memory "
         "holds less than all (default: all but the last)",
     )
-    strategy: str = flag("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
-    context_parallel: int = flag(
-        1,
-        "ranks that share each sequence, each holding seq-len / N of its tokens (attention "
-        "by an all-to-all over heads; N divides the ranks per node and the heads)",
+    cpu_offload: bool | None = flag(
+        None, "keep parameters, gradients, optimizer state on the CPU (default: planned)"
     )
     optimizer_in_backward: bool | None = flag(
         None,
@@ -248,13 +245,14 @@ class Options:
         choices=["bf16", "fp32"],
     )
     attention_backend: str = flag("auto", "SDPA backend", choices=sorted(SDPA_BACKENDS))
-    document_mask: bool | None = flag(
-        None,
-        "no attention across the documents packed in a sequence (default: on for SFT data, "
-        "whose meta.json says sft; --no-document-mask turns it off): FlexAttention on a GPU "
-        "for rows of several documents, SDPA's causal kernel for rows of one",
-    )
     kernels: bool | None = flag(None, "the Triton kernels (default: on with CUDA, off on CPU)")
+    # Parallelism
+    strategy: str = flag("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
+    context_parallel: int = flag(
+        1,
+        "ranks that share each sequence, each holding seq-len / N of its tokens (attention "
+        "by an all-to-all over heads; N divides the ranks per node and the heads)",
+    )
     # LoRA: adapters on a frozen base (model.apply_lora)
     lora_rank: int = flag(
         0, "train LoRA adapters of this rank on a frozen base (0: full fine-tuning)"
@@ -267,20 +265,18 @@ class Options:
         "their HF names q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,up_proj",
     )
     quantize_base: str | None = flag(
-        None, "store the frozen base's adapted projections in 4 bits (QLoRA)", choices=["nf4"]
+        None,
+        "store the frozen base's adapted projections in 4 bits (QLoRA) (default: none)",
+        choices=["nf4"],
     )
     lora_adapter: str | None = flag(
         None, "start the adapters from this PEFT adapter directory", metavar="DIR"
     )
-    export_adapter: str | None = flag(
-        None, "at the end, write the LoRA adapters in PEFT's format here", metavar="DIR"
-    )
-    # Output
-    log_interval: int = flag(10, "log every n steps")
+    # Checkpoints and export
+    run_dir: str = flag("runs/default", "metrics.jsonl, checkpoints/, traces", metavar="DIR")
     checkpoint_interval: int = flag(
         100, "save a checkpoint every n steps and at the end (0: never, e.g. for benchmarks)"
     )
-    run_dir: str = flag("runs/default", "metrics.jsonl, checkpoints/, traces", metavar="DIR")
     keep_checkpoints: int = flag(2, "keep the last k checkpoints")
     resume: str | None = flag(
         None,
@@ -293,6 +289,11 @@ class Options:
     export_hf: str | None = flag(
         None, "at the end, write the model as HF safetensors here", metavar="DIR"
     )
+    export_adapter: str | None = flag(
+        None, "at the end, write the LoRA adapters in PEFT's format here", metavar="DIR"
+    )
+    # Logging
+    log_interval: int = flag(10, "log every n steps")
     sample_tokens: int = flag(
         200, "at the end, print this many tokens generated by the trained model (0: none)"
     )
@@ -325,23 +326,61 @@ class Options:
     )
 
 
+# --help's groups, each starting at the field named.
+GROUPS = {
+    "model": "model and data",
+    "batch_tokens": "batch and schedule",
+    "ac": "memory plan (planned to fit when not given)",
+    "strategy": "parallelism",
+    "lora_rank": "LoRA and QLoRA",
+    "run_dir": "checkpoints and export",
+    "log_interval": "logging",
+    "estimate_memory": "the machine to plan for",
+}
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse without abbreviations (--max-step is no --max-steps) and with a suggestion
+    for a mistyped flag."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
+
+    def parse_args(self, argv=None, namespace=None):
+        argv = sys.argv[1:] if argv is None else argv
+        known = [s for action in self._actions for s in action.option_strings]
+        for word in argv:
+            name = word.split("=")[0]
+            if name.startswith("--") and name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                self.error(f"unknown option {name}" + (f": did you mean {close[0]}?" * bool(close)))
+        return super().parse_args(argv, namespace)
+
+
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
     """The options, and the names of those given on the command line (resuming keeps the
     checkpoint's batch and schedule unless they are given)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     types = {"int": int, "float": float, "str": str}
+    group = parser
     for f in dataclasses.fields(Options):
-        name = "--" + f.name.replace("_", "-")
+        if f.name in GROUPS:
+            group = parser.add_argument_group(GROUPS[f.name])
         kwargs = dict(f.metadata, default=f.default)
-        if f.default not in (None, False):
-            kwargs["help"] += f" (default: {f.default})"
+        if "default:" not in kwargs["help"]:
+            shown = {None: "none", False: "off", True: "on"}.get(f.default, f.default)
+            kwargs["help"] += f" (default: {shown})"
         base = f.type.removesuffix(" | None")  # a string: this module has postponed annotations
         if base == "bool":  # --x, and --no-x where the default (None) depends on the device
             action = argparse.BooleanOptionalAction if f.default is None else "store_true"
-            parser.add_argument(name, action=action, **kwargs)
+            group.add_argument(flag_name(f.name), action=action, **kwargs)
         else:
             kwargs.setdefault("metavar", "N" if base == "int" else None)
-            parser.add_argument(name, type=types[base], **kwargs)
+            group.add_argument(flag_name(f.name), type=types[base], **kwargs)
     opts = Options(**vars(parser.parse_args(argv)))
     # Parsed again with every default a marker: what remains unmarked was on the command line.
     not_given = object()
@@ -350,9 +389,14 @@ def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str
     return opts, frozenset(given)
 
 
-def check_options(opts: Options, args: ModelArgs) -> None:
-    """The options (and torchrun's WORLD_SIZE) against the model's shape, before any data or
-    weights are read or any process group is joined; every problem in one error."""
+def params_text(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int) -> None:
+    """The options against each other and the model's shape, before any data or weights are
+    read or any process group is joined; every problem in one error. `world_size` and
+    `per_node`: the processes of the run (torchrun's) or of the machine estimated."""
     problems = []
     if opts.model and opts.hf_checkpoint:
         problems.append("give --model or --hf-checkpoint, not both")
@@ -367,78 +411,52 @@ def check_options(opts: Options, args: ModelArgs) -> None:
     at_least_one += " eval_interval eval_tokens"
     for name in at_least_one.split():
         if (value := getattr(opts, name)) is not None and value < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    numbers = ["lr", "min_lr", "grad_clip", "gpu_memory", "host_memory", "weight_decay"]
-    for name in numbers:
+            problems.append(f"{flag_name(name)} must be >= 1, got {value}")
+    for name in ["lr", "min_lr", "grad_clip", "gpu_memory", "host_memory", "weight_decay"]:
         value = getattr(opts, name)
         if value is not None and not (math.isfinite(value) and value >= 0):
-            problems.append(f"--{name.replace('_', '-')} must be a number >= 0, got {value}")
+            problems.append(f"{flag_name(name)} must be a number >= 0, got {value}")
+    largest = torch.finfo(torch.float32).max  # AdamW keeps lr and its products in fp32
+    for name in ["lr", "min_lr", "weight_decay", "grad_clip"]:
+        if (value := getattr(opts, name)) is not None and value > largest:
+            problems.append(f"{flag_name(name)} must be at most {largest:.3g}, got {value}")
     for name in ["beta1", "beta2"]:
         if not 0 <= getattr(opts, name) < 1:  # also refuses nan
             problems.append(f"--{name} must be in [0, 1), got {getattr(opts, name)}")
     at_least_zero = [opts.warmup_steps, opts.profile, opts.checkpoint_interval, opts.mlp_tile or 0]
-    if min(*at_least_zero, opts.sample_tokens) < 0:
+    if min(*at_least_zero, opts.sample_tokens, opts.lora_rank) < 0:
         problems.append(
-            "--warmup-steps, --profile, --checkpoint-interval, --mlp-tile and --sample-tokens "
-            "must be >= 0"
+            "--warmup-steps, --profile, --checkpoint-interval, --mlp-tile, --sample-tokens "
+            "and --lora-rank must be >= 0"
         )
     if not opts.estimate_memory and (opts.world_size or opts.nproc_per_node):
         problems.append(
             "--world-size and --nproc-per-node describe a machine for --estimate-memory; "
             "a run takes them from torchrun"
         )
-    if opts.context_parallel > 1 and opts.seq_len % opts.context_parallel:
-        problems.append(
-            f"--context-parallel {opts.context_parallel} must divide --seq-len {opts.seq_len}"
-        )
-    if opts.optimizer_in_backward:
-        # Each parameter is updated during backward, before the step's last gradient exists.
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        refused = {
-            "--cpu-offload (it offloads the optimizer with FSDP)": opts.cpu_offload,
-            f"--strategy {opts.strategy} (no FSDP)": opts.strategy != "FULL_SHARD",
-            f"--grad-clip {opts.grad_clip} (the global norm is known only after the "
-            f"updates; pass --grad-clip 0)": bool(opts.grad_clip),
-            f"--grad-accum {opts.grad_accum} (the updates happen in every backward)": (
-                (opts.grad_accum or 1) > 1
-            ),
-            f"{world_size} processes (it runs on one GPU)": world_size > 1,
-        }
-        problems += [
-            f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
-        ]
     if not opts.lora_rank:
         problems += [
-            f"--{name.replace('_', '-')} needs --lora-rank > 0"
+            f"{flag_name(name)} needs --lora-rank > 0"
             for name in ("quantize_base", "lora_adapter", "export_adapter")
             if getattr(opts, name)
         ]
-    elif opts.optimizer_in_backward:
-        problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
     try:
         lora_config(opts)
     except ValueError as e:
         problems.append(str(e))
-    blocks = opts.offload_blocks
-    if blocks is not None and not (opts.activation_offload and 0 <= blocks < args.n_layers):
-        problems.append(
-            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
-            f"{args.n_layers - 1} (the model's blocks but the last)"
-        )
+    problems += shard.technique_problems(opts, args, world_size, per_node)
     if opts.hf_checkpoint and opts.lr is None:
         problems.append(
             f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
             f"length (full fine-tunes of 7-8B models use 5e-6 to 2e-5; this model has "
-            f"{args.num_params() / 1e9:.2f}B parameters)"
+            f"{params_text(args.num_params())} parameters)"
         )
     if problems:
         raise UsageError("; ".join(problems))
 
 
 def lora_config(opts: Options) -> LoRAConfig | None:
-    if opts.lora_rank < 0:
-        raise UsageError(f"--lora-rank must be >= 0, got {opts.lora_rank}")
-    if opts.lora_rank == 0:
+    if opts.lora_rank <= 0:
         return None
     return LoRAConfig(
         rank=opts.lora_rank,
@@ -460,11 +478,39 @@ def lr_at(step: int, opts: Options, max_steps: int) -> float:
     return opts.lr - (opts.lr - opts.min_lr) * min(progress, 1.0)
 
 
+def command_line(opts: Options, given: frozenset[str], **changes) -> str:
+    """The command of this run (the options it was given) with `changes`, runnable from the
+    current directory. Resuming with it continues the run where it stopped."""
+    opts = dataclasses.replace(opts, **changes)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    script = os.path.relpath(REPO / "train.py")
+    words = ["python", script]
+    if world_size > 1:
+        words = ["torchrun", f"--nproc-per-node={per_node}", script]
+        if world_size > per_node:
+            words[1:1] = [f"--nnodes={world_size // per_node}"]
+    for f in dataclasses.fields(Options):
+        value, name = getattr(opts, f.name), flag_name(f.name)
+        if f.name not in given | changes.keys():
+            continue
+        if value is True or (f.name == "resume" and value == "latest"):
+            words.append(name)
+        elif value is False:  # a flag whose default depends on the device: --no-kernels
+            words.append("--no-" + name.removeprefix("--"))
+        elif value is not None:
+            words += [name, str(value)]
+    return shlex.join(words)
+
+
 # ----------------------------------------------------------------------------------------
 # Checkpoints: run_dir/checkpoints/step-XXXXXX, a DCP directory (model and optimizer shards
 # as safetensors, resharded on load, so another world size can resume) plus train_state.json
-# (step, data cursor, RNG, and what the run was, to refuse resuming a different one).
+# (step, data cursor, RNG, what the run was, to refuse resuming a different one, and the
+# size of each shard and shape of each tensor, to refuse a damaged one).
 # ----------------------------------------------------------------------------------------
+
+TRAIN_STATE_KEYS = ["step", "loader", "rng", "run", "options", "files", "tensors"]
 
 
 def step_of(checkpoint: Path) -> int:
@@ -491,7 +537,7 @@ def find_checkpoint(opts: Options, root: Path, log: Callable) -> tuple[Path, dic
     for checkpoint in reversed(found):
         try:
             train_state = check_checkpoint(checkpoint)
-        except ValueError as e:
+        except UsageError as e:
             log(f"passing over a damaged checkpoint: {e}")
             continue
         if checkpoint != found[-1]:
@@ -502,16 +548,11 @@ def find_checkpoint(opts: Options, root: Path, log: Callable) -> tuple[Path, dic
     return None
 
 
-# What train_state.json holds; since shards are checked also "files" (name -> size of each
-# shard) and "tensors" (name -> full shape of each tensor).
-TRAIN_STATE_KEYS = ["step", "loader", "rng", "run", "options"]
-
-
 def check_checkpoint(path: Path) -> dict:
     """The train_state of the checkpoint at `path`, once its files are checked, from their
     sizes and headers alone: train_state.json, the shards it was saved with (each present,
     of the size it had, none added) and in them, float tensors making up each tensor it
-    saved, whole. One ValueError naming the checkpoint and every problem, so that a damaged
+    saved, whole. One UsageError naming the checkpoint and every problem, so that a damaged
     checkpoint is refused before anything is loaded."""
     state_path = path / "train_state.json"
     if not path.is_dir():
@@ -524,27 +565,24 @@ def check_checkpoint(path: Path) -> dict:
         raise UsageError(f"{state_path}: no {', '.join(missing)}: not a longtune checkpoint")
     problems = []
     shards = {f.name: f for f in sorted(path.glob("*.safetensors"))}
-    saved_sizes = train_state.get("files", {})
-    for name, size in saved_sizes.items():
+    for name, size in train_state["files"].items():
         if name not in shards:
             problems.append(f"shard {name} is missing")
         elif (found := shards[name].stat().st_size) != size:
             problems.append(f"shard {name} is {found:,} bytes, it was {size:,} when saved")
-    if saved_sizes:
-        problems += [f"{name} was not saved with it" for name in shards.keys() - saved_sizes]
-    # The shapes were recorded since checkpoints are checked; earlier ones are read as is.
-    expected = {key: math.prod(shape) for key, shape in train_state.get("tensors", {}).items()}
+    problems += [f"{name} was not saved with it" for name in shards.keys() - train_state["files"]]
+    expected = {key: math.prod(shape) for key, shape in train_state["tensors"].items()}
     elements = dict.fromkeys(expected, 0)
     for name, file in shards.items():
         try:
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
                     piece = f.get_slice(key)
-                    if expected and key not in expected:
+                    if key not in expected:
                         problems.append(f"{name} holds {key}, not a tensor of this checkpoint")
                     elif piece.get_dtype() not in FLOAT_DTYPES:
                         problems.append(f"{name}: {key} has dtype {piece.get_dtype()}")
-                    elif expected:
+                    else:
                         elements[key] += math.prod(piece.get_shape())
         except SafetensorError as e:
             problems.append(f"shard {name} is damaged ({e})")
@@ -576,36 +614,112 @@ def check_resumable(saved: dict, run: dict) -> None:
         raise UsageError("cannot resume from a different run:\n  " + "\n  ".join(problems))
 
 
-def save_checkpoint(
-    root: Path, step: int, optimizer, train_state: dict, keep: int, is_main: bool
-) -> None:
-    final = root / f"step-{step:06d}"
-    tmp = root / f".tmp-{final.name}"
-    if is_main:
-        for stale in root.glob(".tmp-*"):  # left by a run killed while it saved
-            shutil.rmtree(stale)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    # Only tensors go in, as safetensors files (each rank writes its own shards; the layout
-    # of the shards is JSON in their headers), so that resuming unpickles nothing: DCP's
-    # default format keeps its metadata as a pickle. The hyperparameters in param_groups
-    # come from the command line.
-    state = optimizer.state_dict()
-    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True))
-    if is_main:
-        # dcp.save returns once every rank's shards are written. Their sizes and the full
-        # shape of each tensor go in, so that a truncated, missing or replaced shard is
-        # caught before resuming (check_checkpoint).
-        files = {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))}
-        train_state = {**train_state, "files": files, "tensors": tensor_shapes(state)}
-        (tmp / "train_state.json").write_text(json.dumps(train_state))
-    dist.barrier()  # every rank's shards are written before the directory gets its final name
-    if is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old)
+def check_no_newer_checkpoints(root: Path, step: int, resume_from: Path) -> list[Path]:
+    """Resuming from step `step` in this run directory would save over the later checkpoints
+    of the run that wrote them: refused, unless they are damaged (then set aside, under a
+    name of their own, by `set_aside`). Returns those damaged ones."""
+    newer = [c for c in list_checkpoints(root) if step_of(c) > step]
+    intact, damaged = [], []
+    for checkpoint in newer:
+        try:
+            check_checkpoint(checkpoint)
+            intact.append(checkpoint)
+        except UsageError:
+            damaged.append(checkpoint)
+    if intact:
+        raise UsageError(
+            f"resuming from {resume_from} here would save over the later checkpoints "
+            f"{[c.name for c in intact]} of {root}: branch off into a new run directory "
+            f"(--resume {resume_from} --run-dir NEW_DIR), or resume from the latest"
+        )
+    return damaged
+
+
+def set_aside(damaged: list[Path], log: Callable) -> None:
+    for checkpoint in damaged:
+        aside = checkpoint.with_name(f"damaged-{checkpoint.name}")
+        os.replace(checkpoint, aside)
+        log(f"set the damaged {checkpoint.name} aside as {aside}")
+
+
+def resume_options(
+    opts: Options, given: frozenset[str], saved: dict, data_parallel: int, log: Callable
+) -> Options:
+    """Resuming keeps the checkpoint's global batch (tokens per step) and schedule (max
+    steps) unless this command gives --batch-tokens, --micro-batch or --grad-accum (the
+    batch), --max-steps or --max-tokens (the schedule): on another number of processes the
+    plan splits the same batch into micro-batches and accumulation. `data_parallel`: the
+    ranks that read rows of their own (those of a context-parallel group share theirs).
+    One line says what is kept and what changes."""
+    saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
+    said = []
+    if given & {"batch_tokens", "micro_batch", "grad_accum"}:
+        said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
+    else:
+        if saved_tokens % (data_parallel * opts.seq_len):
+            raise UsageError(
+                f"the checkpoint's global batch of {saved_tokens:,} tokens does not split into "
+                f"rows of {opts.seq_len} over {data_parallel} data-parallel ranks: pass "
+                f"--batch-tokens to choose another"
+            )
+        opts = dataclasses.replace(opts, batch_tokens=saved_tokens)
+        said.append(f"global batch of {saved_tokens:,} tokens/step kept")
+    if given & {"max_steps", "max_tokens"}:
+        steps = f"--max-tokens {opts.max_tokens}" if opts.max_tokens else opts.max_steps
+        said.append(f"schedule {saved_steps} -> {steps} steps as given")
+    else:
+        opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
+        said.append(f"schedule of {saved_steps} steps kept")
+    log("resuming: " + "; ".join(said) + " (--batch-tokens, --max-steps change them)")
+    return opts
+
+
+@dataclass
+class Checkpointer:
+    """Saves the run every `interval` steps, at its last step and when it stops on a signal
+    (`due`), keeping the last `keep`; `last` is the newest saved. Rank 0 writes the
+    directory's train_state.json and renames it into place once every rank's shards are in."""
+
+    root: Path
+    interval: int
+    keep: int
+    is_main: bool
+    last: Path | None = None
+
+    def due(self, step: int, max_steps: int, stopping: bool) -> bool:
+        return bool(self.interval) and (step % self.interval == 0 or step == max_steps or stopping)
+
+    def save(self, step: int, optimizer, train_state: dict) -> Path:
+        final = self.root / f"step-{step:06d}"
+        tmp = self.root / f".tmp-{final.name}"
+        if self.is_main:
+            for stale in self.root.glob(".tmp-*"):  # left by a run killed while it saved
+                shutil.rmtree(stale)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        # Only tensors go in, as safetensors files (each rank writes its own shards; the
+        # layout of the shards is JSON in their headers), so that resuming unpickles nothing:
+        # DCP's default format keeps its metadata as a pickle. The hyperparameters in
+        # param_groups come from the command line.
+        state = optimizer.state_dict()
+        writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
+        dcp.save(state, storage_writer=writer)
+        if self.is_main:
+            # dcp.save returns once every rank's shards are written. Their sizes and the full
+            # shape of each tensor go in, so that a truncated, missing or replaced shard is
+            # caught before resuming (check_checkpoint).
+            files = {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))}
+            train_state = {**train_state, "files": files, "tensors": tensor_shapes(state)}
+            (tmp / "train_state.json").write_text(json.dumps(train_state))
+        dist.barrier()  # every rank's shards are written before the directory is renamed
+        if self.is_main:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.root)[: -self.keep]:
+                shutil.rmtree(old)
+        self.last = final
+        return final
 
 
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, list[int]]:
@@ -645,20 +759,11 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
 
 
-def export_hf(
-    model: Llama,
-    out_dir: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    is_main: bool,
-    tokenizer: HFTokenizer | None,
-) -> None:
-    """Gathers one parameter at a time on every rank (each holds a shard); rank 0 writes
-    them with the tokenizer's files. LoRA adapters are merged into their base weights
-    (model.merged_named_tensors)."""
-    named = merged_named_tensors(model, functools.partial(full_tensor, device=device))
+def gathered(named: Iterator[tuple[str, torch.Tensor]], write: Callable, is_main: bool) -> None:
+    """Rank 0 writes the full tensors of `named` (a generator that gathers each parameter on
+    every rank, so every rank must drain it), the other ranks only take part in gathering."""
     if is_main:
-        save_hf_checkpoint(model.args, named, out_dir, dtype, tokenizer=tokenizer)
+        write(named)
     else:
         for _ in named:
             pass
@@ -671,26 +776,59 @@ def full_tensor(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     return param.detach()
 
 
-def export_adapter(
-    model: Llama, lora: LoRAConfig, out_dir: str, base: str | None, device, is_main: bool
-) -> None:
-    """The adapters in PEFT's format, gathered like export_hf's weights."""
-    named = (
-        (name, full_tensor(param, device))
-        for name, param in model.named_parameters()
-        if param.requires_grad
-    )
-    if is_main:
-        save_peft_adapter(model.args, lora, named, out_dir, base_model=base)
+# ----------------------------------------------------------------------------------------
+# Setup: what was given, checked; the plan; the model, its optimizer and the data
+# ----------------------------------------------------------------------------------------
+
+
+def model_args(opts: Options) -> ModelArgs:
+    """The model's shape. A preset trained from scratch has no learned length: its
+    max_seq_len follows --seq-len (RoPE's angles come from positions, no table to outgrow).
+    A HF checkpoint's length is the one it learned, raised only by --max-seq-len."""
+    if opts.hf_checkpoint:
+        args = ModelArgs.from_hf_config(opts.hf_checkpoint)
     else:
-        for _ in named:
-            pass
-    dist.barrier()
+        args = ModelArgs.from_name(opts.model or "tiny")
+        args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, opts.seq_len))
+    if opts.max_seq_len:
+        args = dataclasses.replace(args, max_seq_len=opts.max_seq_len)
+    if opts.hf_checkpoint and opts.seq_len > args.max_seq_len:
+        raise UsageError(
+            f"--seq-len {opts.seq_len} is past the {args.max_seq_len} positions "
+            f"{opts.hf_checkpoint} was trained on: pass --max-seq-len {opts.seq_len} to extend "
+            f"its context"
+        )
+    return args
 
 
-# ----------------------------------------------------------------------------------------
-# The data and its tokenizers
-# ----------------------------------------------------------------------------------------
+def default_lr(args: ModelArgs) -> float:
+    """Peak rates of pre-training by size: Llama 2 and 3 used 3e-4 at 7-8B and 1.5e-4 at
+    70B; models under 100M parameters (tiny) train stably at 10x that."""
+    n = args.num_params()
+    return 3e-3 if n < 100e6 else 3e-4 if n <= 10e9 else 1.5e-4
+
+
+def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
+    """The options with the learning rates and clipping decided (the planned fields are
+    the plan's: read them there)."""
+    lr = default_lr(args) if opts.lr is None else opts.lr
+    min_lr = lr / 10 if opts.min_lr is None else opts.min_lr
+    if not 0 <= min_lr <= lr:
+        raise UsageError(f"need 0 <= --min-lr <= --lr, got {min_lr} and {lr}")
+    grad_clip = opts.grad_clip
+    if grad_clip is None:
+        grad_clip = 0.0 if plan.optimizer_in_backward else 1.0
+    return dataclasses.replace(opts, lr=lr, min_lr=min_lr, grad_clip=grad_clip)
+
+
+def check_gpus() -> None:
+    """torchrun starts --nproc-per-node processes, each taking the GPU of its local rank."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and per_node > (gpus := torch.cuda.device_count()):
+        raise UsageError(
+            f"{per_node} processes per node were asked (torchrun --nproc-per-node={per_node}), "
+            f"and this machine has {gpus} GPU{'s' * (gpus != 1)}: one process per GPU"
+        )
 
 
 def open_data(
@@ -755,210 +893,29 @@ def open_eval_data(opts: Options, args: ModelArgs, dataset: TokenDataset) -> Tok
     return held_out
 
 
-# ----------------------------------------------------------------------------------------
-# The plan, and the model and optimizer it describes
-# ----------------------------------------------------------------------------------------
+def loader_of(dataset: TokenDataset, plan: shard.Plan, world: shard.Dist, **kwargs) -> PackedLoader:
+    """The rows of this rank: each data-parallel group of context_parallel ranks reads its
+    own rows, and each rank of a group a slice of them (shard.py's context parallelism)."""
+    cp = plan.context_parallel
+    return PackedLoader(
+        dataset, plan.seq_len, plan.micro_batch, world.rank // cp, world.world_size // cp,
+        pin_memory=world.device.type == "cuda", context_rank=world.rank % cp,
+        context_parallel=cp, **kwargs,
+    )  # fmt: skip
 
 
-def model_args(opts: Options) -> ModelArgs:
-    if opts.hf_checkpoint:
-        args = ModelArgs.from_hf_config(opts.hf_checkpoint)
-    else:
-        args = ModelArgs.from_name(opts.model or "tiny")
-    if opts.max_seq_len:
-        # Context extension: RoPE has no table to outgrow (the angles come from positions),
-        # so this is the limit the data check enforces and an export records.
-        args = dataclasses.replace(args, max_seq_len=opts.max_seq_len)
-    return args
-
-
-def default_lr(args: ModelArgs) -> float:
-    """Peak rates of pre-training by size: Llama 2 and 3 used 3e-4 at 7-8B and 1.5e-4 at
-    70B; models under 100M parameters (tiny) train stably at 10x that."""
-    n = args.num_params()
-    return 3e-3 if n < 100e6 else 3e-4 if n <= 10e9 else 1.5e-4
-
-
-def default_batch_tokens(args: ModelArgs) -> int:
-    return SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS
-
-
-def batch_asked(opts: Options, args: ModelArgs) -> int | None:
-    """The tokens per step asked for, if they were (or the default), else None: the batch
-    is then --micro-batch x --grad-accum."""
-    if opts.micro_batch and opts.grad_accum:
-        return opts.batch_tokens
-    return opts.batch_tokens or default_batch_tokens(args)
-
-
-def host_memory_gib() -> float:
-    """Memory this host can give a run: MemAvailable, within the cgroup's limit if one is
-    set (a container or a SLURM job sees the whole machine's /proc/meminfo)."""
-    meminfo = Path("/proc/meminfo").read_text()
-    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
-    limit, usage = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
-    if limit.exists() and usage.exists() and limit.read_text().strip() != "max":
-        available = min(available, int(limit.read_text()) - int(usage.read_text()))
-    return available / 2**30
-
-
-def this_machine(opts: Options, world: shard.Dist) -> shard.Machine:
-    """The machine the run is on: its processes, each GPU's free memory and the host's
-    available memory (--gpu-memory, --host-memory instead where given). Every rank plans
-    with the smallest over all ranks, so that all choose the same plan."""
-    gpu = opts.gpu_memory
-    if gpu is None and world.device.type == "cuda":
-        gpu = torch.cuda.mem_get_info(world.device)[0] / 2**30
-    memory = torch.tensor([gpu or 0.0, opts.host_memory or host_memory_gib()], dtype=torch.float64)
-    dist.all_reduce(memory, op=dist.ReduceOp.MIN)
-    gpu_gib = memory[0].item() if gpu is not None else None
-    return shard.Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
-
-
-def machine_to_estimate(opts: Options) -> shard.Machine:
-    """The machine --estimate-memory plans for: the flags', else torchrun's and this one's."""
-    env = os.environ
-    # --nproc-per-node alone reads as torchrun's: one node of that many processes.
-    world_size = opts.world_size or opts.nproc_per_node or int(env.get("WORLD_SIZE", "1"))
-    nproc = opts.nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
-    if world_size % nproc:
+def eval_samples_of(opts: Options, held_out: PackedLoader, groups: int) -> int:
+    """The held-out sequences evaluated (--eval-tokens' or all), at least one per group."""
+    wanted = -(-opts.eval_tokens // opts.seq_len) if opts.eval_tokens else held_out.num_samples
+    available = min(wanted, held_out.num_samples)
+    if available < groups:
         raise UsageError(
-            f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
+            f"--eval-data {opts.eval_data} gives {available:,} "
+            f"sequence{'s' * (available != 1)} of {opts.seq_len} "
+            f"tokens{' within --eval-tokens' if opts.eval_tokens else ''}: fewer than the "
+            f"{groups} data-parallel groups, which take one at least each"
         )
-    gpu = opts.gpu_memory
-    if gpu is None:
-        gpu = torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 80.0
-    return shard.Machine(world_size, nproc, gpu, opts.host_memory or host_memory_gib())
-
-
-def make_plan(
-    opts: Options, args: ModelArgs, machine: shard.Machine, mask_documents: bool
-) -> shard.Plan:
-    """The plan of the run: what the options set, and the fastest choice for the rest that
-    fits `machine` (shard.choose_plan; on the CPU, only the micro-batch is chosen). The batch
-    is --batch-tokens (or its default) in whole sequences per process, unless both
-    --micro-batch and --grad-accum are given."""
-    on_gpu = machine.gpu_gib is not None
-    base = shard.Plan(
-        seq_len=opts.seq_len,
-        strategy=opts.strategy,
-        ac_every=opts.ac_every,
-        param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
-        kernels=on_gpu if opts.kernels is None else opts.kernels,
-        lora=lora_config(opts),
-        document_mask=mask_documents,
-        offload_blocks=opts.offload_blocks,
-        context_parallel=opts.context_parallel,
-    )
-    wanted = {k: getattr(opts, k) for k in shard.PLANNED if getattr(opts, k) is not None}
-    if (opts.grad_clip or opts.lora_rank) and opts.optimizer_in_backward is None:
-        # It cannot clip, and it updates every parameter: not LoRA's frozen base.
-        wanted["optimizer_in_backward"] = False
-    cp = opts.context_parallel
-    shard.check_context_parallel_ranks(cp, machine.world_size, machine.nproc_per_node)
-    per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
-    if opts.micro_batch and opts.grad_accum:
-        sequences = opts.micro_batch * opts.grad_accum
-        if opts.batch_tokens and opts.batch_tokens != sequences * per_sequence:
-            raise UsageError(
-                f"--batch-tokens {opts.batch_tokens} is not --micro-batch {opts.micro_batch} x "
-                f"--grad-accum {opts.grad_accum} x {machine.world_size // cp} processes x "
-                f"--seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
-            )
-    else:
-        batch = opts.batch_tokens or default_batch_tokens(args)
-        sequences = max(1, round(batch / per_sequence))
-    batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
-    return shard.choose_plan(args, machine, base, wanted, sequences, batch_is_fixed)
-
-
-def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
-    """The options with what they left open decided: the planned fields as planned, the
-    batch as run, the learning rates and clipping."""
-    lr = default_lr(args) if opts.lr is None else opts.lr
-    min_lr = lr / 10 if opts.min_lr is None else opts.min_lr
-    if not 0 <= min_lr <= lr:
-        raise UsageError(f"need 0 <= --min-lr <= --lr, got {min_lr} and {lr}")
-    grad_clip = opts.grad_clip
-    if grad_clip is None:
-        grad_clip = 0.0 if plan.optimizer_in_backward else 1.0
-    planned = {k: getattr(plan, k) for k in shard.PLANNED}
-    return dataclasses.replace(
-        opts,
-        lr=lr,
-        min_lr=min_lr,
-        grad_clip=grad_clip,
-        batch_tokens=plan.tokens_per_step,
-        **planned,
-    )
-
-
-def describe_plan(
-    plan: shard.Plan,
-    est: shard.MemoryEstimate,
-    machine: shard.Machine,
-    given: list[str],
-    batch_asked: int | None,
-) -> dict:
-    """The plan as printed at the start and saved in the run directory (plan.json); `given`
-    names the planned fields the user set, `batch_asked` the tokens per step asked for."""
-    gpu, host = shard.memory_needed(est, machine)
-    return {
-        "flags": shard.plan_flags(plan),
-        "planned": [k for k in shard.PLANNED if k not in given],
-        "tokens_per_step": plan.tokens_per_step,
-        "tokens_per_step_asked": batch_asked,
-        "plan": dataclasses.asdict(plan),
-        "machine": dataclasses.asdict(machine),
-        "estimate": dataclasses.asdict(est),
-        "gpu_needed_gib": gpu,
-        "host_needed_gib_per_node": host,
-        "margins": {"gpu": shard.GPU_MARGIN, "host": shard.HOST_MARGIN},
-        "host_per_process_gib": shard.HOST_PROCESS_GIB,
-    }
-
-
-def processes(n: int) -> str:
-    return f"{n} process" if n == 1 else f"{n} processes"
-
-
-def format_plan(described: dict) -> str:
-    d, m = described, described["machine"]
-    plan = d["plan"]
-    planned = ", ".join(d["planned"]) or "nothing: every option was given"
-    asked, tokens = d["tokens_per_step_asked"], d["tokens_per_step"]
-    batch = ""
-    if asked and asked != tokens:
-        cp = plan["context_parallel"]  # a group of cp processes shares each sequence
-        holders = "process" if cp == 1 else f"group of {cp} context-parallel processes"
-        batch = (
-            f" ({asked:,} asked: rounded to whole sequences per {holders})"
-            if tokens > asked or asked < 2 * plan["seq_len"] * plan["world_size"] // cp
-            else f" (of the {asked:,} asked, more would need accumulation, which does not fit)"
-        )
-    if m["gpu_gib"] is None:
-        gpu = "on the CPU, all of it on the host"
-    else:
-        gpu = (
-            f"needs {d['gpu_needed_gib']:.1f} of {m['gpu_gib']:.1f} GiB per GPU "
-            f"({d['margins']['gpu']:.0%} kept free)"
-        )
-    lines = [
-        f"plan: {d['flags']} | {tokens:,} tokens/step{batch} = {plan['seq_len']} x "
-        f"{plan['micro_batch']} sequences x {plan['grad_accum']} micro-batches x "
-        + (
-            f"{plan['world_size'] // cp} groups of {cp} context-parallel ranks"
-            if (cp := plan["context_parallel"]) > 1
-            else processes(plan["world_size"])
-        )
-        + f" | planned: {planned}",
-        shard.MemoryEstimate(**d["estimate"]).format(),
-        f"{processes(m['world_size'])}: {gpu}; host {d['host_needed_gib_per_node']:.1f} of "
-        f"{m['host_gib']:.1f} GiB per node ({d['margins']['host']:.0%} kept free; "
-        f"{processes(m['nproc_per_node'])}, {d['host_per_process_gib']:.0f} GiB each "
-        "besides the estimate)",
-    ]
-    return "\n".join(lines)
+    return available
 
 
 def apply_techniques(
@@ -971,7 +928,7 @@ def apply_techniques(
     lora_adapter: str | None = None,
 ) -> None:
     """Makes the meta-built model the one the plan describes, in the one order in which the
-    techniques compose:
+    techniques compose (every other docstring points here):
       0. LoRA (model.apply_lora) replaces the adapted projections and freezes the rest: the
          modules the next steps wrap, shard and fill must be the final ones;
       1. activation checkpointing (offload.apply_ac) and 2. MLP tiling (a checkpoint per
@@ -987,8 +944,9 @@ def apply_techniques(
          whole model never exists on one device.
     With the optimizer in backward (one GPU) there is no FSDP: the model is materialized
     in fp32 on the host, as the master weights offload.OptimizerInBackward keeps.
-    (torch.compile of each block, which would come between 2 and 4, measured slower than
-    eager here and is not offered.)"""
+    Activation offload (offload.activation_offload) is not applied to the model: it wraps
+    each forward of the step (train_step). (torch.compile of each block, which would come
+    between 2 and 4, measured slower than eager here and is not offered.)"""
     if plan.lora:
         apply_lora(model, plan.lora, base_dtype=DTYPES[plan.param_dtype], kernels=plan.kernels)
     offload.apply_ac(model, plan.ac, every=plan.ac_every)
@@ -1018,17 +976,17 @@ class ShardedAdamW:
     load_state_dict() for checkpoints, {"model": fp32 weights, "optim": AdamW's state} by
     parameter name in both, so either kind of run resumes from the other's checkpoints."""
 
-    def __init__(self, model: Llama, opts: Options, fused: bool):
+    def __init__(self, model: Llama, betas, weight_decay: float, grad_clip: float, fused: bool):
         self.model = model
-        self.grad_clip = opts.grad_clip
+        self.grad_clip = grad_clip
         params = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters
         self.adamw = torch.optim.AdamW(
             [
-                {"params": [p for p in params if p.ndim >= 2], "weight_decay": opts.weight_decay},
+                {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
                 {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
             ],
-            lr=opts.lr,
-            betas=(opts.beta1, opts.beta2),
+            lr=0.0,  # set_lr sets each step's
+            betas=betas,
             fused=fused,
         )
 
@@ -1051,10 +1009,8 @@ class ShardedAdamW:
 
     def load_state_dict(self, state: dict) -> None:
         # The hyperparameters in param_groups come from the command line, not the checkpoint.
-        param_groups = get_state_dict(self.model, self.adamw, options=FROZEN_LEFT_OUT)[1][
-            "param_groups"
-        ]
-        optim_state = {"state": state["optim"], "param_groups": param_groups}
+        _, current = get_state_dict(self.model, self.adamw, options=FROZEN_LEFT_OUT)
+        optim_state = {"state": state["optim"], "param_groups": current["param_groups"]}
         set_state_dict(
             self.model,
             self.adamw,
@@ -1070,17 +1026,252 @@ FROZEN_LEFT_OUT = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def build_optimizer(model: Llama, plan: shard.Plan, opts: Options, device: torch.device):
+    betas = (opts.beta1, opts.beta2)
     if plan.optimizer_in_backward:
-        betas = (opts.beta1, opts.beta2)
         dtype = DTYPES[plan.param_dtype]
         return offload.OptimizerInBackward(model, device, dtype, opts.lr, betas, opts.weight_decay)
     # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then.
-    return ShardedAdamW(model, opts, fused=device.type == "cuda" or plan.cpu_offload)
+    fused = device.type == "cuda" or plan.cpu_offload
+    return ShardedAdamW(model, betas, opts.weight_decay, opts.grad_clip, fused)
+
+
+@dataclass
+class Run:
+    """What setup makes and the loop uses."""
+
+    opts: Options
+    given: frozenset[str]
+    args: ModelArgs
+    plan: shard.Plan
+    world: shard.Dist
+    model: Llama
+    optimizer: ShardedAdamW | offload.OptimizerInBackward
+    loader: PackedLoader
+    run_dir: Path
+    checkpointer: Checkpointer
+    metrics: MetricsLog
+    train_state: dict  # what each checkpoint records of the run (train_state.json)
+    start_step: int
+    max_steps: int
+    text_tokenizer: Tokenizer | None
+    export_tokenizer: HFTokenizer | None
+    log: Callable
+
+
+def estimate(opts: Options) -> None:
+    """--estimate-memory: the plan, and its memory, for the machine the flags describe (a
+    GPU machine: the GPU defaults of --kernels and --param-dtype), checked as a run is."""
+    args = model_args(opts)
+    machine = shard.machine_to_estimate(
+        opts.world_size, opts.nproc_per_node, opts.gpu_memory, opts.host_memory
+    )
+    check_options(opts, args, machine.world_size, machine.nproc_per_node)
+    plan = shard.make_plan(opts, args, machine, bool(opts.document_mask), lora=lora_config(opts))
+    print(plan.format())
+
+
+def check_given(opts: Options, args: ModelArgs, world: shard.Dist, log: Callable) -> tuple:
+    """Everything given, checked before any step and before anything is written: files that
+    every rank sees alike (a shared filesystem), so all ranks raise the same error and none
+    waits on another. Returns the checkpoint to resume from and its train state, if any."""
+    run_dir = Path(opts.run_dir)
+    check_run_dir(run_dir)
+    if opts.hf_checkpoint:
+        check_hf_checkpoint(args, opts.hf_checkpoint)
+    if opts.lora_adapter:
+        check_peft_adapter(args, lora_config(opts), opts.lora_adapter)
+    if opts.export_hf:
+        HF_EXPORT.check(opts.export_hf)
+    if opts.export_adapter:
+        PEFT_ADAPTER.check(opts.export_adapter)
+    return find_checkpoint(opts, run_dir / "checkpoints", log) or (None, None)
+
+
+def setup(opts: Options, given: frozenset[str]) -> Run:
+    """The run, ready for its first step: what was given checked, the plan made and
+    printed, the model built and loaded (or resumed), the data opened."""
+    args = model_args(opts)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_options(opts, args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    on_gpu = torch.cuda.is_available()  # shard.init_distributed takes a GPU when there is one
+    if opts.kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
+    if opts.memory_snapshot and not on_gpu:
+        raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
+    check_gpus()
+    world = shard.init_distributed()
+    log = print if world.is_main else lambda *a, **k: None
+    torch.manual_seed(opts.seed)
+    resume_from, saved = check_given(opts, args, world, log)
+    dataset, text_tokenizer, export_tokenizer = open_data(opts, args, world.is_main, log)
+    held_out = open_eval_data(opts, args, dataset)
+    run_record = {
+        "model": dataclasses.asdict(args),
+        "seq_len": opts.seq_len,
+        "tokenizer": dataset.meta["tokenizer"],
+        "strategy": opts.strategy,
+        "world_size": world.world_size,
+        "lora": dataclasses.asdict(lora) if (lora := lora_config(opts)) else None,
+        "context_parallel": opts.context_parallel,
+    }
+    damaged = []
+    if saved:
+        check_resumable(saved["run"], json.loads(json.dumps(run_record)))
+        root = Path(opts.run_dir) / "checkpoints"
+        damaged = check_no_newer_checkpoints(root, saved["step"], resume_from)
+        opts = resume_options(opts, given, saved, world.world_size // opts.context_parallel, log)
+
+    # The plan, before anything is loaded or built: a run that cannot fit the GPUs or the
+    # host stops here, with what would make it fit.
+    mask_documents = dataset.is_sft if opts.document_mask is None else opts.document_mask
+    machine = shard.this_machine(opts.gpu_memory, opts.host_memory, world)
+    plan = shard.make_plan(opts, args, machine, mask_documents, lora=lora)
+    opts = settle_options(opts, args, plan)
+    log(plan.format())
+    model, optimizer = build(opts, args, plan, world, resumed=resume_from is not None, log=log)
+    max_steps = opts.max_steps
+    if opts.max_tokens:
+        max_steps = math.ceil(opts.max_tokens / plan.tokens_per_step)
+    log_start(opts, args, plan, world, dataset, max_steps, log)
+    loader = loader_of(dataset, plan, world, seed=opts.seed)
+    evaluate_held_out = None
+    if held_out:  # the held-out rows, read in order and split as the training rows are
+        eval_loader = loader_of(held_out, plan, world)
+        samples = eval_samples_of(opts, eval_loader, world.world_size // plan.context_parallel)
+        evaluate_held_out = functools.partial(
+            evaluate, model, lambda: eval_loader.in_order(samples), world.device
+        )
+    step = resume(opts, optimizer, loader, world, resume_from, saved, log)
+    # Everything given is checked and loaded: from here on the run writes into its directory.
+    run_dir = Path(opts.run_dir)
+    lock = lock_run_dir(run_dir, world.is_main)
+    if world.is_main:
+        set_aside(damaged, log)
+        start_metrics(run_dir / "metrics.jsonl", step, resume_from)
+        write_json(run_dir / "plan.json", plan.to_json())
+    metrics = MetricsLog(
+        run_dir / "metrics.jsonl", opts, args, plan, world, max_steps, step, evaluate_held_out
+    )
+    metrics.lock = lock  # held as long as the run lives
+    checkpointer = Checkpointer(
+        run_dir / "checkpoints", opts.checkpoint_interval, opts.keep_checkpoints, world.is_main,
+        last=resume_from,
+    )  # fmt: skip
+    train_state = {
+        "run": {**run_record, "tokens_per_step": plan.tokens_per_step, "max_steps": max_steps},
+        "options": dataclasses.asdict(opts),
+    }
+    return Run(
+        opts, given, args, plan, world, model, optimizer, loader, run_dir, checkpointer,
+        metrics, train_state, step, max_steps, text_tokenizer, export_tokenizer, log,
+    )  # fmt: skip
+
+
+def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool, log):
+    """The model the plan describes (on the meta device, then apply_techniques), loaded or
+    initialized, and its optimizer. Resuming reads the checkpoint's weights later, except a
+    LoRA run's frozen base, which is not in it."""
+    with torch.device("meta"):
+        ops = triton_ops() if plan.kernels else REFERENCE_OPS
+        model = Llama(args, ops, opts.attention_backend, plan.document_mask)
+    hf_path = opts.hf_checkpoint if not resumed or plan.lora else None
+    adapter = opts.lora_adapter if not resumed else None
+    progress = show_progress(f"loading {hf_path}") if hf_path and world.is_main else None
+    apply_techniques(model, plan, world, opts.seed, hf_path, progress, adapter)
+    if plan.lora:
+        trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log(
+            f"LoRA r={plan.lora.rank} (alpha {plan.lora.alpha:g}) on "
+            f"{','.join(plan.lora.targets)}"
+            f"{', the base in NF4 (QLoRA)' if plan.lora.quantize_base else ''}: "
+            f"{params_text(trained)} parameters train, the base's "
+            f"{params_text(args.num_params())} are frozen"
+        )
+    return model, build_optimizer(model, plan, opts, world.device)
+
+
+def resume(opts, optimizer, loader, world, resume_from, saved, log: Callable) -> int:
+    """The step the run starts at: a checkpoint's, with its weights, optimizer state, data
+    cursor and random state loaded, or 0."""
+    if resume_from is None:
+        if opts.resume:
+            start = f"from {opts.hf_checkpoint}" if opts.hf_checkpoint else "from random weights"
+            log(f"no checkpoint in {Path(opts.run_dir) / 'checkpoints'}: starting {start}")
+        return 0
+    load_checkpoint(resume_from, optimizer)
+    loader.load_state_dict(saved["loader"])
+    set_rng_state(saved["rng"], world.device)
+    n = saved["run"]["world_size"]
+    log(
+        f"resumed from {resume_from} at step {saved['step']} (saved by {n} "
+        f"process{'es' * (n != 1)}, now {world.world_size})"
+    )
+    return saved["step"]
+
+
+def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -> None:
+    """One line: what trains on what, and how."""
+    frozen = plan.lora is not None
+    flops_per_token = args.flops_per_token(opts.seq_len, frozen)
+    layout = "optimizer in backward" if plan.optimizer_in_backward else plan.strategy
+    if plan.context_parallel > 1:
+        layout += f", context parallel {plan.context_parallel}"
+    masked = plan.document_mask
+    log(
+        f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {params_text(args.num_params())} "
+        f"params, {flops_per_token / 1e6:.1f} MFLOP/token ({4 if frozen else 6}N + 6LSd"
+        f"{'; MFU counts attention within documents' if masked else ''}) | "
+        f"data {dataset.path}: {dataset.n_tokens:,} tokens ({dataset.meta['tokenizer']}"
+        f"{', attention masked between documents' if masked else ''}) | "
+        f"{processes(world.world_size)} x {world.device.type}, "
+        f"{layout}, {plan.param_dtype} params, kernels {'on' if plan.kernels else 'off'} | "
+        f"{plan.tokens_per_step:,} tokens/step, {max_steps} steps"
+    )
 
 
 # ----------------------------------------------------------------------------------------
-# Logging
+# The step, and what the loop asks after it: log? evaluate? save? stop?
 # ----------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepResult:
+    """One step's numbers, on the device and unread, so a step waits for no GPU work."""
+
+    loss_sum: torch.Tensor  # of this rank's labelled tokens
+    n_labels: torch.Tensor  # labelled tokens of the step on all ranks
+    grad_norm: torch.Tensor  # before clipping
+    optimizer_s: float  # host seconds in the optimizer's step
+
+
+def train_step(
+    model: Llama,
+    optimizer: ShardedAdamW | offload.OptimizerInBackward,
+    micro_batches: list[Batch],
+    offload_activations: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> StepResult:
+    """One optimizer step: count the labelled tokens of the micro-batches on all ranks, then
+    for each micro-batch forward (the loss summed) and backward (divided by that count),
+    then the optimizer's step (clip, AdamW; with the optimizer in backward, the wait for
+    its last updates). The loss is the mean over the step's labelled tokens, not a mean of
+    per-micro-batch means: micro-batches hold different numbers of labelled tokens."""
+    n_labels = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches)
+    dist.all_reduce(n_labels)
+    n_labels = n_labels.clamp(min=1)
+    loss_sum = torch.zeros((), device=n_labels.device)
+    for i, b in enumerate(micro_batches):
+        if len(micro_batches) > 1:  # FSDP reduces the gradients in the last backward only
+            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        with offload_activations():
+            loss = model(b.tokens, b.labels, b.positions, "sum", b.several_documents)
+        # shard.apply_fsdp makes FSDP sum gradients over ranks (divide factor 1), so dividing
+        # by the global count gives the gradient of the global mean.
+        (loss / n_labels).backward()
+        loss_sum += loss.detach()
+    started = time.perf_counter()
+    grad_norm = optimizer.step()
+    return StepResult(loss_sum, n_labels, grad_norm, time.perf_counter() - started)
+
 
 # Dense bf16 tensor-core FLOP/s by GPU name, the denominator of MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -1110,31 +1301,105 @@ def host_peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
 
 
-def show_progress(what: str) -> Callable[[int, int], None]:
-    """A one-line progress display on stderr for long work: done/total, elapsed time."""
-    start = time.perf_counter()
+class MetricsLog:
+    """Decides which steps are logged (every --log-interval, the last, one stopped on, and
+    each evaluated: every --eval-interval and the last) and writes their records to stdout
+    and metrics.jsonl. Values are read only on logged and saved steps, as in nanoGPT:
+    reading them every step would make the host wait for the GPU each step. That read
+    checks every step since the last one for a non-finite loss or gradient norm, before a
+    checkpoint could save spoiled weights."""
 
-    def report(done: int, total: int) -> None:
-        end = "\n" if done == total else ""
-        elapsed = hms(time.perf_counter() - start)
-        print(f"\r{what}: {done}/{total} tensors, {elapsed}", end=end, file=sys.stderr, flush=True)
+    def __init__(self, path: Path, opts, args, plan, world, max_steps, start_step, evaluate):
+        self.path, self.opts, self.args, self.plan, self.world = path, opts, args, plan, world
+        self.max_steps, self.start_step, self.evaluate = max_steps, start_step, evaluate
+        self.peak = peak_flops(world.device)
+        self.nonfinite = torch.zeros((), dtype=torch.int32, device=world.device)
+        self.attended = torch.zeros((), dtype=torch.float64, device=world.device)
+        self.checked_step = self.logged_step = start_step
+        self.started = self.logged_at = time.perf_counter()
+        self.last: StepResult | None = None
 
-    return report
+    def add(self, result: StepResult, micro_batches: list[Batch]) -> None:
+        self.last = result
+        finite = result.loss_sum.isfinite() & result.grad_norm.to(self.world.device).isfinite()
+        self.nonfinite += ~finite
+        for b in micro_batches:
+            self.attended += attended_pairs(b.positions, self.plan.document_mask, self.plan.seq_len)
+
+    def evaluating(self, step: int, stopping: bool) -> bool:
+        interval = self.opts.eval_interval
+        due = step % interval == 0 or step == self.max_steps
+        return self.evaluate is not None and due and not stopping
+
+    def logging(self, step: int, stopping: bool) -> bool:
+        due = step % self.opts.log_interval == 0 or step == self.max_steps or stopping
+        return due or self.evaluating(step, stopping)
+
+    def read(self, step: int, last_saved: Path | None) -> tuple[float, float]:
+        """The last step's loss and gradient norm, read; raises if any step since the last
+        read had a non-finite one."""
+        dist.all_reduce(self.last.loss_sum)
+        dist.all_reduce(self.nonfinite, op=dist.ReduceOp.MAX)
+        loss = (self.last.loss_sum / self.last.n_labels).item()
+        grad_norm = self.last.grad_norm.item()
+        if self.nonfinite.item():
+            raise FloatingPointError(
+                f"step {step}: loss {loss}, gradient norm {grad_norm}: a non-finite loss "
+                f"or gradient norm in steps {self.checked_step + 1}-{step}. Stopped after its "
+                f"update; the last checkpoint is {last_saved or 'none'}"
+            )
+        self.checked_step = step
+        return loss, grad_norm
+
+    def write(self, step: int, lr: float, loss: float, grad_norm: float, stopping: bool) -> None:
+        now, steps = time.perf_counter(), step - self.logged_step
+        tokens_per_step = self.plan.tokens_per_step
+        tokens_per_s = steps * tokens_per_step / (now - self.logged_at)
+        dist.all_reduce(self.attended)
+        flops = self.args.training_flops(
+            steps * tokens_per_step, self.attended.item(), self.plan.lora is not None
+        )
+        self.attended.zero_()
+        flops_per_device = flops / (now - self.logged_at) / self.world.world_size
+        on_gpu = self.world.device.type == "cuda"
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "optimizer_s": self.last.optimizer_s,
+            "tokens": step * tokens_per_step,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.world.world_size,
+            "model_tflops_per_device": flops_per_device / 1e12,
+            "mfu": flops_per_device / self.peak if self.peak else None,
+            "peak_gpu_mem_gib": (
+                torch.cuda.max_memory_allocated(self.world.device) / 2**30 if on_gpu else None
+            ),
+            "host_peak_rss_gib": host_peak_rss_gib(),
+            "elapsed_s": now - self.started,
+            "eta_s": (now - self.started) / (step - self.start_step) * (self.max_steps - step),
+            "eval_loss": None,
+            "eval_tokens": None,
+        }
+        if self.evaluating(step, stopping):  # after the step's timing, left out of the next
+            record["eval_loss"], record["eval_tokens"] = self.evaluate()
+            now = time.perf_counter()
+        if self.world.is_main:
+            print(format_record(record, self.max_steps), flush=True)
+            with self.path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        self.logged_at, self.logged_step = now, step
 
 
-def hms(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-def evaluate(model: Llama, batches: Iterator[Batch], device: torch.device) -> tuple[float, int]:
-    """The mean loss over the labelled tokens of `batches` on all ranks, and their count:
+def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tuple[float, int]:
+    """The mean loss over the labelled tokens of `batches()` on all ranks, and their count:
     forward only (no_grad: no activations kept, no gradients in the fused loss), with
     dropout off; the model is back in training mode after."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, labelled tokens
     with torch.no_grad():
-        for b in batches:
+        for b in batches():
             b = b.to(device, non_blocking=True)
             loss = model(b.tokens, b.labels, b.positions, "sum", b.several_documents)
             totals += torch.stack([loss.double(), (b.labels != IGNORE_INDEX).sum().double()])
@@ -1142,13 +1407,6 @@ def evaluate(model: Llama, batches: Iterator[Batch], device: torch.device) -> tu
     dist.all_reduce(totals)
     loss_sum, count = totals.tolist()
     return loss_sum / max(count, 1), int(count)
-
-
-def printable(text: str) -> str:
-    """`text` with control characters but newlines and tabs escaped (\\x1b, \\r): a barely
-    trained model samples any bytes, and raw ones would move the cursor or restyle the
-    terminal the log is read in."""
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
 def format_record(r: dict, max_steps: int) -> str:
@@ -1169,32 +1427,9 @@ def format_record(r: dict, max_steps: int) -> str:
     )
 
 
-def check_no_newer_checkpoints(ckpt_root: Path, step: int, resume_from: Path) -> list[Path]:
-    """Resuming from step `step` in this run directory would save over the later checkpoints
-    of the run that wrote them: refused, unless they are damaged (then set aside, under a
-    name of their own, by `set_aside`). Returns those damaged ones."""
-    newer = [c for c in list_checkpoints(ckpt_root) if step_of(c) > step]
-    intact, damaged = [], []
-    for checkpoint in newer:
-        try:
-            check_checkpoint(checkpoint)
-            intact.append(checkpoint)
-        except ValueError:
-            damaged.append(checkpoint)
-    if intact:
-        raise UsageError(
-            f"resuming from {resume_from} here would save over the later checkpoints "
-            f"{[c.name for c in intact]} of {ckpt_root}: branch off into a new run directory "
-            f"(--resume {resume_from} --run-dir NEW_DIR), or resume from the latest"
-        )
-    return damaged
-
-
-def set_aside(damaged: list[Path], log: Callable) -> None:
-    for checkpoint in damaged:
-        aside = checkpoint.with_name(f"damaged-{checkpoint.name}")
-        os.replace(checkpoint, aside)
-        log(f"set the damaged {checkpoint.name} aside as {aside}")
+def hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def start_metrics(metrics_path: Path, step: int, resume_from: Path | None) -> None:
@@ -1206,6 +1441,53 @@ def start_metrics(metrics_path: Path, step: int, resume_from: Path | None) -> No
     with metrics_path.open("a") as f:
         if resume_from:
             f.write(json.dumps({"resumed_from": str(resume_from), "step": step}) + "\n")
+
+
+class Instruments:
+    """The one-off measurements beside the loop: the memory peaks after the first two steps
+    (printed beside the plan's estimate, and saved in plan.json), --memory-snapshot's
+    record of the first three, and --profile's trace."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        self.profiler = None
+        trace = run.run_dir / f"trace-rank{run.world.rank}.json"
+        if run.opts.profile:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if run.world.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(
+                activities=activities,
+                # The first steps carry one-off costs (allocator growth, compilation).
+                schedule=torch.profiler.schedule(wait=1, warmup=1, active=run.opts.profile),
+                on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
+                record_shapes=True,
+            )
+            self.profiler.start()
+        if run.opts.memory_snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+
+    def after(self, step: int) -> None:
+        run, steps = self.run, step - self.run.start_step
+        if self.profiler:
+            self.profiler.step()
+        if steps == 2 or step == run.max_steps and steps < 2:  # AdamW's state exists by then
+            measured = shard.measured_memory(steps, run.world.device)
+            run.log(run.plan.format_measured(measured))
+            if run.world.is_main:
+                write_json(run.run_dir / "plan.json", {**run.plan.to_json(), "measured": measured})
+        if run.opts.memory_snapshot and (steps == 3 or step == run.max_steps and steps < 3):
+            snapshot = run.run_dir / f"memory-snapshot-rank{run.world.rank}.pickle"
+            torch.cuda.memory._dump_snapshot(str(snapshot))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            run.log(f"wrote {snapshot} (open it at https://pytorch.org/memory_viz)")
+
+    def close(self) -> None:
+        if self.profiler:
+            self.profiler.stop()
+            trace = self.run.run_dir / f"trace-rank{self.run.world.rank}.json"
+            if trace.exists():
+                self.run.log(f"wrote {trace} (open it in https://ui.perfetto.dev)")
 
 
 class StopSignals:
@@ -1250,12 +1532,9 @@ class StopSignals:
             signal.signal(s, handler)
 
 
-def say(line: str) -> None:
-    """One line on stderr in one write (print writes the newline apart), so that the lines
-    of several processes sharing a terminal do not run into each other."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
+# ----------------------------------------------------------------------------------------
+# The run directory and the terminal
+# ----------------------------------------------------------------------------------------
 
 # What a run writes into --run-dir; a directory that holds none of them is someone else's.
 RUN_FILES = ("plan.json", "metrics.jsonl", "checkpoints", ".lock")
@@ -1305,45 +1584,6 @@ def lock_run_dir(run_dir: Path, is_main: bool):
     return lock
 
 
-def resume_options(
-    opts: Options, given: frozenset[str], saved: dict, data_parallel: int, log: Callable
-) -> Options:
-    """Resuming keeps the checkpoint's global batch (tokens per step) and schedule (max
-    steps) unless this command gives --batch-tokens, --micro-batch or --grad-accum (the
-    batch), --max-steps or --max-tokens (the schedule): on another number of processes the
-    plan splits the same batch into micro-batches and accumulation. `data_parallel`: the
-    ranks that read rows of their own (those of a context-parallel group share theirs).
-    One line says what is kept and what changes."""
-    before = saved["options"]
-    saved_tokens = saved["run"].get("tokens_per_step")
-    if saved_tokens is None:  # a checkpoint written before the run recorded it
-        sequences = before["micro_batch"] * before["grad_accum"] * saved["run"]["world_size"]
-        saved_tokens = sequences * opts.seq_len // saved["run"].get("context_parallel", 1)
-    saved_steps = saved["run"].get("max_steps", before["max_steps"])
-    if "max_steps" not in saved["run"] and before["max_tokens"]:
-        saved_steps = math.ceil(before["max_tokens"] / saved_tokens)
-    said = []
-    if given & {"batch_tokens", "micro_batch", "grad_accum"}:
-        said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
-    else:
-        if saved_tokens % (data_parallel * opts.seq_len):
-            raise UsageError(
-                f"the checkpoint's global batch of {saved_tokens:,} tokens does not split into "
-                f"rows of {opts.seq_len} over {data_parallel} data-parallel ranks: pass "
-                f"--batch-tokens to choose another"
-            )
-        opts = dataclasses.replace(opts, batch_tokens=saved_tokens)
-        said.append(f"global batch of {saved_tokens:,} tokens/step kept")
-    if given & {"max_steps", "max_tokens"}:
-        steps = f"--max-tokens {opts.max_tokens}" if opts.max_tokens else opts.max_steps
-        said.append(f"schedule {saved_steps} -> {steps} steps as given")
-    else:
-        opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
-        said.append(f"schedule of {saved_steps} steps kept")
-    log("resuming: " + "; ".join(said) + " (--batch-tokens, --max-steps change them)")
-    return opts
-
-
 def write_json(path: Path, value: dict) -> None:
     """Written whole or not at all: a reader never sees half a file."""
     tmp = path.with_name(f".tmp-{path.name}")
@@ -1351,7 +1591,248 @@ def write_json(path: Path, value: dict) -> None:
     os.replace(tmp, path)
 
 
-def measured_memory(steps: int, device: torch.device) -> dict:
+def say(line: str) -> None:
+    """One line on stderr in one write (print writes the newline apart), so that the lines
+    of several processes sharing a terminal do not run into each other."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def show_progress(what: str) -> Callable[[int, int], None]:
+    """A one-line progress display on stderr for long work: done/total, elapsed time."""
+    start = time.perf_counter()
+
+    def report(done: int, total: int) -> None:
+        end = "\n" if done == total else ""
+        elapsed = hms(time.perf_counter() - start)
+        print(f"\r{what}: {done}/{total} tensors, {elapsed}", end=end, file=sys.stderr, flush=True)
+
+    return report
+
+
+def printable(text: str) -> str:
+    """`text` with control characters but newlines and tabs escaped (\\x1b, \\r): a barely
+    trained model samples any bytes, and raw ones would move the cursor or restyle the
+    terminal the log is read in."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+# ----------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------
+
+
+def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
+    """Trains as `opts` say; `given`: the options on the command line (parse_options),
+    which resuming keeps. Returns whether the run reached its last step (False: it stopped
+    on a signal, with a checkpoint)."""
+    if opts.estimate_memory:
+        estimate(opts)
+        return True
+    run = setup(opts, given)
+    model, optimizer, plan, device = run.model, run.optimizer, run.plan, run.world.device
+    offload_activations = functools.partial(
+        offload.activation_offload, model, plan.activation_offload, blocks=plan.offload_blocks
+    )
+    batches = iter(run.loader)
+    stop = StopSignals(run.world.is_main, lambda: run.checkpointer.last)
+    instruments = Instruments(run)
+    step, stopping = run.start_step, False
+    model.train()
+    while step < run.max_steps and not stopping:
+        lr = lr_at(step, run.opts, run.max_steps)
+        optimizer.set_lr(lr)  # before backward, where the optimizer in backward updates
+        micro_batches = [
+            next(batches).to(device, non_blocking=True) for _ in range(plan.grad_accum)
+        ]
+        result = train_step(model, optimizer, micro_batches, offload_activations)
+        step += 1
+        run.metrics.add(result, micro_batches)
+        instruments.after(step)
+
+        stopping = stop.agreed()
+        logging = run.metrics.logging(step, stopping)
+        saving = run.checkpointer.due(step, run.max_steps, stopping)
+        if logging or saving:
+            loss, grad_norm = run.metrics.read(step, run.checkpointer.last)
+        if logging:
+            run.metrics.write(step, lr, loss, grad_norm, stopping)
+        if saving:
+            train_state = {"step": step, "loader": run.loader.state_dict(),
+                           "rng": rng_state(device), **run.train_state}  # fmt: skip
+            run.log(f"saved {run.checkpointer.save(step, optimizer, train_state)}")
+    stop.restore()
+    instruments.close()
+    finish(run, step)
+    dist.destroy_process_group()
+    return step == run.max_steps
+
+
+def finish(run: Run, step: int) -> None:
+    """What a run does at its end: on a signal, say how to resume; at the last step, export,
+    print a sample of the model, and say where everything is and how to go on."""
+    opts, log, last = run.opts, run.log, run.checkpointer.last
+    resume = command_line(opts, run.given, resume="latest")
+    if step < run.max_steps:
+        saved = f"saved {last}" if last else "no checkpoint (--checkpoint-interval 0)"
+        log(f"stopped at step {step} of {run.max_steps} on a signal; {saved}. Resume with:")
+        log(f"  {resume}")
+        return
+    if opts.export_hf:
+        export_hf(run)
+        log(f"exported {opts.export_hf} ({run.plan.param_dtype})")
+    if opts.export_adapter:
+        export_adapter(run)
+        log(f"exported the LoRA adapter to {opts.export_adapter}")
+    print_sample(run)
+    log(f"metrics: {run.run_dir / 'metrics.jsonl'}")
+    if last and step > run.start_step:
+        log(f"checkpoints: {run.checkpointer.root} (the last: {last.name})")
+        log(f"resume:  {resume}")
+        if not opts.export_hf:
+            export_dir = str(run.run_dir / "hf")
+            log(f"export:  {command_line(opts, run.given, resume='latest', export_hf=export_dir)}")
+    elif last:
+        log(
+            f"the run had finished at step {step} of {run.max_steps} ({last}): nothing to "
+            f"train; --max-steps or --max-tokens with --resume train further"
+        )
+
+
+def export_hf(run: Run) -> None:
+    """The weights as a HF checkpoint, LoRA adapters merged into their base weights
+    (model.merged_named_tensors), each parameter gathered in turn."""
+    named = merged_named_tensors(run.model, functools.partial(full_tensor, device=run.world.device))
+    write = functools.partial(
+        save_hf_checkpoint, run.args, out_dir=run.opts.export_hf,
+        dtype=DTYPES[run.plan.param_dtype], tokenizer=run.export_tokenizer,
+    )  # fmt: skip
+    gathered(named, lambda tensors: write(named_tensors=tensors), run.world.is_main)
+
+
+def export_adapter(run: Run) -> None:
+    """The adapters in PEFT's format, gathered like export_hf's weights."""
+    named = (
+        (name, full_tensor(param, run.world.device))
+        for name, param in run.model.named_parameters()
+        if param.requires_grad
+    )
+    write = functools.partial(
+        save_peft_adapter, run.args, run.plan.lora, out_dir=run.opts.export_adapter,
+        base_model=run.opts.hf_checkpoint,
+    )  # fmt: skip
+    gathered(named, lambda tensors: write(named_tensors=tensors), run.world.is_main)
+
+
+def print_sample(run: Run) -> None:
+    """A short sample of the trained model, decoded by the data's tokenizer; where there is
+    none to decode it, why."""
+    tokenizer, n = run.text_tokenizer, run.opts.sample_tokens
+    if not n:
+        return
+    if tokenizer is None:
+        run.log(f"no sample: pass --tokenizer with the file that prepared the data to print {n} "
+                f"tokens of the trained model")  # fmt: skip
+        return
+    run.model.eval()
+    allowed = min(tokenizer.vocab_size, run.args.vocab_size)
+    sample = generate(run.model, [tokenizer.bos_id], n, 0.8, allowed)
+    run.log(f"\na sample of the trained model (after BOS, temperature 0.8):\n{'-' * 60}")
+    run.log(printable(tokenizer.decode(sample)) + f"\n{'-' * 60}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts, given = parse_options(argv)
+    try:
+        finished = train(opts, given)
+    except Exception as e:
+        # What was given (checked alike on every rank, from files all ranks see) and a
+        # non-finite step (which the ranks agree on) fail every rank the same way: rank 0
+        # says it once. Anything else may be one rank's own, or a bug: that rank says it,
+        # with its traceback. Every rank exits non-zero.
+        world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK", "0")
+        alike = isinstance(e, (UsageError, FloatingPointError))
+        if not alike:
+            sys.stderr.write(traceback.format_exc())
+        if rank == "0" or not alike:
+            say(f"train.py error{f' (rank {rank})' if world_size > 1 and not alike else ''}: {e}")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(1)
+    if not finished:
+        sys.exit(EXIT_STOPPED)
+
+
+# ---- TEMPORARY SHIM ----
+def _old_describe(
+    plan: shard.Plan,
+    est: shard.MemoryEstimate,
+    machine: shard.Machine,
+    given: list[str],
+    batch_asked: int | None,
+) -> dict:
+    """The plan as printed at the start and saved in the run directory (plan.json); `given`
+    names the planned fields the user set, `batch_asked` the tokens per step asked for."""
+    gpu, host = shard.memory_needed(est, machine)
+    return {
+        "flags": shard.plan_flags(plan),
+        "planned": [k for k in shard.PLANNED if k not in given],
+        "tokens_per_step": plan.tokens_per_step,
+        "tokens_per_step_asked": batch_asked,
+        "plan": dataclasses.asdict(plan),
+        "machine": dataclasses.asdict(machine),
+        "estimate": dataclasses.asdict(est),
+        "gpu_needed_gib": gpu,
+        "host_needed_gib_per_node": host,
+        "margins": {"gpu": shard.GPU_MARGIN, "host": shard.HOST_MARGIN},
+        "host_per_process_gib": shard.HOST_PROCESS_GIB,
+    }
+
+
+def processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
+def _old_format(described: dict) -> str:
+    d, m = described, described["machine"]
+    plan = d["plan"]
+    planned = ", ".join(d["planned"]) or "nothing: every option was given"
+    asked, tokens = d["tokens_per_step_asked"], d["tokens_per_step"]
+    batch = ""
+    if asked and asked != tokens:
+        cp = plan["context_parallel"]  # a group of cp processes shares each sequence
+        holders = "process" if cp == 1 else f"group of {cp} context-parallel processes"
+        batch = (
+            f" ({asked:,} asked: rounded to whole sequences per {holders})"
+            if tokens > asked or asked < 2 * plan["seq_len"] * plan["world_size"] // cp
+            else f" (of the {asked:,} asked, more would need accumulation, which does not fit)"
+        )
+    if m["gpu_gib"] is None:
+        gpu = "on the CPU, all of it on the host"
+    else:
+        gpu = (
+            f"needs {d['gpu_needed_gib']:.1f} of {m['gpu_gib']:.1f} GiB per GPU "
+            f"({d['margins']['gpu']:.0%} kept free)"
+        )
+    lines = [
+        f"plan: {d['flags']} | {tokens:,} tokens/step{batch} = {plan['seq_len']} x "
+        f"{plan['micro_batch']} sequences x {plan['grad_accum']} micro-batches x "
+        + (
+            f"{plan['world_size'] // cp} groups of {cp} context-parallel ranks"
+            if (cp := plan["context_parallel"]) > 1
+            else processes(plan["world_size"])
+        )
+        + f" | planned: {planned}",
+        shard.MemoryEstimate(**d["estimate"]).format(),
+        f"{processes(m['world_size'])}: {gpu}; host {d['host_needed_gib_per_node']:.1f} of "
+        f"{m['host_gib']:.1f} GiB per node ({d['margins']['host']:.0%} kept free; "
+        f"{processes(m['nproc_per_node'])}, {d['host_per_process_gib']:.0f} GiB each "
+        "besides the estimate)",
+    ]
+    return "\n".join(lines)
+
+
+def _old_measured(steps: int, device: torch.device) -> dict:
     on_gpu = device.type == "cuda"
     return {
         "steps": steps,
@@ -1361,7 +1842,7 @@ def measured_memory(steps: int, device: torch.device) -> dict:
     }
 
 
-def format_measured(described: dict) -> str:
+def _old_format_measured(described: dict) -> str:
     """The peaks reached beside the plan's estimates."""
     measured, est = described["measured"], described["estimate"]
     per_process = described["host_needed_gib_per_node"] / described["machine"]["nproc_per_node"]
@@ -1376,399 +1857,6 @@ def format_measured(described: dict) -> str:
     return line + (
         f"host peak RSS {measured['host_peak_rss_gib']:.2f} GiB (estimate {per_process:.2f})"
     )
-
-
-def make_profiler(opts: Options, trace: Path, on_gpu: bool):
-    if not opts.profile:
-        return contextlib.nullcontext()
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if on_gpu:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(
-        activities=activities,
-        # The first steps carry one-off costs (allocator growth, compilation).
-        schedule=torch.profiler.schedule(wait=1, warmup=1, active=opts.profile, repeat=1),
-        on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
-        record_shapes=True,
-    )
-
-
-# ----------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------
-
-
-def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
-    """`given`: the options on the command line (parse_options), which resuming keeps."""
-    args = model_args(opts)
-    check_options(opts, args)
-    user_set = [k for k in shard.PLANNED if getattr(opts, k) is not None]
-    if opts.estimate_memory:  # for a GPU machine: the GPU defaults of --kernels, --param-dtype
-        machine = machine_to_estimate(opts)
-        plan = make_plan(opts, args, machine, bool(opts.document_mask))
-        estimate = shard.estimate_memory(args, plan)
-        described = describe_plan(plan, estimate, machine, user_set, batch_asked(opts, args))
-        print(format_plan(described))
-        return
-    on_gpu = torch.cuda.is_available()  # shard.init_distributed takes a GPU when there is one
-    if opts.kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
-    if opts.memory_snapshot and not on_gpu:
-        raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
-
-    world = shard.init_distributed()
-    device, is_main = world.device, world.is_main
-    log = print if is_main else lambda *a, **k: None
-    torch.manual_seed(opts.seed)
-
-    # Checks of what was given, before any step. They read files that every rank sees alike
-    # (a shared filesystem), so all ranks raise the same error and none waits on another.
-    run_dir = Path(opts.run_dir)
-    check_run_dir(run_dir)
-    ckpt_root = run_dir / "checkpoints"
-    if opts.hf_checkpoint:
-        check_hf_checkpoint(args, opts.hf_checkpoint)
-    if opts.lora_adapter:
-        check_peft_adapter(args, lora_config(opts), opts.lora_adapter)
-    shard.check_context_parallel(args, opts.context_parallel)
-    resume_from, saved = find_checkpoint(opts, ckpt_root, log) or (None, None)
-    if opts.export_hf:
-        HF_EXPORT.check(opts.export_hf)
-    if opts.export_adapter:
-        PEFT_ADAPTER.check(opts.export_adapter)
-    dataset, text_tokenizer, export_tokenizer = open_data(opts, args, is_main, log)
-    held_out = open_eval_data(opts, args, dataset)
-    tokenizer = dataset.meta["tokenizer"]
-    run = {
-        "model": dataclasses.asdict(args),
-        "seq_len": opts.seq_len,
-        "tokenizer": tokenizer,
-        "strategy": opts.strategy,
-        "world_size": world.world_size,
-        "lora": dataclasses.asdict(lora) if (lora := lora_config(opts)) else None,
-        "context_parallel": opts.context_parallel,
-    }
-    damaged = []
-    if saved:
-        check_resumable(saved["run"], json.loads(json.dumps(run)))
-        damaged = check_no_newer_checkpoints(ckpt_root, saved["step"], resume_from)
-        data_parallel = world.world_size // opts.context_parallel
-        opts = resume_options(opts, given, saved, data_parallel, log)
-
-    # The plan, before anything is loaded or built: a run that cannot fit the GPUs or the
-    # host stops here, with what would make it fit.
-    mask_documents = dataset.is_sft if opts.document_mask is None else opts.document_mask
-    machine = this_machine(opts, world)
-    plan = make_plan(opts, args, machine, mask_documents)
-    estimate = shard.estimate_memory(args, plan)
-    described = describe_plan(plan, estimate, machine, user_set, batch_asked(opts, args))
-    opts = settle_options(opts, args, plan)
-    log(format_plan(described))
-
-    # Build: on the meta device, then the techniques, then the optimizer over the result.
-    with torch.device("meta"):
-        ops = triton_ops() if plan.kernels else REFERENCE_OPS
-        model = Llama(args, ops, opts.attention_backend, plan.document_mask)
-    # Resuming reads the checkpoint's weights, except a LoRA run's frozen base, not in it.
-    hf_path = opts.hf_checkpoint if resume_from is None or plan.lora else None
-    adapter = opts.lora_adapter if resume_from is None else None
-    progress = show_progress(f"loading {hf_path}") if hf_path and is_main else None
-    apply_techniques(model, plan, world, opts.seed, hf_path, progress, adapter)
-    optimizer = build_optimizer(model, plan, opts, device)
-    # Each data-parallel group of context_parallel ranks reads its rows; each of its ranks
-    # gets a slice of them (shard.py's context parallelism section).
-    cp = plan.context_parallel
-    loader = PackedLoader(
-        dataset,
-        opts.seq_len,
-        plan.micro_batch,
-        world.rank // cp,
-        world.world_size // cp,
-        seed=opts.seed,
-        pin_memory=on_gpu,
-        context_rank=world.rank % cp,
-        context_parallel=cp,
-    )
-    # The held-out rows, read in order and split the same way, each group its share.
-    eval_loader, eval_samples = None, None
-    if held_out:
-        eval_loader = PackedLoader(
-            held_out,
-            opts.seq_len,
-            plan.micro_batch,
-            world.rank // cp,
-            world.world_size // cp,
-            pin_memory=on_gpu,
-            context_rank=world.rank % cp,
-            context_parallel=cp,
-        )
-        if opts.eval_tokens:
-            eval_samples = -(-opts.eval_tokens // opts.seq_len)
-        available = min(eval_samples or eval_loader.num_samples, eval_loader.num_samples)
-        if available < world.world_size // cp:
-            raise UsageError(
-                f"--eval-data {held_out.path} gives {available:,} "
-                f"sequence{'s' * (available != 1)} of {opts.seq_len} "
-                f"tokens{' within --eval-tokens' if eval_samples else ''}: fewer than the "
-                f"{world.world_size // cp} data-parallel groups, which take one at least each"
-            )
-    tokens_per_step = loader.tokens_per_step * plan.grad_accum
-    max_steps = opts.max_steps
-    if opts.max_tokens:
-        max_steps = math.ceil(opts.max_tokens / tokens_per_step)
-
-    frozen = plan.lora is not None
-    flops_per_token = args.flops_per_token(opts.seq_len, frozen)
-    peak = peak_flops(device)
-    layout = "optimizer in backward" if plan.optimizer_in_backward else plan.strategy
-    if cp > 1:
-        layout += f", context parallel {cp}"
-    log(
-        f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {args.num_params() / 1e6:.1f}M "
-        f"params, {flops_per_token / 1e6:.1f} MFLOP/token ({4 if frozen else 6}N + 6LSd"
-        f"{'; MFU counts attention within documents' if mask_documents else ''}) | "
-        f"data {dataset.path}: {dataset.n_tokens:,} tokens ({tokenizer}"
-        f"{', attention masked between documents' if mask_documents else ''}) | "
-        f"{world.world_size} x {device.type}, "
-        f"{layout}, {plan.param_dtype} params, kernels {'on' if plan.kernels else 'off'} | "
-        f"{tokens_per_step:,} tokens/step, {max_steps} steps"
-    )
-
-    step = 0
-    if resume_from:
-        load_checkpoint(resume_from, optimizer)
-        loader.load_state_dict(saved["loader"])
-        set_rng_state(saved["rng"], device)
-        step = saved["step"]
-        log(
-            f"resumed from {resume_from} at step {step} (saved by {saved['run']['world_size']} "
-            f"processes, now {world.world_size})"
-        )
-    elif opts.resume:
-        log(f"no checkpoint in {ckpt_root}: starting from scratch")
-    # Everything given is checked and loaded: from here on the run writes into its directory.
-    lock = lock_run_dir(run_dir, is_main)  # noqa: F841 (held until the process ends)
-    metrics_path = run_dir / "metrics.jsonl"
-    if is_main:
-        set_aside(damaged, log)
-        start_metrics(metrics_path, step, resume_from)
-        write_json(run_dir / "plan.json", described)
-    profiler = make_profiler(opts, run_dir / f"trace-rank{world.rank}.json", on_gpu)
-    if opts.memory_snapshot:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-
-    start_step, last_saved, checked_step = step, resume_from, step
-    t_start = t_log = time.perf_counter()
-    step_at_log = step
-    batches = iter(loader)
-    nonfinite = torch.zeros((), dtype=torch.int32, device=device)  # steps since the last check
-    attended = torch.zeros((), dtype=torch.float64, device=device)  # since the last log, for MFU
-    model.train()
-    stop = StopSignals(is_main, lambda: last_saved)
-    stopping = False
-    with profiler:
-        while step < max_steps and not stopping:
-            lr = lr_at(step, opts, max_steps)
-            optimizer.set_lr(lr)  # before backward, where the optimizer in backward updates
-            micro_batches = [
-                next(batches).to(device, non_blocking=True) for _ in range(plan.grad_accum)
-            ]
-            # The loss is the mean over the step's labelled tokens on all ranks, not a mean of
-            # per-micro-batch means: micro-batches hold different numbers of labelled tokens.
-            n_labels = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches)
-            dist.all_reduce(n_labels)
-            n_labels = n_labels.clamp(min=1)
-            loss_sum = torch.zeros((), device=device)
-            for i, b in enumerate(micro_batches):
-                if plan.grad_accum > 1:  # FSDP reduces the gradients in the last backward only
-                    model.set_requires_gradient_sync(i == plan.grad_accum - 1)
-                with offload.activation_offload(
-                    model, plan.activation_offload, blocks=plan.offload_blocks
-                ):
-                    loss = model(b.tokens, b.labels, b.positions, "sum", b.several_documents)
-                # shard.apply_fsdp makes FSDP sum gradients over ranks (divide factor 1), so
-                # dividing by the global count gives the gradient of the global mean.
-                (loss / n_labels).backward()
-                loss_sum += loss.detach()
-                attended += attended_pairs(b.positions, plan.document_mask, opts.seq_len)
-            t_optimizer = time.perf_counter()
-            grad_norm = optimizer.step()
-            # Host time of the step: the CPU AdamW with --cpu-offload, the wait for the last
-            # updates with the optimizer in backward, kernel launches otherwise.
-            optimizer_s = time.perf_counter() - t_optimizer
-            finite = loss_sum.isfinite() & grad_norm.to(device, non_blocking=True).isfinite()
-            nonfinite += ~finite
-            step += 1
-            if opts.profile:
-                profiler.step()
-            if step == min(start_step + 2, max_steps):  # AdamW's state exists by then
-                described["measured"] = measured_memory(step - start_step, device)
-                log(format_measured(described))
-                if is_main:
-                    write_json(run_dir / "plan.json", described)
-            if opts.memory_snapshot and step == min(start_step + 3, max_steps):
-                snapshot = run_dir / f"memory-snapshot-rank{world.rank}.pickle"
-                torch.cuda.memory._dump_snapshot(str(snapshot))
-                torch.cuda.memory._record_memory_history(enabled=None)
-                log(f"wrote {snapshot} (open it at https://pytorch.org/memory_viz)")
-
-            stopping = stop.agreed()
-            evaluating = (
-                eval_loader is not None
-                and (step % opts.eval_interval == 0 or step == max_steps)
-                and not stopping
-            )
-            logging = step % opts.log_interval == 0 or step == max_steps or stopping or evaluating
-            saving = opts.checkpoint_interval and (
-                step % opts.checkpoint_interval == 0 or step == max_steps or stopping
-            )
-            if not (logging or saving):
-                continue
-            # Values are read only here, as in nanoGPT: reading them every step would make
-            # the host wait for the GPU each step. The check covers every step since the last
-            # one, and comes before a checkpoint could save spoiled weights.
-            dist.all_reduce(loss_sum)
-            dist.all_reduce(nonfinite, op=dist.ReduceOp.MAX)
-            loss, grad_norm = (loss_sum / n_labels).item(), grad_norm.item()
-            if nonfinite.item():
-                raise FloatingPointError(
-                    f"step {step}: loss {loss}, gradient norm {grad_norm}: a non-finite loss "
-                    f"or gradient norm in steps {checked_step + 1}-{step}. Stopped after its "
-                    f"update; the last checkpoint is {last_saved or 'none'}"
-                )
-            checked_step = step
-            if logging:
-                now = time.perf_counter()
-                tokens_per_s = (step - step_at_log) * tokens_per_step / (now - t_log)
-                per_device = tokens_per_s / world.world_size
-                dist.all_reduce(attended)
-                flops = args.training_flops(
-                    (step - step_at_log) * tokens_per_step, attended.item(), frozen
-                )
-                attended.zero_()
-                flops_per_device = flops / (now - t_log) / world.world_size
-                record = {
-                    "step": step,
-                    "loss": loss,
-                    "lr": lr,
-                    "grad_norm": grad_norm,
-                    "optimizer_s": optimizer_s,
-                    "tokens": step * tokens_per_step,
-                    "tokens_per_s": tokens_per_s,
-                    "tokens_per_s_per_device": per_device,
-                    "model_tflops_per_device": flops_per_device / 1e12,
-                    "mfu": flops_per_device / peak if peak else None,
-                    "peak_gpu_mem_gib": (
-                        torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None
-                    ),
-                    "host_peak_rss_gib": host_peak_rss_gib(),
-                    "elapsed_s": now - t_start,
-                    "eta_s": (now - t_start) / (step - start_step) * (max_steps - step),
-                    "eval_loss": None,
-                    "eval_tokens": None,
-                }
-                if evaluating:  # after the step's timing, and left out of the next one's
-                    record["eval_loss"], record["eval_tokens"] = evaluate(
-                        model, eval_loader.in_order(eval_samples), device
-                    )
-                    now = time.perf_counter()
-                if is_main:
-                    print(format_record(record, max_steps), flush=True)
-                    with metrics_path.open("a") as f:
-                        f.write(json.dumps(record) + "\n")
-                t_log, step_at_log = now, step
-            if saving:
-                train_state = {
-                    "step": step,
-                    "loader": loader.state_dict(),
-                    "rng": rng_state(device),
-                    "run": {**run, "tokens_per_step": tokens_per_step, "max_steps": max_steps},
-                    "options": dataclasses.asdict(opts),
-                }
-                save_checkpoint(
-                    ckpt_root, step, optimizer, train_state, opts.keep_checkpoints, is_main
-                )
-                last_saved = ckpt_root / f"step-{step:06d}"
-                log(f"saved {last_saved}")
-
-    stop.restore()
-    if opts.profile and (trace := run_dir / f"trace-rank{world.rank}.json").exists():
-        log(f"wrote {trace} (open it in https://ui.perfetto.dev)")
-    resume = command_line(opts, given, resume="latest")
-    if step < max_steps:  # stopped by a signal
-        saved_as = (
-            f"saved {last_saved}" if last_saved else "no checkpoint (--checkpoint-interval 0)"
-        )
-        log(f"stopped at step {step} of {max_steps} on a signal; {saved_as}. Resume with:")
-        log(f"  {resume}")
-        dist.destroy_process_group()
-        return
-    if opts.export_hf:
-        export_hf(
-            model, opts.export_hf, DTYPES[plan.param_dtype], device, is_main, export_tokenizer
-        )
-        log(f"exported {opts.export_hf} ({plan.param_dtype})")
-    if opts.export_adapter:
-        export_adapter(model, plan.lora, opts.export_adapter, opts.hf_checkpoint, device, is_main)
-        log(f"exported the LoRA adapter to {opts.export_adapter}")
-    if opts.sample_tokens and text_tokenizer:
-        model.eval()
-        allowed = min(text_tokenizer.vocab_size, args.vocab_size)
-        sample = generate(model, [text_tokenizer.bos_id], opts.sample_tokens, 0.8, allowed)
-        log(f"\na sample of the trained model (after BOS, temperature 0.8):\n{'-' * 60}")
-        log(printable(text_tokenizer.decode(sample)) + f"\n{'-' * 60}")
-    log(f"metrics: {metrics_path}")
-    if last_saved:
-        log(f"checkpoints: {ckpt_root} (the last: {last_saved.name})")
-        log(f"resume:  {resume}")
-        if not opts.export_hf:
-            export_dir = str(run_dir / "hf")
-            log(f"export:  {command_line(opts, given, resume='latest', export_hf=export_dir)}")
-    dist.destroy_process_group()
-
-
-def command_line(opts: Options, given: frozenset[str], **changes) -> str:
-    """The command of this run (the options it was given) with `changes`. Resuming with it
-    continues the run where it stopped, on the same schedule."""
-    opts = dataclasses.replace(opts, **changes)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    words = ["python", "train.py"]
-    if world_size > 1:
-        words = ["torchrun", f"--nproc-per-node={per_node}", "train.py"]
-        if world_size > per_node:
-            words[1:1] = [f"--nnodes={world_size // per_node}"]
-    for f in dataclasses.fields(Options):
-        value, name = getattr(opts, f.name), "--" + f.name.replace("_", "-")
-        if f.name not in given | changes.keys():
-            continue
-        if value is True or (f.name == "resume" and value == "latest"):
-            words.append(name)
-        elif value is False:  # a flag whose default depends on the device: --no-kernels
-            words.append("--no-" + name.removeprefix("--"))
-        elif value is not None:
-            words += [name, str(value)]
-    return shlex.join(words)
-
-
-def main(argv: list[str] | None = None) -> None:
-    opts, given = parse_options(argv)
-    try:
-        train(opts, given)
-    except Exception as e:
-        # What was given (checked alike on every rank, from files all ranks see) and a
-        # non-finite step (which the ranks agree on) fail every rank the same way: rank 0
-        # says it once. Anything else may be one rank's own: that rank says it, with its
-        # traceback. Every rank exits non-zero.
-        world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK", "0")
-        alike = isinstance(e, (UsageError, FloatingPointError))
-        if not alike:
-            sys.stderr.write(traceback.format_exc())
-        if rank == "0" or not alike:
-            say(f"train.py error{f' (rank {rank})' if world_size > 1 and not alike else ''}: {e}")
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -17,10 +17,17 @@ from pathlib import Path
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The step records of a run, one per step in step order. metrics.jsonl holds two kinds
+    of line (README, "metrics.jsonl"): a step's record, which has "loss", and a resume's
+    marker {"resumed_from": ..., "step": N}; after a resume the steps a killed run logged
+    past its checkpoint are logged again, and the last record of a step is the one that
+    counts."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics.jsonl (is {run_dir} a --run-dir?)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_step = {r["step"]: r for r in records if "loss" in r}
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def plot(runs: dict[str, list[dict]], out: Path) -> None:

@@ -9,6 +9,7 @@ scenario is meant to raise are written per rank to OUT_DIR/<scenario>.rank<r>.tx
 """
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -20,17 +21,18 @@ import torch.distributed as torch_dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data import Batch  # noqa: E402
 from model import Llama, LoRAConfig, ModelArgs, apply_lora  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
 from shard import (  # noqa: E402
     apply_context_parallel,
     apply_fsdp,
     build_mesh,
-    clip_grad_norm_,
     context_parallel_group,
     init_distributed,
     materialize,
 )
+from train import ShardedAdamW, train_step  # noqa: E402
 
 TINY = ModelArgs.from_name("tiny")
 # Dims that 2 ranks do not divide evenly (w1: 201 rows = 101 + 100; vocab 321).
@@ -149,14 +151,35 @@ def sharded_model(
     return model
 
 
+class RecordingAdamW(ShardedAdamW):
+    """train.ShardedAdamW keeping the first step's clipped gradients, which the test compares."""
+
+    def __init__(self, model):
+        super().__init__(model, (0.9, 0.999), WEIGHT_DECAY, MAX_NORM, fused=True)
+        self.set_lr(LR)
+        self.first_grads = None
+        adamw_step = self.adamw.step
+
+        def record_then_step():
+            if self.first_grads is None:
+                self.first_grads = {
+                    n: p.grad.full_tensor().cpu()
+                    for n, p in model.named_parameters()
+                    if p.requires_grad
+                }
+            adamw_step()
+
+        self.adamw.step = record_then_step
+
+
 def train(dist, out: Path, name: str) -> None:
+    """train.train_step, step after step, on each rank's part of the global batches."""
     s = TRAIN_SCENARIOS[name]
     model = sharded_model(
         dist, s.args, s.strategy, s.local_world_size, s.cpu_offload, s.ac, lora=s.lora,
         cp=s.context_parallel, mask=s.document_mask,
     )  # fmt: skip
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    optimizer = RecordingAdamW(model)
     # The global batch of 2 * BATCH rows: a data-parallel rank takes its rows, and a
     # context-parallel rank its columns of them.
     tokens, labels, positions = batches(s.args, 2, s.document_mask)
@@ -164,34 +187,23 @@ def train(dist, out: Path, name: str) -> None:
     rows = torch.arange(2 * BATCH).chunk(data_ranks)[dist.rank // s.context_parallel]
     columns = torch.arange(SEQ).chunk(s.context_parallel)[dist.rank % s.context_parallel]
     mine = (rows[:, None], columns)
+    offloaded = functools.partial(activation_offload, model, s.activation_offload, min_bytes=0)
     losses, norms = [], []
     for step in range(STEPS):
-        n_targets = (labels[step] != -100).sum()  # the global count, known to every rank
-        step_loss = torch.zeros(())
-        for mb in range(MICRO_BATCHES):
-            model.set_requires_gradient_sync(mb == MICRO_BATCHES - 1)
-            batch = (t[step, mb][mine] for t in (tokens, labels, positions))
-            with activation_offload(model, enabled=s.activation_offload, min_bytes=0):
-                loss = model(*batch, reduction="sum")
-            (loss / n_targets).backward()
-            step_loss += loss.detach().cpu()
-        torch_dist.all_reduce(step_loss)
-        losses.append(step_loss.item() / n_targets.item())
-        norms.append(clip_grad_norm_(model, MAX_NORM).item())
-        if step == 0:
-            grads = {
-                n: p.grad.full_tensor().cpu()
-                for n, p in model.named_parameters()
-                if p.requires_grad
-            }
-        optimizer.step()
-        optimizer.zero_grad()
+        micro_batches = [
+            Batch(*(t[step, mb][mine] for t in (tokens, labels, positions)), s.document_mask)
+            for mb in range(MICRO_BATCHES)
+        ]
+        result = train_step(model, optimizer, micro_batches, offloaded)
+        torch_dist.all_reduce(result.loss_sum)
+        losses.append((result.loss_sum / result.n_labels).item())
+        norms.append(result.grad_norm.item())
     weights = full_weights(model, trainable=True)
     # The frozen ones (a 4-bit base's packed bytes among them), compared bit for bit.
     frozen = {n: t.view(torch.uint8) for n, t in full_weights(model).items() if n not in weights}
     if dist.is_main:
-        result = {"losses": losses, "norms": norms, "grads": grads, "weights": weights,
-                  "frozen": frozen}  # fmt: skip
+        result = {"losses": losses, "norms": norms, "grads": optimizer.first_grads,
+                  "weights": weights, "frozen": frozen}  # fmt: skip
         torch.save(result, out / f"{name}.pt")
 
 

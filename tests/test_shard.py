@@ -86,7 +86,11 @@ def reference_run(scenario: w.Scenario) -> dict:
         apply_lora(model, scenario.lora, torch.float32)
     model.init_weights(w.SEED)
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=w.LR, weight_decay=w.WEIGHT_DECAY, fused=True)
+    groups = [  # weight decay on the matrices, as train.ShardedAdamW
+        {"params": [p for p in trained if p.ndim >= 2], "weight_decay": w.WEIGHT_DECAY},
+        {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW(groups, lr=w.LR, fused=True)
     tokens, labels, positions = w.batches(scenario.args, 2, scenario.document_mask)
     losses, norms = [], []
     for step in range(w.STEPS):

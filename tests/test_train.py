@@ -495,6 +495,11 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
     users_dir.mkdir()
     (users_dir / "notes.txt").write_text("the user's")
     return {
+        "lr past float32": (["--data", str(dataset), "--lr", "1e39"], "--lr must be at most 3.4"),
+        "data is a file": (
+            ["--data", str(dataset / "meta.json")],
+            "meta.json is a file, not a prepared dataset directory: make one with",
+        ),
         "run dir of the user's files": (
             ["--data", str(dataset), "--run-dir", str(users_dir)],
             "holds notes.txt and no run's files",
@@ -508,7 +513,20 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             "adapter directory " + str(users_dir) + " holds notes.txt, which no adapter writes",
         ),
         "token id past vocab": (["--data", str(past_vocab)], "token id 400 in tokens.bin"),
-        "seq len past max": (["--data", str(dataset), "--seq-len", "4096"], "max_seq_len 2048"),
+        "seq len past a checkpoint's": (
+            [
+                "--data",
+                str(dataset),
+                "--hf-checkpoint",
+                str(qlora_base(tmp / "hf")),
+                "--lr",
+                "1e-4",
+                "--seq-len",
+                "4096",
+            ],
+            "--seq-len 4096 is past the 512 positions " + str(tmp / "hf") + " was trained on: "
+            "pass --max-seq-len 4096",
+        ),  # fmt: skip
         "missing data dir": (["--data", str(tmp / "nowhere")], "is not a prepared dataset"),
         "missing hf checkpoint": (
             ["--data", str(dataset), "--hf-checkpoint", str(tmp / "nowhere")],
@@ -606,11 +624,13 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
 
 
 CASES = [
+    "lr past float32",
+    "data is a file",
     "run dir of the user's files",
     "export over the user's files",
     "adapter over the user's files",
     "token id past vocab",
-    "seq len past max",
+    "seq len past a checkpoint's",
     "missing data dir",
     "missing hf checkpoint",
     "checkpoint of another model",
@@ -1044,3 +1064,117 @@ def test_readme_train_then_test(tmp_path):
     )  # fmt: skip
     assert test_run.returncode == 0, test_run.stdout + test_run.stderr
     assert "2 passed" in test_run.stdout
+
+
+def test_abbreviations_are_refused_and_a_typo_is_told_the_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--max-step", "3"])
+    assert exit_info.value.code == 2
+    assert "unknown option --max-step: did you mean --max-steps?" in capsys.readouterr().err
+    help_text = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--help"], capture_output=True, text=True
+    ).stdout
+    for group in ["model and data:", "batch and schedule:", "memory plan", "LoRA and QLoRA:"]:
+        assert group in help_text
+    assert help_text.count("(default:") >= len(dataclasses.fields(train.Options))
+
+
+def test_more_processes_than_gpus_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(train.UsageError, match="8 processes per node were asked .* 1 GPU:"):
+        train.check_gpus()
+
+
+@CPU_ONLY
+def test_a_preset_from_scratch_trains_past_its_preset_length(dataset, tmp_path):
+    """The tiny preset's length is 2048; trained from scratch it takes --seq-len 4096, and
+    its export records the length it was trained at."""
+    argv = ["--data", str(dataset), "--seq-len", "4096", "--batch-tokens", "4096",
+            "--max-steps", "1", "--sample-tokens", "0", "--run-dir", str(tmp_path / "run"),
+            "--export-hf", str(tmp_path / "hf")]  # fmt: skip
+    train.main(argv)
+    assert list(losses(tmp_path / "run")) == [1]
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 4096
+
+
+@CPU_ONLY
+def test_the_cards_length_plans_and_starts_on_the_cpu(dataset, tmp_path):
+    """`python train.py --seq-len 131072` (here on the test dataset): the plan is printed,
+    saying a step takes minutes, and the model starts; stopped there (SIGKILL)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), "--data", str(dataset), "--seq-len", "131072",
+         "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("model tiny"):
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    out = "".join(lines)
+    assert "plan:" in out and "131,072 tokens/step" in out and "minutes" in out, out
+    assert "model tiny" in out, out
+
+
+@CPU_ONLY
+def test_sigterm_exits_with_its_own_status_and_the_commands_work_from_anywhere(dataset, tmp_path):
+    """A stopped run exits EXIT_STOPPED (75), not 0, so `train && export` stops; the resume
+    command it prints runs from the directory the user is in."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    run_dir = tmp_path / "run"
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "1000", "--log-interval", "1",
+            "--run-dir", str(run_dir)]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), *argv],
+        cwd=elsewhere, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == train.EXIT_STOPPED == 75, err
+    resume = out.split("Resume with:\n")[1].split("\n")[0].split()
+    assert resume[:2] == ["python", os.path.relpath(REPO / "train.py", elsewhere)]
+    assert "--resume" in resume
+
+
+def test_plot_reads_a_resumed_runs_metrics(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from plot_metrics import read_metrics
+
+    lines = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.9},
+             {"resumed_from": "runs/a/checkpoints/step-000001", "step": 1},
+             {"step": 2, "loss": 2.8}, {"step": 3, "loss": 2.7}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = read_metrics(tmp_path)
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 3.0), (2, 2.8), (3, 2.7)]
+
+
+@CPU_ONLY
+def test_what_a_run_says_at_its_start_and_end(dataset, reference_run, tmp_path, capsys):
+    """--resume with nothing to resume from a HF checkpoint says where it starts from; a
+    LoRA run says what trains; a finished run resumed trains nothing and prints no resume
+    command."""
+    base = qlora_base(tmp_path / "base")
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "1", "--hf-checkpoint", str(base),
+            "--lr", "1e-3", "--lora-rank", "2", "--resume",
+            "--run-dir", str(tmp_path / "lora")]  # fmt: skip
+    train.main(argv)
+    out = capsys.readouterr().out
+    assert f"starting from {base}" in out
+    assert "LoRA r=2 (alpha 16) on wq,wk,wv,wo,w1,w2,w3: " in out and "parameters train" in out
+    finished = tmp_path / "finished"
+    shutil.copytree(reference_run, finished)
+    train.main(["--data", str(dataset), *SMALL, "--resume", "--run-dir", str(finished)])
+    out = capsys.readouterr().out
+    assert "the run had finished at step 40 of 40" in out and "resume:" not in out
