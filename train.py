@@ -186,11 +186,8 @@ class Options:
     )
     lr: float | None = flag(
         None,
-        "peak learning rate, reached after the warmup. Default for a preset trained from "
-        "scratch, by its size as Llama 2 and 3 were pre-trained: 3e-3 under 100M parameters, "
-        "3e-4 up to 10B, 1.5e-4 above. Required with --hf-checkpoint: a fine-tune's rate "
-        "depends on its data and length more than on the model (full fine-tunes of 8B use "
-        "5e-6 to 2e-5), and a pre-training rate wrecks a checkpoint within steps",
+        "peak learning rate, after the warmup (default, from scratch: 3e-3 under 100M "
+        "parameters, 3e-4 up to 10B, 1.5e-4 above; required with --hf-checkpoint)",
     )
     min_lr: float | None = flag(None, "learning rate at the last step (default: --lr / 10)")
     warmup_steps: int = flag(20, "steps of linear warmup from 0")
