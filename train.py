@@ -119,13 +119,6 @@ REPO = Path(__file__).resolve().parent
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-# The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; for
-# models under 100M parameters (the tiny preset of the default run and the tests), 16
-# sequences of 256 tokens.
-BATCH_TOKENS = 2**19
-SMALL_MODEL_BATCH_TOKENS = 4096
-
-
 def flag(default, help: str, **argparse_kwargs):
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
@@ -167,8 +160,9 @@ class Options:
     batch_tokens: int | None = flag(
         None,
         "tokens per optimizer step over all processes, rounded to whole sequences, at least "
-        f"one per process or context-parallel group (default: {BATCH_TOKENS:,}, a usual "
-        f"fine-tuning batch such as 128 sequences of 4096 tokens; {SMALL_MODEL_BATCH_TOKENS:,} "
+        f"one per process or context-parallel group (default: {shard.BATCH_TOKENS:,}, a usual "
+        f"fine-tuning batch such as 128 sequences of 4096 tokens; "
+        f"{shard.SMALL_MODEL_BATCH_TOKENS:,} "
         "for models under 100M parameters); --micro-batch and --grad-accum follow from it",
     )
     micro_batch: int | None = flag(
@@ -387,50 +381,32 @@ def check_options(opts: Options, args: ModelArgs) -> None:
             "--world-size and --nproc-per-node describe a machine for --estimate-memory; "
             "a run takes them from torchrun"
         )
-    if opts.context_parallel > 1 and opts.seq_len % opts.context_parallel:
-        problems.append(
-            f"--context-parallel {opts.context_parallel} must divide --seq-len {opts.seq_len}"
-        )
-    if opts.optimizer_in_backward:
-        # Each parameter is updated during backward, before the step's last gradient exists.
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        refused = {
-            "--cpu-offload (it offloads the optimizer with FSDP)": opts.cpu_offload,
-            f"--strategy {opts.strategy} (no FSDP)": opts.strategy != "FULL_SHARD",
-            f"--grad-clip {opts.grad_clip} (the global norm is known only after the "
-            f"updates; pass --grad-clip 0)": bool(opts.grad_clip),
-            f"--grad-accum {opts.grad_accum} (the updates happen in every backward)": (
-                (opts.grad_accum or 1) > 1
-            ),
-            f"{world_size} processes (it runs on one GPU)": world_size > 1,
-        }
-        problems += [
-            f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
-        ]
     if not opts.lora_rank:
         problems += [
             f"--{name.replace('_', '-')} needs --lora-rank > 0"
             for name in ("quantize_base", "lora_adapter", "export_adapter")
             if getattr(opts, name)
         ]
-    elif opts.optimizer_in_backward:
-        problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
     try:
         lora_config(opts)
     except ValueError as e:
         problems.append(str(e))
-    blocks = opts.offload_blocks
-    if blocks is not None and not (opts.activation_offload and 0 <= blocks < args.n_layers):
-        problems.append(
-            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
-            f"{args.n_layers - 1} (the model's blocks but the last)"
-        )
     if opts.hf_checkpoint and opts.lr is None:
         problems.append(
             f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
             f"length (full fine-tunes of 7-8B models use 5e-6 to 2e-5; this model has "
             f"{args.num_params() / 1e9:.2f}B parameters)"
         )
+    # The techniques' rules, on the processes of this run or of the machine to estimate.
+    if opts.estimate_memory:
+        machine = shard.machine_to_estimate(
+            opts.world_size, opts.nproc_per_node, opts.gpu_memory, opts.host_memory
+        )
+        world_size, per_node = machine.world_size, machine.nproc_per_node
+    else:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    problems += shard.technique_problems(opts, args, world_size, per_node)
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -779,99 +755,6 @@ def default_lr(args: ModelArgs) -> float:
     return 3e-3 if n < 100e6 else 3e-4 if n <= 10e9 else 1.5e-4
 
 
-def default_batch_tokens(args: ModelArgs) -> int:
-    return SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS
-
-
-def batch_asked(opts: Options, args: ModelArgs) -> int | None:
-    """The tokens per step asked for, if they were (or the default), else None: the batch
-    is then --micro-batch x --grad-accum."""
-    if opts.micro_batch and opts.grad_accum:
-        return opts.batch_tokens
-    return opts.batch_tokens or default_batch_tokens(args)
-
-
-def host_memory_gib() -> float:
-    """Memory this host can give a run: MemAvailable, within the cgroup's limit if one is
-    set (a container or a SLURM job sees the whole machine's /proc/meminfo)."""
-    meminfo = Path("/proc/meminfo").read_text()
-    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
-    limit, usage = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
-    if limit.exists() and usage.exists() and limit.read_text().strip() != "max":
-        available = min(available, int(limit.read_text()) - int(usage.read_text()))
-    return available / 2**30
-
-
-def this_machine(opts: Options, world: shard.Dist) -> shard.Machine:
-    """The machine the run is on: its processes, each GPU's free memory and the host's
-    available memory (--gpu-memory, --host-memory instead where given). Every rank plans
-    with the smallest over all ranks, so that all choose the same plan."""
-    gpu = opts.gpu_memory
-    if gpu is None and world.device.type == "cuda":
-        gpu = torch.cuda.mem_get_info(world.device)[0] / 2**30
-    memory = torch.tensor([gpu or 0.0, opts.host_memory or host_memory_gib()], dtype=torch.float64)
-    dist.all_reduce(memory, op=dist.ReduceOp.MIN)
-    gpu_gib = memory[0].item() if gpu is not None else None
-    return shard.Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
-
-
-def machine_to_estimate(opts: Options) -> shard.Machine:
-    """The machine --estimate-memory plans for: the flags', else torchrun's and this one's."""
-    env = os.environ
-    # --nproc-per-node alone reads as torchrun's: one node of that many processes.
-    world_size = opts.world_size or opts.nproc_per_node or int(env.get("WORLD_SIZE", "1"))
-    nproc = opts.nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
-    if world_size % nproc:
-        raise UsageError(
-            f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
-        )
-    gpu = opts.gpu_memory
-    if gpu is None:
-        gpu = torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 80.0
-    return shard.Machine(world_size, nproc, gpu, opts.host_memory or host_memory_gib())
-
-
-def make_plan(
-    opts: Options, args: ModelArgs, machine: shard.Machine, mask_documents: bool
-) -> shard.Plan:
-    """The plan of the run: what the options set, and the fastest choice for the rest that
-    fits `machine` (shard.choose_plan; on the CPU, only the micro-batch is chosen). The batch
-    is --batch-tokens (or its default) in whole sequences per process, unless both
-    --micro-batch and --grad-accum are given."""
-    on_gpu = machine.gpu_gib is not None
-    base = shard.Plan(
-        seq_len=opts.seq_len,
-        strategy=opts.strategy,
-        ac_every=opts.ac_every,
-        param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
-        kernels=on_gpu if opts.kernels is None else opts.kernels,
-        lora=lora_config(opts),
-        document_mask=mask_documents,
-        offload_blocks=opts.offload_blocks,
-        context_parallel=opts.context_parallel,
-    )
-    wanted = {k: getattr(opts, k) for k in shard.PLANNED if getattr(opts, k) is not None}
-    if (opts.grad_clip or opts.lora_rank) and opts.optimizer_in_backward is None:
-        # It cannot clip, and it updates every parameter: not LoRA's frozen base.
-        wanted["optimizer_in_backward"] = False
-    cp = opts.context_parallel
-    shard.check_context_parallel_ranks(cp, machine.world_size, machine.nproc_per_node)
-    per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
-    if opts.micro_batch and opts.grad_accum:
-        sequences = opts.micro_batch * opts.grad_accum
-        if opts.batch_tokens and opts.batch_tokens != sequences * per_sequence:
-            raise UsageError(
-                f"--batch-tokens {opts.batch_tokens} is not --micro-batch {opts.micro_batch} x "
-                f"--grad-accum {opts.grad_accum} x {machine.world_size // cp} processes x "
-                f"--seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
-            )
-    else:
-        batch = opts.batch_tokens or default_batch_tokens(args)
-        sequences = max(1, round(batch / per_sequence))
-    batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
-    return shard.choose_plan(args, machine, base, wanted, sequences, batch_is_fixed)
-
-
 def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
     """The options with what they left open decided: the planned fields as planned, the
     batch as run, the learning rates and clipping."""
@@ -891,74 +774,6 @@ def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
         batch_tokens=plan.tokens_per_step,
         **planned,
     )
-
-
-def describe_plan(
-    plan: shard.Plan,
-    est: shard.MemoryEstimate,
-    machine: shard.Machine,
-    given: list[str],
-    batch_asked: int | None,
-) -> dict:
-    """The plan as printed at the start and saved in the run directory (plan.json); `given`
-    names the planned fields the user set, `batch_asked` the tokens per step asked for."""
-    gpu, host = shard.memory_needed(est, machine)
-    return {
-        "flags": shard.plan_flags(plan),
-        "planned": [k for k in shard.PLANNED if k not in given],
-        "tokens_per_step": plan.tokens_per_step,
-        "tokens_per_step_asked": batch_asked,
-        "plan": dataclasses.asdict(plan),
-        "machine": dataclasses.asdict(machine),
-        "estimate": dataclasses.asdict(est),
-        "gpu_needed_gib": gpu,
-        "host_needed_gib_per_node": host,
-        "margins": {"gpu": shard.GPU_MARGIN, "host": shard.HOST_MARGIN},
-        "host_per_process_gib": shard.HOST_PROCESS_GIB,
-    }
-
-
-def processes(n: int) -> str:
-    return f"{n} process" if n == 1 else f"{n} processes"
-
-
-def format_plan(described: dict) -> str:
-    d, m = described, described["machine"]
-    plan = d["plan"]
-    planned = ", ".join(d["planned"]) or "nothing: every option was given"
-    asked, tokens = d["tokens_per_step_asked"], d["tokens_per_step"]
-    batch = ""
-    if asked and asked != tokens:
-        cp = plan["context_parallel"]  # a group of cp processes shares each sequence
-        holders = "process" if cp == 1 else f"group of {cp} context-parallel processes"
-        batch = (
-            f" ({asked:,} asked: rounded to whole sequences per {holders})"
-            if tokens > asked or asked < 2 * plan["seq_len"] * plan["world_size"] // cp
-            else f" (of the {asked:,} asked, more would need accumulation, which does not fit)"
-        )
-    if m["gpu_gib"] is None:
-        gpu = "on the CPU, all of it on the host"
-    else:
-        gpu = (
-            f"needs {d['gpu_needed_gib']:.1f} of {m['gpu_gib']:.1f} GiB per GPU "
-            f"({d['margins']['gpu']:.0%} kept free)"
-        )
-    lines = [
-        f"plan: {d['flags']} | {tokens:,} tokens/step{batch} = {plan['seq_len']} x "
-        f"{plan['micro_batch']} sequences x {plan['grad_accum']} micro-batches x "
-        + (
-            f"{plan['world_size'] // cp} groups of {cp} context-parallel ranks"
-            if (cp := plan["context_parallel"]) > 1
-            else processes(plan["world_size"])
-        )
-        + f" | planned: {planned}",
-        shard.MemoryEstimate(**d["estimate"]).format(),
-        f"{processes(m['world_size'])}: {gpu}; host {d['host_needed_gib_per_node']:.1f} of "
-        f"{m['host_gib']:.1f} GiB per node ({d['margins']['host']:.0%} kept free; "
-        f"{processes(m['nproc_per_node'])}, {d['host_per_process_gib']:.0f} GiB each "
-        "besides the estimate)",
-    ]
-    return "\n".join(lines)
 
 
 def apply_techniques(
@@ -1351,33 +1166,6 @@ def write_json(path: Path, value: dict) -> None:
     os.replace(tmp, path)
 
 
-def measured_memory(steps: int, device: torch.device) -> dict:
-    on_gpu = device.type == "cuda"
-    return {
-        "steps": steps,
-        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None,
-        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if on_gpu else None,
-        "host_peak_rss_gib": host_peak_rss_gib(),
-    }
-
-
-def format_measured(described: dict) -> str:
-    """The peaks reached beside the plan's estimates."""
-    measured, est = described["measured"], described["estimate"]
-    per_process = described["host_needed_gib_per_node"] / described["machine"]["nproc_per_node"]
-    line = f"memory after {measured['steps']} steps: "
-    if measured["gpu_peak_gib"] is not None:
-        tensors = est["gpu_total"] - est["overhead"]
-        line += (
-            f"GPU peak {measured['gpu_peak_gib']:.2f} GiB allocated, "
-            f"{measured['gpu_reserved_gib']:.2f} reserved (estimate {tensors:.2f} allocated, "
-            f"{est['gpu_total']:.2f} with the context); "
-        )
-    return line + (
-        f"host peak RSS {measured['host_peak_rss_gib']:.2f} GiB (estimate {per_process:.2f})"
-    )
-
-
 def make_profiler(opts: Options, trace: Path, on_gpu: bool):
     if not opts.profile:
         return contextlib.nullcontext()
@@ -1402,13 +1190,14 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     """`given`: the options on the command line (parse_options), which resuming keeps."""
     args = model_args(opts)
     check_options(opts, args)
-    user_set = [k for k in shard.PLANNED if getattr(opts, k) is not None]
     if opts.estimate_memory:  # for a GPU machine: the GPU defaults of --kernels, --param-dtype
-        machine = machine_to_estimate(opts)
-        plan = make_plan(opts, args, machine, bool(opts.document_mask))
-        estimate = shard.estimate_memory(args, plan)
-        described = describe_plan(plan, estimate, machine, user_set, batch_asked(opts, args))
-        print(format_plan(described))
+        machine = shard.machine_to_estimate(
+            opts.world_size, opts.nproc_per_node, opts.gpu_memory, opts.host_memory
+        )
+        plan = shard.make_plan(
+            opts, args, machine, bool(opts.document_mask), lora=lora_config(opts)
+        )
+        print(plan.format())
         return
     on_gpu = torch.cuda.is_available()  # shard.init_distributed takes a GPU when there is one
     if opts.kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
@@ -1430,7 +1219,6 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
         check_hf_checkpoint(args, opts.hf_checkpoint)
     if opts.lora_adapter:
         check_peft_adapter(args, lora_config(opts), opts.lora_adapter)
-    shard.check_context_parallel(args, opts.context_parallel)
     resume_from, saved = find_checkpoint(opts, ckpt_root, log) or (None, None)
     if opts.export_hf:
         HF_EXPORT.check(opts.export_hf)
@@ -1458,12 +1246,10 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     # The plan, before anything is loaded or built: a run that cannot fit the GPUs or the
     # host stops here, with what would make it fit.
     mask_documents = dataset.is_sft if opts.document_mask is None else opts.document_mask
-    machine = this_machine(opts, world)
-    plan = make_plan(opts, args, machine, mask_documents)
-    estimate = shard.estimate_memory(args, plan)
-    described = describe_plan(plan, estimate, machine, user_set, batch_asked(opts, args))
+    machine = shard.this_machine(opts.gpu_memory, opts.host_memory, world)
+    plan = shard.make_plan(opts, args, machine, mask_documents, lora=lora_config(opts))
     opts = settle_options(opts, args, plan)
-    log(format_plan(described))
+    log(plan.format())
 
     # Build: on the meta device, then the techniques, then the optimizer over the result.
     with torch.device("meta"):
@@ -1552,7 +1338,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
     if is_main:
         set_aside(damaged, log)
         start_metrics(metrics_path, step, resume_from)
-        write_json(run_dir / "plan.json", described)
+        write_json(run_dir / "plan.json", plan.to_json())
     profiler = make_profiler(opts, run_dir / f"trace-rank{world.rank}.json", on_gpu)
     if opts.memory_snapshot:
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
@@ -1602,10 +1388,10 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> None:
             if opts.profile:
                 profiler.step()
             if step == min(start_step + 2, max_steps):  # AdamW's state exists by then
-                described["measured"] = measured_memory(step - start_step, device)
-                log(format_measured(described))
+                measured = shard.measured_memory(step - start_step, device)
+                log(plan.format_measured(measured))
                 if is_main:
-                    write_json(run_dir / "plan.json", described)
+                    write_json(run_dir / "plan.json", {**plan.to_json(), "measured": measured})
             if opts.memory_snapshot and step == min(start_step + 3, max_steps):
                 snapshot = run_dir / f"memory-snapshot-rank{world.rank}.pickle"
                 torch.cuda.memory._dump_snapshot(str(snapshot))

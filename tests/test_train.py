@@ -584,7 +584,7 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
                 "--grad-accum",
                 "2",
             ],
-            "--batch-tokens 1000 is not --micro-batch 2 x --grad-accum 2 x 1 processes",
+            "--batch-tokens 1000 is not --micro-batch 2 x --grad-accum 2 x 1 process x",
         ),  # fmt: skip
         "machine flags without --estimate-memory": (
             ["--data", str(dataset), "--world-size", "8"],
