@@ -1344,63 +1344,70 @@ def no_fit_message(
         f"The closest, {closest.flags()}, needs {needs}{host:.1f} GiB of host memory per node "
         f"of {host_usable:.1f} usable (margins: {margins}).",
     ]
-    if ways := ways_to_fit(args, machine, base, wanted, grad_clip):
+    ways, tried = ways_to_fit(args, machine, base, wanted, grad_clip)
+    if ways:
         lines.append("It would fit with: " + "; or ".join(ways))
-    elif gpu_usable:
-        lines.append(
-            "Neither the planner's choice, context parallelism, LoRA or QLoRA, more GPUs (up "
-            "to 64x) nor a shorter sequence would make it fit."
-        )
     else:
-        lines.append("Neither LoRA or QLoRA nor a shorter sequence would fit this host's memory.")
+        where = "" if gpu_usable else " in this host's memory"
+        tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
+        lines.append(f"Neither {tried} would make it fit{where}.")
     return "\n".join(lines)
 
 
 def ways_to_fit(
     args: ModelArgs, machine: Machine, base: Plan, wanted: dict, grad_clip: float | None
-) -> list[str]:
-    """Each change that would make a plan fit, tried in turn: the planner's choice instead
-    of the planned fields the user set, context parallelism, LoRA (then QLoRA), more GPUs
-    (on GPUs), a shorter sequence."""
+) -> tuple[list[str], list[str]]:
+    """The changes that would make a plan fit, as flags, each the first of its kind that
+    does: the planner's choice instead of the planned fields the user set; context
+    parallelism, LoRA or QLoRA, or both together where neither alone does; more GPUs; a
+    shorter sequence. And the kinds tried, for a message when none does."""
 
-    def fit(machine: Machine = machine, wanted: dict = wanted, **changes) -> bool:
-        changed = dataclasses.replace(base, **changes)
-        return fits_any(args, machine, changed, wanted, grad_clip)
+    def first_fit(changes: dict[str, dict]) -> list[str]:
+        for flags, change in changes.items():
+            changed = dataclasses.replace(base, **change)
+            if fits_any(args, machine, changed, wanted, grad_clip):
+                return [flags]
+        return []
 
     on_gpu, nproc, cp = machine.gpu_gib is not None, machine.nproc_per_node, base.context_parallel
-    ways = []
-    if wanted and fit(wanted={}):
-        ways.append(f"the planner's choice instead of {flags_of(wanted, negated=True)}")
-    for n in range(2 * cp, nproc + 1, cp) if on_gpu else ():
-        if fit(context_parallel=n):
-            ways.append(f"--context-parallel {n}")
-            break
-    rank16, nf4 = LoRAConfig(rank=16, alpha=16.0), {"quantize_base": "nf4"}
-    loras = {"--lora-rank 16": rank16, "--lora-rank 16 --quantize-base nf4": (
-        dataclasses.replace(rank16, **nf4))}  # fmt: skip
+    ways, tried = [], []
+    if wanted:
+        tried.append("the planner's choice")
+        if fits_any(args, machine, base, {}, grad_clip):
+            ways.append(f"the planner's choice instead of {flags_of(wanted, negated=True)}")
+    sharing = {f"--context-parallel {n}": {"context_parallel": n}
+               for n in range(2 * cp, nproc + 1, cp) if on_gpu}  # fmt: skip
+    rank16 = LoRAConfig(rank=16, alpha=16.0)
+    adapters = {"--lora-rank 16": rank16, "--lora-rank 16 --quantize-base nf4": (
+        dataclasses.replace(rank16, quantize_base="nf4"))}  # fmt: skip
     if base.lora is not None:
-        loras = {"--quantize-base nf4": dataclasses.replace(base.lora, **nf4)}
+        adapters = {"--quantize-base nf4": dataclasses.replace(base.lora, quantize_base="nf4")}
     if not all(shape[-1] % NF4_BLOCK == 0 for shape in block_shapes(args).values()):
-        loras = {flags: lora for flags, lora in loras.items() if not lora.quantize_base}
-    for flags, lora in loras.items():
-        if lora != base.lora and fit(lora=lora):
-            ways.append(flags)
-            break
-    for k in (2, 4, 8, 16, 32, 64) if on_gpu else ():
-        world = machine.world_size * k
-        more = dataclasses.replace(
-            machine, world_size=world, nproc_per_node=min(world, max(nproc, 8))
-        )
-        if fit(more):
-            ways.append(f"{world} GPUs ({more.nproc_per_node} per node)")
-            break
-    seq = base.seq_len // 2
+        adapters = {flags: lora for flags, lora in adapters.items() if not lora.quantize_base}
+    adapters = {flags: {"lora": lora} for flags, lora in adapters.items() if lora != base.lora}
+    if sharing:
+        tried.append("context parallelism")
+    if adapters:
+        tried.append("LoRA or QLoRA")
+    alone = first_fit(sharing) + first_fit(adapters)
+    both = {f"{a} {b}": {**sharing[a], **adapters[b]} for a in sharing for b in adapters}
+    ways += alone or first_fit(both)
+    if on_gpu:
+        tried.append("more GPUs (up to 64x)")
+        for k in (2, 4, 8, 16, 32, 64):
+            world = machine.world_size * k
+            per_node = min(world, max(nproc, 8))
+            more = dataclasses.replace(machine, world_size=world, nproc_per_node=per_node)
+            if fits_any(args, more, base, wanted, grad_clip):
+                ways.append(f"{world} GPUs ({per_node} per node)")
+                break
+    tried.append("a shorter sequence")
+    shorter, seq = {}, base.seq_len // 2
     while seq >= 1024:
-        if fit(seq_len=seq):
-            ways.append(f"--seq-len {seq}")
-            break
+        shorter[f"--seq-len {seq}"] = {"seq_len": seq}
         seq //= 2
-    return ways
+    ways += first_fit(shorter)
+    return ways, tried
 
 
 def fits_any(

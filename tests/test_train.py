@@ -723,6 +723,18 @@ def test_estimate_memory_plans_for_the_machine_given(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_estimate_memory_refuses_what_the_run_would(tmp_path, capsys):
+    """The estimate applies the run's rules: 3 context-parallel ranks cannot split the tiny
+    preset's 2 key/value heads, and the world size comes from --world-size, not torchrun."""
+    argv = ["--estimate-memory", "--world-size", "3", "--context-parallel", "3", "--seq-len",
+            "264", "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    with pytest.raises(SystemExit):
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert "--context-parallel 3 splits attention by heads" in err and "plan:" not in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_lr_follows_the_model_size_and_is_required_for_a_hf_checkpoint(tmp_path, capsys):
     tiny, eight_b = ModelArgs.from_name("tiny"), ModelArgs.from_name("llama3.1-8b")
     assert (train.default_lr(tiny), train.default_lr(eight_b)) == (3e-3, 3e-4)
