@@ -33,9 +33,12 @@ one a single process would take on the whole batch.
 
 import dataclasses
 import functools
+import itertools
 import os
+import resource
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
@@ -53,6 +56,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, _chunk_rows
+from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import row_bytes
 from model import (
     Llama,
@@ -461,10 +465,12 @@ def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) 
 # Memory per rank
 # ----------------------------------------------------------------------------------------
 
-# CUDA context (~0.5 GiB with PyTorch on an H100), cuBLAS/cuDNN workspaces, NCCL's buffers
-# and the caching allocator's rounding and fragmentation: what nvidia-smi shows beyond the
-# tensors that torch.cuda.max_memory_allocated counts.
+# CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers and the caching allocator's rounding
+# and fragmentation: what nvidia-smi shows beyond the tensors that
+# torch.cuda.max_memory_allocated counts (bench/RESULTS.md, "Memory estimator, revised").
 OVERHEAD_GIB = 1.0
+# The moments of a step whose memory the estimate compares (estimate_memory says which).
+PHASES = ("loss forward", "head backward", "block backward", "backward end")
 
 
 @dataclass(frozen=True)
@@ -472,7 +478,7 @@ class MemoryEstimate:
     """GiB per rank at the step's peak; the GPU parts add up to gpu_total."""
 
     num_params: int
-    phase: str  # the moment of the peak: loss forward, head/block backward, backward end
+    phase: str  # the moment of the peak, one of PHASES
     parameters: float  # fp32 master shards + gathered param_dtype copies
     gradients: float  # fp32 gradient shards + the reduction in flight
     optimizer: float  # AdamW's two fp32 moments (on the host with CPU offload)
@@ -487,58 +493,293 @@ class MemoryEstimate:
         """What torch.cuda.max_memory_allocated should read."""
         return self.gpu_total - self.overhead
 
-    def format(self) -> str:
+    def format(self, on_gpu: bool = True) -> str:
+        """The table of the plan's printout; on the CPU the parts all live on the host."""
         rows = [
             ("parameters", self.parameters),
             ("gradients", self.gradients),
             ("optimizer states", self.optimizer),
             ("activations", self.activations),
             ("loss / logits", self.loss),
-            ("context + allocator", self.overhead),
-            ("GPU total", self.gpu_total),
-            ("host total", self.host_total),
         ]
-        lines = [f"memory per rank ({self.num_params / 1e9:.2f}B params, peak at {self.phase})"]
+        if on_gpu:
+            rows += [
+                ("context + allocator", self.overhead),
+                ("GPU total", self.gpu_total),
+                ("host total", self.host_total),
+            ]
+        else:
+            rows.append(("host total", self.host_total + self.gpu_tensors))
+        size = f"{self.num_params / 1e9:.2f}B" if self.num_params >= 1e9 else (
+            f"{self.num_params / 1e6:.1f}M")  # fmt: skip
+        lines = [f"memory per rank ({size} params, peak at {self.phase})"]
         lines += [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows]
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Machine:
+    """What a plan must fit in."""
+
+    world_size: int
+    nproc_per_node: int
+    gpu_gib: float | None  # free memory of each GPU; None: a CPU run, all of it on the host
+    host_gib: float  # available memory of each node's host
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a run takes its steps: everything besides the model that the memory per rank
+    depends on, each field the train.py flag of the same name. `make_plan` chooses the
+    fields the options leave open and adds what the plan was made for, so that this one
+    object is what a run applies, prints (`format`) and saves (`to_json`); tests and
+    `estimate_memory` use bare ones."""
+
+    seq_len: int
+    micro_batch: int = 1  # sequences per rank per forward
+    grad_accum: int = 1  # micro-batches per optimizer step
+    world_size: int = 1
+    nproc_per_node: int | None = None  # HYBRID_SHARD's shard group; None: world_size
+    strategy: str = "FULL_SHARD"
+    ac: str = "none"  # offload.AC_MODES
+    ac_every: int = 1
+    mlp_tile: int = 0
+    activation_offload: bool = False
+    offload_blocks: int | None = None  # of activation offload; None: all blocks but the last
+    cpu_offload: bool = False
+    optimizer_in_backward: bool = False  # one GPU, no FSDP (offload.OptimizerInBackward)
+    param_dtype: str = "bf16"  # of the gathered weights and the activations: bf16 or fp32
+    kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
+    # LoRA adapters on a frozen base (model.apply_lora): only the adapters have fp32 master
+    # weights, gradients and optimizer state; the base is stored in param_dtype, its
+    # adapted projections in NF4 with lora.quantize_base.
+    lora: LoRAConfig | None = None
+    context_parallel: int = 1  # ranks sharing each sequence, seq_len / N tokens each
+    document_mask: bool = False  # attention masked between packed documents (FlexAttention)
+    # What make_plan adds (MADE_FOR): the machine planned for, the estimate there, the
+    # fields the planner chose, the tokens per step asked for (None: --micro-batch x
+    # --grad-accum), and the planner's guess of a step's seconds (see GPU_FLOPS).
+    machine: Machine | None = None
+    estimate: MemoryEstimate | None = None
+    planned: tuple[str, ...] = ()
+    tokens_per_step_asked: int | None = None
+    seconds_per_step: float | None = None
+
+    @property
+    def tokens_per_step(self) -> int:
+        rows_per_micro_batch = self.micro_batch * self.world_size // self.context_parallel
+        return self.seq_len * rows_per_micro_batch * self.grad_accum
+
+    def flags(self) -> str:
+        """The train.py flags of the planned fields."""
+        return flags_of({name: getattr(self, name) for name in PLANNED})
+
+    def to_json(self) -> dict:
+        """plan.json: the plan, what it was made for, and its estimate."""
+        fields = dataclasses.asdict(self)
+        gpu, host = memory_needed(self.estimate, self.machine)
+        return {
+            "flags": self.flags(),
+            "planned": list(self.planned),
+            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_step_asked": self.tokens_per_step_asked,
+            "plan": {k: v for k, v in fields.items() if k not in MADE_FOR},
+            "machine": fields["machine"],
+            "estimate": fields["estimate"],
+            "gpu_needed_gib": gpu,
+            "host_needed_gib_per_node": host,
+            "margins": {"gpu": GPU_MARGIN, "host": HOST_MARGIN},
+            "host_per_process_gib": HOST_PROCESS_GIB,
+        }
+
+    def format(self) -> str:
+        """Three lines and the estimate's table, printed at the start of a run."""
+        m, cp, tokens = self.machine, self.context_parallel, self.tokens_per_step
+        gpu, host = memory_needed(self.estimate, m)
+        asked, batch = self.tokens_per_step_asked, ""
+        if asked and asked != tokens:
+            holders = "process" if cp == 1 else f"group of {cp} context-parallel processes"
+            batch = (
+                f" ({asked:,} asked: rounded to whole sequences per {holders})"
+                if tokens > asked or asked < 2 * self.seq_len * self.world_size // cp
+                else f" (of the {asked:,} asked, more would need accumulation, which does not fit)"
+            )
+        ranks = count(self.world_size, "process")
+        if cp > 1:
+            ranks = f"{count(self.world_size // cp, 'group')} of {cp} context-parallel ranks"
+        planned = ", ".join(self.planned) or "nothing: every option was given"
+        slow = ""
+        if self.seconds_per_step and self.seconds_per_step > 60:
+            device = "an H100" if m.gpu_gib is not None else "a 2-core CPU"
+            slow = (
+                f" | a step takes about {self.seconds_per_step / 60:.0f} min (a rough guess "
+                f"from a FLOP rate of {device})"
+            )
+        if m.gpu_gib is None:
+            where = "on the CPU, all of it on the host"
+        else:
+            where = f"needs {gpu:.1f} of {m.gpu_gib:.1f} GiB per GPU ({GPU_MARGIN:.0%} kept free)"
+        return "\n".join([
+            f"plan: {self.flags()} | {tokens:,} tokens/step{batch} = {self.seq_len} x "
+            f"{self.micro_batch} sequences x {self.grad_accum} micro-batches x {ranks} | "
+            f"planned: {planned}{slow}",
+            self.estimate.format(on_gpu=m.gpu_gib is not None),
+            f"{count(m.world_size, 'process')}: {where}; host {host:.1f} of {m.host_gib:.1f} "
+            f"GiB per node ({HOST_MARGIN:.0%} kept free; {count(m.nproc_per_node, 'process')}, "
+            f"{HOST_PROCESS_GIB:.0f} GiB each besides the estimate)",
+        ])  # fmt: skip
+
+    def format_measured(self, measured: dict) -> str:
+        """The peaks reached (measured_memory) beside the estimates."""
+        est = self.estimate
+        per_process = memory_needed(est, self.machine)[1] / self.machine.nproc_per_node
+        line = f"memory after {measured['steps']} steps: "
+        if measured["gpu_peak_gib"] is not None:
+            line += (
+                f"GPU peak {measured['gpu_peak_gib']:.2f} GiB allocated, "
+                f"{measured['gpu_reserved_gib']:.2f} reserved (estimate {est.gpu_tensors:.2f} "
+                f"allocated, {est.gpu_total:.2f} with the context); "
+            )
+        return line + (
+            f"host peak RSS {measured['host_peak_rss_gib']:.2f} GiB (estimate {per_process:.2f})"
+        )
+
+
+MADE_FOR = ("machine", "estimate", "planned", "tokens_per_step_asked", "seconds_per_step")
+
+
+@functools.cache  # the planner asks once per plan it tries
+def parameter_shapes(args: ModelArgs) -> dict[str, torch.Size]:
+    """The model's parameters, built on the meta device: the estimate counts the model
+    itself rather than a formula of its shapes."""
+    with torch.device("meta"):
+        return {name: p.shape for name, p in Llama(args).named_parameters()}
+
+
+def block_shapes(args: ModelArgs) -> dict[str, torch.Size]:
+    """A TransformerBlock's parameters by their last module name: wq ... w2 and the norms."""
+    shapes = parameter_shapes(args).items()
+    return {name.split(".")[-2]: shape for name, shape in shapes if name.startswith("layers.0.")}
+
+
 def block_params(args: ModelArgs) -> int:
-    kv_dim = args.n_kv_heads * args.head_dim
-    return (
-        2 * args.dim * args.dim + 2 * args.dim * kv_dim + 3 * args.dim * args.ffn_dim + 2 * args.dim
-    )
+    return sum(shape.numel() for shape in block_shapes(args).values())
 
 
-def lora_block(args: ModelArgs, lora: LoRAConfig, param_bytes: int) -> tuple[int, int, int]:
-    """(adapter parameters, bytes of the frozen base, the largest target's numel) of one
-    block under `lora`: a target's base in NF4 is row_bytes(in) per row, otherwise every
-    frozen weight is param_bytes per value."""
-    kv = args.n_kv_heads * args.head_dim
-    shapes = {"wq": (args.dim, args.dim), "wk": (kv, args.dim), "wv": (kv, args.dim),
-              "wo": (args.dim, args.dim), "w1": (args.ffn_dim, args.dim),
-              "w3": (args.ffn_dim, args.dim), "w2": (args.dim, args.ffn_dim)}  # fmt: skip
-    adapters = sum(lora.rank * (n + k) for t, (n, k) in shapes.items() if t in lora.targets)
-    base = 2 * args.dim * param_bytes  # the norms
-    for target, (n, k) in shapes.items():
-        quantized = lora.quantize_base and target in lora.targets
-        base += n * row_bytes(k) if quantized else n * k * param_bytes
-    largest = max(n * k for t, (n, k) in shapes.items() if t in lora.targets)
-    return adapters, base, largest
-
-
-@functools.cache  # the planner asks for it once per plan it tries
+@functools.cache
 def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
     """Pinned host bytes of one rank's fp32 parameter shards: each tensor's shard (dim 0
     split over the shard group) rounded up to a power of two, as the caching host allocator
     allocates it."""
-    with torch.device("meta"):
-        params = list(Llama(args).parameters())
     total = 0
-    for p in params:
-        shard_bytes = -(-p.shape[0] // shard_size) * (p.numel() // p.shape[0]) * 4
+    for shape in parameter_shapes(args).values():
+        shard_bytes = -(-shape[0] // shard_size) * (shape.numel() // shape[0]) * 4
         total += 1 << (shard_bytes - 1).bit_length()
     return total
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The model's weights as the estimate counts them, by FSDP unit: the root (the
+    embedding), the head ([norm, output], none when tied) and each block. Trained weights
+    have fp32 master weights, gradients and AdamW's moments; frozen ones are stored as they
+    are used. Full fine-tuning trains them all; LoRA trains its adapters on a frozen base."""
+
+    embedding: int  # numel of the root
+    head: int  # numel of the head
+    trained: int  # numel, all units
+    frozen_bytes: int  # all units, stored in param_dtype or (quantized targets) NF4
+    root_trained: int
+    head_trained: int
+    block_trained: int
+    block_frozen_bytes: int
+    dequantized: int  # numel of the largest NF4 weight, dequantized for its matmul, freed after
+
+
+def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) -> Weights:
+    embedding = args.vocab_size * args.dim
+    head = embedding + args.dim if not args.tie_embeddings else 0
+    block = block_params(args)
+    if lora is None:
+        return Weights(embedding, head, trained=args.num_params(), frozen_bytes=0,
+                       root_trained=embedding, head_trained=head, block_trained=block,
+                       block_frozen_bytes=0, dequantized=0)  # fmt: skip
+    # A target's base in NF4 is row_bytes(in) per row, any other frozen weight param_bytes.
+    targets = {name: shape for name, shape in block_shapes(args).items() if name in lora.targets}
+    adapters = sum(lora.rank * (n + k) for n, k in targets.values())
+    base = 0
+    for name, shape in block_shapes(args).items():
+        quantized = lora.quantize_base and name in targets
+        base += shape[0] * row_bytes(shape[1]) if quantized else shape.numel() * param_bytes
+    largest = max(shape.numel() for shape in targets.values())
+    return Weights(
+        embedding, head, trained=args.n_layers * adapters,
+        frozen_bytes=args.n_layers * base + param_bytes * (embedding + head),
+        root_trained=0, head_trained=0, block_trained=adapters, block_frozen_bytes=base,
+        dequantized=largest if lora.quantize_base else 0,
+    )  # fmt: skip
+
+
+def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict, ...]:
+    """Under FSDP: the parameters, gradients and optimizer state on the GPU at each phase,
+    and the host's bytes, for `p` bytes a gathered weight."""
+    s = shard_group_size(plan.strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
+    # Sharded fp32 state, 4 bytes per trained parameter per copy, and the frozen base as
+    # stored, divided over the shard group.
+    master = (4 * w.trained + w.frozen_bytes) / s
+    optimizer = 2 * 4 * w.trained / s  # exp_avg, exp_avg_sq
+    gpu_master = 0.0 if plan.cpu_offload else master
+    # Gathered param_dtype weights: the root (kept from forward through backward), the
+    # head (kept from the end of forward into backward), and the blocks: the one in
+    # backward plus the one prefetched when resharded after forward, all of them otherwise.
+    # (With CPU offload each fp32 shard is copied to the GPU before its cast: in backward,
+    # a block's largest, w1/w2/w3.)
+    gathered_blocks = 2 if _strategy(plan.strategy).reshard_after_forward else args.n_layers
+    gathered = p * (w.embedding + w.head) + p * w.dequantized
+    gathered += gathered_blocks * (p * w.block_trained + w.block_frozen_bytes)
+    staging = 4 * args.ffn_dim * args.dim / s if plan.cpu_offload else 0.0
+    in_use = gpu_master + gathered + staging
+
+    # A unit's reduction: its param_dtype gradient is copied into an fp32 buffer (both
+    # live), then freed while that buffer is reduce-scattered into the fp32 shard (both live).
+    def reduction(numel: int) -> float:
+        return numel * max(p + 4, 4 + 4 / s)
+
+    # Earlier micro-batches' gradients, kept unsharded in fp32 while
+    # set_requires_gradient_sync(False); reduced unit by unit in the last backward.
+    accumulated = 4 * w.trained if plan.grad_accum > 1 else 0.0
+    # The shards every unit but the root has written when backward ends.
+    shards = 0.0 if plan.cpu_offload else 4 * (w.trained - w.root_trained) / s
+    # With CPU offload the fp32 shards of parameters and gradients live in pinned memory,
+    # which PyTorch's caching host allocator hands out in powers of two per tensor
+    # (bench/RESULTS.md, "CPU offload at scale"); AdamW's moments are plain host memory.
+    host = 2 * pinned_shard_bytes(args, s) + optimizer if plan.cpu_offload else 0.0
+    parameters = {**dict.fromkeys(PHASES, in_use), "backward end": (
+        gpu_master + p * w.embedding + staging)}  # fmt: skip
+    gradients = {
+        "loss forward": accumulated,
+        "head backward": accumulated + (4 + 4 / s) * w.head_trained,
+        "block backward": accumulated + reduction(w.block_trained),
+        "backward end": shards + reduction(w.root_trained),
+    }
+    on_gpu = dict.fromkeys(PHASES, 0.0 if plan.cpu_offload else optimizer)
+    return parameters, gradients, on_gpu, host
+
+
+def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, ...]:
+    """With the optimizer in backward (one GPU, no FSDP): every param_dtype weight stays on
+    the GPU, and no gradient buffer: a gradient lives from its computation until its copy
+    to the host is done, with up to STAGING_SLOTS copies in flight behind the one being
+    computed. The host holds the fp32 master weights and moments (plain memory, 12 bytes
+    per parameter), the pinned staging buffers of the largest parameter (rounded up to a
+    power of two) for each direction, and the worker's fp32 copy of one gradient."""
+    total, d = args.num_params(), args.dim
+    largest = max(w.embedding, args.ffn_dim * d, d * d)
+    in_flight = (1 + STAGING_SLOTS) * largest * p
+    pinned_slot = 1 << (largest * p - 1).bit_length()
+    host = 12 * total + 2 * STAGING_SLOTS * pinned_slot + 4 * largest
+    gradients = {**dict.fromkeys(PHASES, in_flight), "loss forward": 0.0}
+    return dict.fromkeys(PHASES, p * total), gradients, dict.fromkeys(PHASES, 0.0), host
 
 
 def block_saved_bytes(
@@ -575,50 +816,88 @@ def block_selective_bytes(args: ModelArgs, n_tokens: int, act_bytes: int) -> int
     return n * d * act_bytes + matmuls + n * d * act_bytes + n * args.n_heads * 4
 
 
-@dataclass(frozen=True)
-class Plan:
-    """How a run takes its steps: everything besides the model that the memory per rank
-    depends on. train.py makes one from the options (its planner fills in what they leave
-    open), applies it and saves it in the run directory; `estimate_memory` counts it. Each
-    field is the train.py flag of the same name."""
-
-    seq_len: int
-    micro_batch: int = 1  # sequences per rank per forward
-    grad_accum: int = 1  # micro-batches per optimizer step
-    world_size: int = 1
-    nproc_per_node: int | None = None  # HYBRID_SHARD's shard group; None: world_size
-    strategy: str = "FULL_SHARD"
-    ac: str = "none"  # offload.AC_MODES
-    ac_every: int = 1
-    mlp_tile: int = 0
-    activation_offload: bool = False
-    offload_blocks: int | None = None  # of activation offload; None: all blocks but the last
-    cpu_offload: bool = False
-    optimizer_in_backward: bool = False  # one GPU, no FSDP (offload.OptimizerInBackward)
-    param_dtype: str = "bf16"  # of the gathered weights and the activations: bf16 or fp32
-    kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
-    # LoRA adapters on a frozen base (model.apply_lora): only the adapters have fp32 master
-    # weights, gradients and optimizer state; the base is stored in param_dtype, its
-    # adapted projections in NF4 with lora.quantize_base.
-    lora: LoRAConfig | None = None
-    context_parallel: int = 1  # ranks sharing each sequence, seq_len / N tokens each
-    document_mask: bool = False  # attention masked between packed documents (FlexAttention)
-
-    @property
-    def tokens_per_step(self) -> int:
-        rows_per_micro_batch = self.micro_batch * self.world_size // self.context_parallel
-        return self.seq_len * rows_per_micro_batch * self.grad_accum
+def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int | None:
+    """What a checkpointed block keeps in the checkpoint's own cache (not through autograd's
+    hooks, so activation offload leaves it on the GPU): nothing under full checkpointing,
+    attention's output and logsumexp under attention, the matmuls' outputs too under
+    selective. None: no checkpointing."""
+    match plan.ac:
+        case "none":
+            return None
+        case "full":
+            return 0
+        case "attention":
+            cached = n * args.dim * p + n * args.n_heads * 4
+        case "selective":
+            cached = block_selective_bytes(args, n, p) - n * args.dim * p
+        case _:
+            raise UsageError(
+                f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
+            )
+    if plan.document_mask:
+        # The document-masked attention's kept output comes with its q, k and v, which its
+        # backward needs (offload._KeptAttention).
+        cached += (n * args.dim + 2 * n * args.n_kv_heads * args.head_dim) * p
+    return cached
 
 
-def offloaded_blocks(args: ModelArgs, plan: Plan) -> int:
-    """The blocks whose saved activations activation offload keeps on the host: the first
-    `offload_blocks`, by default all but the last (whose backward comes first)."""
-    return args.n_layers - 1 if plan.offload_blocks is None else plan.offload_blocks
+def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[dict, int]:
+    """The activations on the GPU at each phase, and those activation offload keeps on the
+    host. Each block saves, through autograd's hooks, its input when checkpointed and
+    everything otherwise (`ac_every` skips some); the block in backward rebuilds (recompute)
+    or still has its full saved set, plus its backward's working set: the incoming and
+    outgoing residual gradients and one [N, F] gradient (SwiGLU's others reuse the memory
+    its saved tensors free as backward goes)."""
+    n = plan.micro_batch * plan.seq_len // plan.context_parallel  # the tokens this rank holds
+    d, layers = args.dim, args.n_layers
+    mlp_tokens = plan.micro_batch * plan.mlp_tile if plan.mlp_tile else None
+    full_block = block_saved_bytes(args, n, p, plan.kernels, mlp_tokens)
+    cached_by_mode = checkpoint_cache_bytes(args, plan, n, p)
+    checkpointed = [cached_by_mode is not None and i % plan.ac_every == 0 for i in range(layers)]
+    per_block = [n * d * p if c else full_block for c in checkpointed]
+    cached = sum(cached_by_mode for c in checkpointed if c)
+    working_set = full_block + 2 * n * d * p + (mlp_tokens or n) * args.ffn_dim * p
+    # With activation offload the first `offload_blocks` (by default all but the last,
+    # whose backward comes first) go to the host; on the GPU: the others, the block in
+    # backward and the one prefetched. (Assumes the copies keep up; see
+    # offload.activation_offload.)
+    offloaded = 0
+    if plan.activation_offload:
+        offloaded = layers - 1 if plan.offload_blocks is None else plan.offload_blocks
+    host = sum(per_block[:offloaded])
+    saved = sum(per_block[offloaded:]) + cached
+    if plan.activation_offload:
+        saved += max(per_block)
+    final_norm = n * d * p + n * 4 if plan.kernels else 2 * n * d * 4 + n * 4
+    forward = saved + final_norm
+    by_phase = {"loss forward": forward, "head backward": forward,
+                "block backward": saved + working_set, "backward end": 0.0}  # fmt: skip
+    return by_phase, host
+
+
+def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> dict:
+    """The loss's buffers at each phase. Fused kernel: the logits chunk, and the gradients
+    it computes in forward and keeps for backward (hidden-sized and output-weight-sized,
+    param_dtype). Reference: [N, V] fp32 log-probabilities saved, then their gradient and
+    the fp32 logits' one (12 bytes per logit), and the bf16 logits' gradient."""
+    n = plan.micro_batch * plan.seq_len // plan.context_parallel
+    v, d = args.vocab_size, args.dim
+    output_grad = 0 if plan.lora is not None else v * d * p  # a frozen output: no gradient
+    fused_loss = min(CHUNK_LOGITS_BYTES, n * v * p) + n * d * p + output_grad
+    loss = fused_loss if plan.kernels else n * v * (12 + p)
+    # Over more than BF16_SUM_CHUNKS chunks the fused loss's forward also sums the output
+    # weight's gradient in an fp32 buffer, freed before backward.
+    wide_sum = plan.kernels and p < 4 and n > BF16_SUM_CHUNKS * _chunk_rows(v, p)
+    # In the last block's backward a tied model's output gradient (the loss's buffer) waits
+    # for the root, at the end.
+    tied = v * d * p if args.tie_embeddings and plan.kernels else 0.0
+    return {"loss forward": loss + (4 * v * d if wide_sum else 0.0), "head backward": loss,
+            "block backward": tied, "backward end": 0.0}  # fmt: skip
 
 
 def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
-    """Memory per rank of one training step of `plan`, counted from the shapes (see the
-    comments on each term). The peak is the largest of four moments:
+    """Memory per rank of one training step of `plan`, counted from the shapes, term by
+    term (the functions above). The peak is the largest of four moments (PHASES):
       loss forward: every saved activation and the fused loss's buffers, fp32 ones included;
       head backward: every saved activation, the loss's buffers, the gathered weights in
           use, and the head's (untied output's) gradient being reduced;
@@ -630,185 +909,29 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     Activations assume the flash/cuDNN attention backend; `plan.kernels` picks the Triton
     kernels' saved tensors or the PyTorch references'. With activation offload they
     assume the host copies keep up with compute, true with full checkpointing; without
-    it the link falls behind and the GPU holds much more (bench/RESULTS.md).
-    With the optimizer in backward (one GPU, no FSDP, the fp32 state on the host) the
-    strategy is unused. With context parallelism each rank holds seq_len / N tokens of each
-    row, so every activation term divides by N (attention's q, k, v and output hold the
-    whole sequence for H/N heads: as many bytes); parameters, gradients and optimizer state
-    are sharded over all world_size ranks as before."""
-    strategy, cpu_offload = plan.strategy, plan.cpu_offload
-    seq_len, micro_batch = plan.seq_len, plan.micro_batch
-    s = shard_group_size(strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
+    it the link falls behind and the GPU holds much more (bench/RESULTS.md, "Sharding and
+    offload"). With the optimizer in backward (one GPU, no FSDP, the fp32 state on the
+    host) the strategy is unused. With context parallelism each rank holds seq_len / N
+    tokens of each row, so every activation term divides by N (attention's q, k, v and
+    output hold the whole sequence for H/N heads: as many bytes); parameters, gradients
+    and optimizer state are sharded over all world_size ranks as before."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
-    n = micro_batch * seq_len // plan.context_parallel  # the tokens this rank holds
-    d, v, layers = args.dim, args.vocab_size, args.n_layers
-    total = args.num_params()
-    block = block_params(args)
-    embedding = v * d
-    head = embedding + d if not args.tie_embeddings else 0  # the [norm, output] unit
-
-    # Sharded fp32 state, 4 bytes per parameter per copy, divided over the shard group.
-    master = 4 * total / s
-    optimizer = 2 * 4 * total / s  # exp_avg, exp_avg_sq
-    lora = plan.lora
-    if lora is not None:
-        adapter_block, base_block, largest_target = lora_block(args, lora, p)
-        trainable = layers * adapter_block
-        frozen = layers * base_block + p * (embedding + head)
-        master = (4 * trainable + frozen) / s
-        optimizer = 2 * 4 * trainable / s
-    gpu_master = 0.0 if cpu_offload else master
-    gpu_optimizer = 0.0 if cpu_offload else optimizer
-
-    # Gathered param_dtype weights: the root (kept from forward through backward), the
-    # head unit (kept from the end of forward into backward), and the blocks: the one in
-    # backward plus the one prefetched when resharded after forward, all of them otherwise.
-    # (With CPU offload each fp32 shard is copied to the GPU before its cast: in backward,
-    # a block's largest, w1/w2/w3.)
-    gathered_blocks = 2 if _strategy(strategy).reshard_after_forward else layers
-    gathered = p * (embedding + head + gathered_blocks * block)
-    if lora is not None:
-        # A 4-bit weight is dequantized for its matmul and freed: one at a time.
-        dequantized = p * largest_target if lora.quantize_base else 0
-        gathered = p * (embedding + head) + gathered_blocks * (base_block + p * adapter_block)
-        gathered += dequantized
-    staging = 4 * args.ffn_dim * d / s if cpu_offload else 0.0
-
-    # Gradients. A unit's reduction: its param_dtype gradient is copied into an fp32
-    # buffer (both live), then freed while that buffer is reduce-scattered into the fp32
-    # shard (both live).
-    def reduction(numel: int) -> float:
-        return numel * max(p + 4, 4 + 4 / s)
-
-    # Earlier micro-batches' gradients, kept unsharded in fp32 while
-    # set_requires_gradient_sync(False); reduced unit by unit in the last backward. With
-    # LoRA, only the adapters have gradients.
-    trained = total if lora is None else trainable
-    accumulated = 4 * trained if plan.grad_accum > 1 else 0.0
-    # The shards every unit but the root has written when backward ends.
-    grad_shards = 0.0 if cpu_offload else 4 * (total - embedding) / s
-    # What each unit reduces: with LoRA only a block's adapters (the head and root are frozen).
-    head_grad, block_grad, root_grad = head, block, embedding
-    if lora is not None:
-        grad_shards = 0.0 if cpu_offload else 4 * trainable / s
-        head_grad, block_grad, root_grad = 0, adapter_block, 0
-
-    # Activations. Saved per block by mode; the block in backward rebuilds (recompute) or
-    # still has its full saved set, plus its backward's working set: the incoming and
-    # outgoing residual gradients and one [N, F] gradient (SwiGLU's others reuse the
-    # memory its saved tensors free as backward goes).
-    mlp_tokens = micro_batch * plan.mlp_tile if plan.mlp_tile else None
-    full_block = block_saved_bytes(args, n, p, plan.kernels, mlp_tokens)
-    block_input = n * d * p
-    # Per block: what autograd saves through its hooks (`per_block`, which activation
-    # offload can move to the host) and what selective checkpointing keeps in its own cache
-    # (`cached`: attention's output and logsumexp, the matmuls' outputs), which stays on the
-    # GPU. Blocks that `ac_every` skips keep everything.
-    match plan.ac:
-        case "none":
-            cached_by_mode = None
-        case "full":
-            cached_by_mode = 0
-        case "attention":
-            cached_by_mode = n * d * p + n * args.n_heads * 4
-        case "selective":
-            cached_by_mode = block_selective_bytes(args, n, p) - block_input
-        case _:
-            raise UsageError(
-                f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
-            )
-    if plan.document_mask and plan.ac in ("attention", "selective"):
-        # The document-masked attention's kept output comes with its q, k and v, which its
-        # backward needs (offload._KeptAttention).
-        cached_by_mode += (n * d + 2 * n * args.n_kv_heads * args.head_dim) * p
-    checkpointed = [cached_by_mode is not None and i % plan.ac_every == 0 for i in range(layers)]
-    per_block = [block_input if c else full_block for c in checkpointed]
-    cached = sum(cached_by_mode for c in checkpointed if c)
-    working_set = full_block + 2 * n * d * p + (mlp_tokens or n) * args.ffn_dim * p
-    if plan.activation_offload:
-        # All blocks but the last (or the first `offload_blocks`) go to the host; on the
-        # GPU: the others, the block in backward and the one prefetched. (Assumes the
-        # copies keep up; see offload.activation_offload.)
-        offloaded = offloaded_blocks(args, plan)
-        host_activations = sum(per_block[:offloaded])
-        saved = sum(per_block[offloaded:]) + max(per_block) + cached
-    else:
-        host_activations = 0
-        saved = sum(per_block) + cached
-    final_norm = n * d * p + n * 4 if plan.kernels else 2 * n * d * 4 + n * 4
-
-    # Loss. Fused kernel: the logits chunk, and the gradients it computes in forward and
-    # keeps for backward (hidden-sized and output-weight-sized, param_dtype). Reference:
-    # [N, V] fp32 log-probabilities saved, then their gradient and the fp32 logits' one
-    # (12 bytes per logit), and the bf16 logits' gradient.
-    output_grad = 0 if lora is not None else v * d * p  # a frozen output: no gradient
-    fused_loss = min(CHUNK_LOGITS_BYTES, n * v * p) + n * d * p + output_grad
-    loss = fused_loss if plan.kernels else n * v * (12 + p)
-    # Over more than BF16_SUM_CHUNKS chunks the fused loss's forward also sums the output
-    # weight's gradient in an fp32 buffer, freed before backward.
-    wide_sum = plan.kernels and p < 4 and n > BF16_SUM_CHUNKS * _chunk_rows(v, p)
-    loss_forward_extra = 4 * v * d if wide_sum else 0.0
-
-    # Backward starts with the head (final norm, output, loss): its gradient (the loss's
-    # weight-sized buffer) is reduced while every saved activation is still there. Then the
-    # last block's backward: the head's reduction is done, the block's working set and its
-    # own reduction are live; a tied model's output gradient (the loss's buffer) waits for
-    # the root, at the end.
-    head_backward = {
-        "parameters": gpu_master + gathered + staging,
-        "gradients": accumulated + (4 + 4 / s) * head_grad,
-        "optimizer": gpu_optimizer,
-        "activations": saved + final_norm,
-        "loss": loss,
-    }
-    block_backward = {
-        **head_backward,
-        "gradients": accumulated + reduction(block_grad),
-        "activations": saved + working_set,
-        "loss": v * d * p if args.tie_embeddings and plan.kernels else 0.0,
-    }
-    loss_forward = {**head_backward, "gradients": accumulated, "loss": loss + loss_forward_extra}
-    # Backward end: the root's gradient (the embedding backward's dense [V, D], into which
-    # a tied model's output gradient accumulates) and its reduction.
-    end = {
-        "parameters": gpu_master + p * embedding + staging,
-        "gradients": grad_shards + reduction(root_grad),
-        "optimizer": gpu_optimizer,
-        "activations": 0.0,
-        "loss": 0.0,
-    }
-    # With CPU offload the fp32 shards of parameters and gradients live in pinned memory,
-    # which PyTorch's caching host allocator hands out in powers of two per tensor (8-40%
-    # more here); AdamW's moments are plain host memory.
-    offloaded = 2 * pinned_shard_bytes(args, s) + optimizer if cpu_offload else 0.0
-
+    w = count_weights(args, plan.lora, p)
     if plan.optimizer_in_backward:
-        # Every param_dtype weight stays on the GPU, and no gradient buffer: a gradient
-        # lives from its computation until its copy to the host is done, with up to
-        # STAGING_SLOTS copies in flight behind the one being computed. The host holds
-        # the fp32 master weights and moments (plain memory, 12 bytes per parameter), the
-        # pinned staging buffers of the largest parameter (rounded up to a power of two)
-        # for each direction, and the worker's fp32 copy of one gradient.
-        largest = max(embedding, args.ffn_dim * d, d * d)
-        in_flight = (1 + STAGING_SLOTS) * largest * p
-        weights = {"parameters": p * total, "gradients": in_flight, "optimizer": 0.0}
-        loss_forward = {**loss_forward, **weights, "gradients": 0.0}
-        head_backward = {**head_backward, **weights}
-        block_backward = {**block_backward, **weights}
-        end = {**weights, "activations": 0.0, "loss": 0.0}
-        pinned_slot = 1 << (largest * p - 1).bit_length()
-        offloaded = 12 * total + 2 * STAGING_SLOTS * pinned_slot + 4 * largest
-    moments = {"loss forward": loss_forward, "head backward": head_backward,
-               "block backward": block_backward, "backward end": end}  # fmt: skip
-    phase, parts = max(moments.items(), key=lambda x: sum(x[1].values()))
-    gib = {k: val / GiB for k, val in parts.items()}
-    host = offloaded + host_activations
+        parameters, gradients, optimizer, host_state = in_backward_state(args, w, p)
+    else:
+        parameters, gradients, optimizer, host_state = sharded_state(args, plan, w, p)
+    activations, host_activations = activation_bytes(args, plan, p)
+    terms = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer,
+             "activations": activations, "loss": loss_bytes(args, plan, p)}  # fmt: skip
+    phase = max(PHASES, key=lambda moment: sum(term[moment] for term in terms.values()))
+    gib = {name: term[phase] / GiB for name, term in terms.items()}
     return MemoryEstimate(
-        num_params=total,
+        num_params=args.num_params(),
         phase=phase,
         overhead=OVERHEAD_GIB,
         gpu_total=sum(gib.values()) + OVERHEAD_GIB,
-        host_total=host / GiB,
+        host_total=(host_state + host_activations) / GiB,
         **gib,
     )
 
@@ -817,79 +940,261 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 # The plan: the fastest way to take the steps whose estimate fits the machine
 # ----------------------------------------------------------------------------------------
 
-# The share of each memory a plan may fill by its estimate. GPU: the estimate has been within
-# -12% and +7% of every measured peak (bench/RESULTS.md; the misses low are activation
-# offload's copies lagging), and the caching allocator needs room to place what it frees:
-# with 15%, a plan at the limit whose estimate is 12% low still peaks at 0.85 / 0.88 = 97%.
-# Host: the estimate was within 3% of the measured RSS, to which each process adds its own
-# (torch, the CUDA context, the loader: 1.5-1.7 GiB measured).
+# The share of each memory a plan may fill by its estimate. GPU: the estimate misses the
+# measured peaks a little either way (the worst misses low are activation offload's, whose
+# copies lag), and the caching allocator needs room to place what it frees; the margin
+# covers the worst miss recorded with room to spare (bench/RESULTS.md, "Memory estimator,
+# revised"). Host: the estimate is close to the measured RSS ("CPU offload at scale"), to
+# which each process adds its own: torch, the CUDA context, the loader ("The run plan with
+# no memory flags").
 GPU_MARGIN = 0.15
 HOST_MARGIN = 0.05
 HOST_PROCESS_GIB = 2.0
 
-# Plans are ranked by a model of the step's time fitted to bench/RESULTS.md: its FLOPs,
-# recomputation included, at the GPU_FLOPS those runs sustained, plus the host time that
-# offload leaves uncovered. It only orders plans; its seconds are not a prediction. What it
-# reproduces (llama3.2-1b on one H100 unless said): no checkpointing before selective (+1%
-# at 16k) before attention (+16% at 8k, +5% at 128k: the forward again, without attention)
-# before full (+14% over attention at 32k, +21% at 128k: attention's forward again); an MLP
-# tiling +3% (one more MLP forward); activation offload with checkpointing +0.5%; CPU
-# offload +0.9 s a step for 1.24B parameters (the CPU AdamW, the fp32 shards' copies; 8B on
-# 2 GPUs sharing a host: +11 s), so at 128k it beats full recomputation and at 8k it does
-# not; the optimizer in backward leaves the GPU idle 1.1 s a step for 8B.
-GPU_FLOPS = 4e14  # bf16, MFU 0.35-0.49 of an H100's 989 TFLOP/s in those runs
-SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again (16k: 0.393/0.388 s)
-ACTIVATION_OFFLOAD_COST = 0.01  # of the step (measured 0.4-0.6% with checkpointing)
+# Plans are ranked by a model of the step's time: its FLOPs, recomputation included, at
+# the rate measured runs sustained, plus the host time that offload leaves uncovered. It
+# orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and offload", "Long
+# context, less memory", "CPU offload at scale", "Where the step time goes at 128k tokens";
+# tests/test_shard.py checks every recorded pair): no checkpointing before selective before
+# attention (the forward again, without attention) before full (attention's forward too);
+# an MLP tiling costs one more MLP forward, activation offload with checkpointing a little,
+# CPU offload host time per parameter of a rank's shard (so at long sequences it beats full
+# recomputation and at short ones it does not), the optimizer in backward the host's
+# updates left uncovered. Its seconds are a rough guess, printed only past a minute.
+GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
+CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
+SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
+ACTIVATION_OFFLOAD_COST = 0.01  # of the step, with checkpointing
 CPU_OFFLOAD_S_PER_PARAM = 0.75e-9  # per parameter of a rank's shard, per rank on the host
 IN_BACKWARD_S_PER_PARAM = 0.15e-9
-AC_ORDER = ("none", "selective", "attention", "full")  # fastest first
+AC_ORDER = ("none", "selective", "attention", "full")  # offload.AC_MODES, fastest first
 MLP_TILES = (16384, 8192, 4096)  # positions; the larger tile first at equal cost
 # The fields the planner chooses when the user leaves them open (None).
 PLANNED = ("ac", "mlp_tile", "activation_offload", "offload_blocks", "cpu_offload",
            "optimizer_in_backward", "micro_batch", "grad_accum")  # fmt: skip
 
-
-@dataclass(frozen=True)
-class Machine:
-    """What a plan must fit in."""
-
-    world_size: int
-    nproc_per_node: int
-    gpu_gib: float | None  # free memory of each GPU; None: a CPU run, all of it on the host
-    host_gib: float  # available memory of each node's host
+# The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; for
+# models under 100M parameters (the tiny preset of the default run and the tests), 16
+# sequences of 256 tokens.
+BATCH_TOKENS = 2**19
+SMALL_MODEL_BATCH_TOKENS = 4096
 
 
-def step_seconds(args: ModelArgs, plan: Plan) -> float:
+def default_batch_tokens(args: ModelArgs) -> int:
+    return SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS
+
+
+def batch_asked(opts, args: ModelArgs) -> int | None:
+    """The tokens per step asked for, if they were (or the default), else None: the batch
+    is then --micro-batch x --grad-accum. `opts`: train.Options, here and below."""
+    if opts.micro_batch and opts.grad_accum:
+        return opts.batch_tokens
+    return opts.batch_tokens or default_batch_tokens(args)
+
+
+def host_memory_gib() -> float:
+    """Memory this host can give a run: MemAvailable, within the cgroup's limit if one is
+    set (a container or a SLURM job sees the whole machine's /proc/meminfo)."""
+    meminfo = Path("/proc/meminfo").read_text()
+    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    limit, usage = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
+    if limit.exists() and usage.exists() and limit.read_text().strip() != "max":
+        available = min(available, int(limit.read_text()) - int(usage.read_text()))
+    return available / GiB
+
+
+def host_peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
+
+
+def this_machine(gpu_memory: float | None, host_memory: float | None, world: Dist) -> Machine:
+    """The machine the run is on: its processes, each GPU's free memory and the host's
+    available memory (`gpu_memory`, `host_memory` GiB instead where given). A collective:
+    every rank plans with the smallest over all ranks, so that all choose the same plan."""
+    gpu = gpu_memory
+    if gpu is None and world.device.type == "cuda":
+        gpu = torch.cuda.mem_get_info(world.device)[0] / GiB
+    memory = torch.tensor([gpu or 0.0, host_memory or host_memory_gib()], dtype=torch.float64)
+    torch_dist.all_reduce(memory, op=torch_dist.ReduceOp.MIN)
+    gpu_gib = memory[0].item() if gpu is not None else None
+    return Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
+
+
+def machine_to_estimate(
+    world_size: int | None,
+    nproc_per_node: int | None,
+    gpu_memory: float | None,
+    host_memory: float | None,
+) -> Machine:
+    """The machine --estimate-memory plans for: the flags', else torchrun's and this one's."""
+    env = os.environ
+    # --nproc-per-node alone reads as torchrun's: one node of that many processes.
+    world_size = world_size or nproc_per_node or int(env.get("WORLD_SIZE", "1"))
+    nproc = nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
+    if world_size % nproc:
+        raise UsageError(
+            f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
+        )
+    gpu = gpu_memory
+    if gpu is None:
+        gpu = torch.cuda.mem_get_info()[0] / GiB if torch.cuda.is_available() else 80.0
+    return Machine(world_size, nproc, gpu, host_memory or host_memory_gib())
+
+
+def measured_memory(steps: int, device: torch.device) -> dict:
+    """The peaks reached after `steps` steps, for Plan.format_measured and plan.json."""
+    on_gpu = device.type == "cuda"
+    return {
+        "steps": steps,
+        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GiB if on_gpu else None,
+        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if on_gpu else None,
+        "host_peak_rss_gib": host_peak_rss_gib(),
+    }
+
+
+def wanted_fields(opts) -> dict:
+    """The planned fields the options set: the planner keeps them."""
+    return {name: getattr(opts, name) for name in PLANNED if getattr(opts, name) is not None}
+
+
+def base_plan(
+    opts, machine: Machine, document_mask: bool = False, lora: LoRAConfig | None = None
+) -> Plan:
+    """What the options fix of the plan, besides the planned fields."""
+    on_gpu = machine.gpu_gib is not None
+    return Plan(
+        seq_len=opts.seq_len,
+        world_size=machine.world_size,
+        nproc_per_node=machine.nproc_per_node,
+        strategy=opts.strategy,
+        ac_every=opts.ac_every,
+        param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
+        kernels=on_gpu if opts.kernels is None else opts.kernels,
+        lora=lora,
+        document_mask=document_mask,
+        offload_blocks=opts.offload_blocks,
+        context_parallel=opts.context_parallel,
+    )
+
+
+def technique_problems(opts, args: ModelArgs, world_size: int, nproc_per_node: int) -> list[str]:
+    """What the run cannot do of the techniques the options ask for, on `world_size`
+    processes, `nproc_per_node` a node: plan_problems of the plan they describe."""
+    # The rules ask whether LoRA is on, not how (train.py checks its config).
+    lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
+    machine = Machine(world_size, nproc_per_node, gpu_gib=None, host_gib=0.0)
+    asked = dataclasses.replace(base_plan(opts, machine, lora=lora), **wanted_fields(opts))
+    return plan_problems(args, asked, opts.grad_clip)
+
+
+def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -> list[str]:
+    """Every rule of the techniques and their combinations, stated once: the options are
+    checked by it (technique_problems) and the planner tries only plans it allows.
+    `grad_clip`: the user's --grad-clip (None: the default, which follows the plan)."""
+    problems, cp = [], plan.context_parallel
+    if cp >= 1:  # train.check_options refuses the rest
+        if plan.seq_len % cp:
+            problems.append(f"--context-parallel {cp} must divide --seq-len {plan.seq_len}")
+        per_node = plan.nproc_per_node or plan.world_size
+        for check, *given in [(check_context_parallel_ranks, cp, plan.world_size, per_node),
+                              (check_context_parallel, args, cp)]:  # fmt: skip
+            try:
+                check(*given)
+            except UsageError as e:
+                problems.append(str(e))
+    blocks = plan.offload_blocks
+    if blocks is not None and not (plan.activation_offload and 0 <= blocks < args.n_layers):
+        problems.append(
+            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
+            f"{args.n_layers - 1} (the model's blocks but the last)"
+        )
+    if plan.optimizer_in_backward:
+        # Each parameter is updated during backward, before the step's last gradient exists.
+        refused = {
+            "--cpu-offload (it offloads the optimizer with FSDP)": plan.cpu_offload,
+            f"--strategy {plan.strategy} (no FSDP)": plan.strategy != "FULL_SHARD",
+            f"--grad-clip {grad_clip} (the global norm is known only after the updates; pass "
+            "--grad-clip 0)": bool(grad_clip),
+            f"--grad-accum {plan.grad_accum} (the updates happen in every backward)": (
+                plan.grad_accum > 1
+            ),
+            f"{count(plan.world_size, 'process')} (it runs on one GPU)": plan.world_size > 1,
+        }
+        problems += [
+            f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
+        ]
+        if plan.lora is not None:
+            problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
+    return problems
+
+
+def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bool]:
+    """Sequences per rank (per context-parallel group) per step, and whether the user fixed
+    them: --batch-tokens (or its default) in whole sequences, or --micro-batch x
+    --grad-accum when both are given."""
+    cp = opts.context_parallel
+    per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
+    if opts.micro_batch and opts.grad_accum:
+        sequences = opts.micro_batch * opts.grad_accum
+        if opts.batch_tokens and opts.batch_tokens != sequences * per_sequence:
+            raise UsageError(
+                f"--batch-tokens {opts.batch_tokens} is not --micro-batch {opts.micro_batch} x "
+                f"--grad-accum {opts.grad_accum} x {count(machine.world_size // cp, 'process')}"
+                f" x --seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
+            )
+        return sequences, True
+    batch = opts.batch_tokens or default_batch_tokens(args)
+    batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
+    return max(1, round(batch / per_sequence)), batch_is_fixed
+
+
+def make_plan(
+    opts, args: ModelArgs, machine: Machine, document_mask: bool, *, lora: LoRAConfig | None = None
+) -> Plan:
+    """The plan of the run: what the options set, and the fastest choice for the rest that
+    fits `machine` (choose_plan; on the CPU, only the micro-batch is chosen), with what it
+    was made for. `lora`: train.lora_config(opts), built once there."""
+    wanted = wanted_fields(opts)
+    sequences, batch_is_fixed = sequences_per_step(opts, args, machine)
+    base = base_plan(opts, machine, document_mask, lora)
+    plan = choose_plan(args, machine, base, wanted, sequences, batch_is_fixed, opts.grad_clip)
+    return dataclasses.replace(
+        plan,
+        machine=machine,
+        estimate=estimate_memory(args, plan),
+        planned=tuple(name for name in PLANNED if name not in wanted),
+        tokens_per_step_asked=batch_asked(opts, args),
+        seconds_per_step=step_seconds(args, plan, GPU_FLOPS if machine.gpu_gib else CPU_FLOPS),
+    )
+
+
+def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float:
     """The modelled time of one step of `plan` on one rank (see GPU_FLOPS above)."""
     layers, d, s = args.n_layers, args.dim, plan.seq_len
     checkpointed = -(-layers // plan.ac_every) / layers
     blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
     attention_forward = 2 * layers * s * d  # causal: a third of flops_per_token's 6LSd
     per_token = args.flops_per_token(s)
-    per_token += (
-        checkpointed
-        * {
-            "none": 0.0,
-            "selective": SELECTIVE_RECOMPUTE * per_token,
-            "attention": blocks_forward,
-            "full": blocks_forward + attention_forward,
-        }[plan.ac]
-    )
+    recomputed = {
+        "none": 0.0,
+        "selective": SELECTIVE_RECOMPUTE * per_token,
+        "attention": blocks_forward,
+        "full": blocks_forward + attention_forward,
+    }
+    per_token += checkpointed * recomputed[plan.ac]
     if 0 < plan.mlp_tile < s:
         per_token += 2 * layers * 3 * d * args.ffn_dim  # the MLP's forward once more
-    gpu_s = plan.seq_len * plan.micro_batch * plan.grad_accum * per_token / GPU_FLOPS
+    compute_s = plan.seq_len * plan.micro_batch * plan.grad_accum * per_token / flops
     if plan.activation_offload:
-        gpu_s *= 1 + ACTIVATION_OFFLOAD_COST
-    shard_params = args.num_params() / shard_group_size(
-        plan.strategy, plan.world_size, plan.nproc_per_node or plan.world_size
-    )
+        compute_s *= 1 + ACTIVATION_OFFLOAD_COST
+    per_node = plan.nproc_per_node or plan.world_size
     host_s = 0.0
     if plan.cpu_offload:
-        per_node = plan.nproc_per_node or plan.world_size
-        host_s = shard_params * CPU_OFFLOAD_S_PER_PARAM * per_node
+        shard = shard_group_size(plan.strategy, plan.world_size, per_node)
+        host_s = args.num_params() / shard * CPU_OFFLOAD_S_PER_PARAM * per_node
     if plan.optimizer_in_backward:
         host_s = args.num_params() * IN_BACKWARD_S_PER_PARAM
-    return gpu_s + host_s
+    return compute_s + host_s
 
 
 def memory_needed(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
@@ -908,13 +1213,19 @@ def fits(est: MemoryEstimate, machine: Machine) -> bool:
 
 
 def candidate_plans(
-    args: ModelArgs, base: Plan, wanted: dict, sequences: int, on_gpu: bool
+    args: ModelArgs,
+    base: Plan,
+    wanted: dict,
+    sequences: int,
+    on_gpu: bool,
+    grad_clip: float | None = None,
 ) -> list[Plan]:
     """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
-    the user set), fastest first by step_seconds; at equal time, the larger micro-batch,
-    then the larger MLP tile; partial activation offload after the others, and the
-    optimizer in backward after all those. On the CPU only the micro-batch is planned: no
-    checkpointing, tiling or offload unless asked (there is no GPU memory to save)."""
+    the user set) and that plan_problems allows, fastest first by step_seconds; at equal
+    time, the larger micro-batch, then the larger MLP tile; partial activation offload
+    after the others, and the optimizer in backward after all those. On the CPU only the
+    micro-batch is planned: no checkpointing, tiling or offload unless asked (there is no
+    GPU memory to save)."""
 
     def options(name: str, planned: tuple) -> tuple:
         if wanted.get(name) is not None:
@@ -938,32 +1249,24 @@ def candidate_plans(
     step = max(1, (args.n_layers - 1) // 8)
     some_blocks = (None, *range(args.n_layers - 1 - step, 0, -step))
     plans = []
-    for ac in options("ac", AC_ORDER):
-        for tile in options("mlp_tile", tiles):
-            for act_offload in options("activation_offload", (False, True)):
-                blocks = options("offload_blocks", some_blocks) if act_offload else (None,)
-                for offload_blocks in blocks:
-                    for cpu in options("cpu_offload", (False, True)):
-                        for in_backward in options("optimizer_in_backward", (False, True)):
-                            for micro_batch, grad_accum in batches:
-                                plans.append(dataclasses.replace(
-                                    base, ac=ac, mlp_tile=tile, activation_offload=act_offload,
-                                    offload_blocks=offload_blocks, cpu_offload=cpu,
-                                    optimizer_in_backward=in_backward,
-                                    micro_batch=micro_batch, grad_accum=grad_accum,
-                                ))  # fmt: skip
-
-    def valid(p: Plan) -> bool:
-        # Activation offload without checkpointing measured 1.95x slower (the host link
-        # cannot move every saved tensor in time); the optimizer in backward runs on one
-        # GPU, without accumulation or CPU offload.
-        offload_ok = p.ac != "none" or not p.activation_offload or wanted.get("ac") == "none"
-        in_backward_ok = not p.optimizer_in_backward or (
-            p.world_size == 1 and p.grad_accum == 1 and not p.cpu_offload
-        )
-        return offload_ok and in_backward_ok
-
-    plans = [p for p in plans if valid(p)]
+    for ac, tile, act_offload, cpu, in_backward, (micro_batch, grad_accum) in itertools.product(
+        options("ac", AC_ORDER), options("mlp_tile", tiles),
+        options("activation_offload", (False, True)), options("cpu_offload", (False, True)),
+        options("optimizer_in_backward", (False, True)), batches,
+    ):  # fmt: skip
+        for offload_blocks in options("offload_blocks", some_blocks) if act_offload else (None,):
+            plans.append(dataclasses.replace(
+                base, ac=ac, mlp_tile=tile, activation_offload=act_offload,
+                offload_blocks=offload_blocks, cpu_offload=cpu, optimizer_in_backward=in_backward,
+                micro_batch=micro_batch, grad_accum=grad_accum,
+            ))  # fmt: skip
+    # Activation offload without checkpointing measured much slower: the host link cannot
+    # move every saved tensor in time (bench/RESULTS.md, "Sharding and offload").
+    plans = [
+        p for p in plans
+        if (p.ac != "none" or not p.activation_offload or wanted.get("ac") == "none")
+        and not plan_problems(args, p, grad_clip)
+    ]  # fmt: skip
     # The optimizer in backward last, whatever its speed: it rules out gradient clipping.
     return sorted(
         plans,
@@ -979,6 +1282,7 @@ def choose_plan(
     wanted: dict,
     sequences: int,
     batch_is_fixed: bool,
+    grad_clip: float | None = None,
 ) -> Plan:
     """The fastest plan (candidate_plans' order) whose estimate fits `machine` with the
     margins above, for `sequences` per rank per step. `base` holds what is not planned
@@ -990,18 +1294,25 @@ def choose_plan(
     base = dataclasses.replace(
         base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
     )
+    if problems := plan_problems(args, dataclasses.replace(base, **wanted), grad_clip):
+        raise UsageError("; ".join(problems))
     on_gpu = machine.gpu_gib is not None
     tries = [sequences] if batch_is_fixed or sequences == 1 else [sequences, 1]
     for n in tries:
-        plans = candidate_plans(args, base, wanted, n, on_gpu)
+        plans = candidate_plans(args, base, wanted, n, on_gpu, grad_clip)
         for plan in plans:
             if fits(estimate_memory(args, plan), machine):
                 return plan
-    raise UsageError(no_fit_message(args, machine, base, wanted, plans))
+    raise UsageError(no_fit_message(args, machine, base, wanted, plans, grad_clip))
 
 
 def no_fit_message(
-    args: ModelArgs, machine: Machine, base: Plan, wanted: dict, plans: list[Plan]
+    args: ModelArgs,
+    machine: Machine,
+    base: Plan,
+    wanted: dict,
+    plans: list[Plan],
+    grad_clip: float | None,
 ) -> str:
     gpu_usable = (1 - GPU_MARGIN) * machine.gpu_gib if machine.gpu_gib else None
     host_usable = (1 - HOST_MARGIN) * machine.host_gib
@@ -1020,46 +1331,93 @@ def no_fit_message(
              "loss": est.loss}  # fmt: skip
     largest = ", ".join(f"{k} {v:.1f}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])[:3])
     nproc = machine.nproc_per_node
-    where = f"{machine.world_size} x {machine.gpu_gib:.1f} GiB GPU" if gpu_usable else "the CPU"
+    if gpu_usable:
+        where = f"{machine.world_size} x {machine.gpu_gib:.1f} GiB GPU"
+        needs = f"{gpu:.1f} GiB per GPU of {gpu_usable:.1f} usable ({largest} GiB) and "
+        margins = f"{GPU_MARGIN:.0%} of a GPU, {HOST_MARGIN:.0%} of a host kept free"
+    else:
+        where, needs = "the CPU", f"on the host {largest} GiB, and in all "
+        margins = f"{HOST_MARGIN:.0%} of the host kept free"
     lines = [
         f"no plan fits {base.seq_len}-token sequences on {where} with {machine.host_gib:.1f} "
-        f"GiB of host memory per node ({nproc} process{'es' if nproc > 1 else ''} on it).",
-        f"The closest, {plan_flags(closest)}, needs "
-        + (f"{gpu:.1f} GiB per GPU of {gpu_usable:.1f} usable ({largest} GiB) and " if gpu_usable
-           else f"on the host {largest} GiB, and in all ")
-        + f"{host:.1f} GiB of host memory per node of {host_usable:.1f} usable (margins: "
-        f"{GPU_MARGIN:.0%} of a GPU, {HOST_MARGIN:.0%} of a host kept free).",
-    ]  # fmt: skip
-    ways = []
-    if wanted and fits_any(args, machine, base, {}):
-        ways.append(f"the planner's choice instead of {flags_of(wanted, negated=True)}")
-    for k in (2, 4, 8, 16, 32, 64):
-        world = machine.world_size * k
-        more = dataclasses.replace(
-            machine, world_size=world, nproc_per_node=min(world, max(nproc, 8))
-        )
-        if gpu_usable and fits_any(args, more, base, wanted):
-            ways.append(f"{world} GPUs ({more.nproc_per_node} per node)")
-            break
-    seq = base.seq_len // 2
-    while seq >= 1024:
-        if fits_any(args, machine, dataclasses.replace(base, seq_len=seq), wanted):
-            ways.append(f"--seq-len {seq}")
-            break
-        seq //= 2
+        f"GiB of host memory per node ({count(nproc, 'process')} on it).",
+        f"The closest, {closest.flags()}, needs {needs}{host:.1f} GiB of host memory per node "
+        f"of {host_usable:.1f} usable (margins: {margins}).",
+    ]
+    ways, tried = ways_to_fit(args, machine, base, wanted, grad_clip)
     if ways:
         lines.append("It would fit with: " + "; or ".join(ways))
     else:
-        lines.append("Neither more GPUs (up to 64x) nor a shorter sequence would make it fit.")
+        where = "" if gpu_usable else " in this host's memory"
+        tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
+        lines.append(f"Neither {tried} would make it fit{where}.")
     return "\n".join(lines)
 
 
-def fits_any(args: ModelArgs, machine: Machine, base: Plan, wanted: dict) -> bool:
+def ways_to_fit(
+    args: ModelArgs, machine: Machine, base: Plan, wanted: dict, grad_clip: float | None
+) -> tuple[list[str], list[str]]:
+    """The changes that would make a plan fit, as flags, each the first of its kind that
+    does: the planner's choice instead of the planned fields the user set; context
+    parallelism, LoRA or QLoRA, or both together where neither alone does; more GPUs; a
+    shorter sequence. And the kinds tried, for a message when none does."""
+
+    def first_fit(changes: dict[str, dict]) -> list[str]:
+        for flags, change in changes.items():
+            changed = dataclasses.replace(base, **change)
+            if fits_any(args, machine, changed, wanted, grad_clip):
+                return [flags]
+        return []
+
+    on_gpu, nproc, cp = machine.gpu_gib is not None, machine.nproc_per_node, base.context_parallel
+    ways, tried = [], []
+    if wanted:
+        tried.append("the planner's choice")
+        if fits_any(args, machine, base, {}, grad_clip):
+            ways.append(f"the planner's choice instead of {flags_of(wanted, negated=True)}")
+    sharing = {f"--context-parallel {n}": {"context_parallel": n}
+               for n in range(2 * cp, nproc + 1, cp) if on_gpu}  # fmt: skip
+    rank16 = LoRAConfig(rank=16, alpha=16.0)
+    adapters = {"--lora-rank 16": rank16, "--lora-rank 16 --quantize-base nf4": (
+        dataclasses.replace(rank16, quantize_base="nf4"))}  # fmt: skip
+    if base.lora is not None:
+        adapters = {"--quantize-base nf4": dataclasses.replace(base.lora, quantize_base="nf4")}
+    if not all(shape[-1] % NF4_BLOCK == 0 for shape in block_shapes(args).values()):
+        adapters = {flags: lora for flags, lora in adapters.items() if not lora.quantize_base}
+    adapters = {flags: {"lora": lora} for flags, lora in adapters.items() if lora != base.lora}
+    if sharing:
+        tried.append("context parallelism")
+    if adapters:
+        tried.append("LoRA or QLoRA")
+    alone = first_fit(sharing) + first_fit(adapters)
+    both = {f"{a} {b}": {**sharing[a], **adapters[b]} for a in sharing for b in adapters}
+    ways += alone or first_fit(both)
+    if on_gpu:
+        tried.append("more GPUs (up to 64x)")
+        for k in (2, 4, 8, 16, 32, 64):
+            world = machine.world_size * k
+            per_node = min(world, max(nproc, 8))
+            more = dataclasses.replace(machine, world_size=world, nproc_per_node=per_node)
+            if fits_any(args, more, base, wanted, grad_clip):
+                ways.append(f"{world} GPUs ({per_node} per node)")
+                break
+    tried.append("a shorter sequence")
+    shorter, seq = {}, base.seq_len // 2
+    while seq >= 1024:
+        shorter[f"--seq-len {seq}"] = {"seq_len": seq}
+        seq //= 2
+    ways += first_fit(shorter)
+    return ways, tried
+
+
+def fits_any(
+    args: ModelArgs, machine: Machine, base: Plan, wanted: dict, grad_clip: float | None = None
+) -> bool:
     """Whether some plan fits `machine` with one sequence per rank per step."""
     base = dataclasses.replace(
         base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
     )
-    plans = candidate_plans(args, base, wanted, 1, machine.gpu_gib is not None)
+    plans = candidate_plans(args, base, wanted, 1, machine.gpu_gib is not None, grad_clip)
     return any(fits(estimate_memory(args, p), machine) for p in plans)
 
 
@@ -1068,152 +1426,15 @@ def flags_of(fields: dict, negated: bool = False) -> str:
     out = []
     for name, value in fields.items():
         flag = "--" + name.replace("_", "-")
-        if value is None:
-            continue
         if value is True:
             out.append(flag)
         elif value is False:
             out += [f"--no-{flag[2:]}"] if negated else []
-        else:
+        elif value is not None:
             out.append(f"{flag} {value}")
     return " ".join(out)
 
 
-def plan_flags(plan: Plan) -> str:
-    return flags_of({name: getattr(plan, name) for name in PLANNED})
-
-
-# ---- TEMPORARY SHIM (replaced by the planner branch) ----
-BATCH_TOKENS = 2**19
-SMALL_MODEL_BATCH_TOKENS = 4096
-
-
-def technique_problems(opts, args, world_size, per_node):
-    problems = []
-    if opts.context_parallel > 1 and opts.seq_len % opts.context_parallel:
-        problems.append(
-            f"--context-parallel {opts.context_parallel} must divide --seq-len {opts.seq_len}"
-        )
-    if opts.optimizer_in_backward:
-        refused = {
-            "--cpu-offload (it offloads the optimizer with FSDP)": opts.cpu_offload,
-            f"--strategy {opts.strategy} (no FSDP)": opts.strategy != "FULL_SHARD",
-            f"--grad-clip {opts.grad_clip} (the global norm is known only after the "
-            f"updates; pass --grad-clip 0)": bool(opts.grad_clip),
-            f"--grad-accum {opts.grad_accum} (the updates happen in every backward)": (
-                (opts.grad_accum or 1) > 1
-            ),
-            f"{world_size} processes (it runs on one GPU)": world_size > 1,
-        }
-        problems += [
-            f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
-        ]
-        if opts.lora_rank:
-            problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
-    blocks = opts.offload_blocks
-    if blocks is not None and not (opts.activation_offload and 0 <= blocks < args.n_layers):
-        problems.append(
-            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
-            f"{args.n_layers - 1} (the model's blocks but the last)"
-        )
-    try:
-        check_context_parallel(args, opts.context_parallel)
-    except ValueError as e:
-        problems.append(str(e))
-    return problems
-
-
-def this_machine(gpu, host, world):
-    import train as _t
-    o = type("O", (), {"gpu_memory": gpu, "host_memory": host})
-    gpu = o.gpu_memory
-    if gpu is None and world.device.type == "cuda":
-        gpu = torch.cuda.mem_get_info(world.device)[0] / 2**30
-    memory = torch.tensor([gpu or 0.0, host or _host_gib()], dtype=torch.float64)
-    torch_dist.all_reduce(memory, op=torch_dist.ReduceOp.MIN)
-    gpu_gib = memory[0].item() if gpu is not None else None
-    return Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
-
-
-def _host_gib():
-    from pathlib import Path
-    meminfo = Path("/proc/meminfo").read_text()
-    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
-    return available / 2**30
-
-
-def machine_to_estimate(world_size, nproc_per_node, gpu, host):
-    import os
-    env = os.environ
-    world_size = world_size or nproc_per_node or int(env.get("WORLD_SIZE", "1"))
-    nproc = nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
-    if world_size % nproc:
-        raise UsageError(
-            f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
-        )
-    if gpu is None:
-        gpu = torch.cuda.mem_get_info()[0] / 2**30 if torch.cuda.is_available() else 80.0
-    return Machine(world_size, nproc, gpu, host or _host_gib())
-
-
-def make_plan(opts, args, machine, mask_documents, lora=None):
-    import types
-    on_gpu = machine.gpu_gib is not None
-    base = Plan(
-        seq_len=opts.seq_len, strategy=opts.strategy, ac_every=opts.ac_every,
-        param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
-        kernels=on_gpu if opts.kernels is None else opts.kernels, lora=lora,
-        document_mask=mask_documents, offload_blocks=opts.offload_blocks,
-        context_parallel=opts.context_parallel,
-    )
-    wanted = {k: getattr(opts, k) for k in PLANNED if getattr(opts, k) is not None}
-    if (opts.grad_clip or opts.lora_rank) and opts.optimizer_in_backward is None:
-        wanted["optimizer_in_backward"] = False
-    cp = opts.context_parallel
-    check_context_parallel_ranks(cp, machine.world_size, machine.nproc_per_node)
-    per_sequence = opts.seq_len * machine.world_size // cp
-    if opts.micro_batch and opts.grad_accum:
-        sequences = opts.micro_batch * opts.grad_accum
-        if opts.batch_tokens and opts.batch_tokens != sequences * per_sequence:
-            raise UsageError(
-                f"--batch-tokens {opts.batch_tokens} is not --micro-batch {opts.micro_batch} x "
-                f"--grad-accum {opts.grad_accum} x {machine.world_size // cp} processes x "
-                f"--seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
-            )
-    else:
-        small = args.num_params() < 100e6
-        batch = opts.batch_tokens or (SMALL_MODEL_BATCH_TOKENS if small else BATCH_TOKENS)
-        sequences = max(1, round(batch / per_sequence))
-    batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
-    plan = choose_plan(args, machine, base, wanted, sequences, batch_is_fixed)
-    import train as _t
-    user_set = [k for k in PLANNED if getattr(opts, k) is not None]
-    asked = opts.batch_tokens if (opts.micro_batch and opts.grad_accum) else (opts.batch_tokens or (SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS))
-    est = estimate_memory(args, plan)
-    described = _t._old_describe(plan, est, machine, user_set, asked)
-    object.__setattr__(plan, "_described", described)
-    return plan
-
-
-def _fmt(self):
-    import train as _t
-    return _t._old_format(self._described)
-
-
-def _json(self):
-    return dict(self._described)
-
-
-def _fmt_measured(self, measured):
-    import train as _t
-    return _t._old_format_measured({**self._described, "measured": measured})
-
-
-def measured_memory(steps, device):
-    import train as _t
-    return _t._old_measured(steps, device)
-
-
-Plan.format = _fmt
-Plan.to_json = _json
-Plan.format_measured = _fmt_measured
+def count(n: int, noun: str) -> str:
+    """'1 process', '2 processes', '1 group', '2 groups'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"

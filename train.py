@@ -43,7 +43,6 @@ import functools
 import json
 import math
 import os
-import resource
 import shlex
 import shutil
 import signal
@@ -1220,7 +1219,7 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
         f"{'; MFU counts attention within documents' if masked else ''}) | "
         f"data {dataset.path}: {dataset.n_tokens:,} tokens ({dataset.meta['tokenizer']}"
         f"{', attention masked between documents' if masked else ''}) | "
-        f"{processes(world.world_size)} x {world.device.type}, "
+        f"{shard.count(world.world_size, 'process')} x {world.device.type}, "
         f"{layout}, {plan.param_dtype} params, kernels {'on' if plan.kernels else 'off'} | "
         f"{plan.tokens_per_step:,} tokens/step, {max_steps} steps"
     )
@@ -1292,10 +1291,6 @@ def attended_pairs(
     if document_mask:
         return positions.sum(dtype=torch.float64) + positions.numel() / 2
     return positions.numel() * seq_len / 2
-
-
-def host_peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
 
 
 class MetricsLog:
@@ -1373,7 +1368,7 @@ class MetricsLog:
             "peak_gpu_mem_gib": (
                 torch.cuda.max_memory_allocated(self.world.device) / 2**30 if on_gpu else None
             ),
-            "host_peak_rss_gib": host_peak_rss_gib(),
+            "host_peak_rss_gib": shard.host_peak_rss_gib(),
             "elapsed_s": now - self.started,
             "eta_s": (now - self.started) / (step - self.start_step) * (self.max_steps - step),
             "eval_loss": None,
@@ -1758,102 +1753,6 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     if not finished:
         sys.exit(EXIT_STOPPED)
-
-
-# ---- TEMPORARY SHIM ----
-def _old_describe(
-    plan: shard.Plan,
-    est: shard.MemoryEstimate,
-    machine: shard.Machine,
-    given: list[str],
-    batch_asked: int | None,
-) -> dict:
-    """The plan as printed at the start and saved in the run directory (plan.json); `given`
-    names the planned fields the user set, `batch_asked` the tokens per step asked for."""
-    gpu, host = shard.memory_needed(est, machine)
-    return {
-        "flags": shard.plan_flags(plan),
-        "planned": [k for k in shard.PLANNED if k not in given],
-        "tokens_per_step": plan.tokens_per_step,
-        "tokens_per_step_asked": batch_asked,
-        "plan": dataclasses.asdict(plan),
-        "machine": dataclasses.asdict(machine),
-        "estimate": dataclasses.asdict(est),
-        "gpu_needed_gib": gpu,
-        "host_needed_gib_per_node": host,
-        "margins": {"gpu": shard.GPU_MARGIN, "host": shard.HOST_MARGIN},
-        "host_per_process_gib": shard.HOST_PROCESS_GIB,
-    }
-
-
-def processes(n: int) -> str:
-    return f"{n} process" if n == 1 else f"{n} processes"
-
-
-def _old_format(described: dict) -> str:
-    d, m = described, described["machine"]
-    plan = d["plan"]
-    planned = ", ".join(d["planned"]) or "nothing: every option was given"
-    asked, tokens = d["tokens_per_step_asked"], d["tokens_per_step"]
-    batch = ""
-    if asked and asked != tokens:
-        cp = plan["context_parallel"]  # a group of cp processes shares each sequence
-        holders = "process" if cp == 1 else f"group of {cp} context-parallel processes"
-        batch = (
-            f" ({asked:,} asked: rounded to whole sequences per {holders})"
-            if tokens > asked or asked < 2 * plan["seq_len"] * plan["world_size"] // cp
-            else f" (of the {asked:,} asked, more would need accumulation, which does not fit)"
-        )
-    if m["gpu_gib"] is None:
-        gpu = "on the CPU, all of it on the host"
-    else:
-        gpu = (
-            f"needs {d['gpu_needed_gib']:.1f} of {m['gpu_gib']:.1f} GiB per GPU "
-            f"({d['margins']['gpu']:.0%} kept free)"
-        )
-    lines = [
-        f"plan: {d['flags']} | {tokens:,} tokens/step{batch} = {plan['seq_len']} x "
-        f"{plan['micro_batch']} sequences x {plan['grad_accum']} micro-batches x "
-        + (
-            f"{plan['world_size'] // cp} groups of {cp} context-parallel ranks"
-            if (cp := plan["context_parallel"]) > 1
-            else processes(plan["world_size"])
-        )
-        + f" | planned: {planned}",
-        shard.MemoryEstimate(**d["estimate"]).format(),
-        f"{processes(m['world_size'])}: {gpu}; host {d['host_needed_gib_per_node']:.1f} of "
-        f"{m['host_gib']:.1f} GiB per node ({d['margins']['host']:.0%} kept free; "
-        f"{processes(m['nproc_per_node'])}, {d['host_per_process_gib']:.0f} GiB each "
-        "besides the estimate)",
-    ]
-    return "\n".join(lines)
-
-
-def _old_measured(steps: int, device: torch.device) -> dict:
-    on_gpu = device.type == "cuda"
-    return {
-        "steps": steps,
-        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if on_gpu else None,
-        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if on_gpu else None,
-        "host_peak_rss_gib": host_peak_rss_gib(),
-    }
-
-
-def _old_format_measured(described: dict) -> str:
-    """The peaks reached beside the plan's estimates."""
-    measured, est = described["measured"], described["estimate"]
-    per_process = described["host_needed_gib_per_node"] / described["machine"]["nproc_per_node"]
-    line = f"memory after {measured['steps']} steps: "
-    if measured["gpu_peak_gib"] is not None:
-        tensors = est["gpu_total"] - est["overhead"]
-        line += (
-            f"GPU peak {measured['gpu_peak_gib']:.2f} GiB allocated, "
-            f"{measured['gpu_reserved_gib']:.2f} reserved (estimate {tensors:.2f} allocated, "
-            f"{est['gpu_total']:.2f} with the context); "
-        )
-    return line + (
-        f"host peak RSS {measured['host_peak_rss_gib']:.2f} GiB (estimate {per_process:.2f})"
-    )
 
 
 if __name__ == "__main__":

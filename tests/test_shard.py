@@ -22,7 +22,9 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import dist_worker as w
 import pytest
@@ -40,9 +42,11 @@ from shard import (
     choose_plan,
     estimate_memory,
     fits,
+    make_plan,
     memory_needed,
     pinned_shard_bytes,
     step_seconds,
+    technique_problems,
 )
 
 FP32_RTOL = 1e-5
@@ -504,8 +508,10 @@ def test_a_plan_that_cannot_fit_is_one_error_saying_what_would():
     assert "activations" in message  # the largest term, by name and size
     # Data parallelism does not divide a sequence's activations: only a shorter one helps.
     assert "It would fit with: --seq-len 131072" in message
-    # The 70B's parameters and AdamW's state are divided by more GPUs.
-    with pytest.raises(ValueError, match="It would fit with: 32 GPUs"):
+    # The 70B's parameters and AdamW's state are divided by more GPUs, or a 4-bit base
+    # leaves them a few GiB.
+    fits_with = "It would fit with: --lora-rank 16 --quantize-base nf4; or 32 GPUs"
+    with pytest.raises(ValueError, match=fits_with):
         choose_plan(ModelArgs.from_name("llama3.1-70b"), H100, Plan(8192), {}, 1, True)
     # A flag the user set that rules every plan out is named.
     with pytest.raises(ValueError, match="instead of --ac none"):
@@ -535,3 +541,81 @@ def test_the_estimate_counts_what_document_masked_attention_keeps():
     full = dataclasses.replace(plan, ac="full")  # recomputes attention: keeps nothing more
     dense = dataclasses.replace(full, document_mask=False)
     assert estimate_memory(args, full) == estimate_memory(args, dense)
+
+
+def options(**changes) -> SimpleNamespace:
+    """train.Options' fields that the planner reads, at their defaults (shard imports
+    nothing of train.py; test_train.py goes through train.main)."""
+    defaults = dict(seq_len=256, batch_tokens=None, strategy="FULL_SHARD", ac_every=1,
+                    param_dtype=None, kernels=None, offload_blocks=None, context_parallel=1,
+                    grad_clip=None, lora_rank=0, lora_alpha=16.0)  # fmt: skip
+    return SimpleNamespace(**{**defaults, **dict.fromkeys(PLANNED), **changes})
+
+
+def test_the_options_are_refused_by_the_rules_the_planner_follows():
+    """One statement of each rule: the options break it (technique_problems), and the
+    planner never picks a plan that breaks it (the optimizer in backward with another
+    strategy than FULL_SHARD, which it once did)."""
+    tiny = ModelArgs.from_name("tiny")
+    problems = technique_problems(options(context_parallel=3), tiny, 3, 3)
+    assert "--context-parallel 3 must divide --seq-len 256" in problems[0]
+    assert "must divide the 6 query heads" in problems[1] and len(problems) == 2
+    asked = options(optimizer_in_backward=True, strategy="NO_SHARD", grad_clip=1.0,
+                    lora_rank=8, cpu_offload=True, grad_accum=2)  # fmt: skip
+    refused = technique_problems(asked, tiny, 2, 2)
+    for what in ["--cpu-offload", "--strategy NO_SHARD", "--grad-clip 1.0", "--grad-accum 2",
+                 "2 processes", "not --lora-rank"]:  # fmt: skip
+        assert any(what in problem for problem in refused), what
+    args = ModelArgs.from_name("llama3.1-8b")
+    machine = Machine(world_size=1, nproc_per_node=1, gpu_gib=80.0, host_gib=128.0)
+    assert choose_plan(args, machine, Plan(131072), {}, 1, True).optimizer_in_backward
+    with pytest.raises(ValueError, match="no plan fits"):
+        choose_plan(args, machine, Plan(131072, strategy="NO_SHARD"), {}, 1, True)
+
+
+def test_a_plan_that_cannot_fit_names_every_route_that_would():
+    """70B at 131072 tokens on 8 x 80 GiB: neither context parallelism nor LoRA alone fits
+    the host, both together do. On the CPU the message speaks of the host only."""
+    args = ModelArgs.from_name("llama3.1-70b")
+    node = Machine(world_size=8, nproc_per_node=8, gpu_gib=80.0, host_gib=1000.0)
+    with pytest.raises(ValueError, match="It would fit with: --context-parallel 2 --lora-rank 16"):
+        choose_plan(args, node, Plan(131072), {}, 1, True)
+    cpu = Machine(world_size=1, nproc_per_node=1, gpu_gib=None, host_gib=2.0)
+    with pytest.raises(ValueError) as error:
+        choose_plan(ModelArgs.from_name("tiny"), cpu, Plan(256, kernels=False), {}, 1, True)
+    assert "Neither LoRA or QLoRA nor a shorter sequence would make it fit in this host's" in (
+        str(error.value))  # fmt: skip
+    assert "GPU" not in str(error.value)
+
+
+def test_the_plan_is_one_object_printed_and_saved_as_it_is():
+    """A CPU plan at 131072 tokens of the tiny preset: planned at once, printed without GPU
+    rows, in millions of parameters, with a step of minutes said so; plan.json's keys."""
+    cpu = Machine(world_size=1, nproc_per_node=1, gpu_gib=None, host_gib=20.0)
+    tiny = ModelArgs.from_name("tiny")
+    start = time.perf_counter()
+    plan = make_plan(options(seq_len=131072), tiny, cpu, document_mask=False)
+    assert time.perf_counter() - start < 2
+    assert plan.tokens_per_step == 131072 and plan.estimate == estimate_memory(tiny, plan)
+    text = plan.format()
+    assert "GPU" not in text and "(0.4M params" in text and "1 process:" in text
+    assert "a step takes about" in text and "min (a rough guess" in text
+    saved = json.loads(json.dumps(plan.to_json()))
+    keys = ["flags", "planned", "tokens_per_step", "tokens_per_step_asked", "plan", "machine",
+            "estimate", "gpu_needed_gib", "host_needed_gib_per_node", "margins",
+            "host_per_process_gib"]  # fmt: skip
+    assert list(saved) == keys
+    assert saved["plan"]["seq_len"] == 131072 and "estimate" not in saved["plan"]
+    assert saved["planned"] == list(PLANNED) and saved["tokens_per_step_asked"] == 4096
+    pair = Machine(world_size=2, nproc_per_node=2, gpu_gib=80.0, host_gib=100.0)
+    shared = make_plan(options(context_parallel=2), tiny, pair, document_mask=False)
+    assert "x 1 group of 2 context-parallel ranks" in shared.format()
+
+
+def test_the_planner_is_quick_at_a_million_tokens():
+    """llama3.1-8b at 1,048,576 tokens on one GPU: nothing fits, and every route is tried."""
+    args = ModelArgs.from_name("llama3.1-8b")
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="It would fit with: --seq-len 131072"):
+        choose_plan(args, H100, Plan(1048576), {}, 1, True)
+    assert time.perf_counter() - start < 5

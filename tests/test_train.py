@@ -602,7 +602,7 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
                 "--grad-accum",
                 "2",
             ],
-            "--batch-tokens 1000 is not --micro-batch 2 x --grad-accum 2 x 1 processes",
+            "--batch-tokens 1000 is not --micro-batch 2 x --grad-accum 2 x 1 process x",
         ),  # fmt: skip
         "machine flags without --estimate-memory": (
             ["--data", str(dataset), "--world-size", "8"],
@@ -740,6 +740,18 @@ def test_estimate_memory_plans_for_the_machine_given(tmp_path, capsys):
     # --nproc-per-node alone is one node of that many, as torchrun reads it.
     train.main([*argv, "--gpu-memory", "80", "--host-memory", "1000", "--nproc-per-node", "8"])
     assert capsys.readouterr().out == eight
+    assert not (tmp_path / "run").exists()
+
+
+def test_estimate_memory_refuses_what_the_run_would(tmp_path, capsys):
+    """The estimate applies the run's rules: 3 context-parallel ranks cannot split the tiny
+    preset's 2 key/value heads, and the world size comes from --world-size, not torchrun."""
+    argv = ["--estimate-memory", "--world-size", "3", "--context-parallel", "3", "--seq-len",
+            "264", "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    with pytest.raises(SystemExit):
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert "--context-parallel 3 splits attention by heads" in err and "plan:" not in err
     assert not (tmp_path / "run").exists()
 
 
@@ -1119,7 +1131,7 @@ def test_the_cards_length_plans_and_starts_on_the_cpu(dataset, tmp_path):
         proc.kill()
         proc.wait()
     out = "".join(lines)
-    assert "plan:" in out and "131,072 tokens/step" in out and "minutes" in out, out
+    assert "plan:" in out and "131,072 tokens/step" in out and "a step takes about" in out, out
     assert "model tiny" in out, out
 
 
