@@ -34,16 +34,27 @@ one a single process would take on the whole batch.
 import dataclasses
 import functools
 import itertools
+import json
+import math
 import os
 import resource
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -59,12 +70,14 @@ from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, _chunk_ro
 from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import row_bytes
 from model import (
+    FLOAT_DTYPES,
     Llama,
     LoRAConfig,
     ModelArgs,
     UsageError,
     load_hf_checkpoint,
     load_peft_adapter,
+    read_json,
 )
 from offload import AC_MODES, STAGING_SLOTS
 
@@ -459,6 +472,305 @@ def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) 
     if model.mask_documents:  # else the mask is None, whatever the positions
         model.attention_mask = functools.partial(_whole_row_mask, model.attention_mask, group)
     model.forward = functools.partial(_forward_rows, model.forward, group)
+
+
+# ----------------------------------------------------------------------------------------
+# The sharded state, and its checkpoints: run_dir/checkpoints/step-XXXXXX, a DCP directory
+# (model and optimizer shards as safetensors, resharded on load, so another world size can
+# resume) plus train_state.json (step, data cursor, RNG, what the run was, to refuse
+# resuming a different one, and the size of each shard and shape of each tensor, to refuse
+# a damaged one). train.py decides when to save and what to resume from.
+# ----------------------------------------------------------------------------------------
+
+TRAIN_STATE_KEYS = ["step", "loader", "rng", "run", "options", "files", "tensors"]
+
+
+def step_of(checkpoint: Path) -> int:
+    return int(checkpoint.name.removeprefix("step-"))
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    return sorted((p for p in root.glob("step-*") if p.name[5:].isdigit()), key=step_of)
+
+
+def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path, dict] | None:
+    """The checkpoint to resume from and its train_state, checked (`check_checkpoint`):
+    `resume` (train.py's --resume) "latest" takes the newest intact one in `root`, saying
+    which it passed over; a path takes that checkpoint."""
+    if resume is None:
+        if list_checkpoints(root):
+            raise UsageError(
+                f"{root} holds checkpoints of an earlier run: pass --resume to continue it, "
+                f"or choose another --run-dir"
+            )
+        return None
+    if resume != "latest":
+        return Path(resume), check_checkpoint(Path(resume))
+    found = list_checkpoints(root)
+    for checkpoint in reversed(found):
+        try:
+            train_state = check_checkpoint(checkpoint)
+        except UsageError as e:
+            log(f"passing over a damaged checkpoint: {e}")
+            continue
+        if checkpoint != found[-1]:
+            log(f"resuming from {checkpoint}, the newest intact checkpoint")
+        return checkpoint, train_state
+    if found:
+        raise UsageError(f"no intact checkpoint in {root}: each one above is damaged")
+    return None
+
+
+def check_checkpoint(path: Path) -> dict:
+    """The train_state of the checkpoint at `path`, once its files are checked, from their
+    sizes and headers alone: train_state.json, the shards it was saved with (each present,
+    of the size it had, none added) and in them, float tensors making up each tensor it
+    saved, whole. One UsageError naming the checkpoint and every problem, so that a damaged
+    checkpoint is refused before anything is loaded."""
+    state_path = path / "train_state.json"
+    if not path.is_dir():
+        raise UsageError(f"checkpoint {path} does not exist")
+    if not state_path.is_file():
+        raise UsageError(f"checkpoint {path} is incomplete: it has no train_state.json")
+    train_state = read_json(state_path)
+    missing = [key for key in TRAIN_STATE_KEYS if key not in train_state]
+    if missing:
+        raise UsageError(f"{state_path}: no {', '.join(missing)}: not a longtune checkpoint")
+    problems = []
+    shards = {f.name: f for f in sorted(path.glob("*.safetensors"))}
+    for name, size in train_state["files"].items():
+        if name not in shards:
+            problems.append(f"shard {name} is missing")
+        elif (found := shards[name].stat().st_size) != size:
+            problems.append(f"shard {name} is {found:,} bytes, it was {size:,} when saved")
+    problems += [f"{name} was not saved with it" for name in shards.keys() - train_state["files"]]
+    expected = {key: math.prod(shape) for key, shape in train_state["tensors"].items()}
+    elements = dict.fromkeys(expected, 0)
+    for name, file in shards.items():
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    piece = f.get_slice(key)
+                    if key not in expected:
+                        problems.append(f"{name} holds {key}, not a tensor of this checkpoint")
+                    elif piece.get_dtype() not in FLOAT_DTYPES:
+                        problems.append(f"{name}: {key} has dtype {piece.get_dtype()}")
+                    else:
+                        elements[key] += math.prod(piece.get_shape())
+        except SafetensorError as e:
+            problems.append(f"shard {name} is damaged ({e})")
+    if not problems:  # the pieces of tensors in damaged shards are not counted
+        problems += [
+            f"{key} has {elements[key]:,} elements in the shards, it had {n:,}"
+            for key, n in expected.items()
+            if elements[key] != n
+        ][:5]
+    if problems:
+        raise UsageError(f"checkpoint {path} is damaged: " + "; ".join(problems))
+    return train_state
+
+
+def check_resumable(saved: dict, run: dict) -> None:
+    """Refuses a checkpoint of another model, sequence length, tokenizer or strategy, naming
+    every field that differs. The world size may change: DCP reshards on load."""
+    problems = [
+        f"model {k}: checkpoint {v!r}, this run {run['model'][k]!r}"
+        for k, v in saved["model"].items()
+        if run["model"].get(k) != v
+    ]
+    problems += [
+        f"{k}: checkpoint {saved[k]!r}, this run {run[k]!r}"
+        for k in ["seq_len", "tokenizer", "strategy"]
+        if saved[k] != run[k]
+    ]
+    if problems:
+        raise UsageError("cannot resume from a different run:\n  " + "\n  ".join(problems))
+
+
+def check_no_newer_checkpoints(root: Path, step: int, resume_from: Path) -> list[Path]:
+    """Resuming from step `step` in this run directory would save over the later checkpoints
+    of the run that wrote them: refused, unless they are damaged (then set aside, under a
+    name of their own, by `set_aside`). Returns those damaged ones."""
+    newer = [c for c in list_checkpoints(root) if step_of(c) > step]
+    intact, damaged = [], []
+    for checkpoint in newer:
+        try:
+            check_checkpoint(checkpoint)
+            intact.append(checkpoint)
+        except UsageError:
+            damaged.append(checkpoint)
+    if intact:
+        raise UsageError(
+            f"resuming from {resume_from} here would save over the later checkpoints "
+            f"{[c.name for c in intact]} of {root}: branch off into a new run directory "
+            f"(--resume {resume_from} --run-dir NEW_DIR), or resume from the latest"
+        )
+    return damaged
+
+
+def set_aside(damaged: list[Path], log: Callable) -> None:
+    for checkpoint in damaged:
+        aside = checkpoint.with_name(f"damaged-{checkpoint.name}")
+        os.replace(checkpoint, aside)
+        log(f"set the damaged {checkpoint.name} aside as {aside}")
+
+
+@dataclass
+class Checkpointer:
+    """Saves the run every `interval` steps, at its last step and when it stops on a signal
+    (`due`), keeping the last `keep`; `last` is the newest saved. Rank 0 writes the
+    directory's train_state.json and renames it into place once every rank's shards are in."""
+
+    root: Path
+    interval: int
+    keep: int
+    is_main: bool
+    last: Path | None = None
+
+    def due(self, step: int, max_steps: int, stopping: bool) -> bool:
+        return bool(self.interval) and (step % self.interval == 0 or step == max_steps or stopping)
+
+    def save(self, step: int, optimizer, train_state: dict) -> Path:
+        final = self.root / f"step-{step:06d}"
+        tmp = self.root / f".tmp-{final.name}"
+        if self.is_main:
+            for stale in self.root.glob(".tmp-*"):  # left by a run killed while it saved
+                shutil.rmtree(stale)
+            tmp.mkdir(parents=True)
+        torch_dist.barrier()
+        # Only tensors go in, as safetensors files (each rank writes its own shards; the
+        # layout of the shards is JSON in their headers), so that resuming unpickles nothing:
+        # DCP's default format keeps its metadata as a pickle. The hyperparameters in
+        # param_groups come from the command line.
+        state = optimizer.state_dict()
+        writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
+        dcp.save(state, storage_writer=writer)
+        if self.is_main:
+            # dcp.save returns once every rank's shards are written. Their sizes and the full
+            # shape of each tensor go in, so that a truncated, missing or replaced shard is
+            # caught before resuming (check_checkpoint).
+            files = {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))}
+            train_state = {**train_state, "files": files, "tensors": tensor_shapes(state)}
+            (tmp / "train_state.json").write_text(json.dumps(train_state))
+        torch_dist.barrier()  # every rank's shards are written before the directory is renamed
+        if self.is_main:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.root)[: -self.keep]:
+                shutil.rmtree(old)
+        self.last = final
+        return final
+
+
+def tensor_shapes(state: dict, prefix: str = "") -> dict[str, list[int]]:
+    """Each tensor of a nested state dict by its name in a checkpoint's shards (the keys on
+    its path joined with dots, as DCP names them), and its full shape."""
+    shapes = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            shapes |= tensor_shapes(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            shapes[f"{prefix}{key}"] = list(value.shape)
+    return shapes
+
+
+def load_checkpoint(path: Path, optimizer) -> None:
+    state = optimizer.state_dict()
+    # Fills the tensors in place, resharding if the world size changed.
+    try:
+        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+    except CheckpointException as e:  # a BaseException: `except Exception` lets it through
+        failures = "; ".join(f"rank {r}: {error}" for r, (error, _) in e.failures.items())
+        raise UsageError(f"checkpoint {path} could not be read: {failures}") from None
+    optimizer.load_state_dict(state)
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state().tolist()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device).tolist()
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    # Rank 0's state restores every rank: all are seeded alike and draw alike.
+    torch.set_rng_state(torch.tensor(state["cpu"], dtype=torch.uint8))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
+
+
+def gathered(named: Iterator[tuple[str, torch.Tensor]], write: Callable, is_main: bool) -> None:
+    """Rank 0 writes the full tensors of `named` (a generator that gathers each parameter on
+    every rank, so every rank must drain it), the other ranks only take part in gathering."""
+    if is_main:
+        write(named)
+    else:
+        for _ in named:
+            pass
+    torch_dist.barrier()
+
+
+def full_tensor(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(param, DTensor):  # with --cpu-offload the shard is on the CPU
+        return param.detach().to(device).full_tensor()
+    return param.detach()
+
+
+class ShardedAdamW:
+    """torch.optim.AdamW over FSDP's sharded parameters (weight decay on the matrices, not
+    the norms), behind the interface the loop calls, which offload.OptimizerInBackward
+    shares: set_lr() before a step's backward, step() after it, and state_dict() /
+    load_state_dict() for checkpoints, {"model": fp32 weights, "optim": AdamW's state} by
+    parameter name in both, so either kind of run resumes from the other's checkpoints."""
+
+    def __init__(self, model: Llama, betas, weight_decay: float, grad_clip: float, fused: bool):
+        self.model = model
+        self.grad_clip = grad_clip
+        params = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters
+        self.adamw = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+            ],
+            lr=0.0,  # set_lr sets each step's
+            betas=betas,
+            fused=fused,
+        )
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> torch.Tensor:
+        """Clips the gradients by their global norm (--grad-clip), updates and frees them;
+        returns that norm as a 0-dim tensor, unread, so the step has no host sync."""
+        norm = clip_grad_norm_(self.model, self.grad_clip)
+        self.adamw.step()
+        self.adamw.zero_grad(set_to_none=True)
+        return norm
+
+    def state_dict(self) -> dict:
+        # Frozen parameters (a LoRA run's base) are not saved: they come from --hf-checkpoint.
+        model_state, optim_state = get_state_dict(self.model, self.adamw, options=FROZEN_LEFT_OUT)
+        return {"model": model_state, "optim": optim_state["state"]}
+
+    def load_state_dict(self, state: dict) -> None:
+        # The hyperparameters in param_groups come from the command line, not the checkpoint.
+        _, current = get_state_dict(self.model, self.adamw, options=FROZEN_LEFT_OUT)
+        optim_state = {"state": state["optim"], "param_groups": current["param_groups"]}
+        set_state_dict(
+            self.model,
+            self.adamw,
+            model_state_dict=state["model"],
+            optim_state_dict=optim_state,
+            options=FROZEN_LEFT_OUT,
+        )
+
+
+# strict=False: the frozen parameters are missing from the state on purpose; DCP has checked
+# that the checkpoint holds every tensor of the state it filled.
+FROZEN_LEFT_OUT = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 # ----------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from data import Batch  # noqa: E402
 from model import Llama, LoRAConfig, ModelArgs, apply_lora  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
 from shard import (  # noqa: E402
+    ShardedAdamW,  # noqa: E402
     apply_context_parallel,
     apply_fsdp,
     build_mesh,
@@ -32,7 +33,7 @@ from shard import (  # noqa: E402
     init_distributed,
     materialize,
 )
-from train import ShardedAdamW, train_step  # noqa: E402
+from train import train_step  # noqa: E402
 
 TINY = ModelArgs.from_name("tiny")
 # Dims that 2 ranks do not divide evenly (w1: 201 rows = 101 + 100; vocab 321).
@@ -152,7 +153,7 @@ def sharded_model(
 
 
 class RecordingAdamW(ShardedAdamW):
-    """train.ShardedAdamW keeping the first step's clipped gradients, which the test compares."""
+    """shard.ShardedAdamW keeping the first step's clipped gradients, which the test compares."""
 
     def __init__(self, model):
         super().__init__(model, (0.9, 0.999), WEIGHT_DECAY, MAX_NORM, fused=True)

@@ -90,7 +90,7 @@ def reference_run(scenario: w.Scenario) -> dict:
         apply_lora(model, scenario.lora, torch.float32)
     model.init_weights(w.SEED)
     trained = [p for p in model.parameters() if p.requires_grad]
-    groups = [  # weight decay on the matrices, as train.ShardedAdamW
+    groups = [  # weight decay on the matrices, as shard.ShardedAdamW
         {"params": [p for p in trained if p.ndim >= 2], "weight_decay": w.WEIGHT_DECAY},
         {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
     ]
