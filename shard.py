@@ -914,7 +914,15 @@ class Plan:
             batch = (
                 f" ({asked:,} asked: rounded to whole sequences per {holders})"
                 if tokens > asked or asked < 2 * self.seq_len * self.world_size // cp
-                else f" (of the {asked:,} asked, more would need accumulation, which does not fit)"
+                else f" (of the {asked:,} asked: the optimizer in backward cannot accumulate)"
+                if self.optimizer_in_backward
+                else f" (of the {asked:,} asked: accumulating micro-batches keeps a whole fp32 "
+                "copy of the gradients on each GPU, which does not fit)"
+            )
+        if self.grad_accum > 64:  # a step of hundreds of passes reads as a hang
+            batch += (
+                f" ({self.grad_accum} forward and backward passes a step: --batch-tokens "
+                f"{self.seq_len * self.micro_batch * self.world_size // cp:,} takes one)"
             )
         ranks = count(self.world_size, "process")
         if cp > 1:
