@@ -743,6 +743,7 @@ class Run:
     text_tokenizer: Tokenizer | None
     export_tokenizer: HFTokenizer | None
     log: Callable
+    lock: object  # run_dir/.lock, held open as long as the run lives (lock_run_dir)
 
 
 def estimate(opts: Options) -> None:
@@ -839,7 +840,6 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     metrics = MetricsLog(
         run_dir / "metrics.jsonl", opts, args, plan, world, max_steps, step, evaluate_held_out
     )
-    metrics.lock = lock  # held as long as the run lives
     checkpointer = shard.Checkpointer(
         run_dir / "checkpoints", opts.checkpoint_interval, opts.keep_checkpoints, world.is_main,
         last=resume_from,
@@ -850,7 +850,7 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     }
     return Run(
         opts, given, args, plan, world, model, optimizer, loader, run_dir, checkpointer,
-        metrics, train_state, step, max_steps, text_tokenizer, export_tokenizer, log,
+        metrics, train_state, step, max_steps, text_tokenizer, export_tokenizer, log, lock,
     )  # fmt: skip
 
 
