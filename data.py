@@ -256,11 +256,30 @@ class SentencePieceTokenizer:
         return {"tokenizer.model": self._proto, "tokenizer_config.json": _json_bytes(config)}
 
 
+# Where a Hugging Face checkpoint directory keeps a tokenizer file load_tokenizer reads.
+TOKENIZER_FILES = ("tokenizer.model", "original/tokenizer.model")
+
+
+def tokenizer_file(directory: str | Path) -> Path | None:
+    """The tokenizer file of a HF checkpoint directory (or of its tokenizer files), if any."""
+    return next(
+        (Path(directory) / n for n in TOKENIZER_FILES if (Path(directory) / n).is_file()), None
+    )
+
+
 def load_tokenizer(path: str | Path | None) -> Tokenizer:
-    """None gives the byte tokenizer; a file, Llama 3 (tiktoken) or Llama 2 (sentencepiece)."""
+    """None gives the byte tokenizer; a file, Llama 3 (tiktoken) or Llama 2 (sentencepiece);
+    a directory, its tokenizer file (TOKENIZER_FILES)."""
     if path is None:
         return ByteTokenizer()
     path = Path(path)
+    if path.is_dir():
+        if (found := tokenizer_file(path)) is None:
+            raise UsageError(
+                f"tokenizer directory {path} holds none of {', '.join(TOKENIZER_FILES)}: pass "
+                f"the tokenizer file"
+            )
+        path = found
     if not path.is_file():
         raise UsageError(f"tokenizer file {path} not found")
     with open(path, "rb") as f:
@@ -274,7 +293,7 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
     try:
         return SentencePieceTokenizer(path)
     except RuntimeError as e:
-        raise ValueError(
+        raise UsageError(
             f"tokenizer file {path} is neither a tiktoken BPE ranks file (Llama 3: lines of "
             f"'base64-token rank') nor a sentencepiece model (Llama 2)"
         ) from e

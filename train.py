@@ -67,6 +67,7 @@ from data import (
     Tokenizer,
     default_corpus,
     load_tokenizer,
+    tokenizer_file,
 )
 from model import (
     HF_EXPORT,
@@ -546,9 +547,10 @@ def open_data(
     opts: Options, args: ModelArgs, is_main: bool, log: Callable
 ) -> tuple[TokenDataset, Tokenizer | None, HFTokenizer | None]:
     """The dataset (--data, or the default corpus, prepared once by one process), checked
-    against the model; the tokenizer that decodes the end-of-run sample (--tokenizer's, the
-    byte tokenizer for a byte-tokenized dataset, else none); the tokenizer files an export
-    carries (the HF checkpoint's, else --tokenizer's)."""
+    against the model and the tokenizer: --tokenizer's, else the --hf-checkpoint
+    directory's, must be the one the data was prepared with. Returns it with the tokenizer
+    that decodes the end-of-run sample (that one; the byte tokenizer for byte-tokenized
+    data) and the tokenizer an export carries (the checkpoint's files, else that one's)."""
     if opts.data:
         dataset = TokenDataset(opts.data)
     else:
@@ -557,31 +559,28 @@ def open_data(
         dist.barrier()
         dataset = TokenDataset(default_corpus(REPO / ".cache"))
     dataset.check(args.vocab_size, opts.seq_len, args.max_seq_len)
-    tokenizer = dataset.meta["tokenizer"]
-    text_tokenizer = load_tokenizer(opts.tokenizer) if opts.tokenizer else None
-    if text_tokenizer and text_tokenizer.name != tokenizer:
+    prepared_with = dataset.meta["tokenizer"]
+    source = opts.tokenizer or (opts.hf_checkpoint and tokenizer_file(opts.hf_checkpoint))
+    text_tokenizer = load_tokenizer(source) if source else None
+    if text_tokenizer and text_tokenizer.name != prepared_with:
+        given = "--tokenizer" if opts.tokenizer else "the checkpoint's tokenizer"
         raise UsageError(
-            f"dataset {dataset.path} was prepared with tokenizer {tokenizer}, but --tokenizer "
-            f"{opts.tokenizer} is {text_tokenizer.name}"
+            f"dataset {dataset.path} was prepared with tokenizer {prepared_with}, but {given} "
+            f"{source} is {text_tokenizer.name}: prepare the data with it (python data.py "
+            f"prepare --tokenizer {source} ...)"
         )
-    if tokenizer == ByteTokenizer.name:
+    if prepared_with == ByteTokenizer.name:
         text_tokenizer = ByteTokenizer()
-    export_tokenizer = None
-    if opts.hf_checkpoint:
-        export_tokenizer = read_hf_tokenizer(opts.hf_checkpoint)
-    elif text_tokenizer:
-        export_tokenizer = HFTokenizer(
-            text_tokenizer.hf_files(),
-            {
-                "bos_token_id": text_tokenizer.bos_id,
-                "eos_token_id": text_tokenizer.eos_id,
-                "pad_token_id": text_tokenizer.pad_id,
-            },
-        )
-    elif opts.export_hf:
+    export_tokenizer = read_hf_tokenizer(opts.hf_checkpoint) if opts.hf_checkpoint else None
+    has_tokenizer = lambda t: t and set(t.files) - {"generation_config.json"}
+    if not has_tokenizer(export_tokenizer) and text_tokenizer:
+        ids = (text_tokenizer.bos_id, text_tokenizer.eos_id, text_tokenizer.pad_id)
+        keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+        export_tokenizer = HFTokenizer(text_tokenizer.hf_files(), dict(zip(keys, ids, strict=True)))
+    if opts.export_hf and not has_tokenizer(export_tokenizer):
         log(
             f"note: the export will have no tokenizer: pass --tokenizer with the file that "
-            f"prepared {dataset.path} ({tokenizer}) to include it"
+            f"prepared {dataset.path} ({prepared_with}) to include it"
         )
     return dataset, text_tokenizer, export_tokenizer
 
@@ -1410,20 +1409,35 @@ def export_adapter(run: Run) -> None:
 
 
 def print_sample(run: Run) -> None:
-    """A short sample of the trained model, decoded by the data's tokenizer; where there is
-    none to decode it, why."""
+    """A short sample of the trained model, decoded by the data's tokenizer: after BOS, or
+    for SFT data after a short user turn in the data's chat format; where there is no
+    tokenizer to decode it, why."""
     tokenizer, n = run.text_tokenizer, run.opts.sample_tokens
     if not n:
         return
     if tokenizer is None:
-        run.log(f"no sample: pass --tokenizer with the file that prepared the data to print {n} "
-                f"tokens of the trained model")  # fmt: skip
+        run.log(
+            f"no sample: the data's tokenizer ({run.train_state['run']['tokenizer']}) was not "
+            f"given; pass --tokenizer with the file that prepared the data to see {n} tokens "
+            f"of the trained model"
+        )
         return
+    prompt, after = [tokenizer.bos_id], "BOS"
+    if run.loader.dataset.is_sft:
+        prompt, after = chat_prompt(tokenizer, "Hello! What can you do?"), "a user turn"
     run.model.eval()
     allowed = min(tokenizer.vocab_size, run.args.vocab_size)
-    sample = generate(run.model, [tokenizer.bos_id], n, 0.8, allowed)
-    run.log(f"\na sample of the trained model (after BOS, temperature 0.8):\n{'-' * 60}")
-    run.log(printable(tokenizer.decode(sample)) + f"\n{'-' * 60}")
+    sample = generate(run.model, prompt, n, 0.8, allowed)
+    run.log(f"\na sample of the trained model (after {after}, temperature 0.8):\n{'-' * 60}")
+    run.log(printable(tokenizer.decode(prompt[1:] + sample)) + f"\n{'-' * 60}")
+
+
+def chat_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A user turn and the assistant's header in the tokenizer's chat format: the
+    conversation (user, empty assistant turn) rendered, less its last segment, the empty
+    answer's end of turn."""
+    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+    return [i for ids, _ in tokenizer.render_chat(messages)[:-1] for i in ids]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1190,3 +1190,58 @@ def test_what_a_run_says_at_its_start_and_end(dataset, reference_run, tmp_path, 
     train.main(["--data", str(dataset), *SMALL, "--resume", "--run-dir", str(finished)])
     out = capsys.readouterr().out
     assert "the run had finished at step 40 of 40" in out and "resume:" not in out
+
+
+def write_ranks_file(path: Path) -> Path:
+    """A tiny Llama 3 style ranks file: the 256 single bytes (the same ids as the bytes,
+    other token names), then a few merges."""
+    import base64
+
+    tokens = [bytes([i]) for i in range(256)] + [b"th", b"he", b"the", b" t", b"in"]
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
+    return path
+
+
+@CPU_ONLY
+def test_the_checkpoints_tokenizer_checks_the_data_decodes_the_sample_and_is_exported(
+    dataset, tmp_path, capsys
+):
+    """Data prepared with another tokenizer than the HF checkpoint's is refused, though its
+    ids fit the vocabulary; the checkpoint's original/tokenizer.model (and no top-level
+    tokenizer files) is the one the sample decodes with and the export carries."""
+    base = qlora_base(tmp_path / "base")
+    (base / "original").mkdir()
+    ranks = write_ranks_file(base / "original" / "tokenizer.model")
+    argv = ["--hf-checkpoint", str(base), "--lr", "1e-3", *SMALL, "--max-steps", "1"]
+    with pytest.raises(SystemExit):
+        train.main([*argv, "--data", str(dataset), "--run-dir", str(tmp_path / "a")])
+    err = capsys.readouterr().err
+    assert f"was prepared with tokenizer bytes, but the checkpoint's tokenizer {ranks}" in err
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the theme of the thing " * 400)
+    mine = data.prepare([corpus], tmp_path / "mine", ranks)
+    argv += ["--data", str(mine), "--run-dir", str(tmp_path / "b"), "--sample-tokens", "5"]
+    train.main([*argv, "--export-hf", str(tmp_path / "hf")])
+    assert "a sample of the trained model (after BOS" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert loaded.encode("the thing", add_special_tokens=False) == data.load_tokenizer(
+        ranks
+    ).encode("the thing")
+
+
+@CPU_ONLY
+def test_sft_data_samples_after_a_user_turn(tmp_path, capsys):
+    chat = tmp_path / "chat.jsonl"
+    turn = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    }
+    chat.write_text((json.dumps(turn) + "\n") * 200)
+    sft = data.prepare([chat], tmp_path / "sft")
+    train.main(["--data", str(sft), "--seq-len", "64", "--batch-tokens", "256", "--max-steps", "1",
+                "--sample-tokens", "4", "--run-dir", str(tmp_path / "run")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "a sample of the trained model (after a user turn, temperature 0.8)" in out
+    assert "<|user|>\nHello! What can you do?<|assistant|>\n" in out
