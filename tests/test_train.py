@@ -1219,7 +1219,7 @@ def test_the_checkpoints_tokenizer_checks_the_data_decodes_the_sample_and_is_exp
     assert f"was prepared with tokenizer bytes, but the checkpoint's tokenizer {ranks}" in err
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the theme of the thing " * 400)
-    mine = data.prepare([corpus], tmp_path / "mine", ranks)
+    mine = data.prepare([corpus], tmp_path / "mine", ranks, workers=1)
     argv += ["--data", str(mine), "--run-dir", str(tmp_path / "b"), "--sample-tokens", "5"]
     train.main([*argv, "--export-hf", str(tmp_path / "hf")])
     assert "a sample of the trained model (after BOS" in capsys.readouterr().out
@@ -1239,7 +1239,7 @@ def test_sft_data_samples_after_a_user_turn(tmp_path, capsys):
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     }
     chat.write_text((json.dumps(turn) + "\n") * 200)
-    sft = data.prepare([chat], tmp_path / "sft")
+    sft = data.prepare([chat], tmp_path / "sft", workers=1)
     train.main(["--data", str(sft), "--seq-len", "64", "--batch-tokens", "256", "--max-steps", "1",
                 "--sample-tokens", "4", "--run-dir", str(tmp_path / "run")])  # fmt: skip
     out = capsys.readouterr().out
