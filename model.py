@@ -101,6 +101,11 @@ class ModelArgs:
         file leaves out means what it means to transformers: its LlamaConfig default."""
         path = Path(path)
         config_path = path / "config.json" if path.is_dir() else path
+        if path.is_file() and path.suffix != ".json":
+            raise UsageError(
+                f"{path} is a file: a Hugging Face checkpoint is the directory that holds "
+                f"config.json and the safetensors files (give {path.parent})"
+            )
         if not config_path.is_file():
             raise UsageError(f"no Hugging Face config.json at {config_path}")
         config = read_json(config_path)
@@ -860,6 +865,30 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
     return files
 
 
+class CheckedSlice:
+    """A safetensors slice whose reads are checked for NaN and inf as they load: one
+    aminmax pass over what was read, already in memory (nothing of its size allocated). A
+    tensor holding one is named in `nonfinite`, so a damaged checkpoint is refused before
+    training instead of blamed as a NaN loss later."""
+
+    def __init__(self, piece, name: str, nonfinite: list[str]):
+        self.piece, self.name, self.nonfinite = piece, name, nonfinite
+
+    def __getitem__(self, index) -> torch.Tensor:
+        tensor = self.piece[index]
+        if tensor.numel() and not all(v.isfinite() for v in torch.aminmax(tensor)):
+            self.nonfinite.append(self.name)
+        return tensor
+
+
+def refuse_nonfinite(path: str | os.PathLike, nonfinite: list[str]) -> None:
+    if nonfinite:
+        raise UsageError(
+            f"{path}: {', '.join(sorted(set(nonfinite))[:5])} hold NaN or inf values: the "
+            f"checkpoint is damaged (training from it would give a NaN loss at once)"
+        )
+
+
 def copy_whole_tensor(param: torch.Tensor, tensor_slice) -> None:
     """Reads the whole tensor from a safetensors slice into `param` (dtype converted)."""
     param.copy_(tensor_slice[:])
@@ -871,12 +900,16 @@ def load_hf_checkpoint(
     path: str | os.PathLike,
     copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
     progress: Callable[[int, int], None] | None = None,
+    nonfinite: list[str] | None = None,
 ) -> None:
     """Loads HF weights into `model`'s materialized parameters, one tensor at a time so host
     memory peaks near one tensor. `copy(param, safetensors_slice)` moves each tensor in;
     shard.py passes one that reads only the rows its rank owns. `progress(done, total)` is
     called after each tensor. A base weight that `apply_lora` stores in 4 bits is quantized
-    as it is read (`LoRALinear.load_weight`), one tensor at a time."""
+    as it is read (`LoRALinear.load_weight`), one tensor at a time. What is read is checked
+    for NaN and inf (CheckedSlice): refused at the end, or with `nonfinite` given, the
+    tensors holding them added to it (shard.py's ranks each read some rows, and agree)."""
+    found = [] if nonfinite is None else nonfinite
     files = check_hf_checkpoint(model.args, path)
     names = hf_names(model.args)
     by_file: dict[Path, list[tuple[str, str]]] = {}
@@ -886,10 +919,12 @@ def load_hf_checkpoint(
     for file, file_names in sorted(by_file.items()):
         with _open_safetensors(file) as f:
             for ours, theirs in file_names:
-                copy_into(model, ours, f.get_slice(theirs), copy)
+                copy_into(model, ours, CheckedSlice(f.get_slice(theirs), theirs, found), copy)
                 done += 1
                 if progress is not None:
                     progress(done, len(names))
+    if nonfinite is None:
+        refuse_nonfinite(path, found)
 
 
 # The files of a HF checkpoint that make its tokenizer and its generation defaults.
@@ -1306,10 +1341,11 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
     for file in (config_file, tensors_file):
         if not file.is_file():
             raise UsageError(f"LoRA adapter: {file} does not exist")
-    theirs = json.loads(config_file.read_text())
+    theirs = read_json(config_file)
     ours = peft_adapter_config(config, None)
     problems = [
         f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected {ours[key]!r}"
+        + (f" (--lora-rank {ours['r']}: pass --lora-rank {theirs.get('r')})" * (key == "r"))
         for key in ("peft_type", "r", "lora_alpha", "bias", "use_rslora", "use_dora")
         if theirs.get(key, ours[key]) != ours[key]
     ]
@@ -1328,6 +1364,8 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
     }
     with _open_safetensors(tensors_file) as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    if theirs.get("r") != ours["r"]:  # every adapter's shape differs by the rank: not listed
+        expected = {name: shapes.get(name, shape) for name, shape in expected.items()}
     for name, shape in expected.items():
         if name not in shapes:
             problems.append(f"missing tensor {name}: expected shape {shape}")
@@ -1349,9 +1387,11 @@ def load_peft_adapter(
     """Loads a PEFT LoRA adapter directory into the adapters of an `apply_lora`-ed model,
     after `check_peft_adapter`; `copy` as in load_hf_checkpoint."""
     file = check_peft_adapter(model.args, config, path)
+    nonfinite = []
     with _open_safetensors(file) as f:
         for ours, theirs in peft_names(model.args, config.targets).items():
-            copy(model.get_parameter(ours), f.get_slice(theirs))
+            copy(model.get_parameter(ours), CheckedSlice(f.get_slice(theirs), theirs, nonfinite))
+    refuse_nonfinite(file, nonfinite)
 
 
 def merged_named_tensors(

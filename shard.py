@@ -78,6 +78,7 @@ from model import (
     load_hf_checkpoint,
     load_peft_adapter,
     read_json,
+    refuse_nonfinite,
 )
 from offload import AC_MODES, STAGING_SLOTS
 
@@ -297,7 +298,11 @@ def materialize(
         param.to_local().copy_(tensor_slice[start:stop])
 
     if hf_path is not None:
-        load_hf_checkpoint(model, hf_path, copy=copy_rows, progress=progress)
+        nonfinite = []  # each rank checks the rows it reads; all refuse what any found
+        load_hf_checkpoint(model, hf_path, copy=copy_rows, progress=progress, nonfinite=nonfinite)
+        found = [None] * dist.world_size
+        torch_dist.all_gather_object(found, nonfinite)
+        refuse_nonfinite(hf_path, [name for names in found for name in names])
         if lora is not None and lora_adapter is None:  # adapters from their initial values
             for name, param in model.named_parameters():
                 if param.requires_grad:

@@ -566,3 +566,12 @@ def test_export_carries_the_hf_checkpoints_tokenizer_and_ids(good_checkpoint, tm
     exported = json.loads((out / "config.json").read_text())
     assert (exported["bos_token_id"], exported["eos_token_id"]) == (256, [257, 1])
     assert transformers.AutoTokenizer.from_pretrained(out)("a")["input_ids"] == [256, 97]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_nan_or_inf_weight_is_refused_naming_the_tensor(tmp_path, value):
+    hf = make_hf_model("gqa-untied")
+    with torch.no_grad():
+        hf.model.layers[1].mlp.up_proj.weight[3, 5] = value
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight hold NaN or inf"):
+        load_longtune(save_hf(hf, tmp_path / "hf"))

@@ -495,6 +495,28 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
     users_dir.mkdir()
     (users_dir / "notes.txt").write_text("the user's")
     return {
+        "nan in a checkpoint's weight": (
+            [
+                "--data",
+                str(dataset),
+                "--hf-checkpoint",
+                str(nan_checkpoint(tmp / "nan")),
+                "--lr",
+                "1e-4",
+            ],
+            "model.layers.1.self_attn.v_proj.weight hold NaN or inf values",
+        ),  # fmt: skip
+        "hf checkpoint given as its weights file": (
+            [
+                "--data",
+                str(dataset),
+                "--hf-checkpoint",
+                str(qlora_base(tmp / "file") / "model.safetensors"),
+                "--lr",
+                "1e-4",
+            ],
+            "model.safetensors is a file: a Hugging Face checkpoint is the directory",
+        ),  # fmt: skip
         "lr past float32": (["--data", str(dataset), "--lr", "1e39"], "--lr must be at most 3.4"),
         "data is a file": (
             ["--data", str(dataset / "meta.json")],
@@ -624,6 +646,8 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
 
 
 CASES = [
+    "hf checkpoint given as its weights file",
+    "nan in a checkpoint's weight",
     "lr past float32",
     "data is a file",
     "run dir of the user's files",
@@ -890,6 +914,17 @@ def test_document_mask_trains(dataset, tmp_path):
     train.main([*argv, "--document-mask", "--run-dir", str(tmp_path)])
     logged = losses(tmp_path)
     assert logged[10] < logged[1] - 0.5
+
+
+def nan_checkpoint(path: Path) -> Path:
+    """qlora_base with one NaN in a weight."""
+    base = qlora_base(path)
+    file = base / "model.safetensors"
+    with safe_open(file, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model.layers.1.self_attn.v_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, file, metadata={"format": "pt"})
+    return base
 
 
 def qlora_base(path: Path) -> Path:
