@@ -314,8 +314,9 @@ def triton_ops() -> Ops:
     )
 
 
-# Attention backends by name. "auto" tries cuDNN first: on an H100 at 128k tokens it measured
-# about 1.5x the flash backend. SDPA skips a backend that cannot take the inputs.
+# Attention backends by name. "auto" tries cuDNN first, the fastest at long sequences on
+# Hopper (bench/RESULTS.md, "Attention backends"). SDPA skips a backend that cannot take
+# the inputs.
 SDPA_BACKENDS = {
     "auto": [
         SDPBackend.CUDNN_ATTENTION,

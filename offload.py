@@ -198,7 +198,7 @@ class _Offloader:
 
     Streams: every device tensor involved is allocated on the compute stream, so the
     caching allocator keeps one pool (tensors allocated on a side stream would go to a
-    second pool, which measured 97 GiB reserved for 31 GiB allocated). The side stream
+    second pool, which reserves far more than it holds). The side stream
     waits for the compute stream before each copy; `record_stream(side)` keeps a copy's
     source (device to host) or destination (host to device) from being reused before the
     copy is done; host to device follows device to host on the same stream; the compute

@@ -51,11 +51,10 @@ def linear_cross_entropy_reference(
 # the size cost a third more time, double it saved a tenth for more memory).
 CHUNK_LOGITS_BYTES = 128 * 2**20
 
-# Summing grad_weight in bf16 over many chunks loses precision as the sum grows: measured on
-# the CPU (V = 8192, D = 256, 512-token chunks), the norm-wise error against fp64 was 0.46%
-# after 16 chunks, 1.1% after 64 and 2.0% after 128, against 0.15% for one final rounding.
-# So at most this many chunks are summed in bf16; longer inputs add each group of them into
-# an fp32 buffer (weight-sized, fp32, during the forward only). 8k tokens at V = 128256 are
+# Summing grad_weight in bf16 over many chunks loses precision as the sum grows (the error
+# against fp64 grows with the chunks: bench/RESULTS.md, "Note on the fused loss"). So at
+# most this many chunks are summed in bf16; longer inputs add each group of them into an
+# fp32 buffer (weight-sized, fp32, during the forward only). 8k tokens at V = 128256 are
 # 16 chunks: the benchmarked shape never takes the fp32 path.
 BF16_SUM_CHUNKS = 16
 
@@ -68,9 +67,9 @@ def _chunk_rows(vocab: int, itemsize: int) -> int:
 
 
 def _launch_config(vocab: int) -> tuple[int, int]:
-    """(block, num_warps): the kernel sweeps a row of `vocab` logits in blocks of this size.
-    At V = 128256 on an H100, blocks of 16384 with 32 warps measured 2.77 TB/s, 8192 with 16
-    warps 2.39 TB/s."""
+    """(block, num_warps): the kernel sweeps a row of `vocab` logits in blocks of this size;
+    the largest blocks with the most warps were the fastest at Llama 3's vocabulary
+    (bench/RESULTS.md, "Kernels")."""
     block = min(triton.next_power_of_2(vocab), 16384)
     return block, min(max(block // 512, 1), 32)
 

@@ -199,8 +199,8 @@ def dequantize_nf4_reference(
 # Dequantization: the Triton kernel
 # ----------------------------------------------------------------------------------------
 
-# 128 blocks of 64 values per program, 4 warps: the fastest of 10 launches measured on an
-# H100, 2.57 TB/s, 86% of the copy rate (bench/RESULTS.md).
+# 128 blocks of 64 values per program, 4 warps: the fastest of the launches tried, near the
+# copy rate (bench/RESULTS.md, "NF4: the dequantization launch").
 BLOCKS_PER_PROGRAM = 128
 NUM_WARPS = 4
 
@@ -274,10 +274,10 @@ def dequantize_nf4(
 
 
 # W dequantized whole, then cuBLAS: a Triton matmul that dequantized each tile of W as it
-# loaded it measured 1.7-7x slower on an H100 at its best tiles (512-8192 tokens at 8B's
-# shapes), since it dequantizes each W tile again for each tile of rows (64 times at 8192
-# tokens), where this path dequantizes each weight once, a few % of its matmul
-# (bench/RESULTS.md, "LoRA and QLoRA (issue #14)").
+# loaded it was several times slower at its best tiles, since it dequantizes each W tile
+# again for each tile of rows (64 times at 8192 tokens), where this path dequantizes each
+# weight once, a few % of its matmul (bench/RESULTS.md, "NF4: the dequantization launch,
+# and a fused dequantize-matmul").
 class _NF4Linear(torch.autograd.Function):
     """y = x @ W^T with W dequantized from NF4 for the matmul and freed right after: backward
     dequantizes it again for dx = dy @ W. (F.linear would keep the dequantized W from forward

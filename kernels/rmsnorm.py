@@ -24,10 +24,10 @@ MAX_DIM = 65536
 
 def _launch_config(dim: int) -> tuple[int, int, int]:
     """(block, rows, num_warps): a program works on `rows` whole rows at a time, padded to
-    `block` columns, about 4096 elements a step and 16 per thread. At d = 4096 on an H100,
-    1 row and 8 warps was the fastest of 1-2 rows and 8-16 warps (GPU time of forward +
-    backward: 0.258 ms, against 0.268 ms for 2 rows and 16 warps; 4 rows spilled registers
-    at 4 warps). Shorter rows are stacked so that a step still moves a few KB."""
+    `block` columns, about 4096 elements a step and 16 per thread: at Llama's widths one row
+    and 8 warps was the fastest tried, more rows a program spilled registers
+    (bench/RESULTS.md, "Kernels"). Shorter rows are stacked so that a step still moves a few
+    KB."""
     block = triton.next_power_of_2(dim)
     rows = max(4096 // block, 1)
     return block, rows, min(max(rows * block // 512, 1), 16)
@@ -36,8 +36,8 @@ def _launch_config(dim: int) -> tuple[int, int, int]:
 @functools.cache
 def _programs_per_device(device: torch.device) -> int:
     """How many programs the backward splits the rows over: 8 per multiprocessor (4 and 16
-    measured within 4% on an H100), each summing the weight gradient of many rows in
-    registers; the [programs, D] fp32 partial sums are 17 MB at d = 4096."""
+    were about as fast), each summing the weight gradient of many rows in registers; the
+    [programs, D] fp32 partial sums stay a few MB."""
     if device.type != "cuda":
         return 4
     return 8 * torch.cuda.get_device_properties(device).multi_processor_count

@@ -35,8 +35,8 @@ def _launch_config(n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[int, i
     block_heads = triton.next_power_of_2(n_heads)
     block_kv_heads = triton.next_power_of_2(n_kv_heads)
     block_half = triton.next_power_of_2(head_dim // 2)
-    # About 64 elements a thread: at the 8B shape (5120 elements a token) 2 warps measured
-    # 2.80 TB/s on an H100, 8 warps 2.24.
+    # About 64 elements a thread: fewer warps were faster at the 8B shape (bench/RESULTS.md,
+    # "Kernels").
     elements = (block_heads + block_kv_heads) * block_half * 2
     num_warps = min(triton.next_power_of_2(max(elements // 2048, 1)), 8)
     return block_heads, block_kv_heads, block_half, num_warps

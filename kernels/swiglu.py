@@ -16,8 +16,8 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def _launch_config(numel: int) -> tuple[int, int]:
     """(block, num_warps) for an elementwise pass over `numel` elements: 2048 elements and
-    16 warps a program, 4 elements a thread: on an H100 at 8B's MLP shape the fastest of
-    the blocks and warps tried, at the copy rate; evict-first loads were slower
+    16 warps a program, 4 elements a thread: at 8B's MLP shape the fastest of the blocks and
+    warps tried, at the copy rate; evict-first loads were slower
     (bench/RESULTS.md, "Kernels")."""
     block = min(triton.next_power_of_2(numel), 2048)
     return block, min(max(block // 128, 1), 16)
