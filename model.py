@@ -1,10 +1,12 @@
 """A from-scratch Llama (Llama 2, 3, 3.1, 3.2 shapes) and its Hugging Face safetensors I/O.
 
 Read top to bottom: the model's numbers (`ModelArgs`, presets), the ops the kernels replace
-(`Ops`), the network, weight initialization, then loading and exporting HF checkpoints.
+(`Ops`), the network, weight initialization, the file helpers the other files share
+(`UsageError`, `OutputDir`), loading and exporting HF checkpoints, then LoRA.
 
 The model knows nothing of sharding, checkpointing or offload: `shard.py` and `offload.py`
-apply those from the outside. Build it on the meta device and materialize it after sharding:
+apply those from the outside, in the order train.apply_techniques states. Build it on the
+meta device and materialize it after sharding:
 
     with torch.device("meta"):
         model = Llama(ModelArgs.from_name("llama3.2-1b"))
@@ -1220,7 +1222,7 @@ def apply_lora(
 ) -> None:
     """Replaces the target projections of every block with LoRALinear and freezes the rest
     of the model, stored in `base_dtype` (the compute dtype: no fp32 master copy of what is
-    not trained). Applied to the meta-built model, before `offload.apply_ac` and
+    not trained). Applied to the meta-built model, first (train.apply_techniques), and
     `shard.apply_fsdp`; `kernels` picks the Triton NF4 dequantization or its reference."""
     dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
     for path in _lora_module_paths(model.args, config.targets):

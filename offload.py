@@ -1,9 +1,10 @@
-"""Activation memory: checkpointing (recompute in backward what forward did not keep) and
-offloading the tensors forward keeps to host memory while compute goes on.
+"""What trades time for memory: activation checkpointing (recompute in backward what forward
+did not keep), MLP tiling, activation offload (the tensors forward keeps, to host memory
+while compute goes on) and the optimizer step in backward. train.apply_techniques states the
+order in which they compose with LoRA, context parallelism and FSDP.
 
-`apply_ac` comes first in the order shard.py's docstring gives (AC, then FSDP): it
-registers the checkpoint as hooks on each TransformerBlock (torch.distributed's composable
-`checkpoint`), so the model's structure and parameter names stay as they were, which HF
+`apply_ac` registers the checkpoint as hooks on each TransformerBlock (torch.distributed's
+composable `checkpoint`), so the model's structure and parameter names stay as they were, which HF
 loading and checkpoints rely on, and `fully_shard` wraps the same modules. In backward
 the recomputed forward runs through FSDP's hooks again, which re-gather the block's
 weights if they were freed.
@@ -156,7 +157,7 @@ def apply_mlp_tiling(model: Llama, tile_tokens: int) -> None:
     product, and their gradients: about 6 such tensors, 2 GiB each at 128k tokens for
     llama3.2-1b) exist for one tile at a time, in forward and in backward. The price is
     one more forward of the MLP per step. The feed-forward acts on each position alone, so
-    tiling does not change its result. Applied after `apply_ac`; 0 leaves the model as it is."""
+    tiling does not change its result. 0 leaves the model as it is."""
     if tile_tokens < 0:
         raise ValueError(f"MLP tile size must be >= 0 tokens, got {tile_tokens}")
     if tile_tokens == 0:

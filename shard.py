@@ -1,17 +1,15 @@
-"""Data parallelism with FSDP2 (`torch.distributed.fsdp.fully_shard`), and what it needs:
-the process group, the device mesh, materializing a meta-built model shard by shard, a
-global gradient norm, context parallelism (the ranks of a group share each sequence), an
-estimate of the memory a run's plan takes per rank, and the planner that picks the fastest
-plan whose estimate fits the machine.
+"""How the model and its training state are spread over processes and memory: FSDP2
+(`torch.distributed.fsdp.fully_shard`) and what it needs (the process group, the device
+mesh, materializing a meta-built model shard by shard, a global gradient norm), context
+parallelism (the ranks of a group share each sequence), the sharded optimizer and the DCP
+checkpoints of its state; then, last, the memory estimate of a run's plan and the planner
+that picks the fastest plan whose estimate fits the machine.
 
-The order of application (torchtitan's): build the model on the meta device, `apply_ac`
-(offload.py), `apply_context_parallel` (when ranks share sequences), then `apply_fsdp`,
-then `materialize`:
+train.apply_techniques applies them, in the one order in which they compose:
 
     dist = init_distributed()
     with torch.device("meta"):
         model = Llama(args, ops)
-    apply_ac(model, "full")
     apply_context_parallel(model, context_parallel_group(dist, 2))   # optional
     apply_fsdp(model, build_mesh("FULL_SHARD", dist), "FULL_SHARD")
     materialize(model, dist, seed=0)            # or hf_path=...
@@ -464,9 +462,10 @@ def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) 
     with whole rows) are wrapped on the instances (like offload.apply_mlp_tiling), so
     parameter names and checkpoints do not change, and model.py holds no process group or
     collective (a group attribute on Attention would put both there, for a seam three
-    methods already give). Apply after offload.apply_ac, whose kept attention then sits
-    inside the all-to-alls (it keeps the kernel's output). The wrappers run inside the
-    blocks' forward, so a checkpointed block redoes its all-to-alls when it is recomputed."""
+    methods already give). Applied after activation checkpointing (train.apply_techniques),
+    whose kept attention then sits inside the all-to-alls (it keeps the kernel's output).
+    The wrappers run inside the blocks' forward, so a checkpointed block redoes its
+    all-to-alls when it is recomputed."""
     if group is None:
         return
     check_context_parallel(model.args, group.size())
