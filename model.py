@@ -930,6 +930,37 @@ def load_hf_checkpoint(
         refuse_nonfinite(path, found)
 
 
+@torch.no_grad()
+def fill_weights(
+    model: "Llama",
+    seed: int,
+    device: torch.device,
+    hf_path: str | os.PathLike | None = None,
+    copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
+    progress: Callable[[int, int], None] | None = None,
+    lora: "LoRAConfig | None" = None,
+    lora_adapter: str | os.PathLike | None = None,
+    agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
+) -> None:
+    """Fills a materialized model, one tensor at a time through `copy` (shard.py's keeps a
+    rank's rows): from a HF checkpoint, or every parameter from its initial value drawn on
+    `device` (so any layout gets the same weights). With LoRA the adapters come from
+    `lora_adapter` (a PEFT adapter directory) or their initial values. `agree` gathers what
+    each rank found non-finite, so all ranks refuse alike."""
+    if hf_path is None:
+        model.init_weights(seed, device=device, copy=copy)
+    else:
+        nonfinite = []
+        load_hf_checkpoint(model, hf_path, copy=copy, progress=progress, nonfinite=nonfinite)
+        refuse_nonfinite(hf_path, agree(nonfinite))
+        if lora is not None and lora_adapter is None:  # adapters from their initial values
+            for name, param in model.named_parameters():
+                if param.requires_grad:
+                    copy(param, model.initial_value(name, seed, device))
+    if lora_adapter is not None:
+        load_peft_adapter(model, lora, lora_adapter, copy=copy)
+
+
 # The files of a HF checkpoint that make its tokenizer and its generation defaults.
 HF_TOKENIZER_FILES = [
     "tokenizer.json",

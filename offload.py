@@ -35,7 +35,7 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from model import Llama, UsageError, load_hf_checkpoint
+from model import Llama, UsageError, fill_weights
 
 aten = torch.ops.aten
 
@@ -361,11 +361,7 @@ def materialize_on_host(
     what shard.materialize gives there). OptimizerInBackward then keeps these tensors as its
     master weights: the model exists in fp32 only once, on the host."""
     model.to_empty(device="cpu")
-    if hf_path is not None:
-        load_hf_checkpoint(model, hf_path, progress=progress)
-        return
-    for name, param in model.named_parameters():
-        param.copy_(model.initial_value(name, seed, device))
+    fill_weights(model, seed, device, hf_path, progress=progress)
 
 
 class OptimizerInBackward:

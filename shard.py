@@ -73,10 +73,8 @@ from model import (
     LoRAConfig,
     ModelArgs,
     UsageError,
-    load_hf_checkpoint,
-    load_peft_adapter,
+    fill_weights,
     read_json,
-    refuse_nonfinite,
 )
 from offload import AC_MODES, STAGING_SLOTS
 
@@ -295,20 +293,12 @@ def materialize(
         start, stop = local_rows(param)
         param.to_local().copy_(tensor_slice[start:stop])
 
-    if hf_path is not None:
-        nonfinite = []  # each rank checks the rows it reads; all refuse what any found
-        load_hf_checkpoint(model, hf_path, copy=copy_rows, progress=progress, nonfinite=nonfinite)
+    def agree(nonfinite: list[str]) -> list[str]:  # each rank checked the rows it read
         found = [None] * dist.world_size
         torch_dist.all_gather_object(found, nonfinite)
-        refuse_nonfinite(hf_path, [name for names in found for name in names])
-        if lora is not None and lora_adapter is None:  # adapters from their initial values
-            for name, param in model.named_parameters():
-                if param.requires_grad:
-                    copy_rows(param, model.initial_value(name, seed, dist.device))
-    else:
-        model.init_weights(seed, device=dist.device, copy=copy_rows)
-    if lora_adapter is not None:
-        load_peft_adapter(model, lora, lora_adapter, copy=copy_rows)
+        return [name for names in found for name in names]
+
+    fill_weights(model, seed, dist.device, hf_path, copy_rows, progress, lora, lora_adapter, agree)
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
