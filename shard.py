@@ -1735,11 +1735,16 @@ def fits_any(
     return any(fits(estimate_memory(args, p), machine) for p in plans)
 
 
+def flag_name(field: str) -> str:
+    """The train.py flag of an Options field: `micro_batch` is --micro-batch."""
+    return "--" + field.replace("_", "-")
+
+
 def flags_of(fields: dict, negated: bool = False) -> str:
     """The train.py flags that set these planned fields; False as --no-x when `negated`."""
     out = []
     for name, value in fields.items():
-        flag = "--" + name.replace("_", "-")
+        flag = flag_name(name)
         if value is True:
             out.append(flag)
         elif value is False:

@@ -324,10 +324,6 @@ GROUPS = {
 }
 
 
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 class Parser(argparse.ArgumentParser):
     """argparse without abbreviations (--max-step is no --max-steps) and with a suggestion
     for a mistyped flag."""
@@ -362,10 +358,10 @@ def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str
         base = f.type.removesuffix(" | None")  # a string: this module has postponed annotations
         if base == "bool":  # --x, and --no-x where the default (None) depends on the device
             action = argparse.BooleanOptionalAction if f.default is None else "store_true"
-            group.add_argument(flag_name(f.name), action=action, **kwargs)
+            group.add_argument(shard.flag_name(f.name), action=action, **kwargs)
         else:
             kwargs.setdefault("metavar", "N" if base == "int" else None)
-            group.add_argument(flag_name(f.name), type=types[base], **kwargs)
+            group.add_argument(shard.flag_name(f.name), type=types[base], **kwargs)
     opts = Options(**vars(parser.parse_args(argv)))
     # Parsed again with every default a marker: what remains unmarked was on the command line.
     not_given = object()
@@ -396,15 +392,15 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     at_least_one += " eval_interval eval_tokens"
     for name in at_least_one.split():
         if (value := getattr(opts, name)) is not None and value < 1:
-            problems.append(f"{flag_name(name)} must be >= 1, got {value}")
+            problems.append(f"{shard.flag_name(name)} must be >= 1, got {value}")
     for name in ["lr", "min_lr", "grad_clip", "gpu_memory", "host_memory", "weight_decay"]:
         value = getattr(opts, name)
         if value is not None and not (math.isfinite(value) and value >= 0):
-            problems.append(f"{flag_name(name)} must be a number >= 0, got {value}")
+            problems.append(f"{shard.flag_name(name)} must be a number >= 0, got {value}")
     largest = torch.finfo(torch.float32).max  # AdamW keeps lr and its products in fp32
     for name in ["lr", "min_lr", "weight_decay", "grad_clip"]:
         if (value := getattr(opts, name)) is not None and value > largest:
-            problems.append(f"{flag_name(name)} must be at most {largest:.3g}, got {value}")
+            problems.append(f"{shard.flag_name(name)} must be at most {largest:.3g}, got {value}")
     for name in ["beta1", "beta2"]:
         if not 0 <= getattr(opts, name) < 1:  # also refuses nan
             problems.append(f"--{name} must be in [0, 1), got {getattr(opts, name)}")
@@ -421,7 +417,7 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
         )
     if not opts.lora_rank:
         problems += [
-            f"{flag_name(name)} needs --lora-rank > 0"
+            f"{shard.flag_name(name)} needs --lora-rank > 0"
             for name in ("quantize_base", "lora_adapter", "export_adapter")
             if getattr(opts, name)
         ]
@@ -476,7 +472,7 @@ def command_line(opts: Options, given: frozenset[str], **changes) -> str:
         if world_size > per_node:
             words[1:1] = [f"--nnodes={world_size // per_node}"]
     for f in dataclasses.fields(Options):
-        value, name = getattr(opts, f.name), flag_name(f.name)
+        value, name = getattr(opts, f.name), shard.flag_name(f.name)
         if f.name not in given | changes.keys():
             continue
         if value is True or (f.name == "resume" and value == "latest"):
@@ -757,7 +753,7 @@ def estimate(opts: Options) -> None:
     print(plan.format())
 
 
-def check_given(opts: Options, args: ModelArgs, world: shard.Dist, log: Callable) -> tuple:
+def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, log: Callable) -> tuple:
     """Everything given, checked before any step and before anything is written: files that
     every rank sees alike (a shared filesystem), so all ranks raise the same error and none
     waits on another. Returns the checkpoint to resume from and its train state, if any."""
@@ -766,7 +762,7 @@ def check_given(opts: Options, args: ModelArgs, world: shard.Dist, log: Callable
     if opts.hf_checkpoint:
         check_hf_checkpoint(args, opts.hf_checkpoint)
     if opts.lora_adapter:
-        check_peft_adapter(args, lora_config(opts), opts.lora_adapter)
+        check_peft_adapter(args, lora, opts.lora_adapter)
     if opts.export_hf:
         HF_EXPORT.check(opts.export_hf)
     if opts.export_adapter:
@@ -789,7 +785,8 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     world = shard.init_distributed()
     log = print if world.is_main else lambda *a, **k: None
     torch.manual_seed(opts.seed)
-    resume_from, saved = check_given(opts, args, world, log)
+    lora = lora_config(opts)
+    resume_from, saved = check_given(opts, args, lora, log)
     dataset, text_tokenizer, export_tokenizer = open_data(opts, args, world.is_main, log)
     held_out = open_eval_data(opts, args, dataset)
     run_record = {
@@ -798,7 +795,7 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
         "tokenizer": dataset.meta["tokenizer"],
         "strategy": opts.strategy,
         "world_size": world.world_size,
-        "lora": dataclasses.asdict(lora) if (lora := lora_config(opts)) else None,
+        "lora": dataclasses.asdict(lora) if lora else None,
         "context_parallel": opts.context_parallel,
     }
     damaged = []
