@@ -1000,7 +1000,8 @@ class MetricsLog:
 
     def add(self, result: StepResult, micro_batches: list[Batch]) -> None:
         self.last = result
-        finite = result.loss_sum.isfinite() & result.grad_norm.to(self.world.device).isfinite()
+        norm = result.grad_norm.to(self.world.device, non_blocking=True)  # no host sync
+        finite = result.loss_sum.isfinite() & norm.isfinite()
         self.nonfinite += ~finite
         for b in micro_batches:
             self.attended += attended_pairs(b.positions, self.plan.document_mask, self.plan.seq_len)
