@@ -357,8 +357,7 @@ class ByteLevelBPETokenizer:
         if np.all(np.diff(list(merged.values())) > 0):
             ranks, specials, self._table = {**single, **merged}, added, None
         else:
-            ranks = {bytes([b]): b for b in range(256)}
-            ranks |= {token: 256 + i for i, token in enumerate(merged)}
+            ranks = {token: rank for rank, token in enumerate([*single, *merged])}
             specials = {token: len(ranks) + i for i, token in enumerate(added)}
             table = [*single.values(), *merged.values(), *added.values()]
             self._table = np.array(table, dtype=np.int64)
