@@ -443,7 +443,12 @@ class ByteLevelBPETokenizer:
     def _encode(self, text: str, allowed_special: set[str] | str) -> list[int]:
         """The added tokens in `allowed_special` ("all": every one) are tokens where the text
         spells them; the others stay text."""
-        ids = self._encoding.encode(text, allowed_special=allowed_special, disallowed_special=())
+        if allowed_special:
+            ids = self._encoding.encode(
+                text, allowed_special=allowed_special, disallowed_special=[]
+            )
+        else:  # without looking for the added tokens in the text
+            ids = self._encoding.encode_ordinary(text)
         if self._table is not None:
             ids = self._table[ids].tolist()
         if ids and max(ids) >= self.vocab_size:  # bytes the vocabulary lacks
