@@ -1324,14 +1324,15 @@ class Batch:
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor
-    # Whether some row holds more than one document, read while the batch is on the host: the
-    # model picks its attention kernel by it without waiting for the GPU.
-    several_documents: bool
+    # Per row of the whole rows (context parallelism gives a rank a slice of each), the offsets
+    # its documents start at (model.document_starts), read while the batch is on the host: the
+    # model picks its attention kernels by them without waiting for the GPU.
+    document_starts: tuple[tuple[int, ...], ...]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
         fields = (self.tokens, self.labels, self.positions)
         moved = (t.to(device, non_blocking=non_blocking) for t in fields)
-        return Batch(*moved, self.several_documents)
+        return Batch(*moved, self.document_starts)
 
 
 class PackedLoader:
@@ -1443,12 +1444,12 @@ class PackedLoader:
     def _batch(self, indices: Iterable[int]) -> Batch:
         samples = [self._sample(i) for i in indices]
         rows = [np.stack(field) for field in zip(*samples, strict=True)]
-        # Of the whole rows: the ranks sharing a row (context parallelism) pick one kernel.
-        several_documents = bool((rows[2][:, 1:] == 0).any())  # a position restarts
+        # Of the whole rows: the ranks sharing a row (context parallelism) pick the same kernels.
+        starts = tuple((0, *(1 + np.flatnonzero(row[1:] == 0)).tolist()) for row in rows[2])
         tensors = [torch.from_numpy(np.ascontiguousarray(x[:, self.columns])) for x in rows]
         if self.pin_memory:
             tensors = [t.pin_memory() for t in tensors]
-        return Batch(*tensors, several_documents)
+        return Batch(*tensors, starts)
 
     def _sample_index(self, offset: int) -> int:
         """The sample at `offset` past the start of the current epoch's order; a step may run

@@ -344,20 +344,81 @@ def compiled_flex_attention():
 # keys, whether to skip it, compute it whole, or apply the mask element by element.
 FLEX_BLOCK = 128
 
+# Packed documents at least this long attend through SDPA's causal kernel (cuDNN) on their
+# own slice of the row, the shorter ones through FlexAttention with a block mask that leaves
+# the long ones out: per attended pair cuDNN is the faster past ~10k tokens, and below that
+# the calls cost more than they save (bench/RESULTS.md, "Packed documents at the speed of
+# the dense kernels (issue #23)").
+LONG_DOCUMENT = 16384
+
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
     """[B, S] -> [B, S]: which packed document each token is in, counted from 0 in each row
-    (a document starts where its position is 0). Nondecreasing along the row."""
-    return (positions == 0).cumsum(dim=-1) - 1
+    (a document starts where its position is 0, or at the row's start). Nondecreasing."""
+    restarts = positions == 0
+    return restarts.cumsum(dim=-1) - restarts[:, :1].to(positions.dtype)
 
 
-def holds_several_documents(positions: torch.Tensor) -> bool:
-    """Whether some row restarts its positions past its first token. Read it off the host copy
-    of a batch: on a GPU tensor it would wait for the GPU."""
-    return bool((positions[:, 1:] == 0).any())
+def document_starts(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """[B, S] -> per row, the offsets its documents start at: 0 (a row may begin inside a
+    document), then each later 0 among the positions. Read it off the host copy of a batch
+    (data.Batch has it): on a GPU tensor it waits for the GPU."""
+    positions = positions.cpu()
+    return tuple((0, *(1 + torch.nonzero(row[1:] == 0).flatten()).tolist()) for row in positions)
 
 
-def document_block_mask(positions: torch.Tensor) -> BlockMask:
+def causal_head(length: int) -> int:
+    """How many of a long document's first rows SDPA's causal kernel takes: `length` rounded
+    down to a 32nd of its power of two (to a multiple of 128 from 4,096 tokens on), so that
+    SDPA meets few shapes in a run: cuDNN builds execution plans for each new one, ~0.1 s
+    (bench/RESULTS.md, issue #23). The rows past it, each attending the whole document,
+    go through FlexAttention: at most 1/32 of the rows, ~6% of the pairs."""
+    step = max(1, (1 << (length.bit_length() - 1)) // 32)
+    return length // step * step
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Attention over rows of packed documents, as `packed_rows` plans it. `heads`: per row,
+    the (start, end) of the causal head of each document of `long_document` tokens or more,
+    which SDPA's causal kernel attends alone on its slice of the row. `short`: the mask for
+    every other row (the short documents and the long ones' last rows): FlexAttention's block
+    mask on CUDA (it skips the query tiles inside heads, and the tiles between documents), a
+    dense mask elsewhere; None when the heads cover every row."""
+
+    short: BlockMask | torch.Tensor | None
+    heads: tuple[tuple[tuple[int, int], ...], ...]
+
+
+def packed_rows(
+    positions: torch.Tensor, starts: tuple[tuple[int, ...], ...], long_document: int
+) -> PackedRows | None:
+    """The plan of attention over rows of packed documents that start at `starts`
+    (`document_starts(positions)`); None where no row holds more than one."""
+    if all(len(row) == 1 for row in starts):
+        return None
+    bsz, seq_len = positions.shape
+    heads = tuple(
+        tuple(
+            (start, start + causal_head(end - start))
+            for start, end in zip(row, (*row[1:], seq_len), strict=True)
+            if end - start >= long_document
+        )
+        for row in starts
+    )
+    in_heads = torch.zeros(bsz, seq_len, dtype=torch.bool)
+    for b, spans in enumerate(heads):
+        for start, end in spans:
+            in_heads[b, start:end] = True
+    if in_heads.all():
+        return PackedRows(None, heads)
+    if positions.is_cuda:
+        in_heads = in_heads.to(positions.device, non_blocking=True)
+        return PackedRows(document_block_mask(positions, in_heads), heads)
+    return PackedRows(dense_document_mask(positions), heads)
+
+
+def document_block_mask(positions: torch.Tensor, skip: torch.Tensor | None = None) -> BlockMask:
     """FlexAttention's mask for causal attention inside each packed document (positions:
     [B, S]), built from the document boundaries one FLEX_BLOCK tile at a time: nothing of size
     S x S exists, only [B, S/128, S/128] booleans (64M at 1M tokens).
@@ -367,8 +428,10 @@ def document_block_mask(positions: torch.Tensor) -> BlockMask:
     exactly when the two are equal. Such a tile is "full" (no element masked) when both tiles
     lie inside that one document; the diagonal tile and a tile a document starts in are
     "partial" (FlexAttention applies `same_document_causal` to each element); all others are
-    skipped. A sequence that is not a multiple of the tile is padded with a document no real
-    token is in."""
+    skipped. `skip` ([B, S] booleans) names query rows attended elsewhere (PackedRows' heads):
+    a query tile of such rows alone is skipped; in a tile shared with other rows they are
+    computed and left unused. A sequence that is not a multiple of the tile is padded with a
+    document no real token is in."""
     bsz, seq_len = positions.shape
     n_tiles = -(-seq_len // FLEX_BLOCK)
     pad = n_tiles * FLEX_BLOCK - seq_len
@@ -383,6 +446,9 @@ def document_block_mask(positions: torch.Tensor) -> BlockMask:
     below_diagonal = tile[:, None] > tile[None, :]
     full = below_diagonal & (k_first == k_last) & (k_last == q_first) & (q_first == q_last)
     partial = shares_document & ~full
+    if skip is not None:
+        skipped = F.pad(skip, (0, pad), value=False).view(bsz, n_tiles, FLEX_BLOCK).all(dim=-1)
+        full, partial = full & ~skipped[:, :, None], partial & ~skipped[:, :, None]
 
     def same_document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (document[b, q_idx] == document[b, kv_idx])
@@ -412,6 +478,60 @@ def dense_document_mask(positions: torch.Tensor) -> torch.Tensor:
     document = document_ids(positions)
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=positions.device).tril()
     return (causal & (document[:, :, None] == document[:, None, :]))[:, None]
+
+
+def attention_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | BlockMask | PackedRows | None,
+    sdpa_backends: list[SDPBackend],
+) -> torch.Tensor:
+    """[B, H, S, Dh] -> [B, H, S, Dh] (k, v with fewer heads): SDPA's causal kernel without a
+    mask, FlexAttention with a block mask, SDPA with a dense one, and for PackedRows each
+    document through the kernel its length calls for."""
+    if isinstance(mask, PackedRows):
+        return packed_attention(q, k, v, mask, sdpa_backends)
+    gqa = q.shape[1] != k.shape[1]
+    if isinstance(mask, BlockMask):
+        return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
+    # The backend is chosen inside forward so that a checkpointed forward recomputed in
+    # backward takes the same one (a cuDNN forward recomputed by flash fails).
+    with sdpa_kernel(sdpa_backends, set_priority=True):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+        )
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rows: PackedRows,
+    sdpa_backends: list[SDPBackend],
+) -> torch.Tensor:
+    """Attention over packed rows (PackedRows): each head's output from the causal kernel on
+    its own slice of the row, every other row's from the mask. A head's slice holds its
+    document's first rows, so the causal kernel gives them exactly what the document mask
+    would. Pieces are joined along the sequence in the [B, S, H, Dh] layout the output
+    projection reads."""
+    short = None if rows.short is None else attention_kernel(q, k, v, rows.short, sdpa_backends)
+    if not any(rows.heads):
+        return short
+    seq_len = q.shape[2]
+    joined = []
+    for b, spans in enumerate(rows.heads):
+        pieces, done = [], 0
+        for start, end in spans:
+            if start > done:
+                pieces.append(short[b : b + 1, :, done:start])
+            one = (t[b : b + 1, :, start:end] for t in (q, k, v))
+            pieces.append(attention_kernel(*one, None, sdpa_backends))
+            done = end
+        if done < seq_len:
+            pieces.append(short[b : b + 1, :, done:])
+        joined.append(torch.cat([p.transpose(1, 2) for p in pieces], dim=1))
+    return torch.cat(joined).transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------------------
@@ -463,20 +583,11 @@ class Attention(nn.Module):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        mask: torch.Tensor | BlockMask | None,
+        mask: torch.Tensor | BlockMask | PackedRows | None,
     ) -> torch.Tensor:
-        """The attention kernel, [B, H, S, Dh] -> [B, H, S, Dh] (k, v with fewer heads): SDPA's
-        causal kernel without a mask, FlexAttention with a block mask, SDPA with a dense one.
-        A method of its own so that offload.apply_ac can keep its output."""
-        gqa = self.n_heads != self.n_kv_heads
-        if isinstance(mask, BlockMask):
-            return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=gqa)
-        # The backend is chosen inside forward so that a checkpointed forward recomputed in
-        # backward takes the same one (a cuDNN forward recomputed by flash fails).
-        with sdpa_kernel(self.sdpa_backends, set_priority=True):
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
-            )
+        """`attention_kernel` with this model's SDPA backends: a method of its own so that
+        offload.apply_ac can keep its output and shard.apply_context_parallel can wrap it."""
+        return attention_kernel(q, k, v, mask, self.sdpa_backends)
 
 
 class FeedForward(nn.Module):
@@ -529,6 +640,7 @@ class Llama(nn.Module):
         self.args = args
         self.ops = ops
         self.mask_documents = mask_documents
+        self.long_document = LONG_DOCUMENT  # tests lower it to try both routes on small rows
         backends = SDPA_BACKENDS[attention_backend]
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(
@@ -543,25 +655,19 @@ class Llama(nn.Module):
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def attention_mask(
-        self, positions: torch.Tensor, several_documents: bool | None = None
-    ) -> torch.Tensor | BlockMask | None:
+        self, positions: torch.Tensor, starts: tuple[tuple[int, ...], ...] | None = None
+    ) -> PackedRows | None:
         """The mask every block's attention takes, chosen once per forward (a checkpointed
-        block recomputed in backward gets the same argument, so the same kernel): None (SDPA's
+        block recomputed in backward gets the same argument, so the same kernels): None (SDPA's
         causal kernel; cuDNN first) unless the model masks documents and some row of the batch
-        holds several; then FlexAttention's block mask on CUDA (it skips the tiles between
-        documents), a dense mask elsewhere. For a row of one document SDPA is the faster:
-        FlexAttention measured 0.73x cuDNN there (bench/RESULTS.md).
-        `several_documents` (data.Batch's, read on the host) saves reading it off `positions`,
-        which waits for the GPU."""
+        holds several; then PackedRows, which attends each document by the kernel its length
+        calls for. `starts` (`document_starts`, data.Batch's, read on the host) saves reading
+        them off `positions`, which waits for the GPU."""
         if not self.mask_documents:
             return None
-        if several_documents is None:
-            several_documents = holds_several_documents(positions)
-        if not several_documents:
-            return None
-        return (
-            document_block_mask(positions) if positions.is_cuda else dense_document_mask(positions)
-        )
+        if starts is None:
+            starts = document_starts(positions)
+        return packed_rows(positions, starts, self.long_document)
 
     def forward(
         self,
@@ -569,18 +675,18 @@ class Llama(nn.Module):
         labels: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         reduction: str = "mean",
-        several_documents: bool | None = None,
+        document_starts: tuple[tuple[int, ...], ...] | None = None,
     ) -> torch.Tensor:
         """tokens, labels, positions: [B, S]. Returns logits [B, S, V] without labels; with
         them, the loss ("mean" over labels that are not -100, or their "sum") computed by
         `Ops.linear_cross_entropy`, which need not build the full logits.
         positions default to 0..S-1; packed documents pass positions restarting at 0.
-        `several_documents`: see `attention_mask`."""
+        `document_starts`: see `attention_mask`."""
         bsz, seq_len = tokens.shape
         if positions is None:
             positions = torch.arange(seq_len, device=tokens.device).expand(bsz, seq_len)
         inv_freq = rope_frequencies(self.args, tokens.device)
-        mask = self.attention_mask(positions, several_documents)
+        mask = self.attention_mask(positions, document_starts)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, positions, inv_freq, mask)

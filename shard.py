@@ -411,12 +411,12 @@ def _attend_whole_sequence(attend, group, q, k, v, mask):
     return _AllToAll.apply(out.transpose(1, 2), group, 1, 2).transpose(1, 2)
 
 
-def _whole_row_mask(attention_mask, group, positions: torch.Tensor, several_documents=None):
+def _whole_row_mask(attention_mask, group, positions: torch.Tensor, document_starts=None):
     """The mask of the whole row, from the positions [B, S/N] of every rank of the group
-    (`several_documents`, when given, must be the whole rows', as data.PackedLoader's is)."""
+    (`document_starts`, when given, must be the whole rows', as data.PackedLoader's are)."""
     pieces = [torch.empty_like(positions) for _ in range(group.size())]
     torch_dist.all_gather(pieces, positions.contiguous(), group=group)
-    return attention_mask(torch.cat(pieces, dim=1), several_documents)
+    return attention_mask(torch.cat(pieces, dim=1), document_starts)
 
 
 def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **kwargs):

@@ -946,7 +946,7 @@ def train_step(
         if len(micro_batches) > 1:  # FSDP reduces the gradients in the last backward only
             model.set_requires_gradient_sync(i == len(micro_batches) - 1)
         with offload_activations():
-            loss = model(b.tokens, b.labels, b.positions, "sum", b.several_documents)
+            loss = model(b.tokens, b.labels, b.positions, "sum", b.document_starts)
         # shard.apply_fsdp makes FSDP sum gradients over ranks (divide factor 1), so dividing
         # by the global count gives the gradient of the global mean.
         (loss / n_labels).backward()
@@ -1081,7 +1081,7 @@ def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tu
     with torch.no_grad():
         for b in batches():
             b = b.to(device, non_blocking=True)
-            loss = model(b.tokens, b.labels, b.positions, "sum", b.several_documents)
+            loss = model(b.tokens, b.labels, b.positions, "sum", b.document_starts)
             totals += torch.stack([loss.double(), (b.labels != IGNORE_INDEX).sum().double()])
     model.train()
     dist.all_reduce(totals)

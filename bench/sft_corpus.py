@@ -2,13 +2,17 @@
 written as a prepared dataset (data.DatasetWriter) in Llama 3's vocabulary, with no tokenizer
 file: its token ids are random, since only the document lengths shape the attention's cost.
 
-    python bench/sft_corpus.py --out /tmp/sft --tokens 50000000 [--seed 0]
+    python bench/sft_corpus.py --out /tmp/sft --tokens 50000000 [--seed 0] [--corpus long-tail]
     python train.py --model llama3.2-1b --data /tmp/sft --seq-len 131072 ...
 
-Document lengths (BOS included) are drawn from a log-normal with a median of 3,000 tokens
-and sigma 1.0 (mean ~4,900; 10% above ~10,800; 1% above ~30,600), capped at 32,768 and at
-least 16; the last document is cut (or, if that leaves it under 16, merged into the one
-before) so the corpus holds exactly --tokens tokens. Each document is one exchange as
+Document lengths (BOS included), by --corpus:
+- "sft" (the default): a log-normal with a median of 3,000 tokens and sigma 1.0 (mean ~4,900;
+  10% above ~10,800; 1% above ~30,600), capped at 32,768;
+- "long-tail": short chats with a tail of long documents: 70% of documents log-normal around
+  500 tokens (sigma 0.5), 25% around 4,000 (sigma 0.3), 5% uniform in 16,384-100,000 (they
+  hold about two thirds of the tokens and most of the attended pairs).
+Each at least 16; the last document is cut (or, if that leaves it under 16, merged into the
+one before) so the corpus holds exactly --tokens tokens. Each document is one exchange as
 data.py's chat rendering labels it: BOS, a prompt of a quarter of it (no loss), a response
 (loss) ending in Llama 3's <|eot_id|> (a label). Ids are drawn
 uniformly from the 128,000 BPE ranks of Llama 3, so the dataset checks against any model of
@@ -35,15 +39,37 @@ LLAMA3 = SimpleNamespace(
     eos_id=LLAMA3_RANKS + LLAMA3_SPECIALS.index("<|end_of_text|>"),
 )
 EOT_ID = LLAMA3_RANKS + LLAMA3_SPECIALS.index("<|eot_id|>")
-MEDIAN, SIGMA, SHORTEST, LONGEST = 3000, 1.0, 16, 32768
+SHORTEST = 16
 
 
-def document_lengths(n_tokens: int, rng: np.random.Generator) -> np.ndarray:
-    """Log-normal lengths summing to exactly n_tokens (the last one cut to fit)."""
+def sft_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
+    return np.clip(rng.lognormal(np.log(3000), 1.0, size=n), SHORTEST, 32768)
+
+
+def long_tail_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
+    kind = rng.choice(3, size=n, p=[0.70, 0.25, 0.05])
+    chat = rng.lognormal(np.log(500), 0.5, size=n)
+    medium = rng.lognormal(np.log(4000), 0.3, size=n)
+    long = rng.uniform(16384, 100_000, size=n)
+    return np.maximum(np.choose(kind, [chat, medium, long]), SHORTEST)
+
+
+CORPORA = {
+    "sft": (sft_lengths, "log-normal, median 3000, sigma 1.0, clipped to [16, 32768]"),
+    "long-tail": (
+        long_tail_lengths,
+        "70% log-normal around 500 (sigma 0.5), 25% around 4000 (sigma 0.3), 5% uniform in "
+        "[16384, 100000], at least 16",
+    ),
+}
+
+
+def document_lengths(n_tokens: int, rng: np.random.Generator, corpus: str = "sft") -> np.ndarray:
+    """Lengths drawn by `corpus` summing to exactly n_tokens (the last one cut to fit)."""
+    draw, _ = CORPORA[corpus]
     lengths = np.zeros(0, np.int64)
     while lengths.sum() < n_tokens:
-        draw = rng.lognormal(np.log(MEDIAN), SIGMA, size=max(n_tokens // MEDIAN, 16))
-        lengths = np.concatenate([lengths, np.clip(draw, SHORTEST, LONGEST).astype(np.int64)])
+        lengths = np.concatenate([lengths, draw(max(n_tokens // 3000, 16), rng).astype(np.int64)])
     ends = np.cumsum(lengths)
     count = int(np.searchsorted(ends, n_tokens)) + 1  # the first document reaching n_tokens
     lengths = lengths[:count]
@@ -54,9 +80,9 @@ def document_lengths(n_tokens: int, rng: np.random.Generator) -> np.ndarray:
     return lengths
 
 
-def write_corpus(out: Path, n_tokens: int, seed: int) -> Path:
+def write_corpus(out: Path, n_tokens: int, seed: int, corpus: str = "sft") -> Path:
     rng = np.random.default_rng(seed)
-    lengths = document_lengths(n_tokens, rng)
+    lengths = document_lengths(n_tokens, rng, corpus)
     with DatasetWriter(out) as writer:
         for length in lengths:
             tokens = rng.integers(0, LLAMA3_RANKS, size=length, dtype=np.uint32)
@@ -70,8 +96,7 @@ def write_corpus(out: Path, n_tokens: int, seed: int) -> Path:
             sft=True,
             longest_document=int(lengths.max()),
             split_seq_len=None,
-            document_lengths=f"log-normal, median {MEDIAN}, sigma {SIGMA}, "
-            f"clipped to [{SHORTEST}, {LONGEST}], seed {seed}",
+            document_lengths=f"{corpus}: {CORPORA[corpus][1]}, seed {seed}",
         )
 
 
@@ -80,11 +105,12 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path, help="the dataset directory to write")
     parser.add_argument("--tokens", required=True, type=int, help="tokens in all")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus", choices=sorted(CORPORA), default="sft")
     args = parser.parse_args()
     if args.tokens < SHORTEST:
         raise ValueError(f"--tokens must be at least {SHORTEST}, got {args.tokens}")
     start = time.perf_counter()
-    dataset = TokenDataset(write_corpus(args.out, args.tokens, args.seed))
+    dataset = TokenDataset(write_corpus(args.out, args.tokens, args.seed, args.corpus))
     starts = np.flatnonzero(dataset.tokens == LLAMA3.bos_id)
     lengths = np.diff(np.append(starts, dataset.n_tokens))
     print(

@@ -22,7 +22,7 @@ import torch.distributed as torch_dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data import Batch  # noqa: E402
-from model import Llama, LoRAConfig, ModelArgs, apply_lora  # noqa: E402
+from model import Llama, LoRAConfig, ModelArgs, apply_lora, document_starts  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
 from shard import (  # noqa: E402
     ShardedAdamW,  # noqa: E402
@@ -192,7 +192,10 @@ def train(dist, out: Path, name: str) -> None:
     losses, norms = [], []
     for step in range(STEPS):
         micro_batches = [
-            Batch(*(t[step, mb][mine] for t in (tokens, labels, positions)), s.document_mask)
+            Batch(
+                *(t[step, mb][mine] for t in (tokens, labels, positions)),
+                document_starts(positions[step, mb][rows]),  # of the whole rows
+            )
             for mb in range(MICRO_BATCHES)
         ]
         result = train_step(model, optimizer, micro_batches, offloaded)

@@ -20,11 +20,15 @@ from model import (
     REFERENCE_OPS,
     Llama,
     ModelArgs,
+    PackedRows,
+    causal_head,
     check_hf_checkpoint,
     dense_document_mask,
     document_block_mask,
+    document_starts,
     hf_names,
     load_hf_checkpoint,
+    packed_rows,
     read_hf_tokenizer,
     save_hf_checkpoint,
     triton_ops,
@@ -227,14 +231,85 @@ def test_block_mask_equals_the_dense_mask(lengths, offset):
     assert torch.equal(elementwise, dense)
 
 
-def test_attention_mask_chooses_sdpa_for_rows_of_one_document():
+@pytest.mark.parametrize(
+    "lengths, offset",
+    [
+        ([[300, 200, 500]], 0),  # a long document between short ones, off the tile grid
+        ([[256, 100, 28, 640], [1024]], 0),  # on the grid; a row that is one long document
+        ([[500, 44, 300, 156]], 37),  # a long document crossing in from the row before
+    ],
+)
+def test_block_mask_leaves_the_causal_heads_out(lengths, offset):
+    """With the heads of the long documents (from 256 tokens) skipped, the block mask still
+    visits every tile another query needs, and nothing outside the dense mask; it visits no
+    query tile that lies inside heads, and its full tiles are the dense mask's others."""
+    positions = random_positions(lengths, offset)
+    seq_len = positions.shape[1]
+    rows = packed_rows(positions, document_starts(positions), long_document=256)
+    heads = torch.zeros(positions.shape, dtype=torch.bool)
+    for b, spans in enumerate(rows.heads):
+        for start, end in spans:
+            heads[b, start:end] = True
+    expected = [[(n >= 256, causal_head(n)) for n in row] for row in lengths]
+    assert [[(True, e - s) for s, e in spans] for spans in rows.heads] == [
+        [(True, n) for is_long, n in row if is_long] for row in expected
+    ]
+    dense = dense_document_mask(positions)
+    some, full = block_mask_tiles(document_block_mask(positions, heads))
+    needed, _ = tiles(dense & ~heads[:, None, :, None], seq_len)
+    any_tile, all_tile = tiles(dense, seq_len)
+    _, skipped = tiles(heads[:, None, :, None].expand_as(dense), seq_len)
+    assert (needed <= some).all() and (some <= any_tile).all() and not (some & skipped).any()
+    assert torch.equal(full, all_tile & ~skipped)
+
+
+def test_causal_heads_take_a_32nd_of_an_octave():
+    assert [causal_head(n) for n in (1, 25, 157, 4096, 5000, 16383, 85790)] == [
+        1, 25, 156, 4096, 4992, 16128, 83968
+    ]  # fmt: skip
+
+
+def test_attention_mask_chooses_the_kernel_by_document_length():
     model = Llama(PRESETS["tiny"], mask_documents=True)
     one = torch.arange(40).expand(2, 40)
     two = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
-    assert model.attention_mask(one) is None and model.attention_mask(two, False) is None
-    assert model.attention_mask(two).shape == (2, 1, 40, 40)
+    assert model.attention_mask(one) is None and model.attention_mask(two, ((0,), (0,))) is None
+    mask = model.attention_mask(two)
+    assert mask.short.shape == (2, 1, 40, 40) and mask.heads == ((), ())
+    model.long_document = 20
+    assert model.attention_mask(two).heads == (((15, 40),), ((15, 40),))
+    model.long_document = 15
+    assert model.attention_mask(two) == PackedRows(None, (((0, 15), (15, 40)),) * 2)
     model.mask_documents = False
     assert model.attention_mask(two) is None
+
+
+@pytest.mark.parametrize("long_document", [1, 60, 200])
+def test_long_documents_attended_alone_equal_the_dense_mask(long_document):
+    """PackedRows (long documents through the causal kernel on their slices, the rest through
+    the mask, pieces joined) gives the loss and every gradient of the dense mask, fp32, with
+    documents crossing in from the row before, on rows of different documents."""
+    model = Llama(PRESETS["tiny"], mask_documents=True)
+    model.init_weights(seed=0)
+    tokens, labels = sample_batch(model.args.vocab_size, bsz=2, seq_len=320)
+    positions = torch.cat(
+        [random_positions([[70, 3, 90, 157]], 11), random_positions([[201, 60, 59]])]
+    )
+
+    def loss_and_grads(long_document: int):
+        model.zero_grad()
+        model.long_document = long_document
+        loss = model(tokens, labels, positions)
+        loss.backward()
+        return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    dense_loss, dense = loss_and_grads(10**9)  # every document short: the dense mask alone
+    assert not any(model.attention_mask(positions).heads)
+    loss, grads = loss_and_grads(long_document)
+    assert any(model.attention_mask(positions).heads)
+    assert rel_err(loss, dense_loss) <= FP32_RTOL
+    for name, grad in grads.items():
+        assert rel_err(grad, dense[name]) <= FP32_RTOL, name
 
 
 def test_sum_reduction_is_mean_times_token_count(tmp_path):

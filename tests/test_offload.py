@@ -41,9 +41,12 @@ def batch(device="cpu"):
     return tokens.to(device), labels.to(device)
 
 
-def build(ac: str = "none", every: int = 1, device="cpu", mask_documents=False) -> Llama:
+def build(
+    ac: str = "none", every: int = 1, device="cpu", mask_documents=False, long_document=None
+) -> Llama:
     with torch.device("meta"):
         model = Llama(ARGS, mask_documents=mask_documents)
+    model.long_document = long_document or model.long_document
     apply_ac(model, ac, every)
     model.to_empty(device=device)
     model.init_weights(seed=0)
@@ -133,8 +136,11 @@ def packed_reference():
     [("full", False, 0), ("attention", False, 0), ("selective", False, 0),
      ("attention", True, 16), ("selective", True, 0)],
 )  # fmt: skip
-def test_document_masked_attention_keeps_gradients(packed_reference, ac, offload, tile):
-    model = build(ac, mask_documents=True)
+@pytest.mark.parametrize("long_document", [None, 20], ids=["masked", "second-alone"])
+def test_document_masked_attention_keeps_gradients(
+    packed_reference, ac, offload, tile, long_document
+):
+    model = build(ac, mask_documents=True, long_document=long_document)
     apply_mlp_tiling(model, tile)
     grads, _ = gradients(model, offload=offload, min_bytes=0, positions=PACKED)
     assert_grads_close(grads, packed_reference)
@@ -267,12 +273,23 @@ def test_offload_on_cuda_keeps_gradients(ac):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("ac, per_block", [("full", 2), ("attention", 1), ("selective", 1)])
-def test_flex_attention_on_cuda_is_kept_and_keeps_gradients(monkeypatch, ac, per_block):
-    """Compiled FlexAttention (the document mask on CUDA), fp32: the gradients of each
-    checkpointing mode equal no checkpointing, and only "full" runs the kernel twice."""
+@pytest.mark.parametrize("long_document", [None, 20], ids=["flex", "flex-and-cudnn"])
+def test_flex_attention_on_cuda_is_kept_and_keeps_gradients(
+    monkeypatch, ac, per_block, long_document
+):
+    """Compiled FlexAttention (the document mask on CUDA), with the second document of each
+    row through SDPA on its own or not, fp32: the gradients of each checkpointing mode equal
+    no checkpointing (and the dense mask), and only "full" runs the kernel twice."""
     import model as model_module
 
-    want = gradients(build(device="cuda", mask_documents=True), positions=PACKED)[0]
+    on_cpu = build(mask_documents=True)  # the dense mask
+
+    def on_cuda(ac: str, long_document: int | None = None) -> Llama:
+        model = build(ac, device="cuda", mask_documents=True, long_document=long_document)
+        model.load_state_dict(on_cpu.state_dict())  # CUDA's generator draws other weights
+        return model
+
+    want = gradients(on_cuda("none"), positions=PACKED)[0]
     calls = 0
     flex = model_module.compiled_flex_attention()
 
@@ -282,9 +299,10 @@ def test_flex_attention_on_cuda_is_kept_and_keeps_gradients(monkeypatch, ac, per
         return flex(*args, **kwargs)
 
     monkeypatch.setattr(model_module, "compiled_flex_attention", lambda: counted)
-    got, _ = gradients(build(ac, device="cuda", mask_documents=True), positions=PACKED)
+    got, _ = gradients(on_cuda(ac, long_document), positions=PACKED)
     assert calls == per_block * ARGS.n_layers
     assert_grads_close(got, want)
+    assert_grads_close(got, gradients(on_cpu, positions=PACKED)[0])
 
 
 # ----------------------------------------------------------------------------------------
