@@ -511,27 +511,49 @@ def packed_attention(
     sdpa_backends: list[SDPBackend],
 ) -> torch.Tensor:
     """Attention over packed rows (PackedRows): each head's output from the causal kernel on
-    its own slice of the row, every other row's from the mask. A head's slice holds its
-    document's first rows, so the causal kernel gives them exactly what the document mask
-    would. Pieces are joined along the sequence in the [B, S, H, Dh] layout the output
-    projection reads."""
+    its own slice of the row (a head's slice holds its document's first rows, so the causal
+    kernel gives them exactly what the document mask would), every other row's from the
+    mask."""
     short = None if rows.short is None else attention_kernel(q, k, v, rows.short, sdpa_backends)
     if not any(rows.heads):
         return short
-    seq_len = q.shape[2]
-    joined = []
-    for b, spans in enumerate(rows.heads):
-        pieces, done = [], 0
-        for start, end in spans:
-            if start > done:
-                pieces.append(short[b : b + 1, :, done:start])
-            one = (t[b : b + 1, :, start:end] for t in (q, k, v))
-            pieces.append(attention_kernel(*one, None, sdpa_backends))
-            done = end
-        if done < seq_len:
-            pieces.append(short[b : b + 1, :, done:])
-        joined.append(torch.cat([p.transpose(1, 2) for p in pieces], dim=1))
-    return torch.cat(joined).transpose(1, 2)
+    spans = [(b, start, end) for b, row in enumerate(rows.heads) for start, end in row]
+    heads = [
+        attention_kernel(*(t[b : b + 1, :, start:end] for t in (q, k, v)), None, sdpa_backends)
+        for b, start, end in spans
+    ]
+    bsz, n_heads, seq_len, head_dim = q.shape
+    return _JoinHeads.apply(spans, (bsz, seq_len, n_heads, head_dim), short, *heads)
+
+
+class _JoinHeads(torch.autograd.Function):
+    """The attention output [B, H, S, Dh]: the heads' rows from `heads`, every other row from
+    `short`. The heads are written into `short` itself, not into a copy: `short` is also what
+    the mask kernel's autograd node saved for its backward, and a copy would hold a third
+    output-sized tensor per block with checkpointing's kept attention (offload._KeptAttention).
+    That backward reads its output only through rowsum(output * gradient), and it gets a zero
+    gradient on the heads' rows (the mask's kernel computed those rows only to leave them
+    unused), so their values there do not matter; the write goes through `.data` so that the
+    saved tensor's version does not change. Each head gets its rows of the gradient (views).
+    Where the heads cover every row (`short` None), `shape` [B, S, H, Dh] makes the output."""
+
+    @staticmethod
+    def forward(ctx, spans, shape, short, *heads):
+        ctx.spans = spans
+        out = heads[0].new_empty(shape).transpose(1, 2) if short is None else short
+        for (b, start, end), head in zip(spans, heads, strict=True):
+            out.data[b, :, start:end] = head[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad_short = None
+        if ctx.needs_input_grad[2]:
+            grad_short = grad.clone()
+            for b, start, end in ctx.spans:
+                grad_short[b, :, start:end] = 0
+        heads = (grad[b : b + 1, :, start:end] for b, start, end in ctx.spans)
+        return None, None, grad_short, *heads
 
 
 # ----------------------------------------------------------------------------------------

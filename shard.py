@@ -1150,8 +1150,10 @@ def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int |
             )
     if plan.document_mask:
         # The document-masked attention's kept output comes with its q, k and v, which its
-        # backward needs (offload._KeptAttention).
-        cached += (n * args.dim + 2 * n * args.n_kv_heads * args.head_dim) * p
+        # backward needs (offload._KeptAttention), and the outputs of long documents' heads,
+        # which the causal kernel keeps for its own backward (model.packed_attention): up to
+        # a row's worth.
+        cached += (2 * n * args.dim + 2 * n * args.n_kv_heads * args.head_dim) * p
     return cached
 
 

@@ -284,17 +284,23 @@ def test_attention_mask_chooses_the_kernel_by_document_length():
     assert model.attention_mask(two) is None
 
 
-@pytest.mark.parametrize("long_document", [1, 60, 200])
-def test_long_documents_attended_alone_equal_the_dense_mask(long_document):
-    """PackedRows (long documents through the causal kernel on their slices, the rest through
-    the mask, pieces joined) gives the loss and every gradient of the dense mask, fp32, with
-    documents crossing in from the row before, on rows of different documents."""
+@pytest.mark.parametrize(
+    "lengths, long_document",
+    [
+        ([[70, 3, 90, 157], [201, 60, 59]], 1),
+        ([[70, 3, 90, 157], [201, 60, 59]], 60),
+        ([[70, 3, 90, 157], [201, 60, 59]], 200),
+        ([[64, 256], [160, 160]], 64),  # the heads cover every row: no mask at all
+    ],
+)
+def test_long_documents_attended_alone_equal_the_dense_mask(lengths, long_document):
+    """PackedRows (long documents' heads through the causal kernel on their slices, the rest
+    through the mask, pieces joined) gives the loss and every gradient of the dense mask,
+    fp32, with documents crossing in from the row before, on rows of different documents."""
     model = Llama(PRESETS["tiny"], mask_documents=True)
     model.init_weights(seed=0)
     tokens, labels = sample_batch(model.args.vocab_size, bsz=2, seq_len=320)
-    positions = torch.cat(
-        [random_positions([[70, 3, 90, 157]], 11), random_positions([[201, 60, 59]])]
-    )
+    positions = torch.cat([random_positions(lengths[:1], 11), random_positions(lengths[1:])])
 
     def loss_and_grads(long_document: int):
         model.zero_grad()
