@@ -861,7 +861,7 @@ class Plan:
     # adapted projections in NF4 with lora.quantize_base.
     lora: LoRAConfig | None = None
     context_parallel: int = 1  # ranks sharing each sequence, seq_len / N tokens each
-    document_mask: bool = False  # attention masked between packed documents (FlexAttention)
+    document_mask: bool = False  # attention masked between packed documents (model.PackedRows)
     # What make_plan adds (MADE_FOR): the machine planned for, the estimate there, the
     # fields the planner chose, the tokens per step asked for (None: --micro-batch x
     # --grad-accum), and the planner's guess of a step's seconds (see GPU_FLOPS).

@@ -149,8 +149,8 @@ class Options:
     document_mask: bool | None = flag(
         None,
         "no attention across the documents packed in a sequence (default: on for SFT data, "
-        "whose meta.json says sft; --no-document-mask turns it off): FlexAttention on a GPU "
-        "for rows of several documents, SDPA's causal kernel for rows of one",
+        "whose meta.json says sft; --no-document-mask turns it off): on a GPU, documents of "
+        "16,384+ tokens through SDPA's causal kernel, the rest through FlexAttention",
     )
     # Batch and schedule
     batch_tokens: int | None = flag(
