@@ -532,12 +532,14 @@ def test_the_cpu_plan_chooses_only_the_micro_batch():
 
 
 def test_the_estimate_counts_what_document_masked_attention_keeps():
-    """With --ac attention, FlexAttention's kept output comes with q, k and v: measured
-    55.27 GiB for llama3.2-1b at 131072 tokens (bench/RESULTS.md, documents masked) against
-    44.00 dense; the estimate's tensors within 3% of it."""
+    """With --ac attention, the document-masked attention's kept output comes with q, k and v,
+    and the outputs of long documents' heads (up to a row's): measured 61.05 GiB for
+    llama3.2-1b at 131072 tokens on rows with a tail of long documents, 56.43 on rows without
+    (bench/RESULTS.md, issue #23), against 44.00 dense; the estimate's tensors at most 5%
+    above the first."""
     args = ModelArgs.from_name("llama3.2-1b")
     plan = Plan(131072, ac="attention", document_mask=True)
-    assert estimate_memory(args, plan).gpu_tensors == pytest.approx(55.27, rel=0.03)
+    assert 61.05 <= estimate_memory(args, plan).gpu_tensors <= 61.05 * 1.05
     full = dataclasses.replace(plan, ac="full")  # recomputes attention: keeps nothing more
     dense = dataclasses.replace(full, document_mask=False)
     assert estimate_memory(args, full) == estimate_memory(args, dense)
