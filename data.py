@@ -393,7 +393,7 @@ class ByteLevelBPETokenizer:
     def encode(self, text: str) -> list[int]:
         # Documents are plain text: a special token's name written in one stays characters, as
         # in the other tokenizers, so data cannot inject structure.
-        return self._encode(text, allowed_special=self._plain_added)
+        return self._encode(text, allowed_special=self._plain_added).tolist()
 
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(self._bytes[i] for i in ids).decode("utf-8", errors="replace")
@@ -404,7 +404,7 @@ class ByteLevelBPETokenizer:
         The labels: each assistant turn's tokens (`ChatTemplate.assistant_spans`) up to its last
         added token, the end of its turn (ChatML's "\\n" after <|im_end|> is not one)."""
         text, spans = self._template().assistant_spans(messages)
-        ids = np.array(self._encode(text, allowed_special="all"), dtype=np.int64)
+        ids = self._encode(text, allowed_special="all")
         ends = np.cumsum(self._lengths[ids])
         starts = ends - self._lengths[ids]
         is_label = np.zeros(len(ids), dtype=bool)
@@ -420,7 +420,7 @@ class ByteLevelBPETokenizer:
         return [([i for i, _ in run], label) for label, run in runs]
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
-        ids = self._encode(self._template().render(messages, True), allowed_special="all")
+        ids = self._encode(self._template().render(messages, True), allowed_special="all").tolist()
         return ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
 
     def hf_files(self) -> dict[str, bytes]:
@@ -441,20 +441,23 @@ class ByteLevelBPETokenizer:
         files["tokenizer_config.json"] = _json_bytes(config)
         return files
 
-    def _encode(self, text: str, allowed_special: set[str] | str) -> list[int]:
-        """The added tokens in `allowed_special` ("all": every one) are tokens where the text
-        spells them; the others stay text."""
-        if allowed_special:
-            ids = self._encoding.encode(
-                text, allowed_special=allowed_special, disallowed_special=[]
+    def _encode(self, text: str, allowed_special: set[str] | str) -> np.ndarray:
+        """The file's ids of `text`. The added tokens in `allowed_special` ("all": every one) are
+        tokens where the text spells them; the others stay text."""
+        # As an array, not a list: the table and the drop below are then one numpy operation
+        # each, and tiktoken makes no Python int for a token.
+        try:
+            ids = self._encoding.encode_to_numpy(
+                text, allowed_special=allowed_special, disallowed_special=()
             )
-        else:  # without looking for the added tokens in the text
-            ids = self._encoding.encode_ordinary(text)
+        except UnicodeEncodeError:
+            # Lone surrogates (JSON can hold them) cannot reach tiktoken's Rust: replaced, as
+            # tiktoken's encode replaces them.
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            return self._encode(text, allowed_special)
         if self._table is not None:
-            ids = self._table[ids].tolist()
-        if ids and max(ids) >= self.vocab_size:  # bytes the vocabulary lacks
-            ids = [i for i in ids if i < self.vocab_size]
-        return ids
+            ids = self._table[ids]
+        return ids[ids < self.vocab_size]  # bytes the vocabulary lacks
 
     def _template(self) -> "ChatTemplate":
         if self.chat_template is None:

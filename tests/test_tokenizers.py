@@ -371,6 +371,13 @@ def test_tokenizer_json_it_cannot_encode_faithfully_is_refused(tmp_path, make, m
         data.load_tokenizer(tmp_path)
 
 
+def test_lone_surrogates_are_encoded_as_the_replacement_character(tmp_path):
+    """JSON text can hold lone surrogates, which tiktoken's Rust cannot take: replaced by U+FFFD
+    as tiktoken's own encode does (on the table path too)."""
+    ours = data.load_tokenizer(build_tokenizer_json(tmp_path, "llama3 split", shuffle_ids=True))
+    assert ours.encode("a\ud800b \udfff") == ours.encode("a\ufffdb \ufffd")
+
+
 def test_directory_without_a_tokenizer_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=f"tokenizer directory {tmp_path} holds no"):
