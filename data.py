@@ -25,6 +25,7 @@ same samples in the same order.
 import argparse
 import base64
 import binascii
+import gc
 import hashlib
 import json
 import multiprocessing
@@ -35,6 +36,7 @@ import sysconfig
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import chain, groupby
@@ -312,26 +314,18 @@ class ByteLevelBPETokenizer:
 
     def __init__(self, path: Path, chat_template: Path | None = None):
         data = path.read_bytes()
-        try:
-            spec = json.loads(data)
-        except ValueError as e:
-            raise UsageError(f"{path}: not valid JSON ({e})") from e
-        _check_byte_level_bpe(path, spec)
-        pattern = _split_pattern(path, spec.get("pre_tokenizer"))
-        model = spec["model"]
-        vocab: dict[str, int] = model["vocab"]
-        alphabet = _bytes_as_text()
-        from_text = {c: b for b, c in alphabet.items()}
-
-        def as_bytes(text: str) -> bytes:
+        # The file holds a list per merge, 100k and more. Counted as they are made, they set off
+        # the garbage collector's passes over every object of the process (torch's too), slower
+        # than the parse itself: so it is off until they are read and freed.
+        with _gc_paused():
             try:
-                return bytes(from_text[c] for c in text)
-            except KeyError:
-                raise UsageError(
-                    f"{path}: token {text!r} is not written in the byte-level alphabet, so the "
-                    f"file is not a byte-level BPE"
-                ) from None
-
+                spec = json.loads(data)
+            except ValueError as e:
+                raise UsageError(f"{path}: not valid JSON ({e})") from e
+            _check_byte_level_bpe(path, spec)
+            vocab: dict[str, int] = spec["model"]["vocab"]
+            made = _merged_tokens(path, spec["model"].pop("merges"), vocab)
+        pattern = _split_pattern(path, spec.get("pre_tokenizer"))
         added = {}
         for token in spec.get("added_tokens") or []:
             flags = [f for f in ("lstrip", "rstrip", "single_word") if token.get(f)]
@@ -342,19 +336,12 @@ class ByteLevelBPETokenizer:
                 )
             added[token["content"]] = token["id"]
         self.vocab_size = 1 + max([*vocab.values(), *added.values()])
+        alphabet = _bytes_as_text()
         # A vocabulary may lack bytes its training text never held (SmolLM2's lacks 21: control
         # characters, and bytes UTF-8 never uses). `tokenizers` drops them from the text; here
         # they get ids past the vocabulary, which encoding drops.
         single = {bytes([b]): vocab.get(c, self.vocab_size + b) for b, c in alphabet.items()}
-        merged: dict[bytes, int] = {}  # in the order of the first merge making each
-        for pair in model["merges"]:
-            left, right = pair.split(" ") if isinstance(pair, str) else pair
-            if left + right not in vocab:
-                raise UsageError(
-                    f"{path}: the merge {left!r} {right!r} makes {left + right!r}, which is not "
-                    f"in the vocabulary"
-                )
-            merged.setdefault(as_bytes(left + right), vocab[left + right])
+        merged = dict(zip(_byte_level_bytes(path, made), [vocab[t] for t in made], strict=True))
         if np.all(np.diff(list(merged.values())) > 0):
             ranks, specials, self._table = {**single, **merged}, added, None
         else:
@@ -393,7 +380,7 @@ class ByteLevelBPETokenizer:
     def encode(self, text: str) -> list[int]:
         # Documents are plain text: a special token's name written in one stays characters, as
         # in the other tokenizers, so data cannot inject structure.
-        return self._encode(text, allowed_special=self._plain_added)
+        return self._encode(text, allowed_special=self._plain_added).tolist()
 
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(self._bytes[i] for i in ids).decode("utf-8", errors="replace")
@@ -404,7 +391,7 @@ class ByteLevelBPETokenizer:
         The labels: each assistant turn's tokens (`ChatTemplate.assistant_spans`) up to its last
         added token, the end of its turn (ChatML's "\\n" after <|im_end|> is not one)."""
         text, spans = self._template().assistant_spans(messages)
-        ids = np.array(self._encode(text, allowed_special="all"), dtype=np.int64)
+        ids = self._encode(text, allowed_special="all")
         ends = np.cumsum(self._lengths[ids])
         starts = ends - self._lengths[ids]
         is_label = np.zeros(len(ids), dtype=bool)
@@ -420,7 +407,7 @@ class ByteLevelBPETokenizer:
         return [([i for i, _ in run], label) for label, run in runs]
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
-        ids = self._encode(self._template().render(messages, True), allowed_special="all")
+        ids = self._encode(self._template().render(messages, True), allowed_special="all").tolist()
         return ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
 
     def hf_files(self) -> dict[str, bytes]:
@@ -441,20 +428,23 @@ class ByteLevelBPETokenizer:
         files["tokenizer_config.json"] = _json_bytes(config)
         return files
 
-    def _encode(self, text: str, allowed_special: set[str] | str) -> list[int]:
-        """The added tokens in `allowed_special` ("all": every one) are tokens where the text
-        spells them; the others stay text."""
-        if allowed_special:
-            ids = self._encoding.encode(
-                text, allowed_special=allowed_special, disallowed_special=[]
+    def _encode(self, text: str, allowed_special: set[str] | str) -> np.ndarray:
+        """The file's ids of `text`. The added tokens in `allowed_special` ("all": every one) are
+        tokens where the text spells them; the others stay text."""
+        # As an array, not a list: the table and the drop below are then one numpy operation
+        # each, and tiktoken makes no Python int for a token.
+        try:
+            ids = self._encoding.encode_to_numpy(
+                text, allowed_special=allowed_special, disallowed_special=()
             )
-        else:  # without looking for the added tokens in the text
-            ids = self._encoding.encode_ordinary(text)
+        except UnicodeEncodeError:
+            # Lone surrogates (JSON can hold them) cannot reach tiktoken's Rust: replaced, as
+            # tiktoken's encode replaces them.
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            return self._encode(text, allowed_special)
         if self._table is not None:
-            ids = self._table[ids].tolist()
-        if ids and max(ids) >= self.vocab_size:  # bytes the vocabulary lacks
-            ids = [i for i in ids if i < self.vocab_size]
-        return ids
+            ids = self._table[ids]
+        return ids[ids < self.vocab_size]  # bytes the vocabulary lacks
 
     def _template(self) -> "ChatTemplate":
         if self.chat_template is None:
@@ -487,6 +477,34 @@ def _check_byte_level_bpe(path: Path, spec: dict) -> None:
         f"BPE): pass the checkpoint's tokenizer.model (sentencepiece, or Llama 3's tiktoken "
         f"ranks) instead"
     )
+
+
+def _merged_tokens(path: Path, merges: list, vocab: dict[str, int]) -> list[str]:
+    """The tokens `merges` ([left, right], or the older "left right") make, each once, in the
+    order of the first merge making it."""
+    pairs = [m.split(" ") for m in merges] if merges and isinstance(merges[0], str) else merges
+    if set(map(len, pairs)) - {2}:
+        pair = next(p for p in pairs if len(p) != 2)
+        raise UsageError(f"{path}: the merge {pair!r} is not a pair of tokens")
+    made = dict.fromkeys(map("".join, pairs))
+    if unknown := made.keys() - vocab.keys():
+        left, right = next(p for p in pairs if "".join(p) in unknown)
+        raise UsageError(
+            f"{path}: the merge {left!r} {right!r} makes {left + right!r}, which is not in the "
+            f"vocabulary"
+        )
+    return list(made)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _split_pattern(path: Path, pre_tokenizer: dict | None) -> str:
@@ -717,6 +735,24 @@ def _bytes_as_text() -> dict[int, str]:
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     others = (b for b in range(256) if b not in printable)
     return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+
+
+def _byte_level_bytes(path: Path, tokens: Iterable[str]) -> list[bytes]:
+    """The bytes of byte-level BPE tokens (`_bytes_as_text` undone); a UsageError names a token
+    written outside that alphabet."""
+    alphabet = _bytes_as_text()
+    # str.translate then latin-1, both in C: each character of the alphabet becomes the one
+    # numbered as its byte, any other below 256 becomes U+FFFD, and latin-1 refuses all above.
+    table = {b: "\ufffd" for b in range(256)} | {ord(c): b for b, c in alphabet.items()}
+    tokens = list(tokens)
+    try:
+        return [token.translate(table).encode("latin-1") for token in tokens]
+    except UnicodeEncodeError:
+        text = next(t for t in tokens if not set(t) <= set(alphabet.values()))
+        raise UsageError(
+            f"{path}: token {text!r} is not written in the byte-level alphabet, so the file is "
+            f"not a byte-level BPE"
+        ) from None
 
 
 def byte_level_bpe_files(

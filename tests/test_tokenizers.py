@@ -1,6 +1,7 @@
 """HF tokenizer.json files and chat templates: ids, templates and loss masks checked against
 `tokenizers` and transformers' apply_chat_template, on files built in each test."""
 
+import gc
 import json
 import random
 import sysconfig
@@ -369,6 +370,73 @@ def test_tokenizer_json_it_cannot_encode_faithfully_is_refused(tmp_path, make, m
     make(tmp_path / "tokenizer.json")
     with pytest.raises(ValueError, match=message):
         data.load_tokenizer(tmp_path)
+
+
+def with_model_edited(path: Path, edit) -> Path:
+    """A small byte-level BPE, its tokenizer.json's "model" changed by `edit` before it is read."""
+    byte_level_with(path, lambda tok: None)
+    spec = json.loads(path.read_text())
+    edit(spec["model"])
+    path.write_text(json.dumps(spec, ensure_ascii=False))
+    return path
+
+
+def add_merge(left: str, right: str, in_vocab: bool):
+    def edit(model: dict) -> None:
+        if in_vocab:
+            model["vocab"][left + right] = len(model["vocab"])
+        model["merges"].append([left, right])
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (add_merge("th", "q", in_vocab=False), "the merge 'th' 'q' makes 'thq', which is not in"),
+        (
+            lambda model: model["merges"].append(["t", "h", "e"]),
+            r"the merge \['t', 'h', 'e'\] is not a pair of tokens",
+        ),
+        (add_merge("t", "€", in_vocab=True), "token 't€' is not written in the byte-level"),
+        (add_merge("t", " h", in_vocab=True), "token 't h' is not written in the byte-level"),
+    ],
+    ids=["made-token-not-in-vocab", "three-tokens", "char-above-the-alphabet", "plain-space"],
+)
+def test_tokenizer_json_with_a_bad_merge_is_refused_naming_it(tmp_path, edit, message):
+    with pytest.raises(ValueError, match=message):
+        data.load_tokenizer(with_model_edited(tmp_path / "tokenizer.json", edit))
+
+
+def test_merges_in_the_older_string_form_give_the_same_ranks_and_ids(tmp_path):
+    path = build_tokenizer_json(tmp_path, "gpt2 byte level")
+    pairs = data.load_tokenizer(path)
+    spec = json.loads(path.read_text())
+    spec["model"]["merges"] = [" ".join(pair) for pair in spec["model"]["merges"]]
+    path.write_text(json.dumps(spec))
+    strings = data.load_tokenizer(path)
+    assert strings._encoding._mergeable_ranks == pairs._encoding._mergeable_ranks
+    text = stdlib_text(20_000)[0]
+    assert strings.encode(text) == pairs.encode(text)
+
+
+def test_lone_surrogates_are_encoded_as_the_replacement_character(tmp_path):
+    """JSON text can hold lone surrogates, which tiktoken's Rust cannot take: replaced by U+FFFD
+    as tiktoken's own encode does (on the table path too)."""
+    ours = data.load_tokenizer(build_tokenizer_json(tmp_path, "llama3 split", shuffle_ids=True))
+    assert ours.encode("a\ud800b \udfff") == ours.encode("a\ufffdb \ufffd")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_loading_a_tokenizer_json_leaves_the_garbage_collector_as_it_was(tmp_path, enabled):
+    path = build_tokenizer_json(tmp_path, "gpt2 byte level")
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        data.load_tokenizer(path)
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_directory_without_a_tokenizer_is_named(tmp_path):
