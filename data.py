@@ -52,7 +52,7 @@ import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kernels import IGNORE_INDEX
-from model import OutputDir, UsageError, read_json
+from model import OutputDir, UsageError, document_starts, read_json
 
 FORMAT_VERSION = 1
 LABEL, BOS_INSIDE = 1, 2  # the bits of loss_mask.bin
@@ -1481,7 +1481,7 @@ class PackedLoader:
         samples = [self._sample(i) for i in indices]
         rows = [np.stack(field) for field in zip(*samples, strict=True)]
         # Of the whole rows: the ranks sharing a row (context parallelism) pick the same kernels.
-        starts = tuple((0, *(1 + np.flatnonzero(row[1:] == 0)).tolist()) for row in rows[2])
+        starts = document_starts(torch.from_numpy(rows[2]))
         tensors = [torch.from_numpy(np.ascontiguousarray(x[:, self.columns])) for x in rows]
         if self.pin_memory:
             tensors = [t.pin_memory() for t in tensors]

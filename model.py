@@ -346,9 +346,9 @@ FLEX_BLOCK = 128
 
 # Packed documents at least this long attend through SDPA's causal kernel (cuDNN) on their
 # own slice of the row, the shorter ones through FlexAttention with a block mask that leaves
-# the long ones out: per attended pair cuDNN is the faster past ~10k tokens, and below that
-# the calls cost more than they save (bench/RESULTS.md, "Packed documents at the speed of
-# the dense kernels (issue #23)").
+# the long ones out: per attended pair, with its per-call cost, cuDNN is the faster from
+# 16,384 tokens on and the slower at 8,192 (bench/RESULTS.md, "Packed documents at the speed
+# of the dense kernels (issue #23)").
 LONG_DOCUMENT = 16384
 
 
