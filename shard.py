@@ -862,6 +862,9 @@ class Plan:
     lora: LoRAConfig | None = None
     context_parallel: int = 1  # ranks sharing each sequence, seq_len / N tokens each
     document_mask: bool = False  # attention masked between packed documents (model.PackedRows)
+    # Whether some packed document may reach model.LONG_DOCUMENT tokens, so that the causal
+    # kernel keeps its heads' outputs (the data's longest document says; unknown: yes).
+    long_documents: bool = True
     # What make_plan adds (MADE_FOR): the machine planned for, the estimate there, the
     # fields the planner chose, the tokens per step asked for (None: --micro-batch x
     # --grad-accum), and the planner's guess of a step's seconds (see GPU_FLOPS).
@@ -1153,7 +1156,8 @@ def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int |
         # backward needs (offload._KeptAttention), and the outputs of long documents' heads,
         # which the causal kernel keeps for its own backward (model.packed_attention): up to
         # a row's worth.
-        cached += (2 * n * args.dim + 2 * n * args.n_kv_heads * args.head_dim) * p
+        cached += (n * args.dim + 2 * n * args.n_kv_heads * args.head_dim) * p
+        cached += n * args.dim * p if plan.long_documents else 0
     return cached
 
 
@@ -1374,7 +1378,11 @@ def wanted_fields(opts) -> dict:
 
 
 def base_plan(
-    opts, machine: Machine, document_mask: bool = False, lora: LoRAConfig | None = None
+    opts,
+    machine: Machine,
+    document_mask: bool = False,
+    lora: LoRAConfig | None = None,
+    long_documents: bool = True,
 ) -> Plan:
     """What the options fix of the plan, besides the planned fields."""
     on_gpu = machine.gpu_gib is not None
@@ -1388,6 +1396,7 @@ def base_plan(
         kernels=on_gpu if opts.kernels is None else opts.kernels,
         lora=lora,
         document_mask=document_mask,
+        long_documents=long_documents,
         offload_blocks=opts.offload_blocks,
         context_parallel=opts.context_parallel,
     )
@@ -1465,14 +1474,20 @@ def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bo
 
 
 def make_plan(
-    opts, args: ModelArgs, machine: Machine, document_mask: bool, *, lora: LoRAConfig | None = None
+    opts,
+    args: ModelArgs,
+    machine: Machine,
+    document_mask: bool,
+    *,
+    lora: LoRAConfig | None = None,
+    long_documents: bool = True,
 ) -> Plan:
     """The plan of the run: what the options set, and the fastest choice for the rest that
     fits `machine` (choose_plan; on the CPU, only the micro-batch is chosen), with what it
     was made for. `lora`: train.lora_config(opts), built once there."""
     wanted = wanted_fields(opts)
     sequences, batch_is_fixed = sequences_per_step(opts, args, machine)
-    base = base_plan(opts, machine, document_mask, lora)
+    base = base_plan(opts, machine, document_mask, lora, long_documents)
     plan = choose_plan(args, machine, base, wanted, sequences, batch_is_fixed, opts.grad_clip)
     return dataclasses.replace(
         plan,

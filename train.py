@@ -71,6 +71,7 @@ from data import (
 )
 from model import (
     HF_EXPORT,
+    LONG_DOCUMENT,
     PEFT_ADAPTER,
     PRESETS,
     REFERENCE_OPS,
@@ -808,8 +809,11 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     # The plan, before anything is loaded or built: a run that cannot fit the GPUs or the
     # host stops here, with what would make it fit.
     mask_documents = dataset.is_sft if opts.document_mask is None else opts.document_mask
+    longest = dataset.meta.get("longest_document", opts.seq_len)
     machine = shard.this_machine(opts.gpu_memory, opts.host_memory, world)
-    plan = shard.make_plan(opts, args, machine, mask_documents, lora=lora)
+    plan = shard.make_plan(
+        opts, args, machine, mask_documents, lora=lora, long_documents=longest >= LONG_DOCUMENT
+    )
     opts = settle_options(opts, args, plan)
     log(plan.format())
     model, optimizer = build(opts, args, plan, world, resumed=resume_from is not None, log=log)

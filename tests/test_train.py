@@ -916,6 +916,25 @@ def test_document_mask_trains(dataset, tmp_path):
     assert logged[10] < logged[1] - 0.5
 
 
+@CPU_ONLY
+@pytest.mark.parametrize("long", [False, True])
+def test_the_plan_counts_long_documents_heads_only_where_the_data_has_them(tmp_path, long):
+    """model.LONG_DOCUMENT tokens or more (bytes here) in some document: the plan keeps the
+    causal kernel's heads' outputs in its estimate; the data's longest document says."""
+    text = "def f(x):\n    return x + 1\n" * (800 if long else 20)  # 21,600 or 540 bytes
+    files = []
+    for i in range(20):
+        files.append(tmp_path / f"doc{i}.py")
+        files[-1].write_text(text)
+    dataset = data.prepare(files, tmp_path / "data", workers=1)
+    run_dir = tmp_path / "run"
+    argv = ["--data", str(dataset), "--model", "tiny", "--seq-len", "256", "--max-steps", "1",
+            "--checkpoint-interval", "0", "--document-mask", "--run-dir", str(run_dir)]  # fmt: skip
+    train.main(argv)
+    plan = json.loads((run_dir / "plan.json").read_text())["plan"]
+    assert plan["document_mask"] and plan["long_documents"] == long
+
+
 def nan_checkpoint(path: Path) -> Path:
     """qlora_base with one NaN in a weight."""
     base = qlora_base(path)
