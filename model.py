@@ -764,10 +764,12 @@ def generate(
     max_new_tokens: int,
     temperature: float = 0.8,
     allowed_ids: int | None = None,
+    stop_id: int | None = None,
     seed: int = 0,
 ) -> list[int]:
     """The tokens that continue `prompt`, each sampled at `temperature` (0: the most likely)
-    from the ids below `allowed_ids` (a tokenizer smaller than the model's vocabulary).
+    from the ids below `allowed_ids` (a tokenizer smaller than the model's vocabulary), up to
+    and including `stop_id` (the end of a document or of a chat turn).
     The whole sequence goes through the model for each token (no cache): for short samples.
     The draws are on the CPU with `seed`, so every rank of a sharded model draws alike."""
     device = model.tok_embeddings.weight.device
@@ -781,6 +783,8 @@ def generate(
             probs = torch.softmax(logits / temperature, dim=-1)
             next_id = torch.multinomial(probs, 1, generator=generator)
         tokens = torch.cat([tokens, next_id.to(device)[None]], dim=1)
+        if next_id.item() == stop_id:
+            break
     return tokens[0, len(prompt) :].tolist()
 
 

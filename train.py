@@ -1424,17 +1424,16 @@ def print_sample(run: Run) -> None:
             f"of the trained model"
         )
         return
-    prompt, after = [tokenizer.bos_id], "BOS"
+    # BOS alone is not shown; a chat prompt is shown whole (some templates' first token is BOS)
+    prompt, shown, after = [tokenizer.bos_id], [], "BOS"
     if run.loader.dataset.is_sft:
-        prompt, after = (
-            tokenizer.chat_prompt([{"role": "user", "content": "Hello! What can you do?"}]),
-            "a user turn",
-        )
+        prompt = tokenizer.chat_prompt([{"role": "user", "content": "Hello! What can you do?"}])
+        shown, after = prompt, "a user turn"
     run.model.eval()
     allowed = min(tokenizer.vocab_size, run.args.vocab_size)
-    sample = generate(run.model, prompt, n, 0.8, allowed)
+    sample = generate(run.model, prompt, n, 0.8, allowed, stop_id=tokenizer.eos_id)
     run.log(f"\na sample of the trained model (after {after}, temperature 0.8):\n{'-' * 60}")
-    run.log(printable(tokenizer.decode(prompt[1:] + sample)) + f"\n{'-' * 60}")
+    run.log(printable(tokenizer.decode(shown + sample)) + f"\n{'-' * 60}")
 
 
 def main(argv: list[str] | None = None) -> None:

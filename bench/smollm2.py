@@ -29,6 +29,7 @@ from model import Llama, ModelArgs, load_hf_checkpoint  # noqa: E402
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2's own tokenizer.json splits digits one by one before GPT-2's regex. The GGUF names
 # that split only ("smollm"), and transformers' reader gives GPT-2's alone, so it is put back.
+# Its BPE has no byte fallback either; transformers 5.17's reader sets the flag (5.23's does not).
 SMOLLM2_PRE_TOKENIZER = {
     "type": "Sequence",
     "pretokenizers": [
@@ -52,6 +53,7 @@ def write_tokenizer(out: Path) -> Path:
     AutoTokenizer.from_pretrained(directory, gguf_file=name).save_pretrained(out)
     spec = json.loads((out / "tokenizer.json").read_text())
     spec["pre_tokenizer"] = SMOLLM2_PRE_TOKENIZER
+    spec["model"]["byte_fallback"] = False
     (out / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
     return out
 
