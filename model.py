@@ -333,11 +333,26 @@ SDPA_BACKENDS = {
 }
 
 
+# FlexAttention's forward tile on the GPU, queries x keys. Its default (128 x 128 at head dim
+# 64) measured 6-11% slower per attended pair, forward and backward together, and the same at
+# head dim 128 (bench/RESULTS.md, "FlexAttention's kernel options").
+FLEX_FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64}
+
+
 @functools.cache
-def compiled_flex_attention():
+def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     """FlexAttention runs fast only compiled (into one Triton kernel that skips the masked
-    blocks); compiled on first use, so that importing the model does not load the compiler."""
-    return torch.compile(flex_attention, dynamic=False)
+    blocks); compiled on first use, so that importing the model does not load the compiler.
+    Called as flex_attention is, with the forward tile chosen for the GPU."""
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def attend(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
+        options = FLEX_FORWARD_TILE if q.is_cuda else None
+        return compiled(
+            q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, kernel_options=options
+        )
+
+    return attend
 
 
 # FlexAttention's tile: the block mask says, for each tile of this many queries by this many
