@@ -1548,7 +1548,7 @@ def candidate_plans(
     base: Plan,
     wanted: dict,
     sequences: int,
-    on_gpu: bool,
+    machine: Machine,
     grad_clip: float | None = None,
 ) -> list[Plan]:
     """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
@@ -1557,6 +1557,7 @@ def candidate_plans(
     after the others, and the optimizer in backward after all those. On the CPU only the
     micro-batch is planned: no checkpointing, tiling or offload unless asked (there is no
     GPU memory to save)."""
+    on_gpu = machine.gpu_gib is not None
 
     def options(name: str, planned: tuple) -> tuple:
         if wanted.get(name) is not None:
@@ -1573,24 +1574,20 @@ def candidate_plans(
     else:
         batches = [(m, sequences // m) for m in range(sequences, 0, -1) if sequences % m == 0]
     tiles = (0, *(t for t in MLP_TILES if t < base.seq_len))
-    # Activation offload of all blocks but the last (None), else of the first N, N falling
-    # in about 8 steps: fewer blocks on the host where it cannot hold them all. Ranked after
-    # the plans without it (no partial offload has been measured against them), the most
-    # blocks first.
-    step = max(1, (args.n_layers - 1) // 8)
-    some_blocks = (None, *range(args.n_layers - 1 - step, 0, -step))
     plans = []
     for ac, tile, act_offload, cpu, in_backward, (micro_batch, grad_accum) in itertools.product(
         options("ac", AC_ORDER), options("mlp_tile", tiles),
         options("activation_offload", (False, True)), options("cpu_offload", (False, True)),
         options("optimizer_in_backward", (False, True)), batches,
     ):  # fmt: skip
-        for offload_blocks in options("offload_blocks", some_blocks) if act_offload else (None,):
-            plans.append(dataclasses.replace(
-                base, ac=ac, mlp_tile=tile, activation_offload=act_offload,
-                offload_blocks=offload_blocks, cpu_offload=cpu, optimizer_in_backward=in_backward,
-                micro_batch=micro_batch, grad_accum=grad_accum,
-            ))  # fmt: skip
+        plan = dataclasses.replace(
+            base, ac=ac, mlp_tile=tile, activation_offload=act_offload,
+            offload_blocks=wanted.get("offload_blocks") if act_offload else None, cpu_offload=cpu,
+            optimizer_in_backward=in_backward, micro_batch=micro_batch, grad_accum=grad_accum,
+        )  # fmt: skip
+        plans.append(plan)
+        if act_offload and "offload_blocks" not in wanted:
+            plans += partial_offload(args, plan, machine)
     # Activation offload without checkpointing measured much slower: the host link cannot
     # move every saved tensor in time (bench/RESULTS.md, "Sharding and offload").
     plans = [
@@ -1604,6 +1601,29 @@ def candidate_plans(
         key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,
                        step_seconds(args, p), -p.micro_batch, -p.mlp_tile),
     )  # fmt: skip
+
+
+def partial_offload(args: ModelArgs, plan: Plan, machine: Machine) -> list[Plan]:
+    """`plan` (activation offload of all blocks but the last) with only the first N blocks
+    offloaded, N the most whose activations the host holds, for a host that cannot hold
+    them all; none where it can, or where it cannot hold even the rest of the plan. Ranked
+    after the plans without it (no partial offload has been measured against them); the
+    most blocks the host holds leave the GPU the most room, and the GPU's estimate is the
+    one that misses low with activation offload. The host's bytes grow with N (each block's
+    saved activations), so a bisection finds it in a few estimates."""
+    host_usable = (1 - HOST_MARGIN) * machine.host_gib
+
+    def host_fits(n: int) -> bool:
+        est = estimate_memory(args, dataclasses.replace(plan, offload_blocks=n))
+        return memory_needed(est, machine)[1] <= host_usable
+
+    lowest, highest = 0, args.n_layers - 1  # all but the last is `plan` itself
+    if host_fits(highest) or not host_fits(lowest):
+        return []
+    while highest - lowest > 1:  # host_fits(lowest), not host_fits(highest)
+        middle = (lowest + highest) // 2
+        lowest, highest = (middle, highest) if host_fits(middle) else (lowest, middle)
+    return [dataclasses.replace(plan, offload_blocks=lowest)]
 
 
 def choose_plan(
@@ -1627,10 +1647,9 @@ def choose_plan(
     )
     if problems := plan_problems(args, dataclasses.replace(base, **wanted), grad_clip):
         raise UsageError("; ".join(problems))
-    on_gpu = machine.gpu_gib is not None
     tries = [sequences] if batch_is_fixed or sequences == 1 else [sequences, 1]
     for n in tries:
-        plans = candidate_plans(args, base, wanted, n, on_gpu, grad_clip)
+        plans = candidate_plans(args, base, wanted, n, machine, grad_clip)
         for plan in plans:
             if fits(estimate_memory(args, plan), machine):
                 return plan
@@ -1748,7 +1767,7 @@ def fits_any(
     base = dataclasses.replace(
         base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
     )
-    plans = candidate_plans(args, base, wanted, 1, machine.gpu_gib is not None, grad_clip)
+    plans = candidate_plans(args, base, wanted, 1, machine, grad_clip)
     return any(fits(estimate_memory(args, p), machine) for p in plans)
 
 

@@ -33,6 +33,7 @@ import torch
 from model import Llama, LoRAConfig, ModelArgs, apply_lora, load_hf_checkpoint, save_hf_checkpoint
 from shard import (
     GPU_MARGIN,
+    HOST_MARGIN,
     OVERHEAD_GIB,
     PLANNED,
     STRATEGIES,
@@ -473,6 +474,21 @@ def test_a_host_that_cannot_hold_every_block_gets_the_first_blocks_it_can():
     with pytest.raises(ValueError, match="the planner's choice instead of --offload-blocks 20"):
         choose_plan(args, H200_X2, base, {"offload_blocks": 20, "activation_offload": True},
                     sequences=1, batch_is_fixed=True)  # fmt: skip
+
+
+def test_70b_qlora_at_96k_offloads_as_many_blocks_as_a_125_gib_host_holds():
+    """Issue #24: llama3.1-70b with a 4-bit base, one 98,304-token sequence, one 80 GiB GPU
+    and a 125 GiB host: every block but the last on the host is too much for it, and the
+    exact count (not one of a few coarse steps) fits both."""
+    args = ModelArgs.from_name("llama3.1-70b")
+    machine = Machine(world_size=1, nproc_per_node=1, gpu_gib=80.0, host_gib=125.0)
+    base = Plan(98304, lora=LoRAConfig(rank=16, alpha=16.0, quantize_base="nf4"))
+    plan = choose_plan(args, machine, base, {}, sequences=1, batch_is_fixed=True)
+    assert plan.activation_offload and plan.offload_blocks is not None
+    assert fits(estimate_memory(args, plan), machine)
+    one_more = dataclasses.replace(plan, offload_blocks=plan.offload_blocks + 1)
+    host_usable = (1 - HOST_MARGIN) * machine.host_gib
+    assert memory_needed(estimate_memory(args, one_more), machine)[1] > host_usable
 
 
 def test_8b_at_128k_has_a_plan_inside_one_80_gib_gpu_and_a_128_gib_host():
