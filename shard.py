@@ -207,6 +207,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     param_dtype: torch.dtype = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
+    pin_memory: bool = True,
 ) -> None:
     """Shards `model` in place: each TransformerBlock is one FSDP unit (one all-gather and
     one reduce-scatter), then [norm, output] when the embeddings are untied, then the root,
@@ -214,8 +215,8 @@ def apply_fsdp(
 
     Master weights, gradients and optimizer state stay fp32 (sharded); forward and backward
     run on `param_dtype` copies gathered per unit, and gradients are reduced in
-    `reduce_dtype`. With `cpu_offload` the sharded fp32 state lives in (pinned) host memory
-    and the optimizer steps on the CPU.
+    `reduce_dtype`. With `cpu_offload` the sharded fp32 state lives in host memory, pinned
+    with CUDA unless `pin_memory` is False, and the optimizer steps on the CPU.
 
     Prefetching is left to FSDP2's defaults: in forward the CPU runs ahead of the GPU, so
     the next block's all-gather is issued while the current block computes, and backward
@@ -229,7 +230,9 @@ def apply_fsdp(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )
     offload_policy = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+        CPUOffloadPolicy(pin_memory=pin_memory and torch.cuda.is_available())
+        if cpu_offload
+        else OffloadPolicy()
     )
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for block in model.layers:
@@ -853,7 +856,9 @@ class Plan:
     activation_offload: bool = False
     offload_blocks: int | None = None  # of activation offload; None: all blocks but the last
     cpu_offload: bool = False
-    optimizer_in_backward: bool = False  # one GPU, no FSDP (offload.OptimizerInBackward)
+    # AdamW in backward: on one GPU without FSDP (offload.OptimizerInBackward), or on
+    # FSDP's host shards with cpu_offload (offload.ShardedOptimizerInBackward).
+    optimizer_in_backward: bool = False
     param_dtype: str = "bf16"  # of the gathered weights and the activations: bf16 or fp32
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
     # LoRA adapters on a frozen base (model.apply_lora): only the adapters have fp32 master
@@ -1070,7 +1075,15 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
     # With CPU offload the fp32 shards of parameters and gradients live in pinned memory,
     # which PyTorch's caching host allocator hands out in powers of two per tensor
     # (bench/RESULTS.md, "CPU offload at scale"); AdamW's moments are plain host memory.
-    host = 2 * pinned_shard_bytes(args, s) + optimizer if plan.cpu_offload else 0.0
+    # With the optimizer in backward the shards are plain memory (train.apply_techniques
+    # says why), and there is no set of gradient shards: only those whose updates wait, at
+    # most a block's and the embedding's or the output's beside them.
+    host = 0.0
+    if plan.cpu_offload and plan.optimizer_in_backward:
+        waiting = w.block_trained + max(w.root_trained, w.head_trained)
+        host = 4 * (w.trained + waiting) / s + optimizer
+    elif plan.cpu_offload:
+        host = 2 * pinned_shard_bytes(args, s) + optimizer
     parameters = {**dict.fromkeys(PHASES, in_use), "backward end": (
         gpu_master + p * w.embedding + staging)}  # fmt: skip
     gradients = {
@@ -1230,14 +1243,15 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     kernels' saved tensors or the PyTorch references'. With activation offload they
     assume the host copies keep up with compute, true with full checkpointing; without
     it the link falls behind and the GPU holds much more (bench/RESULTS.md, "Sharding and
-    offload"). With the optimizer in backward (one GPU, no FSDP, the fp32 state on the
-    host) the strategy is unused. With context parallelism each rank holds seq_len / N
+    offload"). With the optimizer in backward alone (one GPU, no FSDP, the fp32 state on
+    the host) the strategy is unused; with CPU offload too, FSDP's state is counted
+    without its set of gradient shards. With context parallelism each rank holds seq_len / N
     tokens of each row, so every activation term divides by N (attention's q, k, v and
     output hold the whole sequence for H/N heads: as many bytes); parameters, gradients
     and optimizer state are sharded over all world_size ranks as before."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
     w = count_weights(args, plan.lora, p)
-    if plan.optimizer_in_backward:
+    if plan.optimizer_in_backward and not plan.cpu_offload:
         parameters, gradients, optimizer, host_state = in_backward_state(args, w, p)
     else:
         parameters, gradients, optimizer, host_state = sharded_state(args, plan, w, p)
@@ -1280,7 +1294,8 @@ HOST_PROCESS_GIB = 2.0
 # an MLP tiling costs one more MLP forward, activation offload with checkpointing a little,
 # CPU offload host time per parameter of a rank's shard (so at long sequences it beats full
 # recomputation and at short ones it does not), the optimizer in backward the host's
-# updates left uncovered. Its seconds are a rough guess, printed only past a minute.
+# updates left uncovered (with CPU offload, CPU offload's time: its updates overlap
+# backward, not measured yet). Its seconds are a rough guess, printed only past a minute.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
 SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
@@ -1435,15 +1450,18 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
         )
     if plan.optimizer_in_backward:
         # Each parameter is updated during backward, before the step's last gradient exists.
+        # Without CPU offload it runs without FSDP, on one GPU; with it, on FULL_SHARD's
+        # shards (offload.ShardedOptimizerInBackward), whose norm sums over all ranks.
         refused = {
-            "--cpu-offload (it offloads the optimizer with FSDP)": plan.cpu_offload,
-            f"--strategy {plan.strategy} (no FSDP)": plan.strategy != "FULL_SHARD",
+            f"--strategy {plan.strategy} (FULL_SHARD only)": plan.strategy != "FULL_SHARD",
             f"--grad-clip {grad_clip} (the global norm is known only after the updates; pass "
             "--grad-clip 0)": bool(grad_clip),
             f"--grad-accum {plan.grad_accum} (the updates happen in every backward)": (
                 plan.grad_accum > 1
             ),
-            f"{count(plan.world_size, 'process')} (it runs on one GPU)": plan.world_size > 1,
+            f"{count(plan.world_size, 'process')} without --cpu-offload (it runs on one GPU)": (
+                plan.world_size > 1 and not plan.cpu_offload
+            ),
         }
         problems += [
             f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
@@ -1523,7 +1541,7 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     if plan.cpu_offload:
         shard = shard_group_size(plan.strategy, plan.world_size, per_node)
         host_s = args.num_params() / shard * CPU_OFFLOAD_S_PER_PARAM * per_node
-    if plan.optimizer_in_backward:
+    if plan.optimizer_in_backward and not plan.cpu_offload:
         host_s = args.num_params() * IN_BACKWARD_S_PER_PARAM
     return compute_s + host_s
 
