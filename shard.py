@@ -66,7 +66,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, _chunk_rows
 from kernels.nf4 import BLOCK as NF4_BLOCK
-from kernels.nf4 import row_bytes
+from kernels.nf4 import stored_bytes as nf4_stored_bytes
 from model import (
     FLOAT_DTYPES,
     Llama,
@@ -1026,13 +1026,15 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
         return Weights(embedding, head, trained=args.num_params(), frozen_bytes=0,
                        root_trained=embedding, head_trained=head, block_trained=block,
                        block_frozen_bytes=0, dequantized=0)  # fmt: skip
-    # A target's base in NF4 is row_bytes(in) per row, any other frozen weight param_bytes.
+    # A target's base in NF4 is its packed rows and scales, any other frozen weight
+    # param_bytes a value. (The scales, 1/16384 of the rows, are whole on every rank: the
+    # estimate divides them over the shard group with the rest.)
     targets = {name: shape for name, shape in block_shapes(args).items() if name in lora.targets}
     adapters = sum(lora.rank * (n + k) for n, k in targets.values())
     base = 0
     for name, shape in block_shapes(args).items():
         quantized = lora.quantize_base and name in targets
-        base += shape[0] * row_bytes(shape[1]) if quantized else shape.numel() * param_bytes
+        base += nf4_stored_bytes(*shape) if quantized else shape.numel() * param_bytes
     largest = max(shape.numel() for shape in targets.values())
     return Weights(
         embedding, head, trained=args.n_layers * adapters,

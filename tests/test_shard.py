@@ -29,6 +29,8 @@ from types import SimpleNamespace
 import dist_worker as w
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from model import Llama, LoRAConfig, ModelArgs, apply_lora, load_hf_checkpoint, save_hf_checkpoint
 from shard import (
@@ -41,6 +43,7 @@ from shard import (
     Plan,
     block_params,
     choose_plan,
+    count_weights,
     estimate_memory,
     fits,
     init_distributed,
@@ -513,6 +516,31 @@ def test_a_host_that_cannot_hold_every_block_gets_the_first_blocks_it_can():
     with pytest.raises(ValueError, match="the planner's choice instead of --offload-blocks 20"):
         choose_plan(args, H200_X2, base, {"offload_blocks": 20, "activation_offload": True},
                     sequences=1, batch_is_fixed=True)  # fmt: skip
+
+
+def test_the_estimate_stores_what_a_qlora_model_holds():
+    """count_weights (the stored part of the parameter term) against the tensors of a built
+    LoRA model with a 4-bit base: the NF4 rows and scales, the bf16 rest, fp32 adapters."""
+    with torch.device("meta"):
+        model = Llama(w.QLORA_ARGS)
+    apply_lora(model, w.QLORA, torch.bfloat16)
+    held = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
+    weights = count_weights(w.QLORA_ARGS, w.QLORA, param_bytes=2)
+    assert 4 * weights.trained + weights.frozen_bytes == held
+
+
+def test_fsdp_on_one_rank_gathers_into_a_copy():
+    """Why the estimate counts a unit's gathered weights beside its stored ones even on one
+    rank: FSDP2 gathers into a buffer of its own there too (a frozen bf16 unit here)."""
+    init_distributed()
+    module = torch.nn.Linear(64, 64, dtype=torch.bfloat16).requires_grad_(False)
+    mesh = init_device_mesh("cpu", (1,))
+    fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    module.unshard()
+    for param in module._get_fsdp_state()._fsdp_param_group.fsdp_params:
+        stored = param._sharded_param_data.untyped_storage().data_ptr()
+        assert param._unsharded_param.untyped_storage().data_ptr() != stored
+    module.reshard()
 
 
 def test_70b_qlora_at_96k_offloads_as_many_blocks_as_a_125_gib_host_holds():
