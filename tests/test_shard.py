@@ -376,6 +376,19 @@ def test_estimate_of_the_optimizer_in_backward():
     assert 12 * total / 2**30 < est.host_total < 100
 
 
+def test_estimate_of_the_optimizer_in_backward_on_host_shards():
+    """With --cpu-offload the GPU keeps FSDP's gathered units only, not a bf16 copy of every
+    weight; the host the fp32 shards and moments (12 bytes a parameter, plain memory) and
+    the gradients whose updates wait (a block's and the embedding's: under 3 GiB for 8B)."""
+    args = ModelArgs.from_name("llama3.1-8b")
+    kw = dict(world_size=1, seq_len=131072, optimizer_in_backward=True)
+    alone, on_shards = estimate(args, **kw), estimate(args, **kw, cpu_offload=True)
+    state = 12 * args.num_params() / 2**30
+    assert on_shards.parameters < alone.parameters - 10 and on_shards.optimizer == 0
+    assert on_shards.activations == alone.activations
+    assert state < on_shards.host_total < state + 3
+
+
 def test_estimate_of_qlora_counts_adapters_state_and_a_4_bit_base():
     args = ModelArgs.from_name("llama3.1-8b")
     est = functools.partial(estimate, args, world_size=1)
@@ -652,9 +665,13 @@ def test_the_options_are_refused_by_the_rules_the_planner_follows():
     asked = options(optimizer_in_backward=True, strategy="NO_SHARD", grad_clip=1.0,
                     lora_rank=8, cpu_offload=True, grad_accum=2)  # fmt: skip
     refused = technique_problems(asked, tiny, 2, 2)
-    for what in ["--cpu-offload", "--strategy NO_SHARD", "--grad-clip 1.0", "--grad-accum 2",
-                 "2 processes", "not --lora-rank"]:  # fmt: skip
+    for what in ["--strategy NO_SHARD", "--grad-clip 1.0", "--grad-accum 2", "not --lora-rank"]:
         assert any(what in problem for problem in refused), what
+    # More than one process only on FSDP's host shards (offload.ShardedOptimizerInBackward).
+    assert not any("2 processes" in problem for problem in refused)
+    alone = options(optimizer_in_backward=True, grad_clip=0.0, cpu_offload=False)
+    assert technique_problems(alone, tiny, 1, 1) == []
+    assert "2 processes without --cpu-offload" in technique_problems(alone, tiny, 2, 2)[0]
     args = ModelArgs.from_name("llama3.1-8b")
     machine = Machine(world_size=1, nproc_per_node=1, gpu_gib=80.0, host_gib=128.0)
     assert choose_plan(args, machine, Plan(131072), {}, 1, True).optimizer_in_backward
@@ -663,12 +680,17 @@ def test_the_options_are_refused_by_the_rules_the_planner_follows():
 
 
 def test_a_plan_that_cannot_fit_names_every_route_that_would():
-    """70B at 131072 tokens on 8 x 80 GiB: neither context parallelism nor LoRA alone fits
-    the host, both together do. On the CPU the message speaks of the host only."""
+    """70B at 131072 tokens on 8 x 80 GiB with an 800 GiB host: neither context parallelism
+    nor LoRA alone fits, both together do; with 1000 GiB context parallelism alone does
+    (the optimizer in backward on FSDP's host shards: 12 bytes a parameter there). On the
+    CPU the message speaks of the host only."""
     args = ModelArgs.from_name("llama3.1-70b")
-    node = Machine(world_size=8, nproc_per_node=8, gpu_gib=80.0, host_gib=1000.0)
+    node = Machine(world_size=8, nproc_per_node=8, gpu_gib=80.0, host_gib=800.0)
     with pytest.raises(ValueError, match="It would fit with: --context-parallel 2 --lora-rank 16"):
         choose_plan(args, node, Plan(131072), {}, 1, True)
+    larger = dataclasses.replace(node, host_gib=1000.0)
+    with pytest.raises(ValueError, match="It would fit with: --context-parallel 4;"):
+        choose_plan(args, larger, Plan(131072), {}, 1, True)
     cpu = Machine(world_size=1, nproc_per_node=1, gpu_gib=None, host_gib=2.0)
     with pytest.raises(ValueError) as error:
         choose_plan(ModelArgs.from_name("tiny"), cpu, Plan(256, kernels=False), {}, 1, True)
