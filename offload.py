@@ -609,15 +609,12 @@ class ShardedOptimizerInBackward:
             # FSDP copies a gradient to pinned memory without blocking (torch < 2.13 even
             # where a hook reads it at once): the shards must be plain memory, so that each
             # gradient is on the host when the hook gets it.
-            if (
-                not isinstance(param, DTensor)
-                or param.device.type != "cpu"
-                or (param.to_local().is_pinned())
-            ):
+            sharded = isinstance(param, DTensor) and param.device.type == "cpu"
+            if not sharded or param.to_local().is_pinned():
                 raise UsageError(
                     f"ShardedOptimizerInBackward takes a model sharded by FSDP with CPU "
                     f"offload, not pinned; {name} is a {type(param).__name__} on "
-                    f"{param.device}{', pinned' * param.to_local().is_pinned()}"
+                    f"{param.device}{', pinned' if sharded else ''}"
                 )
             param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
         self.sq_norm = torch.zeros(())  # of this rank's gradient shards; the worker's
