@@ -46,9 +46,7 @@ from kernels import (
     rms_norm_reference,
     swiglu_reference,
 )
-from kernels.nf4 import BLOCK as NF4_BLOCK
-from kernels.nf4 import SCALE_BLOCK as NF4_SCALE_BLOCK
-from kernels.nf4 import check_quantizable, row_bytes
+from kernels.nf4 import check_quantizable, row_bytes, scale_count
 
 # ----------------------------------------------------------------------------------------
 # The model's numbers
@@ -1342,7 +1340,7 @@ class LoRALinear(nn.Module):
             words = row_bytes(in_features) // base_dtype.itemsize
             packed = torch.empty(out_features, words, dtype=base_dtype, device=device)
             self.weight_nf4 = nn.Parameter(packed, requires_grad=False)
-            n_scales = -(-out_features * in_features // (NF4_BLOCK * NF4_SCALE_BLOCK))
+            n_scales = scale_count(out_features * in_features)
             self.register_buffer("absmax2", torch.empty(n_scales, device=device), persistent=False)
             self.register_buffer("offset", torch.empty((), device=device), persistent=False)
         else:

@@ -18,9 +18,12 @@ back during backward:
 
 `OptimizerInBackward` offloads the optimizer instead: fp32 master weights and AdamW's
 moments on the host, each parameter updated by the CPU as soon as its gradient is complete
-in backward, so that no full set of gradients ever exists (one GPU, see its docstring).
+in backward, so that no full set of gradients ever exists (one GPU, see its docstring);
+`ShardedOptimizerInBackward` does the same for FSDP's shards with CPU offload, which keep no
+weights on the GPU at all.
 """
 
+import collections
 import contextlib
 import functools
 import os
@@ -30,8 +33,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.distributed as torch_dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -349,6 +354,40 @@ STAGING_SLOTS = 2
 
 
 @torch.no_grad()
+def adamw_(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    eps: float,
+) -> None:
+    """One AdamW step of the fp32 `master` in place, `state` torch.optim.AdamW's ("step",
+    "exp_avg", "exp_avg_sq"), weight decay on matrices only (train.py's param groups): the
+    update of both optimizers in backward. It calls the kernel torch.optim.AdamW(fused=True)
+    runs, directly: the callers own the state tensors, and it skips the optimizer's per-call
+    bookkeeping (a third of the time for a 58M-element tensor on 2 CPU cores). The tests
+    pin it to AdamW."""
+    state["step"] += 1
+    torch._fused_adamw_(
+        [master],
+        [grad],
+        [state["exp_avg"]],
+        [state["exp_avg_sq"]],
+        [],
+        [state["step"]],
+        lr=lr,
+        beta1=betas[0],
+        beta2=betas[1],
+        weight_decay=weight_decay if master.ndim >= 2 else 0.0,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+    )
+
+
+@torch.no_grad()
 def materialize_on_host(
     model: Llama,
     device: torch.device,
@@ -386,8 +425,8 @@ class OptimizerInBackward:
 
     What updating before the step's last gradient exists rules out: clipping by the
     global norm (known only at the end), gradient accumulation (the hooks fire on every
-    backward), FSDP (it writes sharded gradients directly, so the hooks do not fire) and
-    any check before the update: a non-finite gradient is seen after the parameters before
+    backward), FSDP (whose sharded gradients come to ShardedOptimizerInBackward instead)
+    and any check before the update: a non-finite gradient is seen after the parameters before
     it were updated."""
 
     def __init__(
@@ -402,10 +441,7 @@ class OptimizerInBackward:
     ):
         """`model` has its parameters on the host in fp32 (materialize_on_host): they become
         the master weights, and each parameter gets a `param_dtype` copy on `device`."""
-        self.lr = lr
-        self.beta1, self.beta2 = betas
-        self.weight_decay = weight_decay
-        self.eps = eps
+        self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
         self.cuda = torch.device(device).type == "cuda"
         self.params: dict[str, nn.Parameter] = {}
         self.master: dict[str, torch.Tensor] = {}
@@ -486,25 +522,7 @@ class OptimizerInBackward:
                 grad = self.grad32[: grad.numel()].view(grad.shape).copy_(grad)
             finally:
                 self.free_grad_slots.put(slot)
-        state["step"] += 1
-        # The kernel torch.optim.AdamW(fused=True) runs, called directly: this class owns
-        # the state tensors, and it skips the optimizer's per-call bookkeeping (a third of
-        # the time for a 58M-element tensor on 2 CPU cores). The test pins it to AdamW.
-        torch._fused_adamw_(
-            [master],
-            [grad],
-            [state["exp_avg"]],
-            [state["exp_avg_sq"]],
-            [],
-            [state["step"]],
-            lr=lr,
-            beta1=self.beta1,
-            beta2=self.beta2,
-            weight_decay=self.weight_decay if master.ndim >= 2 else 0.0,
-            eps=self.eps,
-            amsgrad=False,
-            maximize=False,
-        )
+        adamw_(master, grad, state, lr, self.betas, self.weight_decay, self.eps)
         self._copy_to_working(name)
 
     def _copy_to_working(self, name: str) -> None:
@@ -554,3 +572,96 @@ class OptimizerInBackward:
             self._copy_to_working(name)
         if self.cuda:
             torch.cuda.current_stream().wait_stream(self.h2d)
+
+
+class ShardedOptimizerInBackward:
+    """The optimizer in backward over FSDP with CPU offload (shard.apply_fsdp, cpu_offload):
+    the fp32 shards FSDP keeps on the host are the master weights, gathered to the GPU in
+    param_dtype only while their block runs, so the GPU keeps no weights between uses (the
+    GPU copies of OptimizerInBackward are 2 bytes per parameter), and it runs on any number
+    of processes. FSDP calls the post-accumulate-grad hooks of each sharded parameter once
+    its gradient shard is reduced and copied to the host; the hook takes the gradient from
+    the parameter and hands it to one worker thread, which runs AdamW on the shard (adamw_,
+    OptimizerInBackward's update) while backward goes on. At most a block's worth of
+    updates wait (`max_pending`, one per parameter of a block), so no more than about a
+    block's gradients exist at once, never the whole set. `step()` waits for them all,
+    before the next forward's all-gathers read the shards. The interface and state_dict
+    layout are OptimizerInBackward's and shard.ShardedAdamW's, the tensors DTensors as the
+    latter's, so checkpoints go between the three. What it rules out is what
+    OptimizerInBackward rules out (clipping, accumulation)."""
+
+    def __init__(
+        self,
+        model: Llama,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        eps: float = 1e-8,
+    ):
+        self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
+        self.params = dict(model.named_parameters())
+        self.state = {
+            name: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(param),
+                   "exp_avg_sq": torch.zeros_like(param)}
+            for name, param in self.params.items()
+        }  # fmt: skip
+        for name, param in self.params.items():
+            # FSDP copies a gradient to pinned memory without blocking (torch < 2.13 even
+            # where a hook reads it at once): the shards must be plain memory, so that each
+            # gradient is on the host when the hook gets it.
+            sharded = isinstance(param, DTensor) and param.device.type == "cpu"
+            if not sharded or param.to_local().is_pinned():
+                raise UsageError(
+                    f"ShardedOptimizerInBackward takes a model sharded by FSDP with CPU "
+                    f"offload, not pinned; {name} is a {type(param).__name__} on "
+                    f"{param.device}{', pinned' if sharded else ''}"
+                )
+            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
+        self.sq_norm = torch.zeros(())  # of this rank's gradient shards; the worker's
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
+        self.pending: collections.deque[Future] = collections.deque()
+        self.max_pending = len(list(model.layers[0].parameters()))
+
+    def set_lr(self, lr: float) -> None:
+        """The lr of the coming backward's updates: set it before backward starts."""
+        self.lr = lr
+
+    def _on_grad(self, name: str, param: nn.Parameter) -> None:
+        grad = param.grad.to_local()
+        param.grad = None
+        while len(self.pending) >= self.max_pending:
+            self.pending.popleft().result()
+        self.pending.append(self.worker.submit(self._update, name, grad, self.lr))
+
+    @torch.no_grad()
+    def _update(self, name: str, grad: torch.Tensor, lr: float) -> None:
+        self.sq_norm += grad.square().sum()
+        state = {key: t.to_local() if isinstance(t, DTensor) else t
+                 for key, t in self.state[name].items()}  # fmt: skip
+        adamw_(self.params[name].to_local(), grad, state, lr, self.betas, self.weight_decay,
+               self.eps)  # fmt: skip
+
+    def step(self) -> torch.Tensor:
+        """Ends the step whose updates backward started: waits for them (raising a worker's
+        error here). Returns the global L2 norm of the step's gradients, a 0-dim tensor on
+        the host (the sum of every rank's squares: each holds its shards)."""
+        while self.pending:
+            self.pending.popleft().result()
+        sq_norm, self.sq_norm = self.sq_norm, torch.zeros(())
+        if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
+            torch_dist.all_reduce(sq_norm)
+        return sq_norm.sqrt()
+
+    def state_dict(self) -> dict:
+        """{"model": fp32 weights, "optim": AdamW's state} by parameter name, the sharded
+        tensors themselves: read it between steps (after step())."""
+        return {"model": dict(self.params), "optim": {n: dict(s) for n, s in self.state.items()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Copies `state` (state_dict's layout) in; the tensors of state_dict() itself, filled
+        in place (as DCP loads), copy nothing."""
+        for name, param in self.params.items():
+            param.copy_(state["model"][name])
+            for key, tensor in self.state[name].items():
+                tensor.copy_(state["optim"][name][key])

@@ -66,7 +66,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, _chunk_rows
 from kernels.nf4 import BLOCK as NF4_BLOCK
-from kernels.nf4 import row_bytes
+from kernels.nf4 import stored_bytes as nf4_stored_bytes
 from model import (
     FLOAT_DTYPES,
     Llama,
@@ -207,6 +207,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     param_dtype: torch.dtype = torch.bfloat16,
     reduce_dtype: torch.dtype = torch.float32,
+    pin_memory: bool = True,
 ) -> None:
     """Shards `model` in place: each TransformerBlock is one FSDP unit (one all-gather and
     one reduce-scatter), then [norm, output] when the embeddings are untied, then the root,
@@ -214,8 +215,8 @@ def apply_fsdp(
 
     Master weights, gradients and optimizer state stay fp32 (sharded); forward and backward
     run on `param_dtype` copies gathered per unit, and gradients are reduced in
-    `reduce_dtype`. With `cpu_offload` the sharded fp32 state lives in (pinned) host memory
-    and the optimizer steps on the CPU.
+    `reduce_dtype`. With `cpu_offload` the sharded fp32 state lives in host memory, pinned
+    with CUDA unless `pin_memory` is False, and the optimizer steps on the CPU.
 
     Prefetching is left to FSDP2's defaults: in forward the CPU runs ahead of the GPU, so
     the next block's all-gather is issued while the current block computes, and backward
@@ -229,7 +230,9 @@ def apply_fsdp(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )
     offload_policy = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+        CPUOffloadPolicy(pin_memory=pin_memory and torch.cuda.is_available())
+        if cpu_offload
+        else OffloadPolicy()
     )
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for block in model.layers:
@@ -853,7 +856,9 @@ class Plan:
     activation_offload: bool = False
     offload_blocks: int | None = None  # of activation offload; None: all blocks but the last
     cpu_offload: bool = False
-    optimizer_in_backward: bool = False  # one GPU, no FSDP (offload.OptimizerInBackward)
+    # AdamW in backward: on one GPU without FSDP (offload.OptimizerInBackward), or on
+    # FSDP's host shards with cpu_offload (offload.ShardedOptimizerInBackward).
+    optimizer_in_backward: bool = False
     param_dtype: str = "bf16"  # of the gathered weights and the activations: bf16 or fp32
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
     # LoRA adapters on a frozen base (model.apply_lora): only the adapters have fp32 master
@@ -1021,13 +1026,15 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
         return Weights(embedding, head, trained=args.num_params(), frozen_bytes=0,
                        root_trained=embedding, head_trained=head, block_trained=block,
                        block_frozen_bytes=0, dequantized=0)  # fmt: skip
-    # A target's base in NF4 is row_bytes(in) per row, any other frozen weight param_bytes.
+    # A target's base in NF4 is its packed rows and scales, any other frozen weight
+    # param_bytes a value. (The scales, 1/16384 of the rows, are whole on every rank: the
+    # estimate divides them over the shard group with the rest.)
     targets = {name: shape for name, shape in block_shapes(args).items() if name in lora.targets}
     adapters = sum(lora.rank * (n + k) for n, k in targets.values())
     base = 0
     for name, shape in block_shapes(args).items():
         quantized = lora.quantize_base and name in targets
-        base += shape[0] * row_bytes(shape[1]) if quantized else shape.numel() * param_bytes
+        base += nf4_stored_bytes(*shape) if quantized else shape.numel() * param_bytes
     largest = max(shape.numel() for shape in targets.values())
     return Weights(
         embedding, head, trained=args.n_layers * adapters,
@@ -1070,7 +1077,15 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
     # With CPU offload the fp32 shards of parameters and gradients live in pinned memory,
     # which PyTorch's caching host allocator hands out in powers of two per tensor
     # (bench/RESULTS.md, "CPU offload at scale"); AdamW's moments are plain host memory.
-    host = 2 * pinned_shard_bytes(args, s) + optimizer if plan.cpu_offload else 0.0
+    # With the optimizer in backward the shards are plain memory (train.apply_techniques
+    # says why), and there is no set of gradient shards: only those whose updates wait, at
+    # most a block's and the embedding's or the output's beside them.
+    host = 0.0
+    if plan.cpu_offload and plan.optimizer_in_backward:
+        waiting = w.block_trained + max(w.root_trained, w.head_trained)
+        host = 4 * (w.trained + waiting) / s + optimizer
+    elif plan.cpu_offload:
+        host = 2 * pinned_shard_bytes(args, s) + optimizer
     parameters = {**dict.fromkeys(PHASES, in_use), "backward end": (
         gpu_master + p * w.embedding + staging)}  # fmt: skip
     gradients = {
@@ -1230,14 +1245,15 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     kernels' saved tensors or the PyTorch references'. With activation offload they
     assume the host copies keep up with compute, true with full checkpointing; without
     it the link falls behind and the GPU holds much more (bench/RESULTS.md, "Sharding and
-    offload"). With the optimizer in backward (one GPU, no FSDP, the fp32 state on the
-    host) the strategy is unused. With context parallelism each rank holds seq_len / N
+    offload"). With the optimizer in backward alone (one GPU, no FSDP, the fp32 state on
+    the host) the strategy is unused; with CPU offload too, FSDP's state is counted
+    without its set of gradient shards. With context parallelism each rank holds seq_len / N
     tokens of each row, so every activation term divides by N (attention's q, k, v and
     output hold the whole sequence for H/N heads: as many bytes); parameters, gradients
     and optimizer state are sharded over all world_size ranks as before."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
     w = count_weights(args, plan.lora, p)
-    if plan.optimizer_in_backward:
+    if plan.optimizer_in_backward and not plan.cpu_offload:
         parameters, gradients, optimizer, host_state = in_backward_state(args, w, p)
     else:
         parameters, gradients, optimizer, host_state = sharded_state(args, plan, w, p)
@@ -1280,7 +1296,8 @@ HOST_PROCESS_GIB = 2.0
 # an MLP tiling costs one more MLP forward, activation offload with checkpointing a little,
 # CPU offload host time per parameter of a rank's shard (so at long sequences it beats full
 # recomputation and at short ones it does not), the optimizer in backward the host's
-# updates left uncovered. Its seconds are a rough guess, printed only past a minute.
+# updates left uncovered (with CPU offload, CPU offload's time: its updates overlap
+# backward, not measured yet). Its seconds are a rough guess, printed only past a minute.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
 SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
@@ -1435,15 +1452,18 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
         )
     if plan.optimizer_in_backward:
         # Each parameter is updated during backward, before the step's last gradient exists.
+        # Without CPU offload it runs without FSDP, on one GPU; with it, on FULL_SHARD's
+        # shards (offload.ShardedOptimizerInBackward), whose norm sums over all ranks.
         refused = {
-            "--cpu-offload (it offloads the optimizer with FSDP)": plan.cpu_offload,
-            f"--strategy {plan.strategy} (no FSDP)": plan.strategy != "FULL_SHARD",
+            f"--strategy {plan.strategy} (FULL_SHARD only)": plan.strategy != "FULL_SHARD",
             f"--grad-clip {grad_clip} (the global norm is known only after the updates; pass "
             "--grad-clip 0)": bool(grad_clip),
             f"--grad-accum {plan.grad_accum} (the updates happen in every backward)": (
                 plan.grad_accum > 1
             ),
-            f"{count(plan.world_size, 'process')} (it runs on one GPU)": plan.world_size > 1,
+            f"{count(plan.world_size, 'process')} without --cpu-offload (it runs on one GPU)": (
+                plan.world_size > 1 and not plan.cpu_offload
+            ),
         }
         problems += [
             f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
@@ -1523,7 +1543,7 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     if plan.cpu_offload:
         shard = shard_group_size(plan.strategy, plan.world_size, per_node)
         host_s = args.num_params() / shard * CPU_OFFLOAD_S_PER_PARAM * per_node
-    if plan.optimizer_in_backward:
+    if plan.optimizer_in_backward and not plan.cpu_offload:
         host_s = args.num_params() * IN_BACKWARD_S_PER_PARAM
     return compute_s + host_s
 
@@ -1548,7 +1568,7 @@ def candidate_plans(
     base: Plan,
     wanted: dict,
     sequences: int,
-    on_gpu: bool,
+    machine: Machine,
     grad_clip: float | None = None,
 ) -> list[Plan]:
     """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
@@ -1557,6 +1577,7 @@ def candidate_plans(
     after the others, and the optimizer in backward after all those. On the CPU only the
     micro-batch is planned: no checkpointing, tiling or offload unless asked (there is no
     GPU memory to save)."""
+    on_gpu = machine.gpu_gib is not None
 
     def options(name: str, planned: tuple) -> tuple:
         if wanted.get(name) is not None:
@@ -1573,24 +1594,20 @@ def candidate_plans(
     else:
         batches = [(m, sequences // m) for m in range(sequences, 0, -1) if sequences % m == 0]
     tiles = (0, *(t for t in MLP_TILES if t < base.seq_len))
-    # Activation offload of all blocks but the last (None), else of the first N, N falling
-    # in about 8 steps: fewer blocks on the host where it cannot hold them all. Ranked after
-    # the plans without it (no partial offload has been measured against them), the most
-    # blocks first.
-    step = max(1, (args.n_layers - 1) // 8)
-    some_blocks = (None, *range(args.n_layers - 1 - step, 0, -step))
     plans = []
     for ac, tile, act_offload, cpu, in_backward, (micro_batch, grad_accum) in itertools.product(
         options("ac", AC_ORDER), options("mlp_tile", tiles),
         options("activation_offload", (False, True)), options("cpu_offload", (False, True)),
         options("optimizer_in_backward", (False, True)), batches,
     ):  # fmt: skip
-        for offload_blocks in options("offload_blocks", some_blocks) if act_offload else (None,):
-            plans.append(dataclasses.replace(
-                base, ac=ac, mlp_tile=tile, activation_offload=act_offload,
-                offload_blocks=offload_blocks, cpu_offload=cpu, optimizer_in_backward=in_backward,
-                micro_batch=micro_batch, grad_accum=grad_accum,
-            ))  # fmt: skip
+        plan = dataclasses.replace(
+            base, ac=ac, mlp_tile=tile, activation_offload=act_offload,
+            offload_blocks=wanted.get("offload_blocks") if act_offload else None, cpu_offload=cpu,
+            optimizer_in_backward=in_backward, micro_batch=micro_batch, grad_accum=grad_accum,
+        )  # fmt: skip
+        plans.append(plan)
+        if act_offload and "offload_blocks" not in wanted:
+            plans += partial_offload(args, plan, machine)
     # Activation offload without checkpointing measured much slower: the host link cannot
     # move every saved tensor in time (bench/RESULTS.md, "Sharding and offload").
     plans = [
@@ -1604,6 +1621,29 @@ def candidate_plans(
         key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,
                        step_seconds(args, p), -p.micro_batch, -p.mlp_tile),
     )  # fmt: skip
+
+
+def partial_offload(args: ModelArgs, plan: Plan, machine: Machine) -> list[Plan]:
+    """`plan` (activation offload of all blocks but the last) with only the first N blocks
+    offloaded, N the most whose activations the host holds, for a host that cannot hold
+    them all; none where it can, or where it cannot hold even the rest of the plan. Ranked
+    after the plans without it (no partial offload has been measured against them); the
+    most blocks the host holds leave the GPU the most room, and the GPU's estimate is the
+    one that misses low with activation offload. The host's bytes grow with N (each block's
+    saved activations), so a bisection finds it in a few estimates."""
+    host_usable = (1 - HOST_MARGIN) * machine.host_gib
+
+    def host_fits(n: int) -> bool:
+        est = estimate_memory(args, dataclasses.replace(plan, offload_blocks=n))
+        return memory_needed(est, machine)[1] <= host_usable
+
+    lowest, highest = 0, args.n_layers - 1  # all but the last is `plan` itself
+    if host_fits(highest) or not host_fits(lowest):
+        return []
+    while highest - lowest > 1:  # host_fits(lowest), not host_fits(highest)
+        middle = (lowest + highest) // 2
+        lowest, highest = (middle, highest) if host_fits(middle) else (lowest, middle)
+    return [dataclasses.replace(plan, offload_blocks=lowest)]
 
 
 def choose_plan(
@@ -1627,10 +1667,9 @@ def choose_plan(
     )
     if problems := plan_problems(args, dataclasses.replace(base, **wanted), grad_clip):
         raise UsageError("; ".join(problems))
-    on_gpu = machine.gpu_gib is not None
     tries = [sequences] if batch_is_fixed or sequences == 1 else [sequences, 1]
     for n in tries:
-        plans = candidate_plans(args, base, wanted, n, on_gpu, grad_clip)
+        plans = candidate_plans(args, base, wanted, n, machine, grad_clip)
         for plan in plans:
             if fits(estimate_memory(args, plan), machine):
                 return plan
@@ -1748,7 +1787,7 @@ def fits_any(
     base = dataclasses.replace(
         base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
     )
-    plans = candidate_plans(args, base, wanted, 1, machine.gpu_gib is not None, grad_clip)
+    plans = candidate_plans(args, base, wanted, 1, machine, grad_clip)
     return any(fits(estimate_memory(args, p), machine) for p in plans)
 
 

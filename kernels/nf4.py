@@ -143,6 +143,17 @@ def row_bytes(in_features: int) -> int:
     return -(-(in_features // 2 + in_features // BLOCK) // 4) * 4
 
 
+def scale_count(numel: int) -> int:
+    """The second-level scales (absmax2) of a weight of `numel` values."""
+    return -(-numel // (BLOCK * SCALE_BLOCK))
+
+
+def stored_bytes(out_features: int, in_features: int) -> int:
+    """Bytes of a [out_features, in_features] weight in NF4: its packed rows, its fp32
+    second-level scales and their offset (model.LoRALinear holds these)."""
+    return out_features * row_bytes(in_features) + 4 * (scale_count(out_features * in_features) + 1)
+
+
 def check_quantizable(name: str, shape: tuple[int, ...]) -> None:
     if len(shape) != 2 or shape[1] % BLOCK:
         raise ValueError(

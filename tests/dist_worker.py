@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data import Batch  # noqa: E402
 from model import Llama, LoRAConfig, ModelArgs, apply_lora, document_starts  # noqa: E402
-from offload import activation_offload, apply_ac  # noqa: E402
+from offload import ShardedOptimizerInBackward, activation_offload, apply_ac  # noqa: E402
 from shard import (  # noqa: E402
     ShardedAdamW,  # noqa: E402
     apply_context_parallel,
@@ -214,6 +214,27 @@ def train(dist, out: Path, name: str) -> None:
         torch.save(result, out / f"{name}.pt")
 
 
+def in_backward(dist, out: Path) -> None:
+    """The optimizer in backward on FSDP's host shards (offload.ShardedOptimizerInBackward):
+    STEPS steps of one micro-batch (it cannot accumulate), each rank its rows of it, no
+    clipping. Also run in one process by tests/test_shard.py."""
+    model = sharded_model(dist, TINY, "FULL_SHARD", dist.world_size, cpu_offload=True)
+    optimizer = ShardedOptimizerInBackward(model, LR, weight_decay=WEIGHT_DECAY)
+    tokens, labels, positions = batches(TINY, 2)
+    rows = torch.arange(2 * BATCH).chunk(dist.world_size)[dist.rank]
+    losses, norms = [], []
+    for step in range(STEPS):
+        mine = [t[step, 0][rows] for t in (tokens, labels, positions)]
+        result = train_step(model, optimizer, [Batch(*mine, document_starts(mine[2]))])
+        torch_dist.all_reduce(result.loss_sum)
+        losses.append((result.loss_sum / result.n_labels).item())
+        norms.append(result.grad_norm.item())
+    weights = full_weights(model)
+    if dist.is_main:
+        result = {"losses": losses, "norms": norms, "weights": weights}
+        torch.save(result, out / f"in_backward.{dist.world_size}.pt")
+
+
 def init(dist, out: Path) -> None:
     for cpu_offload in (False, True):
         model = sharded_model(dist, ODD, "FULL_SHARD", 2, cpu_offload, seed=7)
@@ -285,6 +306,7 @@ def main() -> None:
     init(dist, out)
     hf_load(dist, out)
     context_parallel_whole_rows(dist, out)
+    in_backward(dist, out)
     for name in TRAIN_SCENARIOS:
         train(dist, out, name)
     torch_dist.destroy_process_group()

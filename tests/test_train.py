@@ -185,16 +185,20 @@ IN_BACKWARD = ["--optimizer-in-backward", "--grad-clip", "0"]
 
 
 @CPU_ONLY
-def test_optimizer_in_backward_trains_resumes_and_shares_checkpoints(dataset, tmp_path):
-    """8 steps with the optimizer in backward, with activation checkpointing and MLP tiling
-    (their recomputation must not update a parameter twice), against plain AdamW: the same
-    losses (rel 1e-5, fp32: the AdamW kernels round differently). Resumed from its step-4
-    checkpoint it repeats its losses (rel 1e-6), and plain AdamW resumes from that
-    checkpoint too (the same layout)."""
+@pytest.mark.parametrize("cpu_offload", [False, True])
+def test_optimizer_in_backward_trains_resumes_and_shares_checkpoints(
+    cpu_offload, dataset, tmp_path
+):
+    """8 steps with the optimizer in backward (alone, or on FSDP's host shards with
+    --cpu-offload), with activation checkpointing and MLP tiling (their recomputation must
+    not update a parameter twice), against plain AdamW: the same losses (rel 1e-5, fp32:
+    the AdamW kernels round differently). Resumed from its step-4 checkpoint it repeats its
+    losses (rel 1e-6), and plain AdamW resumes from that checkpoint too (the same layout)."""
     argv = ["--data", str(dataset), *SMALL, "--max-steps", "8", "--checkpoint-interval", "4"]
     argv += ["--grad-clip", "0"]
     train.main([*argv, "--run-dir", str(tmp_path / "plain")])
     in_backward = [*IN_BACKWARD, "--ac", "full", "--mlp-tile", "32"]
+    in_backward += ["--cpu-offload"] if cpu_offload else ["--no-cpu-offload"]
     train.main([*argv, *in_backward, "--run-dir", str(tmp_path / "oib")])
     plain, oib = losses(tmp_path / "plain"), losses(tmp_path / "oib")
     assert oib == pytest.approx(plain, rel=1e-5)
@@ -215,10 +219,10 @@ def test_optimizer_in_backward_trains_resumes_and_shares_checkpoints(dataset, tm
     [
         (["--grad-clip", "1.0"], 1, "--grad-clip 1.0 (the global norm is known only after "
                                     "the updates; pass --grad-clip 0)"),
-        (["--grad-clip", "0", "--cpu-offload"], 1, "cannot be used with --cpu-offload"),
         (["--grad-clip", "0", "--grad-accum", "2"], 1, "cannot be used with --grad-accum 2"),
         (["--grad-clip", "0", "--strategy", "NO_SHARD"], 1, "with --strategy NO_SHARD"),
-        (["--grad-clip", "0"], 2, "cannot be used with 2 processes (it runs on one GPU)"),
+        (["--grad-clip", "0", "--no-cpu-offload"], 2,
+         "cannot be used with 2 processes without --cpu-offload (it runs on one GPU)"),
     ],
 )  # fmt: skip
 def test_optimizer_in_backward_refuses_what_it_cannot_do(
