@@ -191,10 +191,40 @@ def _tiled_forward(forward, tile_tokens: int, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Offloaded:
-    """One saved tensor, copied to host memory in forward; `on_device` is its copy back
-    (None until fetched), valid on the compute stream after `ready`."""
+    """One saved tensor, copied to host memory in forward as the bytes of its storage
+    (`pieces`, see host_pieces), with the dtype, shape and strides to view them as it again;
+    `on_device` is its copy back (None until fetched), valid on the compute stream after
+    `ready`."""
 
-    __slots__ = ("host", "device", "block", "on_device", "ready", "__weakref__")
+    __slots__ = (
+        "pieces", "dtype", "shape", "stride", "device", "block", "on_device", "ready",
+        "__weakref__",
+    )  # fmt: skip
+
+
+# Below this, a tensor's last bytes go into one buffer rounded up (offload.activation_offload
+# moves tensors of 1 MiB and more, so this wastes at most half of what it moves).
+SMALLEST_PIECE = 2**20
+
+
+def host_pieces(nbytes: int, pin_memory: bool) -> list[torch.Tensor]:
+    """Host buffers (uint8) of `nbytes` in all, each a power of two bytes, largest first.
+    torch's pinned allocator rounds every request up to a power of two, so one buffer for
+    a 1.5 GiB block input would hold 2 GiB: at 70B and 98,304 tokens, 38 GiB more host
+    memory over 76 blocks than the tensors themselves (bench/RESULTS.md, issue #24)."""
+    whole = nbytes // SMALLEST_PIECE * SMALLEST_PIECE
+    sizes = [1 << bit for bit in reversed(range(whole.bit_length())) if whole >> bit & 1]
+    if nbytes > whole:
+        sizes.append(nbytes - whole)
+    return [torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory) for size in sizes]
+
+
+def _pieces_of(flat: torch.Tensor, pieces: list[torch.Tensor]) -> Iterator[tuple]:
+    """(slice of `flat`, piece) pairs, in order: the pieces laid end to end over `flat`."""
+    start = 0
+    for piece in pieces:
+        yield flat[start : start + piece.numel()], piece
+        start += piece.numel()
 
 
 class _Offloader:
@@ -258,14 +288,17 @@ class _Offloader:
         # Keep the layout (a transposed view stays transposed) when the view covers its
         # whole storage; otherwise a contiguous copy.
         dense = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes
-        shape_args = (tensor.shape, tensor.stride()) if dense else (tensor.shape,)
-        make = torch.empty_strided if dense else torch.empty
-        saved.host = make(*shape_args, dtype=tensor.dtype, device="cpu", pin_memory=self.cuda)
+        source = tensor if dense else tensor.contiguous()
+        saved.dtype, saved.shape, saved.stride = tensor.dtype, tensor.shape, source.stride()
+        saved.pieces = host_pieces(nbytes, pin_memory=self.cuda)
+        flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+        flat.set_(source.untyped_storage())
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream())
-            tensor.record_stream(self.stream)
+            source.record_stream(self.stream)
         with self._side_stream():
-            saved.host.copy_(tensor, non_blocking=self.cuda)
+            for part, piece in _pieces_of(flat, saved.pieces):
+                piece.copy_(part, non_blocking=self.cuda)
         saved.device = tensor.device
         saved.block = self.block
         saved.on_device = None
@@ -276,16 +309,18 @@ class _Offloader:
         return saved
 
     def _fetch(self, saved: _Offloaded) -> None:
-        if not self.cuda:
-            saved.on_device = saved.host
-            return
         # Allocated on the compute stream, whose queued work may still use that memory.
-        saved.on_device = torch.empty_like(saved.host, device=saved.device)
-        self.stream.wait_stream(torch.cuda.current_stream())
+        nbytes = sum(piece.numel() for piece in saved.pieces)
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=saved.device)
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream())
         with self._side_stream():
-            saved.on_device.copy_(saved.host, non_blocking=True)
-            saved.ready = self.stream.record_event()
-        saved.on_device.record_stream(self.stream)
+            for part, piece in _pieces_of(flat, saved.pieces):
+                part.copy_(piece, non_blocking=self.cuda)
+            saved.ready = self.stream.record_event() if self.cuda else None
+        if self.cuda:
+            flat.record_stream(self.stream)
+        saved.on_device = flat.view(saved.dtype).as_strided(saved.shape, saved.stride)
 
     def _fetch_block(self, block: int) -> None:
         if block in self.fetched or block not in self.blocks:

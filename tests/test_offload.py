@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import offload as offload_module
 from model import PRESETS, Attention, Llama, ModelArgs
 from offload import (
     AC_MODES,
@@ -25,6 +26,7 @@ from offload import (
     activation_offload,
     apply_ac,
     apply_mlp_tiling,
+    host_pieces,
     materialize_on_host,
 )
 
@@ -228,7 +230,7 @@ def test_offload_skips_weights_and_small_tensors_and_frees_its_copies():
         loss = model(tokens, labels)
     copies = [ref() for refs in offloader.blocks.values() for ref in refs]
     weight_shapes = {tuple(p.shape) for p in model.parameters()}
-    assert copies and not any(tuple(c.host.shape) in weight_shapes for c in copies)
+    assert copies and not any(tuple(c.shape) in weight_shapes for c in copies)
     assert sorted(offloader.blocks) == list(range(ARGS.n_layers - 1))  # not the last
     del copies
     loss.backward()
@@ -238,6 +240,24 @@ def test_offload_skips_weights_and_small_tensors_and_frees_its_copies():
     with activation_offload(model) as offloader:
         model(tokens, labels)
     assert offloader.offloaded_tensors == 0
+
+
+def test_host_pieces_hold_exactly_the_bytes_in_powers_of_two():
+    mib = offload_module.SMALLEST_PIECE
+    for nbytes in (1, mib, 3 * mib + 512 * 1024 + 10, 2**31 // 4 * 3 // mib * mib):
+        sizes = [p.numel() for p in host_pieces(nbytes, pin_memory=False)]
+        assert sum(sizes) == nbytes and sizes == sorted(sizes, reverse=True)
+        assert all(n & (n - 1) == 0 for n in sizes if n >= mib)  # what pinning will not round
+        assert sum(n < mib for n in sizes) <= 1
+
+
+def test_offload_in_many_pieces_keeps_gradients(reference, monkeypatch):
+    # Pieces down to 64 bytes: every saved tensor of the tiny model goes out and back in
+    # several, laid end to end.
+    monkeypatch.setattr(offload_module, "SMALLEST_PIECE", 64)
+    grads, offloader = gradients(build("none"), offload=True, min_bytes=0)
+    assert_grads_close(grads, reference)
+    assert offloader.offloaded_tensors > 0
 
 
 def test_offload_of_the_first_blocks_only(reference):
