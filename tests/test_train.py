@@ -402,9 +402,10 @@ def test_export_loads_in_transformers_with_the_same_logits(dataset, reference_ru
     assert generated.tolist() == generate(ours, inputs.input_ids[0].tolist(), 12, temperature=0)
     stop = generated[3].item()  # the sample ends at its stop token, which it keeps
     first_stop = generated.tolist().index(stop) + 1
-    assert generate(ours, inputs.input_ids[0].tolist(), 12, 0, stop_id=stop) == generated[
-        :first_stop
-    ].tolist()
+    assert (
+        generate(ours, inputs.input_ids[0].tolist(), 12, 0, stop_id=stop)
+        == generated[:first_stop].tolist()
+    )
     assert tokenizer.decode(generated, skip_special_tokens=True)  # some text
     for name, pad in [("config.json", None), ("generation_config.json", 257)]:
         config = json.loads((export / name).read_text())
