@@ -244,8 +244,10 @@ class _Offloader:
     def __init__(self, min_bytes: int):
         self.min_bytes = min_bytes
         self.cuda = torch.cuda.is_available()
-        self.stream = torch.cuda.Stream() if self.cuda else None
         self.device_type = "cuda" if self.cuda else "cpu"
+        # torch.cuda, or torch.cpu, whose streams and events do nothing
+        self.streams = torch.get_device_module(self.device_type)
+        self.stream = self.streams.Stream()
         self.block: int | None = None  # the block whose forward is running
         self.blocks: dict[int, list[weakref.ref]] = {}  # block -> its offloaded tensors
         self.fetched: set[int] = set()
@@ -255,8 +257,11 @@ class _Offloader:
         self.offloaded_bytes = 0
         self.offloaded_tensors = 0
 
-    def _side_stream(self):
-        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
+    def _used_by_side_stream(self, tensor: torch.Tensor) -> None:
+        """The caching allocator does not reuse `tensor`'s memory before the side stream's
+        work queued so far is done (there is no such allocator on the CPU)."""
+        if self.cuda:
+            tensor.record_stream(self.stream)
 
     def enter_block(self, index: int, *_) -> None:
         self.block = index
@@ -293,12 +298,11 @@ class _Offloader:
         saved.pieces = host_pieces(nbytes, pin_memory=self.cuda)
         flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         flat.set_(source.untyped_storage())
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream())
-            source.record_stream(self.stream)
-        with self._side_stream():
+        self.stream.wait_stream(self.streams.current_stream())
+        with self.streams.stream(self.stream):
             for part, piece in _pieces_of(flat, saved.pieces):
                 piece.copy_(part, non_blocking=self.cuda)
+        self._used_by_side_stream(source)
         saved.device = tensor.device
         saved.block = self.block
         saved.on_device = None
@@ -312,14 +316,12 @@ class _Offloader:
         # Allocated on the compute stream, whose queued work may still use that memory.
         nbytes = sum(piece.numel() for piece in saved.pieces)
         flat = torch.empty(nbytes, dtype=torch.uint8, device=saved.device)
-        if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream())
-        with self._side_stream():
+        self.stream.wait_stream(self.streams.current_stream())
+        with self.streams.stream(self.stream):
             for part, piece in _pieces_of(flat, saved.pieces):
                 part.copy_(piece, non_blocking=self.cuda)
-            saved.ready = self.stream.record_event() if self.cuda else None
-        if self.cuda:
-            flat.record_stream(self.stream)
+            saved.ready = self.stream.record_event()
+        self._used_by_side_stream(flat)
         saved.on_device = flat.view(saved.dtype).as_strided(saved.shape, saved.stride)
 
     def _fetch_block(self, block: int) -> None:
@@ -335,8 +337,7 @@ class _Offloader:
             return saved
         self._fetch_block(saved.block)
         self._fetch_block(saved.block - 1)  # the next block in backward order: prefetch
-        if self.cuda:
-            torch.cuda.current_stream().wait_event(saved.ready)
+        self.streams.current_stream().wait_event(saved.ready)
         # The device copy lives as long as autograd keeps `saved` (several nodes may
         # unpack it), i.e. until the block's backward is done with it.
         return saved.on_device
