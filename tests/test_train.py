@@ -777,6 +777,17 @@ def test_estimate_memory_plans_for_the_machine_given(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_the_allocator_grows_segments_in_place_unless_the_user_chose(monkeypatch, capsys):
+    argv = ["--estimate-memory", "--model", "tiny", "--gpu-memory", "80", "--host-memory", "64"]
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    train.main(argv)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    train.main(argv)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+    capsys.readouterr()
+
+
 def test_estimate_memory_refuses_what_the_run_would(tmp_path, capsys):
     """The estimate applies the run's rules: 3 context-parallel ranks cannot split the tiny
     preset's 2 key/value heads, and the world size comes from --world-size, not torchrun."""
