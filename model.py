@@ -331,9 +331,9 @@ SDPA_BACKENDS = {
 }
 
 
-# FlexAttention's forward tile on the GPU, queries x keys. Its default (128 x 128 at head dim
-# 64) measured 6-11% slower per attended pair, forward and backward together, and the same at
-# head dim 128 (bench/RESULTS.md, "FlexAttention's kernel options").
+# FlexAttention's forward tile on the GPU, queries x keys: its default measured slower per
+# attended pair at head dim 64 and the same at 128; no other option tried helped
+# (bench/RESULTS.md, "FlexAttention's kernel options").
 FLEX_FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64}
 
 

@@ -210,8 +210,8 @@ SMALLEST_PIECE = 2**20
 def host_pieces(nbytes: int, pin_memory: bool) -> list[torch.Tensor]:
     """Host buffers (uint8) of `nbytes` in all, each a power of two bytes, largest first.
     torch's pinned allocator rounds every request up to a power of two, so one buffer for
-    a 1.5 GiB block input would hold 2 GiB: at 70B and 98,304 tokens, 38 GiB more host
-    memory over 76 blocks than the tensors themselves (bench/RESULTS.md, issue #24)."""
+    a block input would hold up to twice its size: enough to run a 70B QLoRA run's host out
+    of memory (bench/RESULTS.md, issue #24)."""
     whole = nbytes // SMALLEST_PIECE * SMALLEST_PIECE
     sizes = [1 << bit for bit in reversed(range(whole.bit_length())) if whole >> bit & 1]
     if nbytes > whole:

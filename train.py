@@ -674,8 +674,8 @@ def apply_techniques(
         reduce_dtype=torch.float32,
         # The optimizer in backward reads each gradient in FSDP's hook: pinned shards would
         # let torch < 2.13 copy it there without blocking, so the hook could read it before
-        # it arrived. Plain memory also spares the pinned allocator's rounding up (3 GiB of
-        # host for 8B) at the cost of slower copies.
+        # it arrived. Plain memory also spares the pinned allocator's rounding up, at the
+        # cost of slower copies.
         pin_memory=not plan.optimizer_in_backward,
     )
     shard.materialize(
@@ -1447,9 +1447,9 @@ def print_sample(run: Run) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     # The caching allocator grows its segments in place instead of leaving gaps between
-    # fixed ones: at 8B and 262,144 tokens the reserved peak fell by 3.5 GiB, at 1B and
-    # 131072 the speed stayed (bench/RESULTS.md, issue #24). Read at CUDA's first use, which
-    # is later; a setting of the user's own stays.
+    # fixed ones: less memory reserved beyond what is allocated, at the same speed
+    # (bench/RESULTS.md, "Pinned pieces and expandable segments"). Read at CUDA's first
+    # use, which is later; a setting of the user's own stays.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     opts, given = parse_options(argv)
     try:
