@@ -626,6 +626,18 @@ def eval_samples_of(opts: Options, held_out: PackedLoader, groups: int) -> int:
     return available
 
 
+def held_out_evaluation(
+    opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.Dist, model
+) -> Callable[[], tuple[float, int]] | None:
+    """The evaluation of --eval-data's rows, read in order and split as the training rows
+    are; None without --eval-data."""
+    if held_out is None:
+        return None
+    eval_loader = loader_of(held_out, plan, world)
+    samples = eval_samples_of(opts, eval_loader, world.world_size // plan.context_parallel)
+    return functools.partial(evaluate, model, lambda: eval_loader.in_order(samples), world.device)
+
+
 def apply_techniques(
     model: Llama,
     plan: shard.Plan,
@@ -831,13 +843,7 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
         max_steps = math.ceil(opts.max_tokens / plan.tokens_per_step)
     log_start(opts, args, plan, world, dataset, max_steps, log)
     loader = loader_of(dataset, plan, world, seed=opts.seed)
-    evaluate_held_out = None
-    if held_out:  # the held-out rows, read in order and split as the training rows are
-        eval_loader = loader_of(held_out, plan, world)
-        samples = eval_samples_of(opts, eval_loader, world.world_size // plan.context_parallel)
-        evaluate_held_out = functools.partial(
-            evaluate, model, lambda: eval_loader.in_order(samples), world.device
-        )
+    evaluate_held_out = held_out_evaluation(opts, held_out, plan, world, model)
     step = resume(opts, optimizer, loader, world, resume_from, saved, log)
     # Everything given is checked and loaded: from here on the run writes into its directory.
     run_dir = Path(opts.run_dir)
