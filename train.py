@@ -221,9 +221,9 @@ class Options:
     optimizer_in_backward: bool | None = flag(
         None,
         "AdamW runs on the CPU for each parameter as soon as its gradient is complete in "
-        "backward; fp32 weights and AdamW's state stay on the host. One GPU without FSDP, or "
-        "with --cpu-offload FSDP's host shards on any number (default: planned, only where "
-        "nothing else fits, since it cannot clip gradients)",
+        "backward; fp32 weights and AdamW's state stay on the host. Alone: one GPU, no FSDP; "
+        "with --cpu-offload: on FSDP's host shards, any number of GPUs (default: planned, "
+        "only where nothing else fits, since it cannot clip gradients)",
     )
     param_dtype: str | None = flag(
         None,
