@@ -389,6 +389,16 @@ def activation_offload(
 STAGING_SLOTS = 2
 
 
+def adamw_state(master: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AdamW's state of a fresh `master` weight, by torch.optim.AdamW's names (checkpoints
+    go between the optimizers in backward and shard.ShardedAdamW)."""
+    return {
+        "step": torch.zeros(()),
+        "exp_avg": torch.zeros_like(master),
+        "exp_avg_sq": torch.zeros_like(master),
+    }
+
+
 @torch.no_grad()
 def adamw_(
     master: torch.Tensor,
@@ -490,11 +500,7 @@ class OptimizerInBackward:
                 )
             self.params[name] = param
             self.master[name] = master = param.detach()
-            self.state[name] = {
-                "step": torch.zeros(()),
-                "exp_avg": torch.zeros_like(master),
-                "exp_avg_sq": torch.zeros_like(master),
-            }
+            self.state[name] = adamw_state(master)
             # A copy even where device and dtype are the master's (CPU fp32): the working
             # weight is never the master itself.
             param.data = master.to(device, param_dtype, copy=True)
@@ -636,11 +642,7 @@ class ShardedOptimizerInBackward:
     ):
         self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
         self.params = dict(model.named_parameters())
-        self.state = {
-            name: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(param),
-                   "exp_avg_sq": torch.zeros_like(param)}
-            for name, param in self.params.items()
-        }  # fmt: skip
+        self.state = {name: adamw_state(param) for name, param in self.params.items()}
         for name, param in self.params.items():
             # FSDP copies a gradient to pinned memory without blocking (torch < 2.13 even
             # where a hook reads it at once): the shards must be plain memory, so that each
