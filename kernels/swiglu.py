@@ -60,6 +60,12 @@ def _grid(numel: int, block: int) -> tuple[int]:
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        # Backward writes the gradients over gate and up when both are intermediates of the
+        # graph (the outputs of the MLP's linears), not a caller's leaves: the MLP's backward
+        # then holds three [tokens, ffn_dim] tensors at its peak, not five. Each element is
+        # read before it is written, in the same program; bumping their versions makes any
+        # other saved use of them fail loudly, and this graph cannot go backward twice.
+        ctx.overwrite = gate.grad_fn is not None and up.grad_fn is not None
         # The kernels walk the tensors as flat arrays; contiguous() is a no-op for the outputs
         # of two separate linears, and a copy only for strided views.
         gate, up = gate.contiguous(), up.contiguous()
@@ -74,7 +80,11 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         gate, up = ctx.saved_tensors
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        if ctx.overwrite:
+            dgate, dup = gate, up
+            torch.autograd.graph.increment_version((gate, up))
+        else:
+            dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         block, num_warps = _launch_config(gate.numel())
         _swiglu_backward_kernel[_grid(gate.numel(), block)](
             gate, up, dout.contiguous(), dgate, dup, gate.numel(), BLOCK=block,

@@ -171,6 +171,29 @@ def test_rope_reads_strided_inputs_and_grads_and_leaves_them_untouched():
 # ----------------------------------------------------------------------------------------
 
 
+def test_swiglu_overwrites_only_intermediates_and_says_so():
+    """Backward writes dgate and dup over the gate and up it saved when they are the graph's
+    intermediates (the MLP's linears' outputs): the gradients stay right, and another op
+    that saved the same gate then refuses to go backward rather than read a gradient."""
+    gate0, up0 = leaf(torch.randn(7, 100)), leaf(torch.randn(7, 100))
+    dout = torch.randn(7, 100)
+    gate, up = gate0 * 1, up0 * 1  # intermediates
+    swiglu(gate, up).backward(dout)
+    reference = forward_and_grads(swiglu_reference, [gate0, up0], [dout])[1]
+    assert_close(gate0.grad, reference[0], TOLERANCE[torch.float32], "dgate")
+    assert_close(up0.grad, reference[1], TOLERANCE[torch.float32], "dup")
+    # A leaf keeps its values.
+    leaf_gate = leaf(torch.randn(7, 100))
+    before = leaf_gate.detach().clone()
+    swiglu(leaf_gate, leaf(torch.randn(7, 100))).backward(dout)
+    assert torch.equal(leaf_gate.detach(), before)
+    # gate saved by a second op (the square's backward reads it after swiglu's).
+    gate = leaf(torch.randn(7, 100)) * 1
+    loss = (gate.square().sum() + (swiglu(gate, up0 * 1) * dout).sum())
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 48), (7, 100), (3, 11, 72)])
 def test_swiglu_matches_reference_forward_and_grads(shape, dtype):
