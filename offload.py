@@ -467,7 +467,8 @@ class OptimizerInBackward:
     back, rounded to param_dtype, into the working weight on a second side stream (the two
     directions use different copy engines). `step()` waits for all updates and makes the
     compute stream wait for those copies, so the next forward reads the new weights.
-    Without CUDA (the tests) the same hooks and thread run, without streams or staging.
+    Without CUDA (the tests) the same code runs: torch.cpu's streams and events do nothing,
+    and the staging buffers are not pinned.
 
     What updating before the step's last gradient exists rules out: clipping by the
     global norm (known only at the end), gradient accumulation (the hooks fire on every
@@ -489,6 +490,7 @@ class OptimizerInBackward:
         the master weights, and each parameter gets a `param_dtype` copy on `device`."""
         self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
         self.cuda = torch.device(device).type == "cuda"
+        self.streams = torch.get_device_module(torch.device(device).type)
         self.params: dict[str, nn.Parameter] = {}
         self.master: dict[str, torch.Tensor] = {}
         self.state: dict[str, dict[str, torch.Tensor]] = {}  # torch.optim.AdamW's names
@@ -508,21 +510,20 @@ class OptimizerInBackward:
         self.sq_norm = torch.zeros((), device=device)  # the step's sum of squared gradients
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
         self.pending: list[Future] = []
-        if self.cuda:
-            largest = max(p.numel() for p in self.params.values())
-            self.d2h, self.h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        largest = max(p.numel() for p in self.params.values())
+        self.d2h, self.h2d = self.streams.Stream(), self.streams.Stream()
 
-            def pinned():
-                return torch.empty(largest, dtype=param_dtype, pin_memory=True)
+        def staging_buffer():
+            return torch.empty(largest, dtype=param_dtype, pin_memory=self.cuda)
 
-            self.grad_staging = [pinned() for _ in range(STAGING_SLOTS)]
-            self.free_grad_slots: queue.Queue[int] = queue.Queue()
-            for slot in range(STAGING_SLOTS):
-                self.free_grad_slots.put(slot)
-            self.grad32 = torch.empty(largest)  # the worker's fp32 copy of one gradient
-            self.weight_staging = [pinned() for _ in range(STAGING_SLOTS)]
-            self.weight_copied: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
-            self.weight_copies = 0
+        self.grad_staging = [staging_buffer() for _ in range(STAGING_SLOTS)]
+        self.free_grad_slots: queue.Queue[int] = queue.Queue()
+        for slot in range(STAGING_SLOTS):
+            self.free_grad_slots.put(slot)
+        self.grad32 = torch.empty(largest)  # the worker's fp32 copy of one gradient
+        self.weight_staging = [staging_buffer() for _ in range(STAGING_SLOTS)]
+        self.weight_copied: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
+        self.weight_copies = 0
 
     def set_lr(self, lr: float) -> None:
         """The lr of the coming backward's updates: set it before backward starts."""
@@ -532,16 +533,14 @@ class OptimizerInBackward:
         grad = param.grad
         param.grad = None
         self.sq_norm += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        if not self.cuda:
-            self.pending.append(self.worker.submit(self._update, name, grad, self.lr))
-            return
         slot = self.free_grad_slots.get()  # waits while the worker still reads both
         staging = self.grad_staging[slot][: grad.numel()].view(grad.shape)
-        self.d2h.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.d2h):
-            staging.copy_(grad, non_blocking=True)
+        self.d2h.wait_stream(self.streams.current_stream())
+        with self.streams.stream(self.d2h):
+            staging.copy_(grad, non_blocking=self.cuda)
             copied = self.d2h.record_event()
-        grad.record_stream(self.d2h)  # its GPU memory is not reused before the copy is done
+        if self.cuda:
+            grad.record_stream(self.d2h)  # its memory is not reused before the copy is done
         self.pending.append(self.worker.submit(self._update, name, staging, self.lr, copied, slot))
 
     @torch.no_grad()
@@ -550,35 +549,30 @@ class OptimizerInBackward:
         name: str,
         grad: torch.Tensor,
         lr: float,
-        copied: torch.cuda.Event | None = None,
-        slot: int = 0,
+        copied: torch.cuda.Event | None,
+        slot: int,
     ) -> None:
-        """The worker's part for one parameter; `grad` is the pinned staging buffer, valid
-        once `copied` is done, with CUDA, and the gradient itself without."""
+        """The worker's part for one parameter; `grad` is its staging buffer, valid once
+        `copied` is done (None on the CPU: the copy was made in the hook)."""
         master, state = self.master[name], self.state[name]
-        if copied is None:
-            grad = grad.float()
-        else:
-            try:
+        try:
+            if copied is not None:
                 copied.synchronize()
-                grad = self.grad32[: grad.numel()].view(grad.shape).copy_(grad)
-            finally:
-                self.free_grad_slots.put(slot)
+            grad = self.grad32[: grad.numel()].view(grad.shape).copy_(grad)
+        finally:
+            self.free_grad_slots.put(slot)
         adamw_(master, grad, state, lr, self.betas, self.weight_decay, self.eps)
         self._copy_to_working(name)
 
     def _copy_to_working(self, name: str) -> None:
         param, master = self.params[name], self.master[name]
-        if not self.cuda:
-            param.detach().copy_(master)
-            return
         i = self.weight_copies % STAGING_SLOTS
         self.weight_copies += 1
         if self.weight_copied[i] is not None:
             self.weight_copied[i].synchronize()  # the buffer's previous copy has left it
         staging = self.weight_staging[i][: master.numel()].view(master.shape).copy_(master)
-        with torch.cuda.stream(self.h2d):
-            param.detach().copy_(staging, non_blocking=True)
+        with self.streams.stream(self.h2d):
+            param.detach().copy_(staging, non_blocking=self.cuda)
             self.weight_copied[i] = self.h2d.record_event()
 
     def step(self) -> torch.Tensor:
@@ -590,8 +584,7 @@ class OptimizerInBackward:
         pending, self.pending = self.pending, []
         for future in pending:
             future.result()
-        if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.h2d)
+        self.streams.current_stream().wait_stream(self.h2d)
         norm = self.sq_norm.sqrt()
         self.sq_norm.zero_()  # stream-ordered after the sqrt above
         return norm
@@ -612,8 +605,7 @@ class OptimizerInBackward:
             for key, tensor in self.state[name].items():
                 tensor.copy_(state["optim"][name][key])
             self._copy_to_working(name)
-        if self.cuda:
-            torch.cuda.current_stream().wait_stream(self.h2d)
+        self.streams.current_stream().wait_stream(self.h2d)
 
 
 class ShardedOptimizerInBackward:
