@@ -189,7 +189,7 @@ def test_swiglu_overwrites_only_intermediates_and_says_so():
     assert torch.equal(leaf_gate.detach(), before)
     # gate saved by a second op (the square's backward reads it after swiglu's).
     gate = leaf(torch.randn(7, 100)) * 1
-    loss = (gate.square().sum() + (swiglu(gate, up0 * 1) * dout).sum())
+    loss = gate.square().sum() + (swiglu(gate, up0 * 1) * dout).sum()
     with pytest.raises(RuntimeError, match="inplace"):
         loss.backward()
 
