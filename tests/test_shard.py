@@ -341,7 +341,7 @@ def test_estimate_orders_the_options_sensibly():
     assert est(kernels=False, seq_len=8192).loss > est(seq_len=8192).loss
     # Past a few thousand tokens the peak is the last block's backward, where activations
     # grow linearly with the sequence.
-    assert est(seq_len=32768).phase == est(seq_len=65536).phase == "block backward"
+    assert est(seq_len=32768).phase == est(seq_len=65536).phase == "last block backward"
     assert est(seq_len=65536).activations == pytest.approx(2 * est(seq_len=32768).activations,
                                                            rel=0.05)  # fmt: skip
     with pytest.raises(ValueError, match="expected one of"):
