@@ -61,13 +61,13 @@ import shard
 from data import (
     IGNORE_INDEX,
     Batch,
-    ByteTokenizer,
     PackedLoader,
     TokenDataset,
     Tokenizer,
-    default_corpus,
-    load_tokenizer,
-    tokenizer_file,
+    eval_samples_of,
+    loader_of,
+    open_data,
+    open_eval_data,
 )
 from model import (
     HF_EXPORT,
@@ -82,12 +82,13 @@ from model import (
     ModelArgs,
     UsageError,
     apply_lora,
+    attended_pairs,
     check_hf_checkpoint,
     check_peft_adapter,
     generate,
     merged_named_tensors,
     parse_lora_targets,
-    read_hf_tokenizer,
+    peak_flops,
     save_hf_checkpoint,
     save_peft_adapter,
     triton_ops,
@@ -541,91 +542,6 @@ def check_gpus() -> None:
         )
 
 
-def open_data(
-    opts: Options, args: ModelArgs, is_main: bool, log: Callable
-) -> tuple[TokenDataset, Tokenizer | None, HFTokenizer | None]:
-    """The dataset (--data, or the default corpus, prepared once by one process), checked
-    against the model and the tokenizer: --tokenizer's, else the --hf-checkpoint
-    directory's, must be the one the data was prepared with. Returns it with the tokenizer
-    that decodes the end-of-run sample (that one; the byte tokenizer for byte-tokenized
-    data) and the tokenizer an export carries (the checkpoint's files, else that one's)."""
-    if opts.data:
-        dataset = TokenDataset(opts.data)
-    else:
-        if is_main:  # prepared once, by one process
-            default_corpus(REPO / ".cache")
-        dist.barrier()
-        dataset = TokenDataset(default_corpus(REPO / ".cache"))
-    dataset.check(args.vocab_size, opts.seq_len, args.max_seq_len)
-    prepared_with = dataset.meta["tokenizer"]
-    source = opts.tokenizer or (opts.hf_checkpoint and tokenizer_file(opts.hf_checkpoint))
-    text_tokenizer = load_tokenizer(source) if source else None
-    if text_tokenizer and text_tokenizer.name != prepared_with:
-        given = "--tokenizer" if opts.tokenizer else "the checkpoint's tokenizer"
-        raise UsageError(
-            f"dataset {dataset.path} was prepared with tokenizer {prepared_with}, but {given} "
-            f"{source} is {text_tokenizer.name}: prepare the data with it (python data.py "
-            f"prepare --tokenizer {source} ...)"
-        )
-    if prepared_with == ByteTokenizer.name:
-        text_tokenizer = ByteTokenizer()
-    export_tokenizer = read_hf_tokenizer(opts.hf_checkpoint) if opts.hf_checkpoint else None
-    has_tokenizer = lambda t: t and set(t.files) - {"generation_config.json"}
-    if not has_tokenizer(export_tokenizer) and text_tokenizer:
-        ids = (text_tokenizer.bos_id, text_tokenizer.eos_id, text_tokenizer.pad_id)
-        keys = ("bos_token_id", "eos_token_id", "pad_token_id")
-        export_tokenizer = HFTokenizer(text_tokenizer.hf_files(), dict(zip(keys, ids, strict=True)))
-    if opts.export_hf and not has_tokenizer(export_tokenizer):
-        log(
-            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
-            f"prepared {dataset.path} ({prepared_with}) to include it"
-        )
-    return dataset, text_tokenizer, export_tokenizer
-
-
-def open_eval_data(opts: Options, args: ModelArgs, dataset: TokenDataset) -> TokenDataset | None:
-    """--eval-data, checked against the model and the training data: the same tokenizer,
-    and not the training data itself."""
-    if not opts.eval_data:
-        return None
-    held_out = TokenDataset(opts.eval_data)
-    held_out.check(args.vocab_size, opts.seq_len, args.max_seq_len, use="evaluate")
-    if held_out.path.resolve() == dataset.path.resolve():
-        raise UsageError(f"--eval-data {held_out.path} is the training data: nothing is held out")
-    if held_out.meta["tokenizer"] != dataset.meta["tokenizer"]:
-        raise UsageError(
-            f"--eval-data {held_out.path} was prepared with tokenizer "
-            f"{held_out.meta['tokenizer']}, the training data {dataset.path} with "
-            f"{dataset.meta['tokenizer']}: prepare both with the same one"
-        )
-    return held_out
-
-
-def loader_of(dataset: TokenDataset, plan: shard.Plan, world: shard.Dist, **kwargs) -> PackedLoader:
-    """The rows of this rank: each data-parallel group of context_parallel ranks reads its
-    own rows, and each rank of a group a slice of them (shard.py's context parallelism)."""
-    cp = plan.context_parallel
-    return PackedLoader(
-        dataset, plan.seq_len, plan.micro_batch, world.rank // cp, world.world_size // cp,
-        pin_memory=world.device.type == "cuda", context_rank=world.rank % cp,
-        context_parallel=cp, **kwargs,
-    )  # fmt: skip
-
-
-def eval_samples_of(opts: Options, held_out: PackedLoader, groups: int) -> int:
-    """The held-out sequences evaluated (--eval-tokens' or all), at least one per group."""
-    wanted = -(-opts.eval_tokens // opts.seq_len) if opts.eval_tokens else held_out.num_samples
-    available = min(wanted, held_out.num_samples)
-    if available < groups:
-        raise UsageError(
-            f"--eval-data {opts.eval_data} gives {available:,} "
-            f"sequence{'s' * (available != 1)} of {opts.seq_len} "
-            f"tokens{' within --eval-tokens' if opts.eval_tokens else ''}: fewer than the "
-            f"{groups} data-parallel groups, which take one at least each"
-        )
-    return available
-
-
 def held_out_evaluation(
     opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.Dist, model
 ) -> Callable[[], tuple[float, int]] | None:
@@ -973,30 +889,6 @@ def train_step(
     started = time.perf_counter()
     grad_norm = optimizer.step()
     return StepResult(loss_sum, n_labels, grad_norm, time.perf_counter() - started)
-
-
-# Dense bf16 tensor-core FLOP/s by GPU name, the denominator of MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
-
-def attended_pairs(
-    positions: torch.Tensor, document_mask: bool, seq_len: int
-) -> torch.Tensor | float:
-    """The (query, key) pairs that causal attention computes for these rows (a
-    context-parallel rank's slices of them), counted as ModelArgs.training_flops counts them.
-    Masked between documents, a document of l tokens attends l^2/2, the sum over its tokens
-    of (position + 1/2), positions restarting at each document; else each token of a row of
-    seq_len attends seq_len/2. A tensor stays on the device: it is read on log steps only."""
-    if document_mask:
-        return positions.sum(dtype=torch.float64) + positions.numel() / 2
-    return positions.numel() * seq_len / 2
 
 
 class MetricsLog:
