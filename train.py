@@ -38,14 +38,12 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
-import fcntl
 import functools
 import json
 import math
 import os
 import shlex
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -532,16 +530,6 @@ def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
     return dataclasses.replace(opts, lr=lr, min_lr=min_lr, grad_clip=grad_clip)
 
 
-def check_gpus() -> None:
-    """torchrun starts --nproc-per-node processes, each taking the GPU of its local rank."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available() and per_node > (gpus := torch.cuda.device_count()):
-        raise UsageError(
-            f"{per_node} processes per node were asked (torchrun --nproc-per-node={per_node}), "
-            f"and this machine has {gpus} GPU{'s' * (gpus != 1)}: one process per GPU"
-        )
-
-
 def held_out_evaluation(
     opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.Dist, model
 ) -> Callable[[], tuple[float, int]] | None:
@@ -611,38 +599,6 @@ def apply_techniques(
     )
 
 
-def resume_options(
-    opts: Options, given: frozenset[str], saved: dict, data_parallel: int, log: Callable
-) -> Options:
-    """Resuming keeps the checkpoint's global batch (tokens per step) and schedule (max
-    steps) unless this command gives --batch-tokens, --micro-batch or --grad-accum (the
-    batch), --max-steps or --max-tokens (the schedule): on another number of processes the
-    plan splits the same batch into micro-batches and accumulation. `data_parallel`: the
-    ranks that read rows of their own (those of a context-parallel group share theirs).
-    One line says what is kept and what changes."""
-    saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
-    said = []
-    if given & {"batch_tokens", "micro_batch", "grad_accum"}:
-        said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
-    else:
-        if saved_tokens % (data_parallel * opts.seq_len):
-            raise UsageError(
-                f"the checkpoint's global batch of {saved_tokens:,} tokens does not split into "
-                f"rows of {opts.seq_len} over {data_parallel} data-parallel ranks: pass "
-                f"--batch-tokens to choose another"
-            )
-        opts = dataclasses.replace(opts, batch_tokens=saved_tokens)
-        said.append(f"global batch of {saved_tokens:,} tokens/step kept")
-    if given & {"max_steps", "max_tokens"}:
-        steps = f"--max-tokens {opts.max_tokens}" if opts.max_tokens else opts.max_steps
-        said.append(f"schedule {saved_steps} -> {steps} steps as given")
-    else:
-        opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
-        said.append(f"schedule of {saved_steps} steps kept")
-    log("resuming: " + "; ".join(said) + " (--batch-tokens, --max-steps change them)")
-    return opts
-
-
 def build_optimizer(model: Llama, plan: shard.Plan, opts: Options, device: torch.device):
     betas = (opts.beta1, opts.beta2)
     if plan.optimizer_in_backward and plan.cpu_offload:  # on FSDP's shards on the host
@@ -670,13 +626,12 @@ class Run:
     run_dir: Path
     checkpointer: shard.Checkpointer
     metrics: MetricsLog
-    train_state: dict  # what each checkpoint records of the run (train_state.json)
     start_step: int
     max_steps: int
     text_tokenizer: Tokenizer | None
     export_tokenizer: HFTokenizer | None
     log: Callable
-    lock: object  # run_dir/.lock, held open as long as the run lives (lock_run_dir)
+    lock: object  # run_dir/.lock, held open as long as the run lives (shard.lock_run_dir)
 
 
 def estimate(opts: Options) -> None:
@@ -696,7 +651,7 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, log: Ca
     every rank sees alike (a shared filesystem), so all ranks raise the same error and none
     waits on another. Returns the checkpoint to resume from and its train state, if any."""
     run_dir = Path(opts.run_dir)
-    check_run_dir(run_dir)
+    shard.check_run_dir(run_dir)
     if opts.hf_checkpoint:
         check_hf_checkpoint(args, opts.hf_checkpoint)
     if opts.lora_adapter:
@@ -719,7 +674,6 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
         raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
     if opts.memory_snapshot and not on_gpu:
         raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
-    check_gpus()
     world = shard.init_distributed()
     log = print if world.is_main else lambda *a, **k: None
     torch.manual_seed(opts.seed)
@@ -741,7 +695,9 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
         shard.check_resumable(saved["run"], json.loads(json.dumps(run_record)))
         root = Path(opts.run_dir) / "checkpoints"
         damaged = shard.check_no_newer_checkpoints(root, saved["step"], resume_from)
-        opts = resume_options(opts, given, saved, world.world_size // opts.context_parallel, log)
+        opts = shard.resume_options(
+            opts, given, saved, world.world_size // opts.context_parallel, log
+        )
 
     # The plan, before anything is loaded or built: a run that cannot fit the GPUs or the
     # host stops here, with what would make it fit.
@@ -760,10 +716,20 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     log_start(opts, args, plan, world, dataset, max_steps, log)
     loader = loader_of(dataset, plan, world, seed=opts.seed)
     evaluate_held_out = held_out_evaluation(opts, held_out, plan, world, model)
-    step = resume(opts, optimizer, loader, world, resume_from, saved, log)
-    # Everything given is checked and loaded: from here on the run writes into its directory.
     run_dir = Path(opts.run_dir)
-    lock = lock_run_dir(run_dir, world.is_main)
+    checkpointer = shard.Checkpointer(
+        run_dir / "checkpoints",
+        opts.checkpoint_interval,
+        opts.keep_checkpoints,
+        world,
+        record={
+            "run": {**run_record, "tokens_per_step": plan.tokens_per_step, "max_steps": max_steps},
+            "options": dataclasses.asdict(opts),
+        },
+    )
+    step = resume(opts, checkpointer, optimizer, loader, resume_from, saved, log)
+    # Everything given is checked and loaded: from here on the run writes into its directory.
+    lock = shard.lock_run_dir(run_dir, world.is_main)
     if world.is_main:
         shard.set_aside(damaged, log)
         start_metrics(run_dir / "metrics.jsonl", step, resume_from)
@@ -771,17 +737,9 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     metrics = MetricsLog(
         run_dir / "metrics.jsonl", opts, args, plan, world, max_steps, step, evaluate_held_out
     )
-    checkpointer = shard.Checkpointer(
-        run_dir / "checkpoints", opts.checkpoint_interval, opts.keep_checkpoints, world.is_main,
-        last=resume_from,
-    )  # fmt: skip
-    train_state = {
-        "run": {**run_record, "tokens_per_step": plan.tokens_per_step, "max_steps": max_steps},
-        "options": dataclasses.asdict(opts),
-    }
     return Run(
         opts, given, args, plan, world, model, optimizer, loader, run_dir, checkpointer,
-        metrics, train_state, step, max_steps, text_tokenizer, export_tokenizer, log, lock,
+        metrics, step, max_steps, text_tokenizer, export_tokenizer, log, lock,
     )  # fmt: skip
 
 
@@ -808,7 +766,7 @@ def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool
     return model, build_optimizer(model, plan, opts, world.device)
 
 
-def resume(opts, optimizer, loader, world, resume_from, saved, log: Callable) -> int:
+def resume(opts, checkpointer, optimizer, loader, resume_from, saved, log: Callable) -> int:
     """The step the run starts at: a checkpoint's, with its weights, optimizer state, data
     cursor and random state loaded, or 0."""
     if resume_from is None:
@@ -816,15 +774,13 @@ def resume(opts, optimizer, loader, world, resume_from, saved, log: Callable) ->
             start = f"from {opts.hf_checkpoint}" if opts.hf_checkpoint else "from random weights"
             log(f"no checkpoint in {Path(opts.run_dir) / 'checkpoints'}: starting {start}")
         return 0
-    shard.load_checkpoint(resume_from, optimizer)
-    loader.load_state_dict(saved["loader"])
-    shard.set_rng_state(saved["rng"], world.device)
+    step = checkpointer.restore(resume_from, saved, optimizer, loader)
     n = saved["run"]["world_size"]
     log(
-        f"resumed from {resume_from} at step {saved['step']} (saved by {n} "
-        f"process{'es' * (n != 1)}, now {world.world_size})"
+        f"resumed from {resume_from} at step {step} (saved by {n} "
+        f"process{'es' * (n != 1)}, now {checkpointer.world.world_size})"
     )
-    return saved["step"]
+    return step
 
 
 def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -> None:
@@ -1127,53 +1083,6 @@ class StopSignals:
 # The run directory and the terminal
 # ----------------------------------------------------------------------------------------
 
-# What a run writes into --run-dir; a directory that holds none of them is someone else's.
-RUN_FILES = ("plan.json", "metrics.jsonl", "checkpoints", ".lock")
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """A run writes into a new or empty directory, or one a run wrote into: never into a
-    directory of other files, where its plan.json could replace one of the user's."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UsageError(f"--run-dir {run_dir} is a file")
-    held = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-    if held and not set(held) & set(RUN_FILES):
-        raise UsageError(
-            f"--run-dir {run_dir} holds {', '.join(held[:5])}{' ...' if len(held) > 5 else ''} "
-            f"and no run's files ({', '.join(RUN_FILES)}): give a new or empty directory, or "
-            f"the run directory of an earlier run"
-        )
-
-
-def lock_run_dir(run_dir: Path, is_main: bool):
-    """One live run per run directory: rank 0 holds an exclusive flock on run_dir/.lock
-    for as long as the run lives (hold on to the returned file). The kernel drops it when
-    the process ends, however it ends, so a crashed or killed run leaves nothing stuck.
-    Every rank learns whether it was taken and raises alike if not. (On a filesystem shared
-    by several nodes this needs flock support: NFSv4 has it, Lustre with -o flock.)"""
-    lock, holder = None, ""
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        file = open(run_dir / ".lock", "a+")  # noqa: SIM115 (held open for the run)
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            file.truncate(0)
-            file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-            file.flush()
-            lock = file
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip()
-            file.close()
-    taken = torch.tensor([lock is not None or not is_main], dtype=torch.int32)
-    dist.all_reduce(taken, op=dist.ReduceOp.MIN)  # a CPU integer: through gloo
-    if not taken:
-        raise UsageError(
-            f"run directory {run_dir} is in use by a live run ({holder or 'see rank 0'}): "
-            f"wait for it to end, or choose another --run-dir"
-        )
-    return lock
-
 
 def write_json(path: Path, value: dict) -> None:
     """Written whole or not at all: a reader never sees half a file."""
@@ -1249,9 +1158,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
         if logging:
             run.metrics.write(step, lr, loss, grad_norm, stopping)
         if saving:
-            train_state = {"step": step, "loader": run.loader.state_dict(),
-                           "rng": shard.rng_state(device), **run.train_state}  # fmt: skip
-            run.log(f"saved {run.checkpointer.save(step, optimizer, train_state)}")
+            run.log(f"saved {run.checkpointer.save(step, optimizer, run.loader)}")
     stop.restore()
     instruments.close()
     finish(run, step)
@@ -1269,12 +1176,7 @@ def finish(run: Run, step: int) -> None:
         log(f"stopped at step {step} of {run.max_steps} on a signal; {saved}. Resume with:")
         log(f"  {resume}")
         return
-    if opts.export_hf:
-        export_hf(run)
-        log(f"exported {opts.export_hf} ({run.plan.param_dtype})")
-    if opts.export_adapter:
-        export_adapter(run)
-        log(f"exported the LoRA adapter to {opts.export_adapter}")
+    export(run)
     print_sample(run)
     log(f"metrics: {run.run_dir / 'metrics.jsonl'}")
     if last and step > run.start_step:
@@ -1290,31 +1192,30 @@ def finish(run: Run, step: int) -> None:
         )
 
 
-def export_hf(run: Run) -> None:
-    """The weights as a HF checkpoint, LoRA adapters merged into their base weights
-    (model.merged_named_tensors), each parameter gathered in turn."""
-    named = merged_named_tensors(
-        run.model, functools.partial(shard.full_tensor, device=run.world.device)
-    )
-    write = functools.partial(
-        save_hf_checkpoint, run.args, out_dir=run.opts.export_hf,
-        dtype=DTYPES[run.plan.param_dtype], tokenizer=run.export_tokenizer,
-    )  # fmt: skip
-    shard.gathered(named, lambda tensors: write(named_tensors=tensors), run.world.is_main)
-
-
-def export_adapter(run: Run) -> None:
-    """The adapters in PEFT's format, gathered like export_hf's weights."""
-    named = (
-        (name, shard.full_tensor(param, run.world.device))
-        for name, param in run.model.named_parameters()
-        if param.requires_grad
-    )
-    write = functools.partial(
-        save_peft_adapter, run.args, run.plan.lora, out_dir=run.opts.export_adapter,
-        base_model=run.opts.hf_checkpoint,
-    )  # fmt: skip
-    shard.gathered(named, lambda tensors: write(named_tensors=tensors), run.world.is_main)
+def export(run: Run) -> None:
+    """--export-hf: the weights as a HF checkpoint, LoRA adapters merged into their base
+    weights (model.merged_named_tensors); --export-adapter: the adapters in PEFT's format.
+    Each parameter is gathered in turn, and rank 0 writes (shard.gathered)."""
+    opts = run.opts
+    gather = functools.partial(shard.full_tensor, device=run.world.device)
+    if opts.export_hf:
+        write = lambda named: save_hf_checkpoint(
+            run.args,
+            named,
+            opts.export_hf,
+            DTYPES[run.plan.param_dtype],
+            tokenizer=run.export_tokenizer,
+        )
+        shard.gathered(merged_named_tensors(run.model, gather), write, run.world.is_main)
+        run.log(f"exported {opts.export_hf} ({run.plan.param_dtype})")
+    if opts.export_adapter:
+        trained = run.model.named_parameters()
+        adapters = ((name, gather(p)) for name, p in trained if p.requires_grad)
+        write = lambda named: save_peft_adapter(
+            run.args, run.plan.lora, named, opts.export_adapter, base_model=opts.hf_checkpoint
+        )
+        shard.gathered(adapters, write, run.world.is_main)
+        run.log(f"exported the LoRA adapter to {opts.export_adapter}")
 
 
 def print_sample(run: Run) -> None:
@@ -1326,7 +1227,7 @@ def print_sample(run: Run) -> None:
         return
     if tokenizer is None:
         run.log(
-            f"no sample: the data's tokenizer ({run.train_state['run']['tokenizer']}) was not "
+            f"no sample: the data's tokenizer ({run.loader.dataset.meta['tokenizer']}) was not "
             f"given; pass --tokenizer with the file that prepared the data to see {n} tokens "
             f"of the trained model"
         )

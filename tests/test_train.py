@@ -1171,7 +1171,7 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(train.UsageError, match="8 processes per node were asked .* 1 GPU:"):
-        train.check_gpus()
+        shard.check_gpus()
 
 
 @CPU_ONLY
