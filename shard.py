@@ -1,10 +1,10 @@
 """How the model and its training state are spread over processes and memory: FSDP2
 (`torch.distributed.fsdp.fully_shard`) and what it needs (the process group, the device
 mesh, materializing a meta-built model shard by shard, a global gradient norm), context
-parallelism (the ranks of a group share each sequence), the sharded optimizer and the DCP
-checkpoints of its state, in the run directory that one live run holds; then, last, the
-memory estimate of a run's plan and the planner that picks the fastest plan whose estimate
-fits the machine.
+parallelism (the ranks of a group share each sequence), the sharded optimizer, the DCP
+checkpoints of its state in the run directory that one live run holds, and the exports
+gathered from the shards; then, last, the memory estimate of a run's plan and the planner
+that picks the fastest plan whose estimate fits the machine.
 
 train.apply_techniques applies them, in the one order in which they compose:
 
@@ -77,7 +77,10 @@ from model import (
     ModelArgs,
     UsageError,
     fill_weights,
+    merged_named_tensors,
     read_json,
+    save_hf_checkpoint,
+    save_peft_adapter,
 )
 from offload import AC_MODES, STAGING_SLOTS
 
@@ -491,7 +494,8 @@ def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) 
 # (model and optimizer shards as safetensors, resharded on load, so another world size can
 # resume) plus train_state.json (step, data cursor, RNG, what the run was, to refuse
 # resuming a different one, and the size of each shard and shape of each tensor, to refuse
-# a damaged one). train.py decides when to save and what to resume from.
+# a damaged one). train.py decides when to save and what to resume from. Last, the exports
+# (--export-hf, --export-adapter): the whole tensors, gathered from the shards.
 # ----------------------------------------------------------------------------------------
 
 # What a run writes into --run-dir; a directory that holds none of them is someone else's.
@@ -825,6 +829,33 @@ def full_tensor(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(param, DTensor):  # with --cpu-offload the shard is on the CPU
         return param.detach().to(device).full_tensor()
     return param.detach()
+
+
+def export_hf(
+    model: Llama, args: ModelArgs, out_dir: str, dtype: torch.dtype, tokenizer, dist: Dist
+) -> None:
+    """The weights as a HF checkpoint (model.save_hf_checkpoint, with `tokenizer`'s files),
+    LoRA adapters merged into their base weights (model.merged_named_tensors), each
+    parameter gathered in turn."""
+    gather = functools.partial(full_tensor, device=dist.device)
+    write = lambda named: save_hf_checkpoint(args, named, out_dir, dtype, tokenizer=tokenizer)
+    gathered(merged_named_tensors(model, gather), write, dist.is_main)
+
+
+def export_adapter(
+    model: Llama,
+    args: ModelArgs,
+    lora: LoRAConfig,
+    out_dir: str,
+    base_model: str | None,
+    dist: Dist,
+) -> None:
+    """The LoRA adapters in PEFT's format (model.save_peft_adapter), gathered like
+    export_hf's weights."""
+    trained = model.named_parameters()
+    adapters = ((name, full_tensor(p, dist.device)) for name, p in trained if p.requires_grad)
+    write = lambda named: save_peft_adapter(args, lora, named, out_dir, base_model=base_model)
+    gathered(adapters, write, dist.is_main)
 
 
 class ShardedAdamW:

@@ -84,11 +84,8 @@ from model import (
     check_hf_checkpoint,
     check_peft_adapter,
     generate,
-    merged_named_tensors,
     parse_lora_targets,
     peak_flops,
-    save_hf_checkpoint,
-    save_peft_adapter,
     triton_ops,
 )
 
@@ -625,7 +622,7 @@ class Run:
     loader: PackedLoader
     run_dir: Path
     checkpointer: shard.Checkpointer
-    metrics: MetricsLog
+    evaluate: Callable[[], tuple[float, int]] | None  # --eval-data's loss and labelled tokens
     start_step: int
     max_steps: int
     text_tokenizer: Tokenizer | None
@@ -732,14 +729,10 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     lock = shard.lock_run_dir(run_dir, world.is_main)
     if world.is_main:
         shard.set_aside(damaged, log)
-        start_metrics(run_dir / "metrics.jsonl", step, resume_from)
         write_json(run_dir / "plan.json", plan.to_json())
-    metrics = MetricsLog(
-        run_dir / "metrics.jsonl", opts, args, plan, world, max_steps, step, evaluate_held_out
-    )
     return Run(
         opts, given, args, plan, world, model, optimizer, loader, run_dir, checkpointer,
-        metrics, step, max_steps, text_tokenizer, export_tokenizer, log, lock,
+        evaluate_held_out, step, max_steps, text_tokenizer, export_tokenizer, log, lock,
     )  # fmt: skip
 
 
@@ -855,31 +848,40 @@ class MetricsLog:
     checks every step since the last one for a non-finite loss or gradient norm, before a
     checkpoint could save spoiled weights."""
 
-    def __init__(self, path: Path, opts, args, plan, world, max_steps, start_step, evaluate):
-        self.path, self.opts, self.args, self.plan, self.world = path, opts, args, plan, world
-        self.max_steps, self.start_step, self.evaluate = max_steps, start_step, evaluate
-        self.peak = peak_flops(world.device)
-        self.nonfinite = torch.zeros((), dtype=torch.int32, device=world.device)
-        self.attended = torch.zeros((), dtype=torch.float64, device=world.device)
-        self.checked_step = self.logged_step = start_step
+    def __init__(self, run: Run):
+        self.run = run
+        self.path = run.run_dir / "metrics.jsonl"
+        self.peak = peak_flops(run.world.device)
+        self.nonfinite = torch.zeros((), dtype=torch.int32, device=run.world.device)
+        self.attended = torch.zeros((), dtype=torch.float64, device=run.world.device)
+        self.checked_step = self.logged_step = run.start_step
         self.started = self.logged_at = time.perf_counter()
         self.last: StepResult | None = None
+        # metrics.jsonl only grows. A resumed run appends a line {"resumed_from": checkpoint,
+        # "step": its step}, then the steps it takes: the records of steps after that
+        # checkpoint that a killed run logged stay, superseded by the later records of the
+        # same step (the last record of a step is the one that counts).
+        if run.world.is_main:
+            with self.path.open("a") as f:
+                if resumed_from := run.checkpointer.last:
+                    f.write(json.dumps({"resumed_from": str(resumed_from), "step": run.start_step}))
+                    f.write("\n")
 
     def add(self, result: StepResult, micro_batches: list[Batch]) -> None:
         self.last = result
-        norm = result.grad_norm.to(self.world.device, non_blocking=True)  # no host sync
+        plan = self.run.plan
+        norm = result.grad_norm.to(self.run.world.device, non_blocking=True)  # no host sync
         finite = result.loss_sum.isfinite() & norm.isfinite()
         self.nonfinite += ~finite
         for b in micro_batches:
-            self.attended += attended_pairs(b.positions, self.plan.document_mask, self.plan.seq_len)
+            self.attended += attended_pairs(b.positions, plan.document_mask, plan.seq_len)
 
     def evaluating(self, step: int, stopping: bool) -> bool:
-        interval = self.opts.eval_interval
-        due = step % interval == 0 or step == self.max_steps
-        return self.evaluate is not None and due and not stopping
+        due = step % self.run.opts.eval_interval == 0 or step == self.run.max_steps
+        return self.run.evaluate is not None and due and not stopping
 
     def logging(self, step: int, stopping: bool) -> bool:
-        due = step % self.opts.log_interval == 0 or step == self.max_steps or stopping
+        due = step % self.run.opts.log_interval == 0 or step == self.run.max_steps or stopping
         return due or self.evaluating(step, stopping)
 
     def read(self, step: int, last_saved: Path | None) -> tuple[float, float]:
@@ -899,16 +901,17 @@ class MetricsLog:
         return loss, grad_norm
 
     def write(self, step: int, lr: float, loss: float, grad_norm: float, stopping: bool) -> None:
+        run = self.run
+        world, max_steps, tokens_per_step = run.world, run.max_steps, run.plan.tokens_per_step
         now, steps = time.perf_counter(), step - self.logged_step
-        tokens_per_step = self.plan.tokens_per_step
         tokens_per_s = steps * tokens_per_step / (now - self.logged_at)
         dist.all_reduce(self.attended)
-        flops = self.args.training_flops(
-            steps * tokens_per_step, self.attended.item(), self.plan.lora is not None
+        flops = run.args.training_flops(
+            steps * tokens_per_step, self.attended.item(), run.plan.lora is not None
         )
         self.attended.zero_()
-        flops_per_device = flops / (now - self.logged_at) / self.world.world_size
-        on_gpu = self.world.device.type == "cuda"
+        flops_per_device = flops / (now - self.logged_at) / world.world_size
+        on_gpu = world.device.type == "cuda"
         record = {
             "step": step,
             "loss": loss,
@@ -917,23 +920,23 @@ class MetricsLog:
             "optimizer_s": self.last.optimizer_s,
             "tokens": step * tokens_per_step,
             "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": tokens_per_s / self.world.world_size,
+            "tokens_per_s_per_device": tokens_per_s / world.world_size,
             "model_tflops_per_device": flops_per_device / 1e12,
             "mfu": flops_per_device / self.peak if self.peak else None,
             "peak_gpu_mem_gib": (
-                torch.cuda.max_memory_allocated(self.world.device) / 2**30 if on_gpu else None
+                torch.cuda.max_memory_allocated(world.device) / 2**30 if on_gpu else None
             ),
             "host_peak_rss_gib": shard.host_peak_rss_gib(),
             "elapsed_s": now - self.started,
-            "eta_s": (now - self.started) / (step - self.start_step) * (self.max_steps - step),
+            "eta_s": (now - self.started) / (step - run.start_step) * (max_steps - step),
             "eval_loss": None,
             "eval_tokens": None,
         }
         if self.evaluating(step, stopping):  # after the step's timing, left out of the next
-            record["eval_loss"], record["eval_tokens"] = self.evaluate()
+            record["eval_loss"], record["eval_tokens"] = run.evaluate()
             now = time.perf_counter()
-        if self.world.is_main:
-            print(format_record(record, self.max_steps), flush=True)
+        if world.is_main:
+            print(format_record(record, max_steps), flush=True)
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         self.logged_at, self.logged_step = now, step
@@ -979,17 +982,6 @@ def hms(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def start_metrics(metrics_path: Path, step: int, resume_from: Path | None) -> None:
-    """metrics.jsonl only grows. A resumed run appends a line {"resumed_from": checkpoint,
-    "step": its step}, then the steps it takes: the records of steps after that checkpoint
-    that a killed run logged stay, superseded by the later records of the same step (the
-    last record of a step is the one that counts)."""
-    metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    with metrics_path.open("a") as f:
-        if resume_from:
-            f.write(json.dumps({"resumed_from": str(resume_from), "step": step}) + "\n")
-
-
 class Instruments:
     """The one-off measurements beside the loop: the memory peaks after the first two steps
     (printed beside the plan's estimate, and saved in plan.json), --memory-snapshot's
@@ -998,7 +990,7 @@ class Instruments:
     def __init__(self, run: Run):
         self.run = run
         self.profiler = None
-        trace = run.run_dir / f"trace-rank{run.world.rank}.json"
+        self.trace = run.run_dir / f"trace-rank{run.world.rank}.json"
         if run.opts.profile:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if run.world.device.type == "cuda":
@@ -1007,7 +999,7 @@ class Instruments:
                 activities=activities,
                 # The first steps carry one-off costs (allocator growth, compilation).
                 schedule=torch.profiler.schedule(wait=1, warmup=1, active=run.opts.profile),
-                on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
+                on_trace_ready=lambda prof: prof.export_chrome_trace(str(self.trace)),
                 record_shapes=True,
             )
             self.profiler.start()
@@ -1032,9 +1024,8 @@ class Instruments:
     def close(self) -> None:
         if self.profiler:
             self.profiler.stop()
-            trace = self.run.run_dir / f"trace-rank{self.run.world.rank}.json"
-            if trace.exists():
-                self.run.log(f"wrote {trace} (open it in https://ui.perfetto.dev)")
+            if self.trace.exists():
+                self.run.log(f"wrote {self.trace} (open it in https://ui.perfetto.dev)")
 
 
 class StopSignals:
@@ -1136,7 +1127,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
     )
     batches = iter(run.loader)
     stop = StopSignals(run.world.is_main, lambda: run.checkpointer.last)
-    instruments = Instruments(run)
+    metrics, instruments = MetricsLog(run), Instruments(run)
     step, stopping = run.start_step, False
     model.train()
     while step < run.max_steps and not stopping:
@@ -1147,16 +1138,16 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
         ]
         result = train_step(model, optimizer, micro_batches, offload_activations)
         step += 1
-        run.metrics.add(result, micro_batches)
+        metrics.add(result, micro_batches)
         instruments.after(step)
 
         stopping = stop.agreed()
-        logging = run.metrics.logging(step, stopping)
+        logging = metrics.logging(step, stopping)
         saving = run.checkpointer.due(step, run.max_steps, stopping)
         if logging or saving:
-            loss, grad_norm = run.metrics.read(step, run.checkpointer.last)
+            loss, grad_norm = metrics.read(step, run.checkpointer.last)
         if logging:
-            run.metrics.write(step, lr, loss, grad_norm, stopping)
+            metrics.write(step, lr, loss, grad_norm, stopping)
         if saving:
             run.log(f"saved {run.checkpointer.save(step, optimizer, run.loader)}")
     stop.restore()
@@ -1176,7 +1167,14 @@ def finish(run: Run, step: int) -> None:
         log(f"stopped at step {step} of {run.max_steps} on a signal; {saved}. Resume with:")
         log(f"  {resume}")
         return
-    export(run)
+    if opts.export_hf:
+        dtype = DTYPES[run.plan.param_dtype]
+        shard.export_hf(run.model, run.args, opts.export_hf, dtype, run.export_tokenizer, run.world)
+        log(f"exported {opts.export_hf} ({run.plan.param_dtype})")
+    if opts.export_adapter:
+        lora, base_model = run.plan.lora, opts.hf_checkpoint
+        shard.export_adapter(run.model, run.args, lora, opts.export_adapter, base_model, run.world)
+        log(f"exported the LoRA adapter to {opts.export_adapter}")
     print_sample(run)
     log(f"metrics: {run.run_dir / 'metrics.jsonl'}")
     if last and step > run.start_step:
@@ -1190,32 +1188,6 @@ def finish(run: Run, step: int) -> None:
             f"the run had finished at step {step} of {run.max_steps} ({last}): nothing to "
             f"train; --max-steps or --max-tokens with --resume train further"
         )
-
-
-def export(run: Run) -> None:
-    """--export-hf: the weights as a HF checkpoint, LoRA adapters merged into their base
-    weights (model.merged_named_tensors); --export-adapter: the adapters in PEFT's format.
-    Each parameter is gathered in turn, and rank 0 writes (shard.gathered)."""
-    opts = run.opts
-    gather = functools.partial(shard.full_tensor, device=run.world.device)
-    if opts.export_hf:
-        write = lambda named: save_hf_checkpoint(
-            run.args,
-            named,
-            opts.export_hf,
-            DTYPES[run.plan.param_dtype],
-            tokenizer=run.export_tokenizer,
-        )
-        shard.gathered(merged_named_tensors(run.model, gather), write, run.world.is_main)
-        run.log(f"exported {opts.export_hf} ({run.plan.param_dtype})")
-    if opts.export_adapter:
-        trained = run.model.named_parameters()
-        adapters = ((name, gather(p)) for name, p in trained if p.requires_grad)
-        write = lambda named: save_peft_adapter(
-            run.args, run.plan.lora, named, opts.export_adapter, base_model=opts.hf_checkpoint
-        )
-        shard.gathered(adapters, write, run.world.is_main)
-        run.log(f"exported the LoRA adapter to {opts.export_adapter}")
 
 
 def print_sample(run: Run) -> None:
