@@ -827,7 +827,8 @@ def generate(
 
 # ----------------------------------------------------------------------------------------
 # Files a user gives or keeps: one error type for what the user got wrong, JSON read with
-# the file's name in every error, directories written whole, and never over anything else
+# the file's name in every error, and written whole; directories written whole, and never
+# over anything else
 # ----------------------------------------------------------------------------------------
 
 
@@ -848,6 +849,13 @@ def read_json(path: str | os.PathLike) -> dict:
     if not isinstance(value, dict):
         raise UsageError(f"{path}: expected a JSON object, found {type(value).__name__}")
     return value
+
+
+def write_json(path: Path, value: dict) -> None:
+    """Written whole or not at all: a reader never sees half a file."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)

@@ -104,9 +104,16 @@ class Dist:
         return self.rank == 0
 
 
+def torchrun_processes() -> tuple[int, int]:
+    """The processes torchrun started (WORLD_SIZE), and per node (LOCAL_WORLD_SIZE): 1 and
+    1 for a plain `python train.py`."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    return world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def check_gpus() -> None:
     """torchrun starts --nproc-per-node processes, each taking the GPU of its local rank."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    per_node = torchrun_processes()[1]
     if torch.cuda.is_available() and per_node > (gpus := torch.cuda.device_count()):
         raise UsageError(
             f"{per_node} processes per node were asked (torchrun --nproc-per-node={per_node}), "
@@ -124,9 +131,8 @@ def init_distributed() -> Dist:
     check_gpus()
     env = os.environ
     rank = int(env.get("RANK", 0))
-    world_size = int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
-    local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    world_size, local_world_size = torchrun_processes()
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

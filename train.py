@@ -22,11 +22,11 @@
         train.py --hf-checkpoint llama-3.1-70b/ --data data/mine --lr 5e-6 --run-dir runs/70b \\
         --resume'
 
-The file reads in the order a run goes: the options; checkpoints (what a run saves and
-resumes from); setup (`setup`: check what was given, plan, build the model through
-`apply_techniques`, which states the order in which the techniques compose, open the data);
-then `train`: a loop of `train_step` calls, with logging, evaluation, saving and stopping
-each decided by the object that owns it.
+The file reads in the order a run goes: the options; setup (`setup`: check what was given,
+plan, build the model through `apply_techniques`, which states the order in which the
+techniques compose, open the data, resume from a checkpoint); then `train`: a loop of
+`train_step` calls, with logging, evaluation, saving and stopping each decided by the object
+that owns it (`MetricsLog`, `shard.Checkpointer`, `StopSignals`).
 Errors in what was given (data, checkpoint, options) are raised before the first step, as
 one UsageError naming what is wrong and what was expected. SIGTERM or Ctrl-C stop the run
 after the step in progress, with a checkpoint, and it exits with EXIT_STOPPED (75).
@@ -87,6 +87,7 @@ from model import (
     parse_lora_targets,
     peak_flops,
     triton_ops,
+    write_json,
 )
 
 REPO = Path(__file__).resolve().parent
@@ -461,8 +462,7 @@ def command_line(opts: Options, given: frozenset[str], **changes) -> str:
     """The command of this run (the options it was given) with `changes`, runnable from the
     current directory. Resuming with it continues the run where it stopped."""
     opts = dataclasses.replace(opts, **changes)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    world_size, per_node = shard.torchrun_processes()
     script = os.path.relpath(REPO / "train.py")
     words = ["python", script]
     if world_size > 1:
@@ -525,18 +525,6 @@ def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
     if grad_clip is None:
         grad_clip = 0.0 if plan.optimizer_in_backward else 1.0
     return dataclasses.replace(opts, lr=lr, min_lr=min_lr, grad_clip=grad_clip)
-
-
-def held_out_evaluation(
-    opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.Dist, model
-) -> Callable[[], tuple[float, int]] | None:
-    """The evaluation of --eval-data's rows, read in order and split as the training rows
-    are; None without --eval-data."""
-    if held_out is None:
-        return None
-    eval_loader = loader_of(held_out, plan, world)
-    samples = eval_samples_of(opts, eval_loader, world.world_size // plan.context_parallel)
-    return functools.partial(evaluate, model, lambda: eval_loader.in_order(samples), world.device)
 
 
 def apply_techniques(
@@ -664,8 +652,7 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     """The run, ready for its first step: what was given checked, the plan made and
     printed, the model built and loaded (or resumed), the data opened."""
     args = model_args(opts)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    check_options(opts, args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    check_options(opts, args, *shard.torchrun_processes())
     on_gpu = torch.cuda.is_available()  # shard.init_distributed takes a GPU when there is one
     if opts.kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
@@ -959,6 +946,18 @@ def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tu
     return loss_sum / max(count, 1), int(count)
 
 
+def held_out_evaluation(
+    opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.Dist, model
+) -> Callable[[], tuple[float, int]] | None:
+    """The evaluation of --eval-data's rows, read in order and split as the training rows
+    are; None without --eval-data."""
+    if held_out is None:
+        return None
+    eval_loader = loader_of(held_out, plan, world)
+    samples = eval_samples_of(opts, eval_loader, world.world_size // plan.context_parallel)
+    return functools.partial(evaluate, model, lambda: eval_loader.in_order(samples), world.device)
+
+
 def format_record(r: dict, max_steps: int) -> str:
     line = f"step {r['step']:>{len(str(max_steps))}}/{max_steps} | loss {r['loss']:.4f}"
     if r["eval_loss"] is not None:
@@ -1071,15 +1070,8 @@ class StopSignals:
 
 
 # ----------------------------------------------------------------------------------------
-# The run directory and the terminal
+# The terminal
 # ----------------------------------------------------------------------------------------
-
-
-def write_json(path: Path, value: dict) -> None:
-    """Written whole or not at all: a reader never sees half a file."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def say(line: str) -> None:
