@@ -1,4 +1,5 @@
-"""Tokenizers, dataset preparation, and the packed, resumable data loader.
+"""Tokenizers, dataset preparation, the packed, resumable data loader, and opening a training
+run's data (checked against its model and tokenizer).
 
 A prepared dataset is a directory of three files:
     tokens.bin     uint32, every document as BOS + tokens + EOS, documents back to back
@@ -35,7 +36,7 @@ import sys
 import sysconfig
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -49,10 +50,20 @@ import numpy as np
 import sentencepiece
 import tiktoken
 import torch
+import torch.distributed as dist
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kernels import IGNORE_INDEX
-from model import OutputDir, UsageError, document_starts, read_json
+from model import (
+    SPECIAL_TOKEN_KEYS,
+    HFTokenizer,
+    ModelArgs,
+    OutputDir,
+    UsageError,
+    document_starts,
+    read_hf_tokenizer,
+    read_json,
+)
 
 FORMAT_VERSION = 1
 LABEL, BOS_INSIDE = 1, 2  # the bits of loss_mask.bin
@@ -1550,6 +1561,99 @@ def default_corpus(cache_dir: str | Path, max_bytes: int = 32 << 20) -> Path:
     # One process: bytes tokenize in well under a second here, and train.py may call this once
     # CUDA is up, when forking a pool of workers is best avoided.
     return prepare(files, output, workers=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# A training run's data (train.setup): its datasets and tokenizers, checked against the model.
+# `opts` is train.Options; `plan` and `world`, shard.Plan and shard.Dist.
+
+# Where the default corpus is prepared, once: beside this file.
+CACHE = Path(__file__).resolve().parent / ".cache"
+
+
+def open_data(
+    opts, args: ModelArgs, is_main: bool, log: Callable
+) -> tuple[TokenDataset, Tokenizer | None, HFTokenizer | None]:
+    """The dataset (--data, or the default corpus, prepared once by one process), checked
+    against the model and the tokenizer: --tokenizer's, else the --hf-checkpoint
+    directory's, must be the one the data was prepared with. Returns it with the tokenizer
+    that decodes the end-of-run sample (that one; the byte tokenizer for byte-tokenized
+    data) and the tokenizer an export carries (the checkpoint's files, else that one's)."""
+    if opts.data:
+        dataset = TokenDataset(opts.data)
+    else:
+        if is_main:  # prepared once, by one process
+            default_corpus(CACHE)
+        dist.barrier()
+        dataset = TokenDataset(default_corpus(CACHE))
+    dataset.check(args.vocab_size, opts.seq_len, args.max_seq_len)
+    prepared_with = dataset.meta["tokenizer"]
+    source = opts.tokenizer or (opts.hf_checkpoint and tokenizer_file(opts.hf_checkpoint))
+    text_tokenizer = load_tokenizer(source) if source else None
+    if text_tokenizer and text_tokenizer.name != prepared_with:
+        given = "--tokenizer" if opts.tokenizer else "the checkpoint's tokenizer"
+        raise UsageError(
+            f"dataset {dataset.path} was prepared with tokenizer {prepared_with}, but {given} "
+            f"{source} is {text_tokenizer.name}: prepare the data with it (python data.py "
+            f"prepare --tokenizer {source} ...)"
+        )
+    if prepared_with == ByteTokenizer.name:
+        text_tokenizer = ByteTokenizer()
+    export_tokenizer = read_hf_tokenizer(opts.hf_checkpoint) if opts.hf_checkpoint else None
+    has_tokenizer = lambda t: t and set(t.files) - {"generation_config.json"}
+    if not has_tokenizer(export_tokenizer) and text_tokenizer:
+        ids = (text_tokenizer.bos_id, text_tokenizer.eos_id, text_tokenizer.pad_id)
+        special_ids = dict(zip(SPECIAL_TOKEN_KEYS, ids, strict=True))
+        export_tokenizer = HFTokenizer(text_tokenizer.hf_files(), special_ids)
+    if opts.export_hf and not has_tokenizer(export_tokenizer):
+        log(
+            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
+            f"prepared {dataset.path} ({prepared_with}) to include it"
+        )
+    return dataset, text_tokenizer, export_tokenizer
+
+
+def open_eval_data(opts, args: ModelArgs, dataset: TokenDataset) -> TokenDataset | None:
+    """--eval-data, checked against the model and the training data: the same tokenizer,
+    and not the training data itself."""
+    if not opts.eval_data:
+        return None
+    held_out = TokenDataset(opts.eval_data)
+    held_out.check(args.vocab_size, opts.seq_len, args.max_seq_len, use="evaluate")
+    if held_out.path.resolve() == dataset.path.resolve():
+        raise UsageError(f"--eval-data {held_out.path} is the training data: nothing is held out")
+    if held_out.meta["tokenizer"] != dataset.meta["tokenizer"]:
+        raise UsageError(
+            f"--eval-data {held_out.path} was prepared with tokenizer "
+            f"{held_out.meta['tokenizer']}, the training data {dataset.path} with "
+            f"{dataset.meta['tokenizer']}: prepare both with the same one"
+        )
+    return held_out
+
+
+def loader_of(dataset: TokenDataset, plan, world, **kwargs) -> PackedLoader:
+    """The rows of this rank: each data-parallel group of context_parallel ranks reads its
+    own rows, and each rank of a group a slice of them (shard.py's context parallelism)."""
+    cp = plan.context_parallel
+    return PackedLoader(
+        dataset, plan.seq_len, plan.micro_batch, world.rank // cp, world.world_size // cp,
+        pin_memory=world.device.type == "cuda", context_rank=world.rank % cp,
+        context_parallel=cp, **kwargs,
+    )  # fmt: skip
+
+
+def eval_samples_of(opts, held_out: PackedLoader, groups: int) -> int:
+    """The held-out sequences evaluated (--eval-tokens' or all), at least one per group."""
+    wanted = -(-opts.eval_tokens // opts.seq_len) if opts.eval_tokens else held_out.num_samples
+    available = min(wanted, held_out.num_samples)
+    if available < groups:
+        raise UsageError(
+            f"--eval-data {opts.eval_data} gives {available:,} "
+            f"sequence{'s' * (available != 1)} of {opts.seq_len} "
+            f"tokens{' within --eval-tokens' if opts.eval_tokens else ''}: fewer than the "
+            f"{groups} data-parallel groups, which take one at least each"
+        )
+    return available
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,8 @@
 """A from-scratch Llama (Llama 2, 3, 3.1, 3.2 shapes) and its Hugging Face safetensors I/O.
 
-Read top to bottom: the model's numbers (`ModelArgs`, presets), the ops the kernels replace
-(`Ops`), the network, weight initialization, the file helpers the other files share
-(`UsageError`, `OutputDir`), loading and exporting HF checkpoints, then LoRA.
+Read top to bottom: the model's numbers (`ModelArgs`, presets, the FLOPs that MFU counts),
+the ops the kernels replace (`Ops`), the network, weight initialization, the file helpers the
+other files share (`UsageError`, `OutputDir`), loading and exporting HF checkpoints, then LoRA.
 
 The model knows nothing of sharding, checkpointing or offload: `shard.py` and `offload.py`
 apply those from the outside, in the order train.apply_techniques states. Build it on the
@@ -258,6 +258,30 @@ PRESETS: dict[str, ModelArgs] = {
         max_seq_len=2048,
     ),
 }
+
+
+# Dense bf16 tensor-core FLOP/s by GPU name, the denominator of MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
+def attended_pairs(
+    positions: torch.Tensor, document_mask: bool, seq_len: int
+) -> torch.Tensor | float:
+    """The (query, key) pairs that causal attention computes for these rows (a
+    context-parallel rank's slices of them), counted as ModelArgs.training_flops counts them.
+    Masked between documents, a document of l tokens attends l^2/2, the sum over its tokens
+    of (position + 1/2), positions restarting at each document; else each token of a row of
+    seq_len attends seq_len/2. A tensor stays on the device: it is read on log steps only."""
+    if document_mask:
+        return positions.sum(dtype=torch.float64) + positions.numel() / 2
+    return positions.numel() * seq_len / 2
 
 
 def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -803,7 +827,8 @@ def generate(
 
 # ----------------------------------------------------------------------------------------
 # Files a user gives or keeps: one error type for what the user got wrong, JSON read with
-# the file's name in every error, directories written whole, and never over anything else
+# the file's name in every error, and written whole; directories written whole, and never
+# over anything else
 # ----------------------------------------------------------------------------------------
 
 
@@ -824,6 +849,13 @@ def read_json(path: str | os.PathLike) -> dict:
     if not isinstance(value, dict):
         raise UsageError(f"{path}: expected a JSON object, found {type(value).__name__}")
     return value
+
+
+def write_json(path: Path, value: dict) -> None:
+    """Written whole or not at all: a reader never sees half a file."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """How the model and its training state are spread over processes and memory: FSDP2
 (`torch.distributed.fsdp.fully_shard`) and what it needs (the process group, the device
 mesh, materializing a meta-built model shard by shard, a global gradient norm), context
-parallelism (the ranks of a group share each sequence), the sharded optimizer and the DCP
-checkpoints of its state; then, last, the memory estimate of a run's plan and the planner
+parallelism (the ranks of a group share each sequence), the sharded optimizer, the DCP
+checkpoints of its state in the run directory that one live run holds, and the exports
+gathered from the shards; then, last, the memory estimate of a run's plan and the planner
 that picks the fastest plan whose estimate fits the machine.
 
 train.apply_techniques applies them, in the one order in which they compose:
@@ -30,6 +31,7 @@ one a single process would take on the whole batch.
 """
 
 import dataclasses
+import fcntl
 import functools
 import itertools
 import json
@@ -37,6 +39,7 @@ import math
 import os
 import resource
 import shutil
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,7 +77,10 @@ from model import (
     ModelArgs,
     UsageError,
     fill_weights,
+    merged_named_tensors,
     read_json,
+    save_hf_checkpoint,
+    save_peft_adapter,
 )
 from offload import AC_MODES, STAGING_SLOTS
 
@@ -98,6 +104,23 @@ class Dist:
         return self.rank == 0
 
 
+def torchrun_processes() -> tuple[int, int]:
+    """The processes torchrun started (WORLD_SIZE), and per node (LOCAL_WORLD_SIZE): 1 and
+    1 for a plain `python train.py`."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    return world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def check_gpus() -> None:
+    """torchrun starts --nproc-per-node processes, each taking the GPU of its local rank."""
+    per_node = torchrun_processes()[1]
+    if torch.cuda.is_available() and per_node > (gpus := torch.cuda.device_count()):
+        raise UsageError(
+            f"{per_node} processes per node were asked (torchrun --nproc-per-node={per_node}), "
+            f"and this machine has {gpus} GPU{'s' * (gpus != 1)}: one process per GPU"
+        )
+
+
 def init_distributed() -> Dist:
     """Joins the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE), or makes a group of one for a plain `python train.py`, so that
@@ -105,11 +128,11 @@ def init_distributed() -> Dist:
 
     With CUDA each process takes GPU `local_rank`; the backend is NCCL for CUDA tensors
     and gloo for CPU tensors (the norm of gradients that CPU offload keeps on the host)."""
+    check_gpus()
     env = os.environ
     rank = int(env.get("RANK", 0))
-    world_size = int(env.get("WORLD_SIZE", 1))
     local_rank = int(env.get("LOCAL_RANK", 0))
-    local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
+    world_size, local_world_size = torchrun_processes()
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -472,12 +495,62 @@ def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) 
 
 
 # ----------------------------------------------------------------------------------------
-# The sharded state, and its checkpoints: run_dir/checkpoints/step-XXXXXX, a DCP directory
+# The run directory (--run-dir: one live run's, never a directory of the user's files), and
+# the sharded state's checkpoints in it: run_dir/checkpoints/step-XXXXXX, a DCP directory
 # (model and optimizer shards as safetensors, resharded on load, so another world size can
 # resume) plus train_state.json (step, data cursor, RNG, what the run was, to refuse
 # resuming a different one, and the size of each shard and shape of each tensor, to refuse
-# a damaged one). train.py decides when to save and what to resume from.
+# a damaged one). train.py decides when to save and what to resume from. Last, the exports
+# (--export-hf, --export-adapter): the whole tensors, gathered from the shards.
 # ----------------------------------------------------------------------------------------
+
+# What a run writes into --run-dir; a directory that holds none of them is someone else's.
+RUN_FILES = ("plan.json", "metrics.jsonl", "checkpoints", ".lock")
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """A run writes into a new or empty directory, or one a run wrote into: never into a
+    directory of other files, where its plan.json could replace one of the user's."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UsageError(f"--run-dir {run_dir} is a file")
+    held = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if held and not set(held) & set(RUN_FILES):
+        raise UsageError(
+            f"--run-dir {run_dir} holds {', '.join(held[:5])}{' ...' if len(held) > 5 else ''} "
+            f"and no run's files ({', '.join(RUN_FILES)}): give a new or empty directory, or "
+            f"the run directory of an earlier run"
+        )
+
+
+def lock_run_dir(run_dir: Path, is_main: bool):
+    """One live run per run directory: rank 0 holds an exclusive flock on run_dir/.lock
+    for as long as the run lives (hold on to the returned file). The kernel drops it when
+    the process ends, however it ends, so a crashed or killed run leaves nothing stuck.
+    Every rank learns whether it was taken and raises alike if not. (On a filesystem shared
+    by several nodes this needs flock support: NFSv4 has it, Lustre with -o flock.)"""
+    lock, holder = None, ""
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        file = open(run_dir / ".lock", "a+")  # noqa: SIM115 (held open for the run)
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            file.truncate(0)
+            file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+            file.flush()
+            lock = file
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip()
+            file.close()
+    taken = torch.tensor([lock is not None or not is_main], dtype=torch.int32)
+    torch_dist.all_reduce(taken, op=torch_dist.ReduceOp.MIN)  # a CPU integer: through gloo
+    if not taken:
+        raise UsageError(
+            f"run directory {run_dir} is in use by a live run ({holder or 'see rank 0'}): "
+            f"wait for it to end, or choose another --run-dir"
+        )
+    return lock
+
 
 TRAIN_STATE_KEYS = ["step", "loader", "rng", "run", "options", "files", "tensors"]
 
@@ -584,6 +657,37 @@ def check_resumable(saved: dict, run: dict) -> None:
         raise UsageError("cannot resume from a different run:\n  " + "\n  ".join(problems))
 
 
+def resume_options(opts, given: frozenset[str], saved: dict, data_parallel: int, log: Callable):
+    """The options (train.Options) of a run resumed from the checkpoint whose train_state
+    is `saved`. Resuming keeps the checkpoint's global batch (tokens per step) and schedule
+    (max steps) unless this command gives --batch-tokens, --micro-batch or --grad-accum (the
+    batch), --max-steps or --max-tokens (the schedule): on another number of processes the
+    plan splits the same batch into micro-batches and accumulation. `data_parallel`: the
+    ranks that read rows of their own (those of a context-parallel group share theirs).
+    One line says what is kept and what changes."""
+    saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
+    said = []
+    if given & {"batch_tokens", "micro_batch", "grad_accum"}:
+        said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
+    else:
+        if saved_tokens % (data_parallel * opts.seq_len):
+            raise UsageError(
+                f"the checkpoint's global batch of {saved_tokens:,} tokens does not split into "
+                f"rows of {opts.seq_len} over {data_parallel} data-parallel ranks: pass "
+                f"--batch-tokens to choose another"
+            )
+        opts = dataclasses.replace(opts, batch_tokens=saved_tokens)
+        said.append(f"global batch of {saved_tokens:,} tokens/step kept")
+    if given & {"max_steps", "max_tokens"}:
+        steps = f"--max-tokens {opts.max_tokens}" if opts.max_tokens else opts.max_steps
+        said.append(f"schedule {saved_steps} -> {steps} steps as given")
+    else:
+        opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
+        said.append(f"schedule of {saved_steps} steps kept")
+    log("resuming: " + "; ".join(said) + " (--batch-tokens, --max-steps change them)")
+    return opts
+
+
 def check_no_newer_checkpoints(root: Path, step: int, resume_from: Path) -> list[Path]:
     """Resuming from step `step` in this run directory would save over the later checkpoints
     of the run that wrote them: refused, unless they are damaged (then set aside, under a
@@ -615,22 +719,41 @@ def set_aside(damaged: list[Path], log: Callable) -> None:
 @dataclass
 class Checkpointer:
     """Saves the run every `interval` steps, at its last step and when it stops on a signal
-    (`due`), keeping the last `keep`; `last` is the newest saved. Rank 0 writes the
-    directory's train_state.json and renames it into place once every rank's shards are in."""
+    (`due`), keeping the last `keep`; `last` is the newest saved or resumed from. A
+    checkpoint holds the optimizer's state (the weights with it), and in train_state.json
+    the step, the loader's cursor, the random state and `record` (what the run is: "run"
+    and "options"). Rank 0 writes train_state.json and renames the directory into place
+    once every rank's shards are in; `restore` loads it all back."""
 
     root: Path
     interval: int
     keep: int
-    is_main: bool
+    world: Dist
+    record: dict
     last: Path | None = None
 
     def due(self, step: int, max_steps: int, stopping: bool) -> bool:
         return bool(self.interval) and (step % self.interval == 0 or step == max_steps or stopping)
 
-    def save(self, step: int, optimizer, train_state: dict) -> Path:
+    def restore(self, path: Path, saved: dict, optimizer, loader) -> int:
+        """Loads the checkpoint at `path`, whose train_state is `saved` (find_checkpoint's),
+        into the optimizer, the loader and the random state; returns its step."""
+        load_checkpoint(path, optimizer)
+        loader.load_state_dict(saved["loader"])
+        set_rng_state(saved["rng"], self.world.device)
+        self.last = path
+        return saved["step"]
+
+    def save(self, step: int, optimizer, loader) -> Path:
         final = self.root / f"step-{step:06d}"
         tmp = self.root / f".tmp-{final.name}"
-        if self.is_main:
+        train_state = {
+            "step": step,
+            "loader": loader.state_dict(),
+            "rng": rng_state(self.world.device),
+            **self.record,
+        }
+        if self.world.is_main:
             for stale in self.root.glob(".tmp-*"):  # left by a run killed while it saved
                 shutil.rmtree(stale)
             tmp.mkdir(parents=True)
@@ -642,7 +765,7 @@ class Checkpointer:
         state = optimizer.state_dict()
         writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
         dcp.save(state, storage_writer=writer)
-        if self.is_main:
+        if self.world.is_main:
             # dcp.save returns once every rank's shards are written. Their sizes and the full
             # shape of each tensor go in, so that a truncated, missing or replaced shard is
             # caught before resuming (check_checkpoint).
@@ -650,7 +773,7 @@ class Checkpointer:
             train_state = {**train_state, "files": files, "tensors": tensor_shapes(state)}
             (tmp / "train_state.json").write_text(json.dumps(train_state))
         torch_dist.barrier()  # every rank's shards are written before the directory is renamed
-        if self.is_main:
+        if self.world.is_main:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -712,6 +835,33 @@ def full_tensor(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(param, DTensor):  # with --cpu-offload the shard is on the CPU
         return param.detach().to(device).full_tensor()
     return param.detach()
+
+
+def export_hf(
+    model: Llama, args: ModelArgs, out_dir: str, dtype: torch.dtype, tokenizer, dist: Dist
+) -> None:
+    """The weights as a HF checkpoint (model.save_hf_checkpoint, with `tokenizer`'s files),
+    LoRA adapters merged into their base weights (model.merged_named_tensors), each
+    parameter gathered in turn."""
+    gather = functools.partial(full_tensor, device=dist.device)
+    write = lambda named: save_hf_checkpoint(args, named, out_dir, dtype, tokenizer=tokenizer)
+    gathered(merged_named_tensors(model, gather), write, dist.is_main)
+
+
+def export_adapter(
+    model: Llama,
+    args: ModelArgs,
+    lora: LoRAConfig,
+    out_dir: str,
+    base_model: str | None,
+    dist: Dist,
+) -> None:
+    """The LoRA adapters in PEFT's format (model.save_peft_adapter), gathered like
+    export_hf's weights."""
+    trained = model.named_parameters()
+    adapters = ((name, full_tensor(p, dist.device)) for name, p in trained if p.requires_grad)
+    write = lambda named: save_peft_adapter(args, lora, named, out_dir, base_model=base_model)
+    gathered(adapters, write, dist.is_main)
 
 
 class ShardedAdamW:

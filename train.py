@@ -22,11 +22,11 @@
         train.py --hf-checkpoint llama-3.1-70b/ --data data/mine --lr 5e-6 --run-dir runs/70b \\
         --resume'
 
-The file reads in the order a run goes: the options; checkpoints (what a run saves and
-resumes from); setup (`setup`: check what was given, plan, build the model through
-`apply_techniques`, which states the order in which the techniques compose, open the data);
-then `train`: a loop of `train_step` calls, with logging, evaluation, saving and stopping
-each decided by the object that owns it.
+The file reads in the order a run goes: the options; setup (`setup`: check what was given,
+plan, build the model through `apply_techniques`, which states the order in which the
+techniques compose, open the data, resume from a checkpoint); then `train`: a loop of
+`train_step` calls, with logging, evaluation, saving and stopping each decided by the object
+that owns it (`MetricsLog`, `shard.Checkpointer`, `StopSignals`).
 Errors in what was given (data, checkpoint, options) are raised before the first step, as
 one UsageError naming what is wrong and what was expected. SIGTERM or Ctrl-C stop the run
 after the step in progress, with a checkpoint, and it exits with EXIT_STOPPED (75).
@@ -38,14 +38,12 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
-import fcntl
 import functools
 import json
 import math
 import os
 import shlex
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -61,13 +59,13 @@ import shard
 from data import (
     IGNORE_INDEX,
     Batch,
-    ByteTokenizer,
     PackedLoader,
     TokenDataset,
     Tokenizer,
-    default_corpus,
-    load_tokenizer,
-    tokenizer_file,
+    eval_samples_of,
+    loader_of,
+    open_data,
+    open_eval_data,
 )
 from model import (
     HF_EXPORT,
@@ -82,15 +80,14 @@ from model import (
     ModelArgs,
     UsageError,
     apply_lora,
+    attended_pairs,
     check_hf_checkpoint,
     check_peft_adapter,
     generate,
-    merged_named_tensors,
     parse_lora_targets,
-    read_hf_tokenizer,
-    save_hf_checkpoint,
-    save_peft_adapter,
+    peak_flops,
     triton_ops,
+    write_json,
 )
 
 REPO = Path(__file__).resolve().parent
@@ -465,8 +462,7 @@ def command_line(opts: Options, given: frozenset[str], **changes) -> str:
     """The command of this run (the options it was given) with `changes`, runnable from the
     current directory. Resuming with it continues the run where it stopped."""
     opts = dataclasses.replace(opts, **changes)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    world_size, per_node = shard.torchrun_processes()
     script = os.path.relpath(REPO / "train.py")
     words = ["python", script]
     if world_size > 1:
@@ -531,113 +527,6 @@ def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
     return dataclasses.replace(opts, lr=lr, min_lr=min_lr, grad_clip=grad_clip)
 
 
-def check_gpus() -> None:
-    """torchrun starts --nproc-per-node processes, each taking the GPU of its local rank."""
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if torch.cuda.is_available() and per_node > (gpus := torch.cuda.device_count()):
-        raise UsageError(
-            f"{per_node} processes per node were asked (torchrun --nproc-per-node={per_node}), "
-            f"and this machine has {gpus} GPU{'s' * (gpus != 1)}: one process per GPU"
-        )
-
-
-def open_data(
-    opts: Options, args: ModelArgs, is_main: bool, log: Callable
-) -> tuple[TokenDataset, Tokenizer | None, HFTokenizer | None]:
-    """The dataset (--data, or the default corpus, prepared once by one process), checked
-    against the model and the tokenizer: --tokenizer's, else the --hf-checkpoint
-    directory's, must be the one the data was prepared with. Returns it with the tokenizer
-    that decodes the end-of-run sample (that one; the byte tokenizer for byte-tokenized
-    data) and the tokenizer an export carries (the checkpoint's files, else that one's)."""
-    if opts.data:
-        dataset = TokenDataset(opts.data)
-    else:
-        if is_main:  # prepared once, by one process
-            default_corpus(REPO / ".cache")
-        dist.barrier()
-        dataset = TokenDataset(default_corpus(REPO / ".cache"))
-    dataset.check(args.vocab_size, opts.seq_len, args.max_seq_len)
-    prepared_with = dataset.meta["tokenizer"]
-    source = opts.tokenizer or (opts.hf_checkpoint and tokenizer_file(opts.hf_checkpoint))
-    text_tokenizer = load_tokenizer(source) if source else None
-    if text_tokenizer and text_tokenizer.name != prepared_with:
-        given = "--tokenizer" if opts.tokenizer else "the checkpoint's tokenizer"
-        raise UsageError(
-            f"dataset {dataset.path} was prepared with tokenizer {prepared_with}, but {given} "
-            f"{source} is {text_tokenizer.name}: prepare the data with it (python data.py "
-            f"prepare --tokenizer {source} ...)"
-        )
-    if prepared_with == ByteTokenizer.name:
-        text_tokenizer = ByteTokenizer()
-    export_tokenizer = read_hf_tokenizer(opts.hf_checkpoint) if opts.hf_checkpoint else None
-    has_tokenizer = lambda t: t and set(t.files) - {"generation_config.json"}
-    if not has_tokenizer(export_tokenizer) and text_tokenizer:
-        ids = (text_tokenizer.bos_id, text_tokenizer.eos_id, text_tokenizer.pad_id)
-        keys = ("bos_token_id", "eos_token_id", "pad_token_id")
-        export_tokenizer = HFTokenizer(text_tokenizer.hf_files(), dict(zip(keys, ids, strict=True)))
-    if opts.export_hf and not has_tokenizer(export_tokenizer):
-        log(
-            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
-            f"prepared {dataset.path} ({prepared_with}) to include it"
-        )
-    return dataset, text_tokenizer, export_tokenizer
-
-
-def open_eval_data(opts: Options, args: ModelArgs, dataset: TokenDataset) -> TokenDataset | None:
-    """--eval-data, checked against the model and the training data: the same tokenizer,
-    and not the training data itself."""
-    if not opts.eval_data:
-        return None
-    held_out = TokenDataset(opts.eval_data)
-    held_out.check(args.vocab_size, opts.seq_len, args.max_seq_len, use="evaluate")
-    if held_out.path.resolve() == dataset.path.resolve():
-        raise UsageError(f"--eval-data {held_out.path} is the training data: nothing is held out")
-    if held_out.meta["tokenizer"] != dataset.meta["tokenizer"]:
-        raise UsageError(
-            f"--eval-data {held_out.path} was prepared with tokenizer "
-            f"{held_out.meta['tokenizer']}, the training data {dataset.path} with "
-            f"{dataset.meta['tokenizer']}: prepare both with the same one"
-        )
-    return held_out
-
-
-def loader_of(dataset: TokenDataset, plan: shard.Plan, world: shard.Dist, **kwargs) -> PackedLoader:
-    """The rows of this rank: each data-parallel group of context_parallel ranks reads its
-    own rows, and each rank of a group a slice of them (shard.py's context parallelism)."""
-    cp = plan.context_parallel
-    return PackedLoader(
-        dataset, plan.seq_len, plan.micro_batch, world.rank // cp, world.world_size // cp,
-        pin_memory=world.device.type == "cuda", context_rank=world.rank % cp,
-        context_parallel=cp, **kwargs,
-    )  # fmt: skip
-
-
-def eval_samples_of(opts: Options, held_out: PackedLoader, groups: int) -> int:
-    """The held-out sequences evaluated (--eval-tokens' or all), at least one per group."""
-    wanted = -(-opts.eval_tokens // opts.seq_len) if opts.eval_tokens else held_out.num_samples
-    available = min(wanted, held_out.num_samples)
-    if available < groups:
-        raise UsageError(
-            f"--eval-data {opts.eval_data} gives {available:,} "
-            f"sequence{'s' * (available != 1)} of {opts.seq_len} "
-            f"tokens{' within --eval-tokens' if opts.eval_tokens else ''}: fewer than the "
-            f"{groups} data-parallel groups, which take one at least each"
-        )
-    return available
-
-
-def held_out_evaluation(
-    opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.Dist, model
-) -> Callable[[], tuple[float, int]] | None:
-    """The evaluation of --eval-data's rows, read in order and split as the training rows
-    are; None without --eval-data."""
-    if held_out is None:
-        return None
-    eval_loader = loader_of(held_out, plan, world)
-    samples = eval_samples_of(opts, eval_loader, world.world_size // plan.context_parallel)
-    return functools.partial(evaluate, model, lambda: eval_loader.in_order(samples), world.device)
-
-
 def apply_techniques(
     model: Llama,
     plan: shard.Plan,
@@ -695,38 +584,6 @@ def apply_techniques(
     )
 
 
-def resume_options(
-    opts: Options, given: frozenset[str], saved: dict, data_parallel: int, log: Callable
-) -> Options:
-    """Resuming keeps the checkpoint's global batch (tokens per step) and schedule (max
-    steps) unless this command gives --batch-tokens, --micro-batch or --grad-accum (the
-    batch), --max-steps or --max-tokens (the schedule): on another number of processes the
-    plan splits the same batch into micro-batches and accumulation. `data_parallel`: the
-    ranks that read rows of their own (those of a context-parallel group share theirs).
-    One line says what is kept and what changes."""
-    saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
-    said = []
-    if given & {"batch_tokens", "micro_batch", "grad_accum"}:
-        said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
-    else:
-        if saved_tokens % (data_parallel * opts.seq_len):
-            raise UsageError(
-                f"the checkpoint's global batch of {saved_tokens:,} tokens does not split into "
-                f"rows of {opts.seq_len} over {data_parallel} data-parallel ranks: pass "
-                f"--batch-tokens to choose another"
-            )
-        opts = dataclasses.replace(opts, batch_tokens=saved_tokens)
-        said.append(f"global batch of {saved_tokens:,} tokens/step kept")
-    if given & {"max_steps", "max_tokens"}:
-        steps = f"--max-tokens {opts.max_tokens}" if opts.max_tokens else opts.max_steps
-        said.append(f"schedule {saved_steps} -> {steps} steps as given")
-    else:
-        opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
-        said.append(f"schedule of {saved_steps} steps kept")
-    log("resuming: " + "; ".join(said) + " (--batch-tokens, --max-steps change them)")
-    return opts
-
-
 def build_optimizer(model: Llama, plan: shard.Plan, opts: Options, device: torch.device):
     betas = (opts.beta1, opts.beta2)
     if plan.optimizer_in_backward and plan.cpu_offload:  # on FSDP's shards on the host
@@ -753,14 +610,13 @@ class Run:
     loader: PackedLoader
     run_dir: Path
     checkpointer: shard.Checkpointer
-    metrics: MetricsLog
-    train_state: dict  # what each checkpoint records of the run (train_state.json)
+    evaluate: Callable[[], tuple[float, int]] | None  # --eval-data's loss and labelled tokens
     start_step: int
     max_steps: int
     text_tokenizer: Tokenizer | None
     export_tokenizer: HFTokenizer | None
     log: Callable
-    lock: object  # run_dir/.lock, held open as long as the run lives (lock_run_dir)
+    lock: object  # run_dir/.lock, held open as long as the run lives (shard.lock_run_dir)
 
 
 def estimate(opts: Options) -> None:
@@ -780,7 +636,7 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, log: Ca
     every rank sees alike (a shared filesystem), so all ranks raise the same error and none
     waits on another. Returns the checkpoint to resume from and its train state, if any."""
     run_dir = Path(opts.run_dir)
-    check_run_dir(run_dir)
+    shard.check_run_dir(run_dir)
     if opts.hf_checkpoint:
         check_hf_checkpoint(args, opts.hf_checkpoint)
     if opts.lora_adapter:
@@ -796,14 +652,12 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     """The run, ready for its first step: what was given checked, the plan made and
     printed, the model built and loaded (or resumed), the data opened."""
     args = model_args(opts)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    check_options(opts, args, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    check_options(opts, args, *shard.torchrun_processes())
     on_gpu = torch.cuda.is_available()  # shard.init_distributed takes a GPU when there is one
     if opts.kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
     if opts.memory_snapshot and not on_gpu:
         raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
-    check_gpus()
     world = shard.init_distributed()
     log = print if world.is_main else lambda *a, **k: None
     torch.manual_seed(opts.seed)
@@ -825,7 +679,9 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
         shard.check_resumable(saved["run"], json.loads(json.dumps(run_record)))
         root = Path(opts.run_dir) / "checkpoints"
         damaged = shard.check_no_newer_checkpoints(root, saved["step"], resume_from)
-        opts = resume_options(opts, given, saved, world.world_size // opts.context_parallel, log)
+        opts = shard.resume_options(
+            opts, given, saved, world.world_size // opts.context_parallel, log
+        )
 
     # The plan, before anything is loaded or built: a run that cannot fit the GPUs or the
     # host stops here, with what would make it fit.
@@ -844,28 +700,26 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     log_start(opts, args, plan, world, dataset, max_steps, log)
     loader = loader_of(dataset, plan, world, seed=opts.seed)
     evaluate_held_out = held_out_evaluation(opts, held_out, plan, world, model)
-    step = resume(opts, optimizer, loader, world, resume_from, saved, log)
-    # Everything given is checked and loaded: from here on the run writes into its directory.
     run_dir = Path(opts.run_dir)
-    lock = lock_run_dir(run_dir, world.is_main)
+    checkpointer = shard.Checkpointer(
+        run_dir / "checkpoints",
+        opts.checkpoint_interval,
+        opts.keep_checkpoints,
+        world,
+        record={
+            "run": {**run_record, "tokens_per_step": plan.tokens_per_step, "max_steps": max_steps},
+            "options": dataclasses.asdict(opts),
+        },
+    )
+    step = resume(opts, checkpointer, optimizer, loader, resume_from, saved, log)
+    # Everything given is checked and loaded: from here on the run writes into its directory.
+    lock = shard.lock_run_dir(run_dir, world.is_main)
     if world.is_main:
         shard.set_aside(damaged, log)
-        start_metrics(run_dir / "metrics.jsonl", step, resume_from)
         write_json(run_dir / "plan.json", plan.to_json())
-    metrics = MetricsLog(
-        run_dir / "metrics.jsonl", opts, args, plan, world, max_steps, step, evaluate_held_out
-    )
-    checkpointer = shard.Checkpointer(
-        run_dir / "checkpoints", opts.checkpoint_interval, opts.keep_checkpoints, world.is_main,
-        last=resume_from,
-    )  # fmt: skip
-    train_state = {
-        "run": {**run_record, "tokens_per_step": plan.tokens_per_step, "max_steps": max_steps},
-        "options": dataclasses.asdict(opts),
-    }
     return Run(
         opts, given, args, plan, world, model, optimizer, loader, run_dir, checkpointer,
-        metrics, train_state, step, max_steps, text_tokenizer, export_tokenizer, log, lock,
+        evaluate_held_out, step, max_steps, text_tokenizer, export_tokenizer, log, lock,
     )  # fmt: skip
 
 
@@ -892,7 +746,7 @@ def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool
     return model, build_optimizer(model, plan, opts, world.device)
 
 
-def resume(opts, optimizer, loader, world, resume_from, saved, log: Callable) -> int:
+def resume(opts, checkpointer, optimizer, loader, resume_from, saved, log: Callable) -> int:
     """The step the run starts at: a checkpoint's, with its weights, optimizer state, data
     cursor and random state loaded, or 0."""
     if resume_from is None:
@@ -900,15 +754,13 @@ def resume(opts, optimizer, loader, world, resume_from, saved, log: Callable) ->
             start = f"from {opts.hf_checkpoint}" if opts.hf_checkpoint else "from random weights"
             log(f"no checkpoint in {Path(opts.run_dir) / 'checkpoints'}: starting {start}")
         return 0
-    shard.load_checkpoint(resume_from, optimizer)
-    loader.load_state_dict(saved["loader"])
-    shard.set_rng_state(saved["rng"], world.device)
+    step = checkpointer.restore(resume_from, saved, optimizer, loader)
     n = saved["run"]["world_size"]
     log(
-        f"resumed from {resume_from} at step {saved['step']} (saved by {n} "
-        f"process{'es' * (n != 1)}, now {world.world_size})"
+        f"resumed from {resume_from} at step {step} (saved by {n} "
+        f"process{'es' * (n != 1)}, now {checkpointer.world.world_size})"
     )
-    return saved["step"]
+    return step
 
 
 def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -> None:
@@ -975,30 +827,6 @@ def train_step(
     return StepResult(loss_sum, n_labels, grad_norm, time.perf_counter() - started)
 
 
-# Dense bf16 tensor-core FLOP/s by GPU name, the denominator of MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
-
-def attended_pairs(
-    positions: torch.Tensor, document_mask: bool, seq_len: int
-) -> torch.Tensor | float:
-    """The (query, key) pairs that causal attention computes for these rows (a
-    context-parallel rank's slices of them), counted as ModelArgs.training_flops counts them.
-    Masked between documents, a document of l tokens attends l^2/2, the sum over its tokens
-    of (position + 1/2), positions restarting at each document; else each token of a row of
-    seq_len attends seq_len/2. A tensor stays on the device: it is read on log steps only."""
-    if document_mask:
-        return positions.sum(dtype=torch.float64) + positions.numel() / 2
-    return positions.numel() * seq_len / 2
-
-
 class MetricsLog:
     """Decides which steps are logged (every --log-interval, the last, one stopped on, and
     each evaluated: every --eval-interval and the last) and writes their records to stdout
@@ -1007,31 +835,40 @@ class MetricsLog:
     checks every step since the last one for a non-finite loss or gradient norm, before a
     checkpoint could save spoiled weights."""
 
-    def __init__(self, path: Path, opts, args, plan, world, max_steps, start_step, evaluate):
-        self.path, self.opts, self.args, self.plan, self.world = path, opts, args, plan, world
-        self.max_steps, self.start_step, self.evaluate = max_steps, start_step, evaluate
-        self.peak = peak_flops(world.device)
-        self.nonfinite = torch.zeros((), dtype=torch.int32, device=world.device)
-        self.attended = torch.zeros((), dtype=torch.float64, device=world.device)
-        self.checked_step = self.logged_step = start_step
+    def __init__(self, run: Run):
+        self.run = run
+        self.path = run.run_dir / "metrics.jsonl"
+        self.peak = peak_flops(run.world.device)
+        self.nonfinite = torch.zeros((), dtype=torch.int32, device=run.world.device)
+        self.attended = torch.zeros((), dtype=torch.float64, device=run.world.device)
+        self.checked_step = self.logged_step = run.start_step
         self.started = self.logged_at = time.perf_counter()
         self.last: StepResult | None = None
+        # metrics.jsonl only grows. A resumed run appends a line {"resumed_from": checkpoint,
+        # "step": its step}, then the steps it takes: the records of steps after that
+        # checkpoint that a killed run logged stay, superseded by the later records of the
+        # same step (the last record of a step is the one that counts).
+        if run.world.is_main:
+            with self.path.open("a") as f:
+                if resumed_from := run.checkpointer.last:
+                    f.write(json.dumps({"resumed_from": str(resumed_from), "step": run.start_step}))
+                    f.write("\n")
 
     def add(self, result: StepResult, micro_batches: list[Batch]) -> None:
         self.last = result
-        norm = result.grad_norm.to(self.world.device, non_blocking=True)  # no host sync
+        plan = self.run.plan
+        norm = result.grad_norm.to(self.run.world.device, non_blocking=True)  # no host sync
         finite = result.loss_sum.isfinite() & norm.isfinite()
         self.nonfinite += ~finite
         for b in micro_batches:
-            self.attended += attended_pairs(b.positions, self.plan.document_mask, self.plan.seq_len)
+            self.attended += attended_pairs(b.positions, plan.document_mask, plan.seq_len)
 
     def evaluating(self, step: int, stopping: bool) -> bool:
-        interval = self.opts.eval_interval
-        due = step % interval == 0 or step == self.max_steps
-        return self.evaluate is not None and due and not stopping
+        due = step % self.run.opts.eval_interval == 0 or step == self.run.max_steps
+        return self.run.evaluate is not None and due and not stopping
 
     def logging(self, step: int, stopping: bool) -> bool:
-        due = step % self.opts.log_interval == 0 or step == self.max_steps or stopping
+        due = step % self.run.opts.log_interval == 0 or step == self.run.max_steps or stopping
         return due or self.evaluating(step, stopping)
 
     def read(self, step: int, last_saved: Path | None) -> tuple[float, float]:
@@ -1051,16 +888,17 @@ class MetricsLog:
         return loss, grad_norm
 
     def write(self, step: int, lr: float, loss: float, grad_norm: float, stopping: bool) -> None:
+        run = self.run
+        world, max_steps, tokens_per_step = run.world, run.max_steps, run.plan.tokens_per_step
         now, steps = time.perf_counter(), step - self.logged_step
-        tokens_per_step = self.plan.tokens_per_step
         tokens_per_s = steps * tokens_per_step / (now - self.logged_at)
         dist.all_reduce(self.attended)
-        flops = self.args.training_flops(
-            steps * tokens_per_step, self.attended.item(), self.plan.lora is not None
+        flops = run.args.training_flops(
+            steps * tokens_per_step, self.attended.item(), run.plan.lora is not None
         )
         self.attended.zero_()
-        flops_per_device = flops / (now - self.logged_at) / self.world.world_size
-        on_gpu = self.world.device.type == "cuda"
+        flops_per_device = flops / (now - self.logged_at) / world.world_size
+        on_gpu = world.device.type == "cuda"
         record = {
             "step": step,
             "loss": loss,
@@ -1069,23 +907,23 @@ class MetricsLog:
             "optimizer_s": self.last.optimizer_s,
             "tokens": step * tokens_per_step,
             "tokens_per_s": tokens_per_s,
-            "tokens_per_s_per_device": tokens_per_s / self.world.world_size,
+            "tokens_per_s_per_device": tokens_per_s / world.world_size,
             "model_tflops_per_device": flops_per_device / 1e12,
             "mfu": flops_per_device / self.peak if self.peak else None,
             "peak_gpu_mem_gib": (
-                torch.cuda.max_memory_allocated(self.world.device) / 2**30 if on_gpu else None
+                torch.cuda.max_memory_allocated(world.device) / 2**30 if on_gpu else None
             ),
             "host_peak_rss_gib": shard.host_peak_rss_gib(),
             "elapsed_s": now - self.started,
-            "eta_s": (now - self.started) / (step - self.start_step) * (self.max_steps - step),
+            "eta_s": (now - self.started) / (step - run.start_step) * (max_steps - step),
             "eval_loss": None,
             "eval_tokens": None,
         }
         if self.evaluating(step, stopping):  # after the step's timing, left out of the next
-            record["eval_loss"], record["eval_tokens"] = self.evaluate()
+            record["eval_loss"], record["eval_tokens"] = run.evaluate()
             now = time.perf_counter()
-        if self.world.is_main:
-            print(format_record(record, self.max_steps), flush=True)
+        if world.is_main:
+            print(format_record(record, max_steps), flush=True)
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         self.logged_at, self.logged_step = now, step
@@ -1106,6 +944,18 @@ def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tu
     dist.all_reduce(totals)
     loss_sum, count = totals.tolist()
     return loss_sum / max(count, 1), int(count)
+
+
+def held_out_evaluation(
+    opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.Dist, model
+) -> Callable[[], tuple[float, int]] | None:
+    """The evaluation of --eval-data's rows, read in order and split as the training rows
+    are; None without --eval-data."""
+    if held_out is None:
+        return None
+    eval_loader = loader_of(held_out, plan, world)
+    samples = eval_samples_of(opts, eval_loader, world.world_size // plan.context_parallel)
+    return functools.partial(evaluate, model, lambda: eval_loader.in_order(samples), world.device)
 
 
 def format_record(r: dict, max_steps: int) -> str:
@@ -1131,17 +981,6 @@ def hms(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def start_metrics(metrics_path: Path, step: int, resume_from: Path | None) -> None:
-    """metrics.jsonl only grows. A resumed run appends a line {"resumed_from": checkpoint,
-    "step": its step}, then the steps it takes: the records of steps after that checkpoint
-    that a killed run logged stay, superseded by the later records of the same step (the
-    last record of a step is the one that counts)."""
-    metrics_path.parent.mkdir(parents=True, exist_ok=True)
-    with metrics_path.open("a") as f:
-        if resume_from:
-            f.write(json.dumps({"resumed_from": str(resume_from), "step": step}) + "\n")
-
-
 class Instruments:
     """The one-off measurements beside the loop: the memory peaks after the first two steps
     (printed beside the plan's estimate, and saved in plan.json), --memory-snapshot's
@@ -1150,7 +989,7 @@ class Instruments:
     def __init__(self, run: Run):
         self.run = run
         self.profiler = None
-        trace = run.run_dir / f"trace-rank{run.world.rank}.json"
+        self.trace = run.run_dir / f"trace-rank{run.world.rank}.json"
         if run.opts.profile:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if run.world.device.type == "cuda":
@@ -1159,7 +998,7 @@ class Instruments:
                 activities=activities,
                 # The first steps carry one-off costs (allocator growth, compilation).
                 schedule=torch.profiler.schedule(wait=1, warmup=1, active=run.opts.profile),
-                on_trace_ready=lambda prof: prof.export_chrome_trace(str(trace)),
+                on_trace_ready=lambda prof: prof.export_chrome_trace(str(self.trace)),
                 record_shapes=True,
             )
             self.profiler.start()
@@ -1184,9 +1023,8 @@ class Instruments:
     def close(self) -> None:
         if self.profiler:
             self.profiler.stop()
-            trace = self.run.run_dir / f"trace-rank{self.run.world.rank}.json"
-            if trace.exists():
-                self.run.log(f"wrote {trace} (open it in https://ui.perfetto.dev)")
+            if self.trace.exists():
+                self.run.log(f"wrote {self.trace} (open it in https://ui.perfetto.dev)")
 
 
 class StopSignals:
@@ -1232,62 +1070,8 @@ class StopSignals:
 
 
 # ----------------------------------------------------------------------------------------
-# The run directory and the terminal
+# The terminal
 # ----------------------------------------------------------------------------------------
-
-# What a run writes into --run-dir; a directory that holds none of them is someone else's.
-RUN_FILES = ("plan.json", "metrics.jsonl", "checkpoints", ".lock")
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """A run writes into a new or empty directory, or one a run wrote into: never into a
-    directory of other files, where its plan.json could replace one of the user's."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UsageError(f"--run-dir {run_dir} is a file")
-    held = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-    if held and not set(held) & set(RUN_FILES):
-        raise UsageError(
-            f"--run-dir {run_dir} holds {', '.join(held[:5])}{' ...' if len(held) > 5 else ''} "
-            f"and no run's files ({', '.join(RUN_FILES)}): give a new or empty directory, or "
-            f"the run directory of an earlier run"
-        )
-
-
-def lock_run_dir(run_dir: Path, is_main: bool):
-    """One live run per run directory: rank 0 holds an exclusive flock on run_dir/.lock
-    for as long as the run lives (hold on to the returned file). The kernel drops it when
-    the process ends, however it ends, so a crashed or killed run leaves nothing stuck.
-    Every rank learns whether it was taken and raises alike if not. (On a filesystem shared
-    by several nodes this needs flock support: NFSv4 has it, Lustre with -o flock.)"""
-    lock, holder = None, ""
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        file = open(run_dir / ".lock", "a+")  # noqa: SIM115 (held open for the run)
-        try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            file.truncate(0)
-            file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-            file.flush()
-            lock = file
-        except BlockingIOError:
-            file.seek(0)
-            holder = file.read().strip()
-            file.close()
-    taken = torch.tensor([lock is not None or not is_main], dtype=torch.int32)
-    dist.all_reduce(taken, op=dist.ReduceOp.MIN)  # a CPU integer: through gloo
-    if not taken:
-        raise UsageError(
-            f"run directory {run_dir} is in use by a live run ({holder or 'see rank 0'}): "
-            f"wait for it to end, or choose another --run-dir"
-        )
-    return lock
-
-
-def write_json(path: Path, value: dict) -> None:
-    """Written whole or not at all: a reader never sees half a file."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def say(line: str) -> None:
@@ -1335,7 +1119,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
     )
     batches = iter(run.loader)
     stop = StopSignals(run.world.is_main, lambda: run.checkpointer.last)
-    instruments = Instruments(run)
+    metrics, instruments = MetricsLog(run), Instruments(run)
     step, stopping = run.start_step, False
     model.train()
     while step < run.max_steps and not stopping:
@@ -1346,20 +1130,18 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
         ]
         result = train_step(model, optimizer, micro_batches, offload_activations)
         step += 1
-        run.metrics.add(result, micro_batches)
+        metrics.add(result, micro_batches)
         instruments.after(step)
 
         stopping = stop.agreed()
-        logging = run.metrics.logging(step, stopping)
+        logging = metrics.logging(step, stopping)
         saving = run.checkpointer.due(step, run.max_steps, stopping)
         if logging or saving:
-            loss, grad_norm = run.metrics.read(step, run.checkpointer.last)
+            loss, grad_norm = metrics.read(step, run.checkpointer.last)
         if logging:
-            run.metrics.write(step, lr, loss, grad_norm, stopping)
+            metrics.write(step, lr, loss, grad_norm, stopping)
         if saving:
-            train_state = {"step": step, "loader": run.loader.state_dict(),
-                           "rng": shard.rng_state(device), **run.train_state}  # fmt: skip
-            run.log(f"saved {run.checkpointer.save(step, optimizer, train_state)}")
+            run.log(f"saved {run.checkpointer.save(step, optimizer, run.loader)}")
     stop.restore()
     instruments.close()
     finish(run, step)
@@ -1378,10 +1160,12 @@ def finish(run: Run, step: int) -> None:
         log(f"  {resume}")
         return
     if opts.export_hf:
-        export_hf(run)
+        dtype = DTYPES[run.plan.param_dtype]
+        shard.export_hf(run.model, run.args, opts.export_hf, dtype, run.export_tokenizer, run.world)
         log(f"exported {opts.export_hf} ({run.plan.param_dtype})")
     if opts.export_adapter:
-        export_adapter(run)
+        lora, base_model = run.plan.lora, opts.hf_checkpoint
+        shard.export_adapter(run.model, run.args, lora, opts.export_adapter, base_model, run.world)
         log(f"exported the LoRA adapter to {opts.export_adapter}")
     print_sample(run)
     log(f"metrics: {run.run_dir / 'metrics.jsonl'}")
@@ -1398,33 +1182,6 @@ def finish(run: Run, step: int) -> None:
         )
 
 
-def export_hf(run: Run) -> None:
-    """The weights as a HF checkpoint, LoRA adapters merged into their base weights
-    (model.merged_named_tensors), each parameter gathered in turn."""
-    named = merged_named_tensors(
-        run.model, functools.partial(shard.full_tensor, device=run.world.device)
-    )
-    write = functools.partial(
-        save_hf_checkpoint, run.args, out_dir=run.opts.export_hf,
-        dtype=DTYPES[run.plan.param_dtype], tokenizer=run.export_tokenizer,
-    )  # fmt: skip
-    shard.gathered(named, lambda tensors: write(named_tensors=tensors), run.world.is_main)
-
-
-def export_adapter(run: Run) -> None:
-    """The adapters in PEFT's format, gathered like export_hf's weights."""
-    named = (
-        (name, shard.full_tensor(param, run.world.device))
-        for name, param in run.model.named_parameters()
-        if param.requires_grad
-    )
-    write = functools.partial(
-        save_peft_adapter, run.args, run.plan.lora, out_dir=run.opts.export_adapter,
-        base_model=run.opts.hf_checkpoint,
-    )  # fmt: skip
-    shard.gathered(named, lambda tensors: write(named_tensors=tensors), run.world.is_main)
-
-
 def print_sample(run: Run) -> None:
     """A short sample of the trained model, decoded by the data's tokenizer: after BOS, or
     for SFT data after a short user turn in the data's chat format; where there is no
@@ -1434,7 +1191,7 @@ def print_sample(run: Run) -> None:
         return
     if tokenizer is None:
         run.log(
-            f"no sample: the data's tokenizer ({run.train_state['run']['tokenizer']}) was not "
+            f"no sample: the data's tokenizer ({run.loader.dataset.meta['tokenizer']}) was not "
             f"given; pass --tokenizer with the file that prepared the data to see {n} tokens "
             f"of the trained model"
         )

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 import data
 import shard
 import train
-from model import Llama, ModelArgs, generate, save_hf_checkpoint
+from model import PEAK_FLOPS, Llama, ModelArgs, generate, save_hf_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 # Tests that pin CPU numbers (fp32, reference ops, no MFU) or start 2 processes on one device;
@@ -856,7 +856,7 @@ def test_gpu_run_with_kernels_in_bf16(dataset, tmp_path):
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"] - 1.5
     assert records[-1]["peak_gpu_mem_gib"] > 0
-    if any(name in torch.cuda.get_device_name() for name in train.PEAK_FLOPS):
+    if any(name in torch.cuda.get_device_name() for name in PEAK_FLOPS):
         assert 0 < records[-1]["mfu"] < 1
 
 
@@ -1171,7 +1171,7 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(train.UsageError, match="8 processes per node were asked .* 1 GPU:"):
-        train.check_gpus()
+        shard.check_gpus()
 
 
 @CPU_ONLY
