@@ -929,8 +929,13 @@ FROZEN_LEFT_OUT = StateDictOptions(ignore_frozen_params=True, strict=False)
 # torch.cuda.max_memory_allocated counts (bench/RESULTS.md, "Memory estimator, revised").
 OVERHEAD_GIB = 1.0
 # The moments of a step whose memory the estimate compares (estimate_memory says which).
-PHASES = ("loss forward", "head backward", "last block backward", "first block backward",
-          "backward end")
+PHASES = (
+    "loss forward",
+    "head backward",
+    "last block backward",
+    "first block backward",
+    "backward end",
+)
 
 
 @dataclass(frozen=True)
@@ -1361,7 +1366,8 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[dict, int]:
     first_cached = cached_by_mode if checkpointed[0] else 0
     by_phase = {"loss forward": forward, "head backward": forward,
                 "last block backward": saved + working_set,
-                "first block backward": first_cached + working_set, "backward end": 0.0}  # fmt: skip
+                "first block backward": first_cached + working_set,
+                "backward end": 0.0}  # fmt: skip
     return by_phase, host
 
 
