@@ -333,7 +333,9 @@ def triton_ops() -> Ops:
     return Ops(
         rms_norm=kernels.rms_norm,
         apply_rope=kernels.apply_rope,
-        swiglu=kernels.swiglu,
+        # The MLP's gate and up are its linears' outputs, read by nothing else: the kernel's
+        # backward may write its gradients over them (kernels.swiglu).
+        swiglu=functools.partial(kernels.swiglu, overwrite=True),
         linear_cross_entropy=kernels.linear_cross_entropy,
     )
 

@@ -511,7 +511,8 @@ class OptimizerInBackward:
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
         self.pending: list[Future] = []
         largest = max(p.numel() for p in self.params.values())
-        self.d2h, self.h2d = self.streams.Stream(), self.streams.Stream()
+        with torch.cuda.device(device) if self.cuda else contextlib.nullcontext():
+            self.d2h, self.h2d = self.streams.Stream(), self.streams.Stream()  # on `device`
 
         def staging_buffer():
             return torch.empty(largest, dtype=param_dtype, pin_memory=self.cuda)

@@ -1443,11 +1443,12 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 
 # The share of each memory a plan may fill by its estimate. GPU: the estimate is within 5%
 # of the measured peaks either way (bench/RESULTS.md, "Memory estimator, revised", and the
-# first block's backward in issue #24's section), and with expandable segments (train.py's
-# allocator setting) what the caching allocator holds beyond its tensors can be given back
-# when a request needs it; the margin covers the worst miss twice. Host: the estimate is
-# close to the measured RSS ("CPU offload at scale"), to which each process adds its own:
-# torch, the CUDA context, the loader ("The run plan with no memory flags").
+# first block's backward in issue #24's section; offload without full checkpointing, whose
+# copies can lag, excepted), and with expandable segments (which train.main turns on unless
+# PYTORCH_CUDA_ALLOC_CONF is set) what the caching allocator holds beyond its tensors can be
+# given back when a request needs it; the margin covers the worst miss twice. Host: the
+# estimate is close to the measured RSS ("CPU offload at scale"), to which each process adds
+# its own: torch, the CUDA context, the loader ("The run plan with no memory flags").
 GPU_MARGIN = 0.10
 HOST_MARGIN = 0.05
 HOST_PROCESS_GIB = 2.0

@@ -1,13 +1,15 @@
 """SwiGLU gate: silu(gate) * up.
 
 Read in order: the plain-PyTorch reference, the launch configuration, the forward and backward
-Triton kernels, the autograd Function, and `swiglu`, which has the reference's signature.
+Triton kernels, the autograd Function, and `swiglu`, which takes the reference's arguments
+(and `overwrite`, for the MLP's own memory).
 """
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -59,13 +61,15 @@ def _grid(numel: int, block: int) -> tuple[int]:
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        # Backward writes the gradients over gate and up when both are intermediates of the
-        # graph (the outputs of the MLP's linears), not a caller's leaves: the MLP's backward
-        # then holds three [tokens, ffn_dim] tensors at its peak, not five. Each element is
-        # read before it is written, in the same program; bumping their versions makes any
-        # other saved use of them fail loudly, and this graph cannot go backward twice.
-        ctx.overwrite = gate.grad_fn is not None and up.grad_fn is not None
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, overwrite: bool) -> torch.Tensor:
+        # Leaves and aliased inputs are never overwritten (each element is read before it is
+        # written, in the same program, so only distinct storages are safe).
+        ctx.overwrite = (
+            overwrite
+            and gate.grad_fn is not None
+            and up.grad_fn is not None
+            and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+        )
         # The kernels walk the tensors as flat arrays; contiguous() is a no-op for the outputs
         # of two separate linears, and a copy only for strided views.
         gate, up = gate.contiguous(), up.contiguous()
@@ -78,10 +82,13 @@ class _SwiGLU(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout: torch.Tensor):
         gate, up = ctx.saved_tensors
         if ctx.overwrite:
             dgate, dup = gate, up
+            # Where autograd checks versions (not through saved-tensor hooks: checkpointing,
+            # offload), another saved use of gate or up now fails rather than reads these.
             torch.autograd.graph.increment_version((gate, up))
         else:
             dgate, dup = torch.empty_like(gate), torch.empty_like(up)
@@ -90,14 +97,18 @@ class _SwiGLU(torch.autograd.Function):
             gate, up, dout.contiguous(), dgate, dup, gate.numel(), BLOCK=block,
             num_warps=num_warps,
         )  # fmt: skip
-        return dgate, dup
+        return dgate, dup, None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate and up of one shape and dtype; computes in fp32."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+    """silu(gate) * up for gate and up of one shape and dtype; computes in fp32.
+    overwrite=True: backward writes the gradients over gate and up, for a caller whose gate
+    and up are its own intermediates that nothing else reads (the MLP's linears' outputs):
+    its backward then holds three [tokens, ffn_dim] tensors at its peak, not five. Leaves
+    and aliased inputs are left alone."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(
             f"gate and up must match in shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
             f"and {tuple(up.shape)} {up.dtype}"
         )
-    return _SwiGLU.apply(gate, up)
+    return _SwiGLU.apply(gate, up, overwrite)

@@ -171,25 +171,34 @@ def test_rope_reads_strided_inputs_and_grads_and_leaves_them_untouched():
 # ----------------------------------------------------------------------------------------
 
 
-def test_swiglu_overwrites_only_intermediates_and_says_so():
-    """Backward writes dgate and dup over the gate and up it saved when they are the graph's
-    intermediates (the MLP's linears' outputs): the gradients stay right, and another op
-    that saved the same gate then refuses to go backward rather than read a gradient."""
+def test_swiglu_overwrites_only_intermediates_when_asked():
+    """overwrite=True: backward writes dgate and dup over the gate and up it saved when they
+    are distinct intermediates of the graph (the MLP's linears' outputs), and the gradients
+    stay right; by default, for leaves, and for aliased inputs nothing is overwritten; and
+    where autograd checks versions another op that saved the same gate refuses to go
+    backward rather than read a gradient."""
     gate0, up0 = leaf(torch.randn(7, 100)), leaf(torch.randn(7, 100))
     dout = torch.randn(7, 100)
-    gate, up = gate0 * 1, up0 * 1  # intermediates
-    swiglu(gate, up).backward(dout)
     reference = forward_and_grads(swiglu_reference, [gate0, up0], [dout])[1]
-    assert_close(gate0.grad, reference[0], TOLERANCE[torch.float32], "dgate")
-    assert_close(up0.grad, reference[1], TOLERANCE[torch.float32], "dup")
-    # A leaf keeps its values.
+    for overwrite in (False, True):
+        gate0.grad = up0.grad = None
+        gate, up = gate0 * 1, up0 * 1  # intermediates
+        before = gate.detach().clone()
+        swiglu(gate, up, overwrite=overwrite).backward(dout)
+        assert_close(gate0.grad, reference[0], TOLERANCE[torch.float32], "dgate")
+        assert_close(up0.grad, reference[1], TOLERANCE[torch.float32], "dup")
+        assert torch.equal(gate.detach(), before) != overwrite
     leaf_gate = leaf(torch.randn(7, 100))
     before = leaf_gate.detach().clone()
-    swiglu(leaf_gate, leaf(torch.randn(7, 100))).backward(dout)
+    swiglu(leaf_gate, leaf(torch.randn(7, 100)), overwrite=True).backward(dout)
     assert torch.equal(leaf_gate.detach(), before)
-    # gate saved by a second op (the square's backward reads it after swiglu's).
+    gate0.grad = None
+    both = gate0 * 1  # one tensor as gate and up
+    swiglu(both, both, overwrite=True).backward(dout)
+    want = forward_and_grads(lambda g: swiglu_reference(g, g), [gate0], [dout])[1][0]
+    assert_close(gate0.grad, want, TOLERANCE[torch.float32], "aliased")
     gate = leaf(torch.randn(7, 100)) * 1
-    loss = gate.square().sum() + (swiglu(gate, up0 * 1) * dout).sum()
+    loss = gate.square().sum() + (swiglu(gate, up0 * 1, overwrite=True) * dout).sum()
     with pytest.raises(RuntimeError, match="inplace"):
         loss.backward()
 
