@@ -500,7 +500,7 @@ def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) 
 # (model and optimizer shards as safetensors, resharded on load, so another world size can
 # resume) plus train_state.json (step, data cursor, RNG, what the run was, to refuse
 # resuming a different one, and the size of each shard and shape of each tensor, to refuse
-# a damaged one). train.py decides when to save and what to resume from. Last, the exports
+# a damaged one); `resume_options`, what a resumed run keeps of the saved one. Last, the exports
 # (--export-hf, --export-adapter): the whole tensors, gathered from the shards.
 # ----------------------------------------------------------------------------------------
 
