@@ -1222,7 +1222,7 @@ def main(argv: list[str] | None = None) -> None:
         # non-finite step (which the ranks agree on) fail every rank the same way: rank 0
         # says it once. Anything else may be one rank's own, or a bug: that rank says it,
         # with its traceback. Every rank exits non-zero.
-        world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), os.environ.get("RANK", "0")
+        world_size, rank = shard.torchrun_processes()[0], os.environ.get("RANK", "0")
         alike = isinstance(e, (UsageError, FloatingPointError))
         if not alike:
             sys.stderr.write(traceback.format_exc())
