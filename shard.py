@@ -933,6 +933,7 @@ PHASES = (
     "loss forward",
     "head backward",
     "last block backward",
+    "offloaded block backward",
     "first block backward",
     "backward end",
 )
@@ -1243,12 +1244,24 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
         host = 4 * (w.trained + waiting) / s + optimizer
     elif plan.cpu_offload:
         host = 2 * pinned_shard_bytes(args, s) + optimizer
-    parameters = {**dict.fromkeys(PHASES, in_use), "backward end": (
-        gpu_master + p * w.embedding + staging)}  # fmt: skip
+    # The head's gathered weight is resharded once its backward is done.
+    in_blocks = in_use - p * w.head
+    parameters = {"loss forward": in_use, "head backward": in_use,
+                  **dict.fromkeys(PHASES[2:5], in_blocks),
+                  "backward end": gpu_master + p * w.embedding + staging}  # fmt: skip
+    # The gradient shards written before the backward of the last offloaded block: the
+    # head's and those of the blocks after it.
+    after_offloaded = args.n_layers - offloaded_blocks(plan, args.n_layers)
+    before_offloaded = 4 * (w.head_trained + after_offloaded * w.block_trained) / s
     gradients = {
         "loss forward": accumulated,
         "head backward": accumulated + (4 + 4 / s) * w.head_trained,
         "last block backward": accumulated + reduction(w.block_trained),
+        "offloaded block backward": (
+            accumulated
+            + reduction(w.block_trained)
+            + (0.0 if plan.cpu_offload else before_offloaded)
+        ),
         "first block backward": accumulated + before_first + reduction(w.block_trained),
         "backward end": shards + reduction(w.root_trained),
     }
@@ -1334,41 +1347,74 @@ def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int |
     return cached
 
 
+def offloaded_blocks(plan: Plan, layers: int) -> int:
+    """The blocks whose activations go to the host (offload.activation_offload): the first
+    `offload_blocks`, by default all but the last (whose backward comes first)."""
+    if not plan.activation_offload:
+        return 0
+    return layers - 1 if plan.offload_blocks is None else plan.offload_blocks
+
+
+def block_backward_bytes(
+    args: ModelArgs, plan: Plan, n: int, mlp_tokens: int, p: int, checkpointed: bool
+) -> int:
+    """What the block in backward holds beyond its saved input and the checkpoint's cache,
+    at the larger of its two moments (found in memory snapshots: bench/RESULTS.md, issue
+    #24, "The block in backward"): the MLP's backward, with h, normed h, a tile's gate, up
+    and w2 input, and three residual-sized gradients; and attention's, with two
+    residual-sized gradients, dq, dk, dv and cuDNN's fp32 workspace (8 bytes a query
+    element). Both hold what attention's backward needs (normed x, q, k, v and, unless the
+    checkpoint keeps them, its output and logsumexp); a block not checkpointed has all that
+    counted in its saved tensors already."""
+    d, f, h = args.dim, args.ffn_dim, args.n_heads
+    q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
+    mlp = 3 * n * d * p + mlp_tokens * f * p
+    attention = 2 * n * d * p + (n * q + 2 * n * kv) * p + 8 * n * q
+    if not checkpointed:
+        return max(mlp, attention)
+    kept = plan.ac in ("attention", "selective")
+    attention_saved = (n * d + n * q + 2 * n * kv) * p + (0 if kept else n * q * p + n * h * 4)
+    mlp += 2 * n * d * p + 3 * mlp_tokens * f * p
+    if not plan.kernels:  # the references keep fp32 copies where the kernels keep none
+        references = block_saved_bytes(args, n, p, False, mlp_tokens)
+        attention_saved += references - block_saved_bytes(args, n, p, True, mlp_tokens)
+    return attention_saved + max(mlp, attention)
+
+
 def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[dict, int]:
     """The activations on the GPU at each phase, and those activation offload keeps on the
     host. Each block saves, through autograd's hooks, its input when checkpointed and
-    everything otherwise (`ac_every` skips some); the block in backward rebuilds (recompute)
-    or still has its full saved set, plus its backward's working set: the incoming and
-    outgoing residual gradients and one [N, F] gradient (SwiGLU's kernel writes the others
-    over its saved gate and up)."""
+    everything otherwise (`ac_every` skips some); checkpointing's cache stays on the GPU.
+    In backward the blocks whose inputs stay on the GPU come first, each freeing its own;
+    then each offloaded block is fetched back with the one before it (prefetched)."""
     n = plan.micro_batch * plan.seq_len // plan.context_parallel  # the tokens this rank holds
     d, layers = args.dim, args.n_layers
-    mlp_tokens = plan.micro_batch * plan.mlp_tile if plan.mlp_tile else None
+    mlp_tokens = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
     full_block = block_saved_bytes(args, n, p, plan.kernels, mlp_tokens)
     cached_by_mode = checkpoint_cache_bytes(args, plan, n, p)
     checkpointed = [cached_by_mode is not None and i % plan.ac_every == 0 for i in range(layers)]
-    per_block = [n * d * p if c else full_block for c in checkpointed]
-    cached = sum(cached_by_mode for c in checkpointed if c)
-    working_set = full_block + 2 * n * d * p + (mlp_tokens or n) * args.ffn_dim * p
-    # With activation offload the first `offload_blocks` (by default all but the last,
-    # whose backward comes first) go to the host; on the GPU: the others, the block in
-    # backward and the one prefetched. (Assumes the copies keep up; see
-    # offload.activation_offload.)
-    offloaded = 0
-    if plan.activation_offload:
-        offloaded = layers - 1 if plan.offload_blocks is None else plan.offload_blocks
-    host = sum(per_block[:offloaded])
-    saved = sum(per_block[offloaded:]) + cached
-    if plan.activation_offload:
-        saved += max(per_block)
+    saved = [n * d * p if c else full_block for c in checkpointed]
+    cached = [cached_by_mode if c else 0 for c in checkpointed]
+
+    def working(i: int) -> int:
+        return block_backward_bytes(args, plan, n, mlp_tokens, p, checkpointed[i])
+
+    offloaded = offloaded_blocks(plan, layers)
+    on_gpu = sum(saved[offloaded:]) + sum(cached)
     final_norm = n * d * p + n * 4 if plan.kernels else 2 * n * d * 4 + n * 4
-    forward = saved + final_norm
-    first_cached = cached_by_mode if checkpointed[0] else 0
-    by_phase = {"loss forward": forward, "head backward": forward,
-                "last block backward": saved + working_set,
-                "first block backward": first_cached + working_set,
-                "backward end": 0.0}  # fmt: skip
-    return by_phase, host
+    last_offloaded = max(offloaded - 1, 0)
+    by_phase = {
+        "loss forward": on_gpu + final_norm,
+        "head backward": on_gpu + final_norm,
+        "last block backward": on_gpu + working(layers - 1),
+        "offloaded block backward": (
+            sum(saved[max(last_offloaded - 1, 0) : last_offloaded + 1])
+            + sum(cached[: last_offloaded + 1]) + working(last_offloaded)
+        ) if offloaded else 0,
+        "first block backward": saved[0] + cached[0] + working(0),
+        "backward end": 0,
+    }  # fmt: skip
+    return by_phase, sum(saved[:offloaded])
 
 
 def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> dict:
@@ -1388,25 +1434,27 @@ def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> dict:
     # for the root, at the end.
     tied = v * d * p if args.tie_embeddings and plan.kernels else 0.0
     return {"loss forward": loss + (4 * v * d if wide_sum else 0.0), "head backward": loss,
-            "last block backward": tied, "first block backward": tied,
-            "backward end": 0.0}  # fmt: skip
+            **dict.fromkeys(PHASES[2:5], tied), "backward end": 0.0}  # fmt: skip
 
 
 def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     """Memory per rank of one training step of `plan`, counted from the shapes, term by
-    term (the functions above). The peak is the largest of five moments (PHASES):
+    term (the functions above). The peak is the largest of six moments (PHASES):
       loss forward: every saved activation and the fused loss's buffers, fp32 ones included;
       head backward: every saved activation, the loss's buffers, the gathered weights in
           use, and the head's (untied output's) gradient being reduced;
-      last block backward: backward's first block, its working set and its reduction, with
-          every other saved activation still there (the head's reduction is done by then);
-      first block backward: backward's last block, its working set and its reduction, with
-          every other block's gradient shard written (the peak when activation offload
-          leaves few activations on the GPU and FSDP keeps the gradients there);
+      last block backward: backward's first block in the middle of its backward, with every
+          saved activation still on the GPU (the head's reduction is done by then);
+      offloaded block backward: with activation offload, the first block backward fetches
+          from the host (the last offloaded), with the one before it, the checkpoint's cache
+          of the blocks not yet done, and the gradient shards of the blocks after it;
+      first block backward: backward's last block, with every other block's gradient shard
+          written (the peak when activation offload leaves few activations on the GPU and
+          FSDP keeps the gradients there);
       backward end: activations freed, all gradient shards written, and the root's
           (embedding's) gradient being reduced.
     The AdamW step itself (fused, no temporaries) needs less than backward end.
-    Activations assume the flash/cuDNN attention backend; `plan.kernels` picks the Triton
+    Activations assume the cuDNN attention backend; `plan.kernels` picks the Triton
     kernels' saved tensors or the PyTorch references'. With activation offload they
     assume the host copies keep up with compute, true with full checkpointing; without
     it the link falls behind and the GPU holds much more (bench/RESULTS.md, "Sharding and

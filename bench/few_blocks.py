@@ -1,0 +1,27 @@
+"""train.py on a preset cut to its first N blocks, every other argument train.py's: the memory
+estimate against the measured peak at a full run's sequence length, in a fraction of the
+run's time. The estimator counts per block and per sequence, so its errors at the full depth
+show here too (with the layer-count terms scaled down), and `--memory-snapshot` records a
+trace small enough to read.
+
+    python3 bench/few_blocks.py 6 --model llama3.1-70b --seq-len 98304 --lora-rank 16 \\
+        --quantize-base nf4 --ac full --mlp-tile 16384 --activation-offload --offload-blocks 3
+"""
+
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train  # noqa: E402
+
+
+def main() -> None:
+    blocks, argv = int(sys.argv[1]), sys.argv[2:]
+    whole_model = train.model_args
+    train.model_args = lambda opts: dataclasses.replace(whole_model(opts), n_layers=blocks)
+    train.main(argv)
+
+
+if __name__ == "__main__":
+    main()
