@@ -13,14 +13,7 @@
     python train.py --estimate-memory --model llama3.1-8b --seq-len 131072 \\
         --world-size 8 --gpu-memory 80 --host-memory 1000
 
-    # Several nodes under SLURM (sbatch script): one torchrun per node, one process per GPU.
-    # --run-dir must be on a filesystem all nodes share; with --resume a requeued job
-    # continues from its latest checkpoint (and starts fresh when there is none).
-    srun --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 bash -c 'torchrun \\
-        --nnodes=$SLURM_NNODES --nproc-per-node=8 --rdzv-id=$SLURM_JOB_ID --rdzv-backend=c10d \\
-        --rdzv-endpoint=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1):29500 \\
-        train.py --hf-checkpoint llama-3.1-70b/ --data data/mine --lr 5e-6 --run-dir runs/70b \\
-        --resume'
+    # Several nodes under SLURM: README.md, "One sequence over several GPUs", has the script.
 
 The file reads in the order a run goes: the options; setup (`setup`: check what was given,
 plan, build the model through `apply_techniques`, which states the order in which the
