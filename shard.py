@@ -1201,9 +1201,12 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
     )  # fmt: skip
 
 
-def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict, ...]:
+def sharded_state(
+    args: ModelArgs, plan: Plan, w: Weights, p: int, fetched: int
+) -> tuple[dict, ...]:
     """Under FSDP: the parameters, gradients and optimizer state on the GPU at each phase,
-    and the host's bytes, for `p` bytes a gathered weight."""
+    and the host's bytes, for `p` bytes a gathered weight; `fetched`: the offloaded block
+    of "offloaded block backward"."""
     s = shard_group_size(plan.strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
     # Sharded fp32 state, 4 bytes per trained parameter per copy, and the frozen base as
     # stored, divided over the shard group.
@@ -1231,7 +1234,11 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
     accumulated = 4 * w.trained if plan.grad_accum > 1 else 0.0
     # The shards every unit but the root has written when backward ends.
     shards = 0.0 if plan.cpu_offload else 4 * (w.trained - w.root_trained) / s
-    before_first = 0.0 if plan.cpu_offload else shards - 4 * w.block_trained / s
+
+    def written_before(block: int) -> float:  # the head's shard and those of later blocks
+        later = args.n_layers - 1 - block
+        return 0.0 if plan.cpu_offload else 4 * (w.head_trained + later * w.block_trained) / s
+
     # With CPU offload the fp32 shards of parameters and gradients live in pinned memory,
     # which PyTorch's caching host allocator hands out in powers of two per tensor
     # (bench/RESULTS.md, "CPU offload at scale"); AdamW's moments are plain host memory.
@@ -1244,25 +1251,20 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
         host = 4 * (w.trained + waiting) / s + optimizer
     elif plan.cpu_offload:
         host = 2 * pinned_shard_bytes(args, s) + optimizer
-    # The head's gathered weight is resharded once its backward is done.
-    in_blocks = in_use - p * w.head
+    # The head's gathered weight is resharded once its backward is done (seen in the
+    # snapshots of runs without CPU offload; with it the recorded peaks still hold a tensor of
+    # its size through the blocks' backward, not analysed yet, so it stays counted there).
+    in_blocks = in_use - (0.0 if plan.cpu_offload else p * w.head)
     parameters = {"loss forward": in_use, "head backward": in_use,
                   **dict.fromkeys(PHASES[2:5], in_blocks),
                   "backward end": gpu_master + p * w.embedding + staging}  # fmt: skip
-    # The gradient shards written before the backward of the last offloaded block: the
-    # head's and those of the blocks after it.
-    after_offloaded = args.n_layers - offloaded_blocks(plan, args.n_layers)
-    before_offloaded = 4 * (w.head_trained + after_offloaded * w.block_trained) / s
+    in_block = accumulated + reduction(w.block_trained)
     gradients = {
         "loss forward": accumulated,
         "head backward": accumulated + (4 + 4 / s) * w.head_trained,
-        "last block backward": accumulated + reduction(w.block_trained),
-        "offloaded block backward": (
-            accumulated
-            + reduction(w.block_trained)
-            + (0.0 if plan.cpu_offload else before_offloaded)
-        ),
-        "first block backward": accumulated + before_first + reduction(w.block_trained),
+        "last block backward": in_block + written_before(args.n_layers - 1),
+        "offloaded block backward": in_block + written_before(fetched),
+        "first block backward": in_block + written_before(0),
         "backward end": shards + reduction(w.root_trained),
     }
     on_gpu = dict.fromkeys(PHASES, 0.0 if plan.cpu_offload else optimizer)
@@ -1275,14 +1277,17 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, ...]:
     to the host is done, with up to STAGING_SLOTS copies in flight behind the one being
     computed. The host holds the fp32 master weights and moments (plain memory, 12 bytes
     per parameter), the pinned staging buffers of the largest parameter (rounded up to a
-    power of two) for each direction, and the worker's fp32 copy of one gradient."""
+    power of two) for each direction, and the worker's fp32 copy of one gradient. In the
+    blocks' backward the gradients in flight are the blocks' own, at most w1's size."""
     total, d = args.num_params(), args.dim
-    largest = max(w.embedding, args.ffn_dim * d, d * d)
-    in_flight = (1 + STAGING_SLOTS) * largest * p
+    largest_in_block = max(args.ffn_dim * d, d * d)
+    largest = max(w.embedding, largest_in_block)
     pinned_slot = 1 << (largest * p - 1).bit_length()
     host = 12 * total + 2 * STAGING_SLOTS * pinned_slot + 4 * largest
-    gradients = {**dict.fromkeys(PHASES, in_flight), "loss forward": 0.0}
-    return dict.fromkeys(PHASES, p * total), gradients, dict.fromkeys(PHASES, 0.0), host
+    in_flight = dict.fromkeys(PHASES, (1 + STAGING_SLOTS) * largest * p)
+    in_flight.update(dict.fromkeys(PHASES[2:5], (1 + STAGING_SLOTS) * largest_in_block * p))
+    in_flight["loss forward"] = 0.0
+    return dict.fromkeys(PHASES, p * total), in_flight, dict.fromkeys(PHASES, 0.0), host
 
 
 def block_saved_bytes(
@@ -1361,11 +1366,13 @@ def block_backward_bytes(
     """What the block in backward holds beyond its saved input and the checkpoint's cache,
     at the larger of its two moments (found in memory snapshots: bench/RESULTS.md, issue
     #24, "The block in backward"): the MLP's backward, with h, normed h, a tile's gate, up
-    and w2 input, and three residual-sized gradients; and attention's, with two
-    residual-sized gradients, dq, dk, dv and cuDNN's fp32 workspace (8 bytes a query
-    element). Both hold what attention's backward needs (normed x, q, k, v and, unless the
-    checkpoint keeps them, its output and logsumexp); a block not checkpointed has all that
-    counted in its saved tensors already."""
+    and w2 input, three residual-sized gradients and one [tile, ffn_dim] gradient (SwiGLU's
+    kernel writes the others over gate and up); and attention's, with two residual-sized
+    gradients, dq, dk, dv and cuDNN's fp32 workspace (8 bytes a query element; under a
+    document mask FlexAttention's backward runs instead, whose q, k and v are in the
+    checkpoint's cache: this errs high there). Both hold what attention's backward needs
+    (normed x, q, k, v and, unless the checkpoint keeps them, its output and logsumexp); a
+    block not checkpointed has all that counted in its saved tensors already."""
     d, f, h = args.dim, args.ffn_dim, args.n_heads
     q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
     mlp = 3 * n * d * p + mlp_tokens * f * p
@@ -1374,19 +1381,22 @@ def block_backward_bytes(
         return max(mlp, attention)
     kept = plan.ac in ("attention", "selective")
     attention_saved = (n * d + n * q + 2 * n * kv) * p + (0 if kept else n * q * p + n * h * 4)
-    mlp += 2 * n * d * p + 3 * mlp_tokens * f * p
-    if not plan.kernels:  # the references keep fp32 copies where the kernels keep none
-        references = block_saved_bytes(args, n, p, False, mlp_tokens)
-        attention_saved += references - block_saved_bytes(args, n, p, True, mlp_tokens)
+    recomputed_tile = 1 if plan.ac == "selective" else 3  # selective keeps gate and up
+    mlp += 2 * n * d * p + recomputed_tile * mlp_tokens * f * p
+    if not plan.kernels:  # the references keep an fp32 input and output in each norm
+        norm = 2 * n * d * 4 - n * d * p
+        attention_saved += norm + n * args.head_dim * 4  # and RoPE its cos and sin
+        mlp += norm + mlp_tokens * f * p  # and SwiGLU silu(gate)
     return attention_saved + max(mlp, attention)
 
 
-def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[dict, int]:
+def activation_bytes(args: ModelArgs, plan: Plan, p: int, fetched: int) -> tuple[dict, int]:
     """The activations on the GPU at each phase, and those activation offload keeps on the
     host. Each block saves, through autograd's hooks, its input when checkpointed and
     everything otherwise (`ac_every` skips some); checkpointing's cache stays on the GPU.
     In backward the blocks whose inputs stay on the GPU come first, each freeing its own;
-    then each offloaded block is fetched back with the one before it (prefetched)."""
+    then each offloaded block is fetched back with the one before it (prefetched):
+    "offloaded block backward" is the backward of offloaded block `fetched` (>= 1)."""
     n = plan.micro_batch * plan.seq_len // plan.context_parallel  # the tokens this rank holds
     d, layers = args.dim, args.n_layers
     mlp_tokens = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
@@ -1402,15 +1412,13 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[dict, int]:
     offloaded = offloaded_blocks(plan, layers)
     on_gpu = sum(saved[offloaded:]) + sum(cached)
     final_norm = n * d * p + n * 4 if plan.kernels else 2 * n * d * 4 + n * 4
-    last_offloaded = max(offloaded - 1, 0)
     by_phase = {
         "loss forward": on_gpu + final_norm,
         "head backward": on_gpu + final_norm,
         "last block backward": on_gpu + working(layers - 1),
         "offloaded block backward": (
-            sum(saved[max(last_offloaded - 1, 0) : last_offloaded + 1])
-            + sum(cached[: last_offloaded + 1]) + working(last_offloaded)
-        ) if offloaded else 0,
+            sum(saved[fetched - 1 : fetched + 1]) + sum(cached[: fetched + 1]) + working(fetched)
+        ) if fetched < offloaded else 0,
         "first block backward": saved[0] + cached[0] + working(0),
         "backward end": 0,
     }  # fmt: skip
@@ -1430,8 +1438,8 @@ def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> dict:
     # Over more than BF16_SUM_CHUNKS chunks the fused loss's forward also sums the output
     # weight's gradient in an fp32 buffer, freed before backward.
     wide_sum = plan.kernels and p < 4 and n > BF16_SUM_CHUNKS * _chunk_rows(v, p)
-    # In the last block's backward a tied model's output gradient (the loss's buffer) waits
-    # for the root, at the end.
+    # In the blocks' backward a tied model's output gradient (the loss's buffer) waits for
+    # the root, at the end.
     tied = v * d * p if args.tie_embeddings and plan.kernels else 0.0
     return {"loss forward": loss + (4 * v * d if wide_sum else 0.0), "head backward": loss,
             **dict.fromkeys(PHASES[2:5], tied), "backward end": 0.0}  # fmt: skip
@@ -1444,10 +1452,12 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
       head backward: every saved activation, the loss's buffers, the gathered weights in
           use, and the head's (untied output's) gradient being reduced;
       last block backward: backward's first block in the middle of its backward, with every
-          saved activation still on the GPU (the head's reduction is done by then);
-      offloaded block backward: with activation offload, the first block backward fetches
-          from the host (the last offloaded), with the one before it, the checkpoint's cache
-          of the blocks not yet done, and the gradient shards of the blocks after it;
+          activation kept on the GPU still there (offloaded ones are on the host) and the
+          head's gradient shard written;
+      offloaded block backward: with activation offload, the backward of an offloaded block
+          but the first (the one of them whose moment holds the most), fetched from the host
+          with the one before it, beside the checkpoint's cache of the blocks not yet done
+          and the gradient shards of the head and the blocks after it;
       first block backward: backward's last block, with every other block's gradient shard
           written (the peak when activation offload leaves few activations on the GPU and
           FSDP keeps the gradients there);
@@ -1466,21 +1476,35 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     and optimizer state are sharded over all world_size ranks as before."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
     w = count_weights(args, plan.lora, p)
-    if plan.optimizer_in_backward and not plan.cpu_offload:
-        parameters, gradients, optimizer, host_state = in_backward_state(args, w, p)
-    else:
-        parameters, gradients, optimizer, host_state = sharded_state(args, plan, w, p)
-    activations, host_activations = activation_bytes(args, plan, p)
-    terms = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer,
-             "activations": activations, "loss": loss_bytes(args, plan, p)}  # fmt: skip
-    phase = max(PHASES, key=lambda moment: sum(term[moment] for term in terms.values()))
+
+    def terms_with(fetched: int) -> tuple[dict[str, dict], float]:
+        if plan.optimizer_in_backward and not plan.cpu_offload:
+            parameters, gradients, optimizer, host_state = in_backward_state(args, w, p)
+        else:
+            state = sharded_state(args, plan, w, p, fetched)
+            parameters, gradients, optimizer, host_state = state
+        activations, host_activations = activation_bytes(args, plan, p, fetched)
+        terms = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer,
+                 "activations": activations, "loss": loss_bytes(args, plan, p)}  # fmt: skip
+        return terms, host_state + host_activations
+
+    def at(terms: dict[str, dict], moment: str) -> float:
+        return sum(term[moment] for term in terms.values())
+
+    # Later offloaded blocks keep more of the checkpoint's cache, earlier ones see more
+    # gradient shards written: the moment is the one of them that holds the most.
+    offloaded = offloaded_blocks(plan, args.n_layers)
+    candidates = (terms_with(k) for k in range(1, max(offloaded, 2)))
+    terms, host = max(candidates, key=lambda c: at(c[0], "offloaded block backward"))
+    moments = [m for m in PHASES if offloaded >= 2 or m != "offloaded block backward"]
+    phase = max(moments, key=lambda moment: at(terms, moment))
     gib = {name: term[phase] / GiB for name, term in terms.items()}
     return MemoryEstimate(
         num_params=args.num_params(),
         phase=phase,
         overhead=OVERHEAD_GIB,
         gpu_total=sum(gib.values()) + OVERHEAD_GIB,
-        host_total=(host_state + host_activations) / GiB,
+        host_total=host / GiB,
         **gib,
     )
 

@@ -350,20 +350,20 @@ def test_estimate_orders_the_options_sensibly():
         est(strategy="ZERO3")
 
 
-def test_with_activation_offload_the_peak_is_the_first_blocks_backward():
+def test_with_activation_offload_the_peak_is_near_the_first_blocks_backward():
     """Offloaded activations leave the GPU nearly empty of them, so the peak is where backward
-    ends its blocks: every other block's fp32 gradient shard written, beside one block's
-    working set (measured on the H100: bench/RESULTS.md, issue #24, third session)."""
+    ends its blocks: the second block's, fetched with the first, beside every later block's
+    fp32 gradient shard (measured on the H100: bench/RESULTS.md, issue #24, third session)."""
     args = ModelArgs.from_name("llama3.2-1b")
     kw = dict(world_size=1, seq_len=98304, ac="full", mlp_tile=0, kernels=True)
     offloaded, kept = estimate(args, **kw, activation_offload=True), estimate(args, **kw)
-    assert offloaded.phase == "first block backward"
+    assert offloaded.phase == "offloaded block backward"
     assert kept.phase == "last block backward"
     block = block_params(args)
-    other_blocks = 4 * (args.num_params() - args.vocab_size * args.dim - block)
+    later_blocks = 4 * block * (args.n_layers - 2)  # llama3.2-1b is tied: no head's shard
     reduction = block * (4 + 4)  # its fp32 buffer, reduce-scattered into its fp32 shard
-    assert offloaded.gradients == pytest.approx((other_blocks + reduction) / 2**30)
-    # The measured peak was 27.60 GiB; the estimate without this moment said 25.42.
+    assert offloaded.gradients == pytest.approx((later_blocks + reduction) / 2**30)
+    # The measured peak was 27.60 GiB; the estimate without these moments said 25.42.
     assert offloaded.gpu_tensors == pytest.approx(27.60, rel=0.05)
 
 
@@ -515,6 +515,15 @@ def situation(run) -> tuple:
     return run[0], run[1], run[2]
 
 
+@pytest.mark.parametrize("run", RECORDED, ids=lambda r: f"{r[0]}-{r[1]}-{r[3]}")
+def test_the_estimate_of_each_recorded_run_is_within_5_percent(run):
+    """The estimate against each recorded peak (one 4 GiB CPU-offload peak is 0.24 GiB over,
+    6%: the tolerance is 5% or half a GiB)."""
+    preset, seq_len, machine, fields, peak, _ = run
+    est = estimate_memory(ModelArgs.from_name(preset), recorded_plan(seq_len, machine, fields))
+    assert est.gpu_tensors == pytest.approx(peak, rel=0.05, abs=0.5)
+
+
 def test_the_ranking_orders_recorded_runs_as_measured():
     """Runs of one model, sequence and machine: the faster by tokens/s (by more than 3%,
     the spread of one call's figures) is ranked first."""
@@ -614,7 +623,7 @@ def test_8b_at_128k_has_a_plan_inside_one_80_gib_gpu_and_a_128_gib_host():
     plan = choose_plan(args, machine, Plan(131072), {}, sequences=4, batch_is_fixed=False)
     est = estimate_memory(args, plan)
     gpu, host = memory_needed(est, machine)
-    assert gpu <= 0.85 * 80 and host <= 0.95 * 128
+    assert gpu <= (1 - GPU_MARGIN) * 80 and host <= 0.95 * 128
     # Only the optimizer in backward fits (fp32 state on the host, 12 bytes a parameter),
     # and it cannot accumulate: the default batch becomes one sequence.
     assert plan.optimizer_in_backward and plan.grad_accum == 1 and plan.micro_batch == 1
