@@ -749,17 +749,21 @@ class Llama(nn.Module):
     def initial_value(self, name: str, seed: int, device: torch.device) -> torch.Tensor:
         """The full initial tensor of parameter `name` (fp32): norms 1, matrices N(0, 0.02),
         the projections that write into the residual stream (wo, w2) scaled down by
-        sqrt(2 * n_layers) so the residual's variance does not grow with depth; LoRA's
-        adapters as PEFT initializes them (`lora_initial_value`)."""
-        if ".lora_" in name:
-            return lora_initial_value(self, name, seed, device)
+        sqrt(2 * n_layers) so the residual's variance does not grow with depth. LoRA's adapters
+        as PEFT initializes them, so that an adapted model starts equal to its base: B = 0,
+        A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's default, kaiming-uniform with a = sqrt(5))."""
         shape = weight_shape(self, name)
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=device)
+        if name.endswith("lora_B"):
+            return torch.zeros(shape, device=device)
+        generator = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
+        if name.endswith("lora_A"):
+            bound = 1 / math.sqrt(shape[1])
+            return (torch.rand(shape, generator=generator, device=device) * 2 - 1) * bound
         std = 0.02
         if name.endswith(("wo.weight", "w2.weight")):
             std /= math.sqrt(2 * self.args.n_layers)
-        generator = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
         return torch.randn(shape, generator=generator, device=device) * std
 
     @torch.no_grad()
@@ -1457,18 +1461,6 @@ def copy_into(model: Llama, name: str, tensor_slice, copy: Callable) -> None:
         owner.load_weight(tensor_slice, copy)
     else:
         copy(model.get_parameter(name), tensor_slice)
-
-
-def lora_initial_value(model: Llama, name: str, seed: int, device: torch.device) -> torch.Tensor:
-    """PEFT's initialization, one value per (seed, name): A ~ U(-1/sqrt(in), 1/sqrt(in))
-    (nn.Linear's default, kaiming-uniform with a = sqrt(5)), B = 0, so an adapted model
-    starts equal to its base."""
-    shape = model.get_parameter(name).shape
-    if name.endswith("lora_B"):
-        return torch.zeros(shape, device=device)
-    bound = 1 / math.sqrt(shape[1])
-    generator = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
-    return (torch.rand(shape, generator=generator, device=device) * 2 - 1) * bound
 
 
 def peft_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, str]:
