@@ -1068,16 +1068,14 @@ def load_hf_checkpoint(
     path: str | os.PathLike,
     copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
     progress: Callable[[int, int], None] | None = None,
-    nonfinite: list[str] | None = None,
+    agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
 ) -> None:
     """Loads HF weights into `model`'s materialized parameters, one tensor at a time so host
-    memory peaks near one tensor. `copy(param, safetensors_slice)` moves each tensor in;
-    shard.py passes one that reads only the rows its rank owns. `progress(done, total)` is
-    called after each tensor. A base weight that `apply_lora` stores in 4 bits is quantized
-    as it is read (`LoRALinear.load_weight`), one tensor at a time. What is read is checked
-    for NaN and inf (CheckedSlice): refused at the end, or with `nonfinite` given, the
-    tensors holding them added to it (shard.py's ranks each read some rows, and agree)."""
-    found = [] if nonfinite is None else nonfinite
+    memory peaks near one tensor. `copy(param, safetensors_slice)` moves each tensor in
+    (through `copy_into`); shard.py passes one that reads only the rows its rank owns.
+    `progress(done, total)` is called after each tensor. What is read is checked for NaN and
+    inf (CheckedSlice) and refused at the end, after `agree` has gathered what each rank found."""
+    found = []
     files = check_hf_checkpoint(model.args, path)
     names = hf_names(model.args)
     by_file: dict[Path, list[tuple[str, str]]] = {}
@@ -1091,8 +1089,7 @@ def load_hf_checkpoint(
                 done += 1
                 if progress is not None:
                     progress(done, len(names))
-    if nonfinite is None:
-        refuse_nonfinite(path, found)
+    refuse_nonfinite(path, agree(found))
 
 
 @torch.no_grad()
@@ -1115,9 +1112,7 @@ def fill_weights(
     if hf_path is None:
         model.init_weights(seed, device=device, copy=copy)
     else:
-        nonfinite = []
-        load_hf_checkpoint(model, hf_path, copy=copy, progress=progress, nonfinite=nonfinite)
-        refuse_nonfinite(hf_path, agree(nonfinite))
+        load_hf_checkpoint(model, hf_path, copy, progress, agree)
         if lora is not None and lora_adapter is None:  # adapters from their initial values
             for name, param in model.named_parameters():
                 if param.requires_grad:
