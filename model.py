@@ -1204,35 +1204,32 @@ def save_hf_checkpoint(
     `out_dir` (an earlier export, or nothing) only once complete."""
     tmp = HF_EXPORT.make_temp(out_dir)
     names = hf_names(args)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    shard_files: list[str] = []
+    shards: list[list[str]] = []  # the HF names each written shard holds
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total_bytes = 0
 
-    def flush():
-        shard_files.append(f"part-{len(shard_files)}.safetensors")
-        save_file(shards[-1], tmp / shard_files[-1], metadata={"format": "pt"})
-        shards[-1] = {}
+    def flush():  # to part-k: the final names need the number of shards
+        save_file(shard, tmp / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
+        shards.append(list(shard))
+        shard.clear()
 
     for ours, tensor in named_tensors:
         if ours not in names:
             continue  # the tied output, which HF does not store
         tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-        if shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
+        if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
             flush()
             shard_bytes = 0
-        shards[-1][names[ours]] = tensor
+        shard[names[ours]] = tensor
         shard_bytes += tensor.nbytes
+        total_bytes += tensor.nbytes
     flush()
-    weight_map, total_bytes = {}, 0
-    for k, part in enumerate(shard_files):
-        final = f"model-{k + 1:05d}-of-{len(shard_files):05d}.safetensors"
-        os.replace(tmp / part, tmp / final)
+    weight_map = {}
+    for k, held in enumerate(shards):
+        final = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(tmp / f"part-{k}.safetensors", tmp / final)
         give_ordinary_mode(tmp / final)
-        with safe_open(tmp / final, framework="pt") as f:
-            for name in f.keys():
-                weight_map[name] = final
-                shape = f.get_slice(name).get_shape()
-                total_bytes += math.prod(shape) * dtype.itemsize
+        weight_map |= dict.fromkeys(held, final)
     missing = set(names.values()) - set(weight_map)
     if missing:
         shutil.rmtree(tmp)
