@@ -741,17 +741,13 @@ class Llama(nn.Module):
             h.flatten(0, 1), output_weight, labels.flatten(), IGNORE_INDEX, reduction
         )
 
-    # ------------------------------------------------------------------------------------
-    # Initialization: one value per (seed, parameter name), whatever the device it was
-    # built on and however it is sharded later.
-    # ------------------------------------------------------------------------------------
-
     def initial_value(self, name: str, seed: int, device: torch.device) -> torch.Tensor:
-        """The full initial tensor of parameter `name` (fp32): norms 1, matrices N(0, 0.02),
-        the projections that write into the residual stream (wo, w2) scaled down by
-        sqrt(2 * n_layers) so the residual's variance does not grow with depth. LoRA's adapters
-        as PEFT initializes them, so that an adapted model starts equal to its base: B = 0,
-        A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's default, kaiming-uniform with a = sqrt(5))."""
+        """The full initial tensor of parameter `name` (fp32), one per (seed, name) whatever the
+        device and however the model is sharded: norms 1, matrices N(0, 0.02), the projections
+        that write into the residual stream (wo, w2) scaled down by sqrt(2 * n_layers) so the
+        residual's variance does not grow with depth. LoRA's adapters as PEFT initializes them,
+        so that an adapted model starts equal to its base: B = 0, A ~ U(-1/sqrt(in), 1/sqrt(in))
+        (nn.Linear's default, kaiming-uniform with a = sqrt(5))."""
         shape = weight_shape(self, name)
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=device)
@@ -920,10 +916,8 @@ def _umask() -> int:
 # ----------------------------------------------------------------------------------------
 # Hugging Face checkpoints: config.json + safetensors (one file, or shards with an index)
 # ----------------------------------------------------------------------------------------
-# RoPE layout: longtune rotates in HF's "rotate half" layout (the two halves of each head,
-# not interleaved pairs), which is the layout of HF checkpoints' q_proj/k_proj rows, so they
-# load without a permutation. (Meta's original checkpoints use interleaved pairs; they are
-# pickles, which longtune never loads.)
+# RoPE layout: longtune rotates the two halves of each head (HF's "rotate half", not Meta's
+# interleaved pairs), the layout of HF checkpoints' q_proj/k_proj rows: no permutation on load.
 
 _HF_LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -1136,7 +1130,7 @@ SPECIAL_TOKEN_KEYS = ["bos_token_id", "eos_token_id", "pad_token_id"]
 @dataclass(frozen=True)
 class HFTokenizer:
     """What an export carries besides the weights: the tokenizer's files (name -> contents)
-    and its special token ids by config key (bos_token_id, eos_token_id, pad_token_id)."""
+    and its special token ids by config key (SPECIAL_TOKEN_KEYS)."""
 
     files: dict[str, bytes]
     special_ids: dict[str, int | list[int] | None]
@@ -1157,9 +1151,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling is not None:
         s = args.rope_scaling
-        rope = {
+        rope |= {
             "rope_type": "llama3",
-            "rope_theta": args.rope_theta,
             "factor": s.factor,
             "low_freq_factor": s.low_freq_factor,
             "high_freq_factor": s.high_freq_factor,
@@ -1200,8 +1193,8 @@ def save_hf_checkpoint(
     """Writes config.json, model-0000k-of-0000n.safetensors shards and their index, from
     (longtune name, full tensor) pairs consumed one at a time (a sharded model can gather
     each parameter just before it is written), and the tokenizer's files with a
-    generation_config.json. Atomic: everything goes to a temporary directory that replaces
-    `out_dir` (an earlier export, or nothing) only once complete."""
+    generation_config.json. Atomic: `out_dir` (an earlier export, or nothing) is replaced
+    only once complete (HF_EXPORT)."""
     tmp = HF_EXPORT.make_temp(out_dir)
     names = hf_names(args)
     shards: list[list[str]] = []  # the HF names each written shard holds
@@ -1264,9 +1257,8 @@ def save_hf_checkpoint(
 #         model = Llama(args)
 #     apply_lora(model, LoRAConfig(rank=16, alpha=32, quantize_base="nf4"), torch.bfloat16)
 #
-# Parameter names: each adapted projection keeps its base weight as `weight` (frozen; a
-# 4-bit one as `weight_nf4`) and gains `lora_A` [rank, in] and `lora_B` [out, rank], PEFT's
-# `lora_A.weight` / `lora_B.weight`. Saved adapters use PEFT's names and adapter_config.json.
+# Each adapted projection keeps its frozen base weight as `weight` (`weight_nf4` in 4 bits)
+# and gains `lora_A` [rank, in] and `lora_B` [out, rank]; saved adapters are PEFT's files.
 # ----------------------------------------------------------------------------------------
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -1410,8 +1402,8 @@ def apply_lora(
 ) -> None:
     """Replaces the target projections of every block with LoRALinear and freezes the rest
     of the model, stored in `base_dtype` (the compute dtype: no fp32 master copy of what is
-    not trained). Applied to the meta-built model, first (train.apply_techniques), and
-    `shard.apply_fsdp`; `kernels` picks the Triton NF4 dequantization or its reference."""
+    not trained). Applied first, to the meta-built model (train.apply_techniques); `kernels`
+    picks the Triton NF4 dequantization or its reference."""
     dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
     for path in _lora_module_paths(model.args, config.targets):
         parent_path, _, attr = path.rpartition(".")
