@@ -611,7 +611,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
-        mask: torch.Tensor | BlockMask | None = None,
+        mask: PackedRows | None = None,
     ) -> torch.Tensor:
         """Causal attention; `mask` (`Llama.attention_mask`) also keeps it inside documents."""
         bsz, seq_len, _ = x.shape
@@ -660,7 +660,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
-        mask: torch.Tensor | BlockMask | None = None,
+        mask: PackedRows | None = None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), positions, inv_freq, mask)
         return h + self.feed_forward(self.ffn_norm(h))
