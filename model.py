@@ -1,8 +1,9 @@
-"""A from-scratch Llama (Llama 2, 3, 3.1, 3.2 shapes) and its Hugging Face safetensors I/O.
+"""The Llama model longtune trains (Llama 2, 3, 3.1 and 3.2 shapes), its LoRA adapters, and the
+Hugging Face checkpoints and PEFT adapters it reads and writes.
 
-Read top to bottom: the model's numbers (`ModelArgs`, presets, the FLOPs that MFU counts),
-the ops the kernels replace (`Ops`), the network, weight initialization, the file helpers the
-other files share (`UsageError`, `OutputDir`), loading and exporting HF checkpoints, then LoRA.
+In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
+(`Ops`), attention over packed documents, the network, the file helpers the other files share
+(`UsageError`, `OutputDir`), HF checkpoints, then LoRA.
 
 The model knows nothing of sharding, checkpointing or offload: `shard.py` and `offload.py`
 apply those from the outside, in the order train.apply_techniques states. Build it on the
@@ -143,12 +144,7 @@ class ModelArgs:
             missing = [k for k in keys if k not in rope]
             if missing:  # transformers refuses these too: it has no default for them
                 raise UsageError(f"{config_path}: rope_type 'llama3' needs {missing} as well")
-            scaling = RopeScaling(
-                factor=rope["factor"],
-                low_freq_factor=rope["low_freq_factor"],
-                high_freq_factor=rope["high_freq_factor"],
-                original_max_seq_len=rope["original_max_position_embeddings"],
-            )
+            scaling = RopeScaling(*(rope[k] for k in keys))  # keys in RopeScaling's order
         return cls(
             dim=config["hidden_size"],
             n_layers=config["num_hidden_layers"],
@@ -176,15 +172,12 @@ class ModelArgs:
         """Training FLOPs of `tokens` tokens whose causal attention computes `attended_pairs`
         (query, key) pairs: 6 per weight used in a matmul per token (forward 2, backward 4),
         or 4 for `frozen` weights (LoRA's base: backward computes the input's gradient, not
-        the weight's; the adapters, under 1% of the FLOPs at rank 16, are not counted), plus
-        12*L*d per pair: QK^T and AV are 2*d FLOPs each per pair in forward, times 3 for
-        forward+backward. A causal row of S tokens attends S^2/2 pairs (the mask halves the
-        S x S square); masked between documents, each document attends its own length^2/2.
-        The embedding lookup is not a matmul; a tied embedding still is the output matmul."""
-        matmul_params = self.num_params() - self.vocab_size * self.dim - self.dim
-        matmul_params -= self.n_layers * 2 * self.dim
-        if self.tie_embeddings:
-            matmul_params += self.vocab_size * self.dim
+        the weight's; the small adapters are not counted), plus 12*L*d per pair: QK^T and AV
+        are 2*d FLOPs each per pair in forward, times 3 for forward+backward."""
+        norms = (2 * self.n_layers + 1) * self.dim
+        # The embedding lookup is not a matmul; a tied embedding still is the output matmul.
+        lookup = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        matmul_params = self.num_params() - norms - lookup
         per_pair = 12 * self.n_layers * self.dim
         return (4 if frozen else 6) * matmul_params * tokens + per_pair * attended_pairs
 
@@ -275,10 +268,10 @@ def attended_pairs(
     positions: torch.Tensor, document_mask: bool, seq_len: int
 ) -> torch.Tensor | float:
     """The (query, key) pairs that causal attention computes for these rows (a
-    context-parallel rank's slices of them), counted as ModelArgs.training_flops counts them.
-    Masked between documents, a document of l tokens attends l^2/2, the sum over its tokens
-    of (position + 1/2), positions restarting at each document; else each token of a row of
-    seq_len attends seq_len/2. A tensor stays on the device: it is read on log steps only."""
+    context-parallel rank's slices of them), for ModelArgs.training_flops: S^2/2 for a row of
+    S tokens (the mask halves the S x S square), and masked between documents l^2/2 for each
+    document of l tokens, the sum over its tokens of (position + 1/2). A tensor stays on the
+    device: it is read on log steps only."""
     if document_mask:
         return positions.sum(dtype=torch.float64) + positions.numel() / 2
     return positions.numel() * seq_len / 2
@@ -357,17 +350,15 @@ SDPA_BACKENDS = {
 }
 
 
-# FlexAttention's forward tile on the GPU, queries x keys: its default measured slower per
-# attended pair at head dim 64 and the same at 128; no other option tried helped
-# (bench/RESULTS.md, "FlexAttention's kernel options").
+# FlexAttention's forward tile on the GPU, queries x keys: faster than its default at head dim
+# 64, as fast at 128 (bench/RESULTS.md, "FlexAttention's kernel options").
 FLEX_FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64}
 
 
 @functools.cache
 def compiled_flex_attention() -> Callable[..., torch.Tensor]:
-    """FlexAttention runs fast only compiled (into one Triton kernel that skips the masked
-    blocks); compiled on first use, so that importing the model does not load the compiler.
-    Called as flex_attention is, with the forward tile chosen for the GPU."""
+    """flex_attention with the GPU's forward tile, compiled (it runs fast only as one Triton
+    kernel that skips the masked blocks) on first use, so importing the model loads no compiler."""
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def attend(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
@@ -383,11 +374,9 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
 # keys, whether to skip it, compute it whole, or apply the mask element by element.
 FLEX_BLOCK = 128
 
-# Packed documents at least this long attend through SDPA's causal kernel (cuDNN) on their
-# own slice of the row, the shorter ones through FlexAttention with a block mask that leaves
-# the long ones out: per attended pair, with its per-call cost, cuDNN is the faster from
-# 16,384 tokens on and the slower at 8,192 (bench/RESULTS.md, "Packed documents at the speed
-# of the dense kernels (issue #23)").
+# Packed documents at least this long attend through SDPA's causal kernel (cuDNN), the shorter
+# ones through FlexAttention: the faster for each, per attended pair with the per-call cost
+# (bench/RESULTS.md, "Packed documents at the speed of the dense kernels (issue #23)").
 LONG_DOCUMENT = 16384
 
 
@@ -408,10 +397,9 @@ def document_starts(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
 
 def causal_head(length: int) -> int:
     """How many of a long document's first rows SDPA's causal kernel takes: `length` rounded
-    down to a 32nd of its power of two (to a multiple of 128 from 4,096 tokens on), so that
-    SDPA meets few shapes in a run: cuDNN builds execution plans for each new one, ~0.1 s
-    (bench/RESULTS.md, issue #23). The rows past it, each attending the whole document,
-    go through FlexAttention: at most 1/32 of the rows, ~6% of the pairs."""
+    down to a 32nd of its power of two, so that SDPA meets few shapes in a run (cuDNN builds
+    execution plans for each new one). The rows past it, at most 1/32 of them, go through
+    FlexAttention."""
     step = max(1, (1 << (length.bit_length() - 1)) // 32)
     return length // step * step
 
@@ -459,18 +447,17 @@ def packed_rows(
 
 def document_block_mask(positions: torch.Tensor, skip: torch.Tensor | None = None) -> BlockMask:
     """FlexAttention's mask for causal attention inside each packed document (positions:
-    [B, S]), built from the document boundaries one FLEX_BLOCK tile at a time: nothing of size
-    S x S exists, only [B, S/128, S/128] booleans (64M at 1M tokens).
+    [B, S]), built one FLEX_BLOCK tile at a time: nothing of size S x S exists, only
+    [B, S/128, S/128] booleans.
 
-    Documents are contiguous and numbered in order, so for a query tile i and a key tile j < i
-    the key tile's last document is at most the query tile's first; they share a document
-    exactly when the two are equal. Such a tile is "full" (no element masked) when both tiles
-    lie inside that one document; the diagonal tile and a tile a document starts in are
-    "partial" (FlexAttention applies `same_document_causal` to each element); all others are
-    skipped. `skip` ([B, S] booleans) names query rows attended elsewhere (PackedRows' heads):
-    a query tile of such rows alone is skipped; in a tile shared with other rows they are
-    computed and left unused. A sequence that is not a multiple of the tile is padded with a
-    document no real token is in."""
+    Documents are contiguous and numbered in order, so a query tile i and a key tile j < i
+    share a document exactly when the key tile's last document is the query tile's first.
+    Such a tile is "full" (no element masked) when both tiles lie inside that one document;
+    the diagonal tile and a tile a document starts in are "partial" (`same_document_causal`
+    applied to each element); all others are skipped. So is a query tile of `skip` rows alone
+    ([B, S] booleans: PackedRows' heads); in a tile shared with other rows they are computed
+    and left unused. A sequence that is not a multiple of the tile is padded with a document
+    no real token is in."""
     bsz, seq_len = positions.shape
     n_tiles = -(-seq_len // FLEX_BLOCK)
     pad = n_tiles * FLEX_BLOCK - seq_len
@@ -549,10 +536,9 @@ def packed_attention(
     rows: PackedRows,
     sdpa_backends: list[SDPBackend],
 ) -> torch.Tensor:
-    """Attention over packed rows (PackedRows): each head's output from the causal kernel on
-    its own slice of the row (a head's slice holds its document's first rows, so the causal
-    kernel gives them exactly what the document mask would), every other row's from the
-    mask."""
+    """Attention over PackedRows: each head's rows from the causal kernel on its own slice of
+    the row (its document's first rows, so the causal kernel gives them what the document mask
+    would), every other row's from the mask."""
     short = None if rows.short is None else attention_kernel(q, k, v, rows.short, sdpa_backends)
     if not any(rows.heads):
         return short
@@ -567,14 +553,12 @@ def packed_attention(
 
 class _JoinHeads(torch.autograd.Function):
     """The attention output [B, H, S, Dh]: the heads' rows from `heads`, every other row from
-    `short`. The heads are written into `short` itself, not into a copy: `short` is also what
-    the mask kernel's autograd node saved for its backward, and a copy would hold a third
-    output-sized tensor per block with checkpointing's kept attention (offload._KeptAttention).
-    That backward reads its output only through rowsum(output * gradient), and it gets a zero
-    gradient on the heads' rows (the mask's kernel computed those rows only to leave them
-    unused), so their values there do not matter; the write goes through `.data` so that the
-    saved tensor's version does not change. Each head gets its rows of the gradient (views).
-    Where the heads cover every row (`short` None), `shape` [B, S, H, Dh] makes the output."""
+    `short` (None where the heads cover every row: then a new tensor of `shape` [B, S, H, Dh],
+    transposed). The heads are written into `short` itself: the mask kernel's autograd node
+    saved it, and a copy would hold a third output-sized tensor per block with checkpointing's
+    kept attention (offload._KeptAttention). That backward reads its output only through
+    rowsum(output * gradient) and gets a zero gradient on the heads' rows, so their values
+    there do not matter; the write goes through `.data` so the saved tensor's version stays."""
 
     @staticmethod
     def forward(ctx, spans, shape, short, *heads):
@@ -627,7 +611,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
-        mask: torch.Tensor | BlockMask | None = None,
+        mask: PackedRows | None = None,
     ) -> torch.Tensor:
         """Causal attention; `mask` (`Llama.attention_mask`) also keeps it inside documents."""
         bsz, seq_len, _ = x.shape
@@ -676,7 +660,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
-        mask: torch.Tensor | BlockMask | None = None,
+        mask: PackedRows | None = None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), positions, inv_freq, mask)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -718,12 +702,10 @@ class Llama(nn.Module):
     def attention_mask(
         self, positions: torch.Tensor, starts: tuple[tuple[int, ...], ...] | None = None
     ) -> PackedRows | None:
-        """The mask every block's attention takes, chosen once per forward (a checkpointed
-        block recomputed in backward gets the same argument, so the same kernels): None (SDPA's
-        causal kernel; cuDNN first) unless the model masks documents and some row of the batch
-        holds several; then PackedRows, which attends each document by the kernel its length
-        calls for. `starts` (`document_starts`, data.Batch's, read on the host) saves reading
-        them off `positions`, which waits for the GPU."""
+        """The mask every block's attention takes, chosen once per forward so that a block
+        recomputed in backward gets the same kernels: None (SDPA's causal kernel) unless the
+        model masks documents and some row holds several, then PackedRows. `starts`
+        (`document_starts`, data.Batch has them) saves reading them off `positions` on the GPU."""
         if not self.mask_documents:
             return None
         if starts is None:
@@ -759,25 +741,25 @@ class Llama(nn.Module):
             h.flatten(0, 1), output_weight, labels.flatten(), IGNORE_INDEX, reduction
         )
 
-    # ------------------------------------------------------------------------------------
-    # Initialization: one value per (seed, parameter name), whatever the device it was
-    # built on and however it is sharded later.
-    # ------------------------------------------------------------------------------------
-
     def initial_value(self, name: str, seed: int, device: torch.device) -> torch.Tensor:
-        """The full initial tensor of parameter `name` (fp32): norms 1, matrices N(0, 0.02),
-        the projections that write into the residual stream (wo, w2) scaled down by
-        sqrt(2 * n_layers) so the residual's variance does not grow with depth; LoRA's
-        adapters as PEFT initializes them (`lora_initial_value`)."""
-        if ".lora_" in name:
-            return lora_initial_value(self, name, seed, device)
+        """The full initial tensor of parameter `name` (fp32), one per (seed, name) whatever the
+        device and however the model is sharded: norms 1, matrices N(0, 0.02), the projections
+        that write into the residual stream (wo, w2) scaled down by sqrt(2 * n_layers) so the
+        residual's variance does not grow with depth. LoRA's adapters as PEFT initializes them,
+        so that an adapted model starts equal to its base: B = 0, A ~ U(-1/sqrt(in), 1/sqrt(in))
+        (nn.Linear's default, kaiming-uniform with a = sqrt(5))."""
         shape = weight_shape(self, name)
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=device)
+        if name.endswith("lora_B"):
+            return torch.zeros(shape, device=device)
+        generator = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
+        if name.endswith("lora_A"):
+            bound = 1 / math.sqrt(shape[1])
+            return (torch.rand(shape, generator=generator, device=device) * 2 - 1) * bound
         std = 0.02
         if name.endswith(("wo.weight", "w2.weight")):
             std /= math.sqrt(2 * self.args.n_layers)
-        generator = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
         return torch.randn(shape, generator=generator, device=device) * std
 
     @torch.no_grad()
@@ -934,10 +916,8 @@ def _umask() -> int:
 # ----------------------------------------------------------------------------------------
 # Hugging Face checkpoints: config.json + safetensors (one file, or shards with an index)
 # ----------------------------------------------------------------------------------------
-# RoPE layout: longtune rotates in HF's "rotate half" layout (the two halves of each head,
-# not interleaved pairs), which is the layout of HF checkpoints' q_proj/k_proj rows, so they
-# load without a permutation. (Meta's original checkpoints use interleaved pairs; they are
-# pickles, which longtune never loads.)
+# RoPE layout: longtune rotates the two halves of each head (HF's "rotate half", not Meta's
+# interleaved pairs), the layout of HF checkpoints' q_proj/k_proj rows: no permutation on load.
 
 _HF_LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -1082,16 +1062,14 @@ def load_hf_checkpoint(
     path: str | os.PathLike,
     copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
     progress: Callable[[int, int], None] | None = None,
-    nonfinite: list[str] | None = None,
+    agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
 ) -> None:
     """Loads HF weights into `model`'s materialized parameters, one tensor at a time so host
-    memory peaks near one tensor. `copy(param, safetensors_slice)` moves each tensor in;
-    shard.py passes one that reads only the rows its rank owns. `progress(done, total)` is
-    called after each tensor. A base weight that `apply_lora` stores in 4 bits is quantized
-    as it is read (`LoRALinear.load_weight`), one tensor at a time. What is read is checked
-    for NaN and inf (CheckedSlice): refused at the end, or with `nonfinite` given, the
-    tensors holding them added to it (shard.py's ranks each read some rows, and agree)."""
-    found = [] if nonfinite is None else nonfinite
+    memory peaks near one tensor. `copy(param, safetensors_slice)` moves each tensor in
+    (through `copy_into`); shard.py passes one that reads only the rows its rank owns.
+    `progress(done, total)` is called after each tensor. What is read is checked for NaN and
+    inf (CheckedSlice) and refused at the end, after `agree` has gathered what each rank found."""
+    found = []
     files = check_hf_checkpoint(model.args, path)
     names = hf_names(model.args)
     by_file: dict[Path, list[tuple[str, str]]] = {}
@@ -1105,8 +1083,7 @@ def load_hf_checkpoint(
                 done += 1
                 if progress is not None:
                     progress(done, len(names))
-    if nonfinite is None:
-        refuse_nonfinite(path, found)
+    refuse_nonfinite(path, agree(found))
 
 
 @torch.no_grad()
@@ -1129,9 +1106,7 @@ def fill_weights(
     if hf_path is None:
         model.init_weights(seed, device=device, copy=copy)
     else:
-        nonfinite = []
-        load_hf_checkpoint(model, hf_path, copy=copy, progress=progress, nonfinite=nonfinite)
-        refuse_nonfinite(hf_path, agree(nonfinite))
+        load_hf_checkpoint(model, hf_path, copy, progress, agree)
         if lora is not None and lora_adapter is None:  # adapters from their initial values
             for name, param in model.named_parameters():
                 if param.requires_grad:
@@ -1155,7 +1130,7 @@ SPECIAL_TOKEN_KEYS = ["bos_token_id", "eos_token_id", "pad_token_id"]
 @dataclass(frozen=True)
 class HFTokenizer:
     """What an export carries besides the weights: the tokenizer's files (name -> contents)
-    and its special token ids by config key (bos_token_id, eos_token_id, pad_token_id)."""
+    and its special token ids by config key (SPECIAL_TOKEN_KEYS)."""
 
     files: dict[str, bytes]
     special_ids: dict[str, int | list[int] | None]
@@ -1176,9 +1151,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     if args.rope_scaling is not None:
         s = args.rope_scaling
-        rope = {
+        rope |= {
             "rope_type": "llama3",
-            "rope_theta": args.rope_theta,
             "factor": s.factor,
             "low_freq_factor": s.low_freq_factor,
             "high_freq_factor": s.high_freq_factor,
@@ -1219,39 +1193,36 @@ def save_hf_checkpoint(
     """Writes config.json, model-0000k-of-0000n.safetensors shards and their index, from
     (longtune name, full tensor) pairs consumed one at a time (a sharded model can gather
     each parameter just before it is written), and the tokenizer's files with a
-    generation_config.json. Atomic: everything goes to a temporary directory that replaces
-    `out_dir` (an earlier export, or nothing) only once complete."""
+    generation_config.json. Atomic: `out_dir` (an earlier export, or nothing) is replaced
+    only once complete (HF_EXPORT)."""
     tmp = HF_EXPORT.make_temp(out_dir)
     names = hf_names(args)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    shard_bytes = 0
-    shard_files: list[str] = []
+    shards: list[list[str]] = []  # the HF names each written shard holds
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = total_bytes = 0
 
-    def flush():
-        shard_files.append(f"part-{len(shard_files)}.safetensors")
-        save_file(shards[-1], tmp / shard_files[-1], metadata={"format": "pt"})
-        shards[-1] = {}
+    def flush():  # to part-k: the final names need the number of shards
+        save_file(shard, tmp / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
+        shards.append(list(shard))
+        shard.clear()
 
     for ours, tensor in named_tensors:
         if ours not in names:
             continue  # the tied output, which HF does not store
         tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-        if shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
+        if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
             flush()
             shard_bytes = 0
-        shards[-1][names[ours]] = tensor
+        shard[names[ours]] = tensor
         shard_bytes += tensor.nbytes
+        total_bytes += tensor.nbytes
     flush()
-    weight_map, total_bytes = {}, 0
-    for k, part in enumerate(shard_files):
-        final = f"model-{k + 1:05d}-of-{len(shard_files):05d}.safetensors"
-        os.replace(tmp / part, tmp / final)
+    weight_map = {}
+    for k, held in enumerate(shards):
+        final = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(tmp / f"part-{k}.safetensors", tmp / final)
         give_ordinary_mode(tmp / final)
-        with safe_open(tmp / final, framework="pt") as f:
-            for name in f.keys():
-                weight_map[name] = final
-                shape = f.get_slice(name).get_shape()
-                total_bytes += math.prod(shape) * dtype.itemsize
+        weight_map |= dict.fromkeys(held, final)
     missing = set(names.values()) - set(weight_map)
     if missing:
         shutil.rmtree(tmp)
@@ -1286,9 +1257,8 @@ def save_hf_checkpoint(
 #         model = Llama(args)
 #     apply_lora(model, LoRAConfig(rank=16, alpha=32, quantize_base="nf4"), torch.bfloat16)
 #
-# Parameter names: each adapted projection keeps its base weight as `weight` (frozen; a
-# 4-bit one as `weight_nf4`) and gains `lora_A` [rank, in] and `lora_B` [out, rank], PEFT's
-# `lora_A.weight` / `lora_B.weight`. Saved adapters use PEFT's names and adapter_config.json.
+# Each adapted projection keeps its frozen base weight as `weight` (`weight_nf4` in 4 bits)
+# and gains `lora_A` [rank, in] and `lora_B` [out, rank]; saved adapters are PEFT's files.
 # ----------------------------------------------------------------------------------------
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -1432,8 +1402,8 @@ def apply_lora(
 ) -> None:
     """Replaces the target projections of every block with LoRALinear and freezes the rest
     of the model, stored in `base_dtype` (the compute dtype: no fp32 master copy of what is
-    not trained). Applied to the meta-built model, first (train.apply_techniques), and
-    `shard.apply_fsdp`; `kernels` picks the Triton NF4 dequantization or its reference."""
+    not trained). Applied first, to the meta-built model (train.apply_techniques); `kernels`
+    picks the Triton NF4 dequantization or its reference."""
     dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
     for path in _lora_module_paths(model.args, config.targets):
         parent_path, _, attr = path.rpartition(".")
@@ -1475,18 +1445,6 @@ def copy_into(model: Llama, name: str, tensor_slice, copy: Callable) -> None:
         owner.load_weight(tensor_slice, copy)
     else:
         copy(model.get_parameter(name), tensor_slice)
-
-
-def lora_initial_value(model: Llama, name: str, seed: int, device: torch.device) -> torch.Tensor:
-    """PEFT's initialization, one value per (seed, name): A ~ U(-1/sqrt(in), 1/sqrt(in))
-    (nn.Linear's default, kaiming-uniform with a = sqrt(5)), B = 0, so an adapted model
-    starts equal to its base."""
-    shape = model.get_parameter(name).shape
-    if name.endswith("lora_B"):
-        return torch.zeros(shape, device=device)
-    bound = 1 / math.sqrt(shape[1])
-    generator = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
-    return (torch.rand(shape, generator=generator, device=device) * 2 - 1) * bound
 
 
 def peft_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, str]:
