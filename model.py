@@ -144,7 +144,12 @@ class ModelArgs:
             missing = [k for k in keys if k not in rope]
             if missing:  # transformers refuses these too: it has no default for them
                 raise UsageError(f"{config_path}: rope_type 'llama3' needs {missing} as well")
-            scaling = RopeScaling(*(rope[k] for k in keys))  # keys in RopeScaling's order
+            scaling = RopeScaling(
+                factor=rope["factor"],
+                low_freq_factor=rope["low_freq_factor"],
+                high_freq_factor=rope["high_freq_factor"],
+                original_max_seq_len=rope["original_max_position_embeddings"],
+            )
         return cls(
             dim=config["hidden_size"],
             n_layers=config["num_hidden_layers"],
