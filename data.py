@@ -1,5 +1,5 @@
-"""Tokenizers, dataset preparation, the packed, resumable data loader, and opening a training
-run's data (checked against its model and tokenizer).
+"""Turns text into the batches a training run reads: tokenizers, `prepare` (text and JSONL
+files into a dataset directory), the packed, resumable loader, and opening a run's data.
 
 A prepared dataset is a directory of three files:
     tokens.bin     uint32, every document as BOS + tokens + EOS, documents back to back
@@ -13,14 +13,8 @@ A prepared dataset is a directory of three files:
 
     python data.py prepare --input docs/ chat.jsonl --output data/mine [--tokenizer DIR_OR_FILE]
 
-Conversations ({"messages": [{"role": ..., "content": ...}, ...]}) are rendered with the chat
-template of the tokenizer's HF directory (Jinja, sandboxed), or in the chat format of the
-tokenizer's model family where it has none, with loss on the assistant turns only.
-
-The loader cuts the token stream into samples of seq_len + 1 tokens, shuffles them per epoch with
-a seed, and gives each rank a disjoint slice of every step. One global cursor counts the samples
-read by all ranks together, so a run can resume on another number of GPUs and go on reading the
-same samples in the same order.
+The loader (PackedLoader) reads samples in a seeded order through one cursor shared by all
+ranks, so a run can resume on another number of GPUs and read on where it stopped.
 """
 
 import argparse
