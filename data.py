@@ -49,6 +49,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kernels import IGNORE_INDEX
 from model import (
+    HF_TOKENIZER_FILES,
     SPECIAL_TOKEN_KEYS,
     HFTokenizer,
     ModelArgs,
@@ -293,13 +294,6 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # piece of its own: no other piece holds a digit, so " ?\p{N}+" never matches, and a whitespace
 # run before a digit ends its piece as it would end the text ("(?!\S)" sees the piece's end).
 GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
-# What the files beside a tokenizer.json say of its special tokens, and what an export carries.
-HF_TOKENIZER_FILES = [
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-]
 
 
 class ByteLevelBPETokenizer:
@@ -421,7 +415,7 @@ class ByteLevelBPETokenizer:
         (so a --chat-template given to `prepare` is the one the export carries)."""
         files = {"tokenizer.json": self._data}
         for name in HF_TOKENIZER_FILES:
-            if (self._path.parent / name).is_file():
+            if name not in TOKENIZER_FILES and (self._path.parent / name).is_file():
                 files[name] = (self._path.parent / name).read_bytes()
         config = json.loads(files.get("tokenizer_config.json", b"{}"))
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
