@@ -578,12 +578,10 @@ def _find_chat_template(
 ) -> "ChatTemplate | None":
     """`given` (a Jinja file), else the directory's chat_template.jinja, else the
     "chat_template" of its tokenizer_config.json (the one named "default" of a list)."""
-    if given is not None:
-        if not given.is_file():
-            raise UsageError(f"chat template file {given} not found")
-        return ChatTemplate(given.read_text(), tokens, str(given))
-    if (directory / "chat_template.jinja").is_file():
-        path = directory / "chat_template.jinja"
+    if given is not None and not given.is_file():
+        raise UsageError(f"chat template file {given} not found")
+    path = given or directory / "chat_template.jinja"
+    if path.is_file():
         return ChatTemplate(path.read_text(), tokens, str(path))
     config_path = directory / "tokenizer_config.json"
     source = read_json(config_path).get("chat_template") if config_path.is_file() else None
