@@ -75,13 +75,9 @@ Segments = list[tuple[list[int], bool]]
 class Tokenizer(Protocol):
     """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS.
 
-    `render_chat` takes a conversation that `_check_messages` accepted (an optional system
-    message, then user and assistant turns alternating from a user turn) and renders it from
-    its BOS on, labelling the assistant turns' content and end-of-turn token. The loader starts
-    a packed document (positions from 0, its own attention span) at a BOS, but for one that
-    `prepare` found inside a document (a chat template may open every turn with BOS).
-    `chat_prompt` renders a conversation ending in a user turn, then what opens the assistant's
-    answer (the generation prompt): the tokens a model answers from.
+    `render_chat` renders a conversation `_check_messages` accepted from its BOS on, labelling
+    the assistant turns' content and end-of-turn token. `chat_prompt` renders one ending in a
+    user turn, then what opens the assistant's answer (the generation prompt).
     """
 
     name: str  # identifies the tokenizer and its file, recorded in meta.json
@@ -299,8 +295,7 @@ GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?!
 class ByteLevelBPETokenizer:
     """A Hugging Face tokenizer.json holding a byte-level BPE (Llama 3's, SmolLM2's, GPT-2's),
     encoded by tiktoken: the `tokenizers` package is not needed. Its special tokens and chat
-    template come from the files beside it (tokenizer_config.json, chat_template.jinja,
-    config.json, generation_config.json).
+    template come from the files beside it.
 
     tiktoken merges first the adjacent pair whose joined bytes rank lowest; HF's BPE merges first
     the pair listed first in `merges`. So a merged token ranks by the first merge that makes it,
@@ -313,9 +308,8 @@ class ByteLevelBPETokenizer:
 
     def __init__(self, path: Path, chat_template: Path | None = None):
         data = path.read_bytes()
-        # The file holds a list per merge, 100k and more. Counted as they are made, they set off
-        # the garbage collector's passes over every object of the process (torch's too), slower
-        # than the parse itself: so it is off until they are read and freed.
+        # The 100k and more merge lists would set off the garbage collector's passes over every
+        # object of the process, slower than the parse itself: it is off until they are freed.
         with _gc_paused():
             try:
                 spec = json.loads(data)
@@ -377,8 +371,7 @@ class ByteLevelBPETokenizer:
         self.chat_template = _find_chat_template(path.parent, chat_template, tokens)
 
     def encode(self, text: str) -> list[int]:
-        # Documents are plain text: a special token's name written in one stays characters, as
-        # in the other tokenizers, so data cannot inject structure.
+        # As TiktokenTokenizer.encode: a special token's name in a document stays text.
         return self._encode(text, allowed_special=self._plain_added).tolist()
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -508,9 +501,8 @@ def _gc_paused() -> Iterator[None]:
 
 def _split_pattern(path: Path, pre_tokenizer: dict | None) -> str:
     """The regex whose matches (tiktoken splits text by one) are the pieces a tokenizer.json's
-    pre-tokenizer makes. The shapes of the Llama family's files: a Split by a regex then
-    ByteLevel (Llama 3), ByteLevel with GPT-2's regex, Digits then that (SmolLM2, StarCoder),
-    ByteLevel alone (no split, as a byte tokenizer's export)."""
+    pre-tokenizer makes: the shapes the error below lists, or ByteLevel alone (no split, as
+    a byte tokenizer's export)."""
 
     def steps(step: dict) -> list[dict]:
         if step.get("type") == "Sequence":
@@ -682,12 +674,11 @@ def tokenizer_file(directory: str | Path) -> Path | None:
 
 
 def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = None) -> Tokenizer:
-    """None gives the byte tokenizer. A directory (a HF checkpoint, or its tokenizer files) gives
-    its tokenizer.json, else its tokenizer.model, else original/tokenizer.model (Meta's layout).
-    A file: a HF tokenizer.json (byte-level BPE; its special tokens and chat template from the
-    files beside it), a Llama 3 tiktoken ranks file, or a Llama 2 sentencepiece model.
-    `chat_template`: a Jinja file that renders conversations instead of the directory's template
-    (tokenizer.json only: the others have their built-in chat formats)."""
+    """None gives the byte tokenizer; a directory (a HF checkpoint, or its tokenizer files) its
+    first of TOKENIZER_FILES. A file: a HF tokenizer.json (byte-level BPE), a Llama 3 tiktoken
+    ranks file, or a Llama 2 sentencepiece model. `chat_template`: a Jinja file that renders
+    conversations instead of the directory's template (tokenizer.json only: the others have
+    their built-in chat formats)."""
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -755,12 +746,10 @@ def _byte_level_bytes(path: Path, tokens: Iterable[str]) -> list[bytes]:
 def byte_level_bpe_files(
     ranks: dict[bytes, int], specials: dict[str, int], pattern: str | None, pad: str
 ) -> dict[str, bytes]:
-    """tokenizer.json and tokenizer_config.json of a byte-level BPE with tiktoken's `ranks`:
-    the text split by `pattern` (None: not split), each piece's bytes merged pairwise.
-    tiktoken merges first the adjacent pair whose joined bytes have the lowest rank; HF's BPE
-    merges first the pair listed first. So every split of a token into two tokens is listed,
-    ordered by the rank of the token they make. The first special is BOS, the second EOS;
-    `pad` is the special that pads batches."""
+    """tokenizer.json and tokenizer_config.json of a byte-level BPE with tiktoken's `ranks`, the
+    text split by `pattern` (None: not split). ByteLevelBPETokenizer's reading undone: every
+    split of a token into two tokens is a merge, listed by the rank of the token they make.
+    The first special is BOS, the second EOS; `pad` is the special that pads batches."""
     alphabet = _bytes_as_text()
     text = lambda token: "".join(alphabet[b] for b in token)
     splits = sorted(
