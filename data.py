@@ -858,12 +858,11 @@ def prepare(
     Each input is a text file (one document), a .jsonl file (one document per line: {"text": ...},
     {"prompt": ..., "response": ...} whose prompt gets no loss, or {"messages": [...]}, a
     conversation with loss on its assistant turns), or a directory standing for all its files,
-    sorted. With `seq_len`, a conversation longer than seq_len tokens is split between its
-    exchanges into several documents (`_split_conversation`); other documents stay whole, and
-    the loader cuts every document at the boundaries of its seq_len samples. meta.json counts
-    the splits and the documents still longer than seq_len. `chat_template`: a Jinja file that
-    renders the conversations instead of the tokenizer directory's template. Output is the same
-    for any number of workers (None: one per CPU). The directory appears complete or not at all.
+    sorted. With `seq_len`, conversations longer than seq_len tokens are split
+    (`_split_conversation`); meta.json counts the splits and the documents still longer.
+    `chat_template`: a Jinja file that renders the conversations instead of the tokenizer
+    directory's template. Output is the same for any number of workers (None: one per CPU).
+    The directory appears complete or not at all.
     """
     files = _input_files(inputs)
     output = Path(output_dir).resolve()
