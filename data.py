@@ -1064,11 +1064,19 @@ def _check_messages(messages: object, where: str) -> list[Message]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def _encode_example(tokenizer: Tokenizer, example: Example, seq_len: int | None) -> list[Encoded]:
-    """The documents of one example: one, or several for a conversation split at seq_len."""
+def _encode_document(
+    tokenizer: Tokenizer, document: Document, seq_len: int | None
+) -> tuple[list[Encoded], int]:
+    """The documents of one example (one, or several for a conversation split at seq_len), with
+    its bytes of input."""
+    example, n_bytes, where = document
     if isinstance(example, list):
-        pieces = [example] if seq_len is None else _split_conversation(tokenizer, example, seq_len)
-        return [_encode_segments(tokenizer.render_chat(p), tokenizer.bos_id) for p in pieces]
+        try:
+            pieces = _split_conversation(tokenizer, example, seq_len)
+            encoded = [_encode_segments(tokenizer.render_chat(p), tokenizer.bos_id) for p in pieces]
+        except UsageError as e:  # a chat template refusing a conversation: name it
+            raise UsageError(f"{where}: {e}") from e
+        return encoded, n_bytes
     prompt, text = example
     # BOS is never a label: it follows the previous document's last token, and predicting the
     # start of one document from the end of an unrelated one teaches nothing. Prompt tokens are
@@ -1076,7 +1084,7 @@ def _encode_example(tokenizer: Tokenizer, example: Example, seq_len: int | None)
     prompt_ids = tokenizer.encode(prompt) if prompt else []
     segments = [([tokenizer.bos_id, *prompt_ids], False)]
     segments.append(([*tokenizer.encode(text), tokenizer.eos_id], True))
-    return [_encode_segments(segments, tokenizer.bos_id)]
+    return [_encode_segments(segments, tokenizer.bos_id)], n_bytes
 
 
 def _encode_segments(segments: Segments, bos_id: int) -> Encoded:
@@ -1087,21 +1095,11 @@ def _encode_segments(segments: Segments, bos_id: int) -> Encoded:
     return tokens, mask
 
 
-def _encode_document(
-    tokenizer: Tokenizer, document: Document, seq_len: int | None
-) -> tuple[list[Encoded], int]:
-    example, n_bytes, where = document
-    try:
-        return _encode_example(tokenizer, example, seq_len), n_bytes
-    except UsageError as e:  # a chat template refusing a conversation: name it
-        raise UsageError(f"{where}: {e}") from e
-
-
 def _split_conversation(
-    tokenizer: Tokenizer, messages: list[Message], seq_len: int
+    tokenizer: Tokenizer, messages: list[Message], seq_len: int | None
 ) -> list[list[Message]]:
-    """A conversation rendering to more than seq_len tokens, cut between its exchanges (a user
-    turn and its answer) into pieces of at most seq_len tokens, filled greedily, each led by the
+    """The conversation, or if it renders to more than seq_len tokens, cut between its exchanges
+    (a user turn and its answer) into pieces of at most seq_len tokens, filled greedily, each led by the
     system prompt so every piece is a conversation the model could have seen. An exchange longer
     than seq_len alone stays whole in its piece (the loader cuts it). A trailing user turn
     without an answer has nothing to learn from alone, so a piece of only that is dropped."""
@@ -1109,7 +1107,7 @@ def _split_conversation(
     def length(piece: list[Message]) -> int:
         return sum(len(ids) for ids, _ in tokenizer.render_chat(piece))
 
-    if length(messages) <= seq_len:
+    if seq_len is None or length(messages) <= seq_len:
         return [messages]
     system = messages[:1] if messages[0]["role"] == "system" else []
     exchanges = [messages[i : i + 2] for i in range(len(system), len(messages), 2)]
