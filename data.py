@@ -1099,10 +1099,10 @@ def _split_conversation(
     tokenizer: Tokenizer, messages: list[Message], seq_len: int | None
 ) -> list[list[Message]]:
     """The conversation, or if it renders to more than seq_len tokens, cut between its exchanges
-    (a user turn and its answer) into pieces of at most seq_len tokens, filled greedily, each led by the
-    system prompt so every piece is a conversation the model could have seen. An exchange longer
-    than seq_len alone stays whole in its piece (the loader cuts it). A trailing user turn
-    without an answer has nothing to learn from alone, so a piece of only that is dropped."""
+    (a user turn and its answer) into pieces of at most seq_len tokens, filled greedily, each
+    led by the system prompt so every piece is a conversation the model could have seen. An
+    exchange longer than seq_len stays whole (the loader cuts it); a piece of only a trailing
+    user turn, with no answer to learn from, is dropped."""
 
     def length(piece: list[Message]) -> int:
         return sum(len(ids) for ids, _ in tokenizer.render_chat(piece))
