@@ -890,7 +890,6 @@ def prepare(
                 longest = max(longest, len(tokens))
                 too_long += seq_len is not None and len(tokens) > seq_len
             progress.update(n_bytes, len(documents), sum(len(t) for t, _ in documents))
-        progress.finish()
         if writer.n_documents == 0:
             raise UsageError(f"no documents in the inputs {[str(f) for f in files]}")
         template = getattr(tokenizer, "chat_template", None)
@@ -1196,13 +1195,12 @@ class _Progress:
     def __enter__(self) -> "_Progress":
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.end_line()  # after an error too, which then gets a line of its own
-
-    def end_line(self) -> None:
-        if self.last_draw:
+    def __exit__(self, error_type: type | None, *_: object) -> None:
+        if error_type is None:
+            self.done_bytes = self.total_bytes  # blank JSONL lines are never counted
+            self._draw()
+        if self.last_draw:  # after an error too, which then gets a line of its own
             sys.stderr.write("\n")
-            self.last_draw = 0.0
 
     def _draw(self) -> None:
         self.last_draw = time.perf_counter()
@@ -1262,10 +1260,8 @@ class TokenDataset:
             raise UsageError(f"{meta_path}: " + "; ".join(problems))
         self.n_tokens: int = self.meta["n_tokens"]
         self.bos_id: int = self.meta["bos_id"]
-        self.eos_id: int = self.meta["eos_id"]
         self.tokens = self._map("tokens.bin", np.uint32)
         self.loss_mask = self._map("loss_mask.bin", np.uint8)
-        self._max_token_id: int | None = None
 
     @property
     def is_sft(self) -> bool:
