@@ -1187,11 +1187,6 @@ class _Progress:
         if time.perf_counter() - self.last_draw >= 0.25:
             self._draw()
 
-    def finish(self) -> None:
-        self.done_bytes = self.total_bytes  # blank JSONL lines are never counted
-        self._draw()
-        self.end_line()
-
     def __enter__(self) -> "_Progress":
         return self
 
@@ -1286,12 +1281,8 @@ class TokenDataset:
         return np.memmap(file, dtype=dtype, mode="r")
 
     def max_token_id(self) -> int:
-        if self._max_token_id is None:
-            chunk = 1 << 26  # 256 MB of uint32 at a time: flat memory on datasets larger than RAM
-            self._max_token_id = max(
-                int(self.tokens[i : i + chunk].max()) for i in range(0, self.n_tokens, chunk)
-            )
-        return self._max_token_id
+        chunk = 1 << 26  # 256 MB of uint32 at a time: flat memory on datasets larger than RAM
+        return max(int(self.tokens[i : i + chunk].max()) for i in range(0, self.n_tokens, chunk))
 
     def has_labels(self) -> bool:
         """Whether any token past the first may be a label (the first never is one)."""
@@ -1312,9 +1303,9 @@ class TokenDataset:
                 f"the dataset has {self.n_tokens:,} tokens, one sample of seq_len {seq_len} "
                 f"needs {seq_len + 1:,}"
             )
-        if self.n_tokens and self.max_token_id() >= vocab_size:
+        if self.n_tokens and (max_token_id := self.max_token_id()) >= vocab_size:
             problems.append(
-                f"token id {self.max_token_id():,} in tokens.bin is >= the model's vocab_size "
+                f"token id {max_token_id:,} in tokens.bin is >= the model's vocab_size "
                 f"{vocab_size:,} (the dataset's tokenizer is {self.meta['tokenizer']} with "
                 f"vocab_size {self.meta['vocab_size']:,})"
             )
