@@ -182,8 +182,6 @@ class TiktokenTokenizer:
         self.vocab_size = n + len(specials)
         self.bos_id = specials["<|begin_of_text|>"]
         self.eos_id = specials["<|end_of_text|>"]
-        self._start_header_id = specials["<|start_header_id|>"]
-        self._end_header_id = specials["<|end_header_id|>"]
         self._eot_id = specials["<|eot_id|>"]
         self.pad_id = specials["<|finetune_right_pad_id|>"]
         self._encoding = tiktoken.Encoding(
@@ -205,14 +203,16 @@ class TiktokenTokenizer:
         segments = [([self.bos_id], False)]
         for message in messages:
             role, content = message["role"], message["content"].strip()
-            header = [self._start_header_id, *self.encode(role), self._end_header_id]
-            segments.append(([*header, *self.encode("\n\n")], False))
+            segments.append((self._header(role), False))
             segments.append(([*self.encode(content), self._eot_id], role == "assistant"))
         return segments
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
-        header = [self._start_header_id, *self.encode("assistant"), self._end_header_id]
-        return [*_ids(self.render_chat(messages)), *header, *self.encode("\n\n")]
+        return [*_ids(self.render_chat(messages)), *self._header("assistant")]
+
+    def _header(self, role: str) -> list[int]:
+        start, end = self._specials["<|start_header_id|>"], self._specials["<|end_header_id|>"]
+        return [start, *self.encode(role), end, *self.encode("\n\n")]
 
     def hf_files(self) -> dict[str, bytes]:
         pad = "<|finetune_right_pad_id|>"
