@@ -1121,16 +1121,15 @@ def _split_conversation(
 
 
 _worker_tokenizer: Tokenizer | None = None  # each pool process loads its own from the path
-_worker_seq_len: int | None = None
 
 
-def _init_worker(loading: tuple, seq_len: int | None) -> None:
-    global _worker_tokenizer, _worker_seq_len
-    _worker_tokenizer, _worker_seq_len = load_tokenizer(*loading), seq_len
+def _init_worker(loading: tuple) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(*loading)
 
 
-def _encode_chunk(chunk: list[Document]) -> list[tuple[list[Encoded], int]]:
-    return [_encode_document(_worker_tokenizer, doc, _worker_seq_len) for doc in chunk]
+def _encode_chunk(chunk: list[Document], seq_len: int | None) -> list[tuple[list[Encoded], int]]:
+    return [_encode_document(_worker_tokenizer, doc, seq_len) for doc in chunk]
 
 
 def _encode_all(
@@ -1146,10 +1145,10 @@ def _encode_all(
     if workers == 1:
         yield from (_encode_document(tokenizer, doc, seq_len) for doc in documents)
         return
-    with multiprocessing.Pool(workers, _init_worker, (loading, seq_len)) as pool:
+    with multiprocessing.Pool(workers, _init_worker, (loading,)) as pool:
         pending = deque()
         for chunk in _chunks(documents, max_bytes=1 << 20):
-            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            pending.append(pool.apply_async(_encode_chunk, (chunk, seq_len)))
             if len(pending) >= 2 * workers:
                 yield from pending.popleft().get()
         while pending:
