@@ -620,9 +620,8 @@ class ChatTemplate:
     def assistant_spans(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text, and each assistant turn's span in it (character offsets):
         from the end of the text of the turns before it with the generation prompt to the end
-        of the text of the turns through it. Both texts must begin the whole one: a template
-        that renders earlier turns otherwise as the conversation grows (one dropping past
-        reasoning) is refused, since its assistant turns cannot be found."""
+        of the text of the turns through it. A template that renders earlier turns otherwise as
+        the conversation grows (one dropping past reasoning) is refused."""
         text = self.render(messages, add_generation_prompt=False)
         spans = []
         for i, message in enumerate(messages):
@@ -1259,9 +1258,7 @@ class TokenDataset:
 
     @property
     def is_sft(self) -> bool:
-        """Whether the documents are SFT examples (prompt/response pairs, conversations): packed
-        side by side, they should not attend to each other. Datasets from before the "sft"
-        field were prepared from text."""
+        """meta.json's "sft"; datasets from before the field were prepared from text."""
         return bool(self.meta.get("sft", False))
 
     def _map(self, name: str, dtype: type) -> np.ndarray:
@@ -1540,7 +1537,7 @@ def open_data(
     if opts.data:
         dataset = TokenDataset(opts.data)
     else:
-        if is_main:  # prepared once, by one process
+        if is_main:
             default_corpus(CACHE)
         dist.barrier()
         dataset = TokenDataset(default_corpus(CACHE))
