@@ -993,7 +993,6 @@ def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
 
 
 def _read_documents(files: list[Path]) -> Iterator[Document]:
-    """Empty files are skipped."""
     for path in files:
         if path.suffix == ".jsonl":
             with open(path, "rb") as f:
@@ -1076,9 +1075,8 @@ def _encode_document(
             raise UsageError(f"{where}: {e}") from e
         return encoded, n_bytes
     prompt, text = example
-    # BOS is never a label: it follows the previous document's last token, and predicting the
-    # start of one document from the end of an unrelated one teaches nothing. Prompt tokens are
-    # the question of an SFT example, not what the model should learn to write.
+    # BOS is never a label: predicting one document's start from an unrelated one's end teaches
+    # nothing. Nor is a prompt: it is the question, not what the model should learn to write.
     prompt_ids = tokenizer.encode(prompt) if prompt else []
     segments = [([tokenizer.bos_id, *prompt_ids], False)]
     segments.append(([*tokenizer.encode(text), tokenizer.eos_id], True))
@@ -1569,8 +1567,7 @@ def open_data(
 
 
 def open_eval_data(opts, args: ModelArgs, dataset: TokenDataset) -> TokenDataset | None:
-    """--eval-data, checked against the model and the training data: the same tokenizer,
-    and not the training data itself."""
+    """--eval-data, checked against the model and the training data."""
     if not opts.eval_data:
         return None
     held_out = TokenDataset(opts.eval_data)
