@@ -1,5 +1,5 @@
-"""Tokenizers, dataset preparation, the packed, resumable data loader, and opening a training
-run's data (checked against its model and tokenizer).
+"""Turns text into the batches a training run reads: tokenizers, `prepare` (text and JSONL
+files into a dataset directory), the packed, resumable loader, and opening a run's data.
 
 A prepared dataset is a directory of three files:
     tokens.bin     uint32, every document as BOS + tokens + EOS, documents back to back
@@ -13,14 +13,8 @@ A prepared dataset is a directory of three files:
 
     python data.py prepare --input docs/ chat.jsonl --output data/mine [--tokenizer DIR_OR_FILE]
 
-Conversations ({"messages": [{"role": ..., "content": ...}, ...]}) are rendered with the chat
-template of the tokenizer's HF directory (Jinja, sandboxed), or in the chat format of the
-tokenizer's model family where it has none, with loss on the assistant turns only.
-
-The loader cuts the token stream into samples of seq_len + 1 tokens, shuffles them per epoch with
-a seed, and gives each rank a disjoint slice of every step. One global cursor counts the samples
-read by all ranks together, so a run can resume on another number of GPUs and go on reading the
-same samples in the same order.
+The loader (PackedLoader) reads samples in a seeded order through one cursor shared by all
+ranks, so a run can resume on another number of GPUs and read on where it stopped.
 """
 
 import argparse
@@ -55,6 +49,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kernels import IGNORE_INDEX
 from model import (
+    HF_TOKENIZER_FILES,
     SPECIAL_TOKEN_KEYS,
     HFTokenizer,
     ModelArgs,
@@ -80,13 +75,9 @@ Segments = list[tuple[list[int], bool]]
 class Tokenizer(Protocol):
     """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS.
 
-    `render_chat` takes a conversation that `_check_messages` accepted (an optional system
-    message, then user and assistant turns alternating from a user turn) and renders it from
-    its BOS on, labelling the assistant turns' content and end-of-turn token. The loader starts
-    a packed document (positions from 0, its own attention span) at a BOS, but for one that
-    `prepare` found inside a document (a chat template may open every turn with BOS).
-    `chat_prompt` renders a conversation ending in a user turn, then what opens the assistant's
-    answer (the generation prompt): the tokens a model answers from.
+    `render_chat` renders a conversation `_check_messages` accepted from its BOS on, labelling
+    the assistant turns' content and end-of-turn token. `chat_prompt` renders one ending in a
+    user turn, then what opens the assistant's answer (the generation prompt).
     """
 
     name: str  # identifies the tokenizer and its file, recorded in meta.json
@@ -191,8 +182,6 @@ class TiktokenTokenizer:
         self.vocab_size = n + len(specials)
         self.bos_id = specials["<|begin_of_text|>"]
         self.eos_id = specials["<|end_of_text|>"]
-        self._start_header_id = specials["<|start_header_id|>"]
-        self._end_header_id = specials["<|end_header_id|>"]
         self._eot_id = specials["<|eot_id|>"]
         self.pad_id = specials["<|finetune_right_pad_id|>"]
         self._encoding = tiktoken.Encoding(
@@ -214,14 +203,16 @@ class TiktokenTokenizer:
         segments = [([self.bos_id], False)]
         for message in messages:
             role, content = message["role"], message["content"].strip()
-            header = [self._start_header_id, *self.encode(role), self._end_header_id]
-            segments.append(([*header, *self.encode("\n\n")], False))
+            segments.append((self._header(role), False))
             segments.append(([*self.encode(content), self._eot_id], role == "assistant"))
         return segments
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
-        header = [self._start_header_id, *self.encode("assistant"), self._end_header_id]
-        return [*_ids(self.render_chat(messages)), *header, *self.encode("\n\n")]
+        return [*_ids(self.render_chat(messages)), *self._header("assistant")]
+
+    def _header(self, role: str) -> list[int]:
+        start, end = self._specials["<|start_header_id|>"], self._specials["<|end_header_id|>"]
+        return [start, *self.encode(role), end, *self.encode("\n\n")]
 
     def hf_files(self) -> dict[str, bytes]:
         pad = "<|finetune_right_pad_id|>"
@@ -299,20 +290,12 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 # piece of its own: no other piece holds a digit, so " ?\p{N}+" never matches, and a whitespace
 # run before a digit ends its piece as it would end the text ("(?!\S)" sees the piece's end).
 GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
-# What the files beside a tokenizer.json say of its special tokens, and what an export carries.
-HF_TOKENIZER_FILES = [
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-]
 
 
 class ByteLevelBPETokenizer:
     """A Hugging Face tokenizer.json holding a byte-level BPE (Llama 3's, SmolLM2's, GPT-2's),
     encoded by tiktoken: the `tokenizers` package is not needed. Its special tokens and chat
-    template come from the files beside it (tokenizer_config.json, chat_template.jinja,
-    config.json, generation_config.json).
+    template come from the files beside it.
 
     tiktoken merges first the adjacent pair whose joined bytes rank lowest; HF's BPE merges first
     the pair listed first in `merges`. So a merged token ranks by the first merge that makes it,
@@ -325,9 +308,8 @@ class ByteLevelBPETokenizer:
 
     def __init__(self, path: Path, chat_template: Path | None = None):
         data = path.read_bytes()
-        # The file holds a list per merge, 100k and more. Counted as they are made, they set off
-        # the garbage collector's passes over every object of the process (torch's too), slower
-        # than the parse itself: so it is off until they are read and freed.
+        # The 100k and more merge lists would set off the garbage collector's passes over every
+        # object of the process, slower than the parse itself: it is off until they are freed.
         with _gc_paused():
             try:
                 spec = json.loads(data)
@@ -389,8 +371,7 @@ class ByteLevelBPETokenizer:
         self.chat_template = _find_chat_template(path.parent, chat_template, tokens)
 
     def encode(self, text: str) -> list[int]:
-        # Documents are plain text: a special token's name written in one stays characters, as
-        # in the other tokenizers, so data cannot inject structure.
+        # As TiktokenTokenizer.encode: a special token's name in a document stays text.
         return self._encode(text, allowed_special=self._plain_added).tolist()
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -427,7 +408,7 @@ class ByteLevelBPETokenizer:
         (so a --chat-template given to `prepare` is the one the export carries)."""
         files = {"tokenizer.json": self._data}
         for name in HF_TOKENIZER_FILES:
-            if (self._path.parent / name).is_file():
+            if name not in TOKENIZER_FILES and (self._path.parent / name).is_file():
                 files[name] = (self._path.parent / name).read_bytes()
         config = json.loads(files.get("tokenizer_config.json", b"{}"))
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
@@ -520,9 +501,8 @@ def _gc_paused() -> Iterator[None]:
 
 def _split_pattern(path: Path, pre_tokenizer: dict | None) -> str:
     """The regex whose matches (tiktoken splits text by one) are the pieces a tokenizer.json's
-    pre-tokenizer makes. The shapes of the Llama family's files: a Split by a regex then
-    ByteLevel (Llama 3), ByteLevel with GPT-2's regex, Digits then that (SmolLM2, StarCoder),
-    ByteLevel alone (no split, as a byte tokenizer's export)."""
+    pre-tokenizer makes: the shapes the error below lists, or ByteLevel alone (no split, as
+    a byte tokenizer's export)."""
 
     def steps(step: dict) -> list[dict]:
         if step.get("type") == "Sequence":
@@ -590,12 +570,10 @@ def _find_chat_template(
 ) -> "ChatTemplate | None":
     """`given` (a Jinja file), else the directory's chat_template.jinja, else the
     "chat_template" of its tokenizer_config.json (the one named "default" of a list)."""
-    if given is not None:
-        if not given.is_file():
-            raise UsageError(f"chat template file {given} not found")
-        return ChatTemplate(given.read_text(), tokens, str(given))
-    if (directory / "chat_template.jinja").is_file():
-        path = directory / "chat_template.jinja"
+    if given is not None and not given.is_file():
+        raise UsageError(f"chat template file {given} not found")
+    path = given or directory / "chat_template.jinja"
+    if path.is_file():
         return ChatTemplate(path.read_text(), tokens, str(path))
     config_path = directory / "tokenizer_config.json"
     source = read_json(config_path).get("chat_template") if config_path.is_file() else None
@@ -642,9 +620,8 @@ class ChatTemplate:
     def assistant_spans(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text, and each assistant turn's span in it (character offsets):
         from the end of the text of the turns before it with the generation prompt to the end
-        of the text of the turns through it. Both texts must begin the whole one: a template
-        that renders earlier turns otherwise as the conversation grows (one dropping past
-        reasoning) is refused, since its assistant turns cannot be found."""
+        of the text of the turns through it. A template that renders earlier turns otherwise as
+        the conversation grows (one dropping past reasoning) is refused."""
         text = self.render(messages, add_generation_prompt=False)
         spans = []
         for i, message in enumerate(messages):
@@ -696,12 +673,11 @@ def tokenizer_file(directory: str | Path) -> Path | None:
 
 
 def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = None) -> Tokenizer:
-    """None gives the byte tokenizer. A directory (a HF checkpoint, or its tokenizer files) gives
-    its tokenizer.json, else its tokenizer.model, else original/tokenizer.model (Meta's layout).
-    A file: a HF tokenizer.json (byte-level BPE; its special tokens and chat template from the
-    files beside it), a Llama 3 tiktoken ranks file, or a Llama 2 sentencepiece model.
-    `chat_template`: a Jinja file that renders conversations instead of the directory's template
-    (tokenizer.json only: the others have their built-in chat formats)."""
+    """None gives the byte tokenizer; a directory (a HF checkpoint, or its tokenizer files) its
+    first of TOKENIZER_FILES. A file: a HF tokenizer.json (byte-level BPE), a Llama 3 tiktoken
+    ranks file, or a Llama 2 sentencepiece model. `chat_template`: a Jinja file that renders
+    conversations instead of the directory's template (tokenizer.json only: the others have
+    their built-in chat formats)."""
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -769,12 +745,10 @@ def _byte_level_bytes(path: Path, tokens: Iterable[str]) -> list[bytes]:
 def byte_level_bpe_files(
     ranks: dict[bytes, int], specials: dict[str, int], pattern: str | None, pad: str
 ) -> dict[str, bytes]:
-    """tokenizer.json and tokenizer_config.json of a byte-level BPE with tiktoken's `ranks`:
-    the text split by `pattern` (None: not split), each piece's bytes merged pairwise.
-    tiktoken merges first the adjacent pair whose joined bytes have the lowest rank; HF's BPE
-    merges first the pair listed first. So every split of a token into two tokens is listed,
-    ordered by the rank of the token they make. The first special is BOS, the second EOS;
-    `pad` is the special that pads batches."""
+    """tokenizer.json and tokenizer_config.json of a byte-level BPE with tiktoken's `ranks`, the
+    text split by `pattern` (None: not split). ByteLevelBPETokenizer's reading undone: every
+    split of a token into two tokens is a merge, listed by the rank of the token they make.
+    The first special is BOS, the second EOS; `pad` is the special that pads batches."""
     alphabet = _bytes_as_text()
     text = lambda token: "".join(alphabet[b] for b in token)
     splits = sorted(
@@ -883,12 +857,11 @@ def prepare(
     Each input is a text file (one document), a .jsonl file (one document per line: {"text": ...},
     {"prompt": ..., "response": ...} whose prompt gets no loss, or {"messages": [...]}, a
     conversation with loss on its assistant turns), or a directory standing for all its files,
-    sorted. With `seq_len`, a conversation longer than seq_len tokens is split between its
-    exchanges into several documents (`_split_conversation`); other documents stay whole, and
-    the loader cuts every document at the boundaries of its seq_len samples. meta.json counts
-    the splits and the documents still longer than seq_len. `chat_template`: a Jinja file that
-    renders the conversations instead of the tokenizer directory's template. Output is the same
-    for any number of workers (None: one per CPU). The directory appears complete or not at all.
+    sorted. With `seq_len`, conversations longer than seq_len tokens are split
+    (`_split_conversation`); meta.json counts the splits and the documents still longer.
+    `chat_template`: a Jinja file that renders the conversations instead of the tokenizer
+    directory's template. Output is the same for any number of workers (None: one per CPU).
+    The directory appears complete or not at all.
     """
     files = _input_files(inputs)
     output = Path(output_dir).resolve()
@@ -916,7 +889,6 @@ def prepare(
                 longest = max(longest, len(tokens))
                 too_long += seq_len is not None and len(tokens) > seq_len
             progress.update(n_bytes, len(documents), sum(len(t) for t, _ in documents))
-        progress.finish()
         if writer.n_documents == 0:
             raise UsageError(f"no documents in the inputs {[str(f) for f in files]}")
         template = getattr(tokenizer, "chat_template", None)
@@ -1021,7 +993,6 @@ def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
 
 
 def _read_documents(files: list[Path]) -> Iterator[Document]:
-    """Empty files are skipped."""
     for path in files:
         if path.suffix == ".jsonl":
             with open(path, "rb") as f:
@@ -1090,19 +1061,26 @@ def _check_messages(messages: object, where: str) -> list[Message]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def _encode_example(tokenizer: Tokenizer, example: Example, seq_len: int | None) -> list[Encoded]:
-    """The documents of one example: one, or several for a conversation split at seq_len."""
+def _encode_document(
+    tokenizer: Tokenizer, document: Document, seq_len: int | None
+) -> tuple[list[Encoded], int]:
+    """The documents of one example (one, or several for a conversation split at seq_len), with
+    its bytes of input."""
+    example, n_bytes, where = document
     if isinstance(example, list):
-        pieces = [example] if seq_len is None else _split_conversation(tokenizer, example, seq_len)
-        return [_encode_segments(tokenizer.render_chat(p), tokenizer.bos_id) for p in pieces]
+        try:
+            pieces = _split_conversation(tokenizer, example, seq_len)
+            encoded = [_encode_segments(tokenizer.render_chat(p), tokenizer.bos_id) for p in pieces]
+        except UsageError as e:  # a chat template refusing a conversation: name it
+            raise UsageError(f"{where}: {e}") from e
+        return encoded, n_bytes
     prompt, text = example
-    # BOS is never a label: it follows the previous document's last token, and predicting the
-    # start of one document from the end of an unrelated one teaches nothing. Prompt tokens are
-    # the question of an SFT example, not what the model should learn to write.
+    # BOS is never a label: predicting one document's start from an unrelated one's end teaches
+    # nothing. Nor is a prompt: it is the question, not what the model should learn to write.
     prompt_ids = tokenizer.encode(prompt) if prompt else []
     segments = [([tokenizer.bos_id, *prompt_ids], False)]
     segments.append(([*tokenizer.encode(text), tokenizer.eos_id], True))
-    return [_encode_segments(segments, tokenizer.bos_id)]
+    return [_encode_segments(segments, tokenizer.bos_id)], n_bytes
 
 
 def _encode_segments(segments: Segments, bos_id: int) -> Encoded:
@@ -1113,29 +1091,19 @@ def _encode_segments(segments: Segments, bos_id: int) -> Encoded:
     return tokens, mask
 
 
-def _encode_document(
-    tokenizer: Tokenizer, document: Document, seq_len: int | None
-) -> tuple[list[Encoded], int]:
-    example, n_bytes, where = document
-    try:
-        return _encode_example(tokenizer, example, seq_len), n_bytes
-    except UsageError as e:  # a chat template refusing a conversation: name it
-        raise UsageError(f"{where}: {e}") from e
-
-
 def _split_conversation(
-    tokenizer: Tokenizer, messages: list[Message], seq_len: int
+    tokenizer: Tokenizer, messages: list[Message], seq_len: int | None
 ) -> list[list[Message]]:
-    """A conversation rendering to more than seq_len tokens, cut between its exchanges (a user
-    turn and its answer) into pieces of at most seq_len tokens, filled greedily, each led by the
-    system prompt so every piece is a conversation the model could have seen. An exchange longer
-    than seq_len alone stays whole in its piece (the loader cuts it). A trailing user turn
-    without an answer has nothing to learn from alone, so a piece of only that is dropped."""
+    """The conversation, or if it renders to more than seq_len tokens, cut between its exchanges
+    (a user turn and its answer) into pieces of at most seq_len tokens, filled greedily, each
+    led by the system prompt so every piece is a conversation the model could have seen. An
+    exchange longer than seq_len stays whole (the loader cuts it); a piece of only a trailing
+    user turn, with no answer to learn from, is dropped."""
 
     def length(piece: list[Message]) -> int:
         return sum(len(ids) for ids, _ in tokenizer.render_chat(piece))
 
-    if length(messages) <= seq_len:
+    if seq_len is None or length(messages) <= seq_len:
         return [messages]
     system = messages[:1] if messages[0]["role"] == "system" else []
     exchanges = [messages[i : i + 2] for i in range(len(system), len(messages), 2)]
@@ -1150,16 +1118,15 @@ def _split_conversation(
 
 
 _worker_tokenizer: Tokenizer | None = None  # each pool process loads its own from the path
-_worker_seq_len: int | None = None
 
 
-def _init_worker(loading: tuple, seq_len: int | None) -> None:
-    global _worker_tokenizer, _worker_seq_len
-    _worker_tokenizer, _worker_seq_len = load_tokenizer(*loading), seq_len
+def _init_worker(loading: tuple) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = load_tokenizer(*loading)
 
 
-def _encode_chunk(chunk: list[Document]) -> list[tuple[list[Encoded], int]]:
-    return [_encode_document(_worker_tokenizer, doc, _worker_seq_len) for doc in chunk]
+def _encode_chunk(chunk: list[Document], seq_len: int | None) -> list[tuple[list[Encoded], int]]:
+    return [_encode_document(_worker_tokenizer, doc, seq_len) for doc in chunk]
 
 
 def _encode_all(
@@ -1175,10 +1142,10 @@ def _encode_all(
     if workers == 1:
         yield from (_encode_document(tokenizer, doc, seq_len) for doc in documents)
         return
-    with multiprocessing.Pool(workers, _init_worker, (loading, seq_len)) as pool:
+    with multiprocessing.Pool(workers, _init_worker, (loading,)) as pool:
         pending = deque()
         for chunk in _chunks(documents, max_bytes=1 << 20):
-            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            pending.append(pool.apply_async(_encode_chunk, (chunk, seq_len)))
             if len(pending) >= 2 * workers:
                 yield from pending.popleft().get()
         while pending:
@@ -1216,21 +1183,15 @@ class _Progress:
         if time.perf_counter() - self.last_draw >= 0.25:
             self._draw()
 
-    def finish(self) -> None:
-        self.done_bytes = self.total_bytes  # blank JSONL lines are never counted
-        self._draw()
-        self.end_line()
-
     def __enter__(self) -> "_Progress":
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.end_line()  # after an error too, which then gets a line of its own
-
-    def end_line(self) -> None:
-        if self.last_draw:
+    def __exit__(self, error_type: type | None, *_: object) -> None:
+        if error_type is None:
+            self.done_bytes = self.total_bytes  # blank JSONL lines are never counted
+            self._draw()
+        if self.last_draw:  # after an error too, which then gets a line of its own
             sys.stderr.write("\n")
-            self.last_draw = 0.0
 
     def _draw(self) -> None:
         self.last_draw = time.perf_counter()
@@ -1290,16 +1251,12 @@ class TokenDataset:
             raise UsageError(f"{meta_path}: " + "; ".join(problems))
         self.n_tokens: int = self.meta["n_tokens"]
         self.bos_id: int = self.meta["bos_id"]
-        self.eos_id: int = self.meta["eos_id"]
         self.tokens = self._map("tokens.bin", np.uint32)
         self.loss_mask = self._map("loss_mask.bin", np.uint8)
-        self._max_token_id: int | None = None
 
     @property
     def is_sft(self) -> bool:
-        """Whether the documents are SFT examples (prompt/response pairs, conversations): packed
-        side by side, they should not attend to each other. Datasets from before the "sft"
-        field were prepared from text."""
+        """meta.json's "sft"; datasets from before the field were prepared from text."""
         return bool(self.meta.get("sft", False))
 
     def _map(self, name: str, dtype: type) -> np.ndarray:
@@ -1318,12 +1275,8 @@ class TokenDataset:
         return np.memmap(file, dtype=dtype, mode="r")
 
     def max_token_id(self) -> int:
-        if self._max_token_id is None:
-            chunk = 1 << 26  # 256 MB of uint32 at a time: flat memory on datasets larger than RAM
-            self._max_token_id = max(
-                int(self.tokens[i : i + chunk].max()) for i in range(0, self.n_tokens, chunk)
-            )
-        return self._max_token_id
+        chunk = 1 << 26  # 256 MB of uint32 at a time: flat memory on datasets larger than RAM
+        return max(int(self.tokens[i : i + chunk].max()) for i in range(0, self.n_tokens, chunk))
 
     def has_labels(self) -> bool:
         """Whether any token past the first may be a label (the first never is one)."""
@@ -1344,9 +1297,9 @@ class TokenDataset:
                 f"the dataset has {self.n_tokens:,} tokens, one sample of seq_len {seq_len} "
                 f"needs {seq_len + 1:,}"
             )
-        if self.n_tokens and self.max_token_id() >= vocab_size:
+        if self.n_tokens and (max_token_id := self.max_token_id()) >= vocab_size:
             problems.append(
-                f"token id {self.max_token_id():,} in tokens.bin is >= the model's vocab_size "
+                f"token id {max_token_id:,} in tokens.bin is >= the model's vocab_size "
                 f"{vocab_size:,} (the dataset's tokenizer is {self.meta['tokenizer']} with "
                 f"vocab_size {self.meta['vocab_size']:,})"
             )
@@ -1582,7 +1535,7 @@ def open_data(
     if opts.data:
         dataset = TokenDataset(opts.data)
     else:
-        if is_main:  # prepared once, by one process
+        if is_main:
             default_corpus(CACHE)
         dist.barrier()
         dataset = TokenDataset(default_corpus(CACHE))
@@ -1614,8 +1567,7 @@ def open_data(
 
 
 def open_eval_data(opts, args: ModelArgs, dataset: TokenDataset) -> TokenDataset | None:
-    """--eval-data, checked against the model and the training data: the same tokenizer,
-    and not the training data itself."""
+    """--eval-data, checked against the model and the training data."""
     if not opts.eval_data:
         return None
     held_out = TokenDataset(opts.eval_data)
