@@ -140,7 +140,8 @@ def init_distributed() -> Dist:
 
 
 # ----------------------------------------------------------------------------------------
-# Strategies: how parameters, gradients and optimizer state are laid out over the ranks
+# FSDP: the strategies (how parameters, gradients and optimizer state are laid out over the
+# ranks), their mesh, sharding the model, filling its shards, and the global gradient norm
 # ----------------------------------------------------------------------------------------
 
 
@@ -198,11 +199,6 @@ def build_mesh(strategy: str, dist: Dist) -> DeviceMesh:
     )
 
 
-# ----------------------------------------------------------------------------------------
-# FSDP
-# ----------------------------------------------------------------------------------------
-
-
 def apply_fsdp(
     model: Llama,
     mesh: DeviceMesh,
@@ -257,16 +253,6 @@ def apply_fsdp(
                 module.set_force_sum_reduction_for_comms(True)
 
 
-def local_rows(param: DTensor) -> tuple[int, int]:
-    """[start, stop) of dim 0 that this rank holds of a sharded parameter. FSDP2 shards
-    dim 0 like torch.chunk: ceil(n / shards) rows each, so the last ranks may hold fewer
-    rows or none (their local tensor is then padded by FSDP, not by us)."""
-    shape, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
-    )
-    return offset[0], offset[0] + shape[0]
-
-
 @torch.no_grad()
 def materialize(
     model: Llama,
@@ -288,8 +274,12 @@ def materialize(
     model.to_empty(device="cpu" if cpu_offload else dist.device)
 
     def copy_rows(param: DTensor, tensor_slice) -> None:
-        start, stop = local_rows(param)
-        param.to_local().copy_(tensor_slice[start:stop])
+        # FSDP2 shards dim 0 like torch.chunk: ceil(n / shards) rows each, so the last ranks
+        # may hold fewer rows or none.
+        shape, start = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        param.to_local().copy_(tensor_slice[start[0] : start[0] + shape[0]])
 
     def agree(nonfinite: list[str]) -> list[str]:  # each rank checked the rows it read
         found = [None] * dist.world_size
@@ -694,7 +684,14 @@ class Checkpointer:
     def restore(self, path: Path, saved: dict, optimizer, loader) -> int:
         """Loads the checkpoint at `path`, whose train_state is `saved` (find_checkpoint's),
         into the optimizer, the loader and the random state; returns its step."""
-        load_checkpoint(path, optimizer)
+        state = optimizer.state_dict()
+        # Fills the tensors in place, resharding if the world size changed.
+        try:
+            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+        except CheckpointException as e:  # a BaseException: `except Exception` lets it through
+            failures = "; ".join(f"rank {r}: {error}" for r, (error, _) in e.failures.items())
+            raise UsageError(f"checkpoint {path} could not be read: {failures}") from None
+        optimizer.load_state_dict(state)
         loader.load_state_dict(saved["loader"])
         set_rng_state(saved["rng"], self.world.device)
         self.last = path
@@ -748,17 +745,6 @@ def tensor_shapes(state: dict, prefix: str = "") -> dict[str, list[int]]:
         elif isinstance(value, torch.Tensor):
             shapes[f"{prefix}{key}"] = list(value.shape)
     return shapes
-
-
-def load_checkpoint(path: Path, optimizer) -> None:
-    state = optimizer.state_dict()
-    # Fills the tensors in place, resharding if the world size changed.
-    try:
-        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    except CheckpointException as e:  # a BaseException: `except Exception` lets it through
-        failures = "; ".join(f"rank {r}: {error}" for r, (error, _) in e.failures.items())
-        raise UsageError(f"checkpoint {path} could not be read: {failures}") from None
-    optimizer.load_state_dict(state)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -1436,14 +1422,6 @@ def default_batch_tokens(args: ModelArgs) -> int:
     return SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS
 
 
-def batch_asked(opts, args: ModelArgs) -> int | None:
-    """The tokens per step asked for, if they were (or the default), else None: the batch
-    is then --micro-batch x --grad-accum. `opts`: train.Options, here and below."""
-    if opts.micro_batch and opts.grad_accum:
-        return opts.batch_tokens
-    return opts.batch_tokens or default_batch_tokens(args)
-
-
 def host_memory_gib() -> float:
     """Memory this host can give a run: MemAvailable, within the cgroup's limit if one is
     set (a container or a SLURM job sees the whole machine's /proc/meminfo)."""
@@ -1505,7 +1483,8 @@ def measured_memory(steps: int, device: torch.device) -> dict:
 
 
 def wanted_fields(opts) -> dict:
-    """The planned fields the options set: the planner keeps them."""
+    """The planned fields the options (train.Options, here and below) set: the planner
+    keeps them."""
     return {name: getattr(opts, name) for name in PLANNED if getattr(opts, name) is not None}
 
 
@@ -1588,10 +1567,11 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
     return problems
 
 
-def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bool]:
-    """Sequences per rank (per context-parallel group) per step, and whether the user fixed
-    them: --batch-tokens (or its default) in whole sequences, or --micro-batch x
-    --grad-accum when both are given."""
+def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bool, int | None]:
+    """Sequences per rank (per context-parallel group) per step, whether the user fixed
+    them, and the tokens per step asked for: --batch-tokens (or its default) in whole
+    sequences; or --micro-batch x --grad-accum when both are given, the tokens then asked
+    only by --batch-tokens."""
     cp = opts.context_parallel
     per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
     if opts.micro_batch and opts.grad_accum:
@@ -1602,10 +1582,10 @@ def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bo
                 f"--grad-accum {opts.grad_accum} x {count(machine.world_size // cp, 'process')}"
                 f" x --seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
             )
-        return sequences, True
+        return sequences, True, opts.batch_tokens
     batch = opts.batch_tokens or default_batch_tokens(args)
     batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
-    return max(1, round(batch / per_sequence)), batch_is_fixed
+    return max(1, round(batch / per_sequence)), batch_is_fixed, batch
 
 
 def make_plan(
@@ -1618,10 +1598,10 @@ def make_plan(
     long_documents: bool = True,
 ) -> Plan:
     """The plan of the run: what the options set, and the fastest choice for the rest that
-    fits `machine` (choose_plan; on the CPU, only the micro-batch is chosen), with what it
-    was made for. `lora`: train.lora_config(opts), built once there."""
+    fits `machine` (choose_plan), with what it was made for. `lora`:
+    train.lora_config(opts), built once there."""
     wanted = wanted_fields(opts)
-    sequences, batch_is_fixed = sequences_per_step(opts, args, machine)
+    sequences, batch_is_fixed, asked = sequences_per_step(opts, args, machine)
     base = base_plan(opts, machine, document_mask, lora, long_documents)
     plan = choose_plan(args, machine, base, wanted, sequences, batch_is_fixed, opts.grad_clip)
     return dataclasses.replace(
@@ -1629,7 +1609,7 @@ def make_plan(
         machine=machine,
         estimate=estimate_memory(args, plan),
         planned=tuple(name for name in PLANNED if name not in wanted),
-        tokens_per_step_asked=batch_asked(opts, args),
+        tokens_per_step_asked=asked,
         seconds_per_step=step_seconds(args, plan, GPU_FLOPS if machine.gpu_gib else CPU_FLOPS),
     )
 
@@ -1687,11 +1667,8 @@ def candidate_plans(
     grad_clip: float | None = None,
 ) -> list[Plan]:
     """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
-    the user set) and that plan_problems allows, fastest first by step_seconds; at equal
-    time, the larger micro-batch, then the larger MLP tile; partial activation offload
-    after the others, and the optimizer in backward after all those. On the CPU only the
-    micro-batch is planned: no checkpointing, tiling or offload unless asked (there is no
-    GPU memory to save)."""
+    the user set) and that plan_problems allows, in the order the planner tries them. On
+    the CPU only the micro-batch is planned: there is no GPU memory to save."""
     on_gpu = machine.gpu_gib is not None
 
     def options(name: str, planned: tuple) -> tuple:
@@ -1731,6 +1708,7 @@ def candidate_plans(
         and not plan_problems(args, p, grad_clip)
     ]  # fmt: skip
     # The optimizer in backward last, whatever its speed: it rules out gradient clipping.
+    # Partial offload after the plans without it: none has been measured against them.
     return sorted(
         plans,
         key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,
@@ -1740,12 +1718,9 @@ def candidate_plans(
 
 def partial_offload(args: ModelArgs, plan: Plan, machine: Machine) -> list[Plan]:
     """`plan` (activation offload of all blocks but the last) with only the first N blocks
-    offloaded, N the most whose activations the host holds, for a host that cannot hold
-    them all; none where it can, or where it cannot hold even the rest of the plan. Ranked
-    after the plans without it (no partial offload has been measured against them); the
-    most blocks the host holds leave the GPU the most room, and the GPU's estimate is the
-    one that misses low with activation offload. The host's bytes grow with N (each block's
-    saved activations), so a bisection finds it in a few estimates."""
+    offloaded, N the most whose activations the host holds (leaving the GPU the most room),
+    for a host that cannot hold them all; none where it can, or where it cannot hold even
+    the rest of the plan. The host's bytes grow with N, so a bisection finds it."""
     host_usable = (1 - HOST_MARGIN) * machine.host_gib
 
     def host_fits(n: int) -> bool:
@@ -1770,13 +1745,12 @@ def choose_plan(
     batch_is_fixed: bool,
     grad_clip: float | None = None,
 ) -> Plan:
-    """The fastest plan (candidate_plans' order) whose estimate fits `machine` with the
-    margins above, for `sequences` per rank per step. `base` holds what is not planned
-    (seq_len, strategy, dtype, kernels...), `wanted` the planned fields the user set,
-    which are kept. When the batch was not set (`batch_is_fixed` False) and nothing fits,
-    one sequence per rank per step is tried: without accumulation, whose gradients take
-    memory, and where the optimizer in backward can run. Raises ValueError naming the
-    largest terms of the smallest plan, and what would make a plan fit."""
+    """The first of candidate_plans whose estimate fits `machine` with the margins above.
+    `base` holds what is not planned (seq_len, strategy, dtype, kernels...). When the batch
+    was not set (`batch_is_fixed` False) and nothing fits, one sequence per rank per step is
+    tried: without accumulation, whose gradients take memory, and where the optimizer in
+    backward can run. Raises ValueError naming the largest terms of the closest plan, and
+    what would make a plan fit."""
     base = dataclasses.replace(
         base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
     )
