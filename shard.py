@@ -241,9 +241,8 @@ def apply_fsdp(
         fully_shard([model.norm, model.output], reshard_after_forward=False, **common)
     # The root is needed again right at the start of backward: keep it gathered.
     fully_shard(model, reshard_after_forward=False, **common)
-    # Gradients SUMMED over ranks: train.py divides each rank's summed loss by the global
-    # count of target tokens, so the step is the one a single process would take on the
-    # whole batch. A plain SUM collective, which gloo supports too (a divide factor alone
+    # Gradients SUMMED over ranks (train.py divides the loss by the global count of target
+    # tokens), by a plain SUM collective, which gloo supports too (a divide factor alone
     # would use NCCL's PREMUL_SUM). With one rank the default already sums, and a factor
     # would cost a gradient-sized temporary.
     if mesh.size() > 1:
@@ -323,10 +322,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def context_parallel_group(dist: Dist, n: int) -> torch_dist.ProcessGroup | None:
-    """The group of ranks that share this rank's sequences: N consecutive ranks, so with
-    torchrun's numbering (a node's ranks are consecutive) a group never spans nodes. The
-    mesh is ("data", "context"); together with build_mesh's (replicate, shard) over the same
-    ranks, the layout is (replicate across nodes) x (shard) x (context). None when n is 1."""
+    """The group of ranks that share this rank's sequences, None when n is 1: N consecutive
+    ranks, so with torchrun's numbering (a node's ranks are consecutive) a group never spans
+    nodes, and FSDP's mesh (build_mesh) shards over the same ranks."""
     check_context_parallel_ranks(n, dist.world_size, dist.local_world_size)
     if n == 1:
         return None
@@ -540,10 +538,8 @@ def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path
 
 
 def check_checkpoint(path: Path) -> dict:
-    """The train_state of the checkpoint at `path`, once its files are checked, from their
-    sizes and headers alone: train_state.json, the shards it was saved with (each present,
-    of the size it had, none added) and in them, float tensors making up each tensor it
-    saved, whole. One UsageError naming the checkpoint and every problem, so that a damaged
+    """The train_state of the checkpoint at `path`, once its files are checked from their
+    sizes and headers alone: one UsageError naming every problem, so that a damaged
     checkpoint is refused before anything is loaded."""
     state_path = path / "train_state.json"
     if not path.is_dir():
