@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.api import CheckpointException
@@ -288,7 +287,7 @@ def materialize(
     fill_weights(model, seed, dist.device, hf_path, copy_rows, progress, lora, lora_adapter, agree)
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Scales all gradients so that their global L2 norm is at most `max_norm` (only
     computes it when max_norm <= 0) and returns that norm as a plain 0-dim tensor.
     full_tensor() reduces the ranks' partial sums of squares, so all clip by the same norm."""
@@ -1504,7 +1503,6 @@ def base_plan(
         lora=lora,
         document_mask=document_mask,
         long_documents=long_documents,
-        offload_blocks=opts.offload_blocks,
         context_parallel=opts.context_parallel,
     )
 
