@@ -151,11 +151,8 @@ class Strategy:
 
 
 STRATEGIES: dict[str, Strategy] = {
-    # Blocks re-gathered in backward.
     "FULL_SHARD": Strategy("world", reshard_after_forward=True),
-    # Gathered blocks kept from forward to backward.
     "SHARD_GRAD_OP": Strategy("world", reshard_after_forward=False),
-    # FULL_SHARD within a node, replicated across nodes.
     "HYBRID_SHARD": Strategy("node", reshard_after_forward=True),
     # Plain data parallelism. Resharding with a shard dim of 1 is a local copy in backward,
     # cheaper than keeping every block's param_dtype copy from forward to backward.
