@@ -1,12 +1,11 @@
-"""How the model and its training state are spread over processes and memory: FSDP2
-(`torch.distributed.fsdp.fully_shard`) and what it needs (the process group, the device
-mesh, materializing a meta-built model shard by shard, a global gradient norm), context
-parallelism (the ranks of a group share each sequence), the sharded optimizer, the DCP
-checkpoints of its state in the run directory that one live run holds, and the exports
-gathered from the shards; then, last, the memory estimate of a run's plan and the planner
-that picks the fastest plan whose estimate fits the machine.
+"""Spreads the model and its training state over processes and memory with FSDP2
+(`torch.distributed.fsdp.fully_shard`), and holds what that needs: the process group and
+device mesh, a meta-built model filled shard by shard, the global gradient norm, context
+parallelism (the ranks of a group share each sequence), the sharded optimizer, its DCP
+checkpoints in the run directory, and exports gathered from the shards. Last, apart: the
+memory estimate of a run's plan and the planner that picks the fastest plan that fits.
 
-train.apply_techniques applies them, in the one order in which they compose:
+train.apply_techniques applies them in the one order in which they compose:
 
     dist = init_distributed()
     with torch.device("meta"):
@@ -16,18 +15,7 @@ train.apply_techniques applies them, in the one order in which they compose:
     materialize(model, dist, seed=0)            # or hf_path=...
 
 Multi-node runs need no code here: torchrun's rendezvous flags (`--nnodes`, `--node-rank`,
-`--rdzv-backend c10d --rdzv-endpoint host:port`) set RANK, WORLD_SIZE, LOCAL_RANK and
-LOCAL_WORLD_SIZE on every process, and `init_distributed` reads them.
-
-Gradient accumulation: train.py calls `model.set_requires_gradient_sync(is_last_microbatch)`
-before each micro-batch's backward, so gradients are reduce-scattered once per step rather
-than once per micro-batch. The price: between micro-batches each rank keeps its UNSHARDED
-gradients in fp32 (4 bytes per parameter, not divided by the world size), which
-`estimate_memory` counts for a plan with grad_accum > 1.
-
-Gradients are SUMMED over the data-parallel ranks (divide factor 1): train.py divides each
-rank's summed loss by the global number of target tokens, which makes the step exactly the
-one a single process would take on the whole batch.
+`--rdzv-backend c10d --rdzv-endpoint host:port`) set the variables `init_distributed` reads.
 """
 
 import dataclasses
@@ -47,7 +35,6 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.api import CheckpointException
@@ -125,9 +112,7 @@ def init_distributed() -> Dist:
     """Joins the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE), or makes a group of one for a plain `python train.py`, so that
     `fully_shard` and the rest of this file run the same way with one process or many.
-
-    With CUDA each process takes GPU `local_rank`; the backend is NCCL for CUDA tensors
-    and gloo for CPU tensors (the norm of gradients that CPU offload keeps on the host)."""
+    gloo also serves CUDA runs: the norm of the gradients that CPU offload keeps on the host."""
     check_gpus()
     env = os.environ
     rank = int(env.get("RANK", 0))
@@ -154,7 +139,8 @@ def init_distributed() -> Dist:
 
 
 # ----------------------------------------------------------------------------------------
-# Strategies: how parameters, gradients and optimizer state are laid out over the ranks
+# FSDP: the strategies (how parameters, gradients and optimizer state are laid out over the
+# ranks), their mesh, sharding the model, filling its shards, and the global gradient norm
 # ----------------------------------------------------------------------------------------
 
 
@@ -162,24 +148,15 @@ def init_distributed() -> Dist:
 class Strategy:
     shard_over: str  # "world", "node" (replicate across nodes) or "none" (replicate all)
     reshard_after_forward: bool  # free each block's gathered weights after its forward
-    doc: str
 
 
 STRATEGIES: dict[str, Strategy] = {
-    "FULL_SHARD": Strategy(
-        "world", True, "shard everything over all ranks; blocks re-gathered in backward"
-    ),
-    "SHARD_GRAD_OP": Strategy(
-        "world", False, "shard over all ranks; gathered blocks kept from forward to backward"
-    ),
-    "HYBRID_SHARD": Strategy(
-        "node", True, "FULL_SHARD within a node, replicated across nodes (mesh replicate x shard)"
-    ),
-    # Resharding with a shard dim of 1 is a local copy in backward, cheaper than keeping
-    # every block's param_dtype copy (2 bytes per parameter) from forward to backward.
-    "NO_SHARD": Strategy(
-        "none", True, "plain data parallelism: a shard dim of size 1, every rank holds all"
-    ),
+    "FULL_SHARD": Strategy("world", reshard_after_forward=True),
+    "SHARD_GRAD_OP": Strategy("world", reshard_after_forward=False),
+    "HYBRID_SHARD": Strategy("node", reshard_after_forward=True),
+    # Plain data parallelism. Resharding with a shard dim of 1 is a local copy in backward,
+    # cheaper than keeping every block's param_dtype copy from forward to backward.
+    "NO_SHARD": Strategy("none", reshard_after_forward=True),
 }
 
 
@@ -218,11 +195,6 @@ def build_mesh(strategy: str, dist: Dist) -> DeviceMesh:
     )
 
 
-# ----------------------------------------------------------------------------------------
-# FSDP
-# ----------------------------------------------------------------------------------------
-
-
 def apply_fsdp(
     model: Llama,
     mesh: DeviceMesh,
@@ -235,16 +207,13 @@ def apply_fsdp(
     """Shards `model` in place: each TransformerBlock is one FSDP unit (one all-gather and
     one reduce-scatter), then [norm, output] when the embeddings are untied, then the root,
     which keeps the rest (tok_embeddings, which a tied model also uses as its output).
+    Master weights, gradients and optimizer state stay fp32 and sharded (on the host with
+    `cpu_offload`, where the optimizer then steps); forward and backward run on
+    `param_dtype` copies gathered per unit.
 
-    Master weights, gradients and optimizer state stay fp32 (sharded); forward and backward
-    run on `param_dtype` copies gathered per unit, and gradients are reduced in
-    `reduce_dtype`. With `cpu_offload` the sharded fp32 state lives in host memory, pinned
-    with CUDA unless `pin_memory` is False, and the optimizer steps on the CPU.
-
-    Prefetching is left to FSDP2's defaults: in forward the CPU runs ahead of the GPU, so
-    the next block's all-gather is issued while the current block computes, and backward
-    prefetches one block ahead. Explicit prefetch lists only help when the CPU cannot run
-    ahead (host syncs inside the step), which longtune's loop avoids."""
+    Prefetching is left to FSDP2's defaults, the next block's all-gather issued while this
+    one computes: explicit prefetch lists help only when host syncs inside the step keep
+    the CPU from running ahead of the GPU, which the loop avoids."""
     policy = _strategy(strategy)
     # cast_forward_inputs=False: the blocks get RoPE's inv_freq (fp32) as an input, and
     # rounding it to bf16 would shift the angles of long positions; the activations are
@@ -268,24 +237,15 @@ def apply_fsdp(
         fully_shard([model.norm, model.output], reshard_after_forward=False, **common)
     # The root is needed again right at the start of backward: keep it gathered.
     fully_shard(model, reshard_after_forward=False, **common)
-    # Gradients summed over ranks (see the file docstring) by a plain SUM collective, which
-    # gloo supports too (a divide factor alone would use NCCL's PREMUL_SUM). With one rank
-    # the default already sums, and a factor would cost a gradient-sized temporary.
+    # Gradients SUMMED over ranks (train.py divides the loss by the global count of target
+    # tokens), by a plain SUM collective, which gloo supports too (a divide factor alone
+    # would use NCCL's PREMUL_SUM). With one rank the default already sums, and a factor
+    # would cost a gradient-sized temporary.
     if mesh.size() > 1:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
-
-
-def local_rows(param: DTensor) -> tuple[int, int]:
-    """[start, stop) of dim 0 that this rank holds of a sharded parameter. FSDP2 shards
-    dim 0 like torch.chunk: ceil(n / shards) rows each, so the last ranks may hold fewer
-    rows or none (their local tensor is then padded by FSDP, not by us)."""
-    shape, offset = compute_local_shape_and_global_offset(
-        param.shape, param.device_mesh, param.placements
-    )
-    return offset[0], offset[0] + shape[0]
 
 
 @torch.no_grad()
@@ -300,24 +260,21 @@ def materialize(
     lora_adapter: str | os.PathLike | None = None,
 ) -> None:
     """Allocates the sharded parameters of a meta-built, `apply_fsdp`-ed model (on the host
-    when `cpu_offload`, which must match apply_fsdp's) and fills them: from a Hugging Face
-    checkpoint, each rank reading only its own rows, or from `model.initial_value`.
-
-    Init computes each parameter's full initial tensor on the rank's device and keeps this
-    rank's rows, so the weights equal an unsharded `init_weights(seed)` on that device for
-    any number of ranks, with or without CPU offload. A checkpoint that does not fit the
-    model raises the same ValueError on every rank (it is checked from config and headers,
-    the same files on every rank) before anything is read, and nothing here communicates,
-    so no rank is left waiting in a collective.
-
-    With LoRA (model.apply_lora) the adapters come from `lora_adapter` (a PEFT adapter
-    directory, with `lora` its config) or from their initial values; a 4-bit base is
-    quantized tensor by tensor as it is read or initialized, each rank keeping its rows."""
+    when `cpu_offload`, which must match apply_fsdp's) and fills them (model.fill_weights),
+    each rank keeping only its own rows: of a Hugging Face checkpoint and a PEFT adapter,
+    or of each parameter's whole initial value, so the weights are the same for any number
+    of ranks. A checkpoint that does not fit the model raises the same error on every rank
+    (it is checked from config and headers) before anything is read, so no rank is left
+    waiting in a collective."""
     model.to_empty(device="cpu" if cpu_offload else dist.device)
 
     def copy_rows(param: DTensor, tensor_slice) -> None:
-        start, stop = local_rows(param)
-        param.to_local().copy_(tensor_slice[start:stop])
+        # FSDP2 shards dim 0 like torch.chunk: ceil(n / shards) rows each, so the last ranks
+        # may hold fewer rows or none.
+        shape, start = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        param.to_local().copy_(tensor_slice[start[0] : start[0] + shape[0]])
 
     def agree(nonfinite: list[str]) -> list[str]:  # each rank checked the rows it read
         found = [None] * dist.world_size
@@ -327,11 +284,10 @@ def materialize(
     fill_weights(model, seed, dist.device, hf_path, copy_rows, progress, lora, lora_adapter, agree)
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Scales all gradients so that their global L2 norm is at most `max_norm` (only
     computes it when max_norm <= 0) and returns that norm as a plain 0-dim tensor.
-    Each rank sums the squares of its shards; DTensor's full_tensor() reduces the partial
-    sums over the mesh, so every rank sees (and clips by) the same global norm."""
+    full_tensor() reduces the ranks' partial sums of squares, so all clip by the same norm."""
     params = [p for p in model.parameters() if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
     if isinstance(total, DTensor):
@@ -354,21 +310,17 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
 # would keep the heads and pass key/value blocks around the ring, but it needs its own
 # kernel loop, and a document mask would have to be split into blocks across ranks; here
 # both kernels stay as they are. The cost: 4 all-to-alls of S/N x d per block and forward
-# (q, k, v, out), inside a node (NVLink). The limit: N must divide the query heads, and
-# the key/value heads too, or be a multiple of them (each is then repeated, so every rank
-# gets one).
+# (q, k, v, out), inside a node (NVLink).
 #
-# FSDP is unaffected: it shards over all the ranks as before (a context-parallel rank holds
-# a parameter shard like any other), and summing the gradients over all ranks sums each
-# token's contribution once, because each token lives on one rank. train.py divides the
-# summed loss by the labelled tokens of all ranks, each counted once too.
+# FSDP is unaffected: it shards over all the ranks as before, and summing the gradients
+# over all ranks sums each token's contribution once, because each token lives on one rank
+# (and is counted once in the labelled tokens train.py divides the loss by).
 
 
 def context_parallel_group(dist: Dist, n: int) -> torch_dist.ProcessGroup | None:
-    """The group of ranks that share this rank's sequences: N consecutive ranks, so with
-    torchrun's numbering (a node's ranks are consecutive) a group never spans nodes. The
-    mesh is ("data", "context"); together with build_mesh's (replicate, shard) over the same
-    ranks, the layout is (replicate across nodes) x (shard) x (context). None when n is 1."""
+    """The group of ranks that share this rank's sequences, None when n is 1: N consecutive
+    ranks, so with torchrun's numbering (a node's ranks are consecutive) a group never spans
+    nodes, and FSDP's mesh (build_mesh) shards over the same ranks."""
     check_context_parallel_ranks(n, dist.world_size, dist.local_world_size)
     if n == 1:
         return None
@@ -387,7 +339,6 @@ def check_context_parallel_ranks(n: int, world_size: int, ranks_per_node: int) -
 
 
 def check_context_parallel(args: ModelArgs, n: int) -> None:
-    """Refuses what the head split cannot do, naming the heads and what N must be."""
     kv_ok = args.n_kv_heads % n == 0 or n % args.n_kv_heads == 0
     if args.n_heads % n or not kv_ok:
         raise UsageError(
@@ -473,15 +424,10 @@ def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **
 
 def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) -> None:
     """Makes `model` take this rank's slice of each row (tokens, labels and positions
-    [B, S/N]) and attend over the whole row, as the section's comment describes. The model
-    code stays as it is: Attention.attend, Llama.attention_mask and Llama.forward (for calls
-    with whole rows) are wrapped on the instances (like offload.apply_mlp_tiling), so
-    parameter names and checkpoints do not change, and model.py holds no process group or
-    collective (a group attribute on Attention would put both there, for a seam three
-    methods already give). Applied after activation checkpointing (train.apply_techniques),
-    whose kept attention then sits inside the all-to-alls (it keeps the kernel's output).
-    The wrappers run inside the blocks' forward, so a checkpointed block redoes its
-    all-to-alls when it is recomputed."""
+    [B, S/N]) and attend over the whole row. Attention.attend, Llama.attention_mask and
+    Llama.forward (for calls with whole rows) are wrapped on the instances, as
+    offload.apply_mlp_tiling does, so parameter names and checkpoints do not change and
+    model.py holds no process group or collective."""
     if group is None:
         return
     check_context_parallel(model.args, group.size())
@@ -495,13 +441,9 @@ def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) 
 
 
 # ----------------------------------------------------------------------------------------
-# The run directory (--run-dir: one live run's, never a directory of the user's files), and
-# the sharded state's checkpoints in it: run_dir/checkpoints/step-XXXXXX, a DCP directory
-# (model and optimizer shards as safetensors, resharded on load, so another world size can
-# resume) plus train_state.json (step, data cursor, RNG, what the run was, to refuse
-# resuming a different one, and the size of each shard and shape of each tensor, to refuse
-# a damaged one); `resume_options`, what a resumed run keeps of the saved one. Last, the exports
-# (--export-hf, --export-adapter): the whole tensors, gathered from the shards.
+# The run directory (--run-dir), its checkpoints of the sharded state
+# (run_dir/checkpoints/step-XXXXXX, resharded on load, so another world size can resume),
+# and the exports (--export-hf, --export-adapter), gathered from the shards
 # ----------------------------------------------------------------------------------------
 
 # What a run writes into --run-dir; a directory that holds none of them is someone else's.
@@ -592,10 +534,8 @@ def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path
 
 
 def check_checkpoint(path: Path) -> dict:
-    """The train_state of the checkpoint at `path`, once its files are checked, from their
-    sizes and headers alone: train_state.json, the shards it was saved with (each present,
-    of the size it had, none added) and in them, float tensors making up each tensor it
-    saved, whole. One UsageError naming the checkpoint and every problem, so that a damaged
+    """The train_state of the checkpoint at `path`, once its files are checked from their
+    sizes and headers alone: one UsageError naming every problem, so that a damaged
     checkpoint is refused before anything is loaded."""
     state_path = path / "train_state.json"
     if not path.is_dir():
@@ -663,8 +603,7 @@ def resume_options(opts, given: frozenset[str], saved: dict, data_parallel: int,
     (max steps) unless this command gives --batch-tokens, --micro-batch or --grad-accum (the
     batch), --max-steps or --max-tokens (the schedule): on another number of processes the
     plan splits the same batch into micro-batches and accumulation. `data_parallel`: the
-    ranks that read rows of their own (those of a context-parallel group share theirs).
-    One line says what is kept and what changes."""
+    ranks that read rows of their own (those of a context-parallel group share theirs)."""
     saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
     said = []
     if given & {"batch_tokens", "micro_batch", "grad_accum"}:
@@ -721,9 +660,8 @@ class Checkpointer:
     """Saves the run every `interval` steps, at its last step and when it stops on a signal
     (`due`), keeping the last `keep`; `last` is the newest saved or resumed from. A
     checkpoint holds the optimizer's state (the weights with it), and in train_state.json
-    the step, the loader's cursor, the random state and `record` (what the run is: "run"
-    and "options"). Rank 0 writes train_state.json and renames the directory into place
-    once every rank's shards are in; `restore` loads it all back."""
+    the step, the loader's cursor, the random state and `record` (what the run is: "run",
+    which check_resumable compares, and "options")."""
 
     root: Path
     interval: int
@@ -738,7 +676,14 @@ class Checkpointer:
     def restore(self, path: Path, saved: dict, optimizer, loader) -> int:
         """Loads the checkpoint at `path`, whose train_state is `saved` (find_checkpoint's),
         into the optimizer, the loader and the random state; returns its step."""
-        load_checkpoint(path, optimizer)
+        state = optimizer.state_dict()
+        # Fills the tensors in place, resharding if the world size changed.
+        try:
+            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
+        except CheckpointException as e:  # a BaseException: `except Exception` lets it through
+            failures = "; ".join(f"rank {r}: {error}" for r, (error, _) in e.failures.items())
+            raise UsageError(f"checkpoint {path} could not be read: {failures}") from None
+        optimizer.load_state_dict(state)
         loader.load_state_dict(saved["loader"])
         set_rng_state(saved["rng"], self.world.device)
         self.last = path
@@ -758,10 +703,9 @@ class Checkpointer:
                 shutil.rmtree(stale)
             tmp.mkdir(parents=True)
         torch_dist.barrier()
-        # Only tensors go in, as safetensors files (each rank writes its own shards; the
-        # layout of the shards is JSON in their headers), so that resuming unpickles nothing:
-        # DCP's default format keeps its metadata as a pickle. The hyperparameters in
-        # param_groups come from the command line.
+        # Safetensors files (each rank writes its own shards, their layout as JSON in their
+        # headers), so that resuming unpickles nothing: DCP's default format keeps its
+        # metadata as a pickle.
         state = optimizer.state_dict()
         writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
         dcp.save(state, storage_writer=writer)
@@ -793,17 +737,6 @@ def tensor_shapes(state: dict, prefix: str = "") -> dict[str, list[int]]:
         elif isinstance(value, torch.Tensor):
             shapes[f"{prefix}{key}"] = list(value.shape)
     return shapes
-
-
-def load_checkpoint(path: Path, optimizer) -> None:
-    state = optimizer.state_dict()
-    # Fills the tensors in place, resharding if the world size changed.
-    try:
-        dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(str(path)))
-    except CheckpointException as e:  # a BaseException: `except Exception` lets it through
-        failures = "; ".join(f"rank {r}: {error}" for r, (error, _) in e.failures.items())
-        raise UsageError(f"checkpoint {path} could not be read: {failures}") from None
-    optimizer.load_state_dict(state)
 
 
 def rng_state(device: torch.device) -> dict:
@@ -1513,29 +1446,23 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 # The plan: the fastest way to take the steps whose estimate fits the machine
 # ----------------------------------------------------------------------------------------
 
-# The share of each memory a plan may fill by its estimate. GPU: the estimate is within 5%
-# of the measured peaks either way (bench/RESULTS.md, "Memory estimator, revised", and the
-# first block's backward in issue #24's section; offload without full checkpointing, whose
-# copies can lag, excepted), and with expandable segments (which train.main turns on unless
-# PYTORCH_CUDA_ALLOC_CONF is set) what the caching allocator holds beyond its tensors can be
-# given back when a request needs it; the margin covers the worst miss twice. Host: the
-# estimate is close to the measured RSS ("CPU offload at scale"), to which each process adds
-# its own: torch, the CUDA context, the loader ("The run plan with no memory flags").
+# The share of each memory a plan may fill by its estimate. GPU: twice the estimate's worst
+# miss against the measured peaks (bench/RESULTS.md, "Memory estimator, revised", and issue
+# #24's section; activation offload without full checkpointing excepted: its copies can
+# lag); with expandable segments (train.main's default) the caching allocator can give back
+# what it holds beyond its tensors. Host: the estimate is close to the measured RSS ("CPU
+# offload at scale"), to which each process adds torch, the CUDA context and the loader
+# (HOST_PROCESS_GIB; "The run plan with no memory flags").
 GPU_MARGIN = 0.10
 HOST_MARGIN = 0.05
 HOST_PROCESS_GIB = 2.0
 
-# Plans are ranked by a model of the step's time: its FLOPs, recomputation included, at
-# the rate measured runs sustained, plus the host time that offload leaves uncovered. It
-# orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and offload", "Long
-# context, less memory", "CPU offload at scale", "Where the step time goes at 128k tokens";
-# tests/test_shard.py checks every recorded pair): no checkpointing before selective before
-# attention (the forward again, without attention) before full (attention's forward too);
-# an MLP tiling costs one more MLP forward, activation offload with checkpointing a little,
-# CPU offload host time per parameter of a rank's shard (so at long sequences it beats full
-# recomputation and at short ones it does not), the optimizer in backward the host's
-# updates left uncovered (with CPU offload, CPU offload's time: its updates overlap
-# backward, not measured yet). Its seconds are a rough guess, printed only past a minute.
+# Plans are ranked by a model of the step's time (step_seconds): its FLOPs, recomputation
+# included, at the rate measured runs sustained, plus the host time that offload leaves
+# uncovered. It orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and
+# offload", "Long context, less memory", "CPU offload at scale", "Where the step time goes
+# at 128k tokens"; tests/test_shard.py checks every recorded pair). Its seconds are a rough
+# guess, printed only past a minute.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
 SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
@@ -1557,14 +1484,6 @@ SMALL_MODEL_BATCH_TOKENS = 4096
 
 def default_batch_tokens(args: ModelArgs) -> int:
     return SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS
-
-
-def batch_asked(opts, args: ModelArgs) -> int | None:
-    """The tokens per step asked for, if they were (or the default), else None: the batch
-    is then --micro-batch x --grad-accum. `opts`: train.Options, here and below."""
-    if opts.micro_batch and opts.grad_accum:
-        return opts.batch_tokens
-    return opts.batch_tokens or default_batch_tokens(args)
 
 
 def host_memory_gib() -> float:
@@ -1628,7 +1547,8 @@ def measured_memory(steps: int, device: torch.device) -> dict:
 
 
 def wanted_fields(opts) -> dict:
-    """The planned fields the options set: the planner keeps them."""
+    """The planned fields the options (train.Options, here and below) set: the planner
+    keeps them."""
     return {name: getattr(opts, name) for name in PLANNED if getattr(opts, name) is not None}
 
 
@@ -1652,7 +1572,6 @@ def base_plan(
         lora=lora,
         document_mask=document_mask,
         long_documents=long_documents,
-        offload_blocks=opts.offload_blocks,
         context_parallel=opts.context_parallel,
     )
 
@@ -1711,10 +1630,11 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
     return problems
 
 
-def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bool]:
-    """Sequences per rank (per context-parallel group) per step, and whether the user fixed
-    them: --batch-tokens (or its default) in whole sequences, or --micro-batch x
-    --grad-accum when both are given."""
+def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bool, int | None]:
+    """Sequences per rank (per context-parallel group) per step, whether the user fixed
+    them, and the tokens per step asked for: --batch-tokens (or its default) in whole
+    sequences; or --micro-batch x --grad-accum when both are given, the tokens then asked
+    only by --batch-tokens."""
     cp = opts.context_parallel
     per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
     if opts.micro_batch and opts.grad_accum:
@@ -1725,10 +1645,10 @@ def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bo
                 f"--grad-accum {opts.grad_accum} x {count(machine.world_size // cp, 'process')}"
                 f" x --seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
             )
-        return sequences, True
+        return sequences, True, opts.batch_tokens
     batch = opts.batch_tokens or default_batch_tokens(args)
     batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
-    return max(1, round(batch / per_sequence)), batch_is_fixed
+    return max(1, round(batch / per_sequence)), batch_is_fixed, batch
 
 
 def make_plan(
@@ -1741,10 +1661,10 @@ def make_plan(
     long_documents: bool = True,
 ) -> Plan:
     """The plan of the run: what the options set, and the fastest choice for the rest that
-    fits `machine` (choose_plan; on the CPU, only the micro-batch is chosen), with what it
-    was made for. `lora`: train.lora_config(opts), built once there."""
+    fits `machine` (choose_plan), with what it was made for. `lora`:
+    train.lora_config(opts), built once there."""
     wanted = wanted_fields(opts)
-    sequences, batch_is_fixed = sequences_per_step(opts, args, machine)
+    sequences, batch_is_fixed, asked = sequences_per_step(opts, args, machine)
     base = base_plan(opts, machine, document_mask, lora, long_documents)
     plan = choose_plan(args, machine, base, wanted, sequences, batch_is_fixed, opts.grad_clip)
     return dataclasses.replace(
@@ -1752,7 +1672,7 @@ def make_plan(
         machine=machine,
         estimate=estimate_memory(args, plan),
         planned=tuple(name for name in PLANNED if name not in wanted),
-        tokens_per_step_asked=batch_asked(opts, args),
+        tokens_per_step_asked=asked,
         seconds_per_step=step_seconds(args, plan, GPU_FLOPS if machine.gpu_gib else CPU_FLOPS),
     )
 
@@ -1776,12 +1696,12 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     compute_s = plan.seq_len * plan.micro_batch * plan.grad_accum * per_token / flops
     if plan.activation_offload:
         compute_s *= 1 + ACTIVATION_OFFLOAD_COST
-    per_node = plan.nproc_per_node or plan.world_size
     host_s = 0.0
-    if plan.cpu_offload:
+    if plan.cpu_offload:  # with the optimizer in backward too: its updates overlap backward
+        per_node = plan.nproc_per_node or plan.world_size
         shard = shard_group_size(plan.strategy, plan.world_size, per_node)
         host_s = args.num_params() / shard * CPU_OFFLOAD_S_PER_PARAM * per_node
-    if plan.optimizer_in_backward and not plan.cpu_offload:
+    elif plan.optimizer_in_backward:  # the host's updates that backward leaves uncovered
         host_s = args.num_params() * IN_BACKWARD_S_PER_PARAM
     return compute_s + host_s
 
@@ -1810,11 +1730,8 @@ def candidate_plans(
     grad_clip: float | None = None,
 ) -> list[Plan]:
     """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
-    the user set) and that plan_problems allows, fastest first by step_seconds; at equal
-    time, the larger micro-batch, then the larger MLP tile; partial activation offload
-    after the others, and the optimizer in backward after all those. On the CPU only the
-    micro-batch is planned: no checkpointing, tiling or offload unless asked (there is no
-    GPU memory to save)."""
+    the user set) and that plan_problems allows, in the order the planner tries them. On
+    the CPU only the micro-batch is planned: there is no GPU memory to save."""
     on_gpu = machine.gpu_gib is not None
 
     def options(name: str, planned: tuple) -> tuple:
@@ -1854,6 +1771,7 @@ def candidate_plans(
         and not plan_problems(args, p, grad_clip)
     ]  # fmt: skip
     # The optimizer in backward last, whatever its speed: it rules out gradient clipping.
+    # Partial offload after the plans without it: none has been measured against them.
     return sorted(
         plans,
         key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,
@@ -1863,12 +1781,9 @@ def candidate_plans(
 
 def partial_offload(args: ModelArgs, plan: Plan, machine: Machine) -> list[Plan]:
     """`plan` (activation offload of all blocks but the last) with only the first N blocks
-    offloaded, N the most whose activations the host holds, for a host that cannot hold
-    them all; none where it can, or where it cannot hold even the rest of the plan. Ranked
-    after the plans without it (no partial offload has been measured against them); the
-    most blocks the host holds leave the GPU the most room, and the GPU's estimate is the
-    one that misses low with activation offload. The host's bytes grow with N (each block's
-    saved activations), so a bisection finds it in a few estimates."""
+    offloaded, N the most whose activations the host holds (leaving the GPU the most room),
+    for a host that cannot hold them all; none where it can, or where it cannot hold even
+    the rest of the plan. The host's bytes grow with N, so a bisection finds it."""
     host_usable = (1 - HOST_MARGIN) * machine.host_gib
 
     def host_fits(n: int) -> bool:
@@ -1893,13 +1808,12 @@ def choose_plan(
     batch_is_fixed: bool,
     grad_clip: float | None = None,
 ) -> Plan:
-    """The fastest plan (candidate_plans' order) whose estimate fits `machine` with the
-    margins above, for `sequences` per rank per step. `base` holds what is not planned
-    (seq_len, strategy, dtype, kernels...), `wanted` the planned fields the user set,
-    which are kept. When the batch was not set (`batch_is_fixed` False) and nothing fits,
-    one sequence per rank per step is tried: without accumulation, whose gradients take
-    memory, and where the optimizer in backward can run. Raises ValueError naming the
-    largest terms of the smallest plan, and what would make a plan fit."""
+    """The first of candidate_plans whose estimate fits `machine` with the margins above.
+    `base` holds what is not planned (seq_len, strategy, dtype, kernels...). When the batch
+    was not set (`batch_is_fixed` False) and nothing fits, one sequence per rank per step is
+    tried: without accumulation, whose gradients take memory, and where the optimizer in
+    backward can run. Raises ValueError naming the largest terms of the closest plan, and
+    what would make a plan fit."""
     base = dataclasses.replace(
         base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
     )
