@@ -1409,6 +1409,7 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     and optimizer state are sharded over all world_size ranks as before."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
     w = count_weights(args, plan.lora, p)
+    loss = loss_bytes(args, plan, p)
 
     def terms_with(fetched: int) -> tuple[dict[str, dict], float]:
         if plan.optimizer_in_backward and not plan.cpu_offload:
@@ -1418,7 +1419,7 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
             parameters, gradients, optimizer, host_state = state
         activations, host_activations = activation_bytes(args, plan, p, fetched)
         terms = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer,
-                 "activations": activations, "loss": loss_bytes(args, plan, p)}  # fmt: skip
+                 "activations": activations, "loss": loss}  # fmt: skip
         return terms, host_state + host_activations
 
     def at(terms: dict[str, dict], moment: str) -> float:

@@ -16,7 +16,8 @@ import pickle
 import re
 
 GiB = 2**30
-OURS = ("model.py", "offload.py", "shard.py", "train.py", "/kernels/")
+OUR_FILES = ("/model.py", "/offload.py", "/shard.py", "/train.py")
+OUR_KERNELS = "/kernels/"
 
 
 def site(frames: list[dict]) -> str:
@@ -24,7 +25,7 @@ def site(frames: list[dict]) -> str:
     autograd's engine allocates in backward (no Python frames), the first ATen op."""
     python = [f for f in frames if f["filename"].endswith(".py")]
     for frame in python:
-        if frame["filename"].endswith(OURS[:4]) or OURS[4] in frame["filename"]:
+        if frame["filename"].endswith(OUR_FILES) or OUR_KERNELS in frame["filename"]:
             return f"{frame['filename'].rsplit('/', 1)[-1]}:{frame['line']} {frame['name']}"
     if python:
         frame = python[0]
