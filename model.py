@@ -1117,7 +1117,7 @@ def fill_weights(
                 if param.requires_grad:
                     copy(param, model.initial_value(name, seed, device))
     if lora_adapter is not None:
-        load_peft_adapter(model, lora, lora_adapter, copy=copy)
+        load_peft_adapter(model, lora, lora_adapter, copy, agree)
 
 
 # The files of a HF checkpoint that make its tokenizer and its generation defaults.
@@ -1559,15 +1559,16 @@ def load_peft_adapter(
     config: LoRAConfig,
     path: str | os.PathLike,
     copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
+    agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
 ) -> None:
     """Loads a PEFT LoRA adapter directory into the adapters of an `apply_lora`-ed model,
-    after `check_peft_adapter`; `copy` as in load_hf_checkpoint."""
+    after `check_peft_adapter`; `copy` and `agree` as in load_hf_checkpoint."""
     file = check_peft_adapter(model.args, config, path)
     nonfinite = []
     with _open_safetensors(file) as f:
         for ours, theirs in peft_names(model.args, config.targets).items():
             copy(model.get_parameter(ours), CheckedSlice(f.get_slice(theirs), theirs, nonfinite))
-    refuse_nonfinite(file, nonfinite)
+    refuse_nonfinite(file, agree(nonfinite))
 
 
 def merged_named_tensors(

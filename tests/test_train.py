@@ -981,6 +981,35 @@ def qlora_base(path: Path) -> Path:
 
 
 @CPU_ONLY
+def test_nan_in_adapter_rows_one_rank_reads_ends_every_process(dataset, tmp_path):
+    """Under FSDP each rank reads only its rows of a PEFT adapter: a NaN in rank 1's rows
+    is refused by both ranks (said once), not by rank 1 alone while rank 0 waits."""
+    peft = pytest.importorskip("peft")
+    from transformers import LlamaForCausalLM
+
+    base = qlora_base(tmp_path / "base")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    peft.get_peft_model(LlamaForCausalLM.from_pretrained(base), config).save_pretrained(
+        tmp_path / "adapter"
+    )
+    file = tmp_path / "adapter" / "adapter_model.safetensors"
+    with safe_open(file, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    name = next(n for n in tensors if "layers.1.self_attn.q_proj.lora_B" in n)
+    tensors[name][-1, 0] = float("nan")  # the last row: in rank 1's shard
+    save_file(tensors, file, metadata={"format": "pt"})
+    argv = ["--data", str(dataset), *SMALL, "--micro-batch", "4", "--hf-checkpoint", str(base),
+            "--lr", "1e-4", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
+            "q_proj,v_proj", "--lora-adapter", str(tmp_path / "adapter"),
+            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    result = run_subprocess(*argv, nproc=2, check=False)
+    assert result.returncode != 0
+    assert result.stderr.count("train.py error: ") == 1, result.stderr
+    assert f"{name.split('.lora_B')[0]}.lora_B" in result.stderr
+    assert "hold NaN or inf values" in result.stderr
+
+
+@CPU_ONLY
 def test_qlora_trains_resumes_and_exports_what_peft_and_transformers_load(dataset, tmp_path):
     """--lora-rank with --quantize-base nf4 from an HF checkpoint: checkpoints hold only
     the adapters and resume step for step; the adapter loads in PEFT and continues with
