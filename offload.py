@@ -301,7 +301,7 @@ class _Offloader:
         self.stream.wait_stream(self.streams.current_stream())
         with self.streams.stream(self.stream):
             for part, piece in _pieces_of(flat, saved.pieces):
-                piece.copy_(part, non_blocking=self.cuda)
+                piece.copy_(part, non_blocking=True)
         self._used_by_side_stream(source)
         saved.device = tensor.device
         saved.block = self.block
@@ -319,7 +319,7 @@ class _Offloader:
         self.stream.wait_stream(self.streams.current_stream())
         with self.streams.stream(self.stream):
             for part, piece in _pieces_of(flat, saved.pieces):
-                part.copy_(piece, non_blocking=self.cuda)
+                part.copy_(piece, non_blocking=True)
             saved.ready = self.stream.record_event()
         self._used_by_side_stream(flat)
         saved.on_device = flat.view(saved.dtype).as_strided(saved.shape, saved.stride)
@@ -538,7 +538,7 @@ class OptimizerInBackward:
         staging = self.grad_staging[slot][: grad.numel()].view(grad.shape)
         self.d2h.wait_stream(self.streams.current_stream())
         with self.streams.stream(self.d2h):
-            staging.copy_(grad, non_blocking=self.cuda)
+            staging.copy_(grad, non_blocking=True)
             copied = self.d2h.record_event()
         if self.cuda:
             grad.record_stream(self.d2h)  # its memory is not reused before the copy is done
@@ -573,7 +573,7 @@ class OptimizerInBackward:
             self.weight_copied[i].synchronize()  # the buffer's previous copy has left it
         staging = self.weight_staging[i][: master.numel()].view(master.shape).copy_(master)
         with self.streams.stream(self.h2d):
-            param.detach().copy_(staging, non_blocking=self.cuda)
+            param.detach().copy_(staging, non_blocking=True)
             self.weight_copied[i] = self.h2d.record_event()
 
     def step(self) -> torch.Tensor:
