@@ -161,8 +161,10 @@ def apply_mlp_tiling(model: Llama, tile_tokens: int) -> None:
     checkpointed on its own, so that the [tokens, ffn_dim] intermediates (gate, up, their
     product, and their gradients: about 6 such tensors, 2 GiB each at 128k tokens for
     llama3.2-1b) exist for one tile at a time, in forward and in backward. The price is
-    one more forward of the MLP per step. The feed-forward acts on each position alone, so
-    tiling does not change its result. 0 leaves the model as it is."""
+    the tiles' forward once more in backward, which a block checkpointed whole or but its
+    attention runs there anyway (_tiled_forward): one more forward of the MLP only in the
+    blocks that are not, or under selective checkpointing. The feed-forward acts on each
+    position alone, so tiling does not change its result. 0 leaves the model as it is."""
     if tile_tokens < 0:
         raise ValueError(f"MLP tile size must be >= 0 tokens, got {tile_tokens}")
     if tile_tokens == 0:
@@ -180,9 +182,22 @@ def _tiled_forward(forward, tile_tokens: int, x: torch.Tensor) -> torch.Tensor:
     if x.shape[1] <= tile_tokens:
         return forward(x)
     tiles = x.split(tile_tokens, dim=1)  # [B, S, D] -> [B, tile, D] views
+    # Run inside backward, this is a checkpointed block's forward again, for the tensors the
+    # block saved. Of the MLP those are the tiles' inputs only: each tile's checkpoint runs
+    # its forward itself, in its backward. So the tiles are not computed here; the block's
+    # recomputation stops at the last tile's input (checkpoint's early stop) and never reads
+    # their outputs. Computing them would cost all but one tile's forward once more.
+    if torch._C._current_graph_task_id() != -1:
+        forward = _unread_output
     return torch.cat(
         [torch_checkpoint(forward, tile, use_reentrant=False) for tile in tiles], dim=1
     )
+
+
+def _unread_output(tile: torch.Tensor) -> torch.Tensor:
+    """Stands in for a feed-forward whose output is not read: a tensor of its shape that runs
+    no op (selective checkpointing's recomputation allows only the ops its forward ran)."""
+    return tile
 
 
 # ----------------------------------------------------------------------------------------

@@ -1471,7 +1471,7 @@ ACTIVATION_OFFLOAD_COST = 0.01  # of the step, with checkpointing
 CPU_OFFLOAD_S_PER_PARAM = 0.75e-9  # per parameter of a rank's shard, per rank on the host
 IN_BACKWARD_S_PER_PARAM = 0.15e-9
 AC_ORDER = ("none", "selective", "attention", "full")  # offload.AC_MODES, fastest first
-MLP_TILES = (16384, 8192, 4096)  # positions; the larger tile first at equal cost
+MLP_TILES = (16384, 8192, 4096)  # positions; at equal cost none first, then the larger
 # The fields the planner chooses when the user leaves them open (None).
 PLANNED = ("ac", "mlp_tile", "activation_offload", "offload_blocks", "cpu_offload",
            "optimizer_in_backward", "micro_batch", "grad_accum")  # fmt: skip
@@ -1692,8 +1692,9 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
         "full": blocks_forward + attention_forward,
     }
     per_token += checkpointed * recomputed[plan.ac]
-    if 0 < plan.mlp_tile < s:
-        per_token += 2 * layers * 3 * d * args.ffn_dim  # the MLP's forward once more
+    if 0 < plan.mlp_tile < s:  # the MLP's forward once more, where no block recompute was
+        recomputing_mlp = checkpointed if plan.ac in ("full", "attention") else 0.0
+        per_token += (1 - recomputing_mlp) * 2 * layers * 3 * d * args.ffn_dim
     compute_s = plan.seq_len * plan.micro_batch * plan.grad_accum * per_token / flops
     if plan.activation_offload:
         compute_s *= 1 + ACTIVATION_OFFLOAD_COST
@@ -1776,7 +1777,7 @@ def candidate_plans(
     return sorted(
         plans,
         key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,
-                       step_seconds(args, p), -p.micro_batch, -p.mlp_tile),
+                       step_seconds(args, p), -p.micro_batch, p.mlp_tile > 0, -p.mlp_tile),
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload as offload_module
-from model import PRESETS, REFERENCE_OPS, Attention, Llama, ModelArgs, triton_ops
+from model import PRESETS, REFERENCE_OPS, Attention, FeedForward, Llama, ModelArgs, triton_ops
 from offload import (
     AC_MODES,
     ATTENTION_OPS,
@@ -125,12 +125,31 @@ def test_checkpointing_and_offload_keep_gradients(reference, ac, every, offload)
         assert offloader.offloaded_tensors > 0
 
 
-@pytest.mark.parametrize("ac", ["none", "full", "attention"])
+@pytest.mark.parametrize("ac", ["none", "full", "attention", "selective"])
 def test_mlp_tiles_keep_gradients(reference, ac):
     model = build(ac)
     apply_mlp_tiling(model, tile_tokens=16)  # SEQ 40: tiles of 16, 16 and 8 positions
     grads, _ = gradients(model)
     assert_grads_close(grads, reference)
+
+
+@pytest.mark.parametrize("ac", AC_MODES)
+def test_mlp_tiles_run_in_forward_and_once_in_their_backward(monkeypatch, ac):
+    """A checkpointed block's recomputation does not run its MLP tiles: each tile's own
+    checkpoint runs it in the tile's backward (the one forward more that tiling costs)."""
+    runs = 0
+    forward = FeedForward.forward
+
+    def counted(self, x):
+        nonlocal runs
+        runs += 1
+        return forward(self, x)
+
+    monkeypatch.setattr(FeedForward, "forward", counted)
+    model = build(ac)
+    apply_mlp_tiling(model, tile_tokens=16)  # 3 tiles
+    gradients(model)
+    assert runs == 2 * 3 * ARGS.n_layers
 
 
 @pytest.mark.parametrize("ac, tile", [("none", 0), ("full", 0), ("selective", 0), ("full", 16)])

@@ -465,6 +465,8 @@ H200_X2 = Machine(world_size=2, nproc_per_node=2, gpu_gib=139.9, host_gib=240.0)
 # sequence per GPU per step, FULL_SHARD, bf16, the kernels): (preset, seq_len, machine,
 # planned fields, measured peak GiB, tokens/s per GPU). The 1 x H200 rows are the
 # "Sharding and offload" table (tokens/s from its step seconds).
+TILED_SINCE = ("llama3.2-1b", 131072, H100,
+               dict(ac="attention", cpu_offload=True, mlp_tile=16384), 22.52, 10628)  # fmt: skip
 RECORDED = [
     ("llama3.2-1b", 8192, H100, dict(ac="none"), 24.55, 45386),
     ("llama3.2-1b", 8192, H100, dict(ac="full"), 19.49, 38484),
@@ -474,9 +476,10 @@ RECORDED = [
     ("llama3.2-1b", 65536, H100, dict(ac="attention"), 29.50, 19713),
     ("llama3.2-1b", 131072, H100, dict(ac="attention"), 44.00, 11657),
     ("llama3.2-1b", 131072, H100, dict(ac="full", activation_offload=True), 32.67, 9595),
-    ("llama3.2-1b", 131072, H100, dict(ac="attention", cpu_offload=True), 30.19, 10784),
-    ("llama3.2-1b", 131072, H100, dict(ac="attention", cpu_offload=True, mlp_tile=16384),
-     22.52, 10432),
+    # tokens/s of these two: one call after checkpointed blocks stopped running their MLP
+    # tiles again (#23); their peaks as first recorded.
+    ("llama3.2-1b", 131072, H100, dict(ac="attention", cpu_offload=True), 30.19, 10568),
+    TILED_SINCE,
     ("llama3.2-1b", 131072, H100, dict(ac="attention", cpu_offload=True, mlp_tile=16384,
                                        activation_offload=True), 15.24, 10368),
     ("llama3.2-1b", 262144, H100, dict(ac="attention", cpu_offload=True, mlp_tile=16384,
@@ -524,6 +527,13 @@ def test_the_estimate_of_each_recorded_run_is_within_5_percent(run):
     assert est.gpu_tensors == pytest.approx(peak, rel=0.05, abs=0.5)
 
 
+def tiles_run_again(run) -> bool:
+    """Whether a run's tokens/s were measured while a checkpointed block still ran its MLP
+    tiles again in recomputation, which step_seconds no longer counts (the peaks hold)."""
+    tiled = run[3].get("mlp_tile") and run[3]["ac"] in ("full", "attention")
+    return tiled and run is not TILED_SINCE
+
+
 def test_the_ranking_orders_recorded_runs_as_measured():
     """Runs of one model, sequence and machine: the faster by tokens/s (by more than 3%,
     the spread of one call's figures) is ranked first."""
@@ -531,12 +541,14 @@ def test_the_ranking_orders_recorded_runs_as_measured():
     for a, b in itertools.combinations(RECORDED, 2):
         if situation(a) != situation(b) or abs(a[5] / b[5] - 1) < 0.03:
             continue
+        if tiles_run_again(a) or tiles_run_again(b):
+            continue
         args = ModelArgs.from_name(a[0])
         time_a = step_seconds(args, recorded_plan(a[1], a[2], a[3]))
         time_b = step_seconds(args, recorded_plan(b[1], b[2], b[3]))
         assert (a[5] > b[5]) == (time_a < time_b), (a, b)
         pairs += 1
-    assert pairs >= 20
+    assert pairs >= 19
 
 
 @pytest.mark.parametrize("preset, seq_len, machine", sorted({situation(r) for r in RECORDED},
