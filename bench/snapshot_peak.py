@@ -8,6 +8,8 @@ The trace is replayed in order: an allocation adds its block, `free_requested` r
 the allocator reuses it; counting only that leaves side-stream copies alive that are not).
 Blocks allocated before the recording began are not in the trace: those still allocated
 when the snapshot was taken are added as "before recording" (the weights, mostly).
+torch writes the snapshot as a pickle, which this reads as one: open only snapshots of your
+own runs.
 """
 
 import argparse
