@@ -27,7 +27,6 @@ import collections
 import contextlib
 import functools
 import os
-import queue
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -399,8 +398,9 @@ def activation_offload(
 # Optimizer in backward
 # ----------------------------------------------------------------------------------------
 
-# Pinned host buffers per direction (gradients down, weights up), each the size of the
-# largest parameter in param_dtype: with two, one can be copied while the other is in use.
+# Pinned host buffers for the weights' way up, each the size of the largest parameter in
+# param_dtype: with two, one can be copied while the other is filled. (The gradients' way
+# down has one: the worker copies and reads one gradient at a time.)
 STAGING_SLOTS = 2
 
 
@@ -475,13 +475,18 @@ class OptimizerInBackward:
     Each parameter's post-accumulate-grad hook fires once its gradient is complete, which
     is after its last use in this backward (a tied embedding's fires once, after both
     uses), so its working weight may be rewritten from then on. The hook adds the
-    gradient's squared norm to the step's total, copies the gradient on a side stream to a
-    pinned staging buffer and frees it on the GPU. One worker thread, so the GPU goes on
-    with backward meanwhile, waits for that copy, converts the gradient to fp32, runs AdamW
-    on the master (weight decay on matrices only, as train.py's param groups) and copies it
-    back, rounded to param_dtype, into the working weight on a second side stream (the two
-    directions use different copy engines). `step()` waits for all updates and makes the
-    compute stream wait for those copies, so the next forward reads the new weights.
+    gradient's squared norm to the step's total and hands the gradient, still on the GPU,
+    to one worker thread. The worker copies it on a side stream to a pinned staging buffer
+    once the GPU has computed it, converts it to fp32, runs AdamW on the master (weight
+    decay on matrices only, as train.py's param groups) and copies the master back, rounded
+    to param_dtype, into the working weight on a second side stream (the two directions use
+    different copy engines). The hook waits only when a block's worth of gradients is
+    already waiting for the worker: backward is launched ahead of the GPU, and a hook that
+    waited for each copy (as one did when it made the copy itself, into one of two buffers)
+    held the launches back until the GPU ran dry, 8% of an 8B step at 131072 tokens
+    (bench/RESULTS.md, "The optimizer in backward's stalls"). `step()` waits for all
+    updates and makes the compute stream wait for those copies, so the next forward reads
+    the new weights.
     Without CUDA (the tests) the same code runs: torch.cpu's streams and events do nothing,
     and the staging buffers are not pinned.
 
@@ -524,18 +529,20 @@ class OptimizerInBackward:
             param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
         self.sq_norm = torch.zeros((), device=device)  # the step's sum of squared gradients
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
-        self.pending: list[Future] = []
+        self.pending: collections.deque[tuple[Future, int]] = collections.deque()  # bytes
+        self.pending_bytes = 0
+        # The hook waits beyond one block's gradients (one larger than that goes alone).
+        block = sum(p.numel() for p in model.layers[0].parameters())
+        self.max_pending_bytes = block * param_dtype.itemsize
         largest = max(p.numel() for p in self.params.values())
+        self.device = torch.device(device)
         with torch.cuda.device(device) if self.cuda else contextlib.nullcontext():
             self.d2h, self.h2d = self.streams.Stream(), self.streams.Stream()  # on `device`
 
         def staging_buffer():
             return torch.empty(largest, dtype=param_dtype, pin_memory=self.cuda)
 
-        self.grad_staging = [staging_buffer() for _ in range(STAGING_SLOTS)]
-        self.free_grad_slots: queue.Queue[int] = queue.Queue()
-        for slot in range(STAGING_SLOTS):
-            self.free_grad_slots.put(slot)
+        self.grad_staging = staging_buffer()
         self.grad32 = torch.empty(largest)  # the worker's fp32 copy of one gradient
         self.weight_staging = [staging_buffer() for _ in range(STAGING_SLOTS)]
         self.weight_copied: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
@@ -549,35 +556,37 @@ class OptimizerInBackward:
         grad = param.grad
         param.grad = None
         self.sq_norm += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        slot = self.free_grad_slots.get()  # waits while the worker still reads both
-        staging = self.grad_staging[slot][: grad.numel()].view(grad.shape)
-        self.d2h.wait_stream(self.streams.current_stream())
-        with self.streams.stream(self.d2h):
-            staging.copy_(grad, non_blocking=True)
-            copied = self.d2h.record_event()
-        if self.cuda:
-            grad.record_stream(self.d2h)  # its memory is not reused before the copy is done
-        self.pending.append(self.worker.submit(self._update, name, staging, self.lr, copied, slot))
+        computed = self.streams.current_stream().record_event()  # None on the CPU
+        nbytes = grad.numel() * grad.element_size()
+        while self.pending and self.pending_bytes + nbytes > self.max_pending_bytes:
+            oldest, oldest_bytes = self.pending.popleft()
+            oldest.result()
+            self.pending_bytes -= oldest_bytes
+        # In a list, so that the worker drops it once copied: the executor keeps the
+        # arguments themselves until the call returns.
+        update = self.worker.submit(self._update, name, [grad], computed, self.lr)
+        self.pending.append((update, nbytes))
+        self.pending_bytes += nbytes
 
     @torch.no_grad()
     def _update(
-        self,
-        name: str,
-        grad: torch.Tensor,
-        lr: float,
-        copied: torch.cuda.Event | None,
-        slot: int,
+        self, name: str, held: list[torch.Tensor], computed: torch.cuda.Event | None, lr: float
     ) -> None:
-        """The worker's part for one parameter; `grad` is its staging buffer, valid once
-        `copied` is done (None on the CPU: the copy was made in the hook)."""
-        master, state = self.master[name], self.state[name]
-        try:
+        """The worker's part for one parameter: the gradient `held` is on the GPU, complete
+        once `computed` is done. It is dropped after its copy has finished, so the allocator
+        may reuse its memory at once (no record_stream)."""
+        master, state, grad = self.master[name], self.state[name], held.pop()
+        staging = self.grad_staging[: grad.numel()].view(grad.shape)
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+            self.d2h.wait_event(computed)
+            with self.streams.stream(self.d2h):
+                staging.copy_(grad, non_blocking=True)
+                copied = self.d2h.record_event()
             if copied is not None:
                 copied.synchronize()
-            grad = self.grad32[: grad.numel()].view(grad.shape).copy_(grad)
-        finally:
-            self.free_grad_slots.put(slot)
-        adamw_(master, grad, state, lr, self.betas, self.weight_decay, self.eps)
+        del grad
+        grad32 = self.grad32[: staging.numel()].view(staging.shape).copy_(staging)
+        adamw_(master, grad32, state, lr, self.betas, self.weight_decay, self.eps)
         self._copy_to_working(name)
 
     def _copy_to_working(self, name: str) -> None:
@@ -597,9 +606,9 @@ class OptimizerInBackward:
         the global L2 norm of the step's gradients as a 0-dim tensor on the device, unread,
         so no host sync (non-finite if a gradient was: by then every update is applied).
         The interface of train.py's optimizer; gradients need no zeroing (none is kept)."""
-        pending, self.pending = self.pending, []
-        for future in pending:
-            future.result()
+        pending, self.pending, self.pending_bytes = self.pending, collections.deque(), 0
+        for update, _ in pending:
+            update.result()
         self.streams.current_stream().wait_stream(self.h2d)
         norm = self.sq_norm.sqrt()
         self.sq_norm.zero_()  # stream-ordered after the sqrt above

@@ -1206,20 +1206,29 @@ def sharded_state(
 
 def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, ...]:
     """With the optimizer in backward (one GPU, no FSDP): every param_dtype weight stays on
-    the GPU, and no gradient buffer: a gradient lives from its computation until its copy
-    to the host is done, with up to STAGING_SLOTS copies in flight behind the one being
-    computed. The host holds the fp32 master weights and moments (plain memory, 12 bytes
-    per parameter), the pinned staging buffers of the largest parameter (rounded up to a
-    power of two) for each direction, and the worker's fp32 copy of one gradient. In the
-    blocks' backward the gradients in flight are the blocks' own, at most w1's size."""
+    the GPU, and no gradient buffer: a gradient lives from its computation until the
+    worker has copied it to the host, and the hook lets at most a block's worth wait for
+    the worker (one larger than that alone). So in flight are the one being computed and
+    up to a block's. (The head's, copied first thing in the last block's backward, is gone
+    before that block's peak: the blocks' hooks wait for its update meanwhile.) The host
+    holds the fp32 master weights and moments (plain memory, 12 bytes per parameter), the
+    pinned staging buffers of the largest parameter (rounded up to a power of two: one for
+    gradients, STAGING_SLOTS for weights), and the worker's fp32 copy of one gradient."""
     total, d = args.num_params(), args.dim
-    largest_in_block = max(args.ffn_dim * d, d * d)
+    block, largest_in_block = block_params(args), max(args.ffn_dim * d, d * d)
     largest = max(w.embedding, largest_in_block)
     pinned_slot = 1 << (largest * p - 1).bit_length()
-    host = 12 * total + 2 * STAGING_SLOTS * pinned_slot + 4 * largest
-    in_flight = dict.fromkeys(PHASES, (1 + STAGING_SLOTS) * largest * p)
-    in_flight.update(dict.fromkeys(PHASES[2:5], (1 + STAGING_SLOTS) * largest_in_block * p))
-    in_flight["loss forward"] = 0.0
+    host = 12 * total + (1 + STAGING_SLOTS) * pinned_slot + 4 * largest
+    in_blocks = block + largest_in_block
+    in_flight = {
+        "loss forward": 0,
+        "head backward": largest,
+        "last block backward": in_blocks,
+        "offloaded block backward": in_blocks,
+        "first block backward": in_blocks,
+        "backward end": block + largest,
+    }
+    in_flight = {phase: n * p for phase, n in in_flight.items()}
     return dict.fromkeys(PHASES, p * total), in_flight, dict.fromkeys(PHASES, 0.0), host
 
 

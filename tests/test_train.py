@@ -766,7 +766,7 @@ def test_estimate_memory_plans_for_the_machine_given(tmp_path, capsys):
     train.main([*argv, "--gpu-memory", "80", "--host-memory", "128"])
     one = capsys.readouterr().out
     assert "--optimizer-in-backward" in one and "131,072 tokens/step" in one
-    assert "needs 70.8 of 80.0 GiB per GPU" in one and "GPU total" in one
+    assert "needs 71.0 of 80.0 GiB per GPU" in one and "GPU total" in one
     train.main([*argv, "--gpu-memory", "80", "--host-memory", "1000", "--world-size", "8"])
     eight = capsys.readouterr().out
     assert "--optimizer-in-backward" not in eight and "1,048,576 tokens/step" in eight
