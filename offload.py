@@ -27,6 +27,7 @@ import collections
 import contextlib
 import functools
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -477,16 +478,16 @@ class OptimizerInBackward:
     uses), so its working weight may be rewritten from then on. The hook adds the
     gradient's squared norm to the step's total and hands the gradient, still on the GPU,
     to one worker thread. The worker copies it on a side stream to a pinned staging buffer
-    once the GPU has computed it, converts it to fp32, runs AdamW on the master (weight
-    decay on matrices only, as train.py's param groups) and copies the master back, rounded
-    to param_dtype, into the working weight on a second side stream (the two directions use
-    different copy engines). The hook waits only when a block's worth of gradients is
-    already waiting for the worker: backward is launched ahead of the GPU, and a hook that
-    waited for each copy (as one did when it made the copy itself, into one of two buffers)
-    held the launches back until the GPU ran dry, 8% of an 8B step at 131072 tokens
-    (bench/RESULTS.md, "The optimizer in backward's stalls"). `step()` waits for all
-    updates and makes the compute stream wait for those copies, so the next forward reads
-    the new weights.
+    once the GPU has computed it, drops it, converts the copy to fp32, runs AdamW on the
+    master (weight decay on matrices only, as train.py's param groups) and copies the
+    master back, rounded to param_dtype, into the working weight on a second side stream
+    (the two directions use different copy engines). The hook waits only while a block's
+    bytes of gradients wait on the GPU for the worker to copy them: backward is launched
+    ahead of the GPU, and a hook that waited for each copy (as one did when it made the
+    copy itself, into one of two buffers), or for a long update such as the output head's,
+    held the launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer in
+    backward's stalls"). `step()` waits for all updates and makes the compute stream wait
+    for those copies, so the next forward reads the new weights.
     Without CUDA (the tests) the same code runs: torch.cpu's streams and events do nothing,
     and the staging buffers are not pinned.
 
@@ -529,11 +530,13 @@ class OptimizerInBackward:
             param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
         self.sq_norm = torch.zeros((), device=device)  # the step's sum of squared gradients
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
-        self.pending: collections.deque[tuple[Future, int]] = collections.deque()  # bytes
-        self.pending_bytes = 0
-        # The hook waits beyond one block's gradients (one larger than that goes alone).
+        self.updates: list[Future] = []  # this step's, waited for in step()
+        # The gradients handed to the worker and not yet copied off the GPU, with their
+        # bytes: the hook waits beyond a block's (one larger than that goes alone).
+        self.on_gpu: collections.deque[tuple[threading.Event, int]] = collections.deque()
+        self.on_gpu_bytes = 0
         block = sum(p.numel() for p in model.layers[0].parameters())
-        self.max_pending_bytes = block * param_dtype.itemsize
+        self.max_on_gpu_bytes = block * param_dtype.itemsize
         largest = max(p.numel() for p in self.params.values())
         self.device = torch.device(device)
         with torch.cuda.device(device) if self.cuda else contextlib.nullcontext():
@@ -558,33 +561,44 @@ class OptimizerInBackward:
         self.sq_norm += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         computed = self.streams.current_stream().record_event()  # None on the CPU
         nbytes = grad.numel() * grad.element_size()
-        while self.pending and self.pending_bytes + nbytes > self.max_pending_bytes:
-            oldest, oldest_bytes = self.pending.popleft()
-            oldest.result()
-            self.pending_bytes -= oldest_bytes
+        while self.on_gpu and self.on_gpu_bytes + nbytes > self.max_on_gpu_bytes:
+            copied, oldest_bytes = self.on_gpu.popleft()
+            copied.wait()
+            self.on_gpu_bytes -= oldest_bytes
+        copied = threading.Event()
         # In a list, so that the worker drops it once copied: the executor keeps the
         # arguments themselves until the call returns.
-        update = self.worker.submit(self._update, name, [grad], computed, self.lr)
-        self.pending.append((update, nbytes))
-        self.pending_bytes += nbytes
+        args = (name, [grad], computed, copied, self.lr)
+        self.updates.append(self.worker.submit(self._update, *args))
+        self.on_gpu.append((copied, nbytes))
+        self.on_gpu_bytes += nbytes
 
     @torch.no_grad()
     def _update(
-        self, name: str, held: list[torch.Tensor], computed: torch.cuda.Event | None, lr: float
+        self,
+        name: str,
+        held: list[torch.Tensor],
+        computed: torch.cuda.Event | None,
+        copied: threading.Event,
+        lr: float,
     ) -> None:
         """The worker's part for one parameter: the gradient `held` is on the GPU, complete
         once `computed` is done. It is dropped after its copy has finished, so the allocator
-        may reuse its memory at once (no record_stream)."""
+        may reuse its memory at once (no record_stream), and `copied` tells the hook so
+        (also when the copy failed: the error is step()'s to raise)."""
         master, state, grad = self.master[name], self.state[name], held.pop()
         staging = self.grad_staging[: grad.numel()].view(grad.shape)
-        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
-            self.d2h.wait_event(computed)
-            with self.streams.stream(self.d2h):
-                staging.copy_(grad, non_blocking=True)
-                copied = self.d2h.record_event()
-            if copied is not None:
-                copied.synchronize()
-        del grad
+        try:
+            with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+                self.d2h.wait_event(computed)
+                with self.streams.stream(self.d2h):
+                    staging.copy_(grad, non_blocking=True)
+                    on_host = self.d2h.record_event()
+                if on_host is not None:
+                    on_host.synchronize()
+        finally:
+            del grad
+            copied.set()
         grad32 = self.grad32[: staging.numel()].view(staging.shape).copy_(staging)
         adamw_(master, grad32, state, lr, self.betas, self.weight_decay, self.eps)
         self._copy_to_working(name)
@@ -606,8 +620,10 @@ class OptimizerInBackward:
         the global L2 norm of the step's gradients as a 0-dim tensor on the device, unread,
         so no host sync (non-finite if a gradient was: by then every update is applied).
         The interface of train.py's optimizer; gradients need no zeroing (none is kept)."""
-        pending, self.pending, self.pending_bytes = self.pending, collections.deque(), 0
-        for update, _ in pending:
+        updates, self.updates = self.updates, []
+        self.on_gpu.clear()  # every copy is done once every update is
+        self.on_gpu_bytes = 0
+        for update in updates:
             update.result()
         self.streams.current_stream().wait_stream(self.h2d)
         norm = self.sq_norm.sqrt()

@@ -1208,9 +1208,9 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, ...]:
     """With the optimizer in backward (one GPU, no FSDP): every param_dtype weight stays on
     the GPU, and no gradient buffer: a gradient lives from its computation until the
     worker has copied it to the host, and the hook lets at most a block's worth wait for
-    the worker (one larger than that alone). So in flight are the one being computed and
-    up to a block's. (The head's, copied first thing in the last block's backward, is gone
-    before that block's peak: the blocks' hooks wait for its update meanwhile.) The host
+    that copy (one larger than that alone). So in flight are the one being computed and up
+    to a block's. (The head's, copied first thing in the last block's backward, is gone
+    before that block's peak: the blocks' hooks wait for its copy meanwhile.) The host
     holds the fp32 master weights and moments (plain memory, 12 bytes per parameter), the
     pinned staging buffers of the largest parameter (rounded up to a power of two: one for
     gradients, STAGING_SLOTS for weights), and the worker's fp32 copy of one gradient."""

@@ -447,23 +447,22 @@ def test_optimizer_in_backward_state_dict_restores_weights_and_moments():
             assert torch.equal(state["optim"][name][key], tensor)
 
 
-def test_optimizer_in_backward_hands_a_blocks_gradients_to_the_worker_without_waiting(
-    monkeypatch,
-):
-    """While the worker is held on the first block's update, backward goes on and the hooks
-    hand it the rest of that block's gradients (a block's bytes may wait); the hook that
-    would go beyond waits. A hook that waited for each copy held the GPU's work back."""
+def test_optimizer_in_backward_copies_a_blocks_gradients_during_a_long_update(monkeypatch):
+    """While the worker runs the output head's update (the first, and the largest on an 8B
+    model), backward goes on: the head's gradient stops counting once copied, and the hooks
+    hand over a block's bytes of gradients; the one that would go beyond waits for a copy.
+    A hook that waited for each copy, or for the head's whole update, ran the GPU dry."""
     held, release = threading.Event(), threading.Event()
     adamw = offload_module.adamw_
 
     def adamw_held(master, *rest):
-        if master.ndim >= 2 and not held.is_set():  # the first matrix: the last block's w2
+        if master.ndim >= 2 and not held.is_set():  # the first matrix: output.weight
             held.set()
             release.wait(timeout=60)
         adamw(master, *rest)
 
     monkeypatch.setattr(offload_module, "adamw_", adamw_held)
-    args = dataclasses.replace(ARGS, tie_embeddings=True)  # the embedding's gradient is last
+    args = dataclasses.replace(ARGS, tie_embeddings=False)
     with torch.device("meta"):
         model = Llama(args)
     materialize_on_host(model, torch.device("cpu"), seed=0)
@@ -473,17 +472,15 @@ def test_optimizer_in_backward_hands_a_blocks_gradients_to_the_worker_without_wa
     assert held.wait(timeout=60)
     block_bytes = 4 * sum(p.numel() for p in model.layers[-1].parameters())
     deadline = time.monotonic() + 10
-    while optimizer.pending_bytes < block_bytes and time.monotonic() < deadline:
+    while optimizer.on_gpu_bytes < block_bytes and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)  # had the hooks not waited, more would have come by now
-    waiting_bytes, backward_ran = optimizer.pending_bytes, backward.is_alive()
+    waiting_bytes, backward_ran = optimizer.on_gpu_bytes, backward.is_alive()
     release.set()
     backward.join(timeout=60)
-    optimizer.step()
-    # The final norm's update is done; the last block's gradients fill the bound, and the
-    # next block's first hook waits for the held update.
-    assert backward_ran and waiting_bytes == block_bytes
-    assert optimizer.max_pending_bytes == block_bytes
+    norm = optimizer.step()
+    assert backward_ran and waiting_bytes == block_bytes == optimizer.max_on_gpu_bytes
+    assert torch.isfinite(norm) and not optimizer.updates and not optimizer.on_gpu
 
 
 def test_optimizer_in_backward_wants_a_host_fp32_model():
