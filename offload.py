@@ -586,9 +586,10 @@ class OptimizerInBackward:
         once `computed` is done. It is dropped after its copy has finished, so the allocator
         may reuse its memory at once (no record_stream), and `copied` tells the hook so
         (also when the copy failed: the error is step()'s to raise)."""
-        master, state, grad = self.master[name], self.state[name], held.pop()
-        staging = self.grad_staging[: grad.numel()].view(grad.shape)
+        master, state = self.master[name], self.state[name]
         try:
+            grad = held.pop()
+            staging = self.grad_staging[: grad.numel()].view(grad.shape)
             with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
                 self.d2h.wait_event(computed)
                 with self.streams.stream(self.d2h):
@@ -597,7 +598,7 @@ class OptimizerInBackward:
                 if on_host is not None:
                     on_host.synchronize()
         finally:
-            del grad
+            grad = None
             copied.set()
         grad32 = self.grad32[: staging.numel()].view(staging.shape).copy_(staging)
         adamw_(master, grad32, state, lr, self.betas, self.weight_decay, self.eps)

@@ -1209,11 +1209,12 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, ...]:
     the GPU, and no gradient buffer: a gradient lives from its computation until the
     worker has copied it to the host, and the hook lets at most a block's worth wait for
     that copy (one larger than that alone). So in flight are the one being computed and up
-    to a block's. (The head's, copied first thing in the last block's backward, is gone
-    before that block's peak: the blocks' hooks wait for its copy meanwhile.) The host
-    holds the fp32 master weights and moments (plain memory, 12 bytes per parameter), the
-    pinned staging buffers of the largest parameter (rounded up to a power of two: one for
-    gradients, STAGING_SLOTS for weights), and the worker's fp32 copy of one gradient."""
+    to a block's. (The head's, larger than a block on Llama, goes alone: the next hook
+    waits for its copy.) A tied embedding's gradient from the head waits in autograd for
+    the one from the embedding: both exist at backward's end. The host holds the fp32
+    master weights and moments (plain memory, 12 bytes per parameter), the pinned staging
+    buffers of the largest parameter (rounded up to a power of two: one for gradients,
+    STAGING_SLOTS for weights), and the worker's fp32 copy of one gradient."""
     total, d = args.num_params(), args.dim
     block, largest_in_block = block_params(args), max(args.ffn_dim * d, d * d)
     largest = max(w.embedding, largest_in_block)
@@ -1226,7 +1227,7 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, ...]:
         "last block backward": in_blocks,
         "offloaded block backward": in_blocks,
         "first block backward": in_blocks,
-        "backward end": block + largest,
+        "backward end": block + largest + (w.embedding if args.tie_embeddings else 0),
     }
     in_flight = {phase: n * p for phase, n in in_flight.items()}
     return dict.fromkeys(PHASES, p * total), in_flight, dict.fromkeys(PHASES, 0.0), host
