@@ -45,23 +45,23 @@ def linear_cross_entropy_reference(
 
 # Bytes of one chunk's logits buffer. The extra memory of the op is this buffer plus the two
 # gradients (grad_weight the size of weight, grad_hidden the size of hidden), whatever N is.
-# Every chunk's matmul reads and writes all of grad_weight, so fewer, larger chunks are
-# faster, and each takes more memory: 128 MiB (512 tokens at Llama 3's vocabulary) is the
-# middle of the three sizes measured at 8B's output (bench/RESULTS.md, "Kernels": half
-# the size cost a third more time, double it saved a tenth for more memory).
-CHUNK_LOGITS_BYTES = 128 * 2**20
+# Every chunk's grad_weight matmul reads and writes all of grad_weight with the chunk's tokens
+# as its inner dimension, so small chunks leave it bound by memory: at 131072 tokens the op
+# ran 18% faster with 512 MiB (2048 tokens at Llama 3's vocabulary) than with 128 MiB, for
+# 0.4 GiB more (bench/RESULTS.md, "The fused loss's chunk").
+CHUNK_LOGITS_BYTES = 512 * 2**20
 
 # Summing grad_weight in bf16 over many chunks loses precision as the sum grows (the error
 # against fp64 grows with the chunks: bench/RESULTS.md, "Note on the fused loss"). So at
 # most this many chunks are summed in bf16; longer inputs add each group of them into an
-# fp32 buffer (weight-sized, fp32, during the forward only). 8k tokens at V = 128256 are
-# 16 chunks: the benchmarked shape never takes the fp32 path.
+# fp32 buffer (weight-sized, fp32, during the forward only). 32k tokens at V = 128256 are
+# 16 chunks: sequences up to that never take the fp32 path.
 BF16_SUM_CHUNKS = 16
 
 
 def _chunk_rows(vocab: int, itemsize: int) -> int:
     """Tokens per chunk: the most whose [rows, V] logits fit in CHUNK_LOGITS_BYTES, rounded
-    down to a power of two so the matmul tiles divide it (512 for V = 128256 in bf16)."""
+    down to a power of two so the matmul tiles divide it (2048 for V = 128256 in bf16)."""
     rows = max(CHUNK_LOGITS_BYTES // (vocab * itemsize), 1)
     return 1 << (rows.bit_length() - 1)
 
