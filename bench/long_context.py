@@ -16,7 +16,10 @@ Prints one row per run: tokens/s per GPU, MFU (6*N + 6*L*S*d FLOPs per token, th
 counted within documents where they are masked apart, against 989 TFLOP/s), peak GPU memory
 (torch.cuda.max_memory_allocated), peak host RSS. Step times are the median over the steps
 after the first two (warm-up: compilation, allocator), or the last step's when --steps is
-below 3 (for steps of minutes, where warm-up is a small part).
+below 3 (for steps of minutes, where warm-up is a small part). longtune logs each step, so
+the host waits for the GPU after each one; the peer times its steps with no wait between
+them. --window T times both alike: T warm-up steps, then T steps timed as one window with
+no wait inside it (longtune logs at steps T and 2T only).
 A run that fails (e.g. out of memory) gets its last error line instead.
 """
 
@@ -55,13 +58,14 @@ def last_error(output: str) -> str:
 
 
 def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, nproc: int,
-             timeout: float, data: str | None) -> dict:  # fmt: skip
+             timeout: float, data: str | None, window: int) -> dict:  # fmt: skip
     run_dir = Path(tempfile.mkdtemp(prefix="longtune-bench-"))
     launcher = [sys.executable] if nproc == 1 else ["torchrun", f"--nproc-per-node={nproc}"]
     cmd = launcher + [
         "train.py", "--model", preset, "--seq-len", str(seq_len),
         "--batch-tokens", str(seq_len * nproc),
-        "--max-steps", str(steps), "--log-interval", "1", "--checkpoint-interval", "0",
+        "--max-steps", str(2 * window if window else steps),
+        "--log-interval", str(window or 1), "--checkpoint-interval", "0",
         "--lr", "1e-5", "--min-lr", "1e-5", "--warmup-steps", "0", "--run-dir", str(run_dir),
         "--sample-tokens", "0",
     ] + (["--data", data] if data else []) + shlex.split(flags)  # fmt: skip
@@ -77,7 +81,7 @@ def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, n
                                  cwd=ROOT, capture_output=True, text=True).stdout  # fmt: skip
         (log_dir / f"{name}-profile.txt").write_text(summary)
         print(summary, flush=True)
-    timed = records[2:] or records[-1:]
+    timed = records[2:] or records[-1:]  # with --window: the record of steps T+1..2T
     # The flags train.py planned for the run, whatever of them were given.
     plan = [line for line in output.splitlines() if line.startswith("plan: ")]
     impl = f"longtune {flags}" if flags else "longtune, planned"
@@ -99,10 +103,11 @@ def longtune(preset: str, seq_len: int, flags: str, steps: int, log_dir: Path, n
 
 
 def peer(impl: str, preset: str, seq_len: int, steps: int, log_dir: Path, nproc: int,
-         timeout: float, data: str | None, attn: str, qlora: int) -> dict:  # fmt: skip
+         timeout: float, data: str | None, attn: str, qlora: int, window: int) -> dict:  # fmt: skip
     launcher = [sys.executable] if nproc == 1 else ["torchrun", f"--nproc-per-node={nproc}"]
     cmd = launcher + ["bench/peer_hf.py", "--preset", preset, "--seq-len", str(seq_len),
-                      "--steps", str(steps - 2), "--attn", attn]  # fmt: skip
+                      "--steps", str(window or steps - 2), "--warmup", str(window or 2),
+                      "--attn", attn]  # fmt: skip
     if data:
         cmd += ["--data", data]
     if impl == "hf":
@@ -131,6 +136,8 @@ def main():
     parser.add_argument("--peer-attn", default="sdpa", choices=["sdpa", "flex_attention"])
     parser.add_argument("--peer-qlora", type=int, default=0, metavar="R",
                         help="the peers train QLoRA of rank R (bench/peer_hf.py)")  # fmt: skip
+    parser.add_argument("--window", type=int, default=0, metavar="T",
+                        help="T warm-up steps, then T timed as one window")  # fmt: skip
     parser.add_argument("--log-dir", default=os.environ.get("OUT", "bench-logs"))
     opts = parser.parse_args()
     log_dir = Path(opts.log_dir)
@@ -139,12 +146,13 @@ def main():
     for seq_len in opts.seq:
         for flags in opts.longtune:
             result = longtune(opts.preset, seq_len, flags, opts.steps, log_dir, opts.nproc,
-                              opts.timeout, opts.data)  # fmt: skip
+                              opts.timeout, opts.data, opts.window)  # fmt: skip
             rows.append((seq_len, result))
             print(json.dumps({"seq_len": seq_len, **result}), flush=True)
         for impl in opts.peers:
             result = peer(impl, opts.preset, seq_len, opts.steps, log_dir, opts.nproc,
-                          opts.timeout, opts.data, opts.peer_attn, opts.peer_qlora)  # fmt: skip
+                          opts.timeout, opts.data, opts.peer_attn, opts.peer_qlora,
+                          opts.window)  # fmt: skip
             rows.append((seq_len, result))
             print(json.dumps({"seq_len": seq_len, **result}), flush=True)
     print(f"\n{opts.preset}, {opts.nproc} GPU(s)")

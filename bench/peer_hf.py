@@ -39,7 +39,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="llama3.2-1b", choices=sorted(PRESETS))
     parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=6, help="timed steps after 2 warm-up steps")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps after the warm-up")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--no-liger", action="store_true")
     parser.add_argument("--data", help="a prepared dataset: train on its packed rows")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention"])
@@ -117,7 +118,7 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(2):
+    for _ in range(opts.warmup):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
