@@ -368,7 +368,13 @@ class ByteLevelBPETokenizer:
                 f"tokenizer_config.json, config.json or generation_config.json; longtune starts "
                 f"each document with BOS and ends it with EOS"
             )
+        self._template_tokens = tokens
         self.chat_template = _find_chat_template(path.parent, chat_template, tokens)
+
+    def use_chat_template(self, path: Path) -> None:
+        """Render conversations with the Jinja file `path` from now on, and export it: a
+        dataset's own, the template its conversations were rendered with."""
+        self.chat_template = _find_chat_template(self._path.parent, path, self._template_tokens)
 
     def encode(self, text: str) -> list[int]:
         # As TiktokenTokenizer.encode: a special token's name in a document stays text.
@@ -895,6 +901,7 @@ def prepare(
         return writer.finish(
             tokenizer,
             sft=sft,
+            files={DATASET_CHAT_TEMPLATE: template.source.encode()} if template else {},
             chat_template=template and template.name,
             longest_document=longest,
             split_seq_len=seq_len,
@@ -905,7 +912,12 @@ def prepare(
 
 
 # A dataset directory is replaced only by another (model.OutputDir): new, empty, or these files.
-DATASET = OutputDir("dataset", "meta.json", ("meta.json", "tokens.bin", "loss_mask.bin"))
+# The chat template its conversations were rendered with travels in it: training renders its
+# sample prompt with that template, and an export carries it.
+DATASET_CHAT_TEMPLATE = "chat_template.jinja"
+DATASET = OutputDir(
+    "dataset", "meta.json", ("meta.json", "tokens.bin", "loss_mask.bin", DATASET_CHAT_TEMPLATE)
+)
 
 
 class DatasetWriter:
@@ -938,10 +950,14 @@ class DatasetWriter:
         self.n_tokens += len(tokens)
         self.n_documents += 1
 
-    def finish(self, tokenizer: Tokenizer, sft: bool, **summary: object) -> Path:
+    def finish(
+        self, tokenizer: Tokenizer, sft: bool, files: dict[str, bytes] | None = None, **summary
+    ) -> Path:
         """Write meta.json (`summary`: what the writer's caller reports of the documents, such as
-        prepare's counts) and move the dataset into place."""
+        prepare's counts) and `files` (name: contents), and move the dataset into place."""
         self._close()
+        for name, contents in (files or {}).items():
+            (self._tmp / name).write_bytes(contents)
         meta = {
             "format_version": FORMAT_VERSION,
             "tokenizer": tokenizer.name,
@@ -1255,6 +1271,12 @@ class TokenDataset:
         self.loss_mask = self._map("loss_mask.bin", np.uint8)
 
     @property
+    def chat_template(self) -> Path | None:
+        """The template the dataset's conversations were rendered with, if prepare wrote one."""
+        path = self.path / DATASET_CHAT_TEMPLATE
+        return path if path.is_file() else None
+
+    @property
     def is_sft(self) -> bool:
         """meta.json's "sft"; datasets from before the field were prepared from text."""
         return bool(self.meta.get("sft", False))
@@ -1531,7 +1553,8 @@ def open_data(
     against the model and the tokenizer: --tokenizer's, else the --hf-checkpoint
     directory's, must be the one the data was prepared with. Returns it with the tokenizer
     that decodes the end-of-run sample (that one; the byte tokenizer for byte-tokenized
-    data) and the tokenizer an export carries (the checkpoint's files, else that one's)."""
+    data) and the tokenizer an export carries (the checkpoint's files, else that one's; with
+    the dataset's chat template where prepare wrote one)."""
     if opts.data:
         dataset = TokenDataset(opts.data)
     else:
@@ -1552,9 +1575,13 @@ def open_data(
         )
     if prepared_with == ByteTokenizer.name:
         text_tokenizer = ByteTokenizer()
+    if dataset.chat_template and isinstance(text_tokenizer, ByteLevelBPETokenizer):
+        text_tokenizer.use_chat_template(dataset.chat_template)
     export_tokenizer = read_hf_tokenizer(opts.hf_checkpoint) if opts.hf_checkpoint else None
     has_tokenizer = lambda t: t and set(t.files) - {"generation_config.json"}
-    if not has_tokenizer(export_tokenizer) and text_tokenizer:
+    # The export carries the template the model was trained with, the dataset's, over the
+    # checkpoint's own.
+    if text_tokenizer and (not has_tokenizer(export_tokenizer) or dataset.chat_template):
         ids = (text_tokenizer.bos_id, text_tokenizer.eos_id, text_tokenizer.pad_id)
         special_ids = dict(zip(SPECIAL_TOKEN_KEYS, ids, strict=True))
         export_tokenizer = HFTokenizer(text_tokenizer.hf_files(), special_ids)

@@ -1,16 +1,19 @@
 """HF tokenizer.json files and chat templates: ids, templates and loss masks checked against
 `tokenizers` and transformers' apply_chat_template, on files built in each test."""
 
+import dataclasses
 import gc
 import json
 import random
 import sysconfig
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import data
+from model import PRESETS
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
@@ -313,6 +316,26 @@ def test_chat_template_option_replaces_the_directorys(tmp_path):
     # The directory's BOS, in the other template's place for it.
     assert ours.decode(ids).startswith("<|im_start|><|start_header_id|>system")
     assert ours.hf_files()["chat_template.jinja"] == LLAMA31_TEMPLATE.encode()
+
+
+def test_the_template_prepare_was_given_renders_the_sample_and_goes_into_the_export(tmp_path):
+    """A run trains on conversations rendered with `prepare --chat-template`: its sample prompt
+    and its export take that template, not the tokenizer directory's own."""
+    directory, _ = template_dir(tmp_path, "chatml")
+    other = tmp_path / "llama3.jinja"
+    other.write_text(LLAMA31_TEMPLATE)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
+    prepared = data.prepare([chat], tmp_path / "ds", directory, workers=1, chat_template=other)
+    opts = SimpleNamespace(
+        data=str(prepared), tokenizer=str(directory), hf_checkpoint=None, export_hf=None,
+        seq_len=8,
+    )  # fmt: skip
+    args = dataclasses.replace(PRESETS["tiny"], vocab_size=4096)
+    _, text_tokenizer, export_tokenizer = data.open_data(opts, args, True, print)
+    prompt = text_tokenizer.decode(text_tokenizer.chat_prompt(CONVERSATIONS[0][:1]))
+    assert prompt.startswith("<|im_start|><|start_header_id|>system"), prompt
+    assert export_tokenizer.files["chat_template.jinja"] == LLAMA31_TEMPLATE.encode()
 
 
 def test_special_ids_come_from_config_json_where_tokenizer_config_names_none(tmp_path):
