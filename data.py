@@ -986,8 +986,16 @@ class DatasetWriter:
 
 
 def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
-    files = []
-    for item in map(Path, inputs):
+    """The files `inputs` name, a directory standing for all its files (sorted, hidden ones
+    left out). Refused: a .json file (JSON lines read as one text would train on its syntax)
+    and a prepared dataset (its binary files read as text would too)."""
+    inputs, files = [Path(i) for i in inputs], []
+    for item in inputs:
+        if (item / DATASET.marker).is_file() and (item / "tokens.bin").is_file():
+            raise UsageError(
+                f"input {item} is a prepared dataset: pass it to train.py --data, or give "
+                f"prepare the files it was made from"
+            )
         if item.is_dir():
             files += sorted(
                 p
@@ -995,22 +1003,24 @@ def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
                 if p.is_file()
                 and not any(part.startswith(".") for part in p.relative_to(item).parts)
             )
-        elif item.suffix == ".json":  # JSON lines read as one text would train on its syntax
-            raise UsageError(
-                f"input {item}: a .json file is not read; prepare reads .jsonl files (one JSON "
-                f"object a line: text, prompt/response or messages) and text files; rename it "
-                f".jsonl if it holds one object a line"
-            )
         elif item.is_file():
             files.append(item)
         else:
             raise UsageError(f"input {item} not found")
+    if json_files := [str(f) for f in files if f.suffix.lower() == ".json"]:
+        raise UsageError(
+            f"inputs {json_files[:3]}: a .json file is not read; prepare reads .jsonl files (one "
+            f"JSON object a line: text, prompt/response or messages) and text files; rename it "
+            f".jsonl if it holds one object a line"
+        )
+    if not files:
+        raise UsageError(f"no files in the inputs {[str(i) for i in inputs]}")
     return files
 
 
 def _read_documents(files: list[Path]) -> Iterator[Document]:
     for path in files:
-        if path.suffix == ".jsonl":
+        if path.suffix.lower() == ".jsonl":
             with open(path, "rb") as f:
                 for lineno, line in enumerate(f, 1):
                     if line.strip():
@@ -1025,6 +1035,11 @@ def _read_documents(files: list[Path]) -> Iterator[Document]:
                     f"{path} is not UTF-8 text (bad byte at offset {e.start}); inputs are UTF-8 "
                     f"text files, one document each, or .jsonl files"
                 ) from e
+            if "\0" in text:  # valid UTF-8, yet binary: NUL is in no text a model should learn
+                raise UsageError(
+                    f"{path} holds NUL bytes (at offset {data.index(0)}): a binary file, not "
+                    f"text; inputs are UTF-8 text files, one document each, or .jsonl files"
+                )
             if text:
                 yield ("", text), len(data), str(path)
 

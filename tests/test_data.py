@@ -356,6 +356,29 @@ def test_missing_input_and_empty_input_are_errors(tmp_path):
         data.prepare([tmp_path / "empty.txt"], tmp_path / "ds")
 
 
+def test_inputs_that_would_train_on_file_syntax_are_refused(tmp_path):
+    """A .json file (also inside a directory), a prepared dataset and a binary file are not
+    read as text; an upper-case .JSONL is read as JSON lines."""
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "d.json").write_text('[{"text": "hello"}]')
+    with pytest.raises(ValueError, match=r"d.json'\]: a .json file is not read"):
+        data.prepare([folder], tmp_path / "ds")
+    (folder / "d.json").unlink()
+    (folder / "d.txt").write_bytes(b"text\0more")
+    with pytest.raises(ValueError, match=r"d.txt holds NUL bytes \(at offset 4\)"):
+        data.prepare([folder], tmp_path / "ds")
+    with pytest.raises(ValueError, match=r"no files in the inputs \['.*empty'\]"):
+        (tmp_path / "empty").mkdir()
+        data.prepare([tmp_path / "empty"], tmp_path / "ds")
+    upper = write_jsonl(tmp_path / "upper.JSONL", [{"text": "plain words"}])
+    prepared = data.prepare([upper], tmp_path / "ds")
+    assert data.ByteTokenizer().decode(data.TokenDataset(prepared).tokens[1:-1]) == "plain words"
+    with pytest.raises(ValueError, match=r"input .*ds is a prepared dataset"):
+        data.prepare([prepared], tmp_path / "ds2")
+    assert not (tmp_path / "ds2").exists()
+
+
 def test_output_is_identical_with_one_and_two_workers(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
