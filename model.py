@@ -876,7 +876,7 @@ class OutputDir:
         """An empty directory beside `final` to write into, renamed onto it by `swap_in`.
         mkdtemp makes it rwx for its owner only; it gets the mode any new directory gets
         (umask applied), so the result can be shared like the user's other files."""
-        final = Path(final)
+        final = Path(final).resolve()  # "." has no name to put beside; a link, its target
         self.check(final)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
@@ -886,14 +886,22 @@ class OutputDir:
     def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:
         """Puts the complete directory `tmp` in place of `final`, checked again (something
         may have been put there meanwhile); an old `final` is removed only after the new
-        one is in place."""
-        final = Path(final)
+        one is in place, and put back if that fails or is interrupted."""
+        final = Path(final).resolve()
         self.check(final)
-        old = final.with_name(f".{final.name}.old")
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        old = None
+        try:
+            if final.exists():
+                # A name of its own: a leftover of an interrupted swap is never in the way.
+                old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+                os.replace(final, old)
+            os.replace(tmp, final)
+        except BaseException:
+            if old is not None and not final.exists():
+                os.replace(old, final)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 HF_EXPORT = OutputDir(

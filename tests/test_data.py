@@ -429,6 +429,39 @@ def test_prepare_never_deletes_what_it_did_not_write(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "ds", "mydata"]
 
 
+def test_replacing_a_dataset_keeps_a_link_to_it_and_survives_leftovers(tmp_path, monkeypatch):
+    """A link to a dataset stays a link (the dataset it points to is replaced), "." is a
+    directory like any other, a leftover of an interrupted replacement is not in the way, and
+    a replacement that fails leaves the earlier dataset where it was."""
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "b.txt").write_text("second")
+    target = data.prepare([tmp_path / "a.txt"], tmp_path / "target")
+    (tmp_path / "link").symlink_to(target)
+    (tmp_path / ".link.old").mkdir()  # left by an earlier version's interrupted replacement
+    (tmp_path / ".link.old" / "x").write_text("")
+    data.prepare([tmp_path / "b.txt"], tmp_path / "link")
+    assert (tmp_path / "link").is_symlink()
+    assert BYTES.decode(data.TokenDataset(target).tokens.tolist()) == "second"
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    data.prepare([tmp_path / "a.txt"], ".")
+    assert BYTES.decode(data.TokenDataset(here).tokens.tolist()) == "first"
+    real_replace = os.replace
+
+    def interrupted(src, dst):
+        if ".tmp-" in str(src):  # the new dataset's move into place
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        data.prepare([tmp_path / "a.txt"], target)
+    assert BYTES.decode(data.TokenDataset(target).tokens.tolist()) == "second"
+    hidden = [p.name for p in tmp_path.iterdir() if p.name.startswith(".target")]
+    assert hidden == [], hidden
+
+
 def test_command_line_prepare(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("hello")
     data.main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "ds")])
