@@ -176,6 +176,11 @@ class TiktokenTokenizer:
         n = len(ranks)
         if sorted(ranks.values()) != list(range(n)):
             raise UsageError(f"{path}: the BPE ranks must be 0..{n - 1}, each once")
+        if missing := [b for b in range(256) if bytes([b]) not in ranks]:
+            raise UsageError(
+                f"{path}: no rank for {len(missing)} of the 256 single bytes (the first: "
+                f"{missing[0]}); a BPE ranks file ranks every byte (a truncated file?)"
+            )
         specials = {token: n + i for i, token in enumerate(LLAMA3_SPECIALS)}
         self.name = f"tiktoken:{_sha256(data)}"
         self._ranks, self._specials = ranks, specials
@@ -368,6 +373,12 @@ class ByteLevelBPETokenizer:
                 f"tokenizer_config.json, config.json or generation_config.json; longtune starts "
                 f"each document with BOS and ends it with EOS"
             )
+        for name, i in [("BOS", self.bos_id), ("EOS", self.eos_id)]:
+            if not (isinstance(i, int) and 0 <= i < self.vocab_size):
+                raise UsageError(
+                    f"{path.parent}: the {name} id {i!r} is not in the vocabulary of "
+                    f"{self.vocab_size} ids"
+                )
         self._template_tokens = tokens
         self.chat_template = _find_chat_template(path.parent, chat_template, tokens)
 
@@ -580,13 +591,22 @@ def _find_chat_template(
         raise UsageError(f"chat template file {given} not found")
     path = given or directory / "chat_template.jinja"
     if path.is_file():
-        return ChatTemplate(path.read_text(), tokens, str(path))
+        try:
+            return ChatTemplate(path.read_text(encoding="utf-8"), tokens, str(path))
+        except UnicodeDecodeError as e:
+            raise UsageError(f"chat template {path} is not UTF-8 text ({e})") from e
     config_path = directory / "tokenizer_config.json"
     source = read_json(config_path).get("chat_template") if config_path.is_file() else None
     if isinstance(source, list):
-        source = next((t.get("template") for t in source if t.get("name") == "default"), None)
+        named = [t for t in source if isinstance(t, dict) and t.get("name") == "default"]
+        source = named[0].get("template") if named else None
     if source is None:
         return None
+    if not isinstance(source, str):
+        raise UsageError(
+            f"{config_path}: chat_template is {type(source).__name__}, expected a template "
+            f"(a string) or a list of named ones"
+        )
     return ChatTemplate(source, tokens, f"{config_path} chat_template")
 
 
@@ -622,6 +642,8 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise UsageError(f"chat template {self.name}: {e}") from e
+        except Exception as e:  # noqa: BLE001 - any error of the template's code is its own
+            raise UsageError(f"chat template {self.name}: {type(e).__name__}: {e}") from e
 
     def assistant_spans(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text, and each assistant turn's span in it (character offsets):
@@ -695,10 +717,21 @@ def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = N
             path = found
         if not path.is_file():
             raise UsageError(f"tokenizer file {path} not found")
+        if path.stat().st_size == 0:
+            raise UsageError(f"tokenizer file {path} is empty")
         with open(path, "rb") as f:
             first_line = f.readline(1024)
         if first_line.lstrip().startswith(b"{"):
-            return ByteLevelBPETokenizer(path, chat_template and Path(chat_template))
+            try:
+                return ByteLevelBPETokenizer(path, chat_template and Path(chat_template))
+            except UsageError:
+                raise
+            except (LookupError, TypeError, AttributeError, ValueError) as e:
+                # A field missing or of another type than tokenizers writes.
+                raise UsageError(
+                    f"tokenizer file {path} is not a tokenizer.json as `tokenizers` writes "
+                    f"one ({type(e).__name__}: {e})"
+                ) from e
     if chat_template is not None:
         raise UsageError(
             f"a chat template renders conversations with a tokenizer.json; the tokenizer "
@@ -1049,6 +1082,8 @@ def _parse_jsonl_line(line: bytes, where: str) -> Example:
         record = json.loads(line)
     except ValueError as e:
         raise UsageError(f"{where}: not valid UTF-8 JSON ({e})") from e
+    if b"\\ud" in line.lower():  # an escaped UTF-16 surrogate, maybe a lone one
+        record = _without_lone_surrogates(record)
     if isinstance(record, dict):
         if "messages" in record:
             return _check_messages(record["messages"], where)
@@ -1060,6 +1095,18 @@ def _parse_jsonl_line(line: bytes, where: str) -> Example:
         f'{where}: expected a JSON object with a string "text", strings "prompt" and "response", '
         f'or a list "messages"'
     )
+
+
+def _without_lone_surrogates(value):
+    """`value` with each lone UTF-16 surrogate (JSON can escape one, no UTF-8 text holds one,
+    and no tokenizer encodes one) in its strings made U+FFFD, as tiktoken's encode does."""
+    if isinstance(value, str):
+        return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    if isinstance(value, list):
+        return [_without_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _without_lone_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def _check_messages(messages: object, where: str) -> list[Message]:

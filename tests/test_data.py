@@ -379,6 +379,22 @@ def test_inputs_that_would_train_on_file_syntax_are_refused(tmp_path):
     assert not (tmp_path / "ds2").exists()
 
 
+def test_lone_surrogates_in_json_lines_become_the_replacement_character(tmp_path):
+    """JSON may escape a lone surrogate, which no tokenizer encodes: U+FFFD for every one."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "a\\ud800b"}\n{"text": "a\\ud83d\\ude00b"}\n')
+    ds = data.TokenDataset(data.prepare([path], tmp_path / "ds", workers=1))
+    assert BYTES.decode(ds.tokens.tolist()) == "a\ufffdb" + "a\U0001f600b"
+
+
+def test_tiktoken_file_without_every_single_byte_is_refused(tmp_path):
+    ranks = tmp_path / "few.tiktoken"
+    ranks.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {i}\n" for i, b in
+                             enumerate(b"abc ")))  # fmt: skip
+    with pytest.raises(ValueError, match=r"no rank for 252 of the 256 single bytes"):
+        data.load_tokenizer(ranks)
+
+
 def test_output_is_identical_with_one_and_two_workers(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

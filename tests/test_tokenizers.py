@@ -431,6 +431,69 @@ def test_tokenizer_json_with_a_bad_merge_is_refused_naming_it(tmp_path, edit, me
         data.load_tokenizer(with_model_edited(tmp_path / "tokenizer.json", edit))
 
 
+def drop_content(model_spec_path: Path) -> None:
+    spec = json.loads(model_spec_path.read_text())
+    spec["added_tokens"] = [{"id": 0}]
+    model_spec_path.write_text(json.dumps(spec))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda path: with_model_edited(path, lambda model: model.pop("vocab")),
+        lambda path: with_model_edited(path, lambda model: model.update(merges=[1, 2])),
+        lambda path: drop_content(with_model_edited(path, lambda model: None)),
+    ],
+    ids=["no-vocab", "merges-not-pairs", "added-token-without-content"],
+)
+def test_tokenizer_json_with_fields_missing_or_mistyped_is_refused_naming_it(tmp_path, edit):
+    path = tmp_path / "tokenizer.json"
+    edit(path)
+    with pytest.raises(ValueError, match=r"tokenizer.json is not a tokenizer.json as `tokeniz"):
+        data.load_tokenizer(path)
+
+
+def test_empty_tokenizer_file_and_special_ids_outside_the_vocabulary_are_named(tmp_path):
+    (tmp_path / "empty.model").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"tokenizer file .*empty.model is empty"):
+        data.load_tokenizer(tmp_path / "empty.model")
+    path = build_tokenizer_json(tmp_path, "gpt2 byte level")
+    (path.parent / "tokenizer_config.json").write_text("{}")
+    (path.parent / "config.json").write_text('{"bos_token_id": 5000, "eos_token_id": 1}')
+    with pytest.raises(ValueError, match=r"the BOS id 5000 is not in the vocabulary of"):
+        data.load_tokenizer(path)
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("{{ 1 / 0 }}", "ZeroDivisionError"),
+        ("{% include 'other.jinja' %}", "TypeError: no loader"),
+        ("{{ messages + 1 }}", "TypeError"),
+    ],
+)
+def test_chat_template_that_fails_as_it_runs_is_named(tmp_path, source, message):
+    directory, _ = template_dir(tmp_path, "chatml")
+    template = tmp_path / "bad.jinja"
+    template.write_text(source)
+    ours = data.load_tokenizer(directory, chat_template=template)
+    with pytest.raises(ValueError, match=r"chat template .*bad.jinja: " + message):
+        ours.render_chat(CONVERSATIONS[0])
+
+
+def test_chat_template_file_not_utf8_or_config_template_not_text_is_named(tmp_path):
+    directory, _ = template_dir(tmp_path, "chatml")
+    (tmp_path / "latin1.jinja").write_bytes(b"{{ 'caf\xe9' }}")
+    with pytest.raises(ValueError, match=r"chat template .*latin1.jinja is not UTF-8 text"):
+        data.load_tokenizer(directory, chat_template=tmp_path / "latin1.jinja")
+    (directory / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = {"template": "x"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"chat_template is dict, expected a template"):
+        data.load_tokenizer(directory)
+
+
 def test_merges_in_the_older_string_form_give_the_same_ranks_and_ids(tmp_path):
     path = build_tokenizer_json(tmp_path, "gpt2 byte level")
     pairs = data.load_tokenizer(path)
