@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import sysconfig
 import time
@@ -1724,6 +1725,8 @@ def main(argv: list[str] | None = None) -> None:
         "(default: split none; the loader cuts every document at its samples' boundaries)",
     )
     args = parser.parse_args(argv)
+    # SIGTERM (a job's time limit) as Ctrl-C: the half-written dataset is removed either way.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         output = prepare(
             args.input, args.output, args.tokenizer, args.workers, args.seq_len, args.chat_template
@@ -1731,6 +1734,9 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as e:  # what was given: one line, no traceback
         print(f"data.py error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"data.py: stopped; {args.output} is as it was", file=sys.stderr, flush=True)
+        sys.exit(130)
     print(summary(read_json(output / "meta.json"), output))
 
 

@@ -6,8 +6,10 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -482,6 +484,28 @@ def test_command_line_prepare(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("hello")
     data.main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "ds")])
     assert "1 documents, 7 tokens" in capsys.readouterr().out
+
+
+def test_prepare_stopped_by_sigterm_leaves_nothing_and_says_so(tmp_path):
+    """SIGTERM (or Ctrl-C) mid-way: one line, exit 130, no half-written directory beside it."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(400):
+        (corpus / f"{i}.txt").write_text("words " * 20_000)
+    out = tmp_path / "ds"
+    cmd = [sys.executable, str(Path(data.__file__)), "prepare", "--workers", "1"]
+    proc = subprocess.Popen(
+        [*cmd, "--input", str(corpus), "--output", str(out)], stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".ds.tmp-") for p in tmp_path.iterdir()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == f"data.py: stopped; {out} is as it was", err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
 
 
 def test_default_corpus_is_prepared_once_and_reused(tmp_path):
