@@ -20,6 +20,7 @@ Multi-node runs need no code here: torchrun's rendezvous flags (`--nnodes`, `--n
 
 import dataclasses
 import fcntl
+import fnmatch
 import functools
 import itertools
 import json
@@ -59,6 +60,8 @@ from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
 from model import (
     FLOAT_DTYPES,
+    HF_EXPORT,
+    PEFT_ADAPTER,
     Llama,
     LoRAConfig,
     ModelArgs,
@@ -446,21 +449,30 @@ def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) 
 # and the exports (--export-hf, --export-adapter), gathered from the shards
 # ----------------------------------------------------------------------------------------
 
-# What a run writes into --run-dir; a directory that holds none of them is someone else's.
-RUN_FILES = ("plan.json", "metrics.jsonl", "checkpoints", ".lock")
+# What a run writes into --run-dir (hidden: its lock, and exports' temporary directories).
+RUN_FILES = ("plan.json", "metrics.jsonl", "checkpoints", ".*", "trace-rank*.json",
+             "memory-snapshot-rank*.pickle")  # fmt: skip
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """A run writes into a new or empty directory, or one a run wrote into: never into a
-    directory of other files, where its plan.json could replace one of the user's."""
+    """A run writes into a new or empty directory, or one a run wrote into (and exports into
+    its subdirectories, as the command it prints suggests): never into a directory of other
+    files, where its plan.json could replace one of the user's."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--run-dir {run_dir} is a file")
-    held = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-    if held and not set(held) & set(RUN_FILES):
+    held = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
+    exports = (HF_EXPORT.marker, PEFT_ADAPTER.marker)
+    foreign = [
+        p.name
+        for p in held
+        if not any(fnmatch.fnmatch(p.name, pattern) for pattern in RUN_FILES)
+        and not (p.is_dir() and any((p / marker).is_file() for marker in exports))
+    ]
+    if foreign:
         raise UsageError(
-            f"--run-dir {run_dir} holds {', '.join(held[:5])}{' ...' if len(held) > 5 else ''} "
-            f"and no run's files ({', '.join(RUN_FILES)}): give a new or empty directory, or "
-            f"the run directory of an earlier run"
+            f"--run-dir {run_dir} holds {', '.join(foreign[:5])}"
+            f"{' ...' if len(foreign) > 5 else ''}, which no run writes: give a new or empty "
+            f"directory, or the run directory of an earlier run"
         )
 
 
@@ -517,7 +529,15 @@ def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path
             )
         return None
     if resume != "latest":
-        return Path(resume), check_checkpoint(Path(resume))
+        resume = Path(resume)
+        theirs = [c for c in list_checkpoints(root) if c.resolve() != resume.resolve()]
+        if theirs and root.resolve() != resume.resolve().parent:
+            # Saving here would rotate this directory's own checkpoints away (--keep-checkpoints).
+            raise UsageError(
+                f"{root} holds checkpoints of another run ({theirs[-1].name}), and {resume} is "
+                f"not one of them: give a new --run-dir to continue {resume} in"
+            )
+        return resume, check_checkpoint(resume)
     found = list_checkpoints(root)
     for checkpoint in reversed(found):
         try:
@@ -581,8 +601,9 @@ def check_checkpoint(path: Path) -> dict:
 
 
 def check_resumable(saved: dict, run: dict) -> None:
-    """Refuses a checkpoint of another model, sequence length, tokenizer or strategy, naming
-    every field that differs. The world size may change: DCP reshards on load."""
+    """Refuses a checkpoint of another model, sequence length, tokenizer, strategy or LoRA
+    (--lora-rank, -alpha, -dropout, -targets, --quantize-base), naming every field that
+    differs. The world size may change: DCP reshards on load."""
     problems = [
         f"model {k}: checkpoint {v!r}, this run {run['model'][k]!r}"
         for k, v in saved["model"].items()
@@ -590,11 +611,17 @@ def check_resumable(saved: dict, run: dict) -> None:
     ]
     problems += [
         f"{k}: checkpoint {saved[k]!r}, this run {run[k]!r}"
-        for k in ["seq_len", "tokenizer", "strategy"]
-        if saved[k] != run[k]
+        for k in ["seq_len", "tokenizer", "strategy", "lora"]
+        if saved.get(k) != run[k]
     ]
     if problems:
         raise UsageError("cannot resume from a different run:\n  " + "\n  ".join(problems))
+
+
+# The options a resumed run takes from its checkpoint unless given again (train.Options' names):
+# the learning-rate schedule, AdamW's settings, the data order's seed and the document mask.
+KEPT_ON_RESUME = ("lr", "min_lr", "warmup_steps", "decay", "weight_decay", "beta1", "beta2",
+                  "seed", "document_mask")  # fmt: skip
 
 
 def resume_options(opts, given: frozenset[str], saved: dict, data_parallel: int, log: Callable):
@@ -602,8 +629,9 @@ def resume_options(opts, given: frozenset[str], saved: dict, data_parallel: int,
     is `saved`. Resuming keeps the checkpoint's global batch (tokens per step) and schedule
     (max steps) unless this command gives --batch-tokens, --micro-batch or --grad-accum (the
     batch), --max-steps or --max-tokens (the schedule): on another number of processes the
-    plan splits the same batch into micro-batches and accumulation. `data_parallel`: the
-    ranks that read rows of their own (those of a context-parallel group share theirs)."""
+    plan splits the same batch into micro-batches and accumulation. It keeps the options of
+    KEPT_ON_RESUME unless given. `data_parallel`: the ranks that read rows of their own
+    (those of a context-parallel group share theirs)."""
     saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
     said = []
     if given & {"batch_tokens", "micro_batch", "grad_accum"}:
@@ -623,6 +651,16 @@ def resume_options(opts, given: frozenset[str], saved: dict, data_parallel: int,
     else:
         opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
         said.append(f"schedule of {saved_steps} steps kept")
+    # The rest of the run's course, unless given again: a bare --resume continues it as it was.
+    options = saved["options"]
+    kept = {
+        name: options[name]
+        for name in KEPT_ON_RESUME
+        if name not in given and name in options and options[name] != getattr(opts, name)
+    }
+    if kept:
+        opts = dataclasses.replace(opts, **kept)
+        said.append("the checkpoint's " + ", ".join(f"{flag_name(n)} {v}" for n, v in kept.items()))
     log("resuming: " + "; ".join(said) + " (--batch-tokens, --max-steps change them)")
     return opts
 

@@ -330,7 +330,9 @@ class Parser(argparse.ArgumentParser):
             name = word.split("=")[0]
             if name.startswith("--") and name not in known:
                 close = difflib.get_close_matches(name, known, n=1)
-                self.error(f"unknown option {name}" + (f": did you mean {close[0]}?" * bool(close)))
+                self.error(
+                    f"unknown option {name}" + (f": did you mean {close[0]}?" if close else "")
+                )
         return super().parse_args(argv, namespace)
 
 
@@ -373,12 +375,6 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     problems = []
     if opts.model and opts.hf_checkpoint:
         problems.append("give --model or --hf-checkpoint, not both")
-    if (
-        opts.hf_checkpoint
-        and opts.export_hf
-        and Path(opts.export_hf).resolve() == Path(opts.hf_checkpoint).resolve()
-    ):
-        problems.append("--export-hf is the --hf-checkpoint directory: it would replace it")
     at_least_one = "seq_len max_steps ac_every log_interval keep_checkpoints max_tokens "
     at_least_one += "batch_tokens micro_batch grad_accum world_size nproc_per_node context_parallel"
     at_least_one += " eval_interval eval_tokens"
@@ -396,6 +392,11 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     for name in ["beta1", "beta2"]:
         if not 0 <= getattr(opts, name) < 1:  # also refuses nan
             problems.append(f"--{name} must be in [0, 1), got {getattr(opts, name)}")
+    if not 0 <= opts.seed < 2**63:  # numpy's and torch's generators take no other
+        problems.append(f"--seed must be in [0, 2**63), got {opts.seed}")
+    if opts.lora_rank and not (math.isfinite(opts.lora_alpha) and opts.lora_alpha > 0):
+        problems.append(f"--lora-alpha must be a number > 0, got {opts.lora_alpha}")
+    problems += output_clashes(opts)
     at_least_zero = [opts.warmup_steps, opts.profile, opts.checkpoint_interval, opts.mlp_tile or 0]
     if min(*at_least_zero, opts.sample_tokens, opts.lora_rank) < 0:
         problems.append(
@@ -426,6 +427,30 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
         )
     if problems:
         raise UsageError("; ".join(problems))
+
+
+def output_clashes(opts: Options) -> list[str]:
+    """An export that would land on what the run reads or writes: its --run-dir or the
+    checkpoints in it, the checkpoint or adapter it starts from, or the other export."""
+    where = lambda path: Path(path).resolve()  # noqa: E731
+    run_dir = where(opts.run_dir)
+    taken = {run_dir: "the --run-dir", run_dir / "checkpoints": "the --run-dir's checkpoints"}
+    for name in ("hf_checkpoint", "lora_adapter"):
+        if path := getattr(opts, name):
+            taken[where(path)] = f"the {shard.flag_name(name)} directory"
+    problems = []
+    for name in ("export_hf", "export_adapter"):
+        if not (given := getattr(opts, name)):
+            continue
+        out = where(given)
+        if clash := taken.get(out) or (
+            run_dir / "checkpoints" in out.parents and "inside the --run-dir's checkpoints"
+        ):
+            problems.append(
+                f"{shard.flag_name(name)} {given} is {clash}: the export would replace it"
+            )
+        taken[out] = f"the {shard.flag_name(name)} directory"
+    return problems
 
 
 def lora_config(opts: Options) -> LoRAConfig | None:
@@ -638,7 +663,8 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, log: Ca
         HF_EXPORT.check(opts.export_hf)
     if opts.export_adapter:
         PEFT_ADAPTER.check(opts.export_adapter)
-    return shard.find_checkpoint(opts.resume, run_dir / "checkpoints", log) or (None, None)
+    found = shard.find_checkpoint(opts.resume, run_dir / "checkpoints", log)
+    return found or (None, None)
 
 
 def setup(opts: Options, given: frozenset[str]) -> Run:
@@ -651,6 +677,11 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
         raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
     if opts.memory_snapshot and not on_gpu:
         raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
+    if opts.gpu_memory is not None and not on_gpu:
+        raise UsageError(
+            "--gpu-memory sets how much of the GPU a run plans within; this run has no GPU "
+            "(--estimate-memory plans for a machine you are not on)"
+        )
     world = shard.init_distributed()
     log = print if world.is_main else lambda *a, **k: None
     torch.manual_seed(opts.seed)

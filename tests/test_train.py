@@ -93,6 +93,23 @@ def test_loss_falls_and_each_step_is_logged(reference_run):
     ]
 
 
+def test_unknown_option_with_no_close_match_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--zzqqxx"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown option --zzqqxx" in err and "did you mean" not in err
+    assert "Traceback" not in err
+
+
+def test_resuming_with_other_lora_settings_is_refused_naming_them():
+    lora = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["wq", "wv"], "quantize_base": None}
+    run = {"model": {}, "seq_len": 8, "tokenizer": "bytes", "strategy": "FULL_SHARD", "lora": lora}
+    shard.check_resumable(run, run)
+    with pytest.raises(ValueError, match=r"lora: checkpoint \{'rank': 4.*, this run None"):
+        shard.check_resumable(run, {**run, "lora": None})
+
+
 def test_a_sample_prints_control_characters_escaped():
     sampled = data.ByteTokenizer().decode(list(b"ok\x1b[2J\rdone\n\tend\x00") + [0xFF])
     assert train.printable(sampled) == "ok\\x1b[2J\\rdone\n\tend\\x00\ufffd"
@@ -504,6 +521,13 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
     users_dir = tmp / "users_dir"
     users_dir.mkdir()
     (users_dir / "notes.txt").write_text("the user's")
+    users_plan = tmp / "users_plan"
+    users_plan.mkdir()
+    (users_plan / "plan.json").write_text("{}")
+    (users_plan / "README.md").write_text("the user's")
+    other_run = tmp / "other_run"
+    step_40 = "checkpoints/step-000040"
+    shutil.copytree(reference_run / step_40, other_run / step_40)
     return {
         "nan in a checkpoint's weight": (
             [
@@ -534,7 +558,50 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
         ),
         "run dir of the user's files": (
             ["--data", str(dataset), "--run-dir", str(users_dir)],
-            "holds notes.txt and no run's files",
+            "holds notes.txt, which no run writes",
+        ),
+        "run dir of the user's files, one named as a run's": (
+            ["--data", str(dataset), "--run-dir", str(users_plan)],
+            "holds README.md, which no run writes",
+        ),
+        "export over the run dir": (
+            ["--data", str(dataset), "--export-hf", str(tmp / "run")],
+            f"--export-hf {tmp / 'run'} is the --run-dir: the export would replace it",
+        ),
+        "adapter export over the adapter given": (
+            [
+                "--data",
+                str(dataset),
+                "--lora-rank",
+                "2",
+                "--lora-adapter",
+                str(tmp / "a"),
+                "--export-adapter",
+                str(tmp / "a"),
+            ],
+            f"--export-adapter {tmp / 'a'} is the --lora-adapter directory: the export would",
+        ),  # fmt: skip
+        "both exports in one directory": (
+            [
+                "--data",
+                str(dataset),
+                "--lora-rank",
+                "2",
+                "--export-hf",
+                str(tmp / "e"),
+                "--export-adapter",
+                str(tmp / "e"),
+            ],
+            f"--export-adapter {tmp / 'e'} is the --export-hf directory: the export would",
+        ),  # fmt: skip
+        "negative seed": (["--data", str(dataset), "--seed", "-1"], "--seed must be in [0, 2**63)"),
+        "gpu memory without a GPU": (
+            ["--data", str(dataset), "--gpu-memory", "5"],
+            "--gpu-memory sets how much of the GPU a run plans within; this run has no GPU",
+        ),
+        "another run's checkpoint into a run dir of checkpoints": (
+            ["--data", str(dataset), "--resume", ckpt, "--run-dir", str(other_run)],
+            f"{other_run / 'checkpoints'} holds checkpoints of another run (step-000040), and",
         ),
         "export over the user's files": (
             ["--data", str(dataset), "--export-hf", str(users_dir)],
@@ -661,6 +728,13 @@ CASES = [
     "lr past float32",
     "data is a file",
     "run dir of the user's files",
+    "run dir of the user's files, one named as a run's",
+    "export over the run dir",
+    "adapter export over the adapter given",
+    "both exports in one directory",
+    "negative seed",
+    "gpu memory without a GPU",
+    "another run's checkpoint into a run dir of checkpoints",
     "export over the user's files",
     "adapter over the user's files",
     "token id past vocab",
@@ -693,7 +767,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_fails_before_any_step(case, dataset, reference_run, tmp_path, capsys):
-    if case == "memory snapshot without CUDA" and torch.cuda.is_available():
+    if case in ("memory snapshot without CUDA", "gpu memory without a GPU") and (
+        torch.cuda.is_available()
+    ):
         pytest.skip("this machine has CUDA")
     argv, message = bad_inputs(tmp_path, dataset, reference_run)[case]
     run_dir = tmp_path / "run"
@@ -1135,8 +1211,9 @@ def test_a_live_run_locks_its_directory_and_a_dead_one_does_not(dataset, tmp_pat
 def test_resume_keeps_the_global_batch_and_schedule_unless_given(
     dataset, reference_run, tmp_path, capsys
 ):
-    # The reference ran 1 process x 8 sequences for 40 steps; this command names neither.
-    argv = ["--data", str(dataset), "--seq-len", "128", "--warmup-steps", "5"]
+    # The reference ran 1 process x 8 sequences for 40 steps, with 5 warmup steps; this
+    # command names none of them.
+    argv = ["--data", str(dataset), "--seq-len", "128"]
     argv += ["--log-interval", "1", "--sample-tokens", "0", "--run-dir", str(tmp_path)]
     argv += ["--resume", str(reference_run / "checkpoints/step-000030")]
     train.main(argv)
@@ -1144,6 +1221,8 @@ def test_resume_keeps_the_global_batch_and_schedule_unless_given(
     kept = "global batch of 1,024 tokens/step kept"
     assert kept in out
     assert "schedule of 40 steps kept" in out
+    resuming = next(line for line in out.splitlines() if line.startswith("resuming: "))
+    assert "the checkpoint's " in resuming and "--warmup-steps 5" in resuming, resuming
     reference = losses(reference_run)
     assert losses(tmp_path) == pytest.approx({s: reference[s] for s in range(31, 41)}, rel=1e-6)
 
