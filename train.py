@@ -663,8 +663,7 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, log: Ca
         HF_EXPORT.check(opts.export_hf)
     if opts.export_adapter:
         PEFT_ADAPTER.check(opts.export_adapter)
-    found = shard.find_checkpoint(opts.resume, run_dir / "checkpoints", log)
-    return found or (None, None)
+    return shard.find_checkpoint(opts.resume, run_dir / "checkpoints", log) or (None, None)
 
 
 def setup(opts: Options, given: frozenset[str]) -> Run:
