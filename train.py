@@ -1238,8 +1238,16 @@ def main(argv: list[str] | None = None) -> None:
     # use, which is later; a setting of the user's own stays.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     opts, given = parse_options(argv)
+    # Before the first step and after the last, SIGTERM stops the run as Ctrl-C does (the
+    # loop's own handlers, StopSignals, finish the step and save first).
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         finished = train(opts, given)
+    except KeyboardInterrupt:
+        # Nothing in training is lost: the run directory's checkpoints are as they were.
+        if os.environ.get("RANK", "0") == "0":
+            say("stopped outside the training steps; the same command resumes the run")
+        sys.exit(EXIT_STOPPED)
     except Exception as e:
         # What was given (checked alike on every rank, from files all ranks see) and a
         # non-finite step (which the ranks agree on) fail every rank the same way: rank 0
@@ -1254,6 +1262,8 @@ def main(argv: list[str] | None = None) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         sys.exit(1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if not finished:
         sys.exit(EXIT_STOPPED)
 

@@ -110,6 +110,19 @@ def test_resuming_with_other_lora_settings_is_refused_naming_them():
         shard.check_resumable(run, {**run, "lora": None})
 
 
+def test_sigterm_before_the_first_step_exits_as_a_stop(monkeypatch, capsys, tmp_path):
+    """A signal while the run is set up (loading a large checkpoint, say) ends it with the
+    stop status a requeue script waits for, with one line, no traceback."""
+    monkeypatch.setattr(train, "setup", lambda *a: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--run-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == train.EXIT_STOPPED
+    err = capsys.readouterr().err
+    assert "stopped outside the training steps" in err and "Traceback" not in err
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
 def test_a_sample_prints_control_characters_escaped():
     sampled = data.ByteTokenizer().decode(list(b"ok\x1b[2J\rdone\n\tend\x00") + [0xFF])
     assert train.printable(sampled) == "ok\\x1b[2J\\rdone\n\tend\\x00\ufffd"
