@@ -1201,6 +1201,9 @@ _worker_tokenizer: Tokenizer | None = None  # each pool process loads its own fr
 
 def _init_worker(loading: tuple) -> None:
     global _worker_tokenizer
+    # A worker ends on the SIGTERM Pool.terminate sends it, whatever handler it was forked with
+    # (`main` makes SIGTERM raise KeyboardInterrupt in its own process).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_tokenizer = load_tokenizer(*loading)
 
 
@@ -1726,7 +1729,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     # SIGTERM (a job's time limit) as Ctrl-C: the half-written dataset is removed either way.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         output = prepare(
             args.input, args.output, args.tokenizer, args.workers, args.seq_len, args.chat_template
@@ -1737,6 +1740,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print(f"data.py: stopped; {args.output} is as it was", file=sys.stderr, flush=True)
         sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(summary(read_json(output / "meta.json"), output))
 
 

@@ -482,8 +482,10 @@ def test_replacing_a_dataset_keeps_a_link_to_it_and_survives_leftovers(tmp_path,
 
 def test_command_line_prepare(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("hello")
+    before = signal.getsignal(signal.SIGTERM)
     data.main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "ds")])
     assert "1 documents, 7 tokens" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) == before
 
 
 def test_prepare_stopped_by_sigterm_leaves_nothing_and_says_so(tmp_path):
@@ -506,6 +508,18 @@ def test_prepare_stopped_by_sigterm_leaves_nothing_and_says_so(tmp_path):
     assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == f"data.py: stopped; {out} is as it was", err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+def test_a_pool_worker_ends_on_sigterm_whatever_it_was_forked_with(monkeypatch):
+    """Pool.terminate ends the workers by SIGTERM: one forked from `main`, where SIGTERM raises
+    KeyboardInterrupt, would not end, and terminate would wait for it for ever."""
+    monkeypatch.setattr(data, "_worker_tokenizer", None, raising=False)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        data._init_worker((None, None))
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_default_corpus_is_prepared_once_and_reused(tmp_path):
