@@ -1021,8 +1021,9 @@ class DatasetWriter:
 
 def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
     """The files `inputs` name, a directory standing for all its files (sorted, hidden ones
-    left out). Refused: a .json file (JSON lines read as one text would train on its syntax)
-    and a prepared dataset (its binary files read as text would too)."""
+    left out; in a directory every file is a text, as a code tree's .json files are). Refused:
+    a .json file named alone (JSON lines read as one text would train on their syntax) and a
+    prepared dataset (its binary files read as text would too)."""
     inputs, files = [Path(i) for i in inputs], []
     for item in inputs:
         if (item / DATASET.marker).is_file() and (item / "tokens.bin").is_file():
@@ -1037,16 +1038,16 @@ def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
                 if p.is_file()
                 and not any(part.startswith(".") for part in p.relative_to(item).parts)
             )
+        elif item.suffix.lower() == ".json":  # JSON lines read as one text: trained on syntax
+            raise UsageError(
+                f"input {item}: a .json file is not read; prepare reads .jsonl files (one JSON "
+                f"object a line: text, prompt/response or messages) and text files; rename it "
+                f".jsonl if it holds one object a line"
+            )
         elif item.is_file():
             files.append(item)
         else:
             raise UsageError(f"input {item} not found")
-    if json_files := [str(f) for f in files if f.suffix.lower() == ".json"]:
-        raise UsageError(
-            f"inputs {json_files[:3]}: a .json file is not read; prepare reads .jsonl files (one "
-            f"JSON object a line: text, prompt/response or messages) and text files; rename it "
-            f".jsonl if it holds one object a line"
-        )
     if not files:
         raise UsageError(f"no files in the inputs {[str(i) for i in inputs]}")
     return files
@@ -1204,6 +1205,7 @@ def _init_worker(loading: tuple) -> None:
     # A worker ends on the SIGTERM Pool.terminate sends it, whatever handler it was forked with
     # (`main` makes SIGTERM raise KeyboardInterrupt in its own process).
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process: the parent
     _worker_tokenizer = load_tokenizer(*loading)
 
 
@@ -1645,9 +1647,14 @@ def open_data(
         text_tokenizer.use_chat_template(dataset.chat_template)
     export_tokenizer = read_hf_tokenizer(opts.hf_checkpoint) if opts.hf_checkpoint else None
     has_tokenizer = lambda t: t and set(t.files) - {"generation_config.json"}
-    # The export carries the template the model was trained with, the dataset's, over the
-    # checkpoint's own.
-    if text_tokenizer and (not has_tokenizer(export_tokenizer) or dataset.chat_template):
+    if has_tokenizer(export_tokenizer) and dataset.chat_template:
+        # The template the model was trained with, the dataset's, in place of the checkpoint's.
+        files = export_tokenizer.files
+        config = json.loads(files.get("tokenizer_config.json", b"{}"))
+        config.pop("chat_template", None)
+        files["tokenizer_config.json"] = _json_bytes(config)
+        files["chat_template.jinja"] = dataset.chat_template.read_bytes()
+    if not has_tokenizer(export_tokenizer) and text_tokenizer:
         ids = (text_tokenizer.bos_id, text_tokenizer.eos_id, text_tokenizer.pad_id)
         special_ids = dict(zip(SPECIAL_TOKEN_KEYS, ids, strict=True))
         export_tokenizer = HFTokenizer(text_tokenizer.hf_files(), special_ids)

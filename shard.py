@@ -452,21 +452,26 @@ def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) 
 # What a run writes into --run-dir (hidden: its lock, and exports' temporary directories).
 RUN_FILES = ("plan.json", "metrics.jsonl", "checkpoints", ".*", "trace-rank*.json",
              "memory-snapshot-rank*.pickle")  # fmt: skip
+# Names only a run writes (its lock, taken before anything else): a directory holding one is
+# a run's, whatever else is in it.
+RUN_MARKERS = (".lock", "metrics.jsonl")
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """A run writes into a new or empty directory, or one a run wrote into (and exports into
-    its subdirectories, as the command it prints suggests): never into a directory of other
-    files, where its plan.json could replace one of the user's."""
+    """A run writes into a new or empty directory, or one a run wrote into (RUN_MARKERS):
+    never into a directory of other files, where its plan.json could replace one of the
+    user's. Exports into its subdirectories, as the command it prints suggests, are its own."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UsageError(f"--run-dir {run_dir} is a file")
     held = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
+    if any(p.name in RUN_MARKERS for p in held):
+        return  # a run's directory: the user's files beside its own (a plot, a log) stay
     exports = (HF_EXPORT.marker, PEFT_ADAPTER.marker)
     foreign = [
         p.name
         for p in held
         if not any(fnmatch.fnmatch(p.name, pattern) for pattern in RUN_FILES)
-        and not (p.is_dir() and any((p / marker).is_file() for marker in exports))
+        and not (p.is_dir() and (not any(p.iterdir()) or any((p / m).is_file() for m in exports)))
     ]
     if foreign:
         raise UsageError(
@@ -602,8 +607,8 @@ def check_checkpoint(path: Path) -> dict:
 
 def check_resumable(saved: dict, run: dict) -> None:
     """Refuses a checkpoint of another model, sequence length, tokenizer, strategy or LoRA
-    (--lora-rank, -alpha, -dropout, -targets, --quantize-base), naming every field that
-    differs. The world size may change: DCP reshards on load."""
+    adapters (--lora-rank, --lora-alpha, --lora-targets), naming every field that differs.
+    The world size may change: DCP reshards on load."""
     problems = [
         f"model {k}: checkpoint {v!r}, this run {run['model'][k]!r}"
         for k, v in saved["model"].items()
@@ -611,9 +616,13 @@ def check_resumable(saved: dict, run: dict) -> None:
     ]
     problems += [
         f"{k}: checkpoint {saved[k]!r}, this run {run[k]!r}"
-        for k in ["seq_len", "tokenizer", "strategy", "lora"]
-        if saved.get(k) != run[k]
+        for k in ["seq_len", "tokenizer", "strategy"]
+        if saved[k] != run[k]
     ]
+    # The adapters' tensors and what they compute; dropout and a 4-bit base may change.
+    adapters = lambda lora: lora and {k: lora[k] for k in ("rank", "alpha", "targets")}  # noqa: E731
+    if adapters(saved.get("lora")) != adapters(run["lora"]):
+        problems.append(f"lora: checkpoint {saved.get('lora')!r}, this run {run['lora']!r}")
     if problems:
         raise UsageError("cannot resume from a different run:\n  " + "\n  ".join(problems))
 
@@ -653,10 +662,14 @@ def resume_options(opts, given: frozenset[str], saved: dict, data_parallel: int,
         said.append(f"schedule of {saved_steps} steps kept")
     # The rest of the run's course, unless given again: a bare --resume continues it as it was.
     options = saved["options"]
+    # The saved min_lr may be lr / 10 computed from the saved lr: a new --lr recomputes it.
+    recomputed = {"min_lr"} if "lr" in given else set()
     kept = {
         name: options[name]
         for name in KEPT_ON_RESUME
-        if name not in given and name in options and options[name] != getattr(opts, name)
+        if name not in given | recomputed
+        and name in options
+        and options[name] != getattr(opts, name)
     }
     if kept:
         opts = dataclasses.replace(opts, **kept)

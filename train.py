@@ -1239,14 +1239,17 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     opts, given = parse_options(argv)
     # Before the first step and after the last, SIGTERM stops the run as Ctrl-C does (the
-    # loop's own handlers, StopSignals, finish the step and save first).
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # loop's own handlers, StopSignals, finish the step and save first). Not under torchrun:
+    # a rank waiting in a collective would then not end on it.
+    previous = signal.getsignal(signal.SIGTERM)
+    if shard.torchrun_processes()[0] == 1:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         finished = train(opts, given)
     except KeyboardInterrupt:
         # Nothing in training is lost: the run directory's checkpoints are as they were.
-        if os.environ.get("RANK", "0") == "0":
-            say("stopped outside the training steps; the same command resumes the run")
+        resume = command_line(opts, given, resume="latest")
+        say(f"stopped outside the training steps; the checkpoints are as they were: {resume}")
         sys.exit(EXIT_STOPPED)
     except Exception as e:
         # What was given (checked alike on every rank, from files all ranks see) and a

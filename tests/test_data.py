@@ -359,14 +359,14 @@ def test_missing_input_and_empty_input_are_errors(tmp_path):
 
 
 def test_inputs_that_would_train_on_file_syntax_are_refused(tmp_path):
-    """A .json file (also inside a directory), a prepared dataset and a binary file are not
-    read as text; an upper-case .JSONL is read as JSON lines."""
+    """A .json file named alone, a prepared dataset and a binary file are not read as text;
+    an upper-case .JSONL is read as JSON lines."""
     folder = tmp_path / "folder"
     folder.mkdir()
     (folder / "d.json").write_text('[{"text": "hello"}]')
-    with pytest.raises(ValueError, match=r"d.json'\]: a .json file is not read"):
-        data.prepare([folder], tmp_path / "ds")
-    (folder / "d.json").unlink()
+    with pytest.raises(ValueError, match=r"d.json: a .json file is not read"):
+        data.prepare([folder / "d.json"], tmp_path / "ds")
+    (folder / "d.json").unlink()  # in a directory, a text as any other (a code tree's)
     (folder / "d.txt").write_bytes(b"text\0more")
     with pytest.raises(ValueError, match=r"d.txt holds NUL bytes \(at offset 4\)"):
         data.prepare([folder], tmp_path / "ds")
@@ -518,8 +518,10 @@ def test_a_pool_worker_ends_on_sigterm_whatever_it_was_forked_with(monkeypatch):
     try:
         data._init_worker((None, None))
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # the parent stops them
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def test_default_corpus_is_prepared_once_and_reused(tmp_path):

@@ -336,6 +336,13 @@ def test_the_template_prepare_was_given_renders_the_sample_and_goes_into_the_exp
     prompt = text_tokenizer.decode(text_tokenizer.chat_prompt(CONVERSATIONS[0][:1]))
     assert prompt.startswith("<|im_start|><|start_header_id|>system"), prompt
     assert export_tokenizer.files["chat_template.jinja"] == LLAMA31_TEMPLATE.encode()
+    # From a HF checkpoint: its own tokenizer files and ids, with the dataset's template.
+    (directory / "config.json").write_text('{"eos_token_id": [1, 2]}')
+    opts.hf_checkpoint, opts.tokenizer = str(directory), None
+    _, _, export_tokenizer = data.open_data(opts, args, True, print)
+    assert export_tokenizer.special_ids["eos_token_id"] == [1, 2]
+    assert export_tokenizer.files["chat_template.jinja"] == LLAMA31_TEMPLATE.encode()
+    assert "chat_template" not in json.loads(export_tokenizer.files["tokenizer_config.json"])
 
 
 def test_special_ids_come_from_config_json_where_tokenizer_config_names_none(tmp_path):

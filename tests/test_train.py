@@ -106,8 +106,25 @@ def test_resuming_with_other_lora_settings_is_refused_naming_them():
     lora = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["wq", "wv"], "quantize_base": None}
     run = {"model": {}, "seq_len": 8, "tokenizer": "bytes", "strategy": "FULL_SHARD", "lora": lora}
     shard.check_resumable(run, run)
+    shard.check_resumable(run, {**run, "lora": {**lora, "dropout": 0.1, "quantize_base": "nf4"}})
     with pytest.raises(ValueError, match=r"lora: checkpoint \{'rank': 4.*, this run None"):
         shard.check_resumable(run, {**run, "lora": None})
+
+
+def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_files(tmp_path):
+    saved = {"run": {"tokens_per_step": 1024, "max_steps": 10}, "options": {
+        "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "seed": 7}}  # fmt: skip
+    opts = train.Options(lr=1e-4, seq_len=128)
+    resumed = shard.resume_options(opts, frozenset({"lr"}), saved, 1, lambda *a: None)
+    assert (resumed.lr, resumed.min_lr, resumed.warmup_steps, resumed.seed) == (1e-4, None, 5, 7)
+    # A run's directory with a plot and a log beside its files, and a new one with an empty
+    # subdirectory made for an export, are run directories.
+    for name in ("metrics.jsonl", "metrics.png", "train.log"):
+        (tmp_path / "run" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "run" / name).write_text("")
+    shard.check_run_dir(tmp_path / "run")
+    (tmp_path / "new" / "hf").mkdir(parents=True)
+    shard.check_run_dir(tmp_path / "new")
 
 
 def test_sigterm_before_the_first_step_exits_as_a_stop(monkeypatch, capsys, tmp_path):
