@@ -1248,8 +1248,9 @@ def main(argv: list[str] | None = None) -> None:
         finished = train(opts, given)
     except KeyboardInterrupt:
         # Nothing in training is lost: the run directory's checkpoints are as they were.
-        resume = command_line(opts, given, resume="latest")
-        say(f"stopped outside the training steps; the checkpoints are as they were: {resume}")
+        if os.environ.get("RANK", "0") == "0":  # Ctrl-C under torchrun reaches every rank
+            resume = command_line(opts, given, resume="latest")
+            say(f"stopped outside the training steps; the checkpoints are as they were: {resume}")
         sys.exit(EXIT_STOPPED)
     except Exception as e:
         # What was given (checked alike on every rank, from files all ranks see) and a
