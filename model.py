@@ -962,6 +962,11 @@ def hf_names(args: ModelArgs) -> dict[str, str]:
 def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
     """HF tensor name -> the safetensors file that holds it, from the index or the file."""
     path = Path(path)
+    if path.is_file():
+        raise UsageError(
+            f"{path} is a file: a Hugging Face checkpoint is the directory that holds "
+            f"config.json and the safetensors files (give {path.parent})"
+        )
     if not path.is_dir():
         raise UsageError(f"Hugging Face checkpoint directory {path} does not exist")
     index = path / "model.safetensors.index.json"

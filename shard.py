@@ -535,6 +535,11 @@ def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path
         return None
     if resume != "latest":
         resume = Path(resume)
+        if list_checkpoints(resume / "checkpoints"):
+            raise UsageError(
+                f"{resume} is a run directory, not a checkpoint: --resume --run-dir {resume} "
+                f"continues from its latest checkpoint"
+            )
         theirs = [c for c in list_checkpoints(root) if c.resolve() != resume.resolve()]
         if theirs and root.resolve() != resume.resolve().parent:
             # Saving here would rotate this directory's own checkpoints away (--keep-checkpoints).

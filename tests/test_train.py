@@ -586,6 +586,21 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset / "meta.json")],
             "meta.json is a file, not a prepared dataset directory: make one with",
         ),
+        "hf checkpoint given as its config.json": (
+            [
+                "--data",
+                str(dataset),
+                "--lr",
+                "1e-4",
+                "--hf-checkpoint",
+                str(qlora_base(tmp / "config") / "config.json"),
+            ],
+            "config.json is a file: a Hugging Face checkpoint is the directory",
+        ),  # fmt: skip
+        "resume given a run dir": (
+            ["--data", str(dataset), "--resume", str(reference_run)],
+            f"{reference_run} is a run directory, not a checkpoint: --resume --run-dir",
+        ),
         "run dir of the user's files": (
             ["--data", str(dataset), "--run-dir", str(users_dir)],
             "holds notes.txt, which no run writes",
@@ -757,6 +772,8 @@ CASES = [
     "nan in a checkpoint's weight",
     "lr past float32",
     "data is a file",
+    "hf checkpoint given as its config.json",
+    "resume given a run dir",
     "run dir of the user's files",
     "run dir of the user's files, one named as a run's",
     "export over the run dir",
