@@ -448,10 +448,9 @@ class ByteLevelBPETokenizer:
                 text, allowed_special=allowed_special, disallowed_special=()
             )
         except UnicodeEncodeError:
-            # Lone surrogates (JSON can hold them) cannot reach tiktoken's Rust: replaced, as
-            # tiktoken's encode replaces them.
-            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-            return self._encode(text, allowed_special)
+            # Lone surrogates cannot reach tiktoken's Rust (a chat prompt given in code may
+            # hold them; data has them replaced when read).
+            return self._encode(_without_lone_surrogates(text), allowed_special)
         if self._table is not None:
             ids = self._table[ids]
         return ids[ids < self.vocab_size]  # bytes the vocabulary lacks

@@ -103,10 +103,7 @@ class ModelArgs:
         path = Path(path)
         config_path = path / "config.json" if path.is_dir() else path
         if path.is_file() and path.suffix != ".json":
-            raise UsageError(
-                f"{path} is a file: a Hugging Face checkpoint is the directory that holds "
-                f"config.json and the safetensors files (give {path.parent})"
-            )
+            raise _checkpoint_is_a_directory(path)
         if not config_path.is_file():
             raise UsageError(f"no Hugging Face config.json at {config_path}")
         config = read_json(config_path)
@@ -959,14 +956,18 @@ def hf_names(args: ModelArgs) -> dict[str, str]:
     return names
 
 
+def _checkpoint_is_a_directory(path: Path) -> UsageError:
+    return UsageError(
+        f"{path} is a file: a Hugging Face checkpoint is the directory that holds "
+        f"config.json and the safetensors files (give {path.parent})"
+    )
+
+
 def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
     """HF tensor name -> the safetensors file that holds it, from the index or the file."""
     path = Path(path)
     if path.is_file():
-        raise UsageError(
-            f"{path} is a file: a Hugging Face checkpoint is the directory that holds "
-            f"config.json and the safetensors files (give {path.parent})"
-        )
+        raise _checkpoint_is_a_directory(path)
     if not path.is_dir():
         raise UsageError(f"Hugging Face checkpoint directory {path} does not exist")
     index = path / "model.safetensors.index.json"

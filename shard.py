@@ -466,19 +466,21 @@ def check_run_dir(run_dir: Path) -> None:
     held = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
     if any(p.name in RUN_MARKERS for p in held):
         return  # a run's directory: the user's files beside its own (a plot, a log) stay
-    exports = (HF_EXPORT.marker, PEFT_ADAPTER.marker)
-    foreign = [
-        p.name
-        for p in held
-        if not any(fnmatch.fnmatch(p.name, pattern) for pattern in RUN_FILES)
-        and not (p.is_dir() and (not any(p.iterdir()) or any((p / m).is_file() for m in exports)))
-    ]
+    foreign = [p.name for p in held if not _run_entry(p)]
     if foreign:
         raise UsageError(
             f"--run-dir {run_dir} holds {', '.join(foreign[:5])}"
             f"{' ...' if len(foreign) > 5 else ''}, which no run writes: give a new or empty "
             f"directory, or the run directory of an earlier run"
         )
+
+
+def _run_entry(path: Path) -> bool:
+    """One of a run's files, an export into the run directory, or an empty directory."""
+    if any(fnmatch.fnmatch(path.name, pattern) for pattern in RUN_FILES):
+        return True
+    markers = (HF_EXPORT.marker, PEFT_ADAPTER.marker)
+    return path.is_dir() and (not any(path.iterdir()) or any((path / m).is_file() for m in markers))
 
 
 def lock_run_dir(run_dir: Path, is_main: bool):
