@@ -961,9 +961,13 @@ class DatasetWriter:
     def __init__(self, output_dir: str | Path):
         self.output_dir = Path(output_dir)
         self._tmp = DATASET.make_temp(self.output_dir)
-        # Open for the writer's life: closed by `finish`, or by __exit__ after an error.
-        self._tokens_file = open(self._tmp / "tokens.bin", "wb")  # noqa: SIM115
-        self._mask_file = open(self._tmp / "loss_mask.bin", "wb")  # noqa: SIM115
+        try:  # __exit__ removes it only once this returns: a stop here must, too
+            # Open for the writer's life: closed by `finish`, or by __exit__ after an error.
+            self._tokens_file = open(self._tmp / "tokens.bin", "wb")  # noqa: SIM115
+            self._mask_file = open(self._tmp / "loss_mask.bin", "wb")  # noqa: SIM115
+        except BaseException:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            raise
         self.n_tokens = 0
         self.n_documents = 0
 
