@@ -166,7 +166,7 @@ class Options:
     lr: float | None = flag(
         None,
         "peak learning rate, after the warmup (default, from scratch: 3e-3 under 100M "
-        "parameters, 3e-4 up to 10B, 1.5e-4 above; required with --hf-checkpoint)",
+        "parameters, 3e-4 up to 10B, 1.5e-4 above; required with --hf-checkpoint, unless resumed)",
     )
     min_lr: float | None = flag(None, "learning rate at the last step (default: --lr / 10)")
     warmup_steps: int = flag(20, "steps of linear warmup from 0")
@@ -335,6 +335,12 @@ class Parser(argparse.ArgumentParser):
                 )
         return super().parse_args(argv, namespace)
 
+    def error(self, message):
+        # Under torchrun every process parses the same command line: rank 0 says it once.
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(2)
+        super().error(message)
+
 
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
     """The options, and the names of those given on the command line (resuming keeps the
@@ -361,6 +367,8 @@ def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str
     not_given = object()
     parser.set_defaults(**{f.name: not_given for f in dataclasses.fields(Options)})
     given = {name for name, v in vars(parser.parse_args(argv)).items() if v is not not_given}
+    if {"max_steps", "max_tokens"} <= given:
+        parser.error("--max-tokens sets the number of steps: give it or --max-steps, not both")
     return opts, frozenset(given)
 
 
@@ -381,10 +389,14 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     for name in at_least_one.split():
         if (value := getattr(opts, name)) is not None and value < 1:
             problems.append(f"{shard.flag_name(name)} must be >= 1, got {value}")
-    for name in ["lr", "min_lr", "grad_clip", "gpu_memory", "host_memory", "weight_decay"]:
+    for name in ["lr", "min_lr", "grad_clip", "weight_decay"]:
         value = getattr(opts, name)
         if value is not None and not (math.isfinite(value) and value >= 0):
             problems.append(f"{shard.flag_name(name)} must be a number >= 0, got {value}")
+    for name in ["gpu_memory", "host_memory"]:
+        value = getattr(opts, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            problems.append(f"{shard.flag_name(name)} must be a number of GiB > 0, got {value}")
     largest = torch.finfo(torch.float32).max  # AdamW keeps lr and its products in fp32
     for name in ["lr", "min_lr", "weight_decay", "grad_clip"]:
         if (value := getattr(opts, name)) is not None and value > largest:
@@ -419,12 +431,6 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     except ValueError as e:
         problems.append(str(e))
     problems += shard.technique_problems(opts, args, world_size, per_node)
-    if opts.hf_checkpoint and opts.lr is None:
-        problems.append(
-            f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
-            f"length (full fine-tunes of 7-8B models use 5e-6 to 2e-5; this model has "
-            f"{params_text(args.num_params())} parameters)"
-        )
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -686,6 +692,12 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     torch.manual_seed(opts.seed)
     lora = lora_config(opts)
     resume_from, saved = check_given(opts, args, lora, log)
+    if opts.hf_checkpoint and opts.lr is None and saved is None:  # a resumed run keeps its lr
+        raise UsageError(
+            f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
+            f"length (full fine-tunes of 7-8B models use 5e-6 to 2e-5; this model has "
+            f"{params_text(args.num_params())} parameters)"
+        )
     dataset, text_tokenizer, export_tokenizer = open_data(opts, args, world.is_main, log)
     held_out = open_eval_data(opts, args, dataset)
     run_record = {

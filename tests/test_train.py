@@ -102,6 +102,21 @@ def test_unknown_option_with_no_close_match_is_one_line(capsys):
     assert "Traceback" not in err
 
 
+def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--max-steps", "3", "--max-tokens", "1000"])
+    assert exit_info.value.code == 2
+    assert "--max-tokens sets the number of steps: give it or --max-steps, not both" in (
+        capsys.readouterr().err
+    )
+    monkeypatch.setenv("RANK", "1")  # every process of torchrun parses it; rank 0 says it
+    for argv in (["--zzqqxx"], ["--seq-len", "many"], ["--max-steps", "3", "--max-tokens", "9"]):
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(argv)
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err == ""
+
+
 def test_resuming_with_other_lora_settings_is_refused_naming_them():
     lora = {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": ["wq", "wv"], "quantize_base": None}
     run = {"model": {}, "seq_len": 8, "tokenizer": "bytes", "strategy": "FULL_SHARD", "lora": lora}
@@ -640,6 +655,10 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             f"--export-adapter {tmp / 'e'} is the --export-hf directory: the export would",
         ),  # fmt: skip
         "negative seed": (["--data", str(dataset), "--seed", "-1"], "--seed must be in [0, 2**63)"),
+        "a GPU of no memory": (
+            ["--estimate-memory", "--gpu-memory", "0"],
+            "--gpu-memory must be a number of GiB > 0, got 0.0",
+        ),
         "gpu memory without a GPU": (
             ["--data", str(dataset), "--gpu-memory", "5"],
             "--gpu-memory sets how much of the GPU a run plans within; this run has no GPU",
@@ -923,7 +942,7 @@ def test_estimate_memory_refuses_what_the_run_would(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_lr_follows_the_model_size_and_is_required_for_a_hf_checkpoint(tmp_path, capsys):
+def test_lr_follows_the_model_size_and_is_required_for_a_hf_checkpoint(dataset, tmp_path, capsys):
     tiny, eight_b = ModelArgs.from_name("tiny"), ModelArgs.from_name("llama3.1-8b")
     assert (train.default_lr(tiny), train.default_lr(eight_b)) == (3e-3, 3e-4)
     plan = shard.Plan(256)
@@ -940,6 +959,13 @@ def test_lr_follows_the_model_size_and_is_required_for_a_hf_checkpoint(tmp_path,
     with pytest.raises(SystemExit):
         train.main(["--hf-checkpoint", str(hf), "--run-dir", str(tmp_path / "run")])
     assert "--lr is required with --hf-checkpoint" in capsys.readouterr().err
+    # A resumed fine-tune keeps its checkpoint's lr.
+    argv = ["--hf-checkpoint", str(hf), "--data", str(dataset), *SMALL, "--run-dir",
+            str(tmp_path / "run"), "--checkpoint-interval", "1"]  # fmt: skip
+    train.main([*argv, "--max-steps", "1", "--lr", "2e-3", "--min-lr", "2e-3"])
+    train.main([*argv, "--max-steps", "2", "--resume"])
+    records = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records if "lr" in r] == [pytest.approx(4e-4), pytest.approx(8e-4)]
 
 
 @CPU_ONLY
