@@ -352,19 +352,29 @@ SDPA_BACKENDS = {
 }
 
 
-# FlexAttention's forward tile on the GPU, queries x keys: faster than its default at head dim
-# 64, as fast at 128 (bench/RESULTS.md, "FlexAttention's kernel options").
+# FlexAttention's tiles on the GPU where they beat its defaults (bench/RESULTS.md,
+# "FlexAttention's kernel options" and "FlexAttention's backward tiles"). The forward's,
+# queries x keys: faster at head dim 64, as fast at 128. At head dim 64 the backward's too:
+# dK and dV over 32 queries x 128 keys, dQ over 128 x 64, 4 warps, 3 stages (at 128 these
+# are slower than the defaults).
 FLEX_FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64}
+FLEX_BACKWARD_TILE_HEAD_DIM_64 = {
+    "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+    "bwd_num_warps": 4, "bwd_num_stages": 3,
+}  # fmt: skip
 
 
 @functools.cache
 def compiled_flex_attention() -> Callable[..., torch.Tensor]:
-    """flex_attention with the GPU's forward tile, compiled (it runs fast only as one Triton
-    kernel that skips the masked blocks) on first use, so importing the model loads no compiler."""
+    """flex_attention with the GPU's tiles, compiled (it runs fast only as one Triton kernel
+    that skips the masked blocks) on first use, so importing the model loads no compiler."""
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def attend(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
-        options = FLEX_FORWARD_TILE if q.is_cuda else None
+        options = None
+        if q.is_cuda:
+            backward = FLEX_BACKWARD_TILE_HEAD_DIM_64 if q.shape[-1] == 64 else {}
+            options = {**FLEX_FORWARD_TILE, **backward}
         return compiled(
             q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, kernel_options=options
         )

@@ -582,6 +582,38 @@ def test_flex_document_mask_on_gpu_matches_the_dense_mask():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])  # 64 runs the backward with model.py's tiles
+def test_compiled_flex_attention_gives_the_dense_masks_gradients(head_dim, dtype):
+    """The compiled kernel with the GPU's tiles, against SDPA's math with the dense mask in
+    fp32, 8 query / 2 key-value heads, documents of odd lengths across tile edges: output and
+    every gradient within 1e-4 (fp32) or 2e-2 (bf16) of the largest value."""
+    import model as model_module
+
+    positions = torch.cat([torch.arange(n) for n in (1, 300, 77, 700, 201)])[None].cuda()
+    generator = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, heads, 1279, head_dim, device="cuda", generator=generator)
+               for heads in (8, 2, 2))  # fmt: skip
+    grad_out = torch.randn(q.shape, device="cuda", generator=generator)
+    mask = dense_document_mask(positions)
+
+    def run(attend, dtype):
+        inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = attend(*inputs)
+        out.backward(grad_out.to(dtype))
+        return [out.float()] + [t.grad.float() for t in inputs]
+
+    flex = model_module.compiled_flex_attention()
+    got = run(lambda q, k, v: flex(q, k, v, document_block_mask(positions), True), dtype)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = run(lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=True), torch.float32)  # fmt: skip
+    for a, b in zip(got, want, strict=True):
+        assert rel_err(a, b) <= (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernels", [False, True], ids=["reference-ops", "triton-ops"])
 def test_llama32_1b_shape_bf16_matches_transformers_on_gpu(tmp_path, kernels):
     """llama3.2-1b dims (random weights, 4 layers to keep the test short), seq 4096, bf16.
