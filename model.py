@@ -18,10 +18,12 @@ meta device and materialize it after sharding:
 import dataclasses
 import fnmatch
 import functools
+import glob
 import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import zlib
 from collections.abc import Callable, Iterable
@@ -888,6 +890,16 @@ class OutputDir:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         tmp.chmod(0o777 & ~_umask())
+        # A process killed (SIGKILL, out of memory) leaves its directory: said, never removed
+        # (another process may still be writing into it).
+        name = glob.escape(final.name)
+        left = [p for kind in ("tmp", "old") for p in final.parent.glob(f".{name}.{kind}-*")]
+        if left := sorted(str(p) for p in left if p != tmp):
+            print(
+                f"note: {', '.join(left)}: left by a {self.kind} that was killed, or in use by "
+                f"one still running; remove what is not",
+                file=sys.stderr,
+            )
         return tmp
 
     def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:

@@ -480,6 +480,20 @@ def test_replacing_a_dataset_keeps_a_link_to_it_and_survives_leftovers(tmp_path,
     assert hidden == [], hidden
 
 
+def test_a_killed_prepares_directory_is_told_and_kept(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello")
+    left = tmp_path / ".d[s].tmp-k1ll3d"  # what SIGKILL leaves; [s]: no glob pattern
+    left.mkdir()
+    (tmp_path / ".d[s].old-x").mkdir()
+    (tmp_path / ".other.tmp-1").mkdir()
+    data.prepare([tmp_path / "a.txt"], tmp_path / "d[s]")
+    err = capsys.readouterr().err
+    assert f"note: {tmp_path / '.d[s].old-x'}, {left}: left by a dataset that was killed" in err
+    assert ".other" not in err and left.is_dir()
+    data.prepare([tmp_path / "a.txt"], tmp_path / "fresh")
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_command_line_prepare(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("hello")
     before = signal.getsignal(signal.SIGTERM)
