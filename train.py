@@ -669,7 +669,14 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, log: Ca
         HF_EXPORT.check(opts.export_hf)
     if opts.export_adapter:
         PEFT_ADAPTER.check(opts.export_adapter)
-    return shard.find_checkpoint(opts.resume, run_dir / "checkpoints", log) or (None, None)
+    found = shard.find_checkpoint(opts.resume, run_dir / "checkpoints", log)
+    if opts.hf_checkpoint and opts.lr is None and found is None:  # a resumed run keeps its lr
+        raise UsageError(
+            f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
+            f"length (full fine-tunes of 7-8B models use 5e-6 to 2e-5; this model has "
+            f"{params_text(args.num_params())} parameters)"
+        )
+    return found or (None, None)
 
 
 def setup(opts: Options, given: frozenset[str]) -> Run:
@@ -692,12 +699,6 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     torch.manual_seed(opts.seed)
     lora = lora_config(opts)
     resume_from, saved = check_given(opts, args, lora, log)
-    if opts.hf_checkpoint and opts.lr is None and saved is None:  # a resumed run keeps its lr
-        raise UsageError(
-            f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
-            f"length (full fine-tunes of 7-8B models use 5e-6 to 2e-5; this model has "
-            f"{params_text(args.num_params())} parameters)"
-        )
     dataset, text_tokenizer, export_tokenizer = open_data(opts, args, world.is_main, log)
     held_out = open_eval_data(opts, args, dataset)
     run_record = {
