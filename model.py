@@ -15,6 +15,7 @@ meta device and materialize it after sharding:
     model.init_weights(seed=0)          # or load_hf_checkpoint(model, path)
 """
 
+import contextlib
 import dataclasses
 import fnmatch
 import functools
@@ -26,7 +27,7 @@ import shutil
 import sys
 import tempfile
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -891,16 +892,28 @@ class OutputDir:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         tmp.chmod(0o777 & ~_umask())
         # A process killed (SIGKILL, out of memory) leaves its directory: said, never removed
-        # (another process may still be writing into it).
-        name = glob.escape(final.name)
-        left = [p for kind in ("tmp", "old") for p in final.parent.glob(f".{name}.{kind}-*")]
+        # (another process may still be writing into it). mkdtemp's names end in 8 characters.
+        name, suffix = glob.escape(final.name), "?" * 8
+        left = [p for k in ("tmp", "old") for p in final.parent.glob(f".{name}.{k}-{suffix}")]
         if left := sorted(str(p) for p in left if p != tmp):
             print(
-                f"note: {', '.join(left)}: left by a {self.kind} that was killed, or in use by "
-                f"one still running; remove what is not",
+                f"note: {', '.join(left)}: unfinished {self.kind} directories (their writer was "
+                f"killed, or is still running); remove those not in use",
                 file=sys.stderr,
             )
         return tmp
+
+    @contextlib.contextmanager
+    def writing(self, final: str | os.PathLike) -> Iterator[Path]:
+        """A temporary directory (make_temp) to write into, put in place of `final` (swap_in)
+        once the block is done, and removed if it fails or is interrupted."""
+        tmp = self.make_temp(final)
+        try:
+            yield tmp
+            self.swap_in(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:
         """Puts the complete directory `tmp` in place of `final`, checked again (something
@@ -1236,58 +1249,56 @@ def save_hf_checkpoint(
     each parameter just before it is written), and the tokenizer's files with a
     generation_config.json. Atomic: `out_dir` (an earlier export, or nothing) is replaced
     only once complete (HF_EXPORT)."""
-    tmp = HF_EXPORT.make_temp(out_dir)
     names = hf_names(args)
     shards: list[list[str]] = []  # the HF names each written shard holds
     shard: dict[str, torch.Tensor] = {}
     shard_bytes = total_bytes = 0
+    with HF_EXPORT.writing(out_dir) as tmp:
 
-    def flush():  # to part-k: the final names need the number of shards
-        save_file(shard, tmp / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
-        shards.append(list(shard))
-        shard.clear()
+        def flush():  # to part-k: the final names need the number of shards
+            save_file(shard, tmp / f"part-{len(shards)}.safetensors", metadata={"format": "pt"})
+            shards.append(list(shard))
+            shard.clear()
 
-    for ours, tensor in named_tensors:
-        if ours not in names:
-            continue  # the tied output, which HF does not store
-        tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-        if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
-            flush()
-            shard_bytes = 0
-        shard[names[ours]] = tensor
-        shard_bytes += tensor.nbytes
-        total_bytes += tensor.nbytes
-    flush()
-    weight_map = {}
-    for k, held in enumerate(shards):
-        final = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.replace(tmp / f"part-{k}.safetensors", tmp / final)
-        give_ordinary_mode(tmp / final)
-        weight_map |= dict.fromkeys(held, final)
-    missing = set(names.values()) - set(weight_map)
-    if missing:
-        shutil.rmtree(tmp)
-        raise ValueError(f"cannot export: no tensor given for {sorted(missing)[:5]}")
-    index = {
-        "metadata": {"total_size": total_bytes},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    special_ids = tokenizer.special_ids if tokenizer else {}
-    (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype, special_ids), indent=2))
-    if tokenizer:
-        for name, contents in tokenizer.files.items():
-            (tmp / name).write_bytes(contents)
-        if "generation_config.json" not in tokenizer.files:
-            # generate() pads a batch's finished rows with EOS when there is no pad token.
-            # (config.json names only a pad token that is one: transformers' Llama gives
-            # the embedding row of config's pad_token_id no gradient.)
-            pad_id = special_ids.get("pad_token_id")
-            if pad_id is None:
-                pad_id = special_ids["eos_token_id"]
-            generation = {**special_ids, "pad_token_id": pad_id}
-            (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    HF_EXPORT.swap_in(tmp, out_dir)
+        for ours, tensor in named_tensors:
+            if ours not in names:
+                continue  # the tied output, which HF does not store
+            tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+            if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
+                flush()
+                shard_bytes = 0
+            shard[names[ours]] = tensor
+            shard_bytes += tensor.nbytes
+            total_bytes += tensor.nbytes
+        flush()
+        weight_map = {}
+        for k, held in enumerate(shards):
+            final = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            os.replace(tmp / f"part-{k}.safetensors", tmp / final)
+            give_ordinary_mode(tmp / final)
+            weight_map |= dict.fromkeys(held, final)
+        missing = set(names.values()) - set(weight_map)
+        if missing:
+            raise ValueError(f"cannot export: no tensor given for {sorted(missing)[:5]}")
+        index = {
+            "metadata": {"total_size": total_bytes},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        special_ids = tokenizer.special_ids if tokenizer else {}
+        (tmp / "config.json").write_text(json.dumps(hf_config(args, dtype, special_ids), indent=2))
+        if tokenizer:
+            for name, contents in tokenizer.files.items():
+                (tmp / name).write_bytes(contents)
+            if "generation_config.json" not in tokenizer.files:
+                # generate() pads a batch's finished rows with EOS when there is no pad token.
+                # (config.json names only a pad token that is one: transformers' Llama gives
+                # the embedding row of config's pad_token_id no gradient.)
+                pad_id = special_ids.get("pad_token_id")
+                if pad_id is None:
+                    pad_id = special_ids["eos_token_id"]
+                generation = {**special_ids, "pad_token_id": pad_id}
+                (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
 
 
 # ----------------------------------------------------------------------------------------
@@ -1536,12 +1547,11 @@ def save_peft_adapter(
     }
     if missing := sorted(set(names.values()) - set(tensors)):
         raise ValueError(f"cannot save the adapter: no tensor given for {missing[:5]}")
-    tmp = PEFT_ADAPTER.make_temp(out_dir)
-    save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
-    give_ordinary_mode(tmp / "adapter_model.safetensors")
-    adapter_config = peft_adapter_config(config, base_model)
-    (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
-    PEFT_ADAPTER.swap_in(tmp, out_dir)
+    with PEFT_ADAPTER.writing(out_dir) as tmp:
+        save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+        give_ordinary_mode(tmp / "adapter_model.safetensors")
+        adapter_config = peft_adapter_config(config, base_model)
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
 
 
 def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathLike) -> Path:

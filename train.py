@@ -166,7 +166,8 @@ class Options:
     lr: float | None = flag(
         None,
         "peak learning rate, after the warmup (default, from scratch: 3e-3 under 100M "
-        "parameters, 3e-4 up to 10B, 1.5e-4 above; required with --hf-checkpoint, unless resumed)",
+        "parameters, 3e-4 up to 10B, 1.5e-4 above; required with --hf-checkpoint, unless "
+        "resuming from a checkpoint)",
     )
     min_lr: float | None = flag(None, "learning rate at the last step (default: --lr / 10)")
     warmup_steps: int = flag(20, "steps of linear warmup from 0")
@@ -336,8 +337,11 @@ class Parser(argparse.ArgumentParser):
         return super().parse_args(argv, namespace)
 
     def error(self, message):
-        # Under torchrun every process parses the same command line: rank 0 says it once.
-        if os.environ.get("RANK", "0") != "0":
+        # Under torchrun every process parses the same command line: rank 0 says it once. The
+        # others wait a moment first: torchrun stops all once one exits, and rank 0 may not
+        # have said it yet.
+        if shard.torchrun_processes()[0] > 1 and os.environ.get("RANK", "0") != "0":
+            time.sleep(2)
             sys.exit(2)
         super().error(message)
 

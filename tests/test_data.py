@@ -482,14 +482,16 @@ def test_replacing_a_dataset_keeps_a_link_to_it_and_survives_leftovers(tmp_path,
 
 def test_a_killed_prepares_directory_is_told_and_kept(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("hello")
-    left = tmp_path / ".d[s].tmp-k1ll3d"  # what SIGKILL leaves; [s]: no glob pattern
+    left = tmp_path / ".d[s].tmp-k1lled_8"  # what SIGKILL leaves; [s]: no glob pattern
     left.mkdir()
-    (tmp_path / ".d[s].old-x").mkdir()
-    (tmp_path / ".other.tmp-1").mkdir()
+    (tmp_path / ".d[s].old-12345678").mkdir()
+    (tmp_path / ".d[s].tmp-2.tmp-abcd1234").mkdir()  # an output named "d[s].tmp-2"'s
+    (tmp_path / ".other.tmp-12345678").mkdir()
     data.prepare([tmp_path / "a.txt"], tmp_path / "d[s]")
     err = capsys.readouterr().err
-    assert f"note: {tmp_path / '.d[s].old-x'}, {left}: left by a dataset that was killed" in err
-    assert ".other" not in err and left.is_dir()
+    left = f"{tmp_path / '.d[s].old-12345678'}, {left}"
+    assert f"note: {left}: unfinished dataset directories (their writer was killed" in err
+    assert ".other" not in err and "tmp-2" not in err and (tmp_path / ".d[s].tmp-k1lled_8").is_dir()
     data.prepare([tmp_path / "a.txt"], tmp_path / "fresh")
     assert "note:" not in capsys.readouterr().err
 

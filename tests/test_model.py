@@ -351,6 +351,20 @@ def test_export_replaces_previous_directory_whole(tmp_path):
     assert not stale.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # no temp dirs left
 
+    def interrupted():  # Ctrl-C half-way through the tensors
+        for i, named in enumerate(ours.named_parameters()):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield named
+
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(KeyboardInterrupt):
+        save_hf_checkpoint(ours.args, interrupted(), out)
+    with pytest.raises(ValueError, match="cannot export: no tensor given for"):
+        save_hf_checkpoint(ours.args, list(ours.named_parameters())[:3], out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
 
 @pytest.mark.parametrize("with_config", [False, True])
 def test_export_never_replaces_files_an_export_does_not_write(tmp_path, with_config):

@@ -109,12 +109,21 @@ def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch):
     assert "--max-tokens sets the number of steps: give it or --max-steps, not both" in (
         capsys.readouterr().err
     )
-    monkeypatch.setenv("RANK", "1")  # every process of torchrun parses it; rank 0 says it
+    # Every process of torchrun parses it; rank 0 says it, the others exit after a moment.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    waits = []
+    monkeypatch.setattr(train.time, "sleep", waits.append)
     for argv in (["--zzqqxx"], ["--seq-len", "many"], ["--max-steps", "3", "--max-tokens", "9"]):
         with pytest.raises(SystemExit) as exit_info:
             train.main(argv)
         assert exit_info.value.code == 2
         assert capsys.readouterr().err == ""
+    assert waits == [2, 2, 2]
+    monkeypatch.delenv("WORLD_SIZE")  # a stray RANK outside torchrun hides nothing
+    with pytest.raises(SystemExit):
+        train.main(["--zzqqxx"])
+    assert "unknown option --zzqqxx" in capsys.readouterr().err
 
 
 def test_resuming_with_other_lora_settings_is_refused_naming_them():
