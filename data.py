@@ -29,6 +29,7 @@ import shutil
 import signal
 import sys
 import sysconfig
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -631,15 +632,25 @@ class ChatTemplate:
             raise UsageError(f"chat template {name} line {e.lineno}: {e.message}") from e
         self.source, self.name, self._tokens = source, name, special_tokens
 
+    # A conversation renders in milliseconds. The sandbox bounds what a template reaches, not
+    # how long it runs: one that loops for longer than this is stopped and named.
+    RENDER_SECONDS = 10.0
+
     def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
         try:
-            return self._template.render(
-                messages=messages,
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self._tokens,
-            )
+            with _time_limit(self.RENDER_SECONDS):
+                return self._template.render(
+                    messages=messages,
+                    tools=None,
+                    documents=None,
+                    add_generation_prompt=add_generation_prompt,
+                    **self._tokens,
+                )
+        except _TimeUp:
+            raise UsageError(
+                f"chat template {self.name}: still rendering a conversation of "
+                f"{len(messages)} messages after {self.RENDER_SECONDS:g} s"
+            ) from None
         except jinja2.TemplateError as e:
             raise UsageError(f"chat template {self.name}: {e}") from e
         except Exception as e:  # noqa: BLE001 - any error of the template's code is its own
@@ -666,6 +677,30 @@ class ChatTemplate:
                 )
             spans.append((len(before), len(through)))
         return text, spans
+
+
+class _TimeUp(BaseException):  # not an Exception: the template's own handling misses it
+    pass
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raises _TimeUp in the block once `seconds` have passed (by SIGALRM, which only the
+    main thread receives: in another thread the block runs unbounded)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _TimeUp
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    earlier = signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, *earlier)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class _GenerationBlock(jinja2.ext.Extension):

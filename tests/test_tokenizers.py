@@ -5,7 +5,9 @@ import dataclasses
 import gc
 import json
 import random
+import signal
 import sysconfig
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -486,6 +488,21 @@ def test_chat_template_that_fails_as_it_runs_is_named(tmp_path, source, message)
     ours = data.load_tokenizer(directory, chat_template=template)
     with pytest.raises(ValueError, match=r"chat template .*bad.jinja: " + message):
         ours.render_chat(CONVERSATIONS[0])
+
+
+def test_chat_template_that_runs_too_long_is_stopped_and_named(tmp_path, monkeypatch):
+    directory, _ = template_dir(tmp_path, "chatml")
+    template = tmp_path / "loops.jinja"  # 10^10 turns of its loops
+    template.write_text("{% for i in range(100000) %}{% for j in range(100000) %}"
+                        "{% endfor %}{% endfor %}")  # fmt: skip
+    ours = data.load_tokenizer(directory, chat_template=template)
+    monkeypatch.setattr(data.ChatTemplate, "RENDER_SECONDS", 0.5)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"loops.jinja: still rendering a conversation of 2 "):
+        ours.render_chat(CONVERSATIONS[0])
+    assert time.monotonic() - started < 5
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
 
 def test_chat_template_file_not_utf8_or_config_template_not_text_is_named(tmp_path):
