@@ -357,9 +357,9 @@ SDPA_BACKENDS = {
 
 # FlexAttention's tiles on the GPU where they beat its defaults (bench/RESULTS.md,
 # "FlexAttention's kernel options" and "FlexAttention's backward tiles"). The forward's,
-# queries x keys: faster at head dim 64, as fast at 128. At head dim 64 the backward's too:
-# dK and dV over 32 queries x 128 keys, dQ over 128 x 64, 4 warps, 3 stages (at 128 these
-# are slower than the defaults).
+# queries x keys: faster at head dim 64, as fast at 128. At head dim 64 on Hopper (where it
+# was measured; other GPUs have less shared memory) the backward's too: dK and dV over 32
+# queries x 128 keys, dQ over 128 x 64, 4 warps, 3 stages (at 128 these are slower).
 FLEX_FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64}
 FLEX_BACKWARD_TILE_HEAD_DIM_64 = {
     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
@@ -376,7 +376,8 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     def attend(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
         options = None
         if q.is_cuda:
-            backward = FLEX_BACKWARD_TILE_HEAD_DIM_64 if q.shape[-1] == 64 else {}
+            hopper = torch.cuda.get_device_capability(q.device)[0] == 9
+            backward = FLEX_BACKWARD_TILE_HEAD_DIM_64 if hopper and q.shape[-1] == 64 else {}
             options = {**FLEX_FORWARD_TILE, **backward}
         return compiled(
             q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, kernel_options=options
