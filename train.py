@@ -43,6 +43,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -337,13 +338,17 @@ class Parser(argparse.ArgumentParser):
         return super().parse_args(argv, namespace)
 
     def error(self, message):
-        # Under torchrun every process parses the same command line: rank 0 says it once. The
-        # others wait a moment first: torchrun stops all once one exits, and rank 0 may not
-        # have said it yet.
+        # Under torchrun every process parses the same command line: rank 0 says it once.
         if shard.torchrun_processes()[0] > 1 and os.environ.get("RANK", "0") != "0":
-            time.sleep(2)
-            sys.exit(2)
+            exit_after_rank_0(2)
         super().error(message)
+
+
+def exit_after_rank_0(status: int) -> NoReturn:
+    """Exits without a word, where rank 0 says why: after a moment, since torchrun stops
+    every process once one has exited, and rank 0 may not have said it yet."""
+    time.sleep(2)
+    sys.exit(status)
 
 
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
@@ -1282,6 +1287,8 @@ def main(argv: list[str] | None = None) -> None:
             say(f"train.py error{f' (rank {rank})' if world_size > 1 and not alike else ''}: {e}")
         if dist.is_initialized():
             dist.destroy_process_group()
+        if rank != "0" and alike:
+            exit_after_rank_0(1)
         sys.exit(1)
     finally:
         signal.signal(signal.SIGTERM, previous)

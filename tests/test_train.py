@@ -120,6 +120,9 @@ def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch):
         assert exit_info.value.code == 2
         assert capsys.readouterr().err == ""
     assert waits == [2, 2, 2]
+    with pytest.raises(SystemExit) as exit_info:  # a bad option found after parsing: the same
+        train.main(["--seed", "-1"])
+    assert exit_info.value.code == 1 and capsys.readouterr().err == "" and waits[3:] == [2]
     monkeypatch.delenv("WORLD_SIZE")  # a stray RANK outside torchrun hides nothing
     with pytest.raises(SystemExit):
         train.main(["--zzqqxx"])
