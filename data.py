@@ -685,22 +685,28 @@ class _TimeUp(BaseException):  # not an Exception: the template's own handling m
 
 @contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raises _TimeUp in the block once `seconds` have passed (by SIGALRM, which only the
-    main thread receives: in another thread the block runs unbounded)."""
-    if threading.current_thread() is not threading.main_thread():
+    """Raises _TimeUp in the block once `seconds` have passed, by SIGALRM. The block runs
+    unbounded in a thread other than the main one (only it receives signals) and while a
+    timer of someone else's is running (there is one per process)."""
+    if threading.current_thread() is not threading.main_thread() or any(
+        signal.getitimer(signal.ITIMER_REAL)
+    ):
         yield
         return
+    armed = True
 
     def expire(signum, frame):
-        raise _TimeUp
+        if armed:  # not once the block is done: an alarm landing as it ends is no error
+            raise _TimeUp
 
     previous = signal.signal(signal.SIGALRM, expire)
-    earlier = signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, *earlier)
-        signal.signal(signal.SIGALRM, previous)
+        armed = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -339,9 +339,15 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         # Under torchrun every process parses the same command line: rank 0 says it once.
-        if shard.torchrun_processes()[0] > 1 and os.environ.get("RANK", "0") != "0":
+        if other_rank():
             exit_after_rank_0(2)
         super().error(message)
+
+
+def other_rank() -> bool:
+    """Whether this is a process of torchrun's other than rank 0 (a stray RANK in the
+    environment of a single process is not)."""
+    return shard.torchrun_processes()[0] > 1 and os.environ.get("RANK", "0") != "0"
 
 
 def exit_after_rank_0(status: int) -> NoReturn:
@@ -1270,7 +1276,7 @@ def main(argv: list[str] | None = None) -> None:
         finished = train(opts, given)
     except KeyboardInterrupt:
         # Nothing in training is lost: the run directory's checkpoints are as they were.
-        if os.environ.get("RANK", "0") == "0":  # Ctrl-C under torchrun reaches every rank
+        if not other_rank():  # Ctrl-C under torchrun reaches every rank
             resume = command_line(opts, given, resume="latest")
             say(f"stopped outside the training steps; the checkpoints are as they were: {resume}")
         sys.exit(EXIT_STOPPED)
@@ -1279,15 +1285,17 @@ def main(argv: list[str] | None = None) -> None:
         # non-finite step (which the ranks agree on) fail every rank the same way: rank 0
         # says it once. Anything else may be one rank's own, or a bug: that rank says it,
         # with its traceback. Every rank exits non-zero.
-        world_size, rank = shard.torchrun_processes()[0], os.environ.get("RANK", "0")
         alike = isinstance(e, (UsageError, FloatingPointError))
         if not alike:
             sys.stderr.write(traceback.format_exc())
-        if rank == "0" or not alike:
-            say(f"train.py error{f' (rank {rank})' if world_size > 1 and not alike else ''}: {e}")
+        quiet = other_rank() and alike
+        if not quiet:
+            rank = os.environ.get("RANK", "0")
+            one_of_several = shard.torchrun_processes()[0] > 1 and not alike
+            say(f"train.py error{f' (rank {rank})' if one_of_several else ''}: {e}")
         if dist.is_initialized():
             dist.destroy_process_group()
-        if rank != "0" and alike:
+        if quiet:
             exit_after_rank_0(1)
         sys.exit(1)
     finally:

@@ -504,6 +504,21 @@ def test_chat_template_that_runs_too_long_is_stopped_and_named(tmp_path, monkeyp
     assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
 
+    # A timer of someone else's: left as it was (the render then runs unbounded).
+    def theirs(signum, frame):
+        raise AssertionError("their alarm")
+
+    signal.signal(signal.SIGALRM, theirs)
+    signal.setitimer(signal.ITIMER_REAL, 100)
+    try:
+        chatml = data.load_tokenizer(directory)
+        chatml.render_chat(CONVERSATIONS[0])
+        assert signal.getsignal(signal.SIGALRM) is theirs
+        assert 90 < signal.getitimer(signal.ITIMER_REAL)[0] <= 100
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+
 
 def test_chat_template_file_not_utf8_or_config_template_not_text_is_named(tmp_path):
     directory, _ = template_dir(tmp_path, "chatml")

@@ -127,6 +127,9 @@ def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         train.main(["--zzqqxx"])
     assert "unknown option --zzqqxx" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train.main(["--seed", "-1"])
+    assert "train.py error: --seed must be in" in capsys.readouterr().err and len(waits) == 4
 
 
 def test_resuming_with_other_lora_settings_is_refused_naming_them():
