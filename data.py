@@ -433,10 +433,9 @@ class ByteLevelBPETokenizer:
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
         for key, i in [("bos_token", self.bos_id), ("eos_token", self.eos_id)]:
             config.setdefault(key, self._bytes[i].decode())
-        if self.chat_template is not None:
-            config.pop("chat_template", None)
-            files["chat_template.jinja"] = self.chat_template.source.encode()
         files["tokenizer_config.json"] = _json_bytes(config)
+        if self.chat_template is not None:
+            _set_chat_template(files, self.chat_template.source.encode())
         return files
 
     def _encode(self, text: str, allowed_special: set[str] | str) -> np.ndarray:
@@ -903,6 +902,15 @@ def byte_level_bpe_files(
 
 def _ids(segments: Segments) -> list[int]:
     return [i for ids, _ in segments for i in ids]
+
+
+def _set_chat_template(files: dict[str, bytes], template: bytes) -> None:
+    """Makes `template` the only chat template of these HF tokenizer files: chat_template.jinja,
+    and none in tokenizer_config.json (a second copy, which could differ)."""
+    config = json.loads(files.get("tokenizer_config.json", b"{}"))
+    config.pop("chat_template", None)
+    files["tokenizer_config.json"] = _json_bytes(config)
+    files["chat_template.jinja"] = template
 
 
 def _json_bytes(value: dict) -> bytes:
@@ -1693,11 +1701,7 @@ def open_data(
     has_tokenizer = lambda t: t and set(t.files) - {"generation_config.json"}
     if has_tokenizer(export_tokenizer) and dataset.chat_template:
         # The template the model was trained with, the dataset's, in place of the checkpoint's.
-        files = export_tokenizer.files
-        config = json.loads(files.get("tokenizer_config.json", b"{}"))
-        config.pop("chat_template", None)
-        files["tokenizer_config.json"] = _json_bytes(config)
-        files["chat_template.jinja"] = dataset.chat_template.read_bytes()
+        _set_chat_template(export_tokenizer.files, dataset.chat_template.read_bytes())
     if not has_tokenizer(export_tokenizer) and text_tokenizer:
         ids = (text_tokenizer.bos_id, text_tokenizer.eos_id, text_tokenizer.pad_id)
         special_ids = dict(zip(SPECIAL_TOKEN_KEYS, ids, strict=True))

@@ -374,16 +374,20 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     compiled = torch.compile(flex_attention, dynamic=False)
 
     def attend(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
-        options = None
-        if q.is_cuda:
-            hopper = torch.cuda.get_device_capability(q.device)[0] == 9
-            backward = FLEX_BACKWARD_TILE_HEAD_DIM_64 if hopper and q.shape[-1] == 64 else {}
-            options = {**FLEX_FORWARD_TILE, **backward}
+        options = flex_tiles(q.device, q.shape[-1]) if q.is_cuda else None
         return compiled(
             q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, kernel_options=options
         )
 
     return attend
+
+
+@functools.cache
+def flex_tiles(device: torch.device, head_dim: int) -> dict[str, int]:
+    """FlexAttention's kernel options on this GPU at this head dim (decided once)."""
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    backward = FLEX_BACKWARD_TILE_HEAD_DIM_64 if hopper and head_dim == 64 else {}
+    return {**FLEX_FORWARD_TILE, **backward}
 
 
 # FlexAttention's tile: the block mask says, for each tile of this many queries by this many
