@@ -122,6 +122,10 @@ class ModelArgs:
         for key, expected in required.items():
             if config[key] != expected:
                 raise UsageError(f"{config_path}: {key} is {config[key]!r}, expected {expected!r}")
+        # transformers >= 5 keeps rope settings in `rope_parameters`; older files use
+        # `rope_theta` plus `rope_scaling`.
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        _check_hf_numbers(config_path, config, rope)
         n_heads = config["num_attention_heads"]
         head_dim = config.get("head_dim", config["hidden_size"] // n_heads)
         if head_dim * n_heads != config["hidden_size"]:
@@ -129,9 +133,6 @@ class ModelArgs:
                 f"{config_path}: head_dim {head_dim} x {n_heads} heads != hidden_size "
                 f"{config['hidden_size']}; longtune needs head_dim = hidden_size / heads"
             )
-        # transformers >= 5 keeps rope settings in `rope_parameters`; older files use
-        # `rope_theta` plus `rope_scaling`.
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "llama3"):
             raise UsageError(
@@ -190,6 +191,35 @@ class ModelArgs:
         """Training FLOPs per token of causal rows of `seq_len` tokens: 6N + 6*L*S*d (4N with
         a frozen base), a token attending S/2 keys on average."""
         return self.training_flops(1, seq_len / 2, frozen)
+
+
+def _check_hf_numbers(config_path: Path, config: dict, rope: dict) -> None:
+    """Refuses a config.json whose sizes are not integers > 0, or whose epsilon, RoPE base or
+    RoPE scaling are not numbers > 0, naming each (one error for all)."""
+    if not isinstance(rope, dict):
+        raise UsageError(f"{config_path}: the rope settings are {rope!r}, expected an object")
+    sizes = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
+    sizes += ["vocab_size", "intermediate_size", "max_position_embeddings", "head_dim"]
+    sizes = {key: config[key] for key in sizes if key in config}
+    if "original_max_position_embeddings" in rope:
+        sizes["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    numbers = {"rms_norm_eps": config["rms_norm_eps"]}
+    numbers["rope_theta"] = rope.get("rope_theta", config["rope_theta"])
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        if key in rope:
+            numbers[key] = rope[key]
+    problems = [
+        f"{key} is {value!r}, expected an integer > 0"
+        for key, value in sizes.items()
+        if not (type(value) is int and value > 0)
+    ]
+    problems += [
+        f"{key} is {value!r}, expected a number > 0"
+        for key, value in numbers.items()
+        if not (type(value) in (int, float) and math.isfinite(value) and value > 0)
+    ]
+    if problems:
+        raise UsageError(f"{config_path}: {'; '.join(problems)}")
 
 
 # transformers' LlamaConfig defaults (5.x keeps rope_theta in rope_parameters): what a
@@ -862,12 +892,24 @@ def write_json(path: Path, value: dict) -> None:
     os.replace(tmp, path)
 
 
+def check_directory_path(path: Path, what: str) -> None:
+    """Refuses a path that no directory can be made at: `path` itself, or the nearest of its
+    parents that exists, is a file."""
+    for existing in (p for p in (path, *path.parents) if p.exists()):
+        if existing == path and not existing.is_dir():
+            raise UsageError(f"{what} {path} is a file")
+        if not existing.is_dir():
+            raise UsageError(f"{what} {path}: {existing} is a file")
+        return
+
+
 @dataclass(frozen=True)
 class OutputDir:
     """A kind of directory longtune writes whole and may later replace: `marker` is the file
-    every one of them holds, `names` the patterns of every file it writes. An existing
-    directory is replaced only if it is empty or holds that kind's files and no others, so a
-    mistyped path never deletes what the user keeps there."""
+    that makes a directory one of them (`writing` writes it; a dataset's is its meta.json),
+    `names` the patterns of every file it writes. An existing directory is replaced only if
+    it is empty or holds the marker and that kind's files and no others, so a mistyped path
+    never deletes what the user keeps there, nor a checkpoint or adapter someone else wrote."""
 
     kind: str
     marker: str
@@ -875,16 +917,22 @@ class OutputDir:
 
     def check(self, final: str | os.PathLike) -> None:
         final = Path(final)
-        if final.exists() and not final.is_dir():
-            raise UsageError(f"{self.kind} directory {final} is a file")
+        check_directory_path(final, f"{self.kind} directory")
         held = sorted(p.name for p in final.iterdir()) if final.is_dir() else []
         foreign = [n for n in held if not any(fnmatch.fnmatch(n, p) for p in self.names)]
-        if held and (self.marker not in held or foreign):
+        if foreign:
             raise UsageError(
-                f"{self.kind} directory {final} holds {', '.join((foreign or held)[:5])}"
-                f"{' ...' if len(foreign or held) > 5 else ''}, which no {self.kind} "
-                f"writes: writing one there would replace them; give a new or empty "
-                f"directory, or an earlier {self.kind}"
+                f"{self.kind} directory {final} holds {', '.join(foreign[:5])}"
+                f"{' ...' if len(foreign) > 5 else ''}, which no {self.kind} writes: writing "
+                f"one there would replace them; give a new or empty directory, or an earlier "
+                f"{self.kind}"
+            )
+        if held and self.marker not in held:
+            raise UsageError(
+                f"{self.kind} directory {final} holds {', '.join(held[:5])}"
+                f"{' ...' if len(held) > 5 else ''} but no {self.marker}: longtune did not "
+                f"write it, and writing there would replace someone else's files; give a new "
+                f"or empty directory, or an earlier {self.kind}"
             )
 
     def make_temp(self, final: str | os.PathLike) -> Path:
@@ -910,11 +958,13 @@ class OutputDir:
 
     @contextlib.contextmanager
     def writing(self, final: str | os.PathLike) -> Iterator[Path]:
-        """A temporary directory (make_temp) to write into, put in place of `final` (swap_in)
-        once the block is done, and removed if it fails or is interrupted."""
+        """A temporary directory (make_temp) to write into, given its marker and put in place
+        of `final` (swap_in) once the block is done, and removed if it fails or is
+        interrupted."""
         tmp = self.make_temp(final)
         try:
             yield tmp
+            write_json(tmp / self.marker, {"written_by": "longtune", "kind": self.kind})
             self.swap_in(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -943,11 +993,13 @@ class OutputDir:
 
 HF_EXPORT = OutputDir(
     "export",
-    "config.json",
+    "longtune_export.json",
     ("*.json", "*.safetensors", "tokenizer.model", "chat_template.jinja"),
 )
 PEFT_ADAPTER = OutputDir(
-    "adapter", "adapter_config.json", ("adapter_*.json", "adapter_*.safetensors")
+    "adapter",
+    "longtune_adapter.json",
+    ("adapter_*.json", "adapter_*.safetensors", "longtune_adapter.json"),
 )
 
 
@@ -1020,6 +1072,10 @@ def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
                 f'{index}: expected a "weight_map" object of tensor name -> safetensors '
                 f"file name, found {type(weight_map).__name__ if weight_map else 'none'}"
             )
+        # Inside the checkpoint (a shard may be a link, as in the HF cache: not resolved).
+        outside = [f for f in weight_map.values() if Path(f).is_absolute() or ".." in Path(f).parts]
+        if outside:
+            raise UsageError(f"{index}: names files outside {path}: {sorted(set(outside))[:3]}")
         return {name: path / file for name, file in weight_map.items()}
     single = path / "model.safetensors"
     if not single.is_file():
@@ -1559,6 +1615,17 @@ def save_peft_adapter(
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
 
 
+PEFT_DEFAULTS_ONLY = {
+    "fan_in_fan_out": False,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "lora_bias": False,
+    "modules_to_save": None,
+}
+
+
 def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathLike) -> Path:
     """Refuses a PEFT adapter directory that does not fit (config fields and tensor shapes,
     read from the headers), with one ValueError listing every difference. Returns the
@@ -1575,6 +1642,14 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
         + (f" (--lora-rank {ours['r']}: pass --lora-rank {theirs.get('r')})" * (key == "r"))
         for key in ("peft_type", "r", "lora_alpha", "bias", "use_rslora", "use_dora")
         if theirs.get(key, ours[key]) != ours[key]
+    ]
+    # PEFT settings that change what an adapter computes, which longtune does not implement:
+    # only their defaults load (a pattern would give some layers another rank or scale).
+    problems += [
+        f"adapter_config.json {key}: adapter has {theirs[key]!r}, which longtune does not "
+        f"implement (expected {default!r})"
+        for key, default in PEFT_DEFAULTS_ONLY.items()
+        if theirs.get(key) is not None and theirs[key] != default
     ]
     targets = theirs.get("target_modules")
     if sorted(targets if isinstance(targets, list) else [targets]) != ours["target_modules"]:

@@ -66,6 +66,7 @@ from model import (
     LoRAConfig,
     ModelArgs,
     UsageError,
+    check_directory_path,
     fill_weights,
     merged_named_tensors,
     read_json,
@@ -461,8 +462,7 @@ def check_run_dir(run_dir: Path) -> None:
     """A run writes into a new or empty directory, or one a run wrote into (RUN_MARKERS):
     never into a directory of other files, where its plan.json could replace one of the
     user's. Exports into its subdirectories, as the command it prints suggests, are its own."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UsageError(f"--run-dir {run_dir} is a file")
+    check_directory_path(run_dir, "--run-dir")
     held = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
     if any(p.name in RUN_MARKERS for p in held):
         return  # a run's directory: the user's files beside its own (a plot, a log) stay

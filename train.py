@@ -368,7 +368,9 @@ def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str
             group = parser.add_argument_group(GROUPS[f.name])
         kwargs = dict(f.metadata, default=f.default)
         if "default:" not in kwargs["help"]:
-            shown = {None: "none", False: "off", True: "on"}.get(f.default, f.default)
+            shown = f.default  # 0 and 1 are equal to False and True: not looked up
+            if f.default is None or isinstance(f.default, bool):
+                shown = {None: "none", False: "off", True: "on"}[f.default]
             kwargs["help"] += f" (default: {shown})"
         base = f.type.removesuffix(" | None")  # a string: this module has postponed annotations
         if base == "bool":  # --x, and --no-x where the default (None) depends on the device
@@ -400,7 +402,7 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
         problems.append("give --model or --hf-checkpoint, not both")
     at_least_one = "seq_len max_steps ac_every log_interval keep_checkpoints max_tokens "
     at_least_one += "batch_tokens micro_batch grad_accum world_size nproc_per_node context_parallel"
-    at_least_one += " eval_interval eval_tokens"
+    at_least_one += " eval_interval eval_tokens max_seq_len"
     for name in at_least_one.split():
         if (value := getattr(opts, name)) is not None and value < 1:
             problems.append(f"{shard.flag_name(name)} must be >= 1, got {value}")

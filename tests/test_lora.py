@@ -169,6 +169,28 @@ def test_an_adapter_of_another_config_is_refused_with_each_difference(tmp_path):
     assert "adapter shape" not in message  # each shape differs by the rank: that says it
 
 
+def test_an_adapter_with_peft_settings_longtune_lacks_is_refused(tmp_path):
+    """Per-layer ranks or scales, transposed weights, a subset of layers: each named, none
+    loaded as if it were not there."""
+    path = hf_checkpoint(tmp_path / "base")
+    model = lora_model(path)
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), tmp_path / "adapter")
+    config_file = tmp_path / "adapter/adapter_config.json"
+    config = json.loads(config_file.read_text())
+    # PEFT's defaults, as it writes them, load.
+    defaults = {"rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None}
+    config_file.write_text(json.dumps({**config, **defaults, "modules_to_save": None}))
+    load_peft_adapter(lora_model(path), CONFIG, tmp_path / "adapter")
+    changed = {"alpha_pattern": {"q_proj": 64}, "fan_in_fan_out": True, "layers_to_transform": [0]}
+    config_file.write_text(json.dumps({**config, **changed}))
+    with pytest.raises(ValueError) as error:
+        load_peft_adapter(lora_model(path), CONFIG, tmp_path / "adapter")
+    message = str(error.value)
+    assert "alpha_pattern: adapter has {'q_proj': 64}, which longtune does not" in message
+    assert "fan_in_fan_out: adapter has True" in message
+    assert "layers_to_transform: adapter has [0]" in message
+
+
 def test_merged_export_loads_in_transformers(tmp_path):
     path = hf_checkpoint(tmp_path / "base")
     model = lora_model(path)

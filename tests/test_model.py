@@ -382,6 +382,21 @@ def test_export_never_replaces_files_an_export_does_not_write(tmp_path, with_con
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "mine"]
 
 
+def test_export_replaces_only_a_checkpoint_longtune_wrote(tmp_path):
+    """A HF checkpoint of transformers' (only files an export also writes) is refused, and
+    stays as it was; longtune's own export is marked, and a second export replaces it."""
+    theirs = save_hf(make_hf_model("gqa-untied"), tmp_path / "theirs")
+    ours = load_longtune(theirs)
+    before = {p.name: p.read_bytes() for p in theirs.iterdir()}
+    with pytest.raises(ValueError, match="but no longtune_export.json: longtune did not write it"):
+        save_hf_checkpoint(ours.args, ours.named_parameters(), theirs)
+    assert {p.name: p.read_bytes() for p in theirs.iterdir()} == before
+    save_hf_checkpoint(ours.args, ours.named_parameters(), tmp_path / "out")
+    assert json.loads((tmp_path / "out/longtune_export.json").read_text())["kind"] == "export"
+    save_hf_checkpoint(ours.args, ours.named_parameters(), tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "theirs"]
+
+
 def test_meta_build_then_init_equals_direct_build():
     args = PRESETS["tiny"]
     direct = Llama(args)
@@ -553,6 +568,29 @@ def test_file_that_is_not_json_is_named(tmp_path, name):
     (path / name).write_text('{"model_type": "llama",')
     with pytest.raises(ValueError, match=f"{name} is not valid JSON"):
         load_longtune(path)
+
+
+def test_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path):
+    path = save_hf(make_hf_model("gqa-untied"), tmp_path / "hf", max_shard_size="40KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    for outside in ("../elsewhere.safetensors", "/etc/passwd"):
+        index["weight_map"][first] = outside
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(ValueError, match=f"names files outside {path}: \\['{outside}'\\]"):
+            load_longtune(path)
+
+
+def test_config_values_of_the_wrong_kind_are_named_together(good_checkpoint):
+    config = json.loads((good_checkpoint / "config.json").read_text())
+    config |= {"num_attention_heads": 0, "hidden_size": "64", "rms_norm_eps": -1e-6}
+    (good_checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        load_longtune(good_checkpoint)
+    for expected in ("hidden_size is '64', expected an integer > 0",
+                     "num_attention_heads is 0, expected an integer > 0",
+                     "rms_norm_eps is -1e-06, expected a number > 0"):  # fmt: skip
+        assert expected in str(error.value)
 
 
 def test_index_without_weight_map_is_named(tmp_path):

@@ -585,6 +585,14 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
     users_plan.mkdir()
     (users_plan / "plan.json").write_text("{}")
     (users_plan / "README.md").write_text("the user's")
+    someone_elses = {"checkpoint": ("config.json", "model.safetensors"), "adapter": (
+        "adapter_config.json", "adapter_model.safetensors")}  # fmt: skip
+    for name, files in someone_elses.items():
+        (tmp / name).mkdir()
+        for file in files:
+            (tmp / name / file).write_text("{}")
+    a_file = tmp / "a_file"
+    a_file.write_text("the user's")
     other_run = tmp / "other_run"
     step_40 = "checkpoints/step-000040"
     shutil.copytree(reference_run / step_40, other_run / step_40)
@@ -689,6 +697,26 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
         "adapter over the user's files": (
             ["--data", str(dataset), "--lora-rank", "2", "--export-adapter", str(users_dir)],
             "adapter directory " + str(users_dir) + " holds notes.txt, which no adapter writes",
+        ),
+        "export over a checkpoint longtune did not write": (
+            ["--data", str(dataset), "--export-hf", str(tmp / "checkpoint")],
+            "holds config.json, model.safetensors but no longtune_export.json: longtune did",
+        ),
+        "adapter over an adapter longtune did not write": (
+            ["--data", str(dataset), "--lora-rank", "2", "--export-adapter", str(tmp / "adapter")],
+            "adapter_model.safetensors but no longtune_adapter.json: longtune did not write",
+        ),
+        "export under a file": (
+            ["--data", str(dataset), "--export-hf", str(a_file / "hf")],
+            f"export directory {a_file / 'hf'}: {a_file} is a file",
+        ),
+        "max seq len of 0": (
+            ["--data", str(dataset), "--max-seq-len", "0"],
+            "--max-seq-len must be >= 1, got 0",
+        ),
+        "run dir under a file": (
+            ["--data", str(dataset), "--run-dir", str(a_file / "run")],
+            f"--run-dir {a_file / 'run'}: {a_file} is a file",
         ),
         "token id past vocab": (["--data", str(past_vocab)], "token id 400 in tokens.bin"),
         "seq len past a checkpoint's": (
@@ -843,6 +871,11 @@ CASES = [
     "eval data of another tokenizer",
     "eval data is the training data",
     "eval data shorter than a sequence",
+    "export over a checkpoint longtune did not write",
+    "adapter over an adapter longtune did not write",
+    "export under a file",
+    "run dir under a file",
+    "max seq len of 0",
 ]
 
 
@@ -864,6 +897,8 @@ def test_bad_input_fails_before_any_step(case, dataset, reference_run, tmp_path,
     assert err.count("train.py error") == 1 and "Traceback" not in err
     assert not run_dir.exists()  # nothing trained, nothing written
     assert sorted(p.name for p in (tmp_path / "users_dir").iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == [
+        "config.json", "model.safetensors"]  # fmt: skip
 
 
 @CPU_ONLY
@@ -1011,6 +1046,11 @@ def test_help_lists_every_option():
     assert result.returncode == 0
     for flag in ["--hf-checkpoint", "--micro-batch", "--no-kernels", "--resume", "--export-hf"]:
         assert flag in result.stdout
+    # Defaults of 0, 1 and 0.0 show as numbers, not as a switch's off and on.
+    text = " ".join(result.stdout.split())
+    for shown in ["data order (default: 0)", "every n-th block (default: 1)", "(default: 0.0)"]:
+        assert shown in text
+    assert "(default: off)" in text  # a switch's
 
 
 @pytest.mark.gpu
