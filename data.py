@@ -1757,9 +1757,11 @@ def eval_samples_of(opts, held_out: PackedLoader, groups: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    prep = commands.add_parser("prepare", help="tokenize text and JSONL files into a dataset")
+    prep = commands.add_parser(
+        "prepare", help="tokenize text and JSONL files into a dataset", allow_abbrev=False
+    )
     prep.add_argument("--input", nargs="+", required=True, help="files or directories")
     prep.add_argument("--output", required=True, help="the dataset directory to write")
     prep.add_argument(
@@ -1803,7 +1805,8 @@ def main(argv: list[str] | None = None) -> None:
 def summary(meta: dict, output: Path) -> str:
     """What prepare wrote, and what happens to documents too long for the samples."""
     lines = [
-        f"wrote {output}: {meta['n_documents']:,} documents, {meta['n_tokens']:,} tokens, "
+        f"wrote {output}: {meta['n_documents']:,} document{'s' * (meta['n_documents'] != 1)}, "
+        f"{meta['n_tokens']:,} tokens, "
         f"tokenizer {meta['tokenizer']}, longest document {meta['longest_document']:,} tokens"
     ]
     if meta["sft"]:

@@ -631,7 +631,11 @@ def check_resumable(saved: dict, run: dict) -> None:
     if adapters(saved.get("lora")) != adapters(run["lora"]):
         problems.append(f"lora: checkpoint {saved.get('lora')!r}, this run {run['lora']!r}")
     if problems:
-        raise UsageError("cannot resume from a different run:\n  " + "\n  ".join(problems))
+        raise UsageError(
+            "cannot resume from a different run (resuming takes the flags that name the model, "
+            "data and adapters as first given: the command the run printed has them):\n  "
+            + "\n  ".join(problems)
+        )
 
 
 # The options a resumed run takes from its checkpoint unless given again (train.Options' names):

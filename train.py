@@ -341,7 +341,8 @@ class Parser(argparse.ArgumentParser):
         # Under torchrun every process parses the same command line: rank 0 says it once.
         if other_rank():
             exit_after_rank_0(2)
-        super().error(message)
+        # One line, as every other error here (argparse would print its usage block first).
+        self.exit(2, f"train.py error: {message} (--help lists the options)\n")
 
 
 def other_rank() -> bool:
@@ -1105,7 +1106,7 @@ class StopSignals:
             if self.is_main:
                 last = self.last_checkpoint()
                 say(f"{name} again: stopped at once; the last checkpoint is {last or 'none'}")
-            os._exit(128 + signum)
+            os._exit(EXIT_STOPPED)  # as stopped after a step: the last checkpoint resumes
 
     def agreed(self) -> bool:
         """Whether any rank was asked to stop; every rank calls it at the end of each step

@@ -500,8 +500,11 @@ def test_command_line_prepare(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("hello")
     before = signal.getsignal(signal.SIGTERM)
     data.main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "ds")])
-    assert "1 documents, 7 tokens" in capsys.readouterr().out
+    assert "1 document, 7 tokens" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) == before
+    with pytest.raises(SystemExit) as exit_info:  # no abbreviations: --out is no --output
+        data.main(["prepare", "--input", str(tmp_path / "a.txt"), "--out", str(tmp_path / "b")])
+    assert exit_info.value.code == 2 and not (tmp_path / "b").exists()
 
 
 def test_prepare_stopped_by_sigterm_leaves_nothing_and_says_so(tmp_path):
