@@ -930,9 +930,10 @@ class OutputDir:
         if held and self.marker not in held:
             raise UsageError(
                 f"{self.kind} directory {final} holds {', '.join(held[:5])}"
-                f"{' ...' if len(held) > 5 else ''} but no {self.marker}: longtune did not "
-                f"write it, and writing there would replace someone else's files; give a new "
-                f"or empty directory, or an earlier {self.kind}"
+                f"{' ...' if len(held) > 5 else ''} but no {self.marker}, which every "
+                f"{self.kind} longtune writes holds: writing there would replace files someone "
+                f"else wrote (or a longtune {self.kind} from before that file: remove it); give "
+                f"a new or empty directory, or an earlier {self.kind}"
             )
 
     def make_temp(self, final: str | os.PathLike) -> Path:
@@ -1651,6 +1652,15 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
         for key, default in PEFT_DEFAULTS_ONLY.items()
         if theirs.get(key) is not None and theirs[key] != default
     ]
+    # These initializations change the base model too (PEFT saves the adapter as trained on
+    # that changed base, unless converted): on the original base it computes something else.
+    init = theirs.get("init_lora_weights")
+    if isinstance(init, str) and init.split("_")[0] in ("pissa", "olora", "corda", "loftq"):
+        problems.append(
+            f"adapter_config.json init_lora_weights: adapter has {init!r}, trained on a base "
+            f"PEFT changed: convert it to a plain LoRA adapter with PEFT first "
+            f"(save_pretrained's path_initial_model_for_weight_conversion)"
+        )
     targets = theirs.get("target_modules")
     if sorted(targets if isinstance(targets, list) else [targets]) != ours["target_modules"]:
         problems.append(

@@ -502,7 +502,11 @@ def test_command_line_prepare(tmp_path, capsys):
     data.main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "ds")])
     assert "1 document, 7 tokens" in capsys.readouterr().out
     assert signal.getsignal(signal.SIGTERM) == before
-    with pytest.raises(SystemExit) as exit_info:  # no abbreviations: --out is no --output
+
+
+def test_command_line_takes_no_abbreviations(tmp_path):
+    (tmp_path / "a.txt").write_text("hello")
+    with pytest.raises(SystemExit) as exit_info:  # --out is no --output
         data.main(["prepare", "--input", str(tmp_path / "a.txt"), "--out", str(tmp_path / "b")])
     assert exit_info.value.code == 2 and not (tmp_path / "b").exists()
 

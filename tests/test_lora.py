@@ -181,14 +181,23 @@ def test_an_adapter_with_peft_settings_longtune_lacks_is_refused(tmp_path):
     defaults = {"rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None}
     config_file.write_text(json.dumps({**config, **defaults, "modules_to_save": None}))
     load_peft_adapter(lora_model(path), CONFIG, tmp_path / "adapter")
-    changed = {"alpha_pattern": {"q_proj": 64}, "fan_in_fan_out": True, "layers_to_transform": [0]}
+    changed = {
+        "alpha_pattern": {"q_proj": 64},
+        "rank_pattern": {"v_proj": 8},
+        "fan_in_fan_out": True,
+        "layers_to_transform": [0],
+        "layers_pattern": "layers",
+        "lora_bias": True,
+        "modules_to_save": ["lm_head"],
+        "init_lora_weights": "pissa_niter_4",
+    }
     config_file.write_text(json.dumps({**config, **changed}))
     with pytest.raises(ValueError) as error:
         load_peft_adapter(lora_model(path), CONFIG, tmp_path / "adapter")
     message = str(error.value)
     assert "alpha_pattern: adapter has {'q_proj': 64}, which longtune does not" in message
-    assert "fan_in_fan_out: adapter has True" in message
-    assert "layers_to_transform: adapter has [0]" in message
+    for key in changed:
+        assert f"adapter_config.json {key}: adapter has {changed[key]!r}" in message
 
 
 def test_merged_export_loads_in_transformers(tmp_path):

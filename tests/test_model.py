@@ -388,7 +388,9 @@ def test_export_replaces_only_a_checkpoint_longtune_wrote(tmp_path):
     theirs = save_hf(make_hf_model("gqa-untied"), tmp_path / "theirs")
     ours = load_longtune(theirs)
     before = {p.name: p.read_bytes() for p in theirs.iterdir()}
-    with pytest.raises(ValueError, match="but no longtune_export.json: longtune did not write it"):
+    with pytest.raises(
+        ValueError, match="but no longtune_export.json, which every export longtune writes holds"
+    ):
         save_hf_checkpoint(ours.args, ours.named_parameters(), theirs)
     assert {p.name: p.read_bytes() for p in theirs.iterdir()} == before
     save_hf_checkpoint(ours.args, ours.named_parameters(), tmp_path / "out")

@@ -726,11 +726,11 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
         ),
         "export over a checkpoint longtune did not write": (
             ["--data", str(dataset), "--export-hf", str(tmp / "checkpoint")],
-            "holds config.json, model.safetensors but no longtune_export.json: longtune did",
+            "holds config.json, model.safetensors but no longtune_export.json, which every export",
         ),
         "adapter over an adapter longtune did not write": (
             ["--data", str(dataset), "--lora-rank", "2", "--export-adapter", str(tmp / "adapter")],
-            "adapter_model.safetensors but no longtune_adapter.json: longtune did not write",
+            "adapter_model.safetensors but no longtune_adapter.json, which every adapter",
         ),
         "export under a file": (
             ["--data", str(dataset), "--export-hf", str(a_file / "hf")],
