@@ -895,12 +895,15 @@ def write_json(path: Path, value: dict) -> None:
 def check_directory_path(path: Path, what: str) -> None:
     """Refuses a path that no directory can be made at: `path` itself, or the nearest of its
     parents that exists, is a file."""
-    for existing in (p for p in (path, *path.parents) if p.exists()):
-        if existing == path and not existing.is_dir():
-            raise UsageError(f"{what} {path} is a file")
-        if not existing.is_dir():
-            raise UsageError(f"{what} {path}: {existing} is a file")
-        return
+    existing = next(p for p in (path, *path.parents) if p.exists())  # "." and "/" exist
+    if not existing.is_dir():
+        where = "" if existing == path else f": {existing}"
+        raise UsageError(f"{what} {path}{where} is a file")
+
+
+def listed(names: list[str]) -> str:
+    """The first five names, for an error message."""
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 
 @dataclass(frozen=True)
@@ -922,18 +925,16 @@ class OutputDir:
         foreign = [n for n in held if not any(fnmatch.fnmatch(n, p) for p in self.names)]
         if foreign:
             raise UsageError(
-                f"{self.kind} directory {final} holds {', '.join(foreign[:5])}"
-                f"{' ...' if len(foreign) > 5 else ''}, which no {self.kind} writes: writing "
-                f"one there would replace them; give a new or empty directory, or an earlier "
-                f"{self.kind}"
+                f"{self.kind} directory {final} holds {listed(foreign)}, which no {self.kind} "
+                f"writes: writing one there would replace them; give a new or empty directory, "
+                f"or an earlier {self.kind}"
             )
         if held and self.marker not in held:
             raise UsageError(
-                f"{self.kind} directory {final} holds {', '.join(held[:5])}"
-                f"{' ...' if len(held) > 5 else ''} but no {self.marker}, which every "
-                f"{self.kind} longtune writes holds: writing there would replace files someone "
-                f"else wrote (or a longtune {self.kind} from before that file: remove it); give "
-                f"a new or empty directory, or an earlier {self.kind}"
+                f"{self.kind} directory {final} holds {listed(held)} but no {self.marker}, "
+                f"which every {self.kind} longtune writes holds: writing there would replace "
+                f"files someone else wrote (or a longtune {self.kind} from before that file: "
+                f"remove it); give a new or empty directory, or an earlier {self.kind}"
             )
 
     def make_temp(self, final: str | os.PathLike) -> Path:

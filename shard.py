@@ -68,6 +68,7 @@ from model import (
     UsageError,
     check_directory_path,
     fill_weights,
+    listed,
     merged_named_tensors,
     read_json,
     save_hf_checkpoint,
@@ -469,9 +470,8 @@ def check_run_dir(run_dir: Path) -> None:
     foreign = [p.name for p in held if not _run_entry(p)]
     if foreign:
         raise UsageError(
-            f"--run-dir {run_dir} holds {', '.join(foreign[:5])}"
-            f"{' ...' if len(foreign) > 5 else ''}, which no run writes: give a new or empty "
-            f"directory, or the run directory of an earlier run"
+            f"--run-dir {run_dir} holds {listed(foreign)}, which no run writes: give a new or "
+            f"empty directory, or the run directory of an earlier run"
         )
 
 
