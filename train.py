@@ -38,6 +38,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -563,10 +564,34 @@ def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
     min_lr = lr / 10 if opts.min_lr is None else opts.min_lr
     if not 0 <= min_lr <= lr:
         raise UsageError(f"need 0 <= --min-lr <= --lr, got {min_lr} and {lr}")
+    check_adamw_range(lr, opts.beta1, opts.weight_decay)
     grad_clip = opts.grad_clip
     if grad_clip is None:
         grad_clip = 0.0 if plan.optimizer_in_backward else 1.0
     return dataclasses.replace(opts, lr=lr, min_lr=min_lr, grad_clip=grad_clip)
+
+
+def check_adamw_range(lr: float, beta1: float, weight_decay: float) -> None:
+    """AdamW multiplies the weights by 1 - lr * weight_decay and moves them by up to
+    lr / (1 - beta1**t), at its largest on the first step, each computed as a float32 scalar:
+    a product past float32's range ends its first step in an overflow. (The lr and beta1 are
+    the run's final ones: a resumed run may take them from its checkpoint.)"""
+    largest = torch.finfo(torch.float32).max
+    problems = []
+    if lr / (1 - beta1) > largest:
+        problems.append(
+            f"lr / (1 - beta1), AdamW's first step size, is {lr / (1 - beta1):.3g}: --lr is "
+            f"at most {largest * (1 - beta1):.3g} with --beta1 {beta1}"
+        )
+    if lr * weight_decay > largest:
+        problems.append(
+            f"lr * weight_decay is {lr * weight_decay:.3g}: --lr is at most "
+            f"{largest / weight_decay:.3g} with --weight-decay {weight_decay}"
+        )
+    if problems:
+        raise UsageError(
+            f"--lr {lr:g} overflows AdamW's float32 arithmetic: " + "; ".join(problems)
+        )
 
 
 def apply_techniques(
@@ -688,6 +713,15 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, log: Ca
     if opts.export_adapter:
         PEFT_ADAPTER.check(opts.export_adapter)
     found = shard.find_checkpoint(opts.resume, run_dir / "checkpoints", log)
+    exports = [shard.flag_name(n) for n in ("export_hf", "export_adapter") if getattr(opts, n)]
+    if opts.resume and found is None and exports:
+        # A requeued run may start afresh, but an export asked of a resume means the weights
+        # of that run, not new ones.
+        raise UsageError(
+            f"--resume found no checkpoint in {run_dir / 'checkpoints'}, so "
+            f"{' and '.join(exports)} would export weights trained from the start: give the "
+            f"--run-dir whose checkpoints to continue, or leave out --resume"
+        )
     if opts.hf_checkpoint and opts.lr is None and found is None:  # a resumed run keeps its lr
         raise UsageError(
             f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
@@ -901,9 +935,19 @@ class MetricsLog:
         # metrics.jsonl only grows. A resumed run appends a line {"resumed_from": checkpoint,
         # "step": its step}, then the steps it takes: the records of steps after that
         # checkpoint that a killed run logged stay, superseded by the later records of the
-        # same step (the last record of a step is the one that counts).
+        # same step (the last record of a step is the one that counts). A line cut short by
+        # a kill or a full disk stays as it is, said once; this run's lines start after it.
         if run.world.is_main:
+            damaged, cut = damaged_lines(self.path)
+            if damaged:
+                lines = ", ".join(map(str, damaged[:5])) + (", ..." * (len(damaged) > 5))
+                run.log(
+                    f"{self.path}: {shard.count(len(damaged), 'line')} not a JSON record "
+                    f"(line {lines}), left as found; readers skip them"
+                )
             with self.path.open("a") as f:
+                if cut:
+                    f.write("\n")
                 if resumed_from := run.checkpointer.last:
                     f.write(json.dumps({"resumed_from": str(resumed_from), "step": run.start_step}))
                     f.write("\n")
@@ -981,6 +1025,22 @@ class MetricsLog:
             with self.path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
         self.logged_at, self.logged_step = now, step
+
+
+def damaged_lines(path: Path) -> tuple[list[int], bool]:
+    """The numbers (from 1) of the lines of the JSON-lines file `path` that are not a JSON
+    object, and whether its last line is cut short (no newline at its end)."""
+    if not path.is_file():
+        return [], False
+    content = path.read_bytes()
+    damaged = []
+    for number, line in enumerate(content.split(b"\n"), 1):
+        try:
+            if line.strip() and not isinstance(json.loads(line), dict):
+                damaged.append(number)
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
+            damaged.append(number)
+    return damaged, bool(content) and not content.endswith(b"\n")
 
 
 def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tuple[float, int]:
@@ -1123,6 +1183,33 @@ class StopSignals:
             signal.signal(s, handler)
 
 
+# How long a worker whose torchrun died may take to stop on its own, as torchrun itself waits
+# for the workers it sends SIGTERM (torch.distributed.elastic's close(timeout=30)).
+LAUNCHER_GONE_GRACE_S = 30.0
+
+
+def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
+    """Under torchrun: a worker whose agent died alone (kill -9, the OOM killer, a node
+    agent's crash) is adopted by another process and would train on, holding the run
+    directory's lock. A thread watches for that adoption; then the worker sends itself the
+    SIGTERM torchrun would have sent: it stops after the step in progress, with a
+    checkpoint (StopSignals; before the first step, at once). A worker that is still alive
+    LAUNCHER_GONE_GRACE_S later (a rank stuck in a collective whose peer is gone) exits."""
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_s)
+        if not other_rank():
+            say(f"torchrun (pid {launcher}) is gone: stopping this run after the step in progress")
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(LAUNCHER_GONE_GRACE_S)
+        say(f"torchrun is gone and rank {os.environ.get('RANK', '0')} has not stopped: exiting")
+        os._exit(EXIT_STOPPED)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 # ----------------------------------------------------------------------------------------
 # The terminal
 # ----------------------------------------------------------------------------------------
@@ -1205,13 +1292,22 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
 
 def finish(run: Run, step: int) -> None:
     """What a run does at its end: on a signal, say how to resume; at the last step, export,
-    print a sample of the model, and say where everything is and how to go on."""
+    print a sample of the model, and say where everything is and how to go on. Each command
+    it prints continues from a checkpoint that holds the run's last weights, and is printed
+    only where there is one."""
     opts, log, last = run.opts, run.log, run.checkpointer.last
-    resume = command_line(opts, run.given, resume="latest")
+    saved_now = last is not None and shard.step_of(last) == step
     if step < run.max_steps:
-        saved = f"saved {last}" if last else "no checkpoint (--checkpoint-interval 0)"
-        log(f"stopped at step {step} of {run.max_steps} on a signal; {saved}. Resume with:")
-        log(f"  {resume}")
+        stopped = f"stopped at step {step} of {run.max_steps} on a signal"
+        if saved_now:
+            log(f"{stopped}; saved {last}. Resume with:\n  {resume_command(run)}")
+        elif last:
+            log(
+                f"{stopped}; saved nothing (--checkpoint-interval 0): the last checkpoint is "
+                f"{last}. Resume from there with:\n  {resume_command(run)}"
+            )
+        else:
+            log(f"{stopped}; no checkpoint (--checkpoint-interval 0): nothing to resume from")
         return
     if opts.export_hf:
         dtype = DTYPES[run.plan.param_dtype]
@@ -1223,17 +1319,28 @@ def finish(run: Run, step: int) -> None:
         log(f"exported the LoRA adapter to {opts.export_adapter}")
     print_sample(run)
     log(f"metrics: {run.run_dir / 'metrics.jsonl'}")
-    if last and step > run.start_step:
-        log(f"checkpoints: {run.checkpointer.root} (the last: {last.name})")
-        log(f"resume:  {resume}")
-        if not opts.export_hf:
-            export_dir = str(run.run_dir / "hf")
-            log(f"export:  {command_line(opts, run.given, resume='latest', export_hf=export_dir)}")
-    elif last:
+    if step == run.start_step:
         log(
             f"the run had finished at step {step} of {run.max_steps} ({last}): nothing to "
             f"train; --max-steps or --max-tokens with --resume train further"
         )
+    elif saved_now:
+        log(f"checkpoints: {last.parent} (the last: {last.name})")
+        log(f"resume:  {resume_command(run)}")
+        if not opts.export_hf:
+            export = resume_command(run, export_hf=str(run.run_dir / "hf"))
+            log(f"export:  {export}")
+    else:
+        kept = f"exported to {opts.export_hf}" if opts.export_hf else "not kept"
+        log(f"no checkpoint of step {step} (--checkpoint-interval 0): its weights are {kept}")
+
+
+def resume_command(run: Run, **changes) -> str:
+    """The command that continues the run from its last checkpoint: a bare --resume where
+    that checkpoint is the newest in the run directory, else --resume with its path."""
+    last = run.checkpointer.last
+    own = last.parent.resolve() == run.checkpointer.root.resolve()
+    return command_line(run.opts, run.given, resume="latest" if own else str(last), **changes)
 
 
 def print_sample(run: Run) -> None:
@@ -1275,13 +1382,18 @@ def main(argv: list[str] | None = None) -> None:
     previous = signal.getsignal(signal.SIGTERM)
     if shard.torchrun_processes()[0] == 1:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's
+        stop_when_launcher_dies()
     try:
         finished = train(opts, given)
     except KeyboardInterrupt:
         # Nothing in training is lost: the run directory's checkpoints are as they were.
         if not other_rank():  # Ctrl-C under torchrun reaches every rank
-            resume = command_line(opts, given, resume="latest")
-            say(f"stopped outside the training steps; the checkpoints are as they were: {resume}")
+            # Before the first step the command as given starts the run again; after the
+            # last, the final checkpoint (if any) is what a resume continues from.
+            saved = shard.list_checkpoints(Path(opts.run_dir) / "checkpoints")
+            again = command_line(opts, given, **({"resume": "latest"} if saved else {}))
+            say(f"stopped outside the training steps; the checkpoints are as they were: {again}")
         sys.exit(EXIT_STOPPED)
     except Exception as e:
         # What was given (checked alike on every rank, from files all ranks see) and a

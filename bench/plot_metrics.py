@@ -21,11 +21,27 @@ def read_metrics(run_dir: Path) -> list[dict]:
     of line (README, "metrics.jsonl"): a step's record, which has "loss", and a resume's
     marker {"resumed_from": ..., "step": N}; after a resume the steps a killed run logged
     past its checkpoint are logged again, and the last record of a step is the one that
-    counts."""
+    counts. A line that is no such record (cut short by a kill or a full disk, or not JSON at all)
+    is skipped, and the number skipped said on stderr."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no metrics.jsonl (is {run_dir} a --run-dir?)")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, skipped = [], []
+    for number, line in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8
+            record = None
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+        else:
+            skipped.append(number)
+    if skipped:
+        first = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+        noun = "line that is not a record" if len(skipped) == 1 else "lines that are not records"
+        print(f"{path}: skipped {len(skipped)} {noun} (line {first})", file=sys.stderr)
     by_step = {r["step"]: r for r in records if "loss" in r}
     return [by_step[step] for step in sorted(by_step)]
 

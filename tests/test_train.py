@@ -10,6 +10,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -852,6 +853,20 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--eval-data", str(short), "--seq-len", "512"],
             "short cannot evaluate this model: the dataset has 300 tokens, one sample of seq_len",
         ),
+        "lr that AdamW's first step overflows": (
+            ["--data", str(dataset), "--lr", "1e38", "--min-lr", "1e38", "--warmup-steps", "0"],
+            "--lr 1e+38 overflows AdamW's float32 arithmetic: lr / (1 - beta1), AdamW's first "
+            "step size, is 1e+39: --lr is at most 3.4e+37 with --beta1 0.9",
+        ),
+        "lr times weight decay past float32": (
+            ["--data", str(dataset), "--lr", "1e37", "--weight-decay", "100"],
+            "lr * weight_decay is 1e+39: --lr is at most 3.4e+36 with --weight-decay 100",
+        ),
+        "export of a resume that finds no checkpoint": (
+            ["--data", str(dataset), "--resume", "--export-hf", str(tmp / "new_export")],
+            f"--resume found no checkpoint in {tmp / 'run' / 'checkpoints'}, so --export-hf "
+            "would export weights trained from the start",
+        ),
     }
 
 
@@ -902,6 +917,9 @@ CASES = [
     "export under a file",
     "run dir under a file",
     "max seq len of 0",
+    "lr that AdamW's first step overflows",
+    "lr times weight decay past float32",
+    "export of a resume that finds no checkpoint",
 ]
 
 
@@ -1582,3 +1600,128 @@ def test_sft_data_samples_after_a_user_turn(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "a sample of the trained model (after a user turn, temperature 0.8)" in out
     assert "<|user|>\nHello! What can you do?<|assistant|>\n" in out
+
+
+def process_states() -> dict[int, tuple[str, int]]:
+    """pid -> (state, parent pid) of every process (Linux's /proc)."""
+    states = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+        except OSError:  # ended while listed
+            continue
+        states[int(stat.parent.name)] = (state, int(ppid))
+    return states
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of `pids` that still run (a zombie waits only for its parent to read its end)."""
+    states = process_states()
+    return [pid for pid in pids if pid in states and states[pid][0] != "Z"]
+
+
+@CPU_ONLY
+def test_workers_stop_when_their_torchrun_is_killed_and_the_run_resumes(dataset, tmp_path):
+    """kill -9 of torchrun alone (the OOM killer, an operator): its two workers, adopted by
+    another process, stop within 10 s, with a checkpoint of the step they were in, and
+    release the run directory: the resume runs."""
+    run_dir = tmp_path / "run"
+    argv = ["--data", str(dataset), *SMALL, "--micro-batch", "4", "--max-steps", "1000",
+            "--checkpoint-interval", "500", "--run-dir", str(run_dir)]  # fmt: skip
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2"]
+    proc = subprocess.Popen(
+        [*launcher, str(REPO / "train.py"), *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    workers = [pid for pid, (_, ppid) in process_states().items() if ppid == proc.pid]
+    assert len(workers) == 2
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while alive(workers) and time.monotonic() < killed + 10:
+        time.sleep(0.1)
+    assert not alive(workers), "workers outlived their torchrun by 10 s"
+    out, err = proc.communicate(timeout=10)
+    assert "torchrun (pid" in err and "is gone: stopping this run" in err, err
+    (saved,) = (run_dir / "checkpoints").iterdir()
+    stopped = shard.step_of(saved)
+    assert f"stopped at step {stopped} of 1000 on a signal; saved {saved}" in out, out + err
+
+    run_subprocess(*argv, "--resume", "--max-steps", str(stopped + 2), nproc=2)
+    assert max(losses(run_dir)) == stopped + 2
+
+
+@CPU_ONLY
+def test_a_resume_after_a_cut_metrics_line_logs_on_a_line_of_its_own(dataset, tmp_path, capsys):
+    """A metrics.jsonl whose last line was cut (a kill mid-write, a full disk), or replaced
+    by bytes that are not JSON: the resumed run says which lines are damaged, leaves them as
+    they are, and writes its records on lines of their own, which the plot reads."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from plot_metrics import read_metrics
+
+    run_dir = tmp_path / "run"
+    argv = ["--data", str(dataset), *SMALL, "--checkpoint-interval", "2", "--run-dir",
+            str(run_dir)]  # fmt: skip
+    train.main([*argv, "--max-steps", "2"])
+    metrics = run_dir / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"step": 3, "loss": 2.')  # a kill mid-write
+    before = metrics.read_bytes()
+    capsys.readouterr()
+    train.main([*argv, "--max-steps", "3", "--resume"])
+    out = capsys.readouterr().out
+    assert f"{metrics}: 1 line not a JSON record (line 3), left as found; readers skip them" in out
+    after = metrics.read_bytes()
+    assert after.startswith(before + b"\n")  # nothing rewritten
+    marker = json.loads(after[len(before) + 1 :].splitlines()[0])
+    assert marker == {"resumed_from": str(run_dir / "checkpoints/step-000002"), "step": 2}
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
+    assert f"{metrics}: skipped 1 line that is not a record (line 3)" in capsys.readouterr().err
+
+    garbage = bytes(range(256)) * 4  # not UTF-8; newlines and carriage returns within
+    metrics.write_bytes(garbage)
+    train.main([*argv, "--max-steps", "4", "--resume"])
+    out = capsys.readouterr().out
+    assert f"{metrics}: 5 lines not a JSON record (line 1, 2, 3, 4, 5), left as found" in out
+    assert metrics.read_bytes().startswith(garbage)
+    assert [r["step"] for r in read_metrics(run_dir)] == [4]
+
+
+@CPU_ONLY
+def test_the_end_of_a_run_prints_only_commands_that_do_what_they_say(
+    dataset, reference_run, tmp_path, capsys
+):
+    """A run resumed from another run's checkpoint into a new directory: without checkpoints
+    it names none and prints no command; with them, its export command exports the weights
+    it trained (it resumes the last checkpoint, trains nothing more, and exports)."""
+    start = str(reference_run / "checkpoints/step-000030")
+    argv = ["--data", str(dataset), *SMALL, "--resume", start, "--max-steps", "32"]
+    capsys.readouterr()
+    train.main([*argv, "--run-dir", str(tmp_path / "none"), "--checkpoint-interval", "0"])
+    out = capsys.readouterr().out
+    assert "no checkpoint of step 32 (--checkpoint-interval 0): its weights are not kept" in out
+    assert "checkpoints:" not in out and "resume:" not in out and "export:" not in out
+
+    run_dir = tmp_path / "kept"
+    train.main([*argv, "--run-dir", str(run_dir)])
+    out = capsys.readouterr().out
+    assert f"checkpoints: {run_dir / 'checkpoints'} (the last: step-000032)" in out
+    export = shlex.split(out.split("export:  ")[1].split("\n")[0])
+    assert export[:2] == ["python", os.path.relpath(REPO / "train.py")]
+    train.main(export[2:])
+    out = capsys.readouterr().out
+    assert "the run had finished at step 32 of 32" in out and f"exported {run_dir / 'hf'}" in out
+    # The final norm's weight, by the same name in both: the checkpoint's, not a fresh one.
+    with safe_open(run_dir / "hf" / "model-00001-of-00001.safetensors", "pt") as f:
+        exported = f.get_tensor("model.norm.weight")
+    (saved,) = (run_dir / "checkpoints/step-000032").glob("*model*.safetensors")
+    with safe_open(saved, "pt") as f:
+        trained = f.get_tensor("model.norm.weight")
+    assert torch.equal(exported, trained) and not torch.equal(trained, torch.ones_like(trained))
