@@ -1,5 +1,11 @@
-"""Turns text into the batches a training run reads: tokenizers, `prepare` (text and JSONL
-files into a dataset directory), the packed, resumable loader, and opening a run's data.
+"""What a user gives and gets back as files, and the batches a training run reads from them.
+
+In order: the file rules every other file follows (`UsageError` for what the user got wrong,
+JSON read and written whole, `OutputDir` for directories written whole and never over anything
+else); tokenizers (and the tokenizer files a Hugging Face checkpoint carries); `prepare` (text
+and JSONL files into a dataset directory); the packed, resumable loader; the default corpus;
+opening a run's data. It imports nothing else of longtune's but kernels' IGNORE_INDEX: model.py
+and the rest build on it.
 
 A prepared dataset is a directory of three files:
     tokens.bin     uint32, every document as BOS + tokens + EOS, documents back to back
@@ -20,7 +26,9 @@ ranks, so a run can resume on another number of GPUs and read on where it stoppe
 import argparse
 import base64
 import binascii
+import fnmatch
 import gc
+import glob
 import hashlib
 import json
 import multiprocessing
@@ -29,10 +37,11 @@ import shutil
 import signal
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -50,20 +59,155 @@ import torch.distributed as dist
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kernels import IGNORE_INDEX
-from model import (
-    HF_TOKENIZER_FILES,
-    SPECIAL_TOKEN_KEYS,
-    HFTokenizer,
-    ModelArgs,
-    OutputDir,
-    UsageError,
-    document_starts,
-    read_hf_tokenizer,
-    read_json,
-)
 
 FORMAT_VERSION = 1
 LABEL, BOS_INSIDE = 1, 2  # the bits of loss_mask.bin
+
+# ---------------------------------------------------------------------------------------------
+# Files a user gives or keeps: one error type for what the user got wrong, JSON read with
+# the file's name in every error, and written whole; directories written whole, and never
+# over anything else
+# ---------------------------------------------------------------------------------------------
+
+
+class UsageError(ValueError):
+    """Something the user gave (a flag, a file, a directory) is wrong. train.py and data.py
+    print its message alone, once; any other exception is a bug and keeps its traceback."""
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """The JSON object in `path`; a UsageError naming the file if it holds anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"{path} is not a file" if path.exists() else f"{path} does not exist")
+    try:
+        value = json.loads(path.read_bytes())
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UsageError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise UsageError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def write_json(path: Path, value: dict) -> None:
+    """Written whole or not at all: a reader never sees half a file."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def check_directory_path(path: Path, what: str) -> None:
+    """Refuses a path that no directory can be made at: `path` itself, or the nearest of its
+    parents that exists, is a file."""
+    existing = next(p for p in (path, *path.parents) if p.exists())  # "." and "/" exist
+    if not existing.is_dir():
+        where = "" if existing == path else f": {existing}"
+        raise UsageError(f"{what} {path}{where} is a file")
+
+
+def first_names(names: list[str]) -> str:
+    """The first five names, for an error message."""
+    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
+
+
+@dataclass(frozen=True)
+class OutputDir:
+    """A kind of directory longtune writes whole and may later replace: `marker` is the file
+    that makes a directory one of them (`writing` writes it; a dataset's is its meta.json),
+    `names` the patterns of every file it writes. An existing directory is replaced only if
+    it is empty or holds the marker and that kind's files and no others, so a mistyped path
+    never deletes what the user keeps there, nor a checkpoint or adapter someone else wrote."""
+
+    kind: str
+    marker: str
+    names: tuple[str, ...]
+
+    def check(self, final: str | os.PathLike) -> None:
+        final = Path(final)
+        check_directory_path(final, f"{self.kind} directory")
+        held = sorted(p.name for p in final.iterdir()) if final.is_dir() else []
+        foreign = [n for n in held if not any(fnmatch.fnmatch(n, p) for p in self.names)]
+        if foreign:
+            raise UsageError(
+                f"{self.kind} directory {final} holds {first_names(foreign)}, which no {self.kind} "
+                f"writes: writing one there would replace them; give a new or empty directory, "
+                f"or an earlier {self.kind}"
+            )
+        if held and self.marker not in held:
+            raise UsageError(
+                f"{self.kind} directory {final} holds {first_names(held)} but no {self.marker}, "
+                f"which every {self.kind} longtune writes holds: writing there would replace "
+                f"files someone else wrote (or a longtune {self.kind} from before that file: "
+                f"remove it); give a new or empty directory, or an earlier {self.kind}"
+            )
+
+    def make_temp(self, final: str | os.PathLike) -> Path:
+        """An empty directory beside `final` to write into, renamed onto it by `swap_in`.
+        mkdtemp makes it rwx for its owner only; it gets the mode any new directory gets
+        (umask applied), so the result can be shared like the user's other files."""
+        final = Path(final).resolve()  # "." has no name to put beside; a link, its target
+        self.check(final)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+        tmp.chmod(0o777 & ~_umask())
+        # A process killed (SIGKILL, out of memory) leaves its directory: said, never removed
+        # (another process may still be writing into it). mkdtemp's names end in 8 characters.
+        name, suffix = glob.escape(final.name), "?" * 8
+        left = [p for k in ("tmp", "old") for p in final.parent.glob(f".{name}.{k}-{suffix}")]
+        if left := sorted(str(p) for p in left if p != tmp):
+            print(
+                f"note: {', '.join(left)}: unfinished {self.kind} directories (their writer was "
+                f"killed, or is still running); remove those not in use",
+                file=sys.stderr,
+            )
+        return tmp
+
+    @contextmanager
+    def writing(self, final: str | os.PathLike) -> Iterator[Path]:
+        """A temporary directory (make_temp) to write into, given its marker and put in place
+        of `final` (swap_in) once the block is done, and removed if it fails or is
+        interrupted."""
+        tmp = self.make_temp(final)
+        try:
+            yield tmp
+            write_json(tmp / self.marker, {"written_by": "longtune", "kind": self.kind})
+            self.swap_in(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:
+        """Puts the complete directory `tmp` in place of `final`, checked again (something
+        may have been put there meanwhile); an old `final` is removed only after the new
+        one is in place, and put back if that fails or is interrupted."""
+        final = Path(final).resolve()
+        self.check(final)
+        old = None
+        try:
+            if final.exists():
+                # A name of its own: a leftover of an interrupted swap is never in the way.
+                old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+                os.replace(final, old)
+            os.replace(tmp, final)
+        except BaseException:
+            if old is not None and not final.exists():
+                os.replace(old, final)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def give_ordinary_mode(file: Path) -> None:
+    """The mode a new file gets from open() (umask applied), for files written 0600 (as
+    safetensors writes them)."""
+    file.chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    umask = os.umask(0)  # reading it means setting it: put it back at once
+    os.umask(umask)
+    return umask
+
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers
@@ -921,6 +1065,41 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:12]
 
 
+# The files of a HF checkpoint that make its tokenizer and its generation defaults.
+HF_TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+]
+SPECIAL_TOKEN_KEYS = ["bos_token_id", "eos_token_id", "pad_token_id"]
+
+
+@dataclass(frozen=True)
+class HFTokenizer:
+    """What an export carries besides the weights: the tokenizer's files (name -> contents)
+    and its special token ids by config key (SPECIAL_TOKEN_KEYS)."""
+
+    files: dict[str, bytes]
+    special_ids: dict[str, int | list[int] | None]
+
+    def has_tokenizer(self) -> bool:
+        """Whether the files make a tokenizer (a checkpoint may have only its generation
+        defaults)."""
+        return bool(set(self.files) - {"generation_config.json"})
+
+
+def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
+    """The tokenizer files a HF checkpoint directory holds, with the special token ids of
+    its config.json."""
+    path = Path(path)
+    files = {n: (path / n).read_bytes() for n in HF_TOKENIZER_FILES if (path / n).is_file()}
+    config = read_json(path / "config.json")
+    return HFTokenizer(files, {key: config.get(key) for key in SPECIAL_TOKEN_KEYS})
+
+
 # ---------------------------------------------------------------------------------------------
 # Preparation: text and JSONL files -> tokens.bin, loss_mask.bin, meta.json
 
@@ -993,7 +1172,7 @@ def prepare(
         )
 
 
-# A dataset directory is replaced only by another (model.OutputDir): new, empty, or these files.
+# A dataset directory is replaced only by another (OutputDir): new, empty, or these files.
 # The chat template its conversations were rendered with travels in it: training renders its
 # sample prompt with that template, and an export carries it.
 DATASET_CHAT_TEMPLATE = "chat_template.jinja"
@@ -1454,6 +1633,14 @@ class TokenDataset:
             raise UsageError(f"dataset {self.path} cannot {use} this model: " + "; ".join(problems))
 
 
+def document_starts(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """[B, S] -> per row, the offsets its documents start at: 0 (a row may begin inside a
+    document), then each later 0 among the positions. Read it off the host copy of a batch
+    (Batch has it): on a GPU tensor it waits for the GPU."""
+    positions = positions.cpu()
+    return tuple((0, *(1 + torch.nonzero(row[1:] == 0).flatten()).tolist()) for row in positions)
+
+
 @dataclass
 class Batch:
     """One rank's micro-batch; each field is int64 [micro_batch, seq_len].
@@ -1467,7 +1654,7 @@ class Batch:
     labels: torch.Tensor
     positions: torch.Tensor
     # Per row of the whole rows (context parallelism gives a rank a slice of each), the offsets
-    # its documents start at (model.document_starts), read while the batch is on the host: the
+    # its documents start at (document_starts), read while the batch is on the host: the
     # model picks its attention kernels by them without waiting for the GPU.
     document_starts: tuple[tuple[int, ...], ...]
 
@@ -1659,35 +1846,51 @@ def default_corpus(cache_dir: str | Path, max_bytes: int = 32 << 20) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# A training run's data (train.setup): its datasets and tokenizers, checked against the model.
-# `opts` is train.Options; `plan` and `world`, shard.Plan and shard.Dist.
+# A training run's data (train.setup): its datasets and tokenizers, checked against the model
+# (its vocab_size and max_seq_len) and the run's --seq-len.
 
 # Where the default corpus is prepared, once: beside this file.
 CACHE = Path(__file__).resolve().parent / ".cache"
 
 
+@dataclass(frozen=True)
+class RunData:
+    """What a run reads: `dataset`; `text_tokenizer`, which decodes the end-of-run sample;
+    `export_tokenizer`, the files an export carries."""
+
+    dataset: TokenDataset
+    text_tokenizer: Tokenizer | None
+    export_tokenizer: HFTokenizer | None
+
+
 def open_data(
-    opts, args: ModelArgs, is_main: bool, log: Callable
-) -> tuple[TokenDataset, Tokenizer | None, HFTokenizer | None]:
+    data: str | None,
+    tokenizer: str | None,
+    hf_checkpoint: str | None,
+    vocab_size: int,
+    max_seq_len: int,
+    seq_len: int,
+    is_main: bool,
+) -> RunData:
     """The dataset (--data, or the default corpus, prepared once by one process), checked
-    against the model and the tokenizer: --tokenizer's, else the --hf-checkpoint
-    directory's, must be the one the data was prepared with. Returns it with the tokenizer
-    that decodes the end-of-run sample (that one; the byte tokenizer for byte-tokenized
-    data) and the tokenizer an export carries (the checkpoint's files, else that one's; with
-    the dataset's chat template where prepare wrote one)."""
-    if opts.data:
-        dataset = TokenDataset(opts.data)
+    against the model (its vocab_size and max_seq_len) and the tokenizer:
+    --tokenizer's, else the --hf-checkpoint directory's, must be the one the data was
+    prepared with. The sample's tokenizer is that one (the byte tokenizer for byte-tokenized
+    data); the export's, the checkpoint's files, else that one's, with the dataset's chat
+    template where prepare wrote one."""
+    if data:
+        dataset = TokenDataset(data)
     else:
         if is_main:
             default_corpus(CACHE)
         dist.barrier()
         dataset = TokenDataset(default_corpus(CACHE))
-    dataset.check(args.vocab_size, opts.seq_len, args.max_seq_len)
+    dataset.check(vocab_size, seq_len, max_seq_len)
     prepared_with = dataset.meta["tokenizer"]
-    source = opts.tokenizer or (opts.hf_checkpoint and tokenizer_file(opts.hf_checkpoint))
+    source = tokenizer or (hf_checkpoint and tokenizer_file(hf_checkpoint))
     text_tokenizer = load_tokenizer(source) if source else None
     if text_tokenizer and text_tokenizer.name != prepared_with:
-        given = "--tokenizer" if opts.tokenizer else "the checkpoint's tokenizer"
+        given = "--tokenizer" if tokenizer else "the checkpoint's tokenizer"
         raise UsageError(
             f"dataset {dataset.path} was prepared with tokenizer {prepared_with}, but {given} "
             f"{source} is {text_tokenizer.name}: prepare the data with it (python data.py "
@@ -1697,63 +1900,32 @@ def open_data(
         text_tokenizer = ByteTokenizer()
     if dataset.chat_template and isinstance(text_tokenizer, ByteLevelBPETokenizer):
         text_tokenizer.use_chat_template(dataset.chat_template)
-    export_tokenizer = read_hf_tokenizer(opts.hf_checkpoint) if opts.hf_checkpoint else None
-    has_tokenizer = lambda t: t and set(t.files) - {"generation_config.json"}
-    if has_tokenizer(export_tokenizer) and dataset.chat_template:
+    export_tokenizer = read_hf_tokenizer(hf_checkpoint) if hf_checkpoint else None
+    if export_tokenizer and export_tokenizer.has_tokenizer() and dataset.chat_template:
         # The template the model was trained with, the dataset's, in place of the checkpoint's.
         _set_chat_template(export_tokenizer.files, dataset.chat_template.read_bytes())
-    if not has_tokenizer(export_tokenizer) and text_tokenizer:
+    if not (export_tokenizer and export_tokenizer.has_tokenizer()) and text_tokenizer:
         ids = (text_tokenizer.bos_id, text_tokenizer.eos_id, text_tokenizer.pad_id)
         special_ids = dict(zip(SPECIAL_TOKEN_KEYS, ids, strict=True))
         export_tokenizer = HFTokenizer(text_tokenizer.hf_files(), special_ids)
-    if opts.export_hf and not has_tokenizer(export_tokenizer):
-        log(
-            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
-            f"prepared {dataset.path} ({prepared_with}) to include it"
-        )
-    return dataset, text_tokenizer, export_tokenizer
+    return RunData(dataset, text_tokenizer, export_tokenizer)
 
 
-def open_eval_data(opts, args: ModelArgs, dataset: TokenDataset) -> TokenDataset | None:
-    """--eval-data, checked against the model and the training data."""
-    if not opts.eval_data:
-        return None
-    held_out = TokenDataset(opts.eval_data)
-    held_out.check(args.vocab_size, opts.seq_len, args.max_seq_len, use="evaluate")
-    if held_out.path.resolve() == dataset.path.resolve():
+def open_eval_data(
+    eval_data: str, vocab_size: int, max_seq_len: int, seq_len: int, training: TokenDataset
+) -> TokenDataset:
+    """--eval-data, checked against the model (as open_data) and the training data."""
+    held_out = TokenDataset(eval_data)
+    held_out.check(vocab_size, seq_len, max_seq_len, use="evaluate")
+    if held_out.path.resolve() == training.path.resolve():
         raise UsageError(f"--eval-data {held_out.path} is the training data: nothing is held out")
-    if held_out.meta["tokenizer"] != dataset.meta["tokenizer"]:
+    if held_out.meta["tokenizer"] != training.meta["tokenizer"]:
         raise UsageError(
             f"--eval-data {held_out.path} was prepared with tokenizer "
-            f"{held_out.meta['tokenizer']}, the training data {dataset.path} with "
-            f"{dataset.meta['tokenizer']}: prepare both with the same one"
+            f"{held_out.meta['tokenizer']}, the training data {training.path} with "
+            f"{training.meta['tokenizer']}: prepare both with the same one"
         )
     return held_out
-
-
-def loader_of(dataset: TokenDataset, plan, world, **kwargs) -> PackedLoader:
-    """The rows of this rank: each data-parallel group of context_parallel ranks reads its
-    own rows, and each rank of a group a slice of them (shard.py's context parallelism)."""
-    cp = plan.context_parallel
-    return PackedLoader(
-        dataset, plan.seq_len, plan.micro_batch, world.rank // cp, world.world_size // cp,
-        pin_memory=world.device.type == "cuda", context_rank=world.rank % cp,
-        context_parallel=cp, **kwargs,
-    )  # fmt: skip
-
-
-def eval_samples_of(opts, held_out: PackedLoader, groups: int) -> int:
-    """The held-out sequences evaluated (--eval-tokens' or all), at least one per group."""
-    wanted = -(-opts.eval_tokens // opts.seq_len) if opts.eval_tokens else held_out.num_samples
-    available = min(wanted, held_out.num_samples)
-    if available < groups:
-        raise UsageError(
-            f"--eval-data {opts.eval_data} gives {available:,} "
-            f"sequence{'s' * (available != 1)} of {opts.seq_len} "
-            f"tokens{' within --eval-tokens' if opts.eval_tokens else ''}: fewer than the "
-            f"{groups} data-parallel groups, which take one at least each"
-        )
-    return available
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,8 +2,9 @@
 Hugging Face checkpoints and PEFT adapters it reads and writes.
 
 In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
-(`Ops`), attention over packed documents, the network, the file helpers the other files share
-(`UsageError`, `OutputDir`), HF checkpoints, then LoRA.
+(`Ops`), attention over packed documents, the network, HF checkpoints (config.json, tensor
+names, loading and saving), then LoRA and PEFT adapters. What a user gives is checked with
+data.py's `UsageError`, `read_json` and `OutputDir`.
 
 The model knows nothing of sharding, checkpointing or offload: `shard.py` and `offload.py`
 apply those from the outside, in the order train.apply_techniques states. Build it on the
@@ -15,19 +16,13 @@ meta device and materialize it after sharding:
     model.init_weights(seed=0)          # or load_hf_checkpoint(model, path)
 """
 
-import contextlib
 import dataclasses
-import fnmatch
 import functools
-import glob
 import json
 import math
 import os
-import shutil
-import sys
-import tempfile
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +34,14 @@ from safetensors.torch import save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from data import (
+    HFTokenizer,
+    OutputDir,
+    UsageError,
+    document_starts,
+    give_ordinary_mode,
+    read_json,
+)
 from kernels import (
     IGNORE_INDEX,
     apply_rope_reference,
@@ -437,15 +440,7 @@ def document_ids(positions: torch.Tensor) -> torch.Tensor:
     return restarts.cumsum(dim=-1) - restarts[:, :1].to(positions.dtype)
 
 
-def document_starts(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
-    """[B, S] -> per row, the offsets its documents start at: 0 (a row may begin inside a
-    document), then each later 0 among the positions. Read it off the host copy of a batch
-    (data.Batch has it): on a GPU tensor it waits for the GPU."""
-    positions = positions.cpu()
-    return tuple((0, *(1 + torch.nonzero(row[1:] == 0).flatten()).tolist()) for row in positions)
-
-
-def causal_head(length: int) -> int:
+def causal_prefix(length: int) -> int:
     """How many of a long document's first rows SDPA's causal kernel takes: `length` rounded
     down to a 32nd of its power of two, so that SDPA meets few shapes in a run (cuDNN builds
     execution plans for each new one). The rows past it, at most 1/32 of them, go through
@@ -456,15 +451,16 @@ def causal_head(length: int) -> int:
 
 @dataclass(frozen=True)
 class PackedRows:
-    """Attention over rows of packed documents, as `packed_rows` plans it. `heads`: per row,
-    the (start, end) of the causal head of each document of `long_document` tokens or more,
+    """Attention over rows of packed documents, as `packed_rows` plans it. `prefixes`: per
+    row, the (start, end) of the causal prefix of each document of `long_document` tokens or
+    more (its first rows, `causal_prefix`),
     which SDPA's causal kernel attends alone on its slice of the row. `short`: the mask for
     every other row (the short documents and the long ones' last rows): FlexAttention's block
-    mask on CUDA (it skips the query tiles inside heads, and the tiles between documents), a
-    dense mask elsewhere; None when the heads cover every row."""
+    mask on CUDA (it skips the query tiles inside prefixes, and the tiles between documents),
+    a dense mask elsewhere; None when the prefixes cover every row."""
 
     short: BlockMask | torch.Tensor | None
-    heads: tuple[tuple[tuple[int, int], ...], ...]
+    prefixes: tuple[tuple[tuple[int, int], ...], ...]
 
 
 def packed_rows(
@@ -475,24 +471,24 @@ def packed_rows(
     if all(len(row) == 1 for row in starts):
         return None
     bsz, seq_len = positions.shape
-    heads = tuple(
+    prefixes = tuple(
         tuple(
-            (start, start + causal_head(end - start))
+            (start, start + causal_prefix(end - start))
             for start, end in zip(row, (*row[1:], seq_len), strict=True)
             if end - start >= long_document
         )
         for row in starts
     )
-    in_heads = torch.zeros(bsz, seq_len, dtype=torch.bool)
-    for b, spans in enumerate(heads):
+    in_prefixes = torch.zeros(bsz, seq_len, dtype=torch.bool)
+    for b, spans in enumerate(prefixes):
         for start, end in spans:
-            in_heads[b, start:end] = True
-    if in_heads.all():
-        return PackedRows(None, heads)
+            in_prefixes[b, start:end] = True
+    if in_prefixes.all():
+        return PackedRows(None, prefixes)
     if positions.is_cuda:
-        in_heads = in_heads.to(positions.device, non_blocking=True)
-        return PackedRows(document_block_mask(positions, in_heads), heads)
-    return PackedRows(dense_document_mask(positions), heads)
+        in_prefixes = in_prefixes.to(positions.device, non_blocking=True)
+        return PackedRows(document_block_mask(positions, in_prefixes), prefixes)
+    return PackedRows(dense_document_mask(positions), prefixes)
 
 
 def document_block_mask(positions: torch.Tensor, skip: torch.Tensor | None = None) -> BlockMask:
@@ -505,7 +501,7 @@ def document_block_mask(positions: torch.Tensor, skip: torch.Tensor | None = Non
     Such a tile is "full" (no element masked) when both tiles lie inside that one document;
     the diagonal tile and a tile a document starts in are "partial" (`same_document_causal`
     applied to each element); all others are skipped. So is a query tile of `skip` rows alone
-    ([B, S] booleans: PackedRows' heads); in a tile shared with other rows they are computed
+    ([B, S] booleans: PackedRows' prefixes); in a tile shared with other rows they are computed
     and left unused. A sequence that is not a multiple of the tile is padded with a document
     no real token is in."""
     bsz, seq_len = positions.shape
@@ -586,36 +582,37 @@ def packed_attention(
     rows: PackedRows,
     sdpa_backends: list[SDPBackend],
 ) -> torch.Tensor:
-    """Attention over PackedRows: each head's rows from the causal kernel on its own slice of
-    the row (its document's first rows, so the causal kernel gives them what the document mask
-    would), every other row's from the mask."""
+    """Attention over PackedRows: each prefix's rows from the causal kernel on its own slice
+    of the row (its document's first rows, so the causal kernel gives them what the document
+    mask would), every other row's from the mask."""
     short = None if rows.short is None else attention_kernel(q, k, v, rows.short, sdpa_backends)
-    if not any(rows.heads):
+    if not any(rows.prefixes):
         return short
-    spans = [(b, start, end) for b, row in enumerate(rows.heads) for start, end in row]
-    heads = [
+    spans = [(b, start, end) for b, row in enumerate(rows.prefixes) for start, end in row]
+    prefixes = [
         attention_kernel(*(t[b : b + 1, :, start:end] for t in (q, k, v)), None, sdpa_backends)
         for b, start, end in spans
     ]
     bsz, n_heads, seq_len, head_dim = q.shape
-    return _JoinHeads.apply(spans, (bsz, seq_len, n_heads, head_dim), short, *heads)
+    return _JoinPrefixes.apply(spans, (bsz, seq_len, n_heads, head_dim), short, *prefixes)
 
 
-class _JoinHeads(torch.autograd.Function):
-    """The attention output [B, H, S, Dh]: the heads' rows from `heads`, every other row from
-    `short` (None where the heads cover every row: then a new tensor of `shape` [B, S, H, Dh],
-    transposed). The heads are written into `short` itself: the mask kernel's autograd node
-    saved it, and a copy would hold a third output-sized tensor per block with checkpointing's
-    kept attention (offload._KeptAttention). That backward reads its output only through
-    rowsum(output * gradient) and gets a zero gradient on the heads' rows, so their values
-    there do not matter; the write goes through `.data` so the saved tensor's version stays."""
+class _JoinPrefixes(torch.autograd.Function):
+    """The attention output [B, H, S, Dh]: the prefixes' rows from `prefixes`, every other row
+    from `short` (None where the prefixes cover every row: then a new tensor of `shape`
+    [B, S, H, Dh], transposed). The prefixes are written into `short` itself: the mask
+    kernel's autograd node saved it, and a copy would hold a third output-sized tensor per
+    block with checkpointing's kept attention (offload._KeptAttention). That backward reads
+    its output only through rowsum(output * gradient) and gets a zero gradient on the
+    prefixes' rows, so their values there do not matter; the write goes through `.data` so
+    the saved tensor's version stays."""
 
     @staticmethod
-    def forward(ctx, spans, shape, short, *heads):
+    def forward(ctx, spans, shape, short, *prefixes):
         ctx.spans = spans
-        out = heads[0].new_empty(shape).transpose(1, 2) if short is None else short
-        for (b, start, end), head in zip(spans, heads, strict=True):
-            out.data[b, :, start:end] = head[0]
+        out = prefixes[0].new_empty(shape).transpose(1, 2) if short is None else short
+        for (b, start, end), prefix in zip(spans, prefixes, strict=True):
+            out.data[b, :, start:end] = prefix[0]
         return out
 
     @staticmethod
@@ -625,8 +622,8 @@ class _JoinHeads(torch.autograd.Function):
             grad_short = grad.clone()
             for b, start, end in ctx.spans:
                 grad_short[b, :, start:end] = 0
-        heads = (grad[b : b + 1, :, start:end] for b, start, end in ctx.spans)
-        return None, None, grad_short, *heads
+        prefixes = (grad[b : b + 1, :, start:end] for b, start, end in ctx.spans)
+        return None, None, grad_short, *prefixes
 
 
 # ----------------------------------------------------------------------------------------
@@ -860,166 +857,16 @@ def generate(
 
 
 # ----------------------------------------------------------------------------------------
-# Files a user gives or keeps: one error type for what the user got wrong, JSON read with
-# the file's name in every error, and written whole; directories written whole, and never
-# over anything else
+# Hugging Face checkpoints: config.json + safetensors (one file, or shards with an index)
 # ----------------------------------------------------------------------------------------
 
-
-class UsageError(ValueError):
-    """Something the user gave (a flag, a file, a directory) is wrong. train.py and data.py
-    print its message alone, once; any other exception is a bug and keeps its traceback."""
-
-
-def read_json(path: str | os.PathLike) -> dict:
-    """The JSON object in `path`; a UsageError naming the file if it holds anything else."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{path} is not a file" if path.exists() else f"{path} does not exist")
-    try:
-        value = json.loads(path.read_bytes())
-    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise UsageError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(value, dict):
-        raise UsageError(f"{path}: expected a JSON object, found {type(value).__name__}")
-    return value
-
-
-def write_json(path: Path, value: dict) -> None:
-    """Written whole or not at all: a reader never sees half a file."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(tmp, path)
-
-
-def check_directory_path(path: Path, what: str) -> None:
-    """Refuses a path that no directory can be made at: `path` itself, or the nearest of its
-    parents that exists, is a file."""
-    existing = next(p for p in (path, *path.parents) if p.exists())  # "." and "/" exist
-    if not existing.is_dir():
-        where = "" if existing == path else f": {existing}"
-        raise UsageError(f"{what} {path}{where} is a file")
-
-
-def listed(names: list[str]) -> str:
-    """The first five names, for an error message."""
-    return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
-
-
-@dataclass(frozen=True)
-class OutputDir:
-    """A kind of directory longtune writes whole and may later replace: `marker` is the file
-    that makes a directory one of them (`writing` writes it; a dataset's is its meta.json),
-    `names` the patterns of every file it writes. An existing directory is replaced only if
-    it is empty or holds the marker and that kind's files and no others, so a mistyped path
-    never deletes what the user keeps there, nor a checkpoint or adapter someone else wrote."""
-
-    kind: str
-    marker: str
-    names: tuple[str, ...]
-
-    def check(self, final: str | os.PathLike) -> None:
-        final = Path(final)
-        check_directory_path(final, f"{self.kind} directory")
-        held = sorted(p.name for p in final.iterdir()) if final.is_dir() else []
-        foreign = [n for n in held if not any(fnmatch.fnmatch(n, p) for p in self.names)]
-        if foreign:
-            raise UsageError(
-                f"{self.kind} directory {final} holds {listed(foreign)}, which no {self.kind} "
-                f"writes: writing one there would replace them; give a new or empty directory, "
-                f"or an earlier {self.kind}"
-            )
-        if held and self.marker not in held:
-            raise UsageError(
-                f"{self.kind} directory {final} holds {listed(held)} but no {self.marker}, "
-                f"which every {self.kind} longtune writes holds: writing there would replace "
-                f"files someone else wrote (or a longtune {self.kind} from before that file: "
-                f"remove it); give a new or empty directory, or an earlier {self.kind}"
-            )
-
-    def make_temp(self, final: str | os.PathLike) -> Path:
-        """An empty directory beside `final` to write into, renamed onto it by `swap_in`.
-        mkdtemp makes it rwx for its owner only; it gets the mode any new directory gets
-        (umask applied), so the result can be shared like the user's other files."""
-        final = Path(final).resolve()  # "." has no name to put beside; a link, its target
-        self.check(final)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-        tmp.chmod(0o777 & ~_umask())
-        # A process killed (SIGKILL, out of memory) leaves its directory: said, never removed
-        # (another process may still be writing into it). mkdtemp's names end in 8 characters.
-        name, suffix = glob.escape(final.name), "?" * 8
-        left = [p for k in ("tmp", "old") for p in final.parent.glob(f".{name}.{k}-{suffix}")]
-        if left := sorted(str(p) for p in left if p != tmp):
-            print(
-                f"note: {', '.join(left)}: unfinished {self.kind} directories (their writer was "
-                f"killed, or is still running); remove those not in use",
-                file=sys.stderr,
-            )
-        return tmp
-
-    @contextlib.contextmanager
-    def writing(self, final: str | os.PathLike) -> Iterator[Path]:
-        """A temporary directory (make_temp) to write into, given its marker and put in place
-        of `final` (swap_in) once the block is done, and removed if it fails or is
-        interrupted."""
-        tmp = self.make_temp(final)
-        try:
-            yield tmp
-            write_json(tmp / self.marker, {"written_by": "longtune", "kind": self.kind})
-            self.swap_in(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-    def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:
-        """Puts the complete directory `tmp` in place of `final`, checked again (something
-        may have been put there meanwhile); an old `final` is removed only after the new
-        one is in place, and put back if that fails or is interrupted."""
-        final = Path(final).resolve()
-        self.check(final)
-        old = None
-        try:
-            if final.exists():
-                # A name of its own: a leftover of an interrupted swap is never in the way.
-                old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-                os.replace(final, old)
-            os.replace(tmp, final)
-        except BaseException:
-            if old is not None and not final.exists():
-                os.replace(old, final)
-            raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-
-
+# A --export-hf directory (data.OutputDir): what it may hold, and the file that marks it.
 HF_EXPORT = OutputDir(
     "export",
     "longtune_export.json",
     ("*.json", "*.safetensors", "tokenizer.model", "chat_template.jinja"),
 )
-PEFT_ADAPTER = OutputDir(
-    "adapter",
-    "longtune_adapter.json",
-    ("adapter_*.json", "adapter_*.safetensors", "longtune_adapter.json"),
-)
 
-
-def give_ordinary_mode(file: Path) -> None:
-    """The mode a new file gets from open() (umask applied), for files written 0600 (as
-    safetensors writes them)."""
-    file.chmod(0o666 & ~_umask())
-
-
-def _umask() -> int:
-    umask = os.umask(0)  # reading it means setting it: put it back at once
-    os.umask(umask)
-    return umask
-
-
-# ----------------------------------------------------------------------------------------
-# Hugging Face checkpoints: config.json + safetensors (one file, or shards with an index)
-# ----------------------------------------------------------------------------------------
 # RoPE layout: longtune rotates the two halves of each head (HF's "rotate half", not Meta's
 # interleaved pairs), the layout of HF checkpoints' q_proj/k_proj rows: no permutation on load.
 
@@ -1230,36 +1077,6 @@ def fill_weights(
                     copy(param, model.initial_value(name, seed, device))
     if lora_adapter is not None:
         load_peft_adapter(model, lora, lora_adapter, copy, agree)
-
-
-# The files of a HF checkpoint that make its tokenizer and its generation defaults.
-HF_TOKENIZER_FILES = [
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-]
-SPECIAL_TOKEN_KEYS = ["bos_token_id", "eos_token_id", "pad_token_id"]
-
-
-@dataclass(frozen=True)
-class HFTokenizer:
-    """What an export carries besides the weights: the tokenizer's files (name -> contents)
-    and its special token ids by config key (SPECIAL_TOKEN_KEYS)."""
-
-    files: dict[str, bytes]
-    special_ids: dict[str, int | list[int] | None]
-
-
-def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
-    """The tokenizer files a HF checkpoint directory holds, with the special token ids of
-    its config.json."""
-    path = Path(path)
-    files = {n: (path / n).read_bytes() for n in HF_TOKENIZER_FILES if (path / n).is_file()}
-    config = read_json(path / "config.json")
-    return HFTokenizer(files, {key: config.get(key) for key in SPECIAL_TOKEN_KEYS})
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = None) -> dict:
@@ -1572,6 +1389,14 @@ def peft_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, str]:
         for ab in ("lora_A", "lora_B"):
             names[f"{path}.{ab}"] = f"{module}.{ab}.weight"
     return names
+
+
+# A --export-adapter directory (data.OutputDir).
+PEFT_ADAPTER = OutputDir(
+    "adapter",
+    "longtune_adapter.json",
+    ("adapter_*.json", "adapter_*.safetensors", "longtune_adapter.json"),
+)
 
 
 def peft_adapter_config(config: LoRAConfig, base_model: str | None) -> dict:

@@ -40,7 +40,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from model import Llama, UsageError, fill_weights
+from data import UsageError
+from model import Llama, fill_weights
 
 aten = torch.ops.aten
 

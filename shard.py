@@ -7,12 +7,12 @@ memory estimate of a run's plan and the planner that picks the fastest plan that
 
 train.apply_techniques applies them in the one order in which they compose:
 
-    dist = init_distributed()
+    world = init_distributed()
     with torch.device("meta"):
         model = Llama(args, ops)
-    apply_context_parallel(model, context_parallel_group(dist, 2))   # optional
-    apply_fsdp(model, build_mesh("FULL_SHARD", dist), "FULL_SHARD")
-    materialize(model, dist, seed=0)            # or hf_path=...
+    apply_context_parallel(model, context_parallel_group(world, 2))   # optional
+    apply_fsdp(model, build_mesh("FULL_SHARD", world), "FULL_SHARD")
+    materialize(model, world, seed=0)            # or hf_path=...
 
 Multi-node runs need no code here: torchrun's rendezvous flags (`--nnodes`, `--node-rank`,
 `--rdzv-backend c10d --rdzv-endpoint host:port`) set the variables `init_distributed` reads.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
@@ -55,6 +55,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from data import UsageError, check_directory_path, first_names, read_json
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, _chunk_rows
 from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
@@ -65,12 +66,8 @@ from model import (
     Llama,
     LoRAConfig,
     ModelArgs,
-    UsageError,
-    check_directory_path,
     fill_weights,
-    listed,
     merged_named_tensors,
-    read_json,
     save_hf_checkpoint,
     save_peft_adapter,
 )
@@ -84,7 +81,7 @@ GiB = 2**30
 
 
 @dataclass(frozen=True)
-class Dist:
+class World:
     rank: int
     world_size: int
     local_rank: int
@@ -113,7 +110,7 @@ def check_gpus() -> None:
         )
 
 
-def init_distributed() -> Dist:
+def init_distributed() -> World:
     """Joins the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE), or makes a group of one for a plain `python train.py`, so that
     `fully_shard` and the rest of this file run the same way with one process or many.
@@ -130,17 +127,15 @@ def init_distributed() -> Dist:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    if not torch_dist.is_initialized():
+    if not dist.is_initialized():
         if "RANK" in env:
             # device_id binds NCCL's communicator to this GPU up front (no guessing later).
             device_id = device if device.type == "cuda" else None
-            torch_dist.init_process_group(backend, device_id=device_id)
+            dist.init_process_group(backend, device_id=device_id)
         else:
             # One process: an in-memory store, no port to find or collide on.
-            torch_dist.init_process_group(
-                backend, store=torch_dist.HashStore(), rank=0, world_size=1
-            )
-    return Dist(rank, world_size, local_rank, local_world_size, device)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return World(rank, world_size, local_rank, local_world_size, device)
 
 
 # ----------------------------------------------------------------------------------------
@@ -182,21 +177,21 @@ def shard_group_size(strategy: str, world_size: int, local_world_size: int) -> i
             return 1
 
 
-def build_mesh(strategy: str, dist: Dist) -> DeviceMesh:
+def build_mesh(strategy: str, world: World) -> DeviceMesh:
     """A 1-D mesh ("shard",) for FULL_SHARD / SHARD_GRAD_OP; a 2-D ("replicate", "shard")
     mesh for HYBRID_SHARD (nodes x ranks per node) and NO_SHARD (world x 1): fully_shard
     replicates over the first dim and shards over the second, so a shard dim of 1 is
     plain data parallelism with gradients all-reduced."""
-    shard = shard_group_size(strategy, dist.world_size, dist.local_world_size)
-    if dist.world_size % shard:
+    shard = shard_group_size(strategy, world.world_size, world.local_world_size)
+    if world.world_size % shard:
         raise UsageError(
-            f"{strategy} needs the world size {dist.world_size} to be a multiple of the "
-            f"ranks per node {dist.local_world_size}"
+            f"{strategy} needs the world size {world.world_size} to be a multiple of the "
+            f"ranks per node {world.local_world_size}"
         )
     if _strategy(strategy).shard_over == "world":
-        return init_device_mesh(dist.device.type, (shard,), mesh_dim_names=("shard",))
+        return init_device_mesh(world.device.type, (shard,), mesh_dim_names=("shard",))
     return init_device_mesh(
-        dist.device.type, (dist.world_size // shard, shard), mesh_dim_names=("replicate", "shard")
+        world.device.type, (world.world_size // shard, shard), mesh_dim_names=("replicate", "shard")
     )
 
 
@@ -256,7 +251,7 @@ def apply_fsdp(
 @torch.no_grad()
 def materialize(
     model: Llama,
-    dist: Dist,
+    world: World,
     seed: int = 0,
     hf_path: str | os.PathLike | None = None,
     cpu_offload: bool = False,
@@ -271,7 +266,7 @@ def materialize(
     of ranks. A checkpoint that does not fit the model raises the same error on every rank
     (it is checked from config and headers) before anything is read, so no rank is left
     waiting in a collective."""
-    model.to_empty(device="cpu" if cpu_offload else dist.device)
+    model.to_empty(device="cpu" if cpu_offload else world.device)
 
     def copy_rows(param: DTensor, tensor_slice) -> None:
         # FSDP2 shards dim 0 like torch.chunk: ceil(n / shards) rows each, so the last ranks
@@ -282,11 +277,11 @@ def materialize(
         param.to_local().copy_(tensor_slice[start[0] : start[0] + shape[0]])
 
     def agree(nonfinite: list[str]) -> list[str]:  # each rank checked the rows it read
-        found = [None] * dist.world_size
-        torch_dist.all_gather_object(found, nonfinite)
+        found = [None] * world.world_size
+        dist.all_gather_object(found, nonfinite)
         return [name for names in found for name in names]
 
-    fill_weights(model, seed, dist.device, hf_path, copy_rows, progress, lora, lora_adapter, agree)
+    fill_weights(model, seed, world.device, hf_path, copy_rows, progress, lora, lora_adapter, agree)
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
@@ -322,15 +317,15 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 # (and is counted once in the labelled tokens train.py divides the loss by).
 
 
-def context_parallel_group(dist: Dist, n: int) -> torch_dist.ProcessGroup | None:
+def context_parallel_group(world: World, n: int) -> dist.ProcessGroup | None:
     """The group of ranks that share this rank's sequences, None when n is 1: N consecutive
     ranks, so with torchrun's numbering (a node's ranks are consecutive) a group never spans
     nodes, and FSDP's mesh (build_mesh) shards over the same ranks."""
-    check_context_parallel_ranks(n, dist.world_size, dist.local_world_size)
+    check_context_parallel_ranks(n, world.world_size, world.local_world_size)
     if n == 1:
         return None
     mesh = init_device_mesh(
-        dist.device.type, (dist.world_size // n, n), mesh_dim_names=("data", "context")
+        world.device.type, (world.world_size // n, n), mesh_dim_names=("data", "context")
     )
     return mesh.get_group("context")
 
@@ -354,14 +349,14 @@ def check_context_parallel(args: ModelArgs, n: int) -> None:
 
 
 def _all_to_all(
-    x: torch.Tensor, group: torch_dist.ProcessGroup, scatter_dim: int, gather_dim: int
+    x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
 ) -> torch.Tensor:
     """Chunk j of x along scatter_dim goes to rank j; what rank i sent is chunk i of the
     result along gather_dim. all_to_all_single runs on NCCL for CUDA tensors and on gloo
     for CPU ones (gloo has it too), so the tests run the same code as the GPUs."""
     send = torch.stack(x.chunk(group.size(), dim=scatter_dim))  # [N, ...], contiguous
     received = torch.empty_like(send)
-    torch_dist.all_to_all_single(received, send, group=group)
+    dist.all_to_all_single(received, send, group=group)
     # The pieces joined along gather_dim: a view, not a copy, where the layout allows (the
     # sequence of one row: q, k, v on their way to the kernel).
     return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
@@ -397,7 +392,7 @@ def _whole_row_mask(attention_mask, group, positions: torch.Tensor, document_sta
     """The mask of the whole row, from the positions [B, S/N] of every rank of the group
     (`document_starts`, when given, must be the whole rows', as data.PackedLoader's are)."""
     pieces = [torch.empty_like(positions) for _ in range(group.size())]
-    torch_dist.all_gather(pieces, positions.contiguous(), group=group)
+    dist.all_gather(pieces, positions.contiguous(), group=group)
     return attention_mask(torch.cat(pieces, dim=1), document_starts)
 
 
@@ -423,11 +418,11 @@ def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **
     positions = torch.arange(start, start + per_rank, device=tokens.device)
     logits = forward(piece, None, positions.expand_as(piece), *rest, **kwargs)
     pieces = [torch.empty_like(logits) for _ in range(n)]
-    torch_dist.all_gather(pieces, logits.contiguous(), group=group)
+    dist.all_gather(pieces, logits.contiguous(), group=group)
     return torch.cat(pieces, dim=1)[:, :length]
 
 
-def apply_context_parallel(model: Llama, group: torch_dist.ProcessGroup | None) -> None:
+def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> None:
     """Makes `model` take this rank's slice of each row (tokens, labels and positions
     [B, S/N]) and attend over the whole row. Attention.attend, Llama.attention_mask and
     Llama.forward (for calls with whole rows) are wrapped on the instances, as
@@ -470,7 +465,7 @@ def check_run_dir(run_dir: Path) -> None:
     foreign = [p.name for p in held if not _run_entry(p)]
     if foreign:
         raise UsageError(
-            f"--run-dir {run_dir} holds {listed(foreign)}, which no run writes: give a new or "
+            f"--run-dir {run_dir} holds {first_names(foreign)}, which no run writes: give a new or "
             f"empty directory, or the run directory of an earlier run"
         )
 
@@ -504,7 +499,7 @@ def lock_run_dir(run_dir: Path, is_main: bool):
             holder = file.read().strip()
             file.close()
     taken = torch.tensor([lock is not None or not is_main], dtype=torch.int32)
-    torch_dist.all_reduce(taken, op=torch_dist.ReduceOp.MIN)  # a CPU integer: through gloo
+    dist.all_reduce(taken, op=dist.ReduceOp.MIN)  # a CPU integer: through gloo
     if not taken:
         raise UsageError(
             f"run directory {run_dir} is in use by a live run ({holder or 'see rank 0'}): "
@@ -728,7 +723,7 @@ class Checkpointer:
     root: Path
     interval: int
     keep: int
-    world: Dist
+    world: World
     record: dict
     last: Path | None = None
 
@@ -764,7 +759,7 @@ class Checkpointer:
             for stale in self.root.glob(".tmp-*"):  # left by a run killed while it saved
                 shutil.rmtree(stale)
             tmp.mkdir(parents=True)
-        torch_dist.barrier()
+        dist.barrier()
         # Safetensors files (each rank writes its own shards, their layout as JSON in their
         # headers), so that resuming unpickles nothing: DCP's default format keeps its
         # metadata as a pickle.
@@ -778,7 +773,7 @@ class Checkpointer:
             files = {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))}
             train_state = {**train_state, "files": files, "tensors": tensor_shapes(state)}
             (tmp / "train_state.json").write_text(json.dumps(train_state))
-        torch_dist.barrier()  # every rank's shards are written before the directory is renamed
+        dist.barrier()  # every rank's shards are written before the directory is renamed
         if self.world.is_main:
             if final.exists():
                 shutil.rmtree(final)
@@ -823,7 +818,7 @@ def gathered(named: Iterator[tuple[str, torch.Tensor]], write: Callable, is_main
     else:
         for _ in named:
             pass
-    torch_dist.barrier()
+    dist.barrier()
 
 
 def full_tensor(param: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -833,14 +828,14 @@ def full_tensor(param: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def export_hf(
-    model: Llama, args: ModelArgs, out_dir: str, dtype: torch.dtype, tokenizer, dist: Dist
+    model: Llama, args: ModelArgs, out_dir: str, dtype: torch.dtype, tokenizer, world: World
 ) -> None:
     """The weights as a HF checkpoint (model.save_hf_checkpoint, with `tokenizer`'s files),
     LoRA adapters merged into their base weights (model.merged_named_tensors), each
     parameter gathered in turn."""
-    gather = functools.partial(full_tensor, device=dist.device)
+    gather = functools.partial(full_tensor, device=world.device)
     write = lambda named: save_hf_checkpoint(args, named, out_dir, dtype, tokenizer=tokenizer)
-    gathered(merged_named_tensors(model, gather), write, dist.is_main)
+    gathered(merged_named_tensors(model, gather), write, world.is_main)
 
 
 def export_adapter(
@@ -849,14 +844,14 @@ def export_adapter(
     lora: LoRAConfig,
     out_dir: str,
     base_model: str | None,
-    dist: Dist,
+    world: World,
 ) -> None:
     """The LoRA adapters in PEFT's format (model.save_peft_adapter), gathered like
     export_hf's weights."""
     trained = model.named_parameters()
-    adapters = ((name, full_tensor(p, dist.device)) for name, p in trained if p.requires_grad)
+    adapters = ((name, full_tensor(p, world.device)) for name, p in trained if p.requires_grad)
     write = lambda named: save_peft_adapter(args, lora, named, out_dir, base_model=base_model)
-    gathered(adapters, write, dist.is_main)
+    gathered(adapters, write, world.is_main)
 
 
 class ShardedAdamW:
@@ -1574,7 +1569,7 @@ def host_peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
 
 
-def this_machine(gpu_memory: float | None, host_memory: float | None, world: Dist) -> Machine:
+def this_machine(gpu_memory: float | None, host_memory: float | None, world: World) -> Machine:
     """The machine the run is on: its processes, each GPU's free memory and the host's
     available memory (`gpu_memory`, `host_memory` GiB instead where given). A collective:
     every rank plans with the smallest over all ranks, so that all choose the same plan."""
@@ -1582,7 +1577,7 @@ def this_machine(gpu_memory: float | None, host_memory: float | None, world: Dis
     if gpu is None and world.device.type == "cuda":
         gpu = torch.cuda.mem_get_info(world.device)[0] / GiB
     memory = torch.tensor([gpu or 0.0, host_memory or host_memory_gib()], dtype=torch.float64)
-    torch_dist.all_reduce(memory, op=torch_dist.ReduceOp.MIN)
+    dist.all_reduce(memory, op=dist.ReduceOp.MIN)
     gpu_gib = memory[0].item() if gpu is not None else None
     return Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
 

@@ -54,13 +54,14 @@ import shard
 from data import (
     IGNORE_INDEX,
     Batch,
+    HFTokenizer,
     PackedLoader,
     TokenDataset,
     Tokenizer,
-    eval_samples_of,
-    loader_of,
+    UsageError,
     open_data,
     open_eval_data,
+    write_json,
 )
 from model import (
     HF_EXPORT,
@@ -69,11 +70,9 @@ from model import (
     PRESETS,
     REFERENCE_OPS,
     SDPA_BACKENDS,
-    HFTokenizer,
     Llama,
     LoRAConfig,
     ModelArgs,
-    UsageError,
     apply_lora,
     attended_pairs,
     check_hf_checkpoint,
@@ -82,7 +81,6 @@ from model import (
     parse_lora_targets,
     peak_flops,
     triton_ops,
-    write_json,
 )
 
 REPO = Path(__file__).resolve().parent
@@ -597,7 +595,7 @@ def check_adamw_range(lr: float, beta1: float, weight_decay: float) -> None:
 def apply_techniques(
     model: Llama,
     plan: shard.Plan,
-    world: shard.Dist,
+    world: shard.World,
     seed: int,
     hf_path: str | None,
     progress: Callable[[int, int], None] | None,
@@ -671,7 +669,7 @@ class Run:
     given: frozenset[str]
     args: ModelArgs
     plan: shard.Plan
-    world: shard.Dist
+    world: shard.World
     model: Llama
     optimizer: shard.ShardedAdamW | offload.OptimizerInBackward
     loader: PackedLoader
@@ -751,8 +749,19 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     torch.manual_seed(opts.seed)
     lora = lora_config(opts)
     resume_from, saved = check_given(opts, args, lora, log)
-    dataset, text_tokenizer, export_tokenizer = open_data(opts, args, world.is_main, log)
-    held_out = open_eval_data(opts, args, dataset)
+    sizes = (args.vocab_size, args.max_seq_len)
+    run_data = open_data(
+        opts.data, opts.tokenizer, opts.hf_checkpoint, *sizes, opts.seq_len, world.is_main
+    )
+    dataset, export_tokenizer = run_data.dataset, run_data.export_tokenizer
+    if opts.export_hf and not (export_tokenizer and export_tokenizer.has_tokenizer()):
+        log(
+            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
+            f"prepared {dataset.path} ({dataset.meta['tokenizer']}) to include it"
+        )
+    held_out = None
+    if opts.eval_data:
+        held_out = open_eval_data(opts.eval_data, *sizes, opts.seq_len, dataset)
     run_record = {
         "model": dataclasses.asdict(args),
         "seq_len": opts.seq_len,
@@ -807,7 +816,7 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
         write_json(run_dir / "plan.json", plan.to_json())
     return Run(
         opts, given, args, plan, world, model, optimizer, loader, run_dir, checkpointer,
-        evaluate_held_out, step, max_steps, text_tokenizer, export_tokenizer, log, lock,
+        evaluate_held_out, step, max_steps, run_data.text_tokenizer, export_tokenizer, log, lock,
     )  # fmt: skip
 
 
@@ -1061,7 +1070,7 @@ def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tu
 
 
 def held_out_evaluation(
-    opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.Dist, model
+    opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.World, model
 ) -> Callable[[], tuple[float, int]] | None:
     """The evaluation of --eval-data's rows, read in order and split as the training rows
     are; None without --eval-data."""
@@ -1070,6 +1079,33 @@ def held_out_evaluation(
     eval_loader = loader_of(held_out, plan, world)
     samples = eval_samples_of(opts, eval_loader, world.world_size // plan.context_parallel)
     return functools.partial(evaluate, model, lambda: eval_loader.in_order(samples), world.device)
+
+
+def loader_of(
+    dataset: TokenDataset, plan: shard.Plan, world: shard.World, **kwargs
+) -> PackedLoader:
+    """The rows of this rank: each data-parallel group of context_parallel ranks reads its
+    own rows, and each rank of a group a slice of them (shard.py's context parallelism)."""
+    cp = plan.context_parallel
+    return PackedLoader(
+        dataset, plan.seq_len, plan.micro_batch, world.rank // cp, world.world_size // cp,
+        pin_memory=world.device.type == "cuda", context_rank=world.rank % cp,
+        context_parallel=cp, **kwargs,
+    )  # fmt: skip
+
+
+def eval_samples_of(opts: Options, held_out: PackedLoader, groups: int) -> int:
+    """The held-out sequences evaluated (--eval-tokens' or all), at least one per group."""
+    wanted = -(-opts.eval_tokens // opts.seq_len) if opts.eval_tokens else held_out.num_samples
+    available = min(wanted, held_out.num_samples)
+    if available < groups:
+        raise UsageError(
+            f"--eval-data {opts.eval_data} gives {available:,} "
+            f"sequence{'s' * (available != 1)} of {opts.seq_len} "
+            f"tokens{' within --eval-tokens' if opts.eval_tokens else ''}: fewer than the "
+            f"{groups} data-parallel groups, which take one at least each"
+        )
+    return available
 
 
 def format_record(r: dict, max_steps: int) -> str:

@@ -29,13 +29,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.attention import time_ms  # noqa: E402
 from bench.sft_corpus import document_lengths  # noqa: E402
+from data import document_starts  # noqa: E402
 from model import (  # noqa: E402
     LONG_DOCUMENT,
     PRESETS,
     attention_kernel,
     compiled_flex_attention,
     document_block_mask,
-    document_starts,
     packed_rows,
 )
 

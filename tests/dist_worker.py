@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data import Batch  # noqa: E402
-from model import Llama, LoRAConfig, ModelArgs, apply_lora, document_starts  # noqa: E402
+from data import Batch, document_starts  # noqa: E402
+from model import Llama, LoRAConfig, ModelArgs, apply_lora  # noqa: E402
 from offload import ShardedOptimizerInBackward, activation_offload, apply_ac  # noqa: E402
 from shard import (  # noqa: E402
     ShardedAdamW,  # noqa: E402
@@ -129,7 +129,7 @@ def full_weights(model: torch.nn.Module, trainable: bool = False) -> dict[str, t
 
 
 def sharded_model(
-    dist,
+    world,
     args,
     strategy,
     local_world_size,
@@ -140,7 +140,7 @@ def sharded_model(
     cp=1,
     mask=False,
 ):
-    dist = dataclasses.replace(dist, local_world_size=local_world_size)
+    world = dataclasses.replace(world, local_world_size=local_world_size)
     with torch.device("meta"):
         model = Llama(args, mask_documents=mask)
     # The documents of 8 and 14 tokens (DOCUMENT_STARTS) go through the causal kernel on their
@@ -149,9 +149,9 @@ def sharded_model(
     if lora is not None:
         apply_lora(model, lora, torch.float32)
     apply_ac(model, ac)
-    apply_context_parallel(model, context_parallel_group(dist, cp))
-    apply_fsdp(model, build_mesh(strategy, dist), strategy, cpu_offload, param_dtype=torch.float32)
-    materialize(model, dist, seed=seed, cpu_offload=cpu_offload)
+    apply_context_parallel(model, context_parallel_group(world, cp))
+    apply_fsdp(model, build_mesh(strategy, world), strategy, cpu_offload, param_dtype=torch.float32)
+    materialize(model, world, seed=seed, cpu_offload=cpu_offload)
     return model
 
 
@@ -176,20 +176,20 @@ class RecordingAdamW(ShardedAdamW):
         self.adamw.step = record_then_step
 
 
-def train(dist, out: Path, name: str) -> None:
+def train(world, out: Path, name: str) -> None:
     """train.train_step, step after step, on each rank's part of the global batches."""
     s = TRAIN_SCENARIOS[name]
     model = sharded_model(
-        dist, s.args, s.strategy, s.local_world_size, s.cpu_offload, s.ac, lora=s.lora,
+        world, s.args, s.strategy, s.local_world_size, s.cpu_offload, s.ac, lora=s.lora,
         cp=s.context_parallel, mask=s.document_mask,
     )  # fmt: skip
     optimizer = RecordingAdamW(model)
     # The global batch of 2 * BATCH rows: a data-parallel rank takes its rows, and a
     # context-parallel rank its columns of them.
     tokens, labels, positions = batches(s.args, 2, s.document_mask)
-    data_ranks = dist.world_size // s.context_parallel
-    rows = torch.arange(2 * BATCH).chunk(data_ranks)[dist.rank // s.context_parallel]
-    columns = torch.arange(SEQ).chunk(s.context_parallel)[dist.rank % s.context_parallel]
+    data_ranks = world.world_size // s.context_parallel
+    rows = torch.arange(2 * BATCH).chunk(data_ranks)[world.rank // s.context_parallel]
+    columns = torch.arange(SEQ).chunk(s.context_parallel)[world.rank % s.context_parallel]
     mine = (rows[:, None], columns)
     offloaded = functools.partial(activation_offload, model, s.activation_offload, min_bytes=0)
     losses, norms = [], []
@@ -202,114 +202,114 @@ def train(dist, out: Path, name: str) -> None:
             for mb in range(MICRO_BATCHES)
         ]
         result = train_step(model, optimizer, micro_batches, offloaded)
-        torch_dist.all_reduce(result.loss_sum)
+        dist.all_reduce(result.loss_sum)
         losses.append((result.loss_sum / result.n_labels).item())
         norms.append(result.grad_norm.item())
     weights = full_weights(model, trainable=True)
     # The frozen ones (a 4-bit base's packed bytes among them), compared bit for bit.
     frozen = {n: t.view(torch.uint8) for n, t in full_weights(model).items() if n not in weights}
-    if dist.is_main:
+    if world.is_main:
         result = {"losses": losses, "norms": norms, "grads": optimizer.first_grads,
                   "weights": weights, "frozen": frozen}  # fmt: skip
         torch.save(result, out / f"{name}.pt")
 
 
-def in_backward(dist, out: Path) -> None:
+def in_backward(world, out: Path) -> None:
     """The optimizer in backward on FSDP's host shards (offload.ShardedOptimizerInBackward):
     STEPS steps of one micro-batch (it cannot accumulate), each rank its rows of it, no
     clipping. Also run in one process by tests/test_shard.py."""
-    model = sharded_model(dist, TINY, "FULL_SHARD", dist.world_size, cpu_offload=True)
+    model = sharded_model(world, TINY, "FULL_SHARD", world.world_size, cpu_offload=True)
     optimizer = ShardedOptimizerInBackward(model, LR, weight_decay=WEIGHT_DECAY)
     tokens, labels, positions = batches(TINY, 2)
-    rows = torch.arange(2 * BATCH).chunk(dist.world_size)[dist.rank]
+    rows = torch.arange(2 * BATCH).chunk(world.world_size)[world.rank]
     losses, norms = [], []
     for step in range(STEPS):
         mine = [t[step, 0][rows] for t in (tokens, labels, positions)]
         result = train_step(model, optimizer, [Batch(*mine, document_starts(mine[2]))])
-        torch_dist.all_reduce(result.loss_sum)
+        dist.all_reduce(result.loss_sum)
         losses.append((result.loss_sum / result.n_labels).item())
         norms.append(result.grad_norm.item())
     weights = full_weights(model)
-    if dist.is_main:
+    if world.is_main:
         result = {"losses": losses, "norms": norms, "weights": weights}
-        torch.save(result, out / f"in_backward.{dist.world_size}.pt")
+        torch.save(result, out / f"in_backward.{world.world_size}.pt")
 
 
-def init(dist, out: Path) -> None:
+def init(world, out: Path) -> None:
     for cpu_offload in (False, True):
-        model = sharded_model(dist, ODD, "FULL_SHARD", 2, cpu_offload, seed=7)
+        model = sharded_model(world, ODD, "FULL_SHARD", 2, cpu_offload, seed=7)
         weights = full_weights(model)
-        if dist.is_main:
+        if world.is_main:
             torch.save(weights, out / f"init_cpu_offload_{cpu_offload}.pt")
 
 
-def hf_load(dist, out: Path) -> None:
+def hf_load(world, out: Path) -> None:
     for strategy in ("FULL_SHARD", "NO_SHARD"):
         with torch.device("meta"):
             model = Llama(ODD)
-        apply_fsdp(model, build_mesh(strategy, dist), strategy, param_dtype=torch.float32)
-        materialize(model, dist, hf_path=out / "hf_odd")
+        apply_fsdp(model, build_mesh(strategy, world), strategy, param_dtype=torch.float32)
+        materialize(model, world, hf_path=out / "hf_odd")
         weights = full_weights(model)
-        if dist.is_main:
+        if world.is_main:
             torch.save(weights, out / f"hf_{strategy}.pt")
     # A checkpoint of another shape: every rank must raise, none may wait for the others.
     with torch.device("meta"):
         model = Llama(ODD)
-    apply_fsdp(model, build_mesh("FULL_SHARD", dist), "FULL_SHARD", param_dtype=torch.float32)
+    apply_fsdp(model, build_mesh("FULL_SHARD", world), "FULL_SHARD", param_dtype=torch.float32)
     try:
-        materialize(model, dist, hf_path=out / "hf_mismatch")
+        materialize(model, world, hf_path=out / "hf_mismatch")
         message = "no error"
     except ValueError as e:
         message = str(e)
-    (out / f"hf_mismatch.rank{dist.rank}.txt").write_text(message)
-    torch_dist.barrier()  # both ranks got here: neither is stuck in a collective
+    (out / f"hf_mismatch.rank{world.rank}.txt").write_text(message)
+    dist.barrier()  # both ranks got here: neither is stuck in a collective
 
 
-def context_parallel_whole_rows(dist, out: Path) -> None:
+def context_parallel_whole_rows(world, out: Path) -> None:
     """A context-parallel model called with whole rows of an odd length and no positions
     (generate's call): the logits of the whole rows on every rank; with labels but no
     positions, every rank refuses alike."""
-    model = sharded_model(dist, TINY, "FULL_SHARD", 2, False, cp=2)
+    model = sharded_model(world, TINY, "FULL_SHARD", 2, False, cp=2)
     tokens = torch.arange(2 * 13).reshape(2, 13) % TINY.vocab_size
     with torch.no_grad():
-        torch.save(model(tokens), out / f"cp_whole_rows.rank{dist.rank}.pt")
+        torch.save(model(tokens), out / f"cp_whole_rows.rank{world.rank}.pt")
     try:
         model(tokens[:, :8], tokens[:, :8])
         message = "no error"
     except ValueError as e:
         message = str(e)
-    (out / f"cp_without_positions.rank{dist.rank}.txt").write_text(message)
+    (out / f"cp_without_positions.rank{world.rank}.txt").write_text(message)
 
 
-def nodes(dist, out: Path) -> None:
+def nodes(world, out: Path) -> None:
     """Each rank's node and the ranks of its groups: HYBRID_SHARD's shard and replicate
     groups, and the context-parallel group (2 ranks)."""
-    mesh = build_mesh("HYBRID_SHARD", dist)
+    mesh = build_mesh("HYBRID_SHARD", world)
     groups = {dim: mesh.get_group(dim) for dim in ("shard", "replicate")}
-    groups["context"] = context_parallel_group(dist, 2)
+    groups["context"] = context_parallel_group(world, 2)
     record = {
         "node": os.environ["LONGTUNE_TEST_NODE"],
-        **{name: torch_dist.get_process_group_ranks(g) for name, g in groups.items()},
+        **{name: dist.get_process_group_ranks(g) for name, g in groups.items()},
     }
-    (out / f"nodes.rank{dist.rank}.json").write_text(json.dumps(record))
+    (out / f"nodes.rank{world.rank}.json").write_text(json.dumps(record))
 
 
 def main() -> None:
     out = Path(sys.argv[1])
-    dist = init_distributed()
+    world = init_distributed()
     torch.use_deterministic_algorithms(True)
     if sys.argv[2:] == ["nodes"]:
-        nodes(dist, out)
-        train(dist, out, "hybrid_context_parallel")
-        torch_dist.destroy_process_group()
+        nodes(world, out)
+        train(world, out, "hybrid_context_parallel")
+        dist.destroy_process_group()
         return
-    init(dist, out)
-    hf_load(dist, out)
-    context_parallel_whole_rows(dist, out)
-    in_backward(dist, out)
+    init(world, out)
+    hf_load(world, out)
+    context_parallel_whole_rows(world, out)
+    in_backward(world, out)
     for name in TRAIN_SCENARIOS:
-        train(dist, out, name)
-    torch_dist.destroy_process_group()
+        train(world, out, name)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from data import document_starts, read_hf_tokenizer
 from model import (
     FLEX_BLOCK,
     HF_CONFIG_DEFAULTS,
@@ -21,15 +22,13 @@ from model import (
     Llama,
     ModelArgs,
     PackedRows,
-    causal_head,
+    causal_prefix,
     check_hf_checkpoint,
     dense_document_mask,
     document_block_mask,
-    document_starts,
     hf_names,
     load_hf_checkpoint,
     packed_rows,
-    read_hf_tokenizer,
     save_hf_checkpoint,
     triton_ops,
 )
@@ -239,7 +238,7 @@ def test_block_mask_equals_the_dense_mask(lengths, offset):
         ([[500, 44, 300, 156]], 37),  # a long document crossing in from the row before
     ],
 )
-def test_block_mask_leaves_the_causal_heads_out(lengths, offset):
+def test_block_mask_leaves_the_causal_prefixs_out(lengths, offset):
     """With the heads of the long documents (from 256 tokens) skipped, the block mask still
     visits every tile another query needs, and nothing outside the dense mask; it visits no
     query tile that lies inside heads, and its full tiles are the dense mask's others."""
@@ -247,11 +246,11 @@ def test_block_mask_leaves_the_causal_heads_out(lengths, offset):
     seq_len = positions.shape[1]
     rows = packed_rows(positions, document_starts(positions), long_document=256)
     heads = torch.zeros(positions.shape, dtype=torch.bool)
-    for b, spans in enumerate(rows.heads):
+    for b, spans in enumerate(rows.prefixes):
         for start, end in spans:
             heads[b, start:end] = True
-    expected = [[(n >= 256, causal_head(n)) for n in row] for row in lengths]
-    assert [[(True, e - s) for s, e in spans] for spans in rows.heads] == [
+    expected = [[(n >= 256, causal_prefix(n)) for n in row] for row in lengths]
+    assert [[(True, e - s) for s, e in spans] for spans in rows.prefixes] == [
         [(True, n) for is_long, n in row if is_long] for row in expected
     ]
     dense = dense_document_mask(positions)
@@ -263,8 +262,8 @@ def test_block_mask_leaves_the_causal_heads_out(lengths, offset):
     assert torch.equal(full, all_tile & ~skipped)
 
 
-def test_causal_heads_take_a_32nd_of_an_octave():
-    assert [causal_head(n) for n in (1, 25, 157, 4096, 5000, 16383, 85790)] == [
+def test_causal_prefixs_take_a_32nd_of_an_octave():
+    assert [causal_prefix(n) for n in (1, 25, 157, 4096, 5000, 16383, 85790)] == [
         1, 25, 156, 4096, 4992, 16128, 83968
     ]  # fmt: skip
 
@@ -275,9 +274,9 @@ def test_attention_mask_chooses_the_kernel_by_document_length():
     two = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
     assert model.attention_mask(one) is None and model.attention_mask(two, ((0,), (0,))) is None
     mask = model.attention_mask(two)
-    assert mask.short.shape == (2, 1, 40, 40) and mask.heads == ((), ())
+    assert mask.short.shape == (2, 1, 40, 40) and mask.prefixes == ((), ())
     model.long_document = 20
-    assert model.attention_mask(two).heads == (((15, 40),), ((15, 40),))
+    assert model.attention_mask(two).prefixes == (((15, 40),), ((15, 40),))
     model.long_document = 15
     assert model.attention_mask(two) == PackedRows(None, (((0, 15), (15, 40)),) * 2)
     model.mask_documents = False
@@ -294,8 +293,8 @@ def test_attention_mask_chooses_the_kernel_by_document_length():
     ],
 )
 def test_long_documents_attended_alone_equal_the_dense_mask(lengths, long_document):
-    """PackedRows (long documents' heads through the causal kernel on their slices, the rest
-    through the mask, pieces joined) gives the loss and every gradient of the dense mask,
+    """PackedRows (long documents' causal prefixes through the causal kernel on their slices,
+    the rest through the mask, pieces joined) gives the loss and every gradient of the dense mask,
     fp32, with documents crossing in from the row before, on rows of different documents."""
     model = Llama(PRESETS["tiny"], mask_documents=True)
     model.init_weights(seed=0)
@@ -310,9 +309,9 @@ def test_long_documents_attended_alone_equal_the_dense_mask(lengths, long_docume
         return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     dense_loss, dense = loss_and_grads(10**9)  # every document short: the dense mask alone
-    assert not any(model.attention_mask(positions).heads)
+    assert not any(model.attention_mask(positions).prefixes)
     loss, grads = loss_and_grads(long_document)
-    assert any(model.attention_mask(positions).heads)
+    assert any(model.attention_mask(positions).prefixes)
     assert rel_err(loss, dense_loss) <= FP32_RTOL
     for name, grad in grads.items():
         assert rel_err(grad, dense[name]) <= FP32_RTOL, name

@@ -687,7 +687,7 @@ def test_the_cpu_plan_chooses_only_the_micro_batch():
 
 def test_the_estimate_counts_what_document_masked_attention_keeps():
     """With --ac attention, the document-masked attention's kept output comes with q, k and v,
-    and the outputs of long documents' heads (up to a row's): measured 61.05 GiB for
+    and the outputs of long documents' causal prefixes (up to a row's): measured 61.05 GiB for
     llama3.2-1b at 131072 tokens on rows with a tail of long documents, 56.43 on rows without
     (bench/RESULTS.md, issue #23), against 44.00 dense; the estimate's tensors at most 5%
     above the first."""

@@ -1,7 +1,6 @@
 """HF tokenizer.json files and chat templates: ids, templates and loss masks checked against
 `tokenizers` and transformers' apply_chat_template, on files built in each test."""
 
-import dataclasses
 import gc
 import json
 import random
@@ -9,7 +8,6 @@ import signal
 import sysconfig
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -329,19 +327,16 @@ def test_the_template_prepare_was_given_renders_the_sample_and_goes_into_the_exp
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
     prepared = data.prepare([chat], tmp_path / "ds", directory, workers=1, chat_template=other)
-    opts = SimpleNamespace(
-        data=str(prepared), tokenizer=str(directory), hf_checkpoint=None, export_hf=None,
-        seq_len=8,
-    )  # fmt: skip
-    args = dataclasses.replace(PRESETS["tiny"], vocab_size=4096)
-    _, text_tokenizer, export_tokenizer = data.open_data(opts, args, True, print)
+    vocab_size, max_seq_len = 4096, PRESETS["tiny"].max_seq_len
+    opened = data.open_data(str(prepared), str(directory), None, vocab_size, max_seq_len, 8, True)
+    text_tokenizer, export_tokenizer = opened.text_tokenizer, opened.export_tokenizer
     prompt = text_tokenizer.decode(text_tokenizer.chat_prompt(CONVERSATIONS[0][:1]))
     assert prompt.startswith("<|im_start|><|start_header_id|>system"), prompt
     assert export_tokenizer.files["chat_template.jinja"] == LLAMA31_TEMPLATE.encode()
     # From a HF checkpoint: its own tokenizer files and ids, with the dataset's template.
     (directory / "config.json").write_text('{"eos_token_id": [1, 2]}')
-    opts.hf_checkpoint, opts.tokenizer = str(directory), None
-    _, _, export_tokenizer = data.open_data(opts, args, True, print)
+    opened = data.open_data(str(prepared), None, str(directory), vocab_size, max_seq_len, 8, True)
+    export_tokenizer = opened.export_tokenizer
     assert export_tokenizer.special_ids["eos_token_id"] == [1, 2]
     assert export_tokenizer.files["chat_template.jinja"] == LLAMA31_TEMPLATE.encode()
     assert "chat_template" not in json.loads(export_tokenizer.files["tokenizer_config.json"])
