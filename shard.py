@@ -627,28 +627,62 @@ def check_resumable(saved: dict, run: dict) -> None:
         problems.append(f"lora: checkpoint {saved.get('lora')!r}, this run {run['lora']!r}")
     if problems:
         raise UsageError(
-            "cannot resume from a different run (resuming takes the flags that name the model, "
-            "data and adapters as first given: the command the run printed has them):\n  "
-            + "\n  ".join(problems)
+            "cannot resume from a different run (--resume takes the model, data, sequence "
+            "length, strategy and adapters from the checkpoint unless given: these differ "
+            "from it):\n  " + "\n  ".join(problems)
         )
 
 
-# The options a resumed run takes from its checkpoint unless given again (train.Options' names):
-# the learning-rate schedule, AdamW's settings, the data order's seed and the document mask.
+# The options (train.Options' names) that name what a checkpoint was made for: the model
+# (--model or --hf-checkpoint, and --max-seq-len), the sequence length, FSDP's strategy, the
+# adapters, and the data whose samples the loader's cursor counts (with the --tokenizer file
+# that goes with it). Given again with another value, they are refused (check_resumable; the
+# loader refuses another number of samples).
+FIXED_BY_CHECKPOINT = ("model", "hf_checkpoint", "max_seq_len", "seq_len", "strategy",
+                       "lora_rank", "lora_alpha", "lora_targets", "data", "tokenizer")  # fmt: skip
+# The options of the run's course, which may change when given again: the learning-rate
+# schedule, AdamW's settings, the data order's seed, the document mask, the adapters' dropout
+# and 4-bit base.
 KEPT_ON_RESUME = ("lr", "min_lr", "warmup_steps", "decay", "weight_decay", "beta1", "beta2",
-                  "seed", "document_mask")  # fmt: skip
+                  "seed", "document_mask", "lora_dropout", "quantize_base")  # fmt: skip
+# An option given keeps its partner from being taken: --model and --hf-checkpoint are one
+# choice, a --tokenizer file belongs to its --data, and the saved min_lr may be the saved lr / 10.
+GIVEN_WITH = {"model": "hf_checkpoint", "hf_checkpoint": "model", "data": "tokenizer",
+              "lr": "min_lr"}  # fmt: skip
 
 
-def resume_options(opts, given: frozenset[str], saved: dict, data_parallel: int, log: Callable):
+def taken_on_resume(opts, given: frozenset[str], saved: dict) -> dict:
+    """The options (train.Options) that a run resumed from the checkpoint whose train_state
+    is `saved` takes from it: those of FIXED_BY_CHECKPOINT and KEPT_ON_RESUME that this
+    command does not give (nor their GIVEN_WITH partners), where the checkpoint's differ from
+    this command's defaults. So a bare --resume continues the run as it was. They are taken
+    before the model is built and planned (train.setup): the model and the sequence length
+    are what the checks and the plan are made of."""
+    options = saved["options"]
+    not_taken = given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
+    return {
+        name: options[name]
+        for name in FIXED_BY_CHECKPOINT + KEPT_ON_RESUME
+        if name not in not_taken and name in options and options[name] != getattr(opts, name)
+    }
+
+
+def resume_options(
+    opts, given: frozenset[str], saved: dict, data_parallel: int, taken: dict, log: Callable
+):
     """The options (train.Options) of a run resumed from the checkpoint whose train_state
-    is `saved`. Resuming keeps the checkpoint's global batch (tokens per step) and schedule
-    (max steps) unless this command gives --batch-tokens, --micro-batch or --grad-accum (the
-    batch), --max-steps or --max-tokens (the schedule): on another number of processes the
-    plan splits the same batch into micro-batches and accumulation. It keeps the options of
-    KEPT_ON_RESUME unless given. `data_parallel`: the ranks that read rows of their own
-    (those of a context-parallel group share theirs)."""
+    is `saved`, once `taken` (taken_on_resume's) are in them. Resuming keeps the checkpoint's
+    global batch (tokens per step) and schedule (max steps) unless this command gives
+    --batch-tokens, --micro-batch or --grad-accum (the batch), --max-steps or --max-tokens
+    (the schedule): on another number of processes the plan splits the same batch into
+    micro-batches and accumulation. Logs one line: what was taken and kept. `data_parallel`:
+    the ranks that read rows of their own (those of a context-parallel group share theirs)."""
     saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
     said = []
+    if taken:
+        said.append(
+            "the checkpoint's " + ", ".join(f"{flag_name(k)} {v}" for k, v in taken.items())
+        )
     if given & {"batch_tokens", "micro_batch", "grad_accum"}:
         said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
     else:
@@ -666,20 +700,6 @@ def resume_options(opts, given: frozenset[str], saved: dict, data_parallel: int,
     else:
         opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
         said.append(f"schedule of {saved_steps} steps kept")
-    # The rest of the run's course, unless given again: a bare --resume continues it as it was.
-    options = saved["options"]
-    # The saved min_lr may be lr / 10 computed from the saved lr: a new --lr recomputes it.
-    recomputed = {"min_lr"} if "lr" in given else set()
-    kept = {
-        name: options[name]
-        for name in KEPT_ON_RESUME
-        if name not in given | recomputed
-        and name in options
-        and options[name] != getattr(opts, name)
-    }
-    if kept:
-        opts = dataclasses.replace(opts, **kept)
-        said.append("the checkpoint's " + ", ".join(f"{flag_name(n)} {v}" for n, v in kept.items()))
     log("resuming: " + "; ".join(said) + " (--batch-tokens, --max-steps change them)")
     return opts
 

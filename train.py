@@ -358,8 +358,8 @@ def exit_after_rank_0(status: int) -> NoReturn:
 
 
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
-    """The options, and the names of those given on the command line (resuming keeps the
-    checkpoint's batch and schedule unless they are given)."""
+    """The options, and the names of those given on the command line: resuming takes the
+    others that the checkpoint fixes or keeps from it (shard.taken_on_resume, resume_options)."""
     parser = Parser(description=__doc__.split("\n\n")[0])
     types = {"int": int, "float": float, "str": str}
     group = parser
@@ -696,10 +696,10 @@ def estimate(opts: Options) -> None:
     print(plan.format())
 
 
-def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, log: Callable) -> tuple:
+def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resuming: bool) -> None:
     """Everything given, checked before any step and before anything is written: files that
     every rank sees alike (a shared filesystem), so all ranks raise the same error and none
-    waits on another. Returns the checkpoint to resume from and its train state, if any."""
+    waits on another. (The checkpoint to resume from is found and checked first, in setup.)"""
     run_dir = Path(opts.run_dir)
     shard.check_run_dir(run_dir)
     if opts.hf_checkpoint:
@@ -710,9 +710,8 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, log: Ca
         HF_EXPORT.check(opts.export_hf)
     if opts.export_adapter:
         PEFT_ADAPTER.check(opts.export_adapter)
-    found = shard.find_checkpoint(opts.resume, run_dir / "checkpoints", log)
     exports = [shard.flag_name(n) for n in ("export_hf", "export_adapter") if getattr(opts, n)]
-    if opts.resume and found is None and exports:
+    if opts.resume and not resuming and exports:
         # A requeued run may start afresh, but an export asked of a resume means the weights
         # of that run, not new ones.
         raise UsageError(
@@ -720,18 +719,26 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, log: Ca
             f"{' and '.join(exports)} would export weights trained from the start: give the "
             f"--run-dir whose checkpoints to continue, or leave out --resume"
         )
-    if opts.hf_checkpoint and opts.lr is None and found is None:  # a resumed run keeps its lr
+    if opts.hf_checkpoint and opts.lr is None:  # a resumed run has taken its checkpoint's
         raise UsageError(
             f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
             f"length (full fine-tunes of 7-8B models use 5e-6 to 2e-5; this model has "
             f"{params_text(args.num_params())} parameters)"
         )
-    return found or (None, None)
 
 
 def setup(opts: Options, given: frozenset[str]) -> Run:
-    """The run, ready for its first step: what was given checked, the plan made and
-    printed, the model built and loaded (or resumed), the data opened."""
+    """The run, ready for its first step: the checkpoint to resume from found, what was
+    given checked, the plan made and printed, the model built and loaded (or resumed), the
+    data opened."""
+    log = (lambda *a, **k: None) if other_rank() else print
+    # The checkpoint first (checked from its files' sizes and headers alone): a resumed run
+    # takes from it the options not given that it was made for, the model and the sequence
+    # length among them, and the checks and the plan below are of those.
+    checkpoints = Path(opts.run_dir) / "checkpoints"
+    resume_from, saved = shard.find_checkpoint(opts.resume, checkpoints, log) or (None, None)
+    taken = shard.taken_on_resume(opts, given, saved) if saved else {}
+    opts = dataclasses.replace(opts, **taken)
     args = model_args(opts)
     check_options(opts, args, *shard.torchrun_processes())
     on_gpu = torch.cuda.is_available()  # shard.init_distributed takes a GPU when there is one
@@ -745,10 +752,9 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
             "(--estimate-memory plans for a machine you are not on)"
         )
     world = shard.init_distributed()
-    log = print if world.is_main else lambda *a, **k: None
     torch.manual_seed(opts.seed)
     lora = lora_config(opts)
-    resume_from, saved = check_given(opts, args, lora, log)
+    check_given(opts, args, lora, resuming=saved is not None)
     sizes = (args.vocab_size, args.max_seq_len)
     run_data = open_data(
         opts.data, opts.tokenizer, opts.hf_checkpoint, *sizes, opts.seq_len, world.is_main
@@ -774,11 +780,9 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     damaged = []
     if saved:
         shard.check_resumable(saved["run"], json.loads(json.dumps(run_record)))
-        root = Path(opts.run_dir) / "checkpoints"
-        damaged = shard.check_no_newer_checkpoints(root, saved["step"], resume_from)
-        opts = shard.resume_options(
-            opts, given, saved, world.world_size // opts.context_parallel, log
-        )
+        damaged = shard.check_no_newer_checkpoints(checkpoints, saved["step"], resume_from)
+        data_parallel = world.world_size // opts.context_parallel
+        opts = shard.resume_options(opts, given, saved, data_parallel, taken, log)
 
     # The plan, before anything is loaded or built: a run that cannot fit the GPUs or the
     # host stops here, with what would make it fit.

@@ -14,6 +14,7 @@ Tolerances, fp32:
 import dataclasses
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -184,6 +185,23 @@ def test_document_masked_attention_keeps_gradients(
     apply_mlp_tiling(model, tile)
     grads, _ = gradients(model, offload=offload, min_bytes=0, positions=PACKED)
     assert_grads_close(grads, packed_reference)
+
+
+@pytest.mark.parametrize("ac", ["attention", "selective"])
+@pytest.mark.parametrize("positions", [None, PACKED], ids=["causal", "documents"])
+def test_offload_leaves_what_the_checkpoint_keeps_on_the_device(ac, positions):
+    """Activation offload moves a checkpointed block's input, not the op outputs the policy
+    keeps (the planner counts those on the GPU: shard.checkpoint_cache_bytes), so it moves
+    as much as under full checkpointing; and torch (2.14 on) is told so, so it does not
+    warn that a later release would route them through offload's hooks."""
+    offloaded = {}
+    for mode in ("full", ac):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            model = build(mode, mask_documents=positions is not None)
+            _, offloader = gradients(model, offload=True, min_bytes=0, positions=positions)
+        offloaded[mode] = offloader.offloaded_bytes
+    assert offloaded[ac] == offloaded["full"] > 0
 
 
 class CountSDPA(TorchDispatchMode):

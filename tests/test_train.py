@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 import data
 import shard
 import train
-from model import PEAK_FLOPS, Llama, ModelArgs, generate, save_hf_checkpoint
+from model import PEAK_FLOPS, PRESETS, Llama, ModelArgs, generate, save_hf_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 # Tests that pin CPU numbers (fp32, reference ops, no MFU) or start 2 processes on one device;
@@ -172,8 +172,7 @@ def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_file
     saved = {"run": {"tokens_per_step": 1024, "max_steps": 10}, "options": {
         "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "seed": 7}}  # fmt: skip
     opts = train.Options(lr=1e-4, seq_len=128)
-    resumed = shard.resume_options(opts, frozenset({"lr"}), saved, 1, lambda *a: None)
-    assert (resumed.lr, resumed.min_lr, resumed.warmup_steps, resumed.seed) == (1e-4, None, 5, 7)
+    assert shard.taken_on_resume(opts, frozenset({"lr"}), saved) == {"warmup_steps": 5, "seed": 7}
     # A run's directory with a plot and a log beside its files, and a new one with an empty
     # subdirectory made for an export, are run directories.
     for name in ("metrics.jsonl", "metrics.png", "train.log"):
@@ -1397,6 +1396,63 @@ def test_resume_keeps_the_global_batch_and_schedule_unless_given(
     assert "the checkpoint's " in resuming and "--warmup-steps 5" in resuming, resuming
     reference = losses(reference_run)
     assert losses(tmp_path) == pytest.approx({s: reference[s] for s in range(31, 41)}, rel=1e-6)
+
+
+def test_resume_takes_what_the_checkpoint_fixes_unless_given_with_its_partner():
+    """A bare --resume takes the model, its length, the data and the adapters from the
+    checkpoint. A flag given is not taken, nor its partner: --model is instead of the
+    checkpoint's --hf-checkpoint, --data comes without the checkpoint's --tokenizer file."""
+    saved = {"options": {"model": None, "hf_checkpoint": "base", "max_seq_len": 8192,
+                         "seq_len": 4096, "data": "data/a", "tokenizer": "a.model",
+                         "lora_rank": 8, "strategy": "FULL_SHARD"}}  # fmt: skip
+    assert shard.taken_on_resume(train.Options(), frozenset(), saved) == {
+        "hf_checkpoint": "base", "max_seq_len": 8192, "seq_len": 4096, "lora_rank": 8,
+        "data": "data/a", "tokenizer": "a.model"}  # fmt: skip
+    given = train.Options(model="tiny", data="data/b")
+    taken = shard.taken_on_resume(given, frozenset({"model", "data"}), saved)
+    assert taken == {"max_seq_len": 8192, "seq_len": 4096, "lora_rank": 8}
+
+
+def test_a_bare_resume_goes_on_at_the_checkpoints_sequence_length(dataset, tmp_path, capsys):
+    """`--seq-len 4096 --max-steps 2`, then `--resume --max-steps 4`: the resumed run goes on
+    at 4096 tokens on the same data; given again, another --seq-len is refused."""
+    run_dir = tmp_path / "run"
+    common = ["--log-interval", "1", "--sample-tokens", "0", "--run-dir", str(run_dir)]
+    train.main(["--data", str(dataset), "--seq-len", "4096", "--max-steps", "2", *common])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.main(["--resume", "--seq-len", "256", "--max-steps", "4", *common])
+    assert "seq_len: checkpoint 4096, this run 256" in capsys.readouterr().err
+    train.main(["--resume", "--max-steps", "4", *common])
+    resuming = next(line for line in capsys.readouterr().out.splitlines() if "resuming: " in line)
+    assert f"the checkpoint's --seq-len 4096, --data {dataset}, --lr" in resuming, resuming
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4]
+    state = json.loads((run_dir / "checkpoints/step-000004/train_state.json").read_text())
+    assert (state["run"]["seq_len"], state["run"]["tokens_per_step"]) == (4096, 4096)
+
+
+def test_a_bare_resume_goes_on_with_the_checkpoints_model_preset(
+    dataset, tmp_path, monkeypatch, capsys
+):
+    """A run of a preset other than the default, resumed with --resume alone, goes on with
+    that preset; another preset given is refused. (The preset, of two blocks, is this
+    test's: the real ones but tiny are too large for a CPU; it is not among --model's
+    choices, so the first run is started from its options.)"""
+    monkeypatch.setitem(PRESETS, "tiny-2", dataclasses.replace(PRESETS["tiny"], n_layers=2))
+    run_dir = tmp_path / "run"
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "1", "--run-dir", str(run_dir)]
+    opts, given = train.parse_options(argv)
+    train.train(dataclasses.replace(opts, model="tiny-2"), given | {"model"})
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.main(["--resume", "--model", "tiny", "--run-dir", str(run_dir)])
+    assert "model n_layers: checkpoint 2, this run 4" in capsys.readouterr().err
+    train.main(["--resume", "--max-steps", "2", "--run-dir", str(run_dir)])
+    out = capsys.readouterr().out
+    assert "resuming: the checkpoint's --model tiny-2, --seq-len 128, --data" in out, out
+    assert "model tiny-2: " in out and sorted(losses(run_dir)) == [1, 2]
+    state = json.loads((run_dir / "checkpoints/step-000002/train_state.json").read_text())
+    assert state["run"]["model"]["n_layers"] == 2
 
 
 @CPU_ONLY
