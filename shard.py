@@ -633,77 +633,6 @@ def check_resumable(saved: dict, run: dict) -> None:
         )
 
 
-# The options (train.Options' names) that name what a checkpoint was made for: the model
-# (--model or --hf-checkpoint, and --max-seq-len), the sequence length, FSDP's strategy, the
-# adapters, and the data whose samples the loader's cursor counts (with the --tokenizer file
-# that goes with it). Given again with another value, they are refused (check_resumable; the
-# loader refuses another number of samples).
-FIXED_BY_CHECKPOINT = ("model", "hf_checkpoint", "max_seq_len", "seq_len", "strategy",
-                       "lora_rank", "lora_alpha", "lora_targets", "data", "tokenizer")  # fmt: skip
-# The options of the run's course, which may change when given again: the learning-rate
-# schedule, AdamW's settings, the data order's seed, the document mask, the adapters' dropout
-# and 4-bit base.
-KEPT_ON_RESUME = ("lr", "min_lr", "warmup_steps", "decay", "weight_decay", "beta1", "beta2",
-                  "seed", "document_mask", "lora_dropout", "quantize_base")  # fmt: skip
-# An option given keeps its partner from being taken: --model and --hf-checkpoint are one
-# choice, a --tokenizer file belongs to its --data, and the saved min_lr may be the saved lr / 10.
-GIVEN_WITH = {"model": "hf_checkpoint", "hf_checkpoint": "model", "data": "tokenizer",
-              "lr": "min_lr"}  # fmt: skip
-
-
-def taken_on_resume(opts, given: frozenset[str], saved: dict) -> dict:
-    """The options (train.Options) that a run resumed from the checkpoint whose train_state
-    is `saved` takes from it: those of FIXED_BY_CHECKPOINT and KEPT_ON_RESUME that this
-    command does not give (nor their GIVEN_WITH partners), where the checkpoint's differ from
-    this command's defaults. So a bare --resume continues the run as it was. They are taken
-    before the model is built and planned (train.setup): the model and the sequence length
-    are what the checks and the plan are made of."""
-    options = saved["options"]
-    not_taken = given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
-    return {
-        name: options[name]
-        for name in FIXED_BY_CHECKPOINT + KEPT_ON_RESUME
-        if name not in not_taken and name in options and options[name] != getattr(opts, name)
-    }
-
-
-def resume_options(
-    opts, given: frozenset[str], saved: dict, data_parallel: int, taken: dict, log: Callable
-):
-    """The options (train.Options) of a run resumed from the checkpoint whose train_state
-    is `saved`, once `taken` (taken_on_resume's) are in them. Resuming keeps the checkpoint's
-    global batch (tokens per step) and schedule (max steps) unless this command gives
-    --batch-tokens, --micro-batch or --grad-accum (the batch), --max-steps or --max-tokens
-    (the schedule): on another number of processes the plan splits the same batch into
-    micro-batches and accumulation. Logs one line: what was taken and kept. `data_parallel`:
-    the ranks that read rows of their own (those of a context-parallel group share theirs)."""
-    saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
-    said = []
-    if taken:
-        said.append(
-            "the checkpoint's " + ", ".join(f"{flag_name(k)} {v}" for k, v in taken.items())
-        )
-    if given & {"batch_tokens", "micro_batch", "grad_accum"}:
-        said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
-    else:
-        if saved_tokens % (data_parallel * opts.seq_len):
-            raise UsageError(
-                f"the checkpoint's global batch of {saved_tokens:,} tokens does not split into "
-                f"rows of {opts.seq_len} over {data_parallel} data-parallel ranks: pass "
-                f"--batch-tokens to choose another"
-            )
-        opts = dataclasses.replace(opts, batch_tokens=saved_tokens)
-        said.append(f"global batch of {saved_tokens:,} tokens/step kept")
-    if given & {"max_steps", "max_tokens"}:
-        steps = f"--max-tokens {opts.max_tokens}" if opts.max_tokens else opts.max_steps
-        said.append(f"schedule {saved_steps} -> {steps} steps as given")
-    else:
-        opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
-        said.append(f"schedule of {saved_steps} steps kept")
-    log("resuming: " + "; ".join(said) + " (--batch-tokens, --max-steps change them)")
-    return opts
-
-
 def check_no_newer_checkpoints(root: Path, step: int, resume_from: Path) -> list[Path]:
     """Resuming from step `step` in this run directory would save over the later checkpoints
     of the run that wrote them: refused, unless they are damaged (then set aside, under a
@@ -830,7 +759,9 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8), device)
 
 
-def gathered(named: Iterator[tuple[str, torch.Tensor]], write: Callable, is_main: bool) -> None:
+def write_gathered(
+    named: Iterator[tuple[str, torch.Tensor]], write: Callable, is_main: bool
+) -> None:
     """Rank 0 writes the full tensors of `named` (a generator that gathers each parameter on
     every rank, so every rank must drain it), the other ranks only take part in gathering."""
     if is_main:
@@ -855,7 +786,7 @@ def export_hf(
     parameter gathered in turn."""
     gather = functools.partial(full_tensor, device=world.device)
     write = lambda named: save_hf_checkpoint(args, named, out_dir, dtype, tokenizer=tokenizer)
-    gathered(merged_named_tensors(model, gather), write, world.is_main)
+    write_gathered(merged_named_tensors(model, gather), write, world.is_main)
 
 
 def export_adapter(
@@ -871,7 +802,7 @@ def export_adapter(
     trained = model.named_parameters()
     adapters = ((name, full_tensor(p, world.device)) for name, p in trained if p.requires_grad)
     write = lambda named: save_peft_adapter(args, lora, named, out_dir, base_model=base_model)
-    gathered(adapters, write, world.is_main)
+    write_gathered(adapters, write, world.is_main)
 
 
 class ShardedAdamW:

@@ -95,7 +95,8 @@ EXIT_STOPPED = 75
 # ----------------------------------------------------------------------------------------
 
 
-def flag(default, help: str, **argparse_kwargs):
+def option(default, help: str, **argparse_kwargs):
+    """An Options field: its default, and what argparse makes of its flag."""
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
@@ -105,46 +106,46 @@ class Options:
     The comments are the groups --help shows (GROUPS: the first field of each)."""
 
     # Model and data
-    model: str | None = flag(
+    model: str | None = option(
         None, "model preset (default: tiny, unless --hf-checkpoint)", choices=sorted(PRESETS)
     )
-    hf_checkpoint: str | None = flag(
+    hf_checkpoint: str | None = option(
         None, "start from this HF Llama directory (config + weights)", metavar="DIR"
     )
-    data: str | None = flag(
+    data: str | None = option(
         None,
         "prepared dataset directory (python data.py prepare) (default: the Python stdlib "
         "sources, byte-tokenized, prepared once into .cache/)",
         metavar="DIR",
     )
-    tokenizer: str | None = flag(
+    tokenizer: str | None = option(
         None, "tokenizer file the data must have been prepared with", metavar="FILE"
     )
-    eval_data: str | None = flag(
+    eval_data: str | None = option(
         None,
         "a held-out prepared dataset (the same tokenizer as --data): its mean loss over the "
         "labelled tokens is logged every --eval-interval steps and at the end; never trained on",
         metavar="DIR",
     )
-    eval_interval: int = flag(100, "evaluate --eval-data every n steps (and at the end)")
-    eval_tokens: int | None = flag(
+    eval_interval: int = option(100, "evaluate --eval-data every n steps (and at the end)")
+    eval_tokens: int | None = option(
         None, "evaluate the first n tokens of --eval-data (default: all of it)", metavar="N"
     )
-    seq_len: int = flag(256, "tokens per sequence")
-    max_seq_len: int | None = flag(
+    seq_len: int = option(256, "tokens per sequence")
+    max_seq_len: int | None = option(
         None,
         "raise a HF checkpoint's maximum sequence length (context extension; a preset trained "
         "from scratch takes any --seq-len)",
         metavar="N",
     )
-    document_mask: bool | None = flag(
+    document_mask: bool | None = option(
         None,
         "no attention across the documents packed in a sequence (default: on for SFT data, "
         "whose meta.json says sft; --no-document-mask turns it off): on a GPU, documents of "
         "16,384+ tokens through SDPA's causal kernel, the rest through FlexAttention",
     )
     # Batch and schedule
-    batch_tokens: int | None = flag(
+    batch_tokens: int | None = option(
         None,
         "tokens per optimizer step over all processes, rounded to whole sequences, at least "
         f"one per process or context-parallel group (default: {shard.BATCH_TOKENS:,}, a "
@@ -152,111 +153,111 @@ class Options:
         f"{shard.SMALL_MODEL_BATCH_TOKENS:,} for models under 100M parameters); "
         "--micro-batch and --grad-accum follow from it",
     )
-    micro_batch: int | None = flag(
+    micro_batch: int | None = option(
         None,
         "sequences per process (per context-parallel group) per micro-batch (default: planned)",
     )
-    grad_accum: int | None = flag(
+    grad_accum: int | None = option(
         None, "micro-batches per optimizer step (default: --batch-tokens / the micro-batches)"
     )
-    max_steps: int = flag(1000, "optimizer steps to train for")
-    max_tokens: int | None = flag(
+    max_steps: int = option(1000, "optimizer steps to train for")
+    max_tokens: int | None = option(
         None, "train for this many tokens instead (sets max steps) (default: none)"
     )
-    lr: float | None = flag(
+    lr: float | None = option(
         None,
         "peak learning rate, after the warmup (default, from scratch: 3e-3 under 100M "
         "parameters, 3e-4 up to 10B, 1.5e-4 above; required with --hf-checkpoint, unless "
         "resuming from a checkpoint)",
     )
-    min_lr: float | None = flag(None, "learning rate at the last step (default: --lr / 10)")
-    warmup_steps: int = flag(20, "steps of linear warmup from 0")
-    decay: str = flag(
+    min_lr: float | None = option(None, "learning rate at the last step (default: --lr / 10)")
+    warmup_steps: int = option(20, "steps of linear warmup from 0")
+    decay: str = option(
         "cosine", "decay from lr to min-lr after the warmup", choices=["cosine", "linear"]
     )
-    weight_decay: float = flag(0.1, "AdamW weight decay of the matrices (not norms)")
-    beta1: float = flag(0.9, "AdamW beta1")
-    beta2: float = flag(0.95, "AdamW beta2")
-    grad_clip: float | None = flag(
+    weight_decay: float = option(0.1, "AdamW weight decay of the matrices (not norms)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float | None = option(
         None,
         "clip the gradient's global norm to this, 0: no clipping (default: 1.0; 0 with the "
         "optimizer in backward, which cannot clip)",
     )
-    seed: int = flag(0, "seed of the initialization and the data order")
+    seed: int = option(0, "seed of the initialization and the data order")
     # Memory plan: the five below and --micro-batch are planned when not given, the fastest
     # combination whose memory estimate fits the GPUs and the host (shard.make_plan).
-    ac: str | None = flag(
+    ac: str | None = option(
         None,
         "activation checkpointing: recompute in backward each whole block (full), all of it "
         "but attention (attention), all but the matmuls and attention (selective), or not "
         "(none) (default: planned)",
         choices=list(offload.AC_MODES),
     )
-    ac_every: int = flag(1, "checkpoint every n-th block")
-    mlp_tile: int | None = flag(
+    ac_every: int = option(1, "checkpoint every n-th block")
+    mlp_tile: int | None = option(
         None,
         "run each feed-forward over tiles of this many positions, to bound its memory at "
         "long sequences (0: the whole sequence at once) (default: planned)",
     )
-    activation_offload: bool | None = flag(
+    activation_offload: bool | None = option(
         None, "keep saved activations in host memory (default: planned)"
     )
-    offload_blocks: int | None = flag(
+    offload_blocks: int | None = option(
         None,
         "with --activation-offload, offload only the first N blocks, for when host memory "
         "holds less than all (default: all but the last)",
     )
-    cpu_offload: bool | None = flag(
+    cpu_offload: bool | None = option(
         None, "keep parameters, gradients, optimizer state on the CPU (default: planned)"
     )
-    optimizer_in_backward: bool | None = flag(
+    optimizer_in_backward: bool | None = option(
         None,
         "AdamW runs on the CPU for each parameter as soon as its gradient is complete in "
         "backward; fp32 weights and AdamW's state stay on the host. Alone: one GPU, no FSDP; "
         "with --cpu-offload: on FSDP's host shards, any number of GPUs (default: planned, "
         "only where nothing else fits, since it cannot clip gradients)",
     )
-    param_dtype: str | None = flag(
+    param_dtype: str | None = option(
         None,
         "compute dtype of parameters (default: bf16 on GPU, fp32 on CPU); master "
         "weights and gradient reduction stay fp32",
         choices=["bf16", "fp32"],
     )
-    attention_backend: str = flag("auto", "SDPA backend", choices=sorted(SDPA_BACKENDS))
-    kernels: bool | None = flag(None, "the Triton kernels (default: on with CUDA, off on CPU)")
+    attention_backend: str = option("auto", "SDPA backend", choices=sorted(SDPA_BACKENDS))
+    kernels: bool | None = option(None, "the Triton kernels (default: on with CUDA, off on CPU)")
     # Parallelism
-    strategy: str = flag("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
-    context_parallel: int = flag(
+    strategy: str = option("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
+    context_parallel: int = option(
         1,
         "ranks that share each sequence, each holding seq-len / N of its tokens (attention "
         "by an all-to-all over heads; N divides the ranks per node and the heads)",
     )
     # LoRA: adapters on a frozen base (model.apply_lora)
-    lora_rank: int = flag(
+    lora_rank: int = option(
         0, "train LoRA adapters of this rank on a frozen base (0: full fine-tuning)"
     )
-    lora_alpha: float = flag(16.0, "LoRA's alpha: the adapters' output is scaled by alpha / rank")
-    lora_dropout: float = flag(0.0, "dropout on the adapters' input")
-    lora_targets: str = flag(
+    lora_alpha: float = option(16.0, "LoRA's alpha: the adapters' output is scaled by alpha / rank")
+    lora_dropout: float = option(0.0, "dropout on the adapters' input")
+    lora_targets: str = option(
         "all",
         "the projections that get adapters: all, or a comma list of wq,wk,wv,wo,w1,w2,w3 or "
         "their HF names q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,up_proj",
     )
-    quantize_base: str | None = flag(
+    quantize_base: str | None = option(
         None,
         "store the frozen base's adapted projections in 4 bits (QLoRA) (default: none)",
         choices=["nf4"],
     )
-    lora_adapter: str | None = flag(
+    lora_adapter: str | None = option(
         None, "start the adapters from this PEFT adapter directory", metavar="DIR"
     )
     # Checkpoints and export
-    run_dir: str = flag("runs/default", "metrics.jsonl, checkpoints/, traces", metavar="DIR")
-    checkpoint_interval: int = flag(
+    run_dir: str = option("runs/default", "metrics.jsonl, checkpoints/, traces", metavar="DIR")
+    checkpoint_interval: int = option(
         100, "save a checkpoint every n steps and at the end (0: never, e.g. for benchmarks)"
     )
-    keep_checkpoints: int = flag(2, "keep the last k checkpoints")
-    resume: str | None = flag(
+    keep_checkpoints: int = option(2, "keep the last k checkpoints")
+    resume: str | None = option(
         None,
         "continue from the latest checkpoint in --run-dir (a fresh start if none), or "
         "from the checkpoint directory given",
@@ -264,42 +265,42 @@ class Options:
         const="latest",
         metavar="PATH",
     )
-    export_hf: str | None = flag(
+    export_hf: str | None = option(
         None, "at the end, write the model as HF safetensors here", metavar="DIR"
     )
-    export_adapter: str | None = flag(
+    export_adapter: str | None = option(
         None, "at the end, write the LoRA adapters in PEFT's format here", metavar="DIR"
     )
     # Logging
-    log_interval: int = flag(10, "log every n steps")
-    sample_tokens: int = flag(
+    log_interval: int = option(10, "log every n steps")
+    sample_tokens: int = option(
         200, "at the end, print this many tokens generated by the trained model (0: none)"
     )
-    profile: int = flag(
+    profile: int = option(
         0,
         "trace this many steps (after 2 warm ones) with torch.profiler; their logged tokens/s "
         "include the tracing and the writing of the trace (bench/profile_summary.py reads it)",
     )
-    memory_snapshot: bool = flag(False, "dump a CUDA memory snapshot of the first 3 steps")
+    memory_snapshot: bool = option(False, "dump a CUDA memory snapshot of the first 3 steps")
     # The machine to plan for: measured for a run; for --estimate-memory, any machine.
-    estimate_memory: bool = flag(
+    estimate_memory: bool = option(
         False, "print the plan for the machine below and its memory estimate, and exit"
     )
-    gpu_memory: float | None = flag(
+    gpu_memory: float | None = option(
         None,
         "GiB of each GPU to plan within (default: its free memory; for --estimate-memory "
         "without a GPU here, 80)",
         metavar="GIB",
     )
-    host_memory: float | None = flag(
+    host_memory: float | None = option(
         None,
         "GiB of each node's host memory to plan within (default: its available memory)",
         metavar="GIB",
     )
-    world_size: int | None = flag(
+    world_size: int | None = option(
         None, "processes (GPUs) in all, for --estimate-memory (a run takes torchrun's)"
     )
-    nproc_per_node: int | None = flag(
+    nproc_per_node: int | None = option(
         None, "processes per node, for --estimate-memory (default: up to 8 of --world-size)"
     )
 
@@ -684,6 +685,82 @@ class Run:
     lock: object  # run_dir/.lock, held open as long as the run lives (shard.lock_run_dir)
 
 
+# The options (Options' names) that name what a checkpoint was made for: the model
+# (--model or --hf-checkpoint, and --max-seq-len), the sequence length, FSDP's strategy, the
+# adapters, and the data whose samples the loader's cursor counts (with the --tokenizer file
+# that goes with it). Given again with another value, they are refused (check_resumable; the
+# loader refuses another number of samples).
+FIXED_BY_CHECKPOINT = ("model", "hf_checkpoint", "max_seq_len", "seq_len", "strategy",
+                       "lora_rank", "lora_alpha", "lora_targets", "data", "tokenizer")  # fmt: skip
+# The options of the run's course, which may change when given again: the learning-rate
+# schedule, AdamW's settings, the data order's seed, the document mask, the adapters' dropout
+# and 4-bit base.
+KEPT_ON_RESUME = ("lr", "min_lr", "warmup_steps", "decay", "weight_decay", "beta1", "beta2",
+                  "seed", "document_mask", "lora_dropout", "quantize_base")  # fmt: skip
+# An option given keeps its partner from being taken: --model and --hf-checkpoint are one
+# choice, a --tokenizer file belongs to its --data, and the saved min_lr may be the saved lr / 10.
+GIVEN_WITH = {"model": "hf_checkpoint", "hf_checkpoint": "model", "data": "tokenizer",
+              "lr": "min_lr"}  # fmt: skip
+
+
+def taken_on_resume(opts: Options, given: frozenset[str], saved: dict) -> dict:
+    """The options that a run resumed from the checkpoint whose train_state
+    is `saved` takes from it: those of FIXED_BY_CHECKPOINT and KEPT_ON_RESUME that this
+    command does not give (nor their GIVEN_WITH partners), where the checkpoint's differ from
+    this command's defaults. So a bare --resume continues the run as it was. They are taken
+    before the model is built and planned (setup): the model and the sequence length
+    are what the checks and the plan are made of."""
+    options = saved["options"]
+    not_taken = given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
+    return {
+        name: options[name]
+        for name in FIXED_BY_CHECKPOINT + KEPT_ON_RESUME
+        if name not in not_taken and name in options and options[name] != getattr(opts, name)
+    }
+
+
+def resume_options(
+    opts: Options,
+    given: frozenset[str],
+    saved: dict,
+    data_parallel: int,
+    taken: dict,
+    log: Callable,
+):
+    """The options of a run resumed from the checkpoint whose train_state
+    is `saved`, once `taken` (taken_on_resume's) are in them. Resuming keeps the checkpoint's
+    global batch (tokens per step) and schedule (max steps) unless this command gives
+    --batch-tokens, --micro-batch or --grad-accum (the batch), --max-steps or --max-tokens
+    (the schedule): on another number of processes the plan splits the same batch into
+    micro-batches and accumulation. Logs one line: what was taken and kept. `data_parallel`:
+    the ranks that read rows of their own (those of a context-parallel group share theirs)."""
+    saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
+    said = []
+    if taken:
+        said.append(
+            "the checkpoint's " + ", ".join(f"{shard.flag_name(k)} {v}" for k, v in taken.items())
+        )
+    if given & {"batch_tokens", "micro_batch", "grad_accum"}:
+        said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
+    else:
+        if saved_tokens % (data_parallel * opts.seq_len):
+            raise UsageError(
+                f"the checkpoint's global batch of {saved_tokens:,} tokens does not split into "
+                f"rows of {opts.seq_len} over {data_parallel} data-parallel ranks: pass "
+                f"--batch-tokens to choose another"
+            )
+        opts = dataclasses.replace(opts, batch_tokens=saved_tokens)
+        said.append(f"global batch of {saved_tokens:,} tokens/step kept")
+    if given & {"max_steps", "max_tokens"}:
+        steps = f"--max-tokens {opts.max_tokens}" if opts.max_tokens else opts.max_steps
+        said.append(f"schedule {saved_steps} -> {steps} steps as given")
+    else:
+        opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
+        said.append(f"schedule of {saved_steps} steps kept")
+    log("resuming: " + "; ".join(said) + " (--batch-tokens, --max-steps change them)")
+    return opts
+
+
 def estimate(opts: Options) -> None:
     """--estimate-memory: the plan, and its memory, for the machine the flags describe (a
     GPU machine: the GPU defaults of --kernels and --param-dtype), checked as a run is."""
@@ -737,7 +814,7 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     # length among them, and the checks and the plan below are of those.
     checkpoints = Path(opts.run_dir) / "checkpoints"
     resume_from, saved = shard.find_checkpoint(opts.resume, checkpoints, log) or (None, None)
-    taken = shard.taken_on_resume(opts, given, saved) if saved else {}
+    taken = taken_on_resume(opts, given, saved) if saved else {}
     opts = dataclasses.replace(opts, **taken)
     args = model_args(opts)
     check_options(opts, args, *shard.torchrun_processes())
@@ -782,7 +859,7 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
         shard.check_resumable(saved["run"], json.loads(json.dumps(run_record)))
         damaged = shard.check_no_newer_checkpoints(checkpoints, saved["step"], resume_from)
         data_parallel = world.world_size // opts.context_parallel
-        opts = shard.resume_options(opts, given, saved, data_parallel, taken, log)
+        opts = resume_options(opts, given, saved, data_parallel, taken, log)
 
     # The plan, before anything is loaded or built: a run that cannot fit the GPUs or the
     # host stops here, with what would make it fit.
@@ -1201,11 +1278,13 @@ class StopSignals:
         if self.received is None:
             self.received, self.received_at = name, time.monotonic()
             if self.is_main:  # every rank gets the signal; one says so
-                say(f"{name}: stopping after this step, with a checkpoint; again to stop at once")
+                to_stderr(
+                    f"{name}: stopping after this step, with a checkpoint; again to stop at once"
+                )
         elif time.monotonic() - self.received_at > 1.0:
             if self.is_main:
                 last = self.last_checkpoint()
-                say(f"{name} again: stopped at once; the last checkpoint is {last or 'none'}")
+                to_stderr(f"{name} again: stopped at once; the last checkpoint is {last or 'none'}")
             os._exit(EXIT_STOPPED)  # as stopped after a step: the last checkpoint resumes
 
     def agreed(self) -> bool:
@@ -1241,10 +1320,14 @@ def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
         while os.getppid() == launcher:
             time.sleep(poll_s)
         if not other_rank():
-            say(f"torchrun (pid {launcher}) is gone: stopping this run after the step in progress")
+            to_stderr(
+                f"torchrun (pid {launcher}) is gone: stopping this run after the step in progress"
+            )
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(LAUNCHER_GONE_GRACE_S)
-        say(f"torchrun is gone and rank {os.environ.get('RANK', '0')} has not stopped: exiting")
+        to_stderr(
+            f"torchrun is gone and rank {os.environ.get('RANK', '0')} has not stopped: exiting"
+        )
         os._exit(EXIT_STOPPED)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
@@ -1255,7 +1338,7 @@ def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def say(line: str) -> None:
+def to_stderr(line: str) -> None:
     """One line on stderr in one write (print writes the newline apart), so that the lines
     of several processes sharing a terminal do not run into each other."""
     sys.stderr.write(line + "\n")
@@ -1433,7 +1516,9 @@ def main(argv: list[str] | None = None) -> None:
             # last, the final checkpoint (if any) is what a resume continues from.
             saved = shard.list_checkpoints(Path(opts.run_dir) / "checkpoints")
             again = command_line(opts, given, **({"resume": "latest"} if saved else {}))
-            say(f"stopped outside the training steps; the checkpoints are as they were: {again}")
+            to_stderr(
+                f"stopped outside the training steps; the checkpoints are as they were: {again}"
+            )
         sys.exit(EXIT_STOPPED)
     except Exception as e:
         # What was given (checked alike on every rank, from files all ranks see) and a
@@ -1447,7 +1532,7 @@ def main(argv: list[str] | None = None) -> None:
         if not quiet:
             rank = os.environ.get("RANK", "0")
             one_of_several = shard.torchrun_processes()[0] > 1 and not alike
-            say(f"train.py error{f' (rank {rank})' if one_of_several else ''}: {e}")
+            to_stderr(f"train.py error{f' (rank {rank})' if one_of_several else ''}: {e}")
         if dist.is_initialized():
             dist.destroy_process_group()
         if quiet:

@@ -172,7 +172,7 @@ def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_file
     saved = {"run": {"tokens_per_step": 1024, "max_steps": 10}, "options": {
         "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "seed": 7}}  # fmt: skip
     opts = train.Options(lr=1e-4, seq_len=128)
-    assert shard.taken_on_resume(opts, frozenset({"lr"}), saved) == {"warmup_steps": 5, "seed": 7}
+    assert train.taken_on_resume(opts, frozenset({"lr"}), saved) == {"warmup_steps": 5, "seed": 7}
     # A run's directory with a plot and a log beside its files, and a new one with an empty
     # subdirectory made for an export, are run directories.
     for name in ("metrics.jsonl", "metrics.png", "train.log"):
@@ -1405,11 +1405,11 @@ def test_resume_takes_what_the_checkpoint_fixes_unless_given_with_its_partner():
     saved = {"options": {"model": None, "hf_checkpoint": "base", "max_seq_len": 8192,
                          "seq_len": 4096, "data": "data/a", "tokenizer": "a.model",
                          "lora_rank": 8, "strategy": "FULL_SHARD"}}  # fmt: skip
-    assert shard.taken_on_resume(train.Options(), frozenset(), saved) == {
+    assert train.taken_on_resume(train.Options(), frozenset(), saved) == {
         "hf_checkpoint": "base", "max_seq_len": 8192, "seq_len": 4096, "lora_rank": 8,
         "data": "data/a", "tokenizer": "a.model"}  # fmt: skip
     given = train.Options(model="tiny", data="data/b")
-    taken = shard.taken_on_resume(given, frozenset({"model", "data"}), saved)
+    taken = train.taken_on_resume(given, frozenset({"model", "data"}), saved)
     assert taken == {"max_seq_len": 8192, "seq_len": 4096, "lora_rank": 8}
 
 
