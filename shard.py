@@ -56,7 +56,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from data import UsageError, check_directory_path, first_names, read_json
-from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, _chunk_rows
+from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, chunk_rows
 from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
 from model import (
@@ -1388,7 +1388,7 @@ def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> dict:
     loss = fused_loss if plan.kernels else n * v * (12 + p)
     # Over more than BF16_SUM_CHUNKS chunks the fused loss's forward also sums the output
     # weight's gradient in an fp32 buffer, freed before backward.
-    wide_sum = plan.kernels and p < 4 and n > BF16_SUM_CHUNKS * _chunk_rows(v, p)
+    wide_sum = plan.kernels and p < 4 and n > BF16_SUM_CHUNKS * chunk_rows(v, p)
     # In the blocks' backward a tied model's output gradient (the loss's buffer) waits for
     # the root, at the end.
     tied = v * d * p if args.tie_embeddings and plan.kernels else 0.0

@@ -59,7 +59,7 @@ CHUNK_LOGITS_BYTES = 512 * 2**20
 BF16_SUM_CHUNKS = 16
 
 
-def _chunk_rows(vocab: int, itemsize: int) -> int:
+def chunk_rows(vocab: int, itemsize: int) -> int:
     """Tokens per chunk: the most whose [rows, V] logits fit in CHUNK_LOGITS_BYTES, rounded
     down to a power of two so the matmul tiles divide it (2048 for V = 128256 in bf16)."""
     rows = max(CHUNK_LOGITS_BYTES // (vocab * itemsize), 1)
@@ -131,7 +131,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_grad_hidden else None
         grad_weight = torch.zeros_like(weight) if need_grad_weight else None
         loss = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
-        rows = min(_chunk_rows(vocab, hidden.element_size()), max(n_tokens, 1))
+        rows = min(chunk_rows(vocab, hidden.element_size()), max(n_tokens, 1))
         n_chunks = -(-n_tokens // rows)
         grad_weight_fp32 = None
         if need_grad_weight and weight.dtype != torch.float32 and n_chunks > BF16_SUM_CHUNKS:

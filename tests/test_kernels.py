@@ -319,7 +319,7 @@ def test_linear_cross_entropy_computes_no_gradients_under_no_grad(small_chunks):
         return loss, {op: ops.count(op) for op in ("aten::mm", "aten::addmm_")}
 
     loss, counted = matmuls(grad=False)
-    chunks = -(-33 // kernels.cross_entropy._chunk_rows(100, 4))
+    chunks = -(-33 // kernels.cross_entropy.chunk_rows(100, 4))
     assert counted == {"aten::mm": chunks, "aten::addmm_": 0}
     assert loss.grad_fn is None
     trained, counted = matmuls(grad=True)
@@ -328,7 +328,7 @@ def test_linear_cross_entropy_computes_no_gradients_under_no_grad(small_chunks):
 
 
 def test_linear_cross_entropy_chunk_is_sized_from_the_vocab_not_the_tokens():
-    bf16_llama3 = kernels.cross_entropy._chunk_rows(128256, 2)
+    bf16_llama3 = kernels.cross_entropy.chunk_rows(128256, 2)
     assert bf16_llama3 == 2048
     assert bf16_llama3 * 128256 * 2 <= kernels.cross_entropy.CHUNK_LOGITS_BYTES
 
