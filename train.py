@@ -56,6 +56,7 @@ from data import (
     Batch,
     HFTokenizer,
     PackedLoader,
+    RunData,
     TokenDataset,
     Tokenizer,
     UsageError,
@@ -804,6 +805,42 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resumin
         )
 
 
+def check_this_machine(opts: Options) -> None:
+    """The options that need a GPU, on a machine without one (shard.init_distributed takes
+    a GPU where there is one)."""
+    if torch.cuda.is_available():
+        return
+    if opts.kernels and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
+    if opts.memory_snapshot:
+        raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
+    if opts.gpu_memory is not None:
+        raise UsageError(
+            "--gpu-memory sets how much of the GPU a run plans within; this run has no GPU "
+            "(--estimate-memory plans for a machine you are not on)"
+        )
+
+
+def open_run_data(
+    opts: Options, args: ModelArgs, is_main: bool, log: Callable
+) -> tuple[RunData, TokenDataset | None]:
+    """The training data with its tokenizers (data.open_data), and --eval-data's, if given."""
+    sizes = (args.vocab_size, args.max_seq_len)
+    run_data = open_data(
+        opts.data, opts.tokenizer, opts.hf_checkpoint, *sizes, opts.seq_len, is_main
+    )
+    export_tokenizer = run_data.export_tokenizer
+    if opts.export_hf and not (export_tokenizer and export_tokenizer.has_tokenizer()):
+        log(
+            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
+            f"prepared {run_data.dataset.path} ({run_data.dataset.meta['tokenizer']}) to "
+            f"include it"
+        )
+    if not opts.eval_data:
+        return run_data, None
+    return run_data, open_eval_data(opts.eval_data, *sizes, opts.seq_len, run_data.dataset)
+
+
 def setup(opts: Options, given: frozenset[str]) -> Run:
     """The run, ready for its first step: the checkpoint to resume from found, what was
     given checked, the plan made and printed, the model built and loaded (or resumed), the
@@ -818,33 +855,13 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     opts = dataclasses.replace(opts, **taken)
     args = model_args(opts)
     check_options(opts, args, *shard.torchrun_processes())
-    on_gpu = torch.cuda.is_available()  # shard.init_distributed takes a GPU when there is one
-    if opts.kernels and not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
-    if opts.memory_snapshot and not on_gpu:
-        raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
-    if opts.gpu_memory is not None and not on_gpu:
-        raise UsageError(
-            "--gpu-memory sets how much of the GPU a run plans within; this run has no GPU "
-            "(--estimate-memory plans for a machine you are not on)"
-        )
+    check_this_machine(opts)
     world = shard.init_distributed()
     torch.manual_seed(opts.seed)
     lora = lora_config(opts)
     check_given(opts, args, lora, resuming=saved is not None)
-    sizes = (args.vocab_size, args.max_seq_len)
-    run_data = open_data(
-        opts.data, opts.tokenizer, opts.hf_checkpoint, *sizes, opts.seq_len, world.is_main
-    )
+    run_data, held_out = open_run_data(opts, args, world.is_main, log)
     dataset, export_tokenizer = run_data.dataset, run_data.export_tokenizer
-    if opts.export_hf and not (export_tokenizer and export_tokenizer.has_tokenizer()):
-        log(
-            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
-            f"prepared {dataset.path} ({dataset.meta['tokenizer']}) to include it"
-        )
-    held_out = None
-    if opts.eval_data:
-        held_out = open_eval_data(opts.eval_data, *sizes, opts.seq_len, dataset)
     run_record = {
         "model": dataclasses.asdict(args),
         "seq_len": opts.seq_len,
