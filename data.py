@@ -8,11 +8,14 @@ opening a run's data. It imports nothing else of longtune's but kernels' IGNORE_
 and the rest build on it.
 
 A prepared dataset is a directory of three files:
-    tokens.bin     uint32, every document as BOS + tokens + EOS, documents back to back
+    tokens.bin     uint32, every document as BOS + tokens + EOS (tokens + EOS with a tokenizer
+                   that has no BOS, as Qwen's), documents back to back
     loss_mask.bin  uint8, one per token: bit 0 (LABEL) set where the token may be a label, not
                    where it may not (the prompt of a supervised fine-tuning example, and every
-                   BOS); bit 1 (BOS_INSIDE) set on a BOS that does not start a document (a chat
-                   template's BOS before each exchange, as Llama 2's, or each turn, as ChatML's)
+                   document's first token); bit 1 (BOS_INSIDE) set on a BOS that does not start
+                   a document (a chat template's BOS before each exchange, as Llama 2's, or
+                   each turn, as ChatML's); bit 2 (STARTS_DOCUMENT) set on the first token of
+                   a document without BOS, since no BOS marks where it starts
     meta.json      the tokenizer that wrote it, the counts the two files must match, and "sft":
                    true when some documents have unlabelled prompts (prompt/response pairs,
                    conversations), so training can keep packed documents apart by default
@@ -33,6 +36,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import sys
@@ -40,6 +44,8 @@ import sysconfig
 import tempfile
 import threading
 import time
+import typing
+import unicodedata
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -61,7 +67,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from kernels import IGNORE_INDEX
 
 FORMAT_VERSION = 1
-LABEL, BOS_INSIDE = 1, 2  # the bits of loss_mask.bin
+LABEL, BOS_INSIDE, STARTS_DOCUMENT = 1, 2, 4  # the bits of loss_mask.bin
 
 # ---------------------------------------------------------------------------------------------
 # Files a user gives or keeps: one error type for what the user got wrong, JSON read with
@@ -213,7 +219,10 @@ def _umask() -> int:
 # Tokenizers
 
 
-Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
+# {"role": "system" | "user" | "assistant", "content": ...}, with any other fields the data gives
+# (Qwen3's "reasoning_content", "tool_calls"): a chat template reads them as transformers passes
+# them.
+Message = dict[str, object]
 # A rendered conversation as runs of token ids, each with whether its tokens are labels.
 Segments = list[tuple[list[int], bool]]
 
@@ -228,7 +237,7 @@ class Tokenizer(Protocol):
 
     name: str  # identifies the tokenizer and its file, recorded in meta.json
     vocab_size: int
-    bos_id: int
+    bos_id: int | None  # None: the tokenizer has none (Qwen's), and documents start without one
     eos_id: int
     pad_id: int | None  # a token meant for padding only, if the tokenizer has one
 
@@ -444,17 +453,18 @@ GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?!
 
 
 class ByteLevelBPETokenizer:
-    """A Hugging Face tokenizer.json holding a byte-level BPE (Llama 3's, SmolLM2's, GPT-2's),
-    encoded by tiktoken: the `tokenizers` package is not needed. Its special tokens and chat
-    template come from the files beside it.
+    """A Hugging Face tokenizer.json holding a byte-level BPE (Llama 3's, SmolLM2's, Qwen's,
+    GPT-2's), encoded by tiktoken: the `tokenizers` package is not needed. Its special tokens
+    and chat template come from the files beside it.
 
     tiktoken merges first the adjacent pair whose joined bytes rank lowest; HF's BPE merges first
     the pair listed first in `merges`. So a merged token ranks by the first merge that makes it,
     after the single bytes, whose ranks never matter (no merge makes one). Where the file's ids
     already rise in that order (Llama 3's, GPT-2's, any file `tokenizers` trained) they are the
     ranks; otherwise a table maps tiktoken's ranks to the file's ids. Files this cannot encode
-    as `tokenizers` does (another model type, byte fallback, a normalizer, another
-    pre-tokenizer) are refused, never approximated.
+    as `tokenizers` does (another model type, byte fallback, a normalizer but NFC, another
+    pre-tokenizer) are refused, never approximated. NFC (Qwen's) is applied as `tokenizers`
+    applies it: to the text between the added tokens it finds first, before the split.
     """
 
     def __init__(self, path: Path, chat_template: Path | None = None):
@@ -469,6 +479,7 @@ class ByteLevelBPETokenizer:
             _check_byte_level_bpe(path, spec)
             vocab: dict[str, int] = spec["model"]["vocab"]
             made = _merged_tokens(path, spec["model"].pop("merges"), vocab)
+        self._nfc = (spec.get("normalizer") or {}).get("type") == "NFC"
         pattern = _split_pattern(path, spec.get("pre_tokenizer"))
         added = {}
         for token in spec.get("added_tokens") or []:
@@ -501,11 +512,15 @@ class ByteLevelBPETokenizer:
         for token, i in added.items():
             self._bytes[i] = token.encode()
         self._lengths = np.array([len(b) for b in self._bytes], dtype=np.int64)
-        self._added_ids = np.array(sorted(added.values()), dtype=np.int64)
         # Added tokens that are not special (DeepSeek-R1's "<think>") are vocabulary, matched in
         # any text as `tokenizers` does; special ones only where a chat template writes them.
         special = {t["content"] for t in spec.get("added_tokens") or [] if t.get("special")}
         self._plain_added = set(added) - special
+        # The added tokens as `tokenizers` finds them, the longest first where several start at
+        # one place: where text is cut before it is normalized, and where a turn ends.
+        self._added_pattern = _alternatives(added)
+        self._plain_added_pattern = _alternatives(self._plain_added)
+        self._special_ranks = specials
         self.name = f"tokenizer.json:{_sha256(data)}"
         self._encoding = tiktoken.Encoding(
             self.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
@@ -513,14 +528,13 @@ class ByteLevelBPETokenizer:
         self._path, self._data = path, data
         tokens, special_ids = _hf_special_tokens(path.parent, added | vocab)
         self.bos_id, self.eos_id, self.pad_id = special_ids
-        if self.bos_id is None or self.eos_id is None:
+        if self.eos_id is None:
             raise UsageError(
-                f"{path.parent}: no {'BOS' if self.bos_id is None else 'EOS'} token in "
-                f"tokenizer_config.json, config.json or generation_config.json; longtune starts "
-                f"each document with BOS and ends it with EOS"
+                f"{path.parent}: no EOS token in tokenizer_config.json, config.json or "
+                f"generation_config.json; longtune ends each document with EOS"
             )
         for name, i in [("BOS", self.bos_id), ("EOS", self.eos_id)]:
-            if not (isinstance(i, int) and 0 <= i < self.vocab_size):
+            if i is not None and not (isinstance(i, int) and 0 <= i < self.vocab_size):
                 raise UsageError(
                     f"{path.parent}: the {name} id {i!r} is not in the vocabulary of "
                     f"{self.vocab_size} ids"
@@ -543,19 +557,19 @@ class ByteLevelBPETokenizer:
     def render_chat(self, messages: list[Message]) -> Segments:
         """The chat template's text of the conversation, tokenized as transformers'
         apply_chat_template(..., tokenize=True) does (the special tokens it writes are tokens).
-        The labels: each assistant turn's tokens (`ChatTemplate.assistant_spans`) up to its last
-        added token, the end of its turn (ChatML's "\\n" after <|im_end|> is not one)."""
-        text, spans = self._template().assistant_spans(messages)
+        The labels: each assistant turn's tokens as the whole conversation renders it
+        (`ChatTemplate.assistant_spans`), a token straddling a turn's start included, as
+        transformers' assistant mask includes it."""
+        text, spans = self._template().assistant_spans(messages, self._added_pattern)
         ids = self._encode(text, allowed_special="all")
         ends = np.cumsum(self._lengths[ids])
         starts = ends - self._lengths[ids]
         is_label = np.zeros(len(ids), dtype=bool)
         for first, last in spans:
-            begin, end = (len(text[:i].encode("utf-8", "surrogatepass")) for i in (first, last))
-            inside = np.flatnonzero((starts < end) & (ends > begin))
-            closing = inside[np.isin(ids[inside], self._added_ids)]
-            is_label[inside[inside <= closing[-1]] if len(closing) else inside] = True
-        if ids[:1].tolist() != [self.bos_id]:  # a template writing no BOS: documents start at one
+            begin, end = (self._bytes_before(text, i) for i in (first, last))
+            is_label[(starts < end) & (ends > begin)] = True
+        if self.bos_id is not None and ids[:1].tolist() != [self.bos_id]:
+            # A template writing no BOS: documents start at one all the same.
             ids = np.concatenate([[self.bos_id], ids])
             is_label = np.concatenate([[False], is_label])
         runs = groupby(zip(ids.tolist(), is_label.tolist(), strict=True), key=lambda t: t[1])
@@ -563,7 +577,7 @@ class ByteLevelBPETokenizer:
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         ids = self._encode(self._template().render(messages, True), allowed_special="all").tolist()
-        return ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+        return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id, *ids]
 
     def hf_files(self) -> dict[str, bytes]:
         """The files read, as they are, but for tokenizer_config.json: it names BOS and EOS,
@@ -576,7 +590,7 @@ class ByteLevelBPETokenizer:
         config = json.loads(files.get("tokenizer_config.json", b"{}"))
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
         for key, i in [("bos_token", self.bos_id), ("eos_token", self.eos_id)]:
-            config.setdefault(key, self._bytes[i].decode())
+            config.setdefault(key, None if i is None else self._bytes[i].decode())
         files["tokenizer_config.json"] = _json_bytes(config)
         if self.chat_template is not None:
             _set_chat_template(files, self.chat_template.source.encode())
@@ -588,9 +602,22 @@ class ByteLevelBPETokenizer:
         # As an array, not a list: the table and the drop below are then one numpy operation
         # each, and tiktoken makes no Python int for a token.
         try:
-            ids = self._encoding.encode_to_numpy(
-                text, allowed_special=allowed_special, disallowed_special=()
-            )
+            if self._nfc:
+                # Each piece on its own: rejoined, a normalized text could spell an added token
+                # that was not there (NFC makes ";" of U+037E), which `tokenizers` never finds.
+                pieces = self._pieces(text, allowed_special)
+                ids = np.concatenate(
+                    [
+                        self._encoding.encode_to_numpy(piece, disallowed_special=())
+                        if k % 2 == 0
+                        else np.array([self._special_ranks[piece]], dtype=np.uint32)
+                        for k, piece in enumerate(pieces)
+                    ]
+                )
+            else:
+                ids = self._encoding.encode_to_numpy(
+                    text, allowed_special=allowed_special, disallowed_special=()
+                )
         except UnicodeEncodeError:
             # Lone surrogates cannot reach tiktoken's Rust (a chat prompt given in code may
             # hold them; data has them replaced when read).
@@ -598,6 +625,20 @@ class ByteLevelBPETokenizer:
         if self._table is not None:
             ids = self._table[ids]
         return ids[ids < self.vocab_size]  # bytes the vocabulary lacks
+
+    def _pieces(self, text: str, allowed_special: set[str] | str) -> list[str]:
+        """`text` cut at the added tokens `_encode` finds in it: text, token, text, ... (an even
+        count of pieces, the texts NFC-normalized)."""
+        pattern = self._added_pattern if allowed_special == "all" else self._plain_added_pattern
+        pieces = pattern.split(text) if pattern else [text]
+        pieces[::2] = [unicodedata.normalize("NFC", piece) for piece in pieces[::2]]
+        return pieces
+
+    def _bytes_before(self, text: str, i: int) -> int:
+        """Where character i of `text` falls in the bytes of its tokens: NFC may join
+        characters (a decomposed accent), so those of the normalized text before it."""
+        before = "".join(self._pieces(text[:i], "all")) if self._nfc else text[:i]
+        return len(before.encode("utf-8", "surrogatepass"))
 
     def _template(self) -> "ChatTemplate":
         if self.chat_template is None:
@@ -617,7 +658,7 @@ def _check_byte_level_bpe(path: Path, spec: dict) -> None:
         holds = f"a {model.get('type') or 'typeless'} model"
     elif model.get("byte_fallback"):
         holds = "a BPE with byte fallback (sentencepiece's kind, as Llama 2's and Mistral's)"
-    elif normalizer and (normalizer.get("type") != "Sequence" or normalizer.get("normalizers")):
+    elif normalizer not in (None, {"type": "NFC"}, {"type": "Sequence", "normalizers": []}):
         holds = f"a {normalizer.get('type')} normalizer, which changes the text before it is split"
     elif model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
         holds = "a BPE whose tokens carry subword prefixes or suffixes"
@@ -647,6 +688,13 @@ def _merged_tokens(path: Path, merges: list, vocab: dict[str, int]) -> list[str]
             f"vocabulary"
         )
     return list(made)
+
+
+def _alternatives(tokens: Iterable[str]) -> re.Pattern | None:
+    """A regex matching any of `tokens`, the longest where several match at one place (as
+    `tokenizers` finds added tokens), as a group, so that re.split keeps them."""
+    tokens = sorted(tokens, key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, tokens)) + ")") if tokens else None
 
 
 @contextmanager
@@ -702,7 +750,8 @@ def _hf_special_tokens(
     """The special tokens of a HF tokenizer directory: their strings, for chat templates
     ({"bos_token": "<|im_start|>", ...}), and the ids of BOS, EOS and the padding token.
     tokenizer_config.json names them; where it does not, config.json or generation_config.json
-    give their ids (the first, where a list gives several EOS)."""
+    give their ids (the first, where a list gives several EOS). One it names as null is none,
+    as transformers reads it (Qwen's BOS: its config.json's bos_token_id is for pretraining)."""
     read = lambda name: read_json(directory / name) if (directory / name).is_file() else {}
     tokenizer_config = read("tokenizer_config.json")
     configs = [read("config.json"), read("generation_config.json")]
@@ -710,6 +759,9 @@ def _hf_special_tokens(
     for name in ("bos", "eos", "pad", "unk"):
         value = tokenizer_config.get(f"{name}_token")
         value = value.get("content") if isinstance(value, dict) else value
+        if value is None and f"{name}_token" in tokenizer_config:
+            found.append(None)
+            continue
         if isinstance(value, str):
             if value not in ids:
                 raise UsageError(
@@ -799,11 +851,21 @@ class ChatTemplate:
         except Exception as e:  # noqa: BLE001 - any error of the template's code is its own
             raise UsageError(f"chat template {self.name}: {type(e).__name__}: {e}") from e
 
-    def assistant_spans(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation's text, and each assistant turn's span in it (character offsets):
-        from the end of the text of the turns before it with the generation prompt to the end
-        of the text of the turns through it. A template that renders earlier turns otherwise as
-        the conversation grows (one dropping past reasoning) is refused."""
+    def assistant_spans(
+        self, messages: list[Message], added_tokens: re.Pattern | None
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text, rendered once, and each assistant turn's span in it
+        (character offsets): what the loss is taken on.
+
+        A turn starts where the text of the turns before it with the generation prompt ends,
+        the prompt the model is given when it writes the turn: that text must begin the whole
+        conversation's. It ends with its end-of-turn token: the last of `added_tokens` in the
+        turn as it renders when it is the last one (ChatML's "\\n" after <|im_end|> is no
+        part of it), or, if it holds none, with the end of that text. A template may render the
+        turn otherwise once later turns follow (Qwen3's drops the reasoning of every answer
+        before the last user turn): the turn is then the whole text's from its start through as
+        many end-of-turn tokens, which must be how the last-turn rendering ends, so that only
+        what the template drops from the turn's start is missing. Anything else is refused."""
         text = self.render(messages, add_generation_prompt=False)
         spans = []
         for i, message in enumerate(messages):
@@ -811,14 +873,33 @@ class ChatTemplate:
                 continue
             before = self.render(messages[:i], add_generation_prompt=True)
             through = self.render(messages[: i + 1], add_generation_prompt=False)
-            if not (through.startswith(before) and text.startswith(through)):
+            start = len(before)
+            if not (through.startswith(before) and text.startswith(before)):
                 raise UsageError(
                     f"the chat template {self.name} does not render messages[:{i}] with the "
-                    f"generation prompt, then messages[:{i + 1}], as the beginnings of the whole "
-                    f"conversation, so its assistant turn messages[{i}] cannot be found: give a "
-                    f"template that renders earlier turns alike with --chat-template FILE"
+                    f"generation prompt as the beginning of messages[:{i + 1}] and of the "
+                    f"whole conversation, so where its assistant turn messages[{i}] starts "
+                    f"cannot be found: give a template that renders the turns before an answer "
+                    f"alike with --chat-template FILE"
                 )
-            spans.append((len(before), len(through)))
+            turn = through[start:]
+            closings = list(added_tokens.finditer(turn)) if added_tokens else []
+            end = start + len(turn)
+            if closings:
+                turn, closing = turn[: closings[-1].end()], closings[-1].group()
+                end = start
+                for _ in range(turn.count(closing)):
+                    found = text.find(closing, end)
+                    end = len(text) + 1 if found < 0 else found + len(closing)
+            if not (end <= len(text) and turn.endswith(text[start:end])):
+                raise UsageError(
+                    f"the chat template {self.name} renders the assistant turn messages[{i}] "
+                    f"in the whole conversation as {text[start:end][:80]!r}, which is not how "
+                    f"it ends when the turn is the last one ({turn[-80:]!r}), so its tokens "
+                    f"cannot be found: give a template that renders earlier answers alike or "
+                    f"only drops what they start with, with --chat-template FILE"
+                )
+            spans.append((start, end))
         return text, spans
 
 
@@ -854,7 +935,8 @@ def _time_limit(seconds: float) -> Iterator[None]:
 
 class _GenerationBlock(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}`, which some templates put around what the
-    assistant writes: rendered as its body (the assistant spans come from the prefixes)."""
+    assistant writes: rendered as its body (the assistant spans are found without it, in
+    every template alike)."""
 
     tags = {"generation"}
 
@@ -1151,7 +1233,7 @@ def prepare(
                 split, pieces = split + 1, pieces + len(documents)
             for tokens, mask in documents:
                 writer.add(tokens, mask)
-                # An unlabelled token after the BOS is a prompt: SFT data.
+                # An unlabelled token after the first (BOS or not) is a prompt: SFT data.
                 sft = sft or not (mask[1:] & LABEL).all()
                 longest = max(longest, len(tokens))
                 too_long += seq_len is not None and len(tokens) > seq_len
@@ -1344,7 +1426,9 @@ def _without_lone_surrogates(value):
 
 def _check_messages(messages: object, where: str) -> list[Message]:
     """The conversations every chat format renders: an optional system message first, then user
-    and assistant turns alternating from a user turn, with at least one assistant turn."""
+    and assistant turns alternating from a user turn, with at least one assistant turn. Each
+    message is kept whole, as transformers passes it to a chat template: fields other than role
+    and content (Qwen3's "reasoning_content", "tool_calls") are the template's to render."""
     if not isinstance(messages, list) or not messages:
         raise UsageError(
             f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
@@ -1369,7 +1453,7 @@ def _check_messages(messages: object, where: str) -> list[Message]:
             )
     if len(messages) < 2 + has_system:
         raise UsageError(f"{where}: messages has no assistant turn, so nothing to train on")
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return messages
 
 
 def _encode_document(
@@ -1386,19 +1470,25 @@ def _encode_document(
             raise UsageError(f"{where}: {e}") from e
         return encoded, n_bytes
     prompt, text = example
-    # BOS is never a label: predicting one document's start from an unrelated one's end teaches
-    # nothing. Nor is a prompt: it is the question, not what the model should learn to write.
+    # A prompt is no label: it is the question, not what the model should learn to write.
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     prompt_ids = tokenizer.encode(prompt) if prompt else []
-    segments = [([tokenizer.bos_id, *prompt_ids], False)]
+    segments = [([*bos, *prompt_ids], False)]
     segments.append(([*tokenizer.encode(text), tokenizer.eos_id], True))
     return [_encode_segments(segments, tokenizer.bos_id)], n_bytes
 
 
-def _encode_segments(segments: Segments, bos_id: int) -> Encoded:
+def _encode_segments(segments: Segments, bos_id: int | None) -> Encoded:
     tokens = np.fromiter(chain.from_iterable(ids for ids, _ in segments), dtype=np.uint32)
     is_label = np.array([LABEL * is_label for _, is_label in segments], dtype=np.uint8)
     mask = np.repeat(is_label, [len(ids) for ids, _ in segments])
-    mask[1:][tokens[1:] == bos_id] |= BOS_INSIDE
+    # A document's first token (BOS, where there is one) is never a label: predicting one
+    # document's start from an unrelated one's end teaches nothing. Without a BOS to mark
+    # where the document starts, a bit marks it.
+    if bos_id is None:
+        mask[0] = STARTS_DOCUMENT
+    else:
+        mask[1:][tokens[1:] == bos_id] |= BOS_INSIDE
     return tokens, mask
 
 
@@ -1527,7 +1617,7 @@ class _Progress:
 META_FIELDS = {
     "tokenizer": str,
     "vocab_size": int,
-    "bos_id": int,
+    "bos_id": int | None,  # None: the tokenizer has no BOS
     "eos_id": int,
     "n_tokens": int,
     "n_documents": int,
@@ -1558,14 +1648,16 @@ class TokenDataset:
             )
         problems = []
         for key, kind in META_FIELDS.items():
+            expected = getattr(kind, "__name__", str(kind))  # "int | None" has no __name__
             if key not in self.meta:
-                problems.append(f"no field {key!r} (expected type {kind.__name__})")
-            elif type(self.meta[key]) is not kind:  # not isinstance: True is not a count
-                problems.append(f"{key} is {self.meta[key]!r}, expected type {kind.__name__}")
+                problems.append(f"no field {key!r} (expected type {expected})")
+            # type(), not isinstance: True is not a count
+            elif type(self.meta[key]) not in (typing.get_args(kind) or (kind,)):
+                problems.append(f"{key} is {self.meta[key]!r}, expected type {expected}")
         if problems:
             raise UsageError(f"{meta_path}: " + "; ".join(problems))
         self.n_tokens: int = self.meta["n_tokens"]
-        self.bos_id: int = self.meta["bos_id"]
+        self.bos_id: int | None = self.meta["bos_id"]
         self.tokens = self._map("tokens.bin", np.uint32)
         self.loss_mask = self._map("loss_mask.bin", np.uint8)
 
@@ -1645,9 +1737,10 @@ def document_starts(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
 class Batch:
     """One rank's micro-batch; each field is int64 [micro_batch, seq_len].
 
-    labels are the next tokens, IGNORE_INDEX where no loss is taken (SFT prompts, and the BOS
-    that follows an EOS). positions count from 0 at each document's BOS and at each sample's
-    first token, so they stay below seq_len; a 0 marks where attention may start a new document.
+    labels are the next tokens, IGNORE_INDEX where no loss is taken (SFT prompts, and the first
+    token of a document, BOS or not, that follows an EOS). positions count from 0 at each
+    document's first token and at each sample's first token, so they stay below seq_len; a 0
+    marks where attention may start a new document.
     """
 
     tokens: torch.Tensor
@@ -1800,7 +1893,9 @@ class PackedLoader:
         # The sample's first token starts a span too: attention cannot see what came before it,
         # so a document cut by the sample boundary restarts at position 0.
         index = np.arange(self.seq_len)
-        is_start = (tokens == self.dataset.bos_id) & ((mask[:-1] & BOS_INSIDE) == 0)
+        is_start = (mask[:-1] & STARTS_DOCUMENT) != 0
+        if self.dataset.bos_id is not None:
+            is_start |= (tokens == self.dataset.bos_id) & ((mask[:-1] & BOS_INSIDE) == 0)
         is_start[0] = True
         positions = index - np.maximum.accumulate(np.where(is_start, index, 0))
         return tokens, labels, positions

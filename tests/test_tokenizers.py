@@ -7,6 +7,7 @@ import random
 import signal
 import sysconfig
 import time
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -349,6 +350,223 @@ def test_special_ids_come_from_config_json_where_tokenizer_config_names_none(tmp
     (path.parent / "config.json").write_text(json.dumps(config))
     ours = data.load_tokenizer(path)
     assert (ours.bos_id, ours.eos_id, ours.pad_id) == (2, 3, None)
+
+
+# Qwen: an NFC normalizer, no BOS, ChatML, and Qwen3's template that rewrites earlier turns
+
+# Qwen2's split, as transformers' Qwen2Converter writes it: Llama 3's with single digits.
+QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+QWEN_PLAIN = ["<think>", "</think>", "<tool_call>", "</tool_call>"]  # not special, as Qwen3's
+
+QWEN_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Qwen3's template cut to system, user and assistant turns (no tools list, no tool role), its
+# lines as Qwen's: the reasoning of an answer before the last user turn is dropped, that of
+# later ones is written inside <think>; tool calls follow the content. GEN and END mark where
+# transformers' {% generation %} block goes, for the oracle's assistant mask.
+QWEN3_TEMPLATE = """
+{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- if ns.multi_step_tool and message.role == "user" %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = (messages|length - 1) - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif '</think>' in content %}
+            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n')
+                .split('<think>')[-1].lstrip('\\n') %}
+            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {{- '<|im_start|>' + message.role + '\\n' }}GEN
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+            {{- '<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' }}
+            {{- content.lstrip('\\n') }}
+        {%- else %}
+            {{- content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- if (loop.first and content) or (not loop.first) %}
+                {{- '\\n' }}
+            {%- endif %}
+            {%- set tool_call = tool_call.function or tool_call %}
+            {{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>' }}END
+        {{- '\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+QWEN_TEMPLATES = {
+    "chatml": QWEN_CHATML,
+    "qwen3": QWEN3_TEMPLATE.replace("GEN", "").replace("END", ""),
+}
+# The same templates with transformers' generation markers around each answer.
+GENERATION_MARKED = {
+    "chatml": QWEN_CHATML.replace(
+        "{{ m.content }}<|im_end|>",
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>"
+        "{% endgeneration %}{% else %}{{ m.content }}<|im_end|>{% endif %}",
+    ).replace("<|im_end|>{% endif %}\n", "<|im_end|>{% endif %}{{ '\\n' }}"),  # trim_blocks
+    "qwen3": QWEN3_TEMPLATE.replace("GEN", "{%- generation %}").replace(
+        "END", "{%- endgeneration %}"
+    ),
+}
+
+QWEN_CONVERSATIONS = [
+    *CONVERSATIONS,
+    [
+        {"role": "system", "content": "Think, then answer."},
+        {"role": "user", "content": "What is 12 * 34?"},
+        {
+            "role": "assistant",
+            "content": "408.",
+            "reasoning_content": "12 * 34 = 12 * 30 + 12 * 4 = 360 + 48.",
+        },
+        {"role": "user", "content": "Cafe\u0301 in words?"},  # a decomposed accent: NFC joins it
+        {
+            "role": "assistant",
+            "content": "Café: café 🙂",
+            "reasoning_content": "\nThe word, with its accent.\n",
+            "tool_calls": [{"function": {"name": "spell", "arguments": {"word": "café"}}}],
+        },
+        {"role": "user", "content": "And 7 * 6?"},
+        {"role": "assistant", "content": "<think>\nsix sevens\n</think>\n\n42"},
+    ],
+]
+
+
+def qwen_dir(tmp_path: Path, template: str = QWEN_CHATML) -> Path:
+    """A Qwen-style tokenizer directory: a byte-level BPE with Qwen's NFC normalizer and
+    pre-tokenizer, its special and plain added tokens, and Qwen2.5-Instruct's
+    tokenizer_config.json (no BOS, <|im_end|> as EOS); config.json names a BOS id, as Qwen's
+    does, which transformers does not read."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(tokenizers.Regex(QWEN2_PATTERN), "isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1500,
+        special_tokens=QWEN_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(stdlib_text(150_000) + ["café naïve 漢字 12345"] * 50, trainer)
+    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in QWEN_PLAIN])
+    directory = tmp_path / "qwen"
+    directory.mkdir(exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": template,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "config.json").write_text('{"bos_token_id": 0, "eos_token_id": 2}')
+    return directory
+
+
+def test_qwen_tokenizer_json_ids_equal_tokenizers_after_nfc_and_it_has_no_bos(tmp_path):
+    directory = qwen_dir(tmp_path)
+    ours = data.load_tokenizer(directory)
+    theirs = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    theirs.encode_special_tokens = True  # specials spelled in a document stay text, as ours
+    decomposed = [
+        "Cafe\u0301 nai\u0308ve A\u030a \u1100\u1161\u11a8 e\u0301\u0301 \u0338<|im_end|>\u0338",
+        "\u037e<|im_start|>\u212b <think>e\u0301</think>\u0301 x\u0308<tool_call>",
+        "12345678901 digits, each a token: ٣٤٥ ½ ²\n\n\n   \t \r\n  trailing   ",
+    ]
+    texts = stdlib_text(100_000) + odd_texts() + decomposed
+    for text in texts:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False).ids, text[:80]
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=False)
+        assert ours.decode(ids) == unicodedata.normalize("NFC", text)
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (None, hf.eos_token_id, hf.pad_token_id)
+    assert hf.bos_token_id is None and ours.eos_id == theirs.token_to_id("<|im_end|>")
+    for text in decomposed:  # transformers, with the specials it finds in text as tokens
+        assert ours._encode(text, "all").tolist() == hf(text)["input_ids"], text
+
+
+def assistant_mask(segments) -> list[int]:
+    return [int(is_label) for ids, is_label in segments for _ in ids]
+
+
+@pytest.mark.parametrize("name", QWEN_TEMPLATES)
+def test_qwen_chat_ids_equal_apply_chat_template_and_labels_equal_its_assistant_mask(
+    tmp_path, name
+):
+    """Each answer is labelled as the whole conversation renders it (Qwen3's drops the
+    reasoning of answers before the last user turn): the tokens transformers' assistant mask
+    gives for the same template with {% generation %} around each answer."""
+    ours = data.load_tokenizer(qwen_dir(tmp_path, QWEN_TEMPLATES[name]))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "qwen")
+    marked = GENERATION_MARKED[name]
+    for messages in QWEN_CONVERSATIONS:
+        segments = ours.render_chat(messages)
+        ids = [i for ids, _ in segments for i in ids]
+        assert ids == rendered(theirs, messages)
+        oracle = theirs.apply_chat_template(
+            messages, chat_template=marked, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert oracle["input_ids"] == ids
+        assert assistant_mask(segments) == oracle["assistant_masks"], ours.decode(ids)
+        prompt = rendered(theirs, messages[:-1], add_generation_prompt=True)
+        assert ours.chat_prompt(messages[:-1]) == prompt
+    text = ours.decode([i for ids, _ in ours.render_chat(QWEN_CONVERSATIONS[-1]) for i in ids])
+    if name == "qwen3":  # the last answer keeps its reasoning, the earlier ones do not
+        assert text.count("<think>") == 1 and "12 * 34 = " not in text
+        assert '"arguments": {"word": "café"}' in text
+
+
+def test_qwen_documents_have_no_bos_and_start_where_their_bit_says(tmp_path):
+    """Without a BOS a document is its tokens + EOS; its first token is no label, and the loader
+    restarts positions there (loss_mask.bin's STARTS_DOCUMENT), as at a BOS."""
+    directory = qwen_dir(tmp_path, QWEN_TEMPLATES["qwen3"])
+    ours = data.load_tokenizer(directory)
+    inputs = tmp_path / "docs.jsonl"
+    lines = [{"text": "first document"}, {"messages": QWEN_CONVERSATIONS[-1]}, {"text": "third"}]
+    inputs.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    ds = data.TokenDataset(data.prepare([inputs], tmp_path / "ds", directory, workers=1))
+    first, third = ours.encode("first document"), ours.encode("third")
+    chat = [i for ids, _ in ours.render_chat(QWEN_CONVERSATIONS[-1]) for i in ids]
+    assert ds.tokens.tolist() == [*first, ours.eos_id, *chat, *third, ours.eos_id]
+    assert ds.meta["bos_id"] is None and ds.meta["sft"]
+    starts = [0, len(first) + 1, len(first) + 1 + len(chat)]
+    assert np.flatnonzero(ds.loss_mask & data.STARTS_DOCUMENT).tolist() == starts
+    assert not (ds.loss_mask[starts] & data.LABEL).any()
+    loader = data.PackedLoader(ds, seq_len=ds.n_tokens - 1, micro_batch=1)
+    positions = next(loader).positions[0].tolist()
+    assert [i for i, p in enumerate(positions) if p == 0] == starts
 
 
 # Refusals
