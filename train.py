@@ -1484,8 +1484,8 @@ def resume_command(run: Run, **changes) -> str:
 
 
 def print_sample(run: Run) -> None:
-    """A short sample of the trained model, decoded by the data's tokenizer: after BOS, or
-    for SFT data after a short user turn in the data's chat format; where there is no
+    """A short sample of the trained model, decoded by the data's tokenizer: after BOS (EOS
+    where the tokenizer has none), or for SFT data after a short user turn in the data's chat format; where there is no
     tokenizer to decode it, why."""
     tokenizer, n = run.text_tokenizer, run.opts.sample_tokens
     if not n:
@@ -1497,8 +1497,10 @@ def print_sample(run: Run) -> None:
             f"of the trained model"
         )
         return
-    # BOS alone is not shown; a chat prompt is shown whole (some templates' first token is BOS)
-    prompt, shown, after = [tokenizer.bos_id], [], "BOS"
+    # BOS alone is not shown; a chat prompt is shown whole (some templates' first token is
+    # BOS). A tokenizer without BOS (Qwen's) starts each document after the one before's EOS.
+    start = "BOS" if tokenizer.bos_id is not None else "EOS"
+    prompt, shown, after = [tokenizer.bos_id if start == "BOS" else tokenizer.eos_id], [], start
     if run.loader.dataset.is_sft:
         prompt = tokenizer.chat_prompt([{"role": "user", "content": "Hello! What can you do?"}])
         shown, after = prompt, "a user turn"
