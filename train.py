@@ -1485,8 +1485,8 @@ def resume_command(run: Run, **changes) -> str:
 
 def print_sample(run: Run) -> None:
     """A short sample of the trained model, decoded by the data's tokenizer: after BOS (EOS
-    where the tokenizer has none), or for SFT data after a short user turn in the data's chat format; where there is no
-    tokenizer to decode it, why."""
+    where the tokenizer has none), or for SFT data after a short user turn in the data's chat
+    format; where there is no tokenizer to decode it, why."""
     tokenizer, n = run.text_tokenizer, run.opts.sample_tokens
     if not n:
         return
