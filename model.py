@@ -1,5 +1,6 @@
-"""The Llama model longtune trains (Llama 2, 3, 3.1 and 3.2 shapes), its LoRA adapters, and the
-Hugging Face checkpoints and PEFT adapters it reads and writes.
+"""The Llama model longtune trains (Llama 2, 3, 3.1 and 3.2 shapes, and the family that shares
+its block: Mistral, Qwen2/2.5, Qwen3, SmolLM3), its LoRA adapters, and the Hugging Face
+checkpoints and PEFT adapters it reads and writes.
 
 In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
 (`Ops`), attention over packed documents, the network, HF checkpoints (config.json, tensor
@@ -62,12 +63,61 @@ from kernels.nf4 import check_quantizable, row_bytes, scale_count
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1's frequency-dependent RoPE scaling (HF `rope_type: "llama3"`)."""
+    """RoPE scaling as transformers computes it (HF `rope_type`): "llama3", Llama 3.1's
+    frequency-dependent scaling (reads low_freq_factor, high_freq_factor); "linear", every
+    frequency divided by `factor` (Position Interpolation); "yarn", YaRN (reads beta_fast,
+    beta_slow, truncate, attention_factor). `original_max_seq_len`: the length the model was
+    pre-trained at (llama3, yarn)."""
 
+    rope_type: str = "llama3"
     factor: float = 8.0
+    original_max_seq_len: int = 8192
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    original_max_seq_len: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # None: YaRN's 0.1 ln(factor) + 1
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES[1:]:
+            raise UsageError(
+                f"RoPE scaling {self.rope_type!r}: expected one of {', '.join(ROPE_TYPES[1:])}"
+            )
+
+    @property
+    def cos_sin_scale(self) -> float:
+        """YaRN's attention factor, which multiplies cos and sin (so q.k by its square); 1
+        for the other types."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # "default": no scaling
+
+
+@dataclass(frozen=True)
+class Family:
+    """A Hugging Face `model_type` longtune reads and writes: its class, and the block
+    switches its class fixes (transformers builds the block from the type alone)."""
+
+    architecture: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    nope: bool = False  # has layers without RoPE (SmolLM3's no_rope_layers)
+    window: str = "none"  # which layers a sliding window may cover: "none", "all", "some"
+
+
+FAMILIES = {
+    "llama": Family("LlamaForCausalLM"),
+    "mistral": Family("MistralForCausalLM", window="all"),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, window="some"),
+    "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, window="some"),
+    "smollm3": Family("SmolLM3ForCausalLM", nope=True, window="some"),
+}
 
 
 @dataclass(frozen=True)
@@ -83,18 +133,70 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 8192
     tie_embeddings: bool = False
+    # The Llama family's switches, Llama's values by default. `family`: the HF model_type an
+    # export is written as (FAMILIES). head_dim: None is dim / n_heads.
+    family: str = "llama"
+    head_dim: int | None = None
+    qkv_bias: bool = False  # a bias on q, k and v (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
+    nope_layers: tuple[int, ...] = ()  # layers that attend without RoPE (SmolLM3's NoPE)
+    # A sliding window over keys on `window_layers`, which longtune does not implement: it
+    # trains only sequences that fit in the window (check_sequence_length), where attention
+    # is plain causal. Kept so that an export is the model it came from.
+    sliding_window: int | None = None
+    window_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
-        if self.dim % self.n_heads:
-            raise UsageError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+        problems = []
+        if self.head_dim is None:  # derived, never overwriting what the caller set
+            if self.dim % self.n_heads:
+                raise UsageError(f"dim {self.dim} is not a multiple of n_heads {self.n_heads}")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.n_heads % self.n_kv_heads:
-            raise UsageError(
+            problems.append(
                 f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}"
             )
+        if self.head_dim % 2:
+            problems.append(f"head_dim {self.head_dim} is odd; RoPE rotates pairs")
+        problems += self._family_problems()
+        if problems:
+            raise UsageError("; ".join(problems))
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def _family_problems(self) -> list[str]:
+        """What an export as `family` would lose: each switch its HF class fixes."""
+        family = FAMILIES.get(self.family)
+        if family is None:
+            return [f"family {self.family!r}: expected one of {', '.join(FAMILIES)}"]
+        problems = [
+            f"{name} {getattr(self, name)} in family {self.family!r}, whose blocks have "
+            f"{name} {getattr(family, name)}"
+            for name in ("qkv_bias", "qk_norm")
+            if getattr(self, name) != getattr(family, name)
+        ]
+        layers = range(self.n_layers)
+        if self.nope_layers and not family.nope:
+            problems.append(f"nope_layers {self.nope_layers}: family {self.family!r} has none")
+        if not set(self.nope_layers) <= set(layers) or not set(self.window_layers) <= set(layers):
+            problems.append(f"nope_layers and window_layers are layers 0..{self.n_layers - 1}")
+        if (self.sliding_window is None) != (not self.window_layers):
+            problems.append("a sliding_window needs window_layers, and window_layers a window")
+        if self.window_layers and family.window == "none":
+            problems.append(f"family {self.family!r} has no sliding window")
+        every_layer = len(self.window_layers) == self.n_layers
+        if self.window_layers and family.window == "all" and not every_layer:
+            problems.append(f"family {self.family!r} has its sliding window on every layer")
+        return problems
+
+    def check_sequence_length(self, seq_len: int) -> None:
+        """Refuses sequences longer than the sliding window (which longtune does not
+        implement): up to it, the window covers every key and attention is plain causal."""
+        if self.sliding_window is not None and seq_len > self.sliding_window:
+            raise UsageError(
+                f"this {self.family} model attends within a sliding window of "
+                f"{self.sliding_window} tokens on layers {list(self.window_layers)}, which "
+                f"longtune does not implement: --seq-len {seq_len} must be at most "
+                f"{self.sliding_window} (then attention is plain causal)"
+            )
 
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
@@ -104,96 +206,176 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, path: str | os.PathLike) -> "ModelArgs":
-        """Reads a HF Llama `config.json` (a file or the directory holding it). A key the
-        file leaves out means what it means to transformers: its LlamaConfig default."""
+        """Reads a HF `config.json` (a file or the directory holding it) of a FAMILIES type.
+        A key the file leaves out means what it means to transformers: its config class's
+        default (HF_CONFIG_DEFAULTS)."""
         path = Path(path)
         config_path = path / "config.json" if path.is_dir() else path
         if path.is_file() and path.suffix != ".json":
             raise _checkpoint_is_a_directory(path)
         if not config_path.is_file():
             raise UsageError(f"no Hugging Face config.json at {config_path}")
-        config = read_json(config_path)
-        if config.get("model_type") != "llama":
+        raw = read_json(config_path)
+        family = raw.get("model_type")
+        if family not in FAMILIES:
             raise UsageError(
-                f"{config_path}: model_type is {config.get('model_type', 'missing')!r}, "
-                f"expected 'llama'"
+                f"{config_path}: model_type is {family or 'missing'!r}; longtune reads the "
+                f"dense Llama family: {', '.join(FAMILIES)}"
             )
-        # A null num_key_value_heads or head_dim is derived, as transformers derives it.
-        given = {k: v for k, v in config.items() if v is not None}
-        config = {**HF_CONFIG_DEFAULTS, **given}
+        # A null num_key_value_heads or head_dim is derived from the heads, as transformers
+        # derives it; a null sliding_window is none; another null is the default.
+        derived = {k for k in ("num_key_value_heads", "head_dim") if raw.get(k, 0) is None}
+        given = {k: v for k, v in raw.items() if v is not None or k == "sliding_window"}
+        config = {**HF_CONFIG_DEFAULTS[family], **given}
+        config = {k: v for k, v in config.items() if k not in derived}
         required = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
         for key, expected in required.items():
-            if config[key] != expected:
+            if config.get(key, expected) != expected:
                 raise UsageError(f"{config_path}: {key} is {config[key]!r}, expected {expected!r}")
         # transformers >= 5 keeps rope settings in `rope_parameters`; older files use
         # `rope_theta` plus `rope_scaling`.
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         _check_hf_numbers(config_path, config, rope)
-        n_heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim", config["hidden_size"] // n_heads)
-        if head_dim * n_heads != config["hidden_size"]:
-            raise UsageError(
-                f"{config_path}: head_dim {head_dim} x {n_heads} heads != hidden_size "
-                f"{config['hidden_size']}; longtune needs head_dim = hidden_size / heads"
+        n_heads, n_layers = config["num_attention_heads"], config["num_hidden_layers"]
+        nope_layers = ()
+        if family == "smollm3":
+            nope_layers = _nope_layers(config_path, config, n_layers)
+        window, window_layers = _sliding_window(config, family, n_layers, nope_layers)
+        try:
+            return cls(
+                dim=config["hidden_size"],
+                n_layers=n_layers,
+                n_heads=n_heads,
+                n_kv_heads=config.get("num_key_value_heads", n_heads),
+                vocab_size=config["vocab_size"],
+                ffn_dim=config["intermediate_size"],
+                norm_eps=config["rms_norm_eps"],
+                rope_theta=rope.get("rope_theta", config["rope_theta"]),
+                rope_scaling=_rope_scaling(config_path, config, rope),
+                max_seq_len=config["max_position_embeddings"],
+                tie_embeddings=config["tie_word_embeddings"],
+                family=family,
+                head_dim=config.get("head_dim"),
+                qkv_bias=FAMILIES[family].qkv_bias,
+                qk_norm=FAMILIES[family].qk_norm,
+                nope_layers=nope_layers,
+                sliding_window=window,
+                window_layers=window_layers,
             )
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise UsageError(
-                f"{config_path}: rope_type {rope_type!r}; expected 'default' or 'llama3'"
-            )
-        scaling = None
-        if rope_type == "llama3":
-            keys = ["factor", "low_freq_factor", "high_freq_factor"]
-            keys.append("original_max_position_embeddings")
-            missing = [k for k in keys if k not in rope]
-            if missing:  # transformers refuses these too: it has no default for them
-                raise UsageError(f"{config_path}: rope_type 'llama3' needs {missing} as well")
-            scaling = RopeScaling(
-                factor=rope["factor"],
-                low_freq_factor=rope["low_freq_factor"],
-                high_freq_factor=rope["high_freq_factor"],
-                original_max_seq_len=rope["original_max_position_embeddings"],
-            )
-        return cls(
-            dim=config["hidden_size"],
-            n_layers=config["num_hidden_layers"],
-            n_heads=n_heads,
-            n_kv_heads=config.get("num_key_value_heads", n_heads),
-            vocab_size=config["vocab_size"],
-            ffn_dim=config["intermediate_size"],
-            norm_eps=config["rms_norm_eps"],
-            rope_theta=rope.get("rope_theta", config["rope_theta"]),
-            rope_scaling=scaling,
-            max_seq_len=config["max_position_embeddings"],
-            tie_embeddings=config["tie_word_embeddings"],
-        )
+        except UsageError as e:
+            raise UsageError(f"{config_path}: {e}") from None
+
+    def _block_params(self) -> tuple[int, int]:
+        """A block's (matmul weights, other parameters: norms and biases)."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        matmul = self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.ffn_dim  # wq wk wv wo w1 w2 w3
+        other = 2 * self.dim  # the two norms
+        other += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        return matmul, other
 
     def num_params(self) -> int:
-        layer = (
-            self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)  # wq wk wv wo
-            + 3 * self.dim * self.ffn_dim  # w1 w2 w3
-            + 2 * self.dim  # the two norms
-        )
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * layer + embeddings + self.dim
+        return self.n_layers * sum(self._block_params()) + embeddings + self.dim
 
     def training_flops(self, tokens: float, attended_pairs: float, frozen: bool = False) -> float:
         """Training FLOPs of `tokens` tokens whose causal attention computes `attended_pairs`
         (query, key) pairs: 6 per weight used in a matmul per token (forward 2, backward 4),
         or 4 for `frozen` weights (LoRA's base: backward computes the input's gradient, not
-        the weight's; the small adapters are not counted), plus 12*L*d per pair: QK^T and AV
-        are 2*d FLOPs each per pair in forward, times 3 for forward+backward."""
-        norms = (2 * self.n_layers + 1) * self.dim
+        the weight's; the small adapters are not counted), plus 12*L*H*Dh per pair: QK^T and
+        AV are 2*H*Dh FLOPs each per pair in forward, times 3 for forward+backward."""
         # The embedding lookup is not a matmul; a tied embedding still is the output matmul.
-        lookup = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        matmul_params = self.num_params() - norms - lookup
-        per_pair = 12 * self.n_layers * self.dim
+        output = self.vocab_size * self.dim
+        matmul_params = self.n_layers * self._block_params()[0] + output
+        per_pair = 12 * self.n_layers * self.n_heads * self.head_dim
         return (4 if frozen else 6) * matmul_params * tokens + per_pair * attended_pairs
 
     def flops_per_token(self, seq_len: int, frozen: bool = False) -> float:
         """Training FLOPs per token of causal rows of `seq_len` tokens: 6N + 6*L*S*d (4N with
         a frozen base), a token attending S/2 keys on average."""
         return self.training_flops(1, seq_len / 2, frozen)
+
+
+def _rope_scaling(config_path: Path, config: dict, rope: dict) -> RopeScaling | None:
+    """The RoPE scaling of HF rope settings, with transformers' defaults: YaRN's betas 32
+    and 1, its truncation on, and the attention factor from mscale and mscale_all_dim when
+    both are given (DeepSeek's form), else left to YaRN's formula."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UsageError(
+            f"{config_path}: rope_type {rope_type!r} is not one longtune computes; expected "
+            f"one of {', '.join(ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return None
+    needs = {"linear": ["factor"], "yarn": ["factor"]}
+    needs["llama3"] = ["factor", "low_freq_factor", "high_freq_factor"]
+    missing = [k for k in needs[rope_type] if rope.get(k) is None]
+    if missing:  # transformers refuses these too: it has no default for them
+        raise UsageError(f"{config_path}: rope_type {rope_type!r} needs {missing} as well")
+    # transformers defaults the pre-training length to max_position_embeddings.
+    original = rope.get("original_max_position_embeddings", config["max_position_embeddings"])
+    if rope_type == "linear":
+        return RopeScaling("linear", rope["factor"])
+    if rope_type == "llama3":
+        return RopeScaling(
+            "llama3", rope["factor"], original, rope["low_freq_factor"], rope["high_freq_factor"]
+        )
+    attention_factor = rope.get("attention_factor")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+        factor = rope["factor"]
+        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return RopeScaling(
+        "yarn",
+        rope["factor"],
+        original,
+        beta_fast=rope.get("beta_fast") or 32.0,
+        beta_slow=rope.get("beta_slow") or 1.0,
+        truncate=rope.get("truncate", True),
+        attention_factor=attention_factor,
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _nope_layers(config_path: Path, config: dict, n_layers: int) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: `no_rope_layers` (1 = RoPE, per layer), by default
+    every `no_rope_layer_interval`-th layer."""
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = config["no_rope_layer_interval"]
+        flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if not isinstance(flags, list) or len(flags) < n_layers or any(f not in (0, 1) for f in flags):
+        raise UsageError(
+            f"{config_path}: no_rope_layers is {flags!r}, expected a 0 or 1 for each of the "
+            f"{n_layers} layers"
+        )
+    return tuple(i for i in range(n_layers) if not flags[i])
+
+
+def _sliding_window(
+    config: dict, family: str, n_layers: int, nope_layers: tuple[int, ...]
+) -> tuple[int | None, tuple[int, ...]]:
+    """(window, the layers it is on) as transformers reads them: Mistral's `sliding_window`
+    on every layer; Qwen2/3's and SmolLM3's only with `use_sliding_window`, on the layers
+    `layer_types` calls sliding, by default Qwen's from `max_window_layers` on and
+    SmolLM3's NoPE layers."""
+    window = config.get("sliding_window")
+    if family == "llama" or window is None:
+        return None, ()
+    if family == "mistral":
+        return window, tuple(range(n_layers))
+    if not config["use_sliding_window"]:
+        return None, ()
+    types = config.get("layer_types")
+    if not isinstance(types, list) or len(types) < n_layers:
+        first = config["max_window_layers"] if family != "smollm3" else n_layers
+        types = ["sliding_attention" if i >= first or i in nope_layers else "full_attention"
+                 for i in range(n_layers)]  # fmt: skip
+    layers = tuple(i for i in range(n_layers) if types[i] == "sliding_attention")
+    return (window, layers) if layers else (None, ())
 
 
 def _check_hf_numbers(config_path: Path, config: dict, rope: dict) -> None:
@@ -203,13 +385,15 @@ def _check_hf_numbers(config_path: Path, config: dict, rope: dict) -> None:
         raise UsageError(f"{config_path}: the rope settings are {rope!r}, expected an object")
     sizes = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
     sizes += ["vocab_size", "intermediate_size", "max_position_embeddings", "head_dim"]
-    sizes = {key: config[key] for key in sizes if key in config}
+    sizes += ["sliding_window", "no_rope_layer_interval"]
+    sizes = {key: config[key] for key in sizes if config.get(key) is not None}
     if "original_max_position_embeddings" in rope:
         sizes["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     numbers = {"rms_norm_eps": config["rms_norm_eps"]}
     numbers["rope_theta"] = rope.get("rope_theta", config["rope_theta"])
-    for key in ("factor", "low_freq_factor", "high_freq_factor"):
-        if key in rope:
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                "attention_factor"):  # fmt: skip
+        if rope.get(key) is not None:
             numbers[key] = rope[key]
     problems = [
         f"{key} is {value!r}, expected an integer > 0"
@@ -225,10 +409,11 @@ def _check_hf_numbers(config_path: Path, config: dict, rope: dict) -> None:
         raise UsageError(f"{config_path}: {'; '.join(problems)}")
 
 
-# transformers' LlamaConfig defaults (5.x keeps rope_theta in rope_parameters): what a
-# config.json without the key means. tests/test_model.py compares them with LlamaConfig().
-# num_key_value_heads and head_dim, when absent, derive from the heads.
-HF_CONFIG_DEFAULTS = {
+# transformers' config class defaults by model_type (5.x keeps rope_theta in
+# rope_parameters): what a config.json without the key means. tests/test_model.py compares
+# them with each class's. num_key_value_heads and head_dim, when absent here, derive from
+# the heads.
+_LLAMA_DEFAULTS = {
     "vocab_size": 32000,
     "hidden_size": 4096,
     "intermediate_size": 11008,
@@ -241,6 +426,48 @@ HF_CONFIG_DEFAULTS = {
     "attention_bias": False,
     "mlp_bias": False,
     "rope_theta": 10000.0,
+}
+_QWEN2_DEFAULTS = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 22016,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_theta": 10000.0,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+}
+HF_CONFIG_DEFAULTS = {
+    "llama": _LLAMA_DEFAULTS,
+    "mistral": {
+        **{k: v for k, v in _LLAMA_DEFAULTS.items() if not k.endswith("_bias")},
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+    },
+    "qwen2": _QWEN2_DEFAULTS,
+    "qwen3": {**_QWEN2_DEFAULTS, "head_dim": 128, "attention_bias": False},
+    "smollm3": {
+        **_LLAMA_DEFAULTS,
+        "vocab_size": 128256,
+        "hidden_size": 2048,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+        "rope_theta": 2000000.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "no_rope_layer_interval": 4,
+    },
 }
 
 _LLAMA31_SCALING = RopeScaling(factor=8.0)
@@ -276,6 +503,37 @@ PRESETS: dict[str, ModelArgs] = {
         tie_embeddings=True,
         rope_scaling=_LLAMA32_SCALING,
         max_seq_len=131072,
+    ),
+    # The Llama family's other published shapes, from their config.json on the hub.
+    "mistral-7b": ModelArgs(  # v0.3 (v0.1's 4096-token sliding window is gone)
+        family="mistral",
+        vocab_size=32768,
+        rope_theta=1e6,
+        max_seq_len=32768,
+    ),
+    "qwen2.5-7b": ModelArgs(
+        family="qwen2",
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        vocab_size=152064,
+        ffn_dim=18944,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=131072,
+        qkv_bias=True,
+    ),
+    "qwen3-8b": ModelArgs(
+        family="qwen3",
+        n_layers=36,
+        vocab_size=151936,
+        ffn_dim=12288,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=40960,
+        head_dim=128,
+        qk_norm=True,
     ),
     # For tests and CPU runs: odd sizes on purpose, a vocabulary that fits the byte tokenizer.
     "tiny": ModelArgs(
@@ -316,24 +574,47 @@ def attended_pairs(
 
 
 def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """inv_freq [head_dim/2] fp32, with Llama 3.1's scaling when the model has it: long
-    wavelengths (past original_max_seq_len / low_freq_factor) are slowed by `factor`, short
-    ones (below original_max_seq_len / high_freq_factor) kept, and the band between blended."""
+    """inv_freq [head_dim/2] fp32 (as transformers computes it), with the model's scaling:
+    "linear" divides every frequency by `factor`; "llama3" slows long wavelengths (past
+    original_max_seq_len / low_freq_factor) by `factor`, keeps short ones (below
+    original_max_seq_len / high_freq_factor) and blends the band between; "yarn" blends the
+    slowed and the kept frequency by dimension, on a ramp between the dimensions that turn
+    beta_fast and beta_slow times over original_max_seq_len. (YaRN's attention factor
+    scales cos and sin: RopeScaling.cos_sin_scale.)"""
     exponents = torch.arange(0, args.head_dim, 2, device=device, dtype=torch.int64).float()
     inv_freq = 1.0 / args.rope_theta ** (exponents / args.head_dim)
     s = args.rope_scaling
     if s is None:
         return inv_freq
-    wavelen = 2 * math.pi / inv_freq
-    blend = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    blended = (1 - blend) * inv_freq / s.factor + blend * inv_freq
-    long_wavelen = s.original_max_seq_len / s.low_freq_factor
-    short_wavelen = s.original_max_seq_len / s.high_freq_factor
-    scaled = torch.where(wavelen > long_wavelen, inv_freq / s.factor, inv_freq)
-    is_band = (wavelen >= short_wavelen) & (wavelen <= long_wavelen)
-    return torch.where(is_band, blended, scaled)
+    if s.rope_type == "linear":
+        return inv_freq / s.factor
+    if s.rope_type == "llama3":
+        wavelen = 2 * math.pi / inv_freq
+        blend = (s.original_max_seq_len / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor
+        )
+        blended = (1 - blend) * inv_freq / s.factor + blend * inv_freq
+        long_wavelen = s.original_max_seq_len / s.low_freq_factor
+        short_wavelen = s.original_max_seq_len / s.high_freq_factor
+        scaled = torch.where(wavelen > long_wavelen, inv_freq / s.factor, inv_freq)
+        is_band = (wavelen >= short_wavelen) & (wavelen <= long_wavelen)
+        return torch.where(is_band, blended, scaled)
+    # yarn: the frequencies blended by dimension
+    pos_freqs = args.rope_theta ** (exponents / args.head_dim)  # as transformers rounds
+
+    def dimension(turns: float) -> float:  # the dimension that turns `turns` times
+        wavelengths = s.original_max_seq_len / (turns * 2 * math.pi)
+        return args.head_dim * math.log(wavelengths) / (2 * math.log(args.rope_theta))
+
+    low, high = dimension(s.beta_fast), dimension(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, args.head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    dims = torch.arange(args.head_dim // 2, dtype=torch.float32, device=device)
+    kept = 1 - ((dims - low) / (high - low)).clamp(0, 1)
+    return (1.0 / (s.factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
 
 
 # ----------------------------------------------------------------------------------------
@@ -344,7 +625,7 @@ def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> tor
 @dataclass(frozen=True)
 class Ops:
     rms_norm: Callable  # (x [..., D], weight [D], eps) -> [..., D]
-    apply_rope: Callable  # (q [B,S,H,Dh], k [B,S,Hkv,Dh], positions [B,S], inv_freq) -> q, k
+    apply_rope: Callable  # (q [B,S,H,Dh], k [B,S,Hkv,Dh], positions [B,S], inv_freq, scale) -> q, k
     swiglu: Callable  # (gate, up) -> silu(gate) * up
     linear_cross_entropy: Callable  # (hidden [N,D], weight [V,D], labels [N], ignore, reduction)
 
@@ -643,13 +924,24 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, ops: Ops, sdpa_backends: list[SDPBackend]):
+    def __init__(
+        self, args: ModelArgs, ops: Ops, sdpa_backends: list[SDPBackend], use_rope: bool = True
+    ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        q_dim, kv_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.wq = nn.Linear(args.dim, q_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(q_dim, args.dim, bias=False)
+        # QK-norm (Qwen3): each head's q and k normalized, so that their dot products stay in
+        # range without a softmax temperature.
+        self.q_norm = self.k_norm = None
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, ops)
+        self.use_rope = use_rope
+        self.rope_scale = args.rope_scaling.cos_sin_scale if args.rope_scaling else 1.0
         self.ops = ops
         self.sdpa_backends = sdpa_backends
 
@@ -665,7 +957,10 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
-        q, k = self.ops.apply_rope(q, k, positions, inv_freq)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = self.ops.apply_rope(q, k, positions, inv_freq, self.rope_scale)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, Dh]
         out = self.attend(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
@@ -695,10 +990,12 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, ops: Ops, sdpa_backends: list[SDPBackend]):
+    def __init__(
+        self, args: ModelArgs, ops: Ops, sdpa_backends: list[SDPBackend], use_rope: bool = True
+    ):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops)
-        self.attention = Attention(args, ops, sdpa_backends)
+        self.attention = Attention(args, ops, sdpa_backends, use_rope)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim, ops)
 
@@ -736,7 +1033,8 @@ class Llama(nn.Module):
         backends = SDPA_BACKENDS[attention_backend]
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(
-            TransformerBlock(args, ops, backends) for _ in range(args.n_layers)
+            TransformerBlock(args, ops, backends, use_rope=i not in args.nope_layers)
+            for i in range(args.n_layers)
         )
         self.norm = RMSNorm(args.dim, args.norm_eps, ops)
         # A tied model has no output module: it reuses the embedding matrix. (Sharing one
@@ -792,13 +1090,13 @@ class Llama(nn.Module):
         """The full initial tensor of parameter `name` (fp32), one per (seed, name) whatever the
         device and however the model is sharded: norms 1, matrices N(0, 0.02), the projections
         that write into the residual stream (wo, w2) scaled down by sqrt(2 * n_layers) so the
-        residual's variance does not grow with depth. LoRA's adapters as PEFT initializes them,
-        so that an adapted model starts equal to its base: B = 0, A ~ U(-1/sqrt(in), 1/sqrt(in))
-        (nn.Linear's default, kaiming-uniform with a = sqrt(5))."""
+        residual's variance does not grow with depth; biases 0. LoRA's adapters as PEFT
+        initializes them, so that an adapted model starts equal to its base: B = 0,
+        A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's default, kaiming-uniform with a = sqrt(5))."""
         shape = weight_shape(self, name)
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=device)
-        if name.endswith("lora_B"):
+        if name.endswith(("lora_B", "bias")):
             return torch.zeros(shape, device=device)
         generator = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
         if name.endswith("lora_A"):
@@ -881,6 +1179,15 @@ _HF_LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+_HF_QKV_BIAS_NAMES = {
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+}
+_HF_QK_NORM_NAMES = {
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+}
 
 
 def hf_names(args: ModelArgs) -> dict[str, str]:
@@ -891,8 +1198,13 @@ def hf_names(args: ModelArgs) -> dict[str, str]:
     }
     if not args.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
+    layer = dict(_HF_LAYER_NAMES)
+    if args.qkv_bias:
+        layer |= _HF_QKV_BIAS_NAMES
+    if args.qk_norm:
+        layer |= _HF_QK_NORM_NAMES
     for i in range(args.n_layers):
-        for ours, theirs in _HF_LAYER_NAMES.items():
+        for ours, theirs in layer.items():
             names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
     return names
 
@@ -1080,21 +1392,24 @@ def fill_weights(
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = None) -> dict:
-    """A config.json that transformers reads as the same model (rope settings written both
-    the transformers >= 5 way and the older way), with the tokenizer's special token ids."""
+    """A config.json that transformers reads as the same model, of the model's family (rope
+    settings written both the transformers >= 5 way and the older way), with the
+    tokenizer's special token ids."""
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
-    if args.rope_scaling is not None:
-        s = args.rope_scaling
-        rope |= {
-            "rope_type": "llama3",
-            "factor": s.factor,
-            "low_freq_factor": s.low_freq_factor,
-            "high_freq_factor": s.high_freq_factor,
-            "original_max_position_embeddings": s.original_max_seq_len,
-        }
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    s = args.rope_scaling
+    if s is not None:
+        rope |= {"rope_type": s.rope_type, "factor": s.factor}
+    if s is not None and s.rope_type in ("llama3", "yarn"):
+        rope["original_max_position_embeddings"] = s.original_max_seq_len
+    if s is not None and s.rope_type == "llama3":
+        rope |= {"low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor}
+    if s is not None and s.rope_type == "yarn":
+        rope |= {"beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
+        if s.attention_factor is not None:
+            rope["attention_factor"] = s.attention_factor
+    config = {
+        "architectures": [FAMILIES[args.family].architecture],
+        "model_type": args.family,
         "hidden_size": args.dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
@@ -1106,14 +1421,37 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
         "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "rope_parameters": rope,
         "rope_theta": args.rope_theta,
-        "rope_scaling": rope if args.rope_scaling is not None else None,
+        "rope_scaling": rope if s is not None else None,
         "torch_dtype": str(dtype).removeprefix("torch."),
-        **(special_ids or {}),
     }
+    if args.family in ("llama", "qwen3", "smollm3"):
+        config["attention_bias"] = False
+    if args.family in ("llama", "smollm3"):
+        config["mlp_bias"] = False
+    if args.family == "mistral":
+        config["sliding_window"] = args.sliding_window
+    if args.family == "smollm3":
+        nope = set(args.nope_layers)
+        config["no_rope_layers"] = [int(i not in nope) for i in range(args.n_layers)]
+    if FAMILIES[args.family].window == "some":
+        windowed = set(args.window_layers)
+        config |= {
+            "use_sliding_window": args.sliding_window is not None,
+            "sliding_window": args.sliding_window,
+            "layer_types": [
+                "sliding_attention" if i in windowed else "full_attention"
+                for i in range(args.n_layers)
+            ],
+        }
+    if args.family in ("qwen2", "qwen3"):
+        # Qwen's rule for the window's layers, from here on; layer_types says them all.
+        config["max_window_layers"] = min(args.window_layers, default=args.n_layers)
+    # Without a tokenizer's ids, none: the family's defaults (SmolLM3's pad 128004, Mistral's
+    # bos 1) are ids of its own vocabulary.
+    no_ids = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))
+    return config | no_ids | (special_ids or {})
 
 
 def save_hf_checkpoint(
@@ -1252,8 +1590,9 @@ def parse_lora_targets(text: str) -> tuple[str, ...]:
 
 
 class LoRALinear(nn.Module):
-    """y = x W^T + scale * dropout(x) A^T B^T, scale = alpha / rank (PEFT's LoRA layer), with
-    W frozen. W is stored in `base_dtype`, or in NF4 (kernels/nf4.py) as `weight_nf4`: its
+    """y = x W^T (+ b) + scale * dropout(x) A^T B^T, scale = alpha / rank (PEFT's LoRA layer),
+    with W and the projection's bias b (Qwen2's q, k, v) frozen. b stays in `base_dtype`.
+    W is stored in `base_dtype`, or in NF4 (kernels/nf4.py) as `weight_nf4`: its
     packed rows viewed as `base_dtype`, which must be the compute dtype FSDP gathers in (so
     its mixed precision policy has nothing to cast), and two small second-level tensors
     kept whole as buffers (not in checkpoints: the base is re-read from the HF checkpoint)."""
@@ -1265,6 +1604,7 @@ class LoRALinear(nn.Module):
         config: LoRAConfig,
         base_dtype: torch.dtype,
         dequantize: Callable,
+        bias: bool = False,
         device: torch.device | None = None,
     ):
         super().__init__()
@@ -1282,6 +1622,10 @@ class LoRALinear(nn.Module):
         else:
             weight = torch.empty(out_features, in_features, dtype=base_dtype, device=device)
             self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None
+        if bias:
+            bias_values = torch.empty(out_features, dtype=base_dtype, device=device)
+            self.bias = nn.Parameter(bias_values, requires_grad=False)
         self.lora_A = nn.Parameter(torch.empty(config.rank, in_features, device=device))
         self.lora_B = nn.Parameter(torch.empty(out_features, config.rank, device=device))
 
@@ -1295,6 +1639,8 @@ class LoRALinear(nn.Module):
             )
         else:
             base = F.linear(x, self.weight)
+        if self.bias is not None:
+            base = base + self.bias
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
         return base + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
@@ -1348,7 +1694,7 @@ def apply_lora(
                 raise UsageError(str(e)) from None
         lora = LoRALinear(
             linear.in_features, linear.out_features, config, base_dtype, dequantize,
-            device=linear.weight.device,
+            bias=linear.bias is not None, device=linear.weight.device,
         )  # fmt: skip
         setattr(parent, attr, lora)
     for module in model.modules():
@@ -1543,7 +1889,7 @@ def merged_named_tensors(
     lora = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
     for name, param in model.named_parameters():
         owner_path, _, leaf = name.rpartition(".")
-        if owner_path not in lora:
+        if owner_path not in lora or leaf == "bias":
             yield name, gather(param)
         elif leaf in ("weight", "weight" + NF4_SUFFIX):
             module = lora[owner_path]

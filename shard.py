@@ -1077,9 +1077,14 @@ def parameter_shapes(args: ModelArgs) -> dict[str, torch.Size]:
 
 
 def block_shapes(args: ModelArgs) -> dict[str, torch.Size]:
-    """A TransformerBlock's parameters by their last module name: wq ... w2 and the norms."""
+    """A TransformerBlock's parameters by module and leaf: wq.weight ... w2.weight, the
+    norms' weights and (Qwen2) wq.bias, wk.bias, wv.bias."""
     shapes = parameter_shapes(args).items()
-    return {name.split(".")[-2]: shape for name, shape in shapes if name.startswith("layers.0.")}
+    return {
+        ".".join(name.split(".")[-2:]): shape
+        for name, shape in shapes
+        if name.startswith("layers.0.")
+    }
 
 
 def block_params(args: ModelArgs) -> int:
@@ -1127,7 +1132,11 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
     # A target's base in NF4 is its packed rows and scales, any other frozen weight
     # param_bytes a value. (The scales, 1/16384 of the rows, are whole on every rank: the
     # estimate divides them over the shard group with the rest.)
-    targets = {name: shape for name, shape in block_shapes(args).items() if name in lora.targets}
+    targets = {
+        name: shape
+        for name, shape in block_shapes(args).items()
+        if name.removesuffix(".weight") in lora.targets  # a target's bias is not adapted
+    }
     adapters = sum(lora.rank * (n + k) for n, k in targets.values())
     base = 0
     for name, shape in block_shapes(args).items():

@@ -547,6 +547,7 @@ def model_args(opts: Options) -> ModelArgs:
             f"{opts.hf_checkpoint} was trained on: pass --max-seq-len {opts.seq_len} to extend "
             f"its context"
         )
+    args.check_sequence_length(opts.seq_len)
     return args
 
 

@@ -1,9 +1,10 @@
 """Rotary position embedding in the Hugging Face "rotate half" layout.
 
 Each head's vector is split into halves [x1, x2] (not interleaved pairs); with the angle
-a = position * inv_freq[i] for i < head_dim/2 the rotation is
-    y1 = x1 * cos(a) - x2 * sin(a),   y2 = x2 * cos(a) + x1 * sin(a).
-Its gradient is the inverse rotation (a -> -a) applied to the output's gradient.
+a = position * inv_freq[i] for i < head_dim/2 and a scale c (1, or YaRN's attention factor,
+which transformers multiplies into cos and sin) the rotation is
+    y1 = c * (x1 * cos(a) - x2 * sin(a)),   y2 = c * (x2 * cos(a) + x1 * sin(a)).
+Its gradient is the inverse rotation (a -> -a), scaled by c, applied to the output's gradient.
 
 Read in order: the plain-PyTorch reference, the launch configuration, the Triton kernel (one
 launch rotates q and k; the sign of the angle selects forward or backward), the autograd
@@ -16,12 +17,16 @@ import triton.language as tl
 
 
 def apply_rope_reference(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [B, S, H, Dh], k: [B, S, Hkv, Dh], positions: [B, S] int, inv_freq: [Dh/2] fp32."""
     angles = positions.float()[..., None] * inv_freq.float()  # [B, S, Dh/2]
-    cos = angles.cos()[:, :, None, :]  # [B, S, 1, Dh/2]
-    sin = angles.sin()[:, :, None, :]
+    cos = (angles.cos() * scale)[:, :, None, :]  # [B, S, 1, Dh/2]
+    sin = (angles.sin() * scale)[:, :, None, :]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.float().chunk(2, dim=-1)
@@ -64,12 +69,13 @@ def _rotate_heads(
 def _rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, positions_ptr, inv_freq_ptr,
     q_stride_b, q_stride_s, q_stride_h, k_stride_b, k_stride_s, k_stride_h,
-    seq_len, n_heads, n_kv_heads, half,
+    seq_len, n_heads, n_kv_heads, half, scale,
     SIGN: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
     """One token (b, s) per program, all its q and k heads. With a = positions[b, s] *
-    inv_freq[i], computed in fp32 as in the reference, and SIGN = +1 (forward) or -1 (backward):
-        out1 = x1 * cos(a) - x2 * SIGN * sin(a),   out2 = x2 * cos(a) + x1 * SIGN * sin(a).
+    inv_freq[i], computed in fp32 as in the reference, c = scale and SIGN = +1 (forward) or
+    -1 (backward):
+        out1 = x1 * c cos(a) - x2 * SIGN * c sin(a),   out2 = x2 * c cos(a) + x1 * SIGN * c sin(a).
     Inputs may be strided over b, s and heads; outputs are contiguous [B, S, heads, Dh].
     """
     token = tl.program_id(0).to(tl.int64)
@@ -79,8 +85,8 @@ def _rope_kernel(
     angle = tl.load(positions_ptr + token).to(tl.float32) * tl.load(
         inv_freq_ptr + dims, mask=dims < half, other=0.0
     )
-    cos = tl.cos(angle)[None, :]
-    sin = (SIGN * tl.sin(angle))[None, :]
+    cos = (tl.cos(angle) * scale)[None, :]
+    sin = (SIGN * (tl.sin(angle) * scale))[None, :]
     _rotate_heads(
         q_ptr + b * q_stride_b + s * q_stride_s, q_stride_h, q_out_ptr + token * n_heads * 2 * half,
         n_heads, half, cos, sin, BLOCK_H, BLOCK_HALF,
@@ -93,7 +99,12 @@ def _rope_kernel(
 
 
 def _rotate(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sign: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scale: float,
+    sign: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launches the kernel on q [B, S, H, Dh] and k [B, S, Hkv, Dh]; returns new tensors."""
     bsz, seq_len, n_heads, head_dim = q.shape
@@ -108,7 +119,7 @@ def _rotate(
     _rope_kernel[(bsz * seq_len,)](
         q, k, q_out, k_out, positions.contiguous(), inv_freq.float().contiguous(),
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        seq_len, n_heads, n_kv_heads, head_dim // 2,
+        seq_len, n_heads, n_kv_heads, head_dim // 2, float(scale),
         SIGN=sign, BLOCK_H=block_h, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half,
         num_warps=num_warps,
     )  # fmt: skip
@@ -117,21 +128,27 @@ def _rotate(
 
 class _Rope(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, positions, inv_freq):
+    def forward(ctx, q, k, positions, inv_freq, scale):
         ctx.save_for_backward(positions, inv_freq)
-        return _rotate(q, k, positions, inv_freq, sign=1)
+        ctx.scale = scale
+        return _rotate(q, k, positions, inv_freq, scale, sign=1)
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
         positions, inv_freq = ctx.saved_tensors
-        dq, dk = _rotate(dq_out, dk_out, positions, inv_freq, sign=-1)
-        return dq, dk, None, None
+        dq, dk = _rotate(dq_out, dk_out, positions, inv_freq, ctx.scale, sign=-1)
+        return dq, dk, None, None, None
 
 
 def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [B, S, H, Dh], k: [B, S, Hkv, Dh], positions: [B, S] int, inv_freq: [Dh/2] fp32.
+    """q: [B, S, H, Dh], k: [B, S, Hkv, Dh], positions: [B, S] int, inv_freq: [Dh/2] fp32,
+    scale: multiplies cos and sin (YaRN's attention factor).
 
     Returns rotated copies of q and k (contiguous); the inputs are left untouched."""
     bsz, seq_len, _, head_dim = q.shape
@@ -145,4 +162,4 @@ def apply_rope(
             f"positions must be [{bsz}, {seq_len}] and inv_freq [{head_dim // 2}], "
             f"got {tuple(positions.shape)} and {tuple(inv_freq.shape)}"
         )
-    return _Rope.apply(q, k, positions, inv_freq)
+    return _Rope.apply(q, k, positions, inv_freq, scale)

@@ -125,10 +125,12 @@ def rope_inputs(bsz, seq_len, n_heads, n_kv_heads, head_dim, dtype, max_position
     return q, k, positions, inv_freq
 
 
-def rope_against_reference(q, k, dq_out, dk_out, positions, inv_freq, reference_dtype):
+def rope_against_reference(
+    q, k, dq_out, dk_out, positions, inv_freq, reference_dtype, scale: float = 1.0
+):
     return against_reference(
-        lambda a, b: apply_rope(a, b, positions, inv_freq),
-        lambda a, b: apply_rope_reference(a, b, positions, inv_freq),
+        lambda a, b: apply_rope(a, b, positions, inv_freq, scale),
+        lambda a, b: apply_rope_reference(a, b, positions, inv_freq, scale),
         [q, k], [dq_out, dk_out], ["q", "k", "dq", "dk"], reference_dtype,
     )  # fmt: skip
 
@@ -147,6 +149,17 @@ def test_rope_matches_reference_forward_and_grads(
     for name, out, ref in pairs:
         assert out.dtype == dtype
         assert_close(out, ref, TOLERANCE[dtype], name)
+
+
+def test_rope_scales_cos_and_sin_by_yarns_attention_factor():
+    """scale c: the rotation times c, in forward (q, k) and backward (dq, dk)."""
+    q, k, positions, inv_freq = rope_inputs(2, 7, 3, 1, 24, torch.float32)
+    dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
+    scaled = rope_against_reference(q, k, dq_out, dk_out, positions, inv_freq, torch.float64, 1.3)
+    plain = rope_against_reference(q, k, dq_out, dk_out, positions, inv_freq, torch.float64)
+    for (name, out, ref), (_, plain_out, _) in zip(scaled, plain, strict=True):
+        assert_close(out, ref, TOLERANCE[torch.float32], name)
+        assert_close(out, 1.3 * plain_out, TOLERANCE[torch.float32], name)
 
 
 def test_rope_reads_strided_inputs_and_grads_and_leaves_them_untouched():

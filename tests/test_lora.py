@@ -20,6 +20,7 @@ from model import (
     LoRALinear,
     ModelArgs,
     apply_lora,
+    hf_names,
     load_hf_checkpoint,
     load_peft_adapter,
     merged_named_tensors,
@@ -41,9 +42,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
-def hf_checkpoint(path: Path) -> Path:
-    """A tiny HF Llama (GQA, untied) whose rows are multiples of 64, so NF4 applies."""
-    config = transformers.LlamaConfig(
+# The family's config class, and what the tiny checkpoint sets beyond the common sizes:
+# Qwen2's q/k/v biases come with its class, Qwen3's QK-norm too (head_dim 48, not 128 / 4).
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 48}),
+}
+
+
+def hf_checkpoint(path: Path, family: str = "llama") -> Path:
+    """A tiny HF model of `family` (GQA, untied) whose rows are multiples of 64, so NF4
+    applies; norms and biases random (HF starts them at 1 and 0), so that they are loaded."""
+    class_name, extra = FAMILIES[family]
+    config = getattr(transformers, class_name)(
         hidden_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -52,9 +64,17 @@ def hf_checkpoint(path: Path) -> Path:
         vocab_size=160,
         max_position_embeddings=128,
         tie_word_embeddings=False,
+        **extra,
     )
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).float().save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if family != "llama" and "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.uniform_(-0.2, 0.2)
+    model.save_pretrained(path)
     return path
 
 
@@ -123,8 +143,10 @@ def peft_model_like(model: Llama, path: Path):
     return theirs
 
 
-def test_logits_and_adapter_gradients_match_peft(tmp_path):
-    path = hf_checkpoint(tmp_path)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_and_adapter_gradients_match_peft(tmp_path, family):
+    """PEFT's target names are the family's too; Qwen2's biases stay in the frozen base."""
+    path = hf_checkpoint(tmp_path, family)
     model = lora_model(path)
     randomize_adapters(model)
     theirs = peft_model_like(model, path)
@@ -200,8 +222,9 @@ def test_an_adapter_with_peft_settings_longtune_lacks_is_refused(tmp_path):
         assert f"adapter_config.json {key}: adapter has {changed[key]!r}" in message
 
 
-def test_merged_export_loads_in_transformers(tmp_path):
-    path = hf_checkpoint(tmp_path / "base")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_merged_export_loads_in_transformers(tmp_path, family):
+    path = hf_checkpoint(tmp_path / "base", family)
     model = lora_model(path)
     randomize_adapters(model)
     out = tmp_path / "merged"
@@ -218,8 +241,11 @@ def test_targets_accept_hf_names_and_refuse_unknown_ones():
         parse_lora_targets("qkv")
 
 
-def test_model_on_nf4_base_equals_model_on_dequantized_base(tmp_path):
-    path = hf_checkpoint(tmp_path)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_model_on_nf4_base_equals_model_on_dequantized_base(tmp_path, family):
+    """Only the targets' weights are in 4 bits: Qwen2's q/k/v biases and Qwen3's q/k norms
+    stay as loaded, frozen."""
+    path = hf_checkpoint(tmp_path, family)
     quantized = lora_model(path, LoRAConfig(rank=4, alpha=8.0, quantize_base="nf4"))
     plain = lora_model(path)
     randomize_adapters(quantized)
@@ -231,6 +257,13 @@ def test_model_on_nf4_base_equals_model_on_dequantized_base(tmp_path):
                 plain.get_submodule(name).weight.copy_(dequantized)
     assert not any(isinstance(getattr(m, "weight", None), torch.nn.Parameter)
                    for m in quantized.modules() if isinstance(m, LoRALinear))  # fmt: skip
+    hf = dict(transformers.AutoModelForCausalLM.from_pretrained(path).named_parameters())
+    kept = {name: hf_name for name, hf_name in hf_names(quantized.args).items()
+            if name.endswith(("bias", "q_norm.weight", "k_norm.weight"))}  # fmt: skip
+    assert len(kept) == {"llama": 0, "qwen2": 6, "qwen3": 4}[family]
+    for name, hf_name in kept.items():
+        param = quantized.get_parameter(name)
+        assert not param.requires_grad and torch.equal(param, hf[hf_name]), name
     tokens = tokens_for(plain)
     logits, plain_logits = quantized(tokens), plain(tokens)
     assert rel_err(logits, plain_logits) <= FP32_RTOL

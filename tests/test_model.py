@@ -514,10 +514,12 @@ def test_shard_named_in_index_but_absent_is_named(tmp_path):
 
 def test_config_of_another_architecture_is_refused(good_checkpoint):
     config = json.loads((good_checkpoint / "config.json").read_text())
-    config["model_type"] = "mistral"
-    (good_checkpoint / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="model_type is 'mistral', expected 'llama'"):
-        load_longtune(good_checkpoint)
+    for other in ("gemma", "qwen3_moe", "mixtral"):
+        config["model_type"] = other
+        (good_checkpoint / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=f"model_type is '{other}'; longtune reads the dense "
+                           "Llama family: llama, mistral, qwen2, qwen3, smollm3$"):  # fmt: skip
+            load_longtune(good_checkpoint)
 
 
 def test_non_float_tensor_is_refused(good_checkpoint):
@@ -528,15 +530,6 @@ def test_non_float_tensor_is_refused(good_checkpoint):
     )
     with pytest.raises(ValueError, match=r"tensor model\.norm\.weight: dtype I32, expected"):
         load_longtune(good_checkpoint)
-
-
-def test_config_defaults_are_transformers_llama_defaults():
-    defaults = transformers.LlamaConfig()
-    for key, value in HF_CONFIG_DEFAULTS.items():
-        if key == "rope_theta":  # transformers 5 keeps it in rope_parameters
-            assert defaults.rope_parameters == {"rope_theta": value, "rope_type": "default"}
-        else:
-            assert getattr(defaults, key) == value, key
 
 
 def test_config_without_optional_keys_reads_as_transformers_reads_it(good_checkpoint):
@@ -741,3 +734,240 @@ def test_a_nan_or_inf_weight_is_refused_naming_the_tensor(tmp_path, value):
         hf.model.layers[1].mlp.up_proj.weight[3, 5] = value
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight hold NaN or inf"):
         load_longtune(save_hf(hf, tmp_path / "hf"))
+
+
+# ---- the Llama family as the hub ships it: each type against its transformers class ----
+
+# Tiny configs of each model_type, odd-ish sizes; head_dim != hidden / heads where the
+# class allows it. Keyed by a name; the value is (transformers config class name, kwargs).
+SMALL = dict(hidden_size=72, num_hidden_layers=3, num_attention_heads=6, intermediate_size=136,
+             vocab_size=211, max_position_embeddings=256, rms_norm_eps=1e-5, pad_token_id=None,
+)  # fmt: skip
+FAMILY_CONFIGS = {
+    "llama-linear": ("LlamaConfig", dict(
+        num_key_value_heads=2, head_dim=20,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.5})),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2, head_dim=16, sliding_window=None)),
+    "mistral-linear-tied": ("MistralConfig", dict(
+        num_key_value_heads=3, sliding_window=None, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0})),
+    "qwen2": ("Qwen2Config", dict(num_key_value_heads=3)),
+    "qwen2-yarn-tied": ("Qwen2Config", dict(
+        num_key_value_heads=2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                         "original_max_position_embeddings": 64})),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=20)),
+    "qwen3-yarn": ("Qwen3Config", dict(
+        num_key_value_heads=2, head_dim=16,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0,
+                         "original_max_position_embeddings": 32, "beta_fast": 16.0,
+                         "beta_slow": 2.0, "truncate": False, "attention_factor": 1.25})),
+    "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, no_rope_layers=[1, 0, 1])),
+    "smollm3-interval-untied": ("SmolLM3Config", dict(
+        num_key_value_heads=3, no_rope_layer_interval=2, tie_word_embeddings=False)),
+}  # fmt: skip
+
+
+def make_family_model(variant: str):
+    class_name, kwargs = FAMILY_CONFIGS[variant]
+    config = getattr(transformers, class_name)(**SMALL, **kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0 in HF: random ones are loaded
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):  # small: large ones make attention one-hot
+                p.uniform_(-0.2, 0.2)
+    return model
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference-ops", "triton-ops"])
+@pytest.mark.parametrize("variant", sorted(FAMILY_CONFIGS))
+def test_each_family_matches_its_transformers_class(tmp_path, variant, kernels):
+    """Logits, loss and every gradient equal transformers' own class's (fp32, 1e-5), with
+    the references and with the Triton kernels (the interpreter on CPU)."""
+    hf = make_family_model(variant)
+    save_hf(hf, tmp_path)
+    args = ModelArgs.from_hf_config(tmp_path)
+    assert args.family == hf.config.model_type
+    with torch.device("meta"):
+        ours = Llama(args, ops=triton_ops() if kernels else REFERENCE_OPS)
+    ours.to_empty(device="cpu")
+    load_hf_checkpoint(ours, tmp_path)
+    tokens, labels = sample_batch(args.vocab_size)
+
+    hf_logits = hf(tokens).logits
+    hf_loss = F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    hf_loss.backward()
+    logits = ours(tokens)
+    loss = ours(tokens, labels)
+    loss.backward()
+
+    assert rel_err(logits, hf_logits) <= FP32_RTOL
+    assert rel_err(loss, hf_loss) <= FP32_RTOL
+    hf_params = dict(hf.named_parameters())
+    names = hf_names(args)
+    assert set(names.values()) == set(hf_params) - (
+        {"lm_head.weight"} if args.tie_embeddings else set()
+    )
+    for name, theirs in names.items():
+        grad, expected = ours.get_parameter(name).grad, hf_params[theirs].grad
+        if name.endswith("wk.bias"):
+            # Softmax ignores a bias added to every key (q.b is the same for all keys): only
+            # RoPE's rotation of b leaves a gradient, a sum that nearly cancels. Its error is
+            # measured on the scale of wk's weight gradient.
+            scale = hf_params[theirs.replace("bias", "weight")].grad.abs().max()
+            assert (grad - expected).abs().max() <= FP32_RTOL * scale, name
+        else:
+            assert rel_err(grad, expected) <= FP32_RTOL, name
+    assert sum(p.numel() for p in ours.parameters()) == args.num_params()
+
+
+@pytest.mark.parametrize("variant", sorted(FAMILY_CONFIGS))
+def test_each_family_exports_as_its_own_class(tmp_path, variant):
+    hf = make_family_model(variant)
+    ours = load_longtune(save_hf(hf, tmp_path / "in"))
+    out = tmp_path / "out"
+    save_hf_checkpoint(ours.args, ours.named_parameters(), out, dtype=torch.float32)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert type(reloaded) is type(hf)
+    tokens, _ = sample_batch(ours.args.vocab_size)
+    assert rel_err(reloaded(tokens).logits, hf(tokens).logits) <= FP32_RTOL
+    assert ModelArgs.from_hf_config(out) == ours.args
+    for key in ("tie_word_embeddings", "sliding_window", "no_rope_layers",
+                "use_sliding_window", "layer_types"):  # fmt: skip
+        assert getattr(reloaded.config, key, None) == getattr(hf.config, key, None), key
+    rope, their_rope = reloaded.model.rotary_emb, hf.model.rotary_emb
+    assert torch.equal(rope.inv_freq, their_rope.inv_freq)
+    assert rope.attention_scaling == their_rope.attention_scaling
+    attention = reloaded.model.layers[0].self_attn
+    assert attention.head_dim == hf.model.layers[0].self_attn.head_dim
+
+
+def test_config_defaults_are_each_transformers_class_defaults():
+    import dataclasses as dc
+
+    classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
+               "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config"}  # fmt: skip
+    assert set(classes) == set(HF_CONFIG_DEFAULTS)
+    for family, defaults in HF_CONFIG_DEFAULTS.items():
+        config_class = getattr(transformers, classes[family])
+        fields = {f.name: f.default for f in dc.fields(config_class)}
+        for key, value in defaults.items():
+            if key == "rope_theta":  # transformers 5 keeps it in rope_parameters
+                assert config_class.default_theta == value, family
+            else:
+                assert fields[key] == value, (family, key)
+        # What is absent here derives from the heads there.
+        for key in ("num_key_value_heads", "head_dim"):
+            assert key in defaults or fields.get(key) is None, (family, key)
+
+
+def test_qwen3_without_head_dim_reads_qwen3s_default_head_dim(tmp_path):
+    hf = make_family_model("qwen3")
+    save_hf(hf, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("head_dim")
+    config |= {"hidden_size": 64, "num_attention_heads": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert ModelArgs.from_hf_config(tmp_path).head_dim == theirs.head_dim == 128
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "ntk"])
+def test_a_rope_type_longtune_does_not_compute_is_refused_naming_those_it_does(
+    good_checkpoint, rope_type
+):
+    config = json.loads((good_checkpoint / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": rope_type, "rope_theta": 1e4, "factor": 2.0}
+    (good_checkpoint / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"rope_type '{rope_type}' is not one longtune computes; "
+                       "expected one of default, linear, llama3, yarn$"):  # fmt: skip
+        ModelArgs.from_hf_config(good_checkpoint)
+
+
+@pytest.mark.parametrize(
+    "variant, window, changes",
+    [
+        ("mistral", 64, {"sliding_window": 64}),  # Mistral v0.1: every layer
+        (
+            "qwen2",
+            64,
+            {
+                "use_sliding_window": True,
+                "sliding_window": 64,
+                "max_window_layers": 1,
+                "layer_types": None,
+            },
+        ),  # fmt: skip
+        (
+            "qwen3",
+            48,
+            {
+                "use_sliding_window": True,
+                "sliding_window": 48,
+                "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+            },
+        ),
+    ],
+)
+def test_a_sliding_window_is_refused_past_it_and_plain_causal_within(
+    tmp_path, variant, window, changes
+):
+    """longtune has no sliding window: a run whose sequences are longer is refused, naming
+    the window and the sequence length; one within it is plain causal attention, which the
+    windowed model computes too, and its export keeps the window."""
+    import train
+
+    hf = make_family_model(variant)
+    save_hf(hf, tmp_path / "in")
+    config = json.loads((tmp_path / "in/config.json").read_text())
+    config.update({k: v for k, v in changes.items() if v is not None})
+    for key in [k for k, v in changes.items() if v is None]:
+        config.pop(key, None)
+    (tmp_path / "in/config.json").write_text(json.dumps(config))
+    args = ModelArgs.from_hf_config(tmp_path / "in")
+    assert args.sliding_window == window and args.window_layers
+    with pytest.raises(ValueError, match=f"sliding window of {window} tokens on layers "
+                       rf"\[.*\], which longtune does not implement: --seq-len {window + 1} "
+                       f"must be at most {window}"):  # fmt: skip
+        args.check_sequence_length(window + 1)
+    args.check_sequence_length(window)
+    opts = train.Options(hf_checkpoint=str(tmp_path / "in"), seq_len=window + 1)
+    with pytest.raises(ValueError, match=f"--seq-len {window + 1} must be at most {window}"):
+        train.model_args(opts)
+    assert train.model_args(dataclasses.replace(opts, seq_len=window)) == args
+    windowed = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "in").float()
+    ours = load_longtune(tmp_path / "in")
+    tokens, _ = sample_batch(args.vocab_size)
+    assert rel_err(ours(tokens), windowed(tokens).logits) <= FP32_RTOL
+    save_hf_checkpoint(args, ours.named_parameters(), tmp_path / "out", dtype=torch.float32)
+    assert ModelArgs.from_hf_config(tmp_path / "out") == args
+    exported = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert exported.sliding_window == window
+
+
+def test_family_presets_have_the_published_sizes():
+    assert PRESETS["qwen3-8b"].num_params() == 8_190_735_360
+    assert PRESETS["qwen2.5-7b"].num_params() == 7_615_616_512
+    assert PRESETS["mistral-7b"].num_params() == 7_248_023_552
+
+
+def test_switches_a_family_cannot_export_are_refused():
+    with pytest.raises(ValueError, match="qk_norm True in family 'llama'"):
+        ModelArgs(qk_norm=True)
+    with pytest.raises(ValueError, match="qkv_bias False in family 'qwen2'"):
+        ModelArgs(family="qwen2")
+    with pytest.raises(ValueError, match="nope_layers \\(1,\\): family 'qwen3' has none"):
+        dataclasses.replace(PRESETS["qwen3-8b"], nope_layers=(1,))
+    with pytest.raises(ValueError, match="family 'gemma': expected one of llama, mistral"):
+        ModelArgs(family="gemma")
+
+
+def test_attention_flops_count_the_heads_not_the_width():
+    """Qwen3-8B's 32 heads of 128 are 4096 wide, Qwen3's 0.6B-like 16 of 128 are 2048 wide
+    in a 1024 model: attention's FLOPs per pair are 12 * L * H * Dh."""
+    args = dataclasses.replace(PRESETS["qwen3-8b"], dim=1024, n_heads=16, n_kv_heads=8)
+    per_pair = args.training_flops(0, 1)
+    assert per_pair == 12 * 36 * 16 * 128

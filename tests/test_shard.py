@@ -289,7 +289,9 @@ def estimate(args: ModelArgs, **changes):
     return estimate_memory(args, dataclasses.replace(PLAN, **changes))
 
 
-@pytest.mark.parametrize("preset", ["tiny", "llama3.2-1b", "llama3-8b"])
+@pytest.mark.parametrize(
+    "preset", ["tiny", "llama3.2-1b", "llama3-8b", "qwen2.5-7b", "qwen3-8b", "mistral-7b"]
+)
 def test_estimate_counts_the_models_parameters(preset):
     args = ModelArgs.from_name(preset)
     with torch.device("meta"):
@@ -297,6 +299,9 @@ def test_estimate_counts_the_models_parameters(preset):
     est = estimate(args)
     assert est.num_params == sum(p.numel() for p in model.parameters())
     assert block_params(args) == sum(p.numel() for p in model.layers[0].parameters())
+    # LoRA's frozen base counts every block parameter: Qwen2's q/k/v biases, Qwen3's QK-norm.
+    lora = count_weights(args, LoRAConfig(rank=4, alpha=4.0), 2)
+    assert lora.block_frozen_bytes == 2 * block_params(args)
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
