@@ -1781,3 +1781,36 @@ def test_the_end_of_a_run_prints_only_commands_that_do_what_they_say(
     with safe_open(saved, "pt") as f:
         trained = f.get_tensor("model.norm.weight")
     assert torch.equal(exported, trained) and not torch.equal(trained, torch.ones_like(trained))
+
+
+@CPU_ONLY
+def test_a_qwen3_checkpoint_trains_as_transformers_computes_and_over_context_parallel_ranks(
+    dataset, tmp_path
+):
+    """A tiny Qwen3 that transformers saved (q/k norms, a head dim of 24 apart from dim /
+    heads, untied): the step-1 loss of train.py --hf-checkpoint is transformers' own over the
+    same rows, and 2 gloo ranks sharing each row (--context-parallel 2) take the same steps
+    as one process (fp32: rel 1e-5, the sums go in another order)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=24, intermediate_size=96, vocab_size=320, max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).float().save_pretrained(tmp_path / "qwen3")
+    argv = ["--data", str(dataset), *SMALL, "--hf-checkpoint", str(tmp_path / "qwen3"),
+            "--lr", "1e-3", "--max-steps", "3", "--checkpoint-interval", "0"]  # fmt: skip
+    run_subprocess(*argv, "--run-dir", str(tmp_path / "one"))
+    run_subprocess(*argv, "--run-dir", str(tmp_path / "cp"), "--context-parallel", "2", nproc=2)
+    one, cp = metrics(tmp_path / "one"), metrics(tmp_path / "cp")
+    assert [r["loss"] for r in cp] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert [r["grad_norm"] for r in cp] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
+
+    model = Qwen3ForCausalLM.from_pretrained(tmp_path / "qwen3", dtype=torch.float32)
+    b = next(iter(data.PackedLoader(data.TokenDataset(dataset), 128, 8, seed=0)))
+    with torch.no_grad():
+        logits = model(input_ids=b.tokens, position_ids=b.positions).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), b.labels.flatten())  # -100 left out
+    assert one[0]["loss"] == pytest.approx(loss.item(), rel=1e-5)
