@@ -923,15 +923,6 @@ FROZEN_LEFT_OUT = StateDictOptions(ignore_frozen_params=True, strict=False)
 # and fragmentation: what nvidia-smi shows beyond the tensors that
 # torch.cuda.max_memory_allocated counts (bench/RESULTS.md, "Memory estimator, revised").
 OVERHEAD_GIB = 1.0
-# The moments of a step whose memory the estimate compares (estimate_memory says which).
-PHASES = (
-    "loss forward",
-    "head backward",
-    "last block backward",
-    "offloaded block backward",
-    "first block backward",
-    "backward end",
-)
 
 
 @dataclass(frozen=True)
@@ -939,7 +930,7 @@ class MemoryEstimate:
     """GiB per rank at the step's peak; the GPU parts add up to gpu_total."""
 
     num_params: int
-    phase: str  # the moment of the peak, one of PHASES
+    phase: str  # the moment of the peak, a row of estimate_memory's table
     parameters: float  # fp32 master shards + gathered param_dtype copies
     gradients: float  # fp32 gradient shards + the reduction in flight
     optimizer: float  # AdamW's two fp32 moments (on the host with CPU offload)
@@ -1196,12 +1187,25 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
     )  # fmt: skip
 
 
-def sharded_state(
-    args: ModelArgs, plan: Plan, w: Weights, p: int, fetched: int
-) -> tuple[dict, ...]:
-    """Under FSDP: the parameters, gradients and optimizer state on the GPU at each phase,
-    and the host's bytes, for `p` bytes a gathered weight; `fetched`: the offloaded block
-    of "offloaded block backward"."""
+@dataclass(frozen=True)
+class State:
+    """The parameters, gradients and optimizer state in bytes: on the GPU at the moments of
+    estimate_memory's table, and on the host."""
+
+    weights: float  # from the loss's forward through the head's backward
+    weights_in_blocks: float
+    weights_at_end: float
+    accumulated: float  # earlier micro-batches' gradients
+    head_gradients: float  # in the head's backward, the accumulated ones included
+    block_gradients: float  # in a block's backward, the accumulated ones included
+    shards: tuple[float, float]  # the written gradient shards of the head and of each block
+    end_gradients: float
+    optimizer: float
+    host: float
+
+
+def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> State:
+    """Under FSDP, for `p` bytes a gathered weight."""
     s = shard_group_size(plan.strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
     # Sharded fp32 state, 4 bytes per trained parameter per copy, and the frozen base as
     # stored, divided over the shard group.
@@ -1227,13 +1231,7 @@ def sharded_state(
     # Earlier micro-batches' gradients, kept unsharded in fp32 while
     # set_requires_gradient_sync(False); reduced unit by unit in the last backward.
     accumulated = 4 * w.trained if plan.grad_accum > 1 else 0.0
-    # The shards every unit but the root has written when backward ends.
-    shards = 0.0 if plan.cpu_offload else 4 * (w.trained - w.root_trained) / s
-
-    def written_before(block: int) -> float:  # the head's shard and those of later blocks
-        later = args.n_layers - 1 - block
-        return 0.0 if plan.cpu_offload else 4 * (w.head_trained + later * w.block_trained) / s
-
+    shard = 0.0 if plan.cpu_offload else 4 / s  # bytes a trained parameter's shard holds
     # With CPU offload the fp32 shards of parameters and gradients live in pinned memory,
     # which PyTorch's caching host allocator hands out in powers of two per tensor
     # (bench/RESULTS.md, "CPU offload at scale"); AdamW's moments are plain host memory.
@@ -1249,24 +1247,21 @@ def sharded_state(
     # The head's gathered weight is resharded once its backward is done (seen in the
     # snapshots of runs without CPU offload; with it the recorded peaks still hold a tensor of
     # its size through the blocks' backward, not analysed yet, so it stays counted there).
-    in_blocks = in_use - (0.0 if plan.cpu_offload else p * w.head)
-    parameters = {"loss forward": in_use, "head backward": in_use,
-                  **dict.fromkeys(PHASES[2:5], in_blocks),
-                  "backward end": gpu_master + p * w.embedding + staging}  # fmt: skip
-    in_block = accumulated + reduction(w.block_trained)
-    gradients = {
-        "loss forward": accumulated,
-        "head backward": accumulated + (4 + 4 / s) * w.head_trained,
-        "last block backward": in_block + written_before(args.n_layers - 1),
-        "offloaded block backward": in_block + written_before(fetched),
-        "first block backward": in_block + written_before(0),
-        "backward end": shards + reduction(w.root_trained),
-    }
-    on_gpu = dict.fromkeys(PHASES, 0.0 if plan.cpu_offload else optimizer)
-    return parameters, gradients, on_gpu, host
+    return State(
+        weights=in_use,
+        weights_in_blocks=in_use - (0.0 if plan.cpu_offload else p * w.head),
+        weights_at_end=gpu_master + p * w.embedding + staging,
+        accumulated=accumulated,
+        head_gradients=accumulated + (4 + 4 / s) * w.head_trained,
+        block_gradients=accumulated + reduction(w.block_trained),
+        shards=(shard * w.head_trained, shard * w.block_trained),
+        end_gradients=shard * (w.trained - w.root_trained) + reduction(w.root_trained),
+        optimizer=0.0 if plan.cpu_offload else optimizer,
+        host=host,
+    )
 
 
-def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, ...]:
+def in_backward_state(args: ModelArgs, w: Weights, p: int) -> State:
     """With the optimizer in backward (one GPU, no FSDP): every param_dtype weight stays on
     the GPU, and no gradient buffer: a gradient lives from its computation until the
     worker has copied it to the host, and the hook lets at most a block's worth wait for
@@ -1281,18 +1276,19 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, ...]:
     block, largest_in_block = block_params(args), max(args.ffn_dim * d, d * d)
     largest = max(w.embedding, largest_in_block)
     pinned_slot = 1 << (largest * p - 1).bit_length()
-    host = 12 * total + (1 + STAGING_SLOTS) * pinned_slot + 4 * largest
-    in_blocks = block + largest_in_block
-    in_flight = {
-        "loss forward": 0,
-        "head backward": largest,
-        "last block backward": in_blocks,
-        "offloaded block backward": in_blocks,
-        "first block backward": in_blocks,
-        "backward end": block + largest + (w.embedding if args.tie_embeddings else 0),
-    }
-    in_flight = {phase: n * p for phase, n in in_flight.items()}
-    return dict.fromkeys(PHASES, p * total), in_flight, dict.fromkeys(PHASES, 0.0), host
+    tied = w.embedding if args.tie_embeddings else 0
+    return State(
+        weights=p * total,
+        weights_in_blocks=p * total,
+        weights_at_end=p * total,
+        accumulated=0,
+        head_gradients=largest * p,
+        block_gradients=(block + largest_in_block) * p,
+        shards=(0, 0),
+        end_gradients=(block + largest + tied) * p,
+        optimizer=0.0,
+        host=12 * total + (1 + STAGING_SLOTS) * pinned_slot + 4 * largest,
+    )
 
 
 def block_saved_bytes(
@@ -1320,29 +1316,22 @@ def block_saved_bytes(
     return linear_inputs + attention + norms + rope + swiglu
 
 
-def block_selective_bytes(args: ModelArgs, n_tokens: int, act_bytes: int) -> int:
-    """Bytes one block keeps under selective checkpointing (offload.SAVED_OPS): its input,
-    every matmul output (wq, wk, wv, wo, w1, w3, w2) and attention's output and lse."""
-    n, d, f = n_tokens, args.dim, args.ffn_dim
-    kv = args.n_kv_heads * args.head_dim
-    matmuls = (3 * n * d + 2 * n * kv + 2 * n * f) * act_bytes
-    return n * d * act_bytes + matmuls + n * d * act_bytes + n * args.n_heads * 4
-
-
 def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int | None:
     """What a checkpointed block keeps in the checkpoint's own cache (not through autograd's
     hooks, so activation offload leaves it on the GPU): nothing under full checkpointing,
-    attention's output and logsumexp under attention, the matmuls' outputs too under
-    selective. None: no checkpointing."""
+    attention's output and logsumexp under attention, and under selective the outputs of
+    every matmul too (offload.SAVED_OPS: wq, wk, wv, wo, w1, w3, w2). None: no checkpointing."""
+    kv = args.n_kv_heads * args.head_dim
+    attention = n * args.dim * p + n * args.n_heads * 4
     match plan.ac:
         case "none":
             return None
         case "full":
             return 0
         case "attention":
-            cached = n * args.dim * p + n * args.n_heads * 4
+            cached = attention
         case "selective":
-            cached = block_selective_bytes(args, n, p) - n * args.dim * p
+            cached = attention + (3 * n * args.dim + 2 * n * kv + 2 * n * args.ffn_dim) * p
         case _:
             raise UsageError(
                 f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
@@ -1352,7 +1341,7 @@ def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int |
         # backward needs (offload._KeptAttention), and the outputs of long documents' heads,
         # which the causal kernel keeps for its own backward (model.packed_attention): up to
         # a row's worth.
-        cached += (n * args.dim + 2 * n * args.n_kv_heads * args.head_dim) * p
+        cached += (n * args.dim + 2 * n * kv) * p
         cached += n * args.dim * p if plan.long_documents else 0
     return cached
 
@@ -1395,13 +1384,13 @@ def block_backward_bytes(
     return attention_saved + max(mlp, attention)
 
 
-def activation_bytes(args: ModelArgs, plan: Plan, p: int, fetched: int) -> tuple[dict, int]:
-    """The activations on the GPU at each phase, and those activation offload keeps on the
-    host. Each block saves, through autograd's hooks, its input when checkpointed and
-    everything otherwise (`ac_every` skips some); checkpointing's cache stays on the GPU.
-    In backward the blocks whose inputs stay on the GPU come first, each freeing its own;
-    then each offloaded block is fetched back with the one before it (prefetched):
-    "offloaded block backward" is the backward of offloaded block `fetched` (>= 1)."""
+def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, list[int], int]:
+    """The activations on the GPU from the loss's forward into the head's backward, in each
+    block's backward, and those activation offload keeps on the host. Each block saves,
+    through autograd's hooks, its input when checkpointed and everything otherwise
+    (`ac_every` skips some); checkpointing's cache stays on the GPU. In backward the blocks
+    whose inputs stay on the GPU come first, each freeing its own; then each offloaded
+    block is fetched back with the one before it (prefetched)."""
     n = plan.micro_batch * plan.seq_len // plan.context_parallel  # the tokens this rank holds
     d, layers = args.dim, args.n_layers
     mlp_tokens = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
@@ -1410,31 +1399,24 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int, fetched: int) -> tuple
     checkpointed = [cached_by_mode is not None and i % plan.ac_every == 0 for i in range(layers)]
     saved = [n * d * p if c else full_block for c in checkpointed]
     cached = [cached_by_mode if c else 0 for c in checkpointed]
-
-    def working(i: int) -> int:
-        return block_backward_bytes(args, plan, n, mlp_tokens, p, checkpointed[i])
-
     offloaded = offloaded_blocks(plan, layers)
-    on_gpu = sum(saved[offloaded:]) + sum(cached)
     final_norm = n * d * p + n * 4 if plan.kernels else 2 * n * d * 4 + n * 4
-    by_phase = {
-        "loss forward": on_gpu + final_norm,
-        "head backward": on_gpu + final_norm,
-        "last block backward": on_gpu + working(layers - 1),
-        "offloaded block backward": (
-            sum(saved[fetched - 1 : fetched + 1]) + sum(cached[: fetched + 1]) + working(fetched)
-        ) if fetched < offloaded else 0,
-        "first block backward": saved[0] + cached[0] + working(0),
-        "backward end": 0,
-    }  # fmt: skip
-    return by_phase, sum(saved[:offloaded])
+
+    def in_backward(i: int) -> int:
+        on_gpu = saved[offloaded : i + 1] if i >= offloaded else saved[max(i - 1, 0) : i + 1]
+        working = block_backward_bytes(args, plan, n, mlp_tokens, p, checkpointed[i])
+        return sum(on_gpu) + sum(cached[: i + 1]) + working
+
+    kept = sum(saved[offloaded:]) + sum(cached) + final_norm
+    return kept, [in_backward(i) for i in range(layers)], sum(saved[:offloaded])
 
 
-def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> dict:
-    """The loss's buffers at each phase. Fused kernel: the logits chunk, and the gradients
-    it computes in forward and keeps for backward (hidden-sized and output-weight-sized,
-    param_dtype). Reference: [N, V] fp32 log-probabilities saved, then their gradient and
-    the fp32 logits' one (12 bytes per logit), and the bf16 logits' gradient."""
+def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[float, float, float]:
+    """The loss's buffers in its forward, in the head's backward and in the blocks'. Fused
+    kernel: the logits chunk, and the gradients it computes in forward and keeps for
+    backward (hidden-sized and output-weight-sized, param_dtype). Reference: [N, V] fp32
+    log-probabilities saved, then their gradient and the fp32 logits' one (12 bytes per
+    logit), and the bf16 logits' gradient."""
     n = plan.micro_batch * plan.seq_len // plan.context_parallel
     v, d = args.vocab_size, args.dim
     output_grad = 0 if plan.lora is not None else v * d * p  # a frozen output: no gradient
@@ -1446,72 +1428,65 @@ def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> dict:
     # In the blocks' backward a tied model's output gradient (the loss's buffer) waits for
     # the root, at the end.
     tied = v * d * p if args.tie_embeddings and plan.kernels else 0.0
-    return {"loss forward": loss + (4 * v * d if wide_sum else 0.0), "head backward": loss,
-            **dict.fromkeys(PHASES[2:5], tied), "backward end": 0.0}  # fmt: skip
+    return loss + (4 * v * d if wide_sum else 0.0), loss, tied
 
 
 def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     """Memory per rank of one training step of `plan`, counted from the shapes, term by
-    term (the functions above). The peak is the largest of six moments (PHASES):
-      loss forward: every saved activation and the fused loss's buffers, fp32 ones included;
-      head backward: every saved activation, the loss's buffers, the gathered weights in
-          use, and the head's (untied output's) gradient being reduced;
-      last block backward: backward's first block in the middle of its backward, with every
-          activation kept on the GPU still there (offloaded ones are on the host) and the
-          head's gradient shard written;
-      offloaded block backward: with activation offload, the backward of an offloaded block
-          but the first (the one of them whose moment holds the most), fetched from the host
-          with the one before it, beside the checkpoint's cache of the blocks not yet done
-          and the gradient shards of the head and the blocks after it;
-      first block backward: backward's last block, with every other block's gradient shard
-          written (the peak when activation offload leaves few activations on the GPU and
-          FSDP keeps the gradients there);
-      backward end: activations freed, all gradient shards written, and the root's
-          (embedding's) gradient being reduced.
-    The AdamW step itself (fused, no temporaries) needs less than backward end.
+    term (the functions above), at each moment of the table below: the peak is the largest.
+    The AdamW step itself (fused, no temporaries) needs less than backward's end.
     Activations assume the cuDNN attention backend; `plan.kernels` picks the Triton
     kernels' saved tensors or the PyTorch references'. With activation offload they
     assume the host copies keep up with compute, true with full checkpointing; without
     it the link falls behind and the GPU holds much more (bench/RESULTS.md, "Sharding and
-    offload"). With the optimizer in backward alone (one GPU, no FSDP, the fp32 state on
-    the host) the strategy is unused; with CPU offload too, FSDP's state is counted
-    without its set of gradient shards. With context parallelism each rank holds seq_len / N
-    tokens of each row, so every activation term divides by N (attention's q, k, v and
-    output hold the whole sequence for H/N heads: as many bytes); parameters, gradients
-    and optimizer state are sharded over all world_size ranks as before."""
+    offload"). With context parallelism each rank holds seq_len / N tokens of each row, so
+    every activation term divides by N (attention's q, k, v and output hold the whole
+    sequence for H/N heads: as many bytes); the state is sharded over all ranks as before."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
     w = count_weights(args, plan.lora, p)
-    loss = loss_bytes(args, plan, p)
+    if plan.optimizer_in_backward and not plan.cpu_offload:
+        st = in_backward_state(args, w, p)
+    else:  # with CPU offload FSDP's state is counted, less its set of gradient shards
+        st = sharded_state(args, plan, w, p)
+    kept, in_backward, host_activations = activation_bytes(args, plan, p)
+    loss_forward, loss_backward, loss_in_blocks = loss_bytes(args, plan, p)
+    last, offloaded = args.n_layers - 1, offloaded_blocks(plan, args.n_layers)
 
-    def terms_with(fetched: int) -> tuple[dict[str, dict], float]:
-        if plan.optimizer_in_backward and not plan.cpu_offload:
-            parameters, gradients, optimizer, host_state = in_backward_state(args, w, p)
-        else:
-            state = sharded_state(args, plan, w, p, fetched)
-            parameters, gradients, optimizer, host_state = state
-        activations, host_activations = activation_bytes(args, plan, p, fetched)
-        terms = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer,
-                 "activations": activations, "loss": loss}  # fmt: skip
-        return terms, host_state + host_activations
+    def block(moment: str, i: int) -> tuple:
+        """The backward of block i: the head's gradient shard and the later blocks' written."""
+        gradients = st.block_gradients + st.shards[0] + (last - i) * st.shards[1]
+        return moment, st.weights_in_blocks, gradients, st.optimizer, in_backward[i], loss_in_blocks
 
-    def at(terms: dict[str, dict], moment: str) -> float:
-        return sum(term[moment] for term in terms.values())
-
-    # Later offloaded blocks keep more of the checkpoint's cache, earlier ones see more
-    # gradient shards written: the moment is the one of them that holds the most.
-    offloaded = offloaded_blocks(plan, args.n_layers)
-    candidates = (terms_with(k) for k in range(1, max(offloaded, 2)))
-    terms, host = max(candidates, key=lambda c: at(c[0], "offloaded block backward"))
-    moments = [m for m in PHASES if offloaded >= 2 or m != "offloaded block backward"]
-    phase = max(moments, key=lambda moment: at(terms, moment))
-    gib = {name: term[phase] / GiB for name, term in terms.items()}
+    # moment: parameters, gradients, optimizer state, activations, loss
+    moments = [
+        # every saved activation and the fused loss's buffers, its fp32 ones included
+        ("loss forward", st.weights, st.accumulated, st.optimizer, kept, loss_forward),
+        # every saved activation, and the head's (untied output's) gradient being reduced
+        ("head backward", st.weights, st.head_gradients, st.optimizer, kept, loss_backward),
+        # backward's first block, with every activation kept on the GPU still there
+        block("last block backward", last),
+        # an offloaded block but the first, fetched with the one before it: later ones keep
+        # more of the checkpoint's cache, earlier ones see more gradient shards written
+        *(block("offloaded block backward", i) for i in range(1, offloaded)),
+        # backward's last block, every other block's gradient shard written (the peak when
+        # activation offload leaves few activations on the GPU)
+        block("first block backward", 0),
+        # activations freed, every shard written, the root's (embedding's) gradient reduced
+        ("backward end", st.weights_at_end, st.end_gradients, st.optimizer, 0, 0.0),
+    ]
+    phase, *terms = max(moments, key=lambda moment: sum(moment[1:]))
+    parameters, gradients, optimizer, activations, loss = (term / GiB for term in terms)
     return MemoryEstimate(
         num_params=args.num_params(),
         phase=phase,
+        parameters=parameters,
+        gradients=gradients,
+        optimizer=optimizer,
+        activations=activations,
+        loss=loss,
         overhead=OVERHEAD_GIB,
-        gpu_total=sum(gib.values()) + OVERHEAD_GIB,
-        host_total=host / GiB,
-        **gib,
+        gpu_total=parameters + gradients + optimizer + activations + loss + OVERHEAD_GIB,
+        host_total=(st.host + host_activations) / GiB,
     )
 
 
