@@ -18,6 +18,7 @@ Multi-node runs need no code here: torchrun's rendezvous flags (`--nnodes`, `--n
 `--rdzv-backend c10d --rdzv-endpoint host:port`) set the variables `init_distributed` reads.
 """
 
+import bisect
 import dataclasses
 import fcntl
 import fnmatch
@@ -1781,36 +1782,32 @@ def candidate_plans(
     """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
     the user set) and that plan_problems allows, in the order the planner tries them. On
     the CPU only the micro-batch is planned: there is no GPU memory to save."""
+    choices = {
+        "ac": AC_ORDER,
+        "mlp_tile": (0, *(t for t in MLP_TILES if t < base.seq_len)),
+        "activation_offload": (False, True),
+        "cpu_offload": (False, True),
+        "optimizer_in_backward": (False, True),
+    }
     on_gpu = machine.gpu_gib is not None
-
-    def options(name: str, planned: tuple) -> tuple:
-        if wanted.get(name) is not None:
-            return (wanted[name],)
-        return planned if on_gpu else planned[:1]
-
-    mb, accum = wanted.get("micro_batch"), wanted.get("grad_accum")
-    if mb and accum:
-        batches = [(mb, accum)]
-    elif mb:
-        batches = [(mb, max(1, round(sequences / mb)))]
-    elif accum:
-        batches = [(max(1, round(sequences / accum)), accum)]
+    choices = {k: (wanted[k],) if k in wanted else v if on_gpu else v[:1]
+               for k, v in choices.items()}  # fmt: skip
+    micro_batch, accum = wanted.get("micro_batch"), wanted.get("grad_accum")
+    if micro_batch or accum:
+        micro_batches = [micro_batch or max(1, round(sequences / accum))]
     else:
-        batches = [(m, sequences // m) for m in range(sequences, 0, -1) if sequences % m == 0]
-    tiles = (0, *(t for t in MLP_TILES if t < base.seq_len))
+        micro_batches = [m for m in range(sequences, 0, -1) if sequences % m == 0]
     plans = []
-    for ac, tile, act_offload, cpu, in_backward, (micro_batch, grad_accum) in itertools.product(
-        options("ac", AC_ORDER), options("mlp_tile", tiles),
-        options("activation_offload", (False, True)), options("cpu_offload", (False, True)),
-        options("optimizer_in_backward", (False, True)), batches,
-    ):  # fmt: skip
+    for *values, micro_batch in itertools.product(*choices.values(), micro_batches):
+        plan = dataclasses.replace(base, **dict(zip(choices, values, strict=True)))
         plan = dataclasses.replace(
-            base, ac=ac, mlp_tile=tile, activation_offload=act_offload,
-            offload_blocks=wanted.get("offload_blocks") if act_offload else None, cpu_offload=cpu,
-            optimizer_in_backward=in_backward, micro_batch=micro_batch, grad_accum=grad_accum,
-        )  # fmt: skip
+            plan,
+            micro_batch=micro_batch,
+            grad_accum=accum or max(1, round(sequences / micro_batch)),
+            offload_blocks=wanted.get("offload_blocks") if plan.activation_offload else None,
+        )
         plans.append(plan)
-        if act_offload and "offload_blocks" not in wanted:
+        if plan.activation_offload and "offload_blocks" not in wanted:
             plans += partial_offload(args, plan, machine)
     # Activation offload without checkpointing measured much slower: the host link cannot
     # move every saved tensor in time (bench/RESULTS.md, "Sharding and offload").
@@ -1832,20 +1829,33 @@ def partial_offload(args: ModelArgs, plan: Plan, machine: Machine) -> list[Plan]
     """`plan` (activation offload of all blocks but the last) with only the first N blocks
     offloaded, N the most whose activations the host holds (leaving the GPU the most room),
     for a host that cannot hold them all; none where it can, or where it cannot hold even
-    the rest of the plan. The host's bytes grow with N, so a bisection finds it."""
-    host_usable = (1 - HOST_MARGIN) * machine.host_gib
+    the rest of the plan."""
 
-    def host_fits(n: int) -> bool:
+    def host_overflows(n: int) -> bool:
         est = estimate_memory(args, dataclasses.replace(plan, offload_blocks=n))
-        return memory_needed(est, machine)[1] <= host_usable
+        return memory_needed(est, machine)[1] > (1 - HOST_MARGIN) * machine.host_gib
 
-    lowest, highest = 0, args.n_layers - 1  # all but the last is `plan` itself
-    if host_fits(highest) or not host_fits(lowest):
-        return []
-    while highest - lowest > 1:  # host_fits(lowest), not host_fits(highest)
-        middle = (lowest + highest) // 2
-        lowest, highest = (middle, highest) if host_fits(middle) else (lowest, middle)
-    return [dataclasses.replace(plan, offload_blocks=lowest)]
+    # The host's bytes grow with N: bisect for the first N that overflows it.
+    overflows_from = bisect.bisect(range(args.n_layers), False, key=host_overflows)
+    if 0 < overflows_from < args.n_layers:
+        return [dataclasses.replace(plan, offload_blocks=overflows_from - 1)]
+    return []
+
+
+def first_fit(
+    args: ModelArgs,
+    machine: Machine,
+    base: Plan,
+    wanted: dict,
+    sequences: int,
+    grad_clip: float | None = None,
+) -> Plan | None:
+    """The first of candidate_plans whose estimate fits `machine` with the margins above."""
+    base = dataclasses.replace(
+        base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
+    )
+    plans = candidate_plans(args, base, wanted, sequences, machine, grad_clip)
+    return next((plan for plan in plans if fits(estimate_memory(args, plan), machine)), None)
 
 
 def choose_plan(
@@ -1857,23 +1867,20 @@ def choose_plan(
     batch_is_fixed: bool,
     grad_clip: float | None = None,
 ) -> Plan:
-    """The first of candidate_plans whose estimate fits `machine` with the margins above.
-    `base` holds what is not planned (seq_len, strategy, dtype, kernels...). When the batch
-    was not set (`batch_is_fixed` False) and nothing fits, one sequence per rank per step is
-    tried: without accumulation, whose gradients take memory, and where the optimizer in
-    backward can run. Raises ValueError naming the largest terms of the closest plan, and
-    what would make a plan fit."""
+    """The first fit (first_fit). `base` holds what is not planned (seq_len, strategy,
+    dtype, kernels...). When the batch was not set (`batch_is_fixed` False) and nothing
+    fits, one sequence per rank per step is tried: without accumulation, whose gradients
+    take memory, and where the optimizer in backward can run. Raises ValueError naming the
+    largest terms of the closest plan, and what would make a plan fit."""
     base = dataclasses.replace(
         base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
     )
     if problems := plan_problems(args, dataclasses.replace(base, **wanted), grad_clip):
         raise UsageError("; ".join(problems))
-    tries = [sequences] if batch_is_fixed or sequences == 1 else [sequences, 1]
-    for n in tries:
-        plans = candidate_plans(args, base, wanted, n, machine, grad_clip)
-        for plan in plans:
-            if fits(estimate_memory(args, plan), machine):
-                return plan
+    for n in [sequences] if batch_is_fixed or sequences == 1 else [sequences, 1]:
+        if plan := first_fit(args, machine, base, wanted, n, grad_clip):
+            return plan
+    plans = candidate_plans(args, base, wanted, n, machine, grad_clip)
     raise UsageError(no_fit_message(args, machine, base, wanted, plans, grad_clip))
 
 
@@ -1888,20 +1895,19 @@ def no_fit_message(
     gpu_usable = (1 - GPU_MARGIN) * machine.gpu_gib if machine.gpu_gib else None
     host_usable = (1 - HOST_MARGIN) * machine.host_gib
 
-    def overshoot(plan: Plan) -> tuple[float, float]:
+    def overshoot(est: MemoryEstimate) -> tuple[float, float]:
         """How many times what is usable the plan needs: the worse memory, then both."""
-        gpu, host = memory_needed(estimate_memory(args, plan), machine)
+        gpu, host = memory_needed(est, machine)
         ratios = (gpu / gpu_usable if gpu_usable else 0.0, host / host_usable)
         return max(ratios), sum(ratios)
 
-    closest = min(plans, key=overshoot)
+    closest = min(plans, key=lambda plan: overshoot(estimate_memory(args, plan)))
     est = estimate_memory(args, closest)
     gpu, host = memory_needed(est, machine)
     terms = {"activations": est.activations, "parameters": est.parameters,
              "gradients": est.gradients, "optimizer states": est.optimizer,
              "loss": est.loss}  # fmt: skip
     largest = ", ".join(f"{k} {v:.1f}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])[:3])
-    nproc = machine.nproc_per_node
     if gpu_usable:
         where = f"{machine.world_size} x {machine.gpu_gib:.1f} GiB GPU"
         needs = f"{gpu:.1f} GiB per GPU of {gpu_usable:.1f} usable ({largest} GiB) and "
@@ -1911,7 +1917,7 @@ def no_fit_message(
         margins = f"{HOST_MARGIN:.0%} of the host kept free"
     lines = [
         f"no plan fits {base.seq_len}-token sequences on {where} with {machine.host_gib:.1f} "
-        f"GiB of host memory per node ({count(nproc, 'process')} on it).",
+        f"GiB of host memory per node ({count(machine.nproc_per_node, 'process')} on it).",
         f"The closest, {closest.flags()}, needs {needs}{host:.1f} GiB of host memory per node "
         f"of {host_usable:.1f} usable (margins: {margins}).",
     ]
@@ -1928,23 +1934,22 @@ def no_fit_message(
 def ways_to_fit(
     args: ModelArgs, machine: Machine, base: Plan, wanted: dict, grad_clip: float | None
 ) -> tuple[list[str], list[str]]:
-    """The changes that would make a plan fit, as flags, each the first of its kind that
-    does: the planner's choice instead of the planned fields the user set; context
-    parallelism, LoRA or QLoRA, or both together where neither alone does; more GPUs; a
-    shorter sequence. And the kinds tried, for a message when none does."""
+    """The changes that would make a plan of one sequence per rank fit, as flags, each the
+    first of its kind that does: the planner's choice instead of the planned fields the
+    user set; context parallelism, LoRA or QLoRA, or both together where neither alone
+    does; more GPUs; a shorter sequence. And the kinds tried, for a message when none does."""
 
-    def first_fit(changes: dict[str, dict]) -> list[str]:
-        for flags, change in changes.items():
-            changed = dataclasses.replace(base, **change)
-            if fits_any(args, machine, changed, wanted, grad_clip):
-                return [flags]
-        return []
+    def fits_with(fields: dict, on: Machine = machine, keep: dict = wanted) -> bool:
+        return bool(first_fit(args, on, dataclasses.replace(base, **fields), keep, 1, grad_clip))
+
+    def first(changes: dict[str, dict]) -> list[str]:
+        return next(([flags] for flags, fields in changes.items() if fits_with(fields)), [])
 
     on_gpu, nproc, cp = machine.gpu_gib is not None, machine.nproc_per_node, base.context_parallel
     ways, tried = [], []
     if wanted:
         tried.append("the planner's choice")
-        if fits_any(args, machine, base, {}, grad_clip):
+        if fits_with({}, keep={}):
             ways.append(f"the planner's choice instead of {flags_of(wanted, negated=True)}")
     sharing = {f"--context-parallel {n}": {"context_parallel": n}
                for n in range(2 * cp, nproc + 1, cp) if on_gpu}  # fmt: skip
@@ -1956,40 +1961,21 @@ def ways_to_fit(
     if not all(shape[-1] % NF4_BLOCK == 0 for shape in block_shapes(args).values()):
         adapters = {flags: lora for flags, lora in adapters.items() if not lora.quantize_base}
     adapters = {flags: {"lora": lora} for flags, lora in adapters.items() if lora != base.lora}
-    if sharing:
-        tried.append("context parallelism")
-    if adapters:
-        tried.append("LoRA or QLoRA")
-    alone = first_fit(sharing) + first_fit(adapters)
+    tried += ["context parallelism"] if sharing else []
+    tried += ["LoRA or QLoRA"] if adapters else []
     both = {f"{a} {b}": {**sharing[a], **adapters[b]} for a in sharing for b in adapters}
-    ways += alone or first_fit(both)
+    ways += first(sharing) + first(adapters) or first(both)
     if on_gpu:
         tried.append("more GPUs (up to 64x)")
-        for k in (2, 4, 8, 16, 32, 64):
-            world = machine.world_size * k
+        for world in (machine.world_size * 2**k for k in range(1, 7)):
             per_node = min(world, max(nproc, 8))
-            more = dataclasses.replace(machine, world_size=world, nproc_per_node=per_node)
-            if fits_any(args, more, base, wanted, grad_clip):
+            if fits_with({}, on=Machine(world, per_node, machine.gpu_gib, machine.host_gib)):
                 ways.append(f"{world} GPUs ({per_node} per node)")
                 break
     tried.append("a shorter sequence")
-    shorter, seq = {}, base.seq_len // 2
-    while seq >= 1024:
-        shorter[f"--seq-len {seq}"] = {"seq_len": seq}
-        seq //= 2
-    ways += first_fit(shorter)
+    halves = (base.seq_len // 2**k for k in range(1, base.seq_len.bit_length()))
+    ways += first({f"--seq-len {seq}": {"seq_len": seq} for seq in halves if seq >= 1024})
     return ways, tried
-
-
-def fits_any(
-    args: ModelArgs, machine: Machine, base: Plan, wanted: dict, grad_clip: float | None = None
-) -> bool:
-    """Whether some plan fits `machine` with one sequence per rank per step."""
-    base = dataclasses.replace(
-        base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
-    )
-    plans = candidate_plans(args, base, wanted, 1, machine, grad_clip)
-    return any(fits(estimate_memory(args, p), machine) for p in plans)
 
 
 def flag_name(field: str) -> str:
