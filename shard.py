@@ -144,6 +144,76 @@ def init_distributed() -> Dist:
     return Dist(rank, world_size, local_rank, local_world_size, device)
 
 
+@dataclass(frozen=True)
+class Machine:
+    """What a plan must fit in."""
+
+    world_size: int
+    nproc_per_node: int
+    gpu_gib: float | None  # free memory of each GPU; None: a CPU run, all of it on the host
+    host_gib: float  # available memory of each node's host
+
+
+def host_memory_gib() -> float:
+    """Memory this host can give a run: MemAvailable, within the cgroup's limit if one is
+    set (a container or a SLURM job sees the whole machine's /proc/meminfo)."""
+    meminfo = Path("/proc/meminfo").read_text()
+    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    limit, usage = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
+    if limit.exists() and usage.exists() and limit.read_text().strip() != "max":
+        available = min(available, int(limit.read_text()) - int(usage.read_text()))
+    return available / GiB
+
+
+def this_machine(gpu_memory: float | None, host_memory: float | None, world: Dist) -> Machine:
+    """The machine the run is on: its processes, each GPU's free memory and the host's
+    available memory (`gpu_memory`, `host_memory` GiB instead where given). A collective:
+    every rank plans with the smallest over all ranks, so that all choose the same plan."""
+    gpu = gpu_memory
+    if gpu is None and world.device.type == "cuda":
+        gpu = torch.cuda.mem_get_info(world.device)[0] / GiB
+    memory = torch.tensor([gpu or 0.0, host_memory or host_memory_gib()], dtype=torch.float64)
+    torch_dist.all_reduce(memory, op=torch_dist.ReduceOp.MIN)
+    gpu_gib = memory[0].item() if gpu is not None else None
+    return Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
+
+
+def machine_to_estimate(
+    world_size: int | None,
+    nproc_per_node: int | None,
+    gpu_memory: float | None,
+    host_memory: float | None,
+) -> Machine:
+    """The machine --estimate-memory plans for: the flags', else torchrun's and this one's."""
+    env = os.environ
+    # --nproc-per-node alone reads as torchrun's: one node of that many processes.
+    world_size = world_size or nproc_per_node or int(env.get("WORLD_SIZE", "1"))
+    nproc = nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
+    if world_size % nproc:
+        raise UsageError(
+            f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
+        )
+    gpu = gpu_memory
+    if gpu is None:
+        gpu = torch.cuda.mem_get_info()[0] / GiB if torch.cuda.is_available() else 80.0
+    return Machine(world_size, nproc, gpu, host_memory or host_memory_gib())
+
+
+def host_peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
+
+
+def measured_memory(steps: int, device: torch.device) -> dict:
+    """The peaks reached after `steps` steps, for Plan.format_measured and plan.json."""
+    on_gpu = device.type == "cuda"
+    return {
+        "steps": steps,
+        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GiB if on_gpu else None,
+        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if on_gpu else None,
+        "host_peak_rss_gib": host_peak_rss_gib(),
+    }
+
+
 # ----------------------------------------------------------------------------------------
 # FSDP: the strategies (how parameters, gradients and optimizer state are laid out over the
 # ranks), their mesh, sharding the model, filling its shards, and the global gradient norm
@@ -946,82 +1016,59 @@ class MemoryEstimate:
         """What torch.cuda.max_memory_allocated should read."""
         return self.gpu_total - self.overhead
 
+    def terms(self) -> dict[str, float]:
+        return {"parameters": self.parameters, "gradients": self.gradients,
+                "optimizer states": self.optimizer, "activations": self.activations,
+                "loss / logits": self.loss}  # fmt: skip
+
     def format(self, on_gpu: bool = True) -> str:
         """The table of the plan's printout; on the CPU the parts all live on the host."""
-        rows = [
-            ("parameters", self.parameters),
-            ("gradients", self.gradients),
-            ("optimizer states", self.optimizer),
-            ("activations", self.activations),
-            ("loss / logits", self.loss),
-        ]
+        rows = self.terms()
         if on_gpu:
-            rows += [
-                ("context + allocator", self.overhead),
-                ("GPU total", self.gpu_total),
-                ("host total", self.host_total),
-            ]
+            rows |= {"context + allocator": self.overhead, "GPU total": self.gpu_total,
+                     "host total": self.host_total}  # fmt: skip
         else:
-            rows.append(("host total", self.host_total + self.gpu_tensors))
-        size = f"{self.num_params / 1e9:.2f}B" if self.num_params >= 1e9 else (
-            f"{self.num_params / 1e6:.1f}M")  # fmt: skip
+            rows["host total"] = self.host_total + self.gpu_tensors
+        n = self.num_params
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
         lines = [f"memory per rank ({size} params, peak at {self.phase})"]
-        lines += [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows]
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What a plan must fit in."""
-
-    world_size: int
-    nproc_per_node: int
-    gpu_gib: float | None  # free memory of each GPU; None: a CPU run, all of it on the host
-    host_gib: float  # available memory of each node's host
+        return "\n".join(lines + [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows.items()])
 
 
 @dataclass(frozen=True)
 class Plan:
     """How a run takes its steps: everything besides the model that the memory per rank
     depends on, each field the train.py flag of the same name. `make_plan` chooses the
-    fields the options leave open and adds what the plan was made for, so that this one
-    object is what a run applies, prints (`format`) and saves (`to_json`); tests and
-    `estimate_memory` use bare ones."""
+    fields the options leave open and adds what the plan was made for (MADE_FOR), so that
+    this one object is what a run applies, prints (`format`) and saves (`to_json`); tests
+    and `estimate_memory` use bare ones."""
 
     seq_len: int
     micro_batch: int = 1  # sequences per rank per forward
-    grad_accum: int = 1  # micro-batches per optimizer step
+    grad_accum: int = 1
     world_size: int = 1
-    nproc_per_node: int | None = None  # HYBRID_SHARD's shard group; None: world_size
+    nproc_per_node: int | None = None  # None: world_size
     strategy: str = "FULL_SHARD"
-    ac: str = "none"  # offload.AC_MODES
+    ac: str = "none"
     ac_every: int = 1
     mlp_tile: int = 0
     activation_offload: bool = False
-    offload_blocks: int | None = None  # of activation offload; None: all blocks but the last
+    offload_blocks: int | None = None  # None: all blocks but the last
     cpu_offload: bool = False
-    # AdamW in backward: on one GPU without FSDP (offload.OptimizerInBackward), or on
-    # FSDP's host shards with cpu_offload (offload.ShardedOptimizerInBackward).
     optimizer_in_backward: bool = False
-    param_dtype: str = "bf16"  # of the gathered weights and the activations: bf16 or fp32
+    param_dtype: str = "bf16"  # of the gathered weights and the activations
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
-    # LoRA adapters on a frozen base (model.apply_lora): only the adapters have fp32 master
-    # weights, gradients and optimizer state; the base is stored in param_dtype, its
-    # adapted projections in NF4 with lora.quantize_base.
     lora: LoRAConfig | None = None
-    context_parallel: int = 1  # ranks sharing each sequence, seq_len / N tokens each
-    document_mask: bool = False  # attention masked between packed documents (model.PackedRows)
+    context_parallel: int = 1
+    document_mask: bool = False
     # Whether some packed document may reach model.LONG_DOCUMENT tokens, so that the causal
     # kernel keeps its heads' outputs (the data's longest document says; unknown: yes).
     long_documents: bool = True
-    # What make_plan adds (MADE_FOR): the machine planned for, the estimate there, the
-    # fields the planner chose, the tokens per step asked for (None: --micro-batch x
-    # --grad-accum), and the planner's guess of a step's seconds (see GPU_FLOPS).
     machine: Machine | None = None
     estimate: MemoryEstimate | None = None
-    planned: tuple[str, ...] = ()
-    tokens_per_step_asked: int | None = None
-    seconds_per_step: float | None = None
+    planned: tuple[str, ...] = ()  # the fields the planner chose
+    tokens_per_step_asked: int | None = None  # None: --micro-batch x --grad-accum
+    seconds_per_step: float | None = None  # step_seconds on the machine's kind of device
 
     @property
     def tokens_per_step(self) -> int:
@@ -1052,9 +1099,10 @@ class Plan:
 
     def format(self) -> str:
         """Three lines and the estimate's table, printed at the start of a run."""
-        m, cp, tokens = self.machine, self.context_parallel, self.tokens_per_step
+        m, cp, tokens, asked = self.machine, self.context_parallel, self.tokens_per_step, (
+            self.tokens_per_step_asked)  # fmt: skip
         gpu, host = memory_needed(self.estimate, m)
-        asked, batch = self.tokens_per_step_asked, ""
+        batch = ""
         if asked and asked != tokens:
             holders = "process" if cp == 1 else f"group of {cp} context-parallel processes"
             batch = (
@@ -1134,9 +1182,9 @@ def block_params(args: ModelArgs) -> int:
 
 @functools.cache
 def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
-    """Pinned host bytes of one rank's fp32 parameter shards: each tensor's shard (dim 0
-    split over the shard group) rounded up to a power of two, as the caching host allocator
-    allocates it."""
+    """Pinned host bytes of one rank's fp32 parameter shards: PyTorch's caching host
+    allocator hands out each tensor's shard (dim 0 split over the shard group) rounded up
+    to a power of two (bench/RESULTS.md, "CPU offload at scale")."""
     total = 0
     for shape in parameter_shapes(args).values():
         shard_bytes = -(-shape[0] // shard_size) * (shape.numel() // shape[0]) * 4
@@ -1232,13 +1280,11 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> State:
     # Earlier micro-batches' gradients, kept unsharded in fp32 while
     # set_requires_gradient_sync(False); reduced unit by unit in the last backward.
     accumulated = 4 * w.trained if plan.grad_accum > 1 else 0.0
-    shard = 0.0 if plan.cpu_offload else 4 / s  # bytes a trained parameter's shard holds
-    # With CPU offload the fp32 shards of parameters and gradients live in pinned memory,
-    # which PyTorch's caching host allocator hands out in powers of two per tensor
-    # (bench/RESULTS.md, "CPU offload at scale"); AdamW's moments are plain host memory.
-    # With the optimizer in backward the shards are plain memory (train.apply_techniques
-    # says why), and there is no set of gradient shards: only those whose updates wait, at
-    # most a block's and the embedding's or the output's beside them.
+    shard = 0.0 if plan.cpu_offload else 4 / s  # GPU bytes a trained parameter's shard holds
+    # With CPU offload the fp32 shards of parameters and gradients live in pinned memory;
+    # with the optimizer in backward too, in plain memory (train.apply_techniques says why),
+    # and no set of gradient shards exists: only those whose updates wait, at most a
+    # block's and the embedding's or the output's beside them.
     host = 0.0
     if plan.cpu_offload and plan.optimizer_in_backward:
         waiting = w.block_trained + max(w.root_trained, w.head_trained)
@@ -1263,16 +1309,13 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> State:
 
 
 def in_backward_state(args: ModelArgs, w: Weights, p: int) -> State:
-    """With the optimizer in backward (one GPU, no FSDP): every param_dtype weight stays on
-    the GPU, and no gradient buffer: a gradient lives from its computation until the
-    worker has copied it to the host, and the hook lets at most a block's worth wait for
-    that copy (one larger than that alone). So in flight are the one being computed and up
-    to a block's. (The head's, larger than a block on Llama, goes alone: the next hook
-    waits for its copy.) A tied embedding's gradient from the head waits in autograd for
-    the one from the embedding: both exist at backward's end. The host holds the fp32
-    master weights and moments (plain memory, 12 bytes per parameter), the pinned staging
-    buffers of the largest parameter (rounded up to a power of two: one for gradients,
-    STAGING_SLOTS for weights), and the worker's fp32 copy of one gradient."""
+    """With the optimizer in backward on one GPU, without FSDP: every param_dtype weight
+    stays on the GPU, and a gradient lives until the worker has copied it to the host, the
+    hook letting at most a block's worth wait (one larger alone: the head's, the next hook
+    waiting for its copy). A tied embedding's gradient from the head waits in autograd for
+    the embedding's own. The host holds the fp32 weights and moments (12 bytes a
+    parameter), the pinned staging buffers of the largest parameter (one for gradients,
+    STAGING_SLOTS for weights) and the worker's fp32 copy of one gradient."""
     total, d = args.num_params(), args.dim
     block, largest_in_block = block_params(args), max(args.ffn_dim * d, d * d)
     largest = max(w.embedding, largest_in_block)
@@ -1292,18 +1335,14 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> State:
     )
 
 
-def block_saved_bytes(
-    args: ModelArgs, n_tokens: int, act_bytes: int, kernels: bool, mlp_tokens: int | None = None
-) -> int:
-    """Bytes one TransformerBlock saves for backward without checkpointing, for n_tokens
-    = B * S, counted op by op (weights excluded: they are parameters). Assumes the flash
-    or cuDNN attention backend, which keeps q, k, v, out and a fp32 logsumexp; the math
-    backend would keep the [B, H, S, S] scores. With MLP tiling (offload.apply_mlp_tiling)
-    the [tokens, ffn_dim] tensors exist for `mlp_tokens` = B * tile positions at a time."""
-    n, d, f = n_tokens, args.dim, args.ffn_dim
+def block_saved_bytes(args: ModelArgs, n: int, a: int, kernels: bool, mlp_tokens: int) -> int:
+    """Bytes one TransformerBlock saves for backward without checkpointing, for n = B * S
+    tokens, `a` bytes an activation, counted op by op (weights excluded: they are
+    parameters). The flash or cuDNN attention backend keeps q, k, v, out and a fp32
+    logsumexp (the math backend would keep the [B, H, S, S] scores); with MLP tiling
+    (offload.apply_mlp_tiling) the [tokens, ffn_dim] tensors exist for `mlp_tokens` at a time."""
+    d, f, m = args.dim, args.ffn_dim, mlp_tokens
     kv = args.n_kv_heads * args.head_dim
-    a = act_bytes
-    m = n if mlp_tokens is None else min(n, mlp_tokens)
     linear_inputs = 2 * n * d * a + m * f * a  # normed x (wq/wk/wv), normed h (w1/w3), w2's
     attention = (n * d + 2 * n * kv + n * d) * a + n * args.n_heads * 4  # q k v out, lse
     if kernels:
@@ -1347,14 +1386,6 @@ def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int |
     return cached
 
 
-def offloaded_blocks(plan: Plan, layers: int) -> int:
-    """The blocks whose activations go to the host (offload.activation_offload): the first
-    `offload_blocks`, by default all but the last (whose backward comes first)."""
-    if not plan.activation_offload:
-        return 0
-    return layers - 1 if plan.offload_blocks is None else plan.offload_blocks
-
-
 def block_backward_bytes(
     args: ModelArgs, plan: Plan, n: int, mlp_tokens: int, p: int, checkpointed: bool
 ) -> int:
@@ -1383,6 +1414,14 @@ def block_backward_bytes(
         attention_saved += norm + n * args.head_dim * 4  # and RoPE its cos and sin
         mlp += norm + mlp_tokens * f * p  # and SwiGLU silu(gate)
     return attention_saved + max(mlp, attention)
+
+
+def offloaded_blocks(plan: Plan, layers: int) -> int:
+    """The blocks whose activations go to the host (offload.activation_offload): the first
+    `offload_blocks`, by default all but the last (whose backward comes first)."""
+    if not plan.activation_offload:
+        return 0
+    return layers - 1 if plan.offload_blocks is None else plan.offload_blocks
 
 
 def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, list[int], int]:
@@ -1415,9 +1454,9 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, list[int
 def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[float, float, float]:
     """The loss's buffers in its forward, in the head's backward and in the blocks'. Fused
     kernel: the logits chunk, and the gradients it computes in forward and keeps for
-    backward (hidden-sized and output-weight-sized, param_dtype). Reference: [N, V] fp32
+    backward (hidden-sized and output-weight-sized). Reference: [N, V] fp32
     log-probabilities saved, then their gradient and the fp32 logits' one (12 bytes per
-    logit), and the bf16 logits' gradient."""
+    logit), and the param_dtype logits' gradient."""
     n = plan.micro_batch * plan.seq_len // plan.context_parallel
     v, d = args.vocab_size, args.dim
     output_grad = 0 if plan.lora is not None else v * d * p  # a frozen output: no gradient
@@ -1436,13 +1475,11 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     """Memory per rank of one training step of `plan`, counted from the shapes, term by
     term (the functions above), at each moment of the table below: the peak is the largest.
     The AdamW step itself (fused, no temporaries) needs less than backward's end.
-    Activations assume the cuDNN attention backend; `plan.kernels` picks the Triton
-    kernels' saved tensors or the PyTorch references'. With activation offload they
-    assume the host copies keep up with compute, true with full checkpointing; without
-    it the link falls behind and the GPU holds much more (bench/RESULTS.md, "Sharding and
-    offload"). With context parallelism each rank holds seq_len / N tokens of each row, so
-    every activation term divides by N (attention's q, k, v and output hold the whole
-    sequence for H/N heads: as many bytes); the state is sharded over all ranks as before."""
+    Activations assume the cuDNN attention backend, and with activation offload that the
+    host copies keep up with compute, true with checkpointing (candidate_plans says why).
+    With context parallelism each rank holds seq_len / N tokens of each row, so every
+    activation term divides by N (attention's q, k, v and output hold the whole sequence
+    for H/N heads: as many bytes); the state is sharded over all ranks as before."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
     w = count_weights(args, plan.lora, p)
     if plan.optimizer_in_backward and not plan.cpu_offload:
@@ -1478,17 +1515,11 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     phase, *terms = max(moments, key=lambda moment: sum(moment[1:]))
     parameters, gradients, optimizer, activations, loss = (term / GiB for term in terms)
     return MemoryEstimate(
-        num_params=args.num_params(),
-        phase=phase,
-        parameters=parameters,
-        gradients=gradients,
-        optimizer=optimizer,
-        activations=activations,
-        loss=loss,
+        args.num_params(), phase, parameters, gradients, optimizer, activations, loss,
         overhead=OVERHEAD_GIB,
         gpu_total=parameters + gradients + optimizer + activations + loss + OVERHEAD_GIB,
         host_total=(st.host + host_activations) / GiB,
-    )
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------
@@ -1497,11 +1528,10 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 
 # The share of each memory a plan may fill by its estimate. GPU: twice the estimate's worst
 # miss against the measured peaks (bench/RESULTS.md, "Memory estimator, revised", and issue
-# #24's section; activation offload without full checkpointing excepted: its copies can
-# lag); with expandable segments (train.main's default) the caching allocator can give back
-# what it holds beyond its tensors. Host: the estimate is close to the measured RSS ("CPU
-# offload at scale"), to which each process adds torch, the CUDA context and the loader
-# (HOST_PROCESS_GIB; "The run plan with no memory flags").
+# #24's section); with expandable segments (train.main's default) the caching allocator can
+# give back what it holds beyond its tensors. Host: the estimate is close to the measured
+# RSS ("CPU offload at scale"), to which each process adds torch, the CUDA context and the
+# loader (HOST_PROCESS_GIB; "The run plan with no memory flags").
 GPU_MARGIN = 0.10
 HOST_MARGIN = 0.05
 HOST_PROCESS_GIB = 2.0
@@ -1518,9 +1548,17 @@ SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
 ACTIVATION_OFFLOAD_COST = 0.01  # of the step, with checkpointing
 CPU_OFFLOAD_S_PER_PARAM = 0.75e-9  # per parameter of a rank's shard, per rank on the host
 IN_BACKWARD_S_PER_PARAM = 0.15e-9
-AC_ORDER = ("none", "selective", "attention", "full")  # offload.AC_MODES, fastest first
-MLP_TILES = (16384, 8192, 4096)  # positions; at equal cost none first, then the larger
-# The fields the planner chooses when the user leaves them open (None).
+# What the planner chooses among where the user leaves a field open (None), fastest first
+# at equal cost: recomputation (offload.AC_MODES), MLP tiles (positions; shorter than the
+# sequence), the offloads.
+CHOICES = {
+    "ac": ("none", "selective", "attention", "full"),
+    "mlp_tile": (0, 16384, 8192, 4096),
+    "activation_offload": (False, True),
+    "cpu_offload": (False, True),
+    "optimizer_in_backward": (False, True),
+}
+# The fields the planner chooses, in the order of the plan's flags.
 PLANNED = ("ac", "mlp_tile", "activation_offload", "offload_blocks", "cpu_offload",
            "optimizer_in_backward", "micro_batch", "grad_accum")  # fmt: skip
 
@@ -1531,98 +1569,18 @@ BATCH_TOKENS = 2**19
 SMALL_MODEL_BATCH_TOKENS = 4096
 
 
-def default_batch_tokens(args: ModelArgs) -> int:
-    return SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS
-
-
-def host_memory_gib() -> float:
-    """Memory this host can give a run: MemAvailable, within the cgroup's limit if one is
-    set (a container or a SLURM job sees the whole machine's /proc/meminfo)."""
-    meminfo = Path("/proc/meminfo").read_text()
-    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
-    limit, usage = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
-    if limit.exists() and usage.exists() and limit.read_text().strip() != "max":
-        available = min(available, int(limit.read_text()) - int(usage.read_text()))
-    return available / GiB
-
-
-def host_peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
-
-
-def this_machine(gpu_memory: float | None, host_memory: float | None, world: Dist) -> Machine:
-    """The machine the run is on: its processes, each GPU's free memory and the host's
-    available memory (`gpu_memory`, `host_memory` GiB instead where given). A collective:
-    every rank plans with the smallest over all ranks, so that all choose the same plan."""
-    gpu = gpu_memory
-    if gpu is None and world.device.type == "cuda":
-        gpu = torch.cuda.mem_get_info(world.device)[0] / GiB
-    memory = torch.tensor([gpu or 0.0, host_memory or host_memory_gib()], dtype=torch.float64)
-    torch_dist.all_reduce(memory, op=torch_dist.ReduceOp.MIN)
-    gpu_gib = memory[0].item() if gpu is not None else None
-    return Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
-
-
-def machine_to_estimate(
-    world_size: int | None,
-    nproc_per_node: int | None,
-    gpu_memory: float | None,
-    host_memory: float | None,
-) -> Machine:
-    """The machine --estimate-memory plans for: the flags', else torchrun's and this one's."""
-    env = os.environ
-    # --nproc-per-node alone reads as torchrun's: one node of that many processes.
-    world_size = world_size or nproc_per_node or int(env.get("WORLD_SIZE", "1"))
-    nproc = nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
-    if world_size % nproc:
-        raise UsageError(
-            f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
-        )
-    gpu = gpu_memory
-    if gpu is None:
-        gpu = torch.cuda.mem_get_info()[0] / GiB if torch.cuda.is_available() else 80.0
-    return Machine(world_size, nproc, gpu, host_memory or host_memory_gib())
-
-
-def measured_memory(steps: int, device: torch.device) -> dict:
-    """The peaks reached after `steps` steps, for Plan.format_measured and plan.json."""
-    on_gpu = device.type == "cuda"
-    return {
-        "steps": steps,
-        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GiB if on_gpu else None,
-        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if on_gpu else None,
-        "host_peak_rss_gib": host_peak_rss_gib(),
-    }
-
-
-def wanted_fields(opts) -> dict:
-    """The planned fields the options (train.Options, here and below) set: the planner
-    keeps them."""
-    return {name: getattr(opts, name) for name in PLANNED if getattr(opts, name) is not None}
-
-
-def base_plan(
-    opts,
-    machine: Machine,
-    document_mask: bool = False,
-    lora: LoRAConfig | None = None,
-    long_documents: bool = True,
-) -> Plan:
-    """What the options fix of the plan, besides the planned fields."""
+def options_plan(opts, machine: Machine, **fixed) -> tuple[Plan, dict]:
+    """What the options (train.Options) fix of the plan, and the planned fields they set
+    (`wanted`: the planner keeps them); `fixed`: the plan's fields the run's data and LoRA
+    config set."""
     on_gpu = machine.gpu_gib is not None
-    return Plan(
-        seq_len=opts.seq_len,
-        world_size=machine.world_size,
-        nproc_per_node=machine.nproc_per_node,
-        strategy=opts.strategy,
-        ac_every=opts.ac_every,
+    base = Plan(
+        opts.seq_len, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node,
+        strategy=opts.strategy, ac_every=opts.ac_every, context_parallel=opts.context_parallel,
         param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
-        kernels=on_gpu if opts.kernels is None else opts.kernels,
-        lora=lora,
-        document_mask=document_mask,
-        long_documents=long_documents,
-        context_parallel=opts.context_parallel,
-    )
+        kernels=on_gpu if opts.kernels is None else opts.kernels, **fixed,
+    )  # fmt: skip
+    return base, {k: getattr(opts, k) for k in PLANNED if getattr(opts, k) is not None}
 
 
 def technique_problems(opts, args: ModelArgs, world_size: int, nproc_per_node: int) -> list[str]:
@@ -1631,8 +1589,8 @@ def technique_problems(opts, args: ModelArgs, world_size: int, nproc_per_node: i
     # The rules ask whether LoRA is on, not how (train.py checks its config).
     lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
     machine = Machine(world_size, nproc_per_node, gpu_gib=None, host_gib=0.0)
-    asked = dataclasses.replace(base_plan(opts, machine, lora=lora), **wanted_fields(opts))
-    return plan_problems(args, asked, opts.grad_clip)
+    base, wanted = options_plan(opts, machine, lora=lora)
+    return plan_problems(args, dataclasses.replace(base, **wanted), opts.grad_clip)
 
 
 def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -> list[str]:
@@ -1695,7 +1653,8 @@ def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bo
                 f" x --seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
             )
         return sequences, True, opts.batch_tokens
-    batch = opts.batch_tokens or default_batch_tokens(args)
+    small = args.num_params() < 100e6
+    batch = opts.batch_tokens or (SMALL_MODEL_BATCH_TOKENS if small else BATCH_TOKENS)
     batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
     return max(1, round(batch / per_sequence)), batch_is_fixed, batch
 
@@ -1712,9 +1671,10 @@ def make_plan(
     """The plan of the run: what the options set, and the fastest choice for the rest that
     fits `machine` (choose_plan), with what it was made for. `lora`:
     train.lora_config(opts), built once there."""
-    wanted = wanted_fields(opts)
+    base, wanted = options_plan(
+        opts, machine, lora=lora, document_mask=document_mask, long_documents=long_documents
+    )
     sequences, batch_is_fixed, asked = sequences_per_step(opts, args, machine)
-    base = base_plan(opts, machine, document_mask, lora, long_documents)
     plan = choose_plan(args, machine, base, wanted, sequences, batch_is_fixed, opts.grad_clip)
     return dataclasses.replace(
         plan,
@@ -1765,10 +1725,16 @@ def memory_needed(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
     return est.gpu_total, on_host * machine.nproc_per_node
 
 
-def fits(est: MemoryEstimate, machine: Machine) -> bool:
+def overshoot(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
+    """How many times what the margins leave usable a plan needs, of the GPU (0 on the
+    CPU) and of the host: a plan fits where neither is above 1."""
     gpu, host = memory_needed(est, machine)
-    gpu_ok = machine.gpu_gib is None or gpu <= (1 - GPU_MARGIN) * machine.gpu_gib
-    return gpu_ok and host <= (1 - HOST_MARGIN) * machine.host_gib
+    gpu_share = 0.0 if machine.gpu_gib is None else gpu / ((1 - GPU_MARGIN) * machine.gpu_gib)
+    return gpu_share, host / ((1 - HOST_MARGIN) * machine.host_gib)
+
+
+def fits(est: MemoryEstimate, machine: Machine) -> bool:
+    return max(overshoot(est, machine)) <= 1
 
 
 def candidate_plans(
@@ -1782,16 +1748,11 @@ def candidate_plans(
     """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
     the user set) and that plan_problems allows, in the order the planner tries them. On
     the CPU only the micro-batch is planned: there is no GPU memory to save."""
-    choices = {
-        "ac": AC_ORDER,
-        "mlp_tile": (0, *(t for t in MLP_TILES if t < base.seq_len)),
-        "activation_offload": (False, True),
-        "cpu_offload": (False, True),
-        "optimizer_in_backward": (False, True),
-    }
     on_gpu = machine.gpu_gib is not None
     choices = {k: (wanted[k],) if k in wanted else v if on_gpu else v[:1]
-               for k, v in choices.items()}  # fmt: skip
+               for k, v in CHOICES.items()}  # fmt: skip
+    if "mlp_tile" not in wanted:
+        choices["mlp_tile"] = tuple(t for t in choices["mlp_tile"] if t < base.seq_len)
     micro_batch, accum = wanted.get("micro_batch"), wanted.get("grad_accum")
     if micro_batch or accum:
         micro_batches = [micro_batch or max(1, round(sequences / accum))]
@@ -1833,7 +1794,7 @@ def partial_offload(args: ModelArgs, plan: Plan, machine: Machine) -> list[Plan]
 
     def host_overflows(n: int) -> bool:
         est = estimate_memory(args, dataclasses.replace(plan, offload_blocks=n))
-        return memory_needed(est, machine)[1] > (1 - HOST_MARGIN) * machine.host_gib
+        return overshoot(est, machine)[1] > 1
 
     # The host's bytes grow with N: bisect for the first N that overflows it.
     overflows_from = bisect.bisect(range(args.n_layers), False, key=host_overflows)
@@ -1892,25 +1853,25 @@ def no_fit_message(
     plans: list[Plan],
     grad_clip: float | None,
 ) -> str:
-    gpu_usable = (1 - GPU_MARGIN) * machine.gpu_gib if machine.gpu_gib else None
-    host_usable = (1 - HOST_MARGIN) * machine.host_gib
+    """Which plan came closest (the worse memory, then both), its largest terms, and the
+    ways to fit (ways_to_fit)."""
 
-    def overshoot(est: MemoryEstimate) -> tuple[float, float]:
-        """How many times what is usable the plan needs: the worse memory, then both."""
-        gpu, host = memory_needed(est, machine)
-        ratios = (gpu / gpu_usable if gpu_usable else 0.0, host / host_usable)
+    def closeness(plan: Plan) -> tuple[float, float]:
+        ratios = overshoot(estimate_memory(args, plan), machine)
         return max(ratios), sum(ratios)
 
-    closest = min(plans, key=lambda plan: overshoot(estimate_memory(args, plan)))
+    closest = min(plans, key=closeness)
     est = estimate_memory(args, closest)
     gpu, host = memory_needed(est, machine)
-    terms = {"activations": est.activations, "parameters": est.parameters,
-             "gradients": est.gradients, "optimizer states": est.optimizer,
-             "loss": est.loss}  # fmt: skip
-    largest = ", ".join(f"{k} {v:.1f}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])[:3])
-    if gpu_usable:
+    largest = sorted(est.terms().items(), key=lambda term: -term[1])[:3]
+    largest = ", ".join(f"{name} {gib:.1f}" for name, gib in largest)
+    host_usable = (1 - HOST_MARGIN) * machine.host_gib
+    if on_gpu := machine.gpu_gib is not None:
         where = f"{machine.world_size} x {machine.gpu_gib:.1f} GiB GPU"
-        needs = f"{gpu:.1f} GiB per GPU of {gpu_usable:.1f} usable ({largest} GiB) and "
+        needs = (
+            f"{gpu:.1f} GiB per GPU of {(1 - GPU_MARGIN) * machine.gpu_gib:.1f} usable "
+            f"({largest} GiB) and "
+        )
         margins = f"{GPU_MARGIN:.0%} of a GPU, {HOST_MARGIN:.0%} of a host kept free"
     else:
         where, needs = "the CPU", f"on the host {largest} GiB, and in all "
@@ -1923,12 +1884,10 @@ def no_fit_message(
     ]
     ways, tried = ways_to_fit(args, machine, base, wanted, grad_clip)
     if ways:
-        lines.append("It would fit with: " + "; or ".join(ways))
-    else:
-        where = "" if gpu_usable else " in this host's memory"
-        tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
-        lines.append(f"Neither {tried} would make it fit{where}.")
-    return "\n".join(lines)
+        return "\n".join([*lines, "It would fit with: " + "; or ".join(ways)])
+    tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
+    where = "" if on_gpu else " in this host's memory"
+    return "\n".join([*lines, f"Neither {tried} would make it fit{where}."])
 
 
 def ways_to_fit(
