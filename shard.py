@@ -1163,17 +1163,12 @@ MADE_FOR = ("machine", "estimate", "planned", "tokens_per_step_asked", "seconds_
 
 
 @functools.cache  # the planner asks once per plan it tries
-def parameter_shapes(args: ModelArgs) -> dict[str, torch.Size]:
-    """The model's parameters, built on the meta device: the estimate counts the model
-    itself rather than a formula of its shapes."""
-    with torch.device("meta"):
-        return {name: p.shape for name, p in Llama(args).named_parameters()}
-
-
 def block_shapes(args: ModelArgs) -> dict[str, torch.Size]:
-    """A TransformerBlock's parameters by their last module name: wq ... w2 and the norms."""
-    shapes = parameter_shapes(args).items()
-    return {name.split(".")[-2]: shape for name, shape in shapes if name.startswith("layers.0.")}
+    """A TransformerBlock's parameters by their last module name (wq ... w2, the norms),
+    built on the meta device: the estimate counts the model itself, not a formula."""
+    with torch.device("meta"):
+        block = Llama(dataclasses.replace(args, n_layers=1)).layers[0]
+    return {name.split(".")[-2]: p.shape for name, p in block.named_parameters()}
 
 
 def block_params(args: ModelArgs) -> int:
@@ -1185,19 +1180,17 @@ def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
     """Pinned host bytes of one rank's fp32 parameter shards: PyTorch's caching host
     allocator hands out each tensor's shard (dim 0 split over the shard group) rounded up
     to a power of two (bench/RESULTS.md, "CPU offload at scale")."""
-    total = 0
-    for shape in parameter_shapes(args).values():
-        shard_bytes = -(-shape[0] // shard_size) * (shape.numel() // shape[0]) * 4
-        total += 1 << (shard_bytes - 1).bit_length()
-    return total
+    with torch.device("meta"):
+        shapes = [p.shape for p in Llama(args).parameters()]
+    shards = (-(-s[0] // shard_size) * (s.numel() // s[0]) * 4 for s in shapes)
+    return sum(1 << (shard - 1).bit_length() for shard in shards)
 
 
 @dataclass(frozen=True)
 class Weights:
-    """The model's weights as the estimate counts them, by FSDP unit: the root (the
-    embedding), the head ([norm, output], none when tied) and each block. Trained weights
-    have fp32 master weights, gradients and AdamW's moments; frozen ones are stored as they
-    are used. Full fine-tuning trains them all; LoRA trains its adapters on a frozen base."""
+    """The model's weights by FSDP unit: the root (the embedding), the head ([norm, output],
+    none when tied) and each block. Trained ones have fp32 master weights, gradients and
+    AdamW's moments; frozen ones (LoRA's base) are stored as they are used."""
 
     embedding: int  # numel of the root
     head: int  # numel of the head
@@ -1238,7 +1231,7 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
 
 @dataclass(frozen=True)
 class State:
-    """The parameters, gradients and optimizer state in bytes: on the GPU at the moments of
+    """Bytes of the parameters, gradients and optimizer state on the GPU at the moments of
     estimate_memory's table, and on the host."""
 
     weights: float  # from the loss's forward through the head's backward
@@ -1254,55 +1247,45 @@ class State:
 
 
 def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> State:
-    """Under FSDP, for `p` bytes a gathered weight."""
+    """Under FSDP, for `p` bytes a gathered weight. Gathered param_dtype weights: the root
+    (kept from forward through backward), the head (from the end of forward until its
+    backward is done) and the blocks: the one in backward and the one prefetched when
+    resharded after forward, all of them otherwise; with CPU offload, also the fp32 copy of
+    a block's largest shard before its cast. A unit's reduction: its param_dtype gradient
+    is copied into an fp32 buffer, which is reduce-scattered into the fp32 shard."""
     s = shard_group_size(plan.strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
-    # Sharded fp32 state, 4 bytes per trained parameter per copy, and the frozen base as
-    # stored, divided over the shard group.
     master = (4 * w.trained + w.frozen_bytes) / s
     optimizer = 2 * 4 * w.trained / s  # exp_avg, exp_avg_sq
     gpu_master = 0.0 if plan.cpu_offload else master
-    # Gathered param_dtype weights: the root (kept from forward through backward), the
-    # head (kept from the end of forward into backward), and the blocks: the one in
-    # backward plus the one prefetched when resharded after forward, all of them otherwise.
-    # (With CPU offload each fp32 shard is copied to the GPU before its cast: in backward,
-    # a block's largest, w1/w2/w3.)
     gathered_blocks = 2 if _strategy(plan.strategy).reshard_after_forward else args.n_layers
     gathered = p * (w.embedding + w.head) + p * w.dequantized
     gathered += gathered_blocks * (p * w.block_trained + w.block_frozen_bytes)
     staging = 4 * args.ffn_dim * args.dim / s if plan.cpu_offload else 0.0
     in_use = gpu_master + gathered + staging
-
-    # A unit's reduction: its param_dtype gradient is copied into an fp32 buffer (both
-    # live), then freed while that buffer is reduce-scattered into the fp32 shard (both live).
-    def reduction(numel: int) -> float:
-        return numel * max(p + 4, 4 + 4 / s)
-
-    # Earlier micro-batches' gradients, kept unsharded in fp32 while
-    # set_requires_gradient_sync(False); reduced unit by unit in the last backward.
+    # Earlier micro-batches' gradients stay unsharded in fp32 until the last backward.
     accumulated = 4 * w.trained if plan.grad_accum > 1 else 0.0
     shard = 0.0 if plan.cpu_offload else 4 / s  # GPU bytes a trained parameter's shard holds
-    # With CPU offload the fp32 shards of parameters and gradients live in pinned memory;
-    # with the optimizer in backward too, in plain memory (train.apply_techniques says why),
-    # and no set of gradient shards exists: only those whose updates wait, at most a
-    # block's and the embedding's or the output's beside them.
+    reduced = max(p + 4, 4 + 4 / s)  # the same, a trained parameter in its unit's reduction
+    # CPU offload keeps the fp32 shards of parameters and gradients in pinned memory; with
+    # the optimizer in backward in plain memory (train.apply_techniques says why), and
+    # gradients only while their updates wait: a block's and the embedding's or output's.
     host = 0.0
     if plan.cpu_offload and plan.optimizer_in_backward:
         waiting = w.block_trained + max(w.root_trained, w.head_trained)
         host = 4 * (w.trained + waiting) / s + optimizer
     elif plan.cpu_offload:
         host = 2 * pinned_shard_bytes(args, s) + optimizer
-    # The head's gathered weight is resharded once its backward is done (seen in the
-    # snapshots of runs without CPU offload; with it the recorded peaks still hold a tensor of
-    # its size through the blocks' backward, not analysed yet, so it stays counted there).
     return State(
         weights=in_use,
+        # With CPU offload the recorded peaks still hold a tensor of the head's size through
+        # the blocks' backward (not analysed yet), so it stays counted there.
         weights_in_blocks=in_use - (0.0 if plan.cpu_offload else p * w.head),
         weights_at_end=gpu_master + p * w.embedding + staging,
         accumulated=accumulated,
         head_gradients=accumulated + (4 + 4 / s) * w.head_trained,
-        block_gradients=accumulated + reduction(w.block_trained),
+        block_gradients=accumulated + w.block_trained * reduced,
         shards=(shard * w.head_trained, shard * w.block_trained),
-        end_gradients=shard * (w.trained - w.root_trained) + reduction(w.root_trained),
+        end_gradients=shard * (w.trained - w.root_trained) + w.root_trained * reduced,
         optimizer=0.0 if plan.cpu_offload else optimizer,
         host=host,
     )
@@ -1311,11 +1294,11 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> State:
 def in_backward_state(args: ModelArgs, w: Weights, p: int) -> State:
     """With the optimizer in backward on one GPU, without FSDP: every param_dtype weight
     stays on the GPU, and a gradient lives until the worker has copied it to the host, the
-    hook letting at most a block's worth wait (one larger alone: the head's, the next hook
-    waiting for its copy). A tied embedding's gradient from the head waits in autograd for
-    the embedding's own. The host holds the fp32 weights and moments (12 bytes a
-    parameter), the pinned staging buffers of the largest parameter (one for gradients,
-    STAGING_SLOTS for weights) and the worker's fp32 copy of one gradient."""
+    hook letting at most a block's worth wait (one larger alone: the head's). A tied
+    embedding's gradient from the head waits in autograd for the embedding's own. The host
+    holds the fp32 weights and moments (12 bytes a parameter), the pinned staging buffers
+    of the largest parameter (one for gradients, STAGING_SLOTS for weights) and the
+    worker's fp32 copy of one gradient."""
     total, d = args.num_params(), args.dim
     block, largest_in_block = block_params(args), max(args.ffn_dim * d, d * d)
     largest = max(w.embedding, largest_in_block)
@@ -1336,11 +1319,10 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> State:
 
 
 def block_saved_bytes(args: ModelArgs, n: int, a: int, kernels: bool, mlp_tokens: int) -> int:
-    """Bytes one TransformerBlock saves for backward without checkpointing, for n = B * S
-    tokens, `a` bytes an activation, counted op by op (weights excluded: they are
-    parameters). The flash or cuDNN attention backend keeps q, k, v, out and a fp32
+    """Bytes one block saves for backward without checkpointing, for n = B * S tokens, `a`
+    bytes an activation: the flash or cuDNN attention backend keeps q, k, v, out and a fp32
     logsumexp (the math backend would keep the [B, H, S, S] scores); with MLP tiling
-    (offload.apply_mlp_tiling) the [tokens, ffn_dim] tensors exist for `mlp_tokens` at a time."""
+    (offload.apply_mlp_tiling) the [tokens, ffn_dim] tensors exist `mlp_tokens` at a time."""
     d, f, m = args.dim, args.ffn_dim, mlp_tokens
     kv = args.n_kv_heads * args.head_dim
     linear_inputs = 2 * n * d * a + m * f * a  # normed x (wq/wk/wv), normed h (w1/w3), w2's
@@ -1390,15 +1372,15 @@ def block_backward_bytes(
     args: ModelArgs, plan: Plan, n: int, mlp_tokens: int, p: int, checkpointed: bool
 ) -> int:
     """What the block in backward holds beyond its saved input and the checkpoint's cache,
-    at the larger of its two moments (found in memory snapshots: bench/RESULTS.md, issue
-    #24, "The block in backward"): the MLP's backward, with h, normed h, a tile's gate, up
-    and w2 input, three residual-sized gradients and one [tile, ffn_dim] gradient (SwiGLU's
-    kernel writes the others over gate and up); and attention's, with two residual-sized
+    at the larger of its two moments (memory snapshots: bench/RESULTS.md, "The block in
+    backward, measured"): the MLP's backward, with h, normed h, a tile's gate, up and w2
+    input, three residual-sized gradients and one [tile, ffn_dim] gradient (SwiGLU's kernel
+    writes the others over gate and up); and attention's, with two residual-sized
     gradients, dq, dk, dv and cuDNN's fp32 workspace (8 bytes a query element; under a
-    document mask FlexAttention's backward runs instead, whose q, k and v are in the
-    checkpoint's cache: this errs high there). Both hold what attention's backward needs
-    (normed x, q, k, v and, unless the checkpoint keeps them, its output and logsumexp); a
-    block not checkpointed has all that counted in its saved tensors already."""
+    document mask FlexAttention's backward runs instead: this errs high there). Both hold
+    what attention's backward needs (normed x, q, k, v and, unless the checkpoint keeps
+    them, its output and logsumexp), counted in the saved tensors of a block not
+    checkpointed."""
     d, f, h = args.dim, args.ffn_dim, args.n_heads
     q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
     mlp = 3 * n * d * p + mlp_tokens * f * p
@@ -1417,8 +1399,8 @@ def block_backward_bytes(
 
 
 def offloaded_blocks(plan: Plan, layers: int) -> int:
-    """The blocks whose activations go to the host (offload.activation_offload): the first
-    `offload_blocks`, by default all but the last (whose backward comes first)."""
+    """The first blocks, whose activations activation offload moves to the host: by default
+    all but the last (whose backward comes first)."""
     if not plan.activation_offload:
         return 0
     return layers - 1 if plan.offload_blocks is None else plan.offload_blocks
@@ -1426,11 +1408,10 @@ def offloaded_blocks(plan: Plan, layers: int) -> int:
 
 def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, list[int], int]:
     """The activations on the GPU from the loss's forward into the head's backward, in each
-    block's backward, and those activation offload keeps on the host. Each block saves,
-    through autograd's hooks, its input when checkpointed and everything otherwise
-    (`ac_every` skips some); checkpointing's cache stays on the GPU. In backward the blocks
-    whose inputs stay on the GPU come first, each freeing its own; then each offloaded
-    block is fetched back with the one before it (prefetched)."""
+    block's backward, and on the host. Each block saves, through autograd's hooks (which
+    activation offload takes to the host), its input when checkpointed and everything
+    otherwise (`ac_every` skips some). In backward the blocks kept on the GPU come first,
+    each freeing its own; then each offloaded block is fetched with the one before it."""
     n = plan.micro_batch * plan.seq_len // plan.context_parallel  # the tokens this rank holds
     d, layers = args.dim, args.n_layers
     mlp_tokens = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
@@ -1465,21 +1446,18 @@ def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[float, float, float
     # Over more than BF16_SUM_CHUNKS chunks the fused loss's forward also sums the output
     # weight's gradient in an fp32 buffer, freed before backward.
     wide_sum = plan.kernels and p < 4 and n > BF16_SUM_CHUNKS * _chunk_rows(v, p)
-    # In the blocks' backward a tied model's output gradient (the loss's buffer) waits for
-    # the root, at the end.
+    # A tied model's output gradient (the loss's buffer) waits for the root's, at the end.
     tied = v * d * p if args.tie_embeddings and plan.kernels else 0.0
     return loss + (4 * v * d if wide_sum else 0.0), loss, tied
 
 
 def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
-    """Memory per rank of one training step of `plan`, counted from the shapes, term by
-    term (the functions above), at each moment of the table below: the peak is the largest.
-    The AdamW step itself (fused, no temporaries) needs less than backward's end.
-    Activations assume the cuDNN attention backend, and with activation offload that the
-    host copies keep up with compute, true with checkpointing (candidate_plans says why).
-    With context parallelism each rank holds seq_len / N tokens of each row, so every
-    activation term divides by N (attention's q, k, v and output hold the whole sequence
-    for H/N heads: as many bytes); the state is sharded over all ranks as before."""
+    """Memory per rank of one training step of `plan`, counted from the shapes at each
+    moment of the table below: the peak is the largest. (The fused AdamW step needs less
+    than backward's end.) Activations assume the cuDNN attention backend and, with
+    activation offload, host copies that keep up with compute (candidate_plans says when).
+    Under context parallelism each rank holds seq_len / N tokens of each row, and for
+    attention the whole sequence for H/N heads: every activation term divides by N."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
     w = count_weights(args, plan.lora, p)
     if plan.optimizer_in_backward and not plan.cpu_offload:
@@ -1527,11 +1505,11 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 # ----------------------------------------------------------------------------------------
 
 # The share of each memory a plan may fill by its estimate. GPU: twice the estimate's worst
-# miss against the measured peaks (bench/RESULTS.md, "Memory estimator, revised", and issue
-# #24's section); with expandable segments (train.main's default) the caching allocator can
-# give back what it holds beyond its tensors. Host: the estimate is close to the measured
-# RSS ("CPU offload at scale"), to which each process adds torch, the CUDA context and the
-# loader (HOST_PROCESS_GIB; "The run plan with no memory flags").
+# miss against the measured peaks (bench/RESULTS.md, "The block in backward, measured");
+# with expandable segments (train.main's default) the caching allocator can give back what
+# it holds beyond its tensors. Host: the estimate is close to the measured RSS ("CPU
+# offload at scale"), to which each process adds torch, the CUDA context and the loader
+# (HOST_PROCESS_GIB; "The run plan with no memory flags").
 GPU_MARGIN = 0.10
 HOST_MARGIN = 0.05
 HOST_PROCESS_GIB = 2.0
@@ -1561,7 +1539,6 @@ CHOICES = {
 # The fields the planner chooses, in the order of the plan's flags.
 PLANNED = ("ac", "mlp_tile", "activation_offload", "offload_blocks", "cpu_offload",
            "optimizer_in_backward", "micro_batch", "grad_accum")  # fmt: skip
-
 # The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; for
 # models under 100M parameters (the tiny preset of the default run and the tests), 16
 # sequences of 256 tokens.
@@ -1570,9 +1547,8 @@ SMALL_MODEL_BATCH_TOKENS = 4096
 
 
 def options_plan(opts, machine: Machine, **fixed) -> tuple[Plan, dict]:
-    """What the options (train.Options) fix of the plan, and the planned fields they set
-    (`wanted`: the planner keeps them); `fixed`: the plan's fields the run's data and LoRA
-    config set."""
+    """What the options (train.Options) fix of the plan, with `fixed` (the data's and
+    LoRA's fields), and the planned fields they set: the planner keeps them."""
     on_gpu = machine.gpu_gib is not None
     base = Plan(
         opts.seq_len, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node,
@@ -1584,9 +1560,8 @@ def options_plan(opts, machine: Machine, **fixed) -> tuple[Plan, dict]:
 
 
 def technique_problems(opts, args: ModelArgs, world_size: int, nproc_per_node: int) -> list[str]:
-    """What the run cannot do of the techniques the options ask for, on `world_size`
-    processes, `nproc_per_node` a node: plan_problems of the plan they describe."""
-    # The rules ask whether LoRA is on, not how (train.py checks its config).
+    """plan_problems of the plan the options ask for on `world_size` processes,
+    `nproc_per_node` a node. (Whether LoRA is on matters, not how: train.py checks that.)"""
     lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
     machine = Machine(world_size, nproc_per_node, gpu_gib=None, host_gib=0.0)
     base, wanted = options_plan(opts, machine, lora=lora)
@@ -1737,88 +1712,6 @@ def fits(est: MemoryEstimate, machine: Machine) -> bool:
     return max(overshoot(est, machine)) <= 1
 
 
-def candidate_plans(
-    args: ModelArgs,
-    base: Plan,
-    wanted: dict,
-    sequences: int,
-    machine: Machine,
-    grad_clip: float | None = None,
-) -> list[Plan]:
-    """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
-    the user set) and that plan_problems allows, in the order the planner tries them. On
-    the CPU only the micro-batch is planned: there is no GPU memory to save."""
-    on_gpu = machine.gpu_gib is not None
-    choices = {k: (wanted[k],) if k in wanted else v if on_gpu else v[:1]
-               for k, v in CHOICES.items()}  # fmt: skip
-    if "mlp_tile" not in wanted:
-        choices["mlp_tile"] = tuple(t for t in choices["mlp_tile"] if t < base.seq_len)
-    micro_batch, accum = wanted.get("micro_batch"), wanted.get("grad_accum")
-    if micro_batch or accum:
-        micro_batches = [micro_batch or max(1, round(sequences / accum))]
-    else:
-        micro_batches = [m for m in range(sequences, 0, -1) if sequences % m == 0]
-    plans = []
-    for *values, micro_batch in itertools.product(*choices.values(), micro_batches):
-        plan = dataclasses.replace(base, **dict(zip(choices, values, strict=True)))
-        plan = dataclasses.replace(
-            plan,
-            micro_batch=micro_batch,
-            grad_accum=accum or max(1, round(sequences / micro_batch)),
-            offload_blocks=wanted.get("offload_blocks") if plan.activation_offload else None,
-        )
-        plans.append(plan)
-        if plan.activation_offload and "offload_blocks" not in wanted:
-            plans += partial_offload(args, plan, machine)
-    # Activation offload without checkpointing measured much slower: the host link cannot
-    # move every saved tensor in time (bench/RESULTS.md, "Sharding and offload").
-    plans = [
-        p for p in plans
-        if (p.ac != "none" or not p.activation_offload or wanted.get("ac") == "none")
-        and not plan_problems(args, p, grad_clip)
-    ]  # fmt: skip
-    # The optimizer in backward last, whatever its speed: it rules out gradient clipping.
-    # Partial offload after the plans without it: none has been measured against them.
-    return sorted(
-        plans,
-        key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,
-                       step_seconds(args, p), -p.micro_batch, p.mlp_tile > 0, -p.mlp_tile),
-    )  # fmt: skip
-
-
-def partial_offload(args: ModelArgs, plan: Plan, machine: Machine) -> list[Plan]:
-    """`plan` (activation offload of all blocks but the last) with only the first N blocks
-    offloaded, N the most whose activations the host holds (leaving the GPU the most room),
-    for a host that cannot hold them all; none where it can, or where it cannot hold even
-    the rest of the plan."""
-
-    def host_overflows(n: int) -> bool:
-        est = estimate_memory(args, dataclasses.replace(plan, offload_blocks=n))
-        return overshoot(est, machine)[1] > 1
-
-    # The host's bytes grow with N: bisect for the first N that overflows it.
-    overflows_from = bisect.bisect(range(args.n_layers), False, key=host_overflows)
-    if 0 < overflows_from < args.n_layers:
-        return [dataclasses.replace(plan, offload_blocks=overflows_from - 1)]
-    return []
-
-
-def first_fit(
-    args: ModelArgs,
-    machine: Machine,
-    base: Plan,
-    wanted: dict,
-    sequences: int,
-    grad_clip: float | None = None,
-) -> Plan | None:
-    """The first of candidate_plans whose estimate fits `machine` with the margins above."""
-    base = dataclasses.replace(
-        base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
-    )
-    plans = candidate_plans(args, base, wanted, sequences, machine, grad_clip)
-    return next((plan for plan in plans if fits(estimate_memory(args, plan), machine)), None)
-
-
 def choose_plan(
     args: ModelArgs,
     machine: Machine,
@@ -1828,113 +1721,186 @@ def choose_plan(
     batch_is_fixed: bool,
     grad_clip: float | None = None,
 ) -> Plan:
-    """The first fit (first_fit). `base` holds what is not planned (seq_len, strategy,
-    dtype, kernels...). When the batch was not set (`batch_is_fixed` False) and nothing
-    fits, one sequence per rank per step is tried: without accumulation, whose gradients
-    take memory, and where the optimizer in backward can run. Raises ValueError naming the
-    largest terms of the closest plan, and what would make a plan fit."""
-    base = dataclasses.replace(
-        base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
-    )
-    if problems := plan_problems(args, dataclasses.replace(base, **wanted), grad_clip):
+    """The first plan that fits (Planner.first_fit). When the batch was not set
+    (`batch_is_fixed` False) and none does, one sequence per rank per step is tried:
+    without accumulation, whose gradients take memory, and where the optimizer in backward
+    can run. Raises ValueError naming the largest terms of the closest plan, and what
+    would make a plan fit."""
+    planner = Planner(args, machine, base, wanted, grad_clip)
+    if problems := plan_problems(args, dataclasses.replace(planner.base, **wanted), grad_clip):
         raise UsageError("; ".join(problems))
     for n in [sequences] if batch_is_fixed or sequences == 1 else [sequences, 1]:
-        if plan := first_fit(args, machine, base, wanted, n, grad_clip):
+        if plan := planner.first_fit(n):
             return plan
-    plans = candidate_plans(args, base, wanted, n, machine, grad_clip)
-    raise UsageError(no_fit_message(args, machine, base, wanted, plans, grad_clip))
+    raise UsageError(planner.no_fit_message(n))
 
 
-def no_fit_message(
-    args: ModelArgs,
-    machine: Machine,
-    base: Plan,
-    wanted: dict,
-    plans: list[Plan],
-    grad_clip: float | None,
-) -> str:
-    """Which plan came closest (the worse memory, then both), its largest terms, and the
-    ways to fit (ways_to_fit)."""
+@dataclass
+class Planner:
+    """A plan's choice: the model, the machine, what the plan does not choose (`base`:
+    seq_len, strategy, dtype, kernels...), the planned fields the user set (`wanted`, kept)
+    and the user's --grad-clip (None: the default, which follows the plan)."""
 
-    def closeness(plan: Plan) -> tuple[float, float]:
-        ratios = overshoot(estimate_memory(args, plan), machine)
-        return max(ratios), sum(ratios)
+    args: ModelArgs
+    machine: Machine
+    base: Plan
+    wanted: dict
+    grad_clip: float | None = None
 
-    closest = min(plans, key=closeness)
-    est = estimate_memory(args, closest)
-    gpu, host = memory_needed(est, machine)
-    largest = sorted(est.terms().items(), key=lambda term: -term[1])[:3]
-    largest = ", ".join(f"{name} {gib:.1f}" for name, gib in largest)
-    host_usable = (1 - HOST_MARGIN) * machine.host_gib
-    if on_gpu := machine.gpu_gib is not None:
-        where = f"{machine.world_size} x {machine.gpu_gib:.1f} GiB GPU"
-        needs = (
-            f"{gpu:.1f} GiB per GPU of {(1 - GPU_MARGIN) * machine.gpu_gib:.1f} usable "
-            f"({largest} GiB) and "
+    def __post_init__(self):  # the plan's processes are the machine's
+        m = self.machine
+        self.base = dataclasses.replace(
+            self.base, world_size=m.world_size, nproc_per_node=m.nproc_per_node
         )
-        margins = f"{GPU_MARGIN:.0%} of a GPU, {HOST_MARGIN:.0%} of a host kept free"
-    else:
-        where, needs = "the CPU", f"on the host {largest} GiB, and in all "
-        margins = f"{HOST_MARGIN:.0%} of the host kept free"
-    lines = [
-        f"no plan fits {base.seq_len}-token sequences on {where} with {machine.host_gib:.1f} "
-        f"GiB of host memory per node ({count(machine.nproc_per_node, 'process')} on it).",
-        f"The closest, {closest.flags()}, needs {needs}{host:.1f} GiB of host memory per node "
-        f"of {host_usable:.1f} usable (margins: {margins}).",
-    ]
-    ways, tried = ways_to_fit(args, machine, base, wanted, grad_clip)
-    if ways:
-        return "\n".join([*lines, "It would fit with: " + "; or ".join(ways)])
-    tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
-    where = "" if on_gpu else " in this host's memory"
-    return "\n".join([*lines, f"Neither {tried} would make it fit{where}."])
 
+    def candidates(self, sequences: int) -> list[Plan]:
+        """Every plan of `sequences` per rank per step that keeps the wanted fields and that
+        plan_problems allows, in the order the planner tries them. On the CPU only the
+        micro-batch is planned: there is no GPU memory to save."""
+        wanted, on_gpu = self.wanted, self.machine.gpu_gib is not None
+        choices = {k: (wanted[k],) if k in wanted else v if on_gpu else v[:1]
+                   for k, v in CHOICES.items()}  # fmt: skip
+        if "mlp_tile" not in wanted:
+            choices["mlp_tile"] = tuple(t for t in choices["mlp_tile"] if t < self.base.seq_len)
+        micro_batch, accum = wanted.get("micro_batch"), wanted.get("grad_accum")
+        if micro_batch or accum:
+            micro_batches = [micro_batch or max(1, round(sequences / accum))]
+        else:
+            micro_batches = [m for m in range(sequences, 0, -1) if sequences % m == 0]
+        plans = []
+        for *values, micro_batch in itertools.product(*choices.values(), micro_batches):
+            plan = dataclasses.replace(self.base, **dict(zip(choices, values, strict=True)))
+            plan = dataclasses.replace(
+                plan,
+                micro_batch=micro_batch,
+                grad_accum=accum or max(1, round(sequences / micro_batch)),
+                offload_blocks=wanted.get("offload_blocks") if plan.activation_offload else None,
+            )
+            plans.append(plan)
+            if plan.activation_offload and "offload_blocks" not in wanted:
+                plans += self.partial_offload(plan)
+        # Activation offload without checkpointing measured much slower: the host link
+        # cannot move every saved tensor in time (bench/RESULTS.md, "Sharding and offload").
+        plans = [
+            p for p in plans
+            if (p.ac != "none" or not p.activation_offload or wanted.get("ac") == "none")
+            and not plan_problems(self.args, p, self.grad_clip)
+        ]  # fmt: skip
+        # The optimizer in backward last, whatever its speed: it rules out gradient
+        # clipping. Partial offload after the plans without it: none was measured.
+        return sorted(
+            plans,
+            key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,
+                           step_seconds(self.args, p), -p.micro_batch, p.mlp_tile > 0,
+                           -p.mlp_tile),
+        )  # fmt: skip
 
-def ways_to_fit(
-    args: ModelArgs, machine: Machine, base: Plan, wanted: dict, grad_clip: float | None
-) -> tuple[list[str], list[str]]:
-    """The changes that would make a plan of one sequence per rank fit, as flags, each the
-    first of its kind that does: the planner's choice instead of the planned fields the
-    user set; context parallelism, LoRA or QLoRA, or both together where neither alone
-    does; more GPUs; a shorter sequence. And the kinds tried, for a message when none does."""
+    def partial_offload(self, plan: Plan) -> list[Plan]:
+        """`plan` (activation offload of all blocks but the last) with only the first N
+        blocks offloaded, N the most whose activations the host holds (leaving the GPU the
+        most room), for a host that cannot hold them all; none where it can, or where it
+        cannot hold even the rest of the plan."""
 
-    def fits_with(fields: dict, on: Machine = machine, keep: dict = wanted) -> bool:
-        return bool(first_fit(args, on, dataclasses.replace(base, **fields), keep, 1, grad_clip))
+        def host_overflows(n: int) -> bool:
+            est = estimate_memory(self.args, dataclasses.replace(plan, offload_blocks=n))
+            return overshoot(est, self.machine)[1] > 1
 
-    def first(changes: dict[str, dict]) -> list[str]:
-        return next(([flags] for flags, fields in changes.items() if fits_with(fields)), [])
+        # The host's bytes grow with N: bisect for the first N that overflows it.
+        overflows_from = bisect.bisect(range(self.args.n_layers), False, key=host_overflows)
+        if 0 < overflows_from < self.args.n_layers:
+            return [dataclasses.replace(plan, offload_blocks=overflows_from - 1)]
+        return []
 
-    on_gpu, nproc, cp = machine.gpu_gib is not None, machine.nproc_per_node, base.context_parallel
-    ways, tried = [], []
-    if wanted:
-        tried.append("the planner's choice")
-        if fits_with({}, keep={}):
-            ways.append(f"the planner's choice instead of {flags_of(wanted, negated=True)}")
-    sharing = {f"--context-parallel {n}": {"context_parallel": n}
-               for n in range(2 * cp, nproc + 1, cp) if on_gpu}  # fmt: skip
-    rank16 = LoRAConfig(rank=16, alpha=16.0)
-    adapters = {"--lora-rank 16": rank16, "--lora-rank 16 --quantize-base nf4": (
-        dataclasses.replace(rank16, quantize_base="nf4"))}  # fmt: skip
-    if base.lora is not None:
-        adapters = {"--quantize-base nf4": dataclasses.replace(base.lora, quantize_base="nf4")}
-    if not all(shape[-1] % NF4_BLOCK == 0 for shape in block_shapes(args).values()):
-        adapters = {flags: lora for flags, lora in adapters.items() if not lora.quantize_base}
-    adapters = {flags: {"lora": lora} for flags, lora in adapters.items() if lora != base.lora}
-    tried += ["context parallelism"] if sharing else []
-    tried += ["LoRA or QLoRA"] if adapters else []
-    both = {f"{a} {b}": {**sharing[a], **adapters[b]} for a in sharing for b in adapters}
-    ways += first(sharing) + first(adapters) or first(both)
-    if on_gpu:
-        tried.append("more GPUs (up to 64x)")
-        for world in (machine.world_size * 2**k for k in range(1, 7)):
-            per_node = min(world, max(nproc, 8))
-            if fits_with({}, on=Machine(world, per_node, machine.gpu_gib, machine.host_gib)):
-                ways.append(f"{world} GPUs ({per_node} per node)")
-                break
-    tried.append("a shorter sequence")
-    halves = (base.seq_len // 2**k for k in range(1, base.seq_len.bit_length()))
-    ways += first({f"--seq-len {seq}": {"seq_len": seq} for seq in halves if seq >= 1024})
-    return ways, tried
+    def first_fit(self, sequences: int = 1) -> Plan | None:
+        """The first candidate whose estimate fits the machine with the margins above."""
+        for plan in self.candidates(sequences):
+            if fits(estimate_memory(self.args, plan), self.machine):
+                return plan
+        return None
+
+    def no_fit_message(self, sequences: int) -> str:
+        """Which plan came closest (the worse memory, then both), its largest terms, and the
+        ways to fit (ways_to_fit)."""
+        m = self.machine
+
+        def closeness(plan: Plan) -> tuple[float, float]:
+            ratios = overshoot(estimate_memory(self.args, plan), m)
+            return max(ratios), sum(ratios)
+
+        closest = min(self.candidates(sequences), key=closeness)
+        est = estimate_memory(self.args, closest)
+        gpu, host = memory_needed(est, m)
+        largest = sorted(est.terms().items(), key=lambda term: -term[1])[:3]
+        largest = ", ".join(f"{name} {gib:.1f}" for name, gib in largest)
+        if on_gpu := m.gpu_gib is not None:
+            where = f"{m.world_size} x {m.gpu_gib:.1f} GiB GPU"
+            needs = (
+                f"{gpu:.1f} GiB per GPU of {(1 - GPU_MARGIN) * m.gpu_gib:.1f} usable "
+                f"({largest} GiB) and "
+            )
+            margins = f"{GPU_MARGIN:.0%} of a GPU, {HOST_MARGIN:.0%} of a host kept free"
+        else:
+            where, needs = "the CPU", f"on the host {largest} GiB, and in all "
+            margins = f"{HOST_MARGIN:.0%} of the host kept free"
+        lines = [
+            f"no plan fits {self.base.seq_len}-token sequences on {where} with {m.host_gib:.1f} "
+            f"GiB of host memory per node ({count(m.nproc_per_node, 'process')} on it).",
+            f"The closest, {closest.flags()}, needs {needs}{host:.1f} GiB of host memory per "
+            f"node of {(1 - HOST_MARGIN) * m.host_gib:.1f} usable (margins: {margins}).",
+        ]
+        ways, tried = self.ways_to_fit()
+        if ways:
+            return "\n".join([*lines, "It would fit with: " + "; or ".join(ways)])
+        tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
+        where = "" if on_gpu else " in this host's memory"
+        return "\n".join([*lines, f"Neither {tried} would make it fit{where}."])
+
+    def ways_to_fit(self) -> tuple[list[str], list[str]]:
+        """The changes that would make a plan of one sequence per rank fit, as flags, each
+        the first of its kind that does: the planner's choice instead of the planned fields
+        the user set; context parallelism, LoRA or QLoRA, or both together where neither
+        alone does; more GPUs; a shorter sequence. And the kinds tried, for a message when
+        none does."""
+        m, base, wanted = self.machine, self.base, self.wanted
+
+        def fits_with(fields: dict, **change) -> bool:
+            changed = dataclasses.replace(self, base=dataclasses.replace(base, **fields), **change)
+            return changed.first_fit() is not None
+
+        def first(changes: dict[str, dict]) -> list[str]:
+            return next(([flags] for flags, fields in changes.items() if fits_with(fields)), [])
+
+        on_gpu, cp = m.gpu_gib is not None, base.context_parallel
+        ways, tried = [], []
+        if wanted:
+            tried.append("the planner's choice")
+            if fits_with({}, wanted={}):
+                ways.append(f"the planner's choice instead of {flags_of(wanted, negated=True)}")
+        sharing = {f"--context-parallel {n}": {"context_parallel": n}
+                   for n in range(2 * cp, m.nproc_per_node + 1, cp) if on_gpu}  # fmt: skip
+        rank16 = LoRAConfig(rank=16, alpha=16.0)
+        adapters = {"--lora-rank 16": rank16, "--lora-rank 16 --quantize-base nf4": (
+            dataclasses.replace(rank16, quantize_base="nf4"))}  # fmt: skip
+        if base.lora is not None:
+            adapters = {"--quantize-base nf4": dataclasses.replace(base.lora, quantize_base="nf4")}
+        if not all(shape[-1] % NF4_BLOCK == 0 for shape in block_shapes(self.args).values()):
+            adapters = {flags: lora for flags, lora in adapters.items() if not lora.quantize_base}
+        adapters = {flags: {"lora": lora} for flags, lora in adapters.items() if lora != base.lora}
+        tried += ["context parallelism"] if sharing else []
+        tried += ["LoRA or QLoRA"] if adapters else []
+        both = {f"{a} {b}": {**sharing[a], **adapters[b]} for a in sharing for b in adapters}
+        ways += first(sharing) + first(adapters) or first(both)
+        if on_gpu:
+            tried.append("more GPUs (up to 64x)")
+            for world in (m.world_size * 2**k for k in range(1, 7)):
+                per_node = min(world, max(m.nproc_per_node, 8))
+                if fits_with({}, machine=Machine(world, per_node, m.gpu_gib, m.host_gib)):
+                    ways.append(f"{world} GPUs ({per_node} per node)")
+                    break
+        tried.append("a shorter sequence")
+        halves = (base.seq_len // 2**k for k in range(1, base.seq_len.bit_length()))
+        ways += first({f"--seq-len {seq}": {"seq_len": seq} for seq in halves if seq >= 1024})
+        return ways, tried
 
 
 def flag_name(field: str) -> str:
