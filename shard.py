@@ -1518,8 +1518,9 @@ HOST_PROCESS_GIB = 2.0
 # included, at the rate measured runs sustained, plus the host time that offload leaves
 # uncovered. It orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and
 # offload", "Long context, less memory", "CPU offload at scale", "Where the step time goes
-# at 128k tokens"; tests/test_shard.py checks every recorded pair). Its seconds are a rough
-# guess, printed only past a minute.
+# at 128k tokens"), and its seconds, printed past a minute, are within 2x of each step of
+# dense rows recorded there ("Planner: the step time's guess against the recorded steps");
+# tests/test_shard.py checks both. Packed rows attend within documents: fewer FLOPs.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
 SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
@@ -1662,12 +1663,14 @@ def make_plan(
 
 
 def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float:
-    """The modelled time of one step of `plan` on one rank (see GPU_FLOPS above)."""
+    """The modelled time of one step of `plan` on one rank (see GPU_FLOPS above). A rank
+    computes its share of each row: under context parallelism seq_len / N tokens through
+    the blocks, and attention over the whole row for H/N heads, 1/N of the row's FLOPs."""
     layers, d, s = args.n_layers, args.dim, plan.seq_len
     checkpointed = -(-layers // plan.ac_every) / layers
     blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
     attention_forward = 2 * layers * s * d  # causal: a third of flops_per_token's 6LSd
-    per_token = args.flops_per_token(s)
+    per_token = args.flops_per_token(s, frozen=plan.lora is not None)
     recomputed = {
         "none": 0.0,
         "selective": SELECTIVE_RECOMPUTE * per_token,
@@ -1678,7 +1681,8 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     if 0 < plan.mlp_tile < s:  # the MLP's forward once more, where no block recompute was
         recomputing_mlp = checkpointed if plan.ac in ("full", "attention") else 0.0
         per_token += (1 - recomputing_mlp) * 2 * layers * 3 * d * args.ffn_dim
-    compute_s = plan.seq_len * plan.micro_batch * plan.grad_accum * per_token / flops
+    tokens = s * plan.micro_batch * plan.grad_accum / plan.context_parallel
+    compute_s = tokens * per_token / flops
     if plan.activation_offload:
         compute_s *= 1 + ACTIVATION_OFFLOAD_COST
     host_s = 0.0
