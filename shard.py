@@ -80,7 +80,8 @@ from offload import AC_MODES, STAGING_SLOTS
 GiB = 2**30
 
 # ----------------------------------------------------------------------------------------
-# Processes and devices
+# Processes and devices: the process group, the memory a plan may fill (Machine) and the
+# peaks a run reached
 # ----------------------------------------------------------------------------------------
 
 
@@ -1455,7 +1456,7 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     """Memory per rank of one training step of `plan`, counted from the shapes at each
     moment of the table below: the peak is the largest. (The fused AdamW step needs less
     than backward's end.) Activations assume the cuDNN attention backend and, with
-    activation offload, host copies that keep up with compute (candidate_plans says when).
+    activation offload, host copies that keep up with compute (Planner.candidates says when).
     Under context parallelism each rank holds seq_len / N tokens of each row, and for
     attention the whole sequence for H/N heads: every activation term divides by N."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
@@ -1505,9 +1506,10 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 # ----------------------------------------------------------------------------------------
 
 # The share of each memory a plan may fill by its estimate. GPU: twice the estimate's worst
-# miss against the measured peaks (bench/RESULTS.md, "The block in backward, measured");
-# with expandable segments (train.main's default) the caching allocator can give back what
-# it holds beyond its tensors. Host: the estimate is close to the measured RSS ("CPU
+# miss against the measured peaks (bench/RESULTS.md, "The first block's backward, SwiGLU in
+# place, a 10% GPU margin" and "The block in backward, measured"); with expandable segments
+# (train.main's default) the caching allocator can give back what it holds beyond its
+# tensors. Host: the estimate is close to the measured RSS ("CPU
 # offload at scale"), to which each process adds torch, the CUDA context and the loader
 # (HOST_PROCESS_GIB; "The run plan with no memory flags").
 GPU_MARGIN = 0.10
