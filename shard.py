@@ -1768,9 +1768,9 @@ class Planner:
                    for k, v in CHOICES.items()}  # fmt: skip
         if "mlp_tile" not in wanted:
             choices["mlp_tile"] = tuple(t for t in choices["mlp_tile"] if t < self.base.seq_len)
-        micro_batch, accum = wanted.get("micro_batch"), wanted.get("grad_accum")
-        if micro_batch or accum:
-            micro_batches = [micro_batch or max(1, round(sequences / accum))]
+        given, accum = wanted.get("micro_batch"), wanted.get("grad_accum")
+        if given or accum:
+            micro_batches = [given or max(1, round(sequences / accum))]
         else:
             micro_batches = [m for m in range(sequences, 0, -1) if sequences % m == 0]
         plans = []
