@@ -18,6 +18,7 @@ Multi-node runs need no code here: torchrun's rendezvous flags (`--nnodes`, `--n
 `--rdzv-backend c10d --rdzv-endpoint host:port`) set the variables `init_distributed` reads.
 """
 
+import bisect
 import dataclasses
 import fcntl
 import fnmatch
@@ -76,7 +77,8 @@ from offload import AC_MODES, STAGING_SLOTS
 GiB = 2**30
 
 # ----------------------------------------------------------------------------------------
-# Processes and devices
+# Processes and devices: the process group, the memory a plan may fill (Machine) and the
+# peaks a run reached
 # ----------------------------------------------------------------------------------------
 
 
@@ -136,6 +138,76 @@ def init_distributed() -> World:
             # One process: an in-memory store, no port to find or collide on.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return World(rank, world_size, local_rank, local_world_size, device)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What a plan must fit in."""
+
+    world_size: int
+    nproc_per_node: int
+    gpu_gib: float | None  # free memory of each GPU; None: a CPU run, all of it on the host
+    host_gib: float  # available memory of each node's host
+
+
+def host_memory_gib() -> float:
+    """Memory this host can give a run: MemAvailable, within the cgroup's limit if one is
+    set (a container or a SLURM job sees the whole machine's /proc/meminfo)."""
+    meminfo = Path("/proc/meminfo").read_text()
+    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    limit, usage = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
+    if limit.exists() and usage.exists() and limit.read_text().strip() != "max":
+        available = min(available, int(limit.read_text()) - int(usage.read_text()))
+    return available / GiB
+
+
+def this_machine(gpu_memory: float | None, host_memory: float | None, world: World) -> Machine:
+    """The machine the run is on: its processes, each GPU's free memory and the host's
+    available memory (`gpu_memory`, `host_memory` GiB instead where given). A collective:
+    every rank plans with the smallest over all ranks, so that all choose the same plan."""
+    gpu = gpu_memory
+    if gpu is None and world.device.type == "cuda":
+        gpu = torch.cuda.mem_get_info(world.device)[0] / GiB
+    memory = torch.tensor([gpu or 0.0, host_memory or host_memory_gib()], dtype=torch.float64)
+    dist.all_reduce(memory, op=dist.ReduceOp.MIN)
+    gpu_gib = memory[0].item() if gpu is not None else None
+    return Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
+
+
+def machine_to_estimate(
+    world_size: int | None,
+    nproc_per_node: int | None,
+    gpu_memory: float | None,
+    host_memory: float | None,
+) -> Machine:
+    """The machine --estimate-memory plans for: the flags', else torchrun's and this one's."""
+    env = os.environ
+    # --nproc-per-node alone reads as torchrun's: one node of that many processes.
+    world_size = world_size or nproc_per_node or int(env.get("WORLD_SIZE", "1"))
+    nproc = nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
+    if world_size % nproc:
+        raise UsageError(
+            f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
+        )
+    gpu = gpu_memory
+    if gpu is None:
+        gpu = torch.cuda.mem_get_info()[0] / GiB if torch.cuda.is_available() else 80.0
+    return Machine(world_size, nproc, gpu, host_memory or host_memory_gib())
+
+
+def host_peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
+
+
+def measured_memory(steps: int, device: torch.device) -> dict:
+    """The peaks reached after `steps` steps, for Plan.format_measured and plan.json."""
+    on_gpu = device.type == "cuda"
+    return {
+        "steps": steps,
+        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GiB if on_gpu else None,
+        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if on_gpu else None,
+        "host_peak_rss_gib": host_peak_rss_gib(),
+    }
 
 
 # ----------------------------------------------------------------------------------------
@@ -869,15 +941,6 @@ FROZEN_LEFT_OUT = StateDictOptions(ignore_frozen_params=True, strict=False)
 # and fragmentation: what nvidia-smi shows beyond the tensors that
 # torch.cuda.max_memory_allocated counts (bench/RESULTS.md, "Memory estimator, revised").
 OVERHEAD_GIB = 1.0
-# The moments of a step whose memory the estimate compares (estimate_memory says which).
-PHASES = (
-    "loss forward",
-    "head backward",
-    "last block backward",
-    "offloaded block backward",
-    "first block backward",
-    "backward end",
-)
 
 
 @dataclass(frozen=True)
@@ -885,7 +948,7 @@ class MemoryEstimate:
     """GiB per rank at the step's peak; the GPU parts add up to gpu_total."""
 
     num_params: int
-    phase: str  # the moment of the peak, one of PHASES
+    phase: str  # the moment of the peak, a row of estimate_memory's table
     parameters: float  # fp32 master shards + gathered param_dtype copies
     gradients: float  # fp32 gradient shards + the reduction in flight
     optimizer: float  # AdamW's two fp32 moments (on the host with CPU offload)
@@ -900,82 +963,59 @@ class MemoryEstimate:
         """What torch.cuda.max_memory_allocated should read."""
         return self.gpu_total - self.overhead
 
+    def terms(self) -> dict[str, float]:
+        return {"parameters": self.parameters, "gradients": self.gradients,
+                "optimizer states": self.optimizer, "activations": self.activations,
+                "loss / logits": self.loss}  # fmt: skip
+
     def format(self, on_gpu: bool = True) -> str:
         """The table of the plan's printout; on the CPU the parts all live on the host."""
-        rows = [
-            ("parameters", self.parameters),
-            ("gradients", self.gradients),
-            ("optimizer states", self.optimizer),
-            ("activations", self.activations),
-            ("loss / logits", self.loss),
-        ]
+        rows = self.terms()
         if on_gpu:
-            rows += [
-                ("context + allocator", self.overhead),
-                ("GPU total", self.gpu_total),
-                ("host total", self.host_total),
-            ]
+            rows |= {"context + allocator": self.overhead, "GPU total": self.gpu_total,
+                     "host total": self.host_total}  # fmt: skip
         else:
-            rows.append(("host total", self.host_total + self.gpu_tensors))
-        size = f"{self.num_params / 1e9:.2f}B" if self.num_params >= 1e9 else (
-            f"{self.num_params / 1e6:.1f}M")  # fmt: skip
+            rows["host total"] = self.host_total + self.gpu_tensors
+        n = self.num_params
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
         lines = [f"memory per rank ({size} params, peak at {self.phase})"]
-        lines += [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows]
-        return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Machine:
-    """What a plan must fit in."""
-
-    world_size: int
-    nproc_per_node: int
-    gpu_gib: float | None  # free memory of each GPU; None: a CPU run, all of it on the host
-    host_gib: float  # available memory of each node's host
+        return "\n".join(lines + [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows.items()])
 
 
 @dataclass(frozen=True)
 class Plan:
     """How a run takes its steps: everything besides the model that the memory per rank
     depends on, each field the train.py flag of the same name. `make_plan` chooses the
-    fields the options leave open and adds what the plan was made for, so that this one
-    object is what a run applies, prints (`format`) and saves (`to_json`); tests and
-    `estimate_memory` use bare ones."""
+    fields the options leave open and adds what the plan was made for (MADE_FOR), so that
+    this one object is what a run applies, prints (`format`) and saves (`to_json`); tests
+    and `estimate_memory` use bare ones."""
 
     seq_len: int
     micro_batch: int = 1  # sequences per rank per forward
-    grad_accum: int = 1  # micro-batches per optimizer step
+    grad_accum: int = 1
     world_size: int = 1
-    nproc_per_node: int | None = None  # HYBRID_SHARD's shard group; None: world_size
+    nproc_per_node: int | None = None  # None: world_size
     strategy: str = "FULL_SHARD"
-    ac: str = "none"  # offload.AC_MODES
+    ac: str = "none"
     ac_every: int = 1
     mlp_tile: int = 0
     activation_offload: bool = False
-    offload_blocks: int | None = None  # of activation offload; None: all blocks but the last
+    offload_blocks: int | None = None  # None: all blocks but the last
     cpu_offload: bool = False
-    # AdamW in backward: on one GPU without FSDP (offload.OptimizerInBackward), or on
-    # FSDP's host shards with cpu_offload (offload.ShardedOptimizerInBackward).
     optimizer_in_backward: bool = False
-    param_dtype: str = "bf16"  # of the gathered weights and the activations: bf16 or fp32
+    param_dtype: str = "bf16"  # of the gathered weights and the activations
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
-    # LoRA adapters on a frozen base (model.apply_lora): only the adapters have fp32 master
-    # weights, gradients and optimizer state; the base is stored in param_dtype, its
-    # adapted projections in NF4 with lora.quantize_base.
     lora: LoRAConfig | None = None
-    context_parallel: int = 1  # ranks sharing each sequence, seq_len / N tokens each
-    document_mask: bool = False  # attention masked between packed documents (model.PackedRows)
+    context_parallel: int = 1
+    document_mask: bool = False
     # Whether some packed document may reach model.LONG_DOCUMENT tokens, so that the causal
     # kernel keeps its heads' outputs (the data's longest document says; unknown: yes).
     long_documents: bool = True
-    # What make_plan adds (MADE_FOR): the machine planned for, the estimate there, the
-    # fields the planner chose, the tokens per step asked for (None: --micro-batch x
-    # --grad-accum), and the planner's guess of a step's seconds (see GPU_FLOPS).
     machine: Machine | None = None
     estimate: MemoryEstimate | None = None
-    planned: tuple[str, ...] = ()
-    tokens_per_step_asked: int | None = None
-    seconds_per_step: float | None = None
+    planned: tuple[str, ...] = ()  # the fields the planner chose
+    tokens_per_step_asked: int | None = None  # None: --micro-batch x --grad-accum
+    seconds_per_step: float | None = None  # step_seconds on the machine's kind of device
 
     @property
     def tokens_per_step(self) -> int:
@@ -1006,9 +1046,10 @@ class Plan:
 
     def format(self) -> str:
         """Three lines and the estimate's table, printed at the start of a run."""
-        m, cp, tokens = self.machine, self.context_parallel, self.tokens_per_step
+        m, cp, tokens, asked = self.machine, self.context_parallel, self.tokens_per_step, (
+            self.tokens_per_step_asked)  # fmt: skip
         gpu, host = memory_needed(self.estimate, m)
-        asked, batch = self.tokens_per_step_asked, ""
+        batch = ""
         if asked and asked != tokens:
             holders = "process" if cp == 1 else f"group of {cp} context-parallel processes"
             batch = (
@@ -1069,22 +1110,13 @@ MADE_FOR = ("machine", "estimate", "planned", "tokens_per_step_asked", "seconds_
 
 
 @functools.cache  # the planner asks once per plan it tries
-def parameter_shapes(args: ModelArgs) -> dict[str, torch.Size]:
-    """The model's parameters, built on the meta device: the estimate counts the model
-    itself rather than a formula of its shapes."""
-    with torch.device("meta"):
-        return {name: p.shape for name, p in Llama(args).named_parameters()}
-
-
 def block_shapes(args: ModelArgs) -> dict[str, torch.Size]:
-    """A TransformerBlock's parameters by module and leaf: wq.weight ... w2.weight, the
-    norms' weights and (Qwen2) wq.bias, wk.bias, wv.bias."""
-    shapes = parameter_shapes(args).items()
-    return {
-        ".".join(name.split(".")[-2:]): shape
-        for name, shape in shapes
-        if name.startswith("layers.0.")
-    }
+    """A TransformerBlock's parameters by module and leaf (wq.weight ... w2.weight, the norms'
+    weights, Qwen2's wq.bias ...), built on the meta device: the estimate counts the model
+    itself, not a formula."""
+    with torch.device("meta"):
+        block = Llama(dataclasses.replace(args, n_layers=1)).layers[0]
+    return {".".join(name.split(".")[-2:]): p.shape for name, p in block.named_parameters()}
 
 
 def block_params(args: ModelArgs) -> int:
@@ -1093,22 +1125,20 @@ def block_params(args: ModelArgs) -> int:
 
 @functools.cache
 def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
-    """Pinned host bytes of one rank's fp32 parameter shards: each tensor's shard (dim 0
-    split over the shard group) rounded up to a power of two, as the caching host allocator
-    allocates it."""
-    total = 0
-    for shape in parameter_shapes(args).values():
-        shard_bytes = -(-shape[0] // shard_size) * (shape.numel() // shape[0]) * 4
-        total += 1 << (shard_bytes - 1).bit_length()
-    return total
+    """Pinned host bytes of one rank's fp32 parameter shards: PyTorch's caching host
+    allocator hands out each tensor's shard (dim 0 split over the shard group) rounded up
+    to a power of two (bench/RESULTS.md, "CPU offload at scale")."""
+    with torch.device("meta"):
+        shapes = [p.shape for p in Llama(args).parameters()]
+    shards = (-(-s[0] // shard_size) * (s.numel() // s[0]) * 4 for s in shapes)
+    return sum(1 << (shard - 1).bit_length() for shard in shards)
 
 
 @dataclass(frozen=True)
 class Weights:
-    """The model's weights as the estimate counts them, by FSDP unit: the root (the
-    embedding), the head ([norm, output], none when tied) and each block. Trained weights
-    have fp32 master weights, gradients and AdamW's moments; frozen ones are stored as they
-    are used. Full fine-tuning trains them all; LoRA trains its adapters on a frozen base."""
+    """The model's weights by FSDP unit: the root (the embedding), the head ([norm, output],
+    none when tied) and each block. Trained ones have fp32 master weights, gradients and
+    AdamW's moments; frozen ones (LoRA's base) are stored as they are used."""
 
     embedding: int  # numel of the root
     head: int  # numel of the head
@@ -1151,117 +1181,102 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
     )  # fmt: skip
 
 
-def sharded_state(
-    args: ModelArgs, plan: Plan, w: Weights, p: int, fetched: int
-) -> tuple[dict, ...]:
-    """Under FSDP: the parameters, gradients and optimizer state on the GPU at each phase,
-    and the host's bytes, for `p` bytes a gathered weight; `fetched`: the offloaded block
-    of "offloaded block backward"."""
+@dataclass(frozen=True)
+class State:
+    """Bytes of the parameters, gradients and optimizer state on the GPU at the moments of
+    estimate_memory's table, and on the host."""
+
+    weights: float  # from the loss's forward through the head's backward
+    weights_in_blocks: float
+    weights_at_end: float
+    accumulated: float  # earlier micro-batches' gradients
+    head_gradients: float  # in the head's backward, the accumulated ones included
+    block_gradients: float  # in a block's backward, the accumulated ones included
+    shards: tuple[float, float]  # the written gradient shards of the head and of each block
+    end_gradients: float
+    optimizer: float
+    host: float
+
+
+def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> State:
+    """Under FSDP, for `p` bytes a gathered weight. Gathered param_dtype weights: the root
+    (kept from forward through backward), the head (from the end of forward until its
+    backward is done) and the blocks: the one in backward and the one prefetched when
+    resharded after forward, all of them otherwise; with CPU offload, also the fp32 copy of
+    a block's largest shard before its cast. A unit's reduction: its param_dtype gradient
+    is copied into an fp32 buffer, which is reduce-scattered into the fp32 shard."""
     s = shard_group_size(plan.strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
-    # Sharded fp32 state, 4 bytes per trained parameter per copy, and the frozen base as
-    # stored, divided over the shard group.
     master = (4 * w.trained + w.frozen_bytes) / s
     optimizer = 2 * 4 * w.trained / s  # exp_avg, exp_avg_sq
     gpu_master = 0.0 if plan.cpu_offload else master
-    # Gathered param_dtype weights: the root (kept from forward through backward), the
-    # head (kept from the end of forward into backward), and the blocks: the one in
-    # backward plus the one prefetched when resharded after forward, all of them otherwise.
-    # (With CPU offload each fp32 shard is copied to the GPU before its cast: in backward,
-    # a block's largest, w1/w2/w3.)
     gathered_blocks = 2 if _strategy(plan.strategy).reshard_after_forward else args.n_layers
     gathered = p * (w.embedding + w.head) + p * w.dequantized
     gathered += gathered_blocks * (p * w.block_trained + w.block_frozen_bytes)
     staging = 4 * args.ffn_dim * args.dim / s if plan.cpu_offload else 0.0
     in_use = gpu_master + gathered + staging
-
-    # A unit's reduction: its param_dtype gradient is copied into an fp32 buffer (both
-    # live), then freed while that buffer is reduce-scattered into the fp32 shard (both live).
-    def reduction(numel: int) -> float:
-        return numel * max(p + 4, 4 + 4 / s)
-
-    # Earlier micro-batches' gradients, kept unsharded in fp32 while
-    # set_requires_gradient_sync(False); reduced unit by unit in the last backward.
+    # Earlier micro-batches' gradients stay unsharded in fp32 until the last backward.
     accumulated = 4 * w.trained if plan.grad_accum > 1 else 0.0
-    # The shards every unit but the root has written when backward ends.
-    shards = 0.0 if plan.cpu_offload else 4 * (w.trained - w.root_trained) / s
-
-    def written_before(block: int) -> float:  # the head's shard and those of later blocks
-        later = args.n_layers - 1 - block
-        return 0.0 if plan.cpu_offload else 4 * (w.head_trained + later * w.block_trained) / s
-
-    # With CPU offload the fp32 shards of parameters and gradients live in pinned memory,
-    # which PyTorch's caching host allocator hands out in powers of two per tensor
-    # (bench/RESULTS.md, "CPU offload at scale"); AdamW's moments are plain host memory.
-    # With the optimizer in backward the shards are plain memory (train.apply_techniques
-    # says why), and there is no set of gradient shards: only those whose updates wait, at
-    # most a block's and the embedding's or the output's beside them.
+    shard = 0.0 if plan.cpu_offload else 4 / s  # GPU bytes a trained parameter's shard holds
+    reduced = max(p + 4, 4 + 4 / s)  # the same, a trained parameter in its unit's reduction
+    # CPU offload keeps the fp32 shards of parameters and gradients in pinned memory; with
+    # the optimizer in backward in plain memory (train.apply_techniques says why), and
+    # gradients only while their updates wait: a block's and the embedding's or output's.
     host = 0.0
     if plan.cpu_offload and plan.optimizer_in_backward:
         waiting = w.block_trained + max(w.root_trained, w.head_trained)
         host = 4 * (w.trained + waiting) / s + optimizer
     elif plan.cpu_offload:
         host = 2 * pinned_shard_bytes(args, s) + optimizer
-    # The head's gathered weight is resharded once its backward is done (seen in the
-    # snapshots of runs without CPU offload; with it the recorded peaks still hold a tensor of
-    # its size through the blocks' backward, not analysed yet, so it stays counted there).
-    in_blocks = in_use - (0.0 if plan.cpu_offload else p * w.head)
-    parameters = {"loss forward": in_use, "head backward": in_use,
-                  **dict.fromkeys(PHASES[2:5], in_blocks),
-                  "backward end": gpu_master + p * w.embedding + staging}  # fmt: skip
-    in_block = accumulated + reduction(w.block_trained)
-    gradients = {
-        "loss forward": accumulated,
-        "head backward": accumulated + (4 + 4 / s) * w.head_trained,
-        "last block backward": in_block + written_before(args.n_layers - 1),
-        "offloaded block backward": in_block + written_before(fetched),
-        "first block backward": in_block + written_before(0),
-        "backward end": shards + reduction(w.root_trained),
-    }
-    on_gpu = dict.fromkeys(PHASES, 0.0 if plan.cpu_offload else optimizer)
-    return parameters, gradients, on_gpu, host
+    return State(
+        weights=in_use,
+        # With CPU offload the recorded peaks still hold a tensor of the head's size through
+        # the blocks' backward (not analysed yet), so it stays counted there.
+        weights_in_blocks=in_use - (0.0 if plan.cpu_offload else p * w.head),
+        weights_at_end=gpu_master + p * w.embedding + staging,
+        accumulated=accumulated,
+        head_gradients=accumulated + (4 + 4 / s) * w.head_trained,
+        block_gradients=accumulated + w.block_trained * reduced,
+        shards=(shard * w.head_trained, shard * w.block_trained),
+        end_gradients=shard * (w.trained - w.root_trained) + w.root_trained * reduced,
+        optimizer=0.0 if plan.cpu_offload else optimizer,
+        host=host,
+    )
 
 
-def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, ...]:
-    """With the optimizer in backward (one GPU, no FSDP): every param_dtype weight stays on
-    the GPU, and no gradient buffer: a gradient lives from its computation until the
-    worker has copied it to the host, and the hook lets at most a block's worth wait for
-    that copy (one larger than that alone). So in flight are the one being computed and up
-    to a block's. (The head's, larger than a block on Llama, goes alone: the next hook
-    waits for its copy.) A tied embedding's gradient from the head waits in autograd for
-    the one from the embedding: both exist at backward's end. The host holds the fp32
-    master weights and moments (plain memory, 12 bytes per parameter), the pinned staging
-    buffers of the largest parameter (rounded up to a power of two: one for gradients,
-    STAGING_SLOTS for weights), and the worker's fp32 copy of one gradient."""
+def in_backward_state(args: ModelArgs, w: Weights, p: int) -> State:
+    """With the optimizer in backward on one GPU, without FSDP: every param_dtype weight
+    stays on the GPU, and a gradient lives until the worker has copied it to the host, the
+    hook letting at most a block's worth wait (one larger alone: the head's). A tied
+    embedding's gradient from the head waits in autograd for the embedding's own. The host
+    holds the fp32 weights and moments (12 bytes a parameter), the pinned staging buffers
+    of the largest parameter (one for gradients, STAGING_SLOTS for weights) and the
+    worker's fp32 copy of one gradient."""
     total, d = args.num_params(), args.dim
     block, largest_in_block = block_params(args), max(args.ffn_dim * d, d * d)
     largest = max(w.embedding, largest_in_block)
     pinned_slot = 1 << (largest * p - 1).bit_length()
-    host = 12 * total + (1 + STAGING_SLOTS) * pinned_slot + 4 * largest
-    in_blocks = block + largest_in_block
-    in_flight = {
-        "loss forward": 0,
-        "head backward": largest,
-        "last block backward": in_blocks,
-        "offloaded block backward": in_blocks,
-        "first block backward": in_blocks,
-        "backward end": block + largest + (w.embedding if args.tie_embeddings else 0),
-    }
-    in_flight = {phase: n * p for phase, n in in_flight.items()}
-    return dict.fromkeys(PHASES, p * total), in_flight, dict.fromkeys(PHASES, 0.0), host
+    tied = w.embedding if args.tie_embeddings else 0
+    return State(
+        weights=p * total,
+        weights_in_blocks=p * total,
+        weights_at_end=p * total,
+        accumulated=0,
+        head_gradients=largest * p,
+        block_gradients=(block + largest_in_block) * p,
+        shards=(0, 0),
+        end_gradients=(block + largest + tied) * p,
+        optimizer=0.0,
+        host=12 * total + (1 + STAGING_SLOTS) * pinned_slot + 4 * largest,
+    )
 
 
-def block_saved_bytes(
-    args: ModelArgs, n_tokens: int, act_bytes: int, kernels: bool, mlp_tokens: int | None = None
-) -> int:
-    """Bytes one TransformerBlock saves for backward without checkpointing, for n_tokens
-    = B * S, counted op by op (weights excluded: they are parameters). Assumes the flash
-    or cuDNN attention backend, which keeps q, k, v, out and a fp32 logsumexp; the math
-    backend would keep the [B, H, S, S] scores. With MLP tiling (offload.apply_mlp_tiling)
-    the [tokens, ffn_dim] tensors exist for `mlp_tokens` = B * tile positions at a time."""
-    n, d, f = n_tokens, args.dim, args.ffn_dim
+def block_saved_bytes(args: ModelArgs, n: int, a: int, kernels: bool, mlp_tokens: int) -> int:
+    """Bytes one block saves for backward without checkpointing, for n = B * S tokens, `a`
+    bytes an activation: the flash or cuDNN attention backend keeps q, k, v, out and a fp32
+    logsumexp (the math backend would keep the [B, H, S, S] scores); with MLP tiling
+    (offload.apply_mlp_tiling) the [tokens, ffn_dim] tensors exist `mlp_tokens` at a time."""
+    d, f, m = args.dim, args.ffn_dim, mlp_tokens
     kv = args.n_kv_heads * args.head_dim
-    a = act_bytes
-    m = n if mlp_tokens is None else min(n, mlp_tokens)
     linear_inputs = 2 * n * d * a + m * f * a  # normed x (wq/wk/wv), normed h (w1/w3), w2's
     attention = (n * d + 2 * n * kv + n * d) * a + n * args.n_heads * 4  # q k v out, lse
     if kernels:
@@ -1275,29 +1290,22 @@ def block_saved_bytes(
     return linear_inputs + attention + norms + rope + swiglu
 
 
-def block_selective_bytes(args: ModelArgs, n_tokens: int, act_bytes: int) -> int:
-    """Bytes one block keeps under selective checkpointing (offload.SAVED_OPS): its input,
-    every matmul output (wq, wk, wv, wo, w1, w3, w2) and attention's output and lse."""
-    n, d, f = n_tokens, args.dim, args.ffn_dim
-    kv = args.n_kv_heads * args.head_dim
-    matmuls = (3 * n * d + 2 * n * kv + 2 * n * f) * act_bytes
-    return n * d * act_bytes + matmuls + n * d * act_bytes + n * args.n_heads * 4
-
-
 def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int | None:
     """What a checkpointed block keeps in the checkpoint's own cache (not through autograd's
     hooks, so activation offload leaves it on the GPU): nothing under full checkpointing,
-    attention's output and logsumexp under attention, the matmuls' outputs too under
-    selective. None: no checkpointing."""
+    attention's output and logsumexp under attention, and under selective the outputs of
+    every matmul too (offload.SAVED_OPS: wq, wk, wv, wo, w1, w3, w2). None: no checkpointing."""
+    kv = args.n_kv_heads * args.head_dim
+    attention = n * args.dim * p + n * args.n_heads * 4
     match plan.ac:
         case "none":
             return None
         case "full":
             return 0
         case "attention":
-            cached = n * args.dim * p + n * args.n_heads * 4
+            cached = attention
         case "selective":
-            cached = block_selective_bytes(args, n, p) - n * args.dim * p
+            cached = attention + (3 * n * args.dim + 2 * n * kv + 2 * n * args.ffn_dim) * p
         case _:
             raise UsageError(
                 f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
@@ -1307,32 +1315,24 @@ def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int |
         # backward needs (offload._KeptAttention), and the outputs of long documents' heads,
         # which the causal kernel keeps for its own backward (model.packed_attention): up to
         # a row's worth.
-        cached += (n * args.dim + 2 * n * args.n_kv_heads * args.head_dim) * p
+        cached += (n * args.dim + 2 * n * kv) * p
         cached += n * args.dim * p if plan.long_documents else 0
     return cached
-
-
-def offloaded_blocks(plan: Plan, layers: int) -> int:
-    """The blocks whose activations go to the host (offload.activation_offload): the first
-    `offload_blocks`, by default all but the last (whose backward comes first)."""
-    if not plan.activation_offload:
-        return 0
-    return layers - 1 if plan.offload_blocks is None else plan.offload_blocks
 
 
 def block_backward_bytes(
     args: ModelArgs, plan: Plan, n: int, mlp_tokens: int, p: int, checkpointed: bool
 ) -> int:
     """What the block in backward holds beyond its saved input and the checkpoint's cache,
-    at the larger of its two moments (found in memory snapshots: bench/RESULTS.md, issue
-    #24, "The block in backward"): the MLP's backward, with h, normed h, a tile's gate, up
-    and w2 input, three residual-sized gradients and one [tile, ffn_dim] gradient (SwiGLU's
-    kernel writes the others over gate and up); and attention's, with two residual-sized
+    at the larger of its two moments (memory snapshots: bench/RESULTS.md, "The block in
+    backward, measured"): the MLP's backward, with h, normed h, a tile's gate, up and w2
+    input, three residual-sized gradients and one [tile, ffn_dim] gradient (SwiGLU's kernel
+    writes the others over gate and up); and attention's, with two residual-sized
     gradients, dq, dk, dv and cuDNN's fp32 workspace (8 bytes a query element; under a
-    document mask FlexAttention's backward runs instead, whose q, k and v are in the
-    checkpoint's cache: this errs high there). Both hold what attention's backward needs
-    (normed x, q, k, v and, unless the checkpoint keeps them, its output and logsumexp); a
-    block not checkpointed has all that counted in its saved tensors already."""
+    document mask FlexAttention's backward runs instead: this errs high there). Both hold
+    what attention's backward needs (normed x, q, k, v and, unless the checkpoint keeps
+    them, its output and logsumexp), counted in the saved tensors of a block not
+    checkpointed."""
     d, f, h = args.dim, args.ffn_dim, args.n_heads
     q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
     mlp = 3 * n * d * p + mlp_tokens * f * p
@@ -1350,13 +1350,20 @@ def block_backward_bytes(
     return attention_saved + max(mlp, attention)
 
 
-def activation_bytes(args: ModelArgs, plan: Plan, p: int, fetched: int) -> tuple[dict, int]:
-    """The activations on the GPU at each phase, and those activation offload keeps on the
-    host. Each block saves, through autograd's hooks, its input when checkpointed and
-    everything otherwise (`ac_every` skips some); checkpointing's cache stays on the GPU.
-    In backward the blocks whose inputs stay on the GPU come first, each freeing its own;
-    then each offloaded block is fetched back with the one before it (prefetched):
-    "offloaded block backward" is the backward of offloaded block `fetched` (>= 1)."""
+def offloaded_blocks(plan: Plan, layers: int) -> int:
+    """The first blocks, whose activations activation offload moves to the host: by default
+    all but the last (whose backward comes first)."""
+    if not plan.activation_offload:
+        return 0
+    return layers - 1 if plan.offload_blocks is None else plan.offload_blocks
+
+
+def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, list[int], int]:
+    """The activations on the GPU from the loss's forward into the head's backward, in each
+    block's backward, and on the host. Each block saves, through autograd's hooks (which
+    activation offload takes to the host), its input when checkpointed and everything
+    otherwise (`ac_every` skips some). In backward the blocks kept on the GPU come first,
+    each freeing its own; then each offloaded block is fetched with the one before it."""
     n = plan.micro_batch * plan.seq_len // plan.context_parallel  # the tokens this rank holds
     d, layers = args.dim, args.n_layers
     mlp_tokens = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
@@ -1365,31 +1372,24 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int, fetched: int) -> tuple
     checkpointed = [cached_by_mode is not None and i % plan.ac_every == 0 for i in range(layers)]
     saved = [n * d * p if c else full_block for c in checkpointed]
     cached = [cached_by_mode if c else 0 for c in checkpointed]
-
-    def working(i: int) -> int:
-        return block_backward_bytes(args, plan, n, mlp_tokens, p, checkpointed[i])
-
     offloaded = offloaded_blocks(plan, layers)
-    on_gpu = sum(saved[offloaded:]) + sum(cached)
     final_norm = n * d * p + n * 4 if plan.kernels else 2 * n * d * 4 + n * 4
-    by_phase = {
-        "loss forward": on_gpu + final_norm,
-        "head backward": on_gpu + final_norm,
-        "last block backward": on_gpu + working(layers - 1),
-        "offloaded block backward": (
-            sum(saved[fetched - 1 : fetched + 1]) + sum(cached[: fetched + 1]) + working(fetched)
-        ) if fetched < offloaded else 0,
-        "first block backward": saved[0] + cached[0] + working(0),
-        "backward end": 0,
-    }  # fmt: skip
-    return by_phase, sum(saved[:offloaded])
+
+    def in_backward(i: int) -> int:
+        on_gpu = saved[offloaded : i + 1] if i >= offloaded else saved[max(i - 1, 0) : i + 1]
+        working = block_backward_bytes(args, plan, n, mlp_tokens, p, checkpointed[i])
+        return sum(on_gpu) + sum(cached[: i + 1]) + working
+
+    kept = sum(saved[offloaded:]) + sum(cached) + final_norm
+    return kept, [in_backward(i) for i in range(layers)], sum(saved[:offloaded])
 
 
-def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> dict:
-    """The loss's buffers at each phase. Fused kernel: the logits chunk, and the gradients
-    it computes in forward and keeps for backward (hidden-sized and output-weight-sized,
-    param_dtype). Reference: [N, V] fp32 log-probabilities saved, then their gradient and
-    the fp32 logits' one (12 bytes per logit), and the bf16 logits' gradient."""
+def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[float, float, float]:
+    """The loss's buffers in its forward, in the head's backward and in the blocks'. Fused
+    kernel: the logits chunk, and the gradients it computes in forward and keeps for
+    backward (hidden-sized and output-weight-sized). Reference: [N, V] fp32
+    log-probabilities saved, then their gradient and the fp32 logits' one (12 bytes per
+    logit), and the param_dtype logits' gradient."""
     n = plan.micro_batch * plan.seq_len // plan.context_parallel
     v, d = args.vocab_size, args.dim
     output_grad = 0 if plan.lora is not None else v * d * p  # a frozen output: no gradient
@@ -1398,76 +1398,58 @@ def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> dict:
     # Over more than BF16_SUM_CHUNKS chunks the fused loss's forward also sums the output
     # weight's gradient in an fp32 buffer, freed before backward.
     wide_sum = plan.kernels and p < 4 and n > BF16_SUM_CHUNKS * chunk_rows(v, p)
-    # In the blocks' backward a tied model's output gradient (the loss's buffer) waits for
-    # the root, at the end.
+    # A tied model's output gradient (the loss's buffer) waits for the root's, at the end.
     tied = v * d * p if args.tie_embeddings and plan.kernels else 0.0
-    return {"loss forward": loss + (4 * v * d if wide_sum else 0.0), "head backward": loss,
-            **dict.fromkeys(PHASES[2:5], tied), "backward end": 0.0}  # fmt: skip
+    return loss + (4 * v * d if wide_sum else 0.0), loss, tied
 
 
 def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
-    """Memory per rank of one training step of `plan`, counted from the shapes, term by
-    term (the functions above). The peak is the largest of six moments (PHASES):
-      loss forward: every saved activation and the fused loss's buffers, fp32 ones included;
-      head backward: every saved activation, the loss's buffers, the gathered weights in
-          use, and the head's (untied output's) gradient being reduced;
-      last block backward: backward's first block in the middle of its backward, with every
-          activation kept on the GPU still there (offloaded ones are on the host) and the
-          head's gradient shard written;
-      offloaded block backward: with activation offload, the backward of an offloaded block
-          but the first (the one of them whose moment holds the most), fetched from the host
-          with the one before it, beside the checkpoint's cache of the blocks not yet done
-          and the gradient shards of the head and the blocks after it;
-      first block backward: backward's last block, with every other block's gradient shard
-          written (the peak when activation offload leaves few activations on the GPU and
-          FSDP keeps the gradients there);
-      backward end: activations freed, all gradient shards written, and the root's
-          (embedding's) gradient being reduced.
-    The AdamW step itself (fused, no temporaries) needs less than backward end.
-    Activations assume the cuDNN attention backend; `plan.kernels` picks the Triton
-    kernels' saved tensors or the PyTorch references'. With activation offload they
-    assume the host copies keep up with compute, true with full checkpointing; without
-    it the link falls behind and the GPU holds much more (bench/RESULTS.md, "Sharding and
-    offload"). With the optimizer in backward alone (one GPU, no FSDP, the fp32 state on
-    the host) the strategy is unused; with CPU offload too, FSDP's state is counted
-    without its set of gradient shards. With context parallelism each rank holds seq_len / N
-    tokens of each row, so every activation term divides by N (attention's q, k, v and
-    output hold the whole sequence for H/N heads: as many bytes); parameters, gradients
-    and optimizer state are sharded over all world_size ranks as before."""
+    """Memory per rank of one training step of `plan`, counted from the shapes at each
+    moment of the table below: the peak is the largest. (The fused AdamW step needs less
+    than backward's end.) Activations assume the cuDNN attention backend and, with
+    activation offload, host copies that keep up with compute (Planner.candidates says when).
+    Under context parallelism each rank holds seq_len / N tokens of each row, and for
+    attention the whole sequence for H/N heads: every activation term divides by N."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
     w = count_weights(args, plan.lora, p)
-    loss = loss_bytes(args, plan, p)
+    if plan.optimizer_in_backward and not plan.cpu_offload:
+        st = in_backward_state(args, w, p)
+    else:  # with CPU offload FSDP's state is counted, less its set of gradient shards
+        st = sharded_state(args, plan, w, p)
+    kept, in_backward, host_activations = activation_bytes(args, plan, p)
+    loss_forward, loss_backward, loss_in_blocks = loss_bytes(args, plan, p)
+    last, offloaded = args.n_layers - 1, offloaded_blocks(plan, args.n_layers)
 
-    def terms_with(fetched: int) -> tuple[dict[str, dict], float]:
-        if plan.optimizer_in_backward and not plan.cpu_offload:
-            parameters, gradients, optimizer, host_state = in_backward_state(args, w, p)
-        else:
-            state = sharded_state(args, plan, w, p, fetched)
-            parameters, gradients, optimizer, host_state = state
-        activations, host_activations = activation_bytes(args, plan, p, fetched)
-        terms = {"parameters": parameters, "gradients": gradients, "optimizer": optimizer,
-                 "activations": activations, "loss": loss}  # fmt: skip
-        return terms, host_state + host_activations
+    def block(moment: str, i: int) -> tuple:
+        """The backward of block i: the head's gradient shard and the later blocks' written."""
+        gradients = st.block_gradients + st.shards[0] + (last - i) * st.shards[1]
+        return moment, st.weights_in_blocks, gradients, st.optimizer, in_backward[i], loss_in_blocks
 
-    def at(terms: dict[str, dict], moment: str) -> float:
-        return sum(term[moment] for term in terms.values())
-
-    # Later offloaded blocks keep more of the checkpoint's cache, earlier ones see more
-    # gradient shards written: the moment is the one of them that holds the most.
-    offloaded = offloaded_blocks(plan, args.n_layers)
-    candidates = (terms_with(k) for k in range(1, max(offloaded, 2)))
-    terms, host = max(candidates, key=lambda c: at(c[0], "offloaded block backward"))
-    moments = [m for m in PHASES if offloaded >= 2 or m != "offloaded block backward"]
-    phase = max(moments, key=lambda moment: at(terms, moment))
-    gib = {name: term[phase] / GiB for name, term in terms.items()}
+    # moment: parameters, gradients, optimizer state, activations, loss
+    moments = [
+        # every saved activation and the fused loss's buffers, its fp32 ones included
+        ("loss forward", st.weights, st.accumulated, st.optimizer, kept, loss_forward),
+        # every saved activation, and the head's (untied output's) gradient being reduced
+        ("head backward", st.weights, st.head_gradients, st.optimizer, kept, loss_backward),
+        # backward's first block, with every activation kept on the GPU still there
+        block("last block backward", last),
+        # an offloaded block but the first, fetched with the one before it: later ones keep
+        # more of the checkpoint's cache, earlier ones see more gradient shards written
+        *(block("offloaded block backward", i) for i in range(1, offloaded)),
+        # backward's last block, every other block's gradient shard written (the peak when
+        # activation offload leaves few activations on the GPU)
+        block("first block backward", 0),
+        # activations freed, every shard written, the root's (embedding's) gradient reduced
+        ("backward end", st.weights_at_end, st.end_gradients, st.optimizer, 0, 0.0),
+    ]
+    phase, *terms = max(moments, key=lambda moment: sum(moment[1:]))
+    parameters, gradients, optimizer, activations, loss = (term / GiB for term in terms)
     return MemoryEstimate(
-        num_params=args.num_params(),
-        phase=phase,
+        args.num_params(), phase, parameters, gradients, optimizer, activations, loss,
         overhead=OVERHEAD_GIB,
-        gpu_total=sum(gib.values()) + OVERHEAD_GIB,
-        host_total=host / GiB,
-        **gib,
-    )
+        gpu_total=parameters + gradients + optimizer + activations + loss + OVERHEAD_GIB,
+        host_total=(st.host + host_activations) / GiB,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------
@@ -1475,10 +1457,10 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 # ----------------------------------------------------------------------------------------
 
 # The share of each memory a plan may fill by its estimate. GPU: twice the estimate's worst
-# miss against the measured peaks (bench/RESULTS.md, "Memory estimator, revised", and issue
-# #24's section; activation offload without full checkpointing excepted: its copies can
-# lag); with expandable segments (train.main's default) the caching allocator can give back
-# what it holds beyond its tensors. Host: the estimate is close to the measured RSS ("CPU
+# miss against the measured peaks (bench/RESULTS.md, "The first block's backward, SwiGLU in
+# place, a 10% GPU margin" and "The block in backward, measured"); with expandable segments
+# (train.main's default) the caching allocator can give back what it holds beyond its
+# tensors. Host: the estimate is close to the measured RSS ("CPU
 # offload at scale"), to which each process adds torch, the CUDA context and the loader
 # (HOST_PROCESS_GIB; "The run plan with no memory flags").
 GPU_MARGIN = 0.10
@@ -1489,20 +1471,28 @@ HOST_PROCESS_GIB = 2.0
 # included, at the rate measured runs sustained, plus the host time that offload leaves
 # uncovered. It orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and
 # offload", "Long context, less memory", "CPU offload at scale", "Where the step time goes
-# at 128k tokens"; tests/test_shard.py checks every recorded pair). Its seconds are a rough
-# guess, printed only past a minute.
+# at 128k tokens"), and its seconds, printed past a minute, are within 2x of each step of
+# dense rows recorded there ("Planner: the step time's guess against the recorded steps");
+# tests/test_shard.py checks both. Packed rows attend within documents: fewer FLOPs.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
 SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
 ACTIVATION_OFFLOAD_COST = 0.01  # of the step, with checkpointing
 CPU_OFFLOAD_S_PER_PARAM = 0.75e-9  # per parameter of a rank's shard, per rank on the host
 IN_BACKWARD_S_PER_PARAM = 0.15e-9
-AC_ORDER = ("none", "selective", "attention", "full")  # offload.AC_MODES, fastest first
-MLP_TILES = (16384, 8192, 4096)  # positions; at equal cost none first, then the larger
-# The fields the planner chooses when the user leaves them open (None).
+# What the planner chooses among where the user leaves a field open (None), fastest first
+# at equal cost: recomputation (offload.AC_MODES), MLP tiles (positions; shorter than the
+# sequence), the offloads.
+CHOICES = {
+    "ac": ("none", "selective", "attention", "full"),
+    "mlp_tile": (0, 16384, 8192, 4096),
+    "activation_offload": (False, True),
+    "cpu_offload": (False, True),
+    "optimizer_in_backward": (False, True),
+}
+# The fields the planner chooses, in the order of the plan's flags.
 PLANNED = ("ac", "mlp_tile", "activation_offload", "offload_blocks", "cpu_offload",
            "optimizer_in_backward", "micro_batch", "grad_accum")  # fmt: skip
-
 # The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; for
 # models under 100M parameters (the tiny preset of the default run and the tests), 16
 # sequences of 256 tokens.
@@ -1510,108 +1500,26 @@ BATCH_TOKENS = 2**19
 SMALL_MODEL_BATCH_TOKENS = 4096
 
 
-def default_batch_tokens(args: ModelArgs) -> int:
-    return SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS
-
-
-def host_memory_gib() -> float:
-    """Memory this host can give a run: MemAvailable, within the cgroup's limit if one is
-    set (a container or a SLURM job sees the whole machine's /proc/meminfo)."""
-    meminfo = Path("/proc/meminfo").read_text()
-    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
-    limit, usage = Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")
-    if limit.exists() and usage.exists() and limit.read_text().strip() != "max":
-        available = min(available, int(limit.read_text()) - int(usage.read_text()))
-    return available / GiB
-
-
-def host_peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
-
-
-def this_machine(gpu_memory: float | None, host_memory: float | None, world: World) -> Machine:
-    """The machine the run is on: its processes, each GPU's free memory and the host's
-    available memory (`gpu_memory`, `host_memory` GiB instead where given). A collective:
-    every rank plans with the smallest over all ranks, so that all choose the same plan."""
-    gpu = gpu_memory
-    if gpu is None and world.device.type == "cuda":
-        gpu = torch.cuda.mem_get_info(world.device)[0] / GiB
-    memory = torch.tensor([gpu or 0.0, host_memory or host_memory_gib()], dtype=torch.float64)
-    dist.all_reduce(memory, op=dist.ReduceOp.MIN)
-    gpu_gib = memory[0].item() if gpu is not None else None
-    return Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
-
-
-def machine_to_estimate(
-    world_size: int | None,
-    nproc_per_node: int | None,
-    gpu_memory: float | None,
-    host_memory: float | None,
-) -> Machine:
-    """The machine --estimate-memory plans for: the flags', else torchrun's and this one's."""
-    env = os.environ
-    # --nproc-per-node alone reads as torchrun's: one node of that many processes.
-    world_size = world_size or nproc_per_node or int(env.get("WORLD_SIZE", "1"))
-    nproc = nproc_per_node or int(env.get("LOCAL_WORLD_SIZE", min(world_size, 8)))
-    if world_size % nproc:
-        raise UsageError(
-            f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
-        )
-    gpu = gpu_memory
-    if gpu is None:
-        gpu = torch.cuda.mem_get_info()[0] / GiB if torch.cuda.is_available() else 80.0
-    return Machine(world_size, nproc, gpu, host_memory or host_memory_gib())
-
-
-def measured_memory(steps: int, device: torch.device) -> dict:
-    """The peaks reached after `steps` steps, for Plan.format_measured and plan.json."""
-    on_gpu = device.type == "cuda"
-    return {
-        "steps": steps,
-        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GiB if on_gpu else None,
-        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if on_gpu else None,
-        "host_peak_rss_gib": host_peak_rss_gib(),
-    }
-
-
-def wanted_fields(opts) -> dict:
-    """The planned fields the options (train.Options, here and below) set: the planner
-    keeps them."""
-    return {name: getattr(opts, name) for name in PLANNED if getattr(opts, name) is not None}
-
-
-def base_plan(
-    opts,
-    machine: Machine,
-    document_mask: bool = False,
-    lora: LoRAConfig | None = None,
-    long_documents: bool = True,
-) -> Plan:
-    """What the options fix of the plan, besides the planned fields."""
+def options_plan(opts, machine: Machine, **fixed) -> tuple[Plan, dict]:
+    """What the options (train.Options) fix of the plan, with `fixed` (the data's and
+    LoRA's fields), and the planned fields they set: the planner keeps them."""
     on_gpu = machine.gpu_gib is not None
-    return Plan(
-        seq_len=opts.seq_len,
-        world_size=machine.world_size,
-        nproc_per_node=machine.nproc_per_node,
-        strategy=opts.strategy,
-        ac_every=opts.ac_every,
+    base = Plan(
+        opts.seq_len, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node,
+        strategy=opts.strategy, ac_every=opts.ac_every, context_parallel=opts.context_parallel,
         param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
-        kernels=on_gpu if opts.kernels is None else opts.kernels,
-        lora=lora,
-        document_mask=document_mask,
-        long_documents=long_documents,
-        context_parallel=opts.context_parallel,
-    )
+        kernels=on_gpu if opts.kernels is None else opts.kernels, **fixed,
+    )  # fmt: skip
+    return base, {k: getattr(opts, k) for k in PLANNED if getattr(opts, k) is not None}
 
 
 def technique_problems(opts, args: ModelArgs, world_size: int, nproc_per_node: int) -> list[str]:
-    """What the run cannot do of the techniques the options ask for, on `world_size`
-    processes, `nproc_per_node` a node: plan_problems of the plan they describe."""
-    # The rules ask whether LoRA is on, not how (train.py checks its config).
+    """plan_problems of the plan the options ask for on `world_size` processes,
+    `nproc_per_node` a node. (Whether LoRA is on matters, not how: train.py checks that.)"""
     lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
     machine = Machine(world_size, nproc_per_node, gpu_gib=None, host_gib=0.0)
-    asked = dataclasses.replace(base_plan(opts, machine, lora=lora), **wanted_fields(opts))
-    return plan_problems(args, asked, opts.grad_clip)
+    base, wanted = options_plan(opts, machine, lora=lora)
+    return plan_problems(args, dataclasses.replace(base, **wanted), opts.grad_clip)
 
 
 def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -> list[str]:
@@ -1674,7 +1582,8 @@ def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bo
                 f" x --seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
             )
         return sequences, True, opts.batch_tokens
-    batch = opts.batch_tokens or default_batch_tokens(args)
+    small = args.num_params() < 100e6
+    batch = opts.batch_tokens or (SMALL_MODEL_BATCH_TOKENS if small else BATCH_TOKENS)
     batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
     return max(1, round(batch / per_sequence)), batch_is_fixed, batch
 
@@ -1691,9 +1600,10 @@ def make_plan(
     """The plan of the run: what the options set, and the fastest choice for the rest that
     fits `machine` (choose_plan), with what it was made for. `lora`:
     train.lora_config(opts), built once there."""
-    wanted = wanted_fields(opts)
+    base, wanted = options_plan(
+        opts, machine, lora=lora, document_mask=document_mask, long_documents=long_documents
+    )
     sequences, batch_is_fixed, asked = sequences_per_step(opts, args, machine)
-    base = base_plan(opts, machine, document_mask, lora, long_documents)
     plan = choose_plan(args, machine, base, wanted, sequences, batch_is_fixed, opts.grad_clip)
     return dataclasses.replace(
         plan,
@@ -1706,12 +1616,14 @@ def make_plan(
 
 
 def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float:
-    """The modelled time of one step of `plan` on one rank (see GPU_FLOPS above)."""
+    """The modelled time of one step of `plan` on one rank (see GPU_FLOPS above). A rank
+    computes its share of each row: under context parallelism seq_len / N tokens through
+    the blocks, and attention over the whole row for H/N heads, 1/N of the row's FLOPs."""
     layers, d, s = args.n_layers, args.dim, plan.seq_len
     checkpointed = -(-layers // plan.ac_every) / layers
     blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
     attention_forward = 2 * layers * s * d  # causal: a third of flops_per_token's 6LSd
-    per_token = args.flops_per_token(s)
+    per_token = args.flops_per_token(s, frozen=plan.lora is not None)
     recomputed = {
         "none": 0.0,
         "selective": SELECTIVE_RECOMPUTE * per_token,
@@ -1722,7 +1634,8 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     if 0 < plan.mlp_tile < s:  # the MLP's forward once more, where no block recompute was
         recomputing_mlp = checkpointed if plan.ac in ("full", "attention") else 0.0
         per_token += (1 - recomputing_mlp) * 2 * layers * 3 * d * args.ffn_dim
-    compute_s = plan.seq_len * plan.micro_batch * plan.grad_accum * per_token / flops
+    tokens = s * plan.micro_batch * plan.grad_accum / plan.context_parallel
+    compute_s = tokens * per_token / flops
     if plan.activation_offload:
         compute_s *= 1 + ACTIVATION_OFFLOAD_COST
     host_s = 0.0
@@ -1744,88 +1657,16 @@ def memory_needed(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
     return est.gpu_total, on_host * machine.nproc_per_node
 
 
-def fits(est: MemoryEstimate, machine: Machine) -> bool:
+def overshoot(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
+    """How many times what the margins leave usable a plan needs, of the GPU (0 on the
+    CPU) and of the host: a plan fits where neither is above 1."""
     gpu, host = memory_needed(est, machine)
-    gpu_ok = machine.gpu_gib is None or gpu <= (1 - GPU_MARGIN) * machine.gpu_gib
-    return gpu_ok and host <= (1 - HOST_MARGIN) * machine.host_gib
+    gpu_share = 0.0 if machine.gpu_gib is None else gpu / ((1 - GPU_MARGIN) * machine.gpu_gib)
+    return gpu_share, host / ((1 - HOST_MARGIN) * machine.host_gib)
 
 
-def candidate_plans(
-    args: ModelArgs,
-    base: Plan,
-    wanted: dict,
-    sequences: int,
-    machine: Machine,
-    grad_clip: float | None = None,
-) -> list[Plan]:
-    """Every plan of `sequences` per rank per step that keeps the `wanted` fields (those
-    the user set) and that plan_problems allows, in the order the planner tries them. On
-    the CPU only the micro-batch is planned: there is no GPU memory to save."""
-    on_gpu = machine.gpu_gib is not None
-
-    def options(name: str, planned: tuple) -> tuple:
-        if wanted.get(name) is not None:
-            return (wanted[name],)
-        return planned if on_gpu else planned[:1]
-
-    mb, accum = wanted.get("micro_batch"), wanted.get("grad_accum")
-    if mb and accum:
-        batches = [(mb, accum)]
-    elif mb:
-        batches = [(mb, max(1, round(sequences / mb)))]
-    elif accum:
-        batches = [(max(1, round(sequences / accum)), accum)]
-    else:
-        batches = [(m, sequences // m) for m in range(sequences, 0, -1) if sequences % m == 0]
-    tiles = (0, *(t for t in MLP_TILES if t < base.seq_len))
-    plans = []
-    for ac, tile, act_offload, cpu, in_backward, (micro_batch, grad_accum) in itertools.product(
-        options("ac", AC_ORDER), options("mlp_tile", tiles),
-        options("activation_offload", (False, True)), options("cpu_offload", (False, True)),
-        options("optimizer_in_backward", (False, True)), batches,
-    ):  # fmt: skip
-        plan = dataclasses.replace(
-            base, ac=ac, mlp_tile=tile, activation_offload=act_offload,
-            offload_blocks=wanted.get("offload_blocks") if act_offload else None, cpu_offload=cpu,
-            optimizer_in_backward=in_backward, micro_batch=micro_batch, grad_accum=grad_accum,
-        )  # fmt: skip
-        plans.append(plan)
-        if act_offload and "offload_blocks" not in wanted:
-            plans += partial_offload(args, plan, machine)
-    # Activation offload without checkpointing measured much slower: the host link cannot
-    # move every saved tensor in time (bench/RESULTS.md, "Sharding and offload").
-    plans = [
-        p for p in plans
-        if (p.ac != "none" or not p.activation_offload or wanted.get("ac") == "none")
-        and not plan_problems(args, p, grad_clip)
-    ]  # fmt: skip
-    # The optimizer in backward last, whatever its speed: it rules out gradient clipping.
-    # Partial offload after the plans without it: none has been measured against them.
-    return sorted(
-        plans,
-        key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,
-                       step_seconds(args, p), -p.micro_batch, p.mlp_tile > 0, -p.mlp_tile),
-    )  # fmt: skip
-
-
-def partial_offload(args: ModelArgs, plan: Plan, machine: Machine) -> list[Plan]:
-    """`plan` (activation offload of all blocks but the last) with only the first N blocks
-    offloaded, N the most whose activations the host holds (leaving the GPU the most room),
-    for a host that cannot hold them all; none where it can, or where it cannot hold even
-    the rest of the plan. The host's bytes grow with N, so a bisection finds it."""
-    host_usable = (1 - HOST_MARGIN) * machine.host_gib
-
-    def host_fits(n: int) -> bool:
-        est = estimate_memory(args, dataclasses.replace(plan, offload_blocks=n))
-        return memory_needed(est, machine)[1] <= host_usable
-
-    lowest, highest = 0, args.n_layers - 1  # all but the last is `plan` itself
-    if host_fits(highest) or not host_fits(lowest):
-        return []
-    while highest - lowest > 1:  # host_fits(lowest), not host_fits(highest)
-        middle = (lowest + highest) // 2
-        lowest, highest = (middle, highest) if host_fits(middle) else (lowest, middle)
-    return [dataclasses.replace(plan, offload_blocks=lowest)]
+def fits(est: MemoryEstimate, machine: Machine) -> bool:
+    return max(overshoot(est, machine)) <= 1
 
 
 def choose_plan(
@@ -1837,139 +1678,186 @@ def choose_plan(
     batch_is_fixed: bool,
     grad_clip: float | None = None,
 ) -> Plan:
-    """The first of candidate_plans whose estimate fits `machine` with the margins above.
-    `base` holds what is not planned (seq_len, strategy, dtype, kernels...). When the batch
-    was not set (`batch_is_fixed` False) and nothing fits, one sequence per rank per step is
-    tried: without accumulation, whose gradients take memory, and where the optimizer in
-    backward can run. Raises ValueError naming the largest terms of the closest plan, and
-    what would make a plan fit."""
-    base = dataclasses.replace(
-        base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
-    )
-    if problems := plan_problems(args, dataclasses.replace(base, **wanted), grad_clip):
+    """The first plan that fits (Planner.first_fit). When the batch was not set
+    (`batch_is_fixed` False) and none does, one sequence per rank per step is tried:
+    without accumulation, whose gradients take memory, and where the optimizer in backward
+    can run. Raises ValueError naming the largest terms of the closest plan, and what
+    would make a plan fit."""
+    planner = Planner(args, machine, base, wanted, grad_clip)
+    if problems := plan_problems(args, dataclasses.replace(planner.base, **wanted), grad_clip):
         raise UsageError("; ".join(problems))
-    tries = [sequences] if batch_is_fixed or sequences == 1 else [sequences, 1]
-    for n in tries:
-        plans = candidate_plans(args, base, wanted, n, machine, grad_clip)
-        for plan in plans:
-            if fits(estimate_memory(args, plan), machine):
-                return plan
-    raise UsageError(no_fit_message(args, machine, base, wanted, plans, grad_clip))
+    for n in [sequences] if batch_is_fixed or sequences == 1 else [sequences, 1]:
+        if plan := planner.first_fit(n):
+            return plan
+    raise UsageError(planner.no_fit_message(n))
 
 
-def no_fit_message(
-    args: ModelArgs,
-    machine: Machine,
-    base: Plan,
-    wanted: dict,
-    plans: list[Plan],
-    grad_clip: float | None,
-) -> str:
-    gpu_usable = (1 - GPU_MARGIN) * machine.gpu_gib if machine.gpu_gib else None
-    host_usable = (1 - HOST_MARGIN) * machine.host_gib
+@dataclass
+class Planner:
+    """A plan's choice: the model, the machine, what the plan does not choose (`base`:
+    seq_len, strategy, dtype, kernels...), the planned fields the user set (`wanted`, kept)
+    and the user's --grad-clip (None: the default, which follows the plan)."""
 
-    def overshoot(plan: Plan) -> tuple[float, float]:
-        """How many times what is usable the plan needs: the worse memory, then both."""
-        gpu, host = memory_needed(estimate_memory(args, plan), machine)
-        ratios = (gpu / gpu_usable if gpu_usable else 0.0, host / host_usable)
-        return max(ratios), sum(ratios)
+    args: ModelArgs
+    machine: Machine
+    base: Plan
+    wanted: dict
+    grad_clip: float | None = None
 
-    closest = min(plans, key=overshoot)
-    est = estimate_memory(args, closest)
-    gpu, host = memory_needed(est, machine)
-    terms = {"activations": est.activations, "parameters": est.parameters,
-             "gradients": est.gradients, "optimizer states": est.optimizer,
-             "loss": est.loss}  # fmt: skip
-    largest = ", ".join(f"{k} {v:.1f}" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])[:3])
-    nproc = machine.nproc_per_node
-    if gpu_usable:
-        where = f"{machine.world_size} x {machine.gpu_gib:.1f} GiB GPU"
-        needs = f"{gpu:.1f} GiB per GPU of {gpu_usable:.1f} usable ({largest} GiB) and "
-        margins = f"{GPU_MARGIN:.0%} of a GPU, {HOST_MARGIN:.0%} of a host kept free"
-    else:
-        where, needs = "the CPU", f"on the host {largest} GiB, and in all "
-        margins = f"{HOST_MARGIN:.0%} of the host kept free"
-    lines = [
-        f"no plan fits {base.seq_len}-token sequences on {where} with {machine.host_gib:.1f} "
-        f"GiB of host memory per node ({count(nproc, 'process')} on it).",
-        f"The closest, {closest.flags()}, needs {needs}{host:.1f} GiB of host memory per node "
-        f"of {host_usable:.1f} usable (margins: {margins}).",
-    ]
-    ways, tried = ways_to_fit(args, machine, base, wanted, grad_clip)
-    if ways:
-        lines.append("It would fit with: " + "; or ".join(ways))
-    else:
-        where = "" if gpu_usable else " in this host's memory"
-        tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
-        lines.append(f"Neither {tried} would make it fit{where}.")
-    return "\n".join(lines)
+    def __post_init__(self):  # the plan's processes are the machine's
+        m = self.machine
+        self.base = dataclasses.replace(
+            self.base, world_size=m.world_size, nproc_per_node=m.nproc_per_node
+        )
 
+    def candidates(self, sequences: int) -> list[Plan]:
+        """Every plan of `sequences` per rank per step that keeps the wanted fields and that
+        plan_problems allows, in the order the planner tries them. On the CPU only the
+        micro-batch is planned: there is no GPU memory to save."""
+        wanted, on_gpu = self.wanted, self.machine.gpu_gib is not None
+        choices = {k: (wanted[k],) if k in wanted else v if on_gpu else v[:1]
+                   for k, v in CHOICES.items()}  # fmt: skip
+        if "mlp_tile" not in wanted:
+            choices["mlp_tile"] = tuple(t for t in choices["mlp_tile"] if t < self.base.seq_len)
+        given, accum = wanted.get("micro_batch"), wanted.get("grad_accum")
+        if given or accum:
+            micro_batches = [given or max(1, round(sequences / accum))]
+        else:
+            micro_batches = [m for m in range(sequences, 0, -1) if sequences % m == 0]
+        plans = []
+        for *values, micro_batch in itertools.product(*choices.values(), micro_batches):
+            plan = dataclasses.replace(self.base, **dict(zip(choices, values, strict=True)))
+            plan = dataclasses.replace(
+                plan,
+                micro_batch=micro_batch,
+                grad_accum=accum or max(1, round(sequences / micro_batch)),
+                offload_blocks=wanted.get("offload_blocks") if plan.activation_offload else None,
+            )
+            plans.append(plan)
+            if plan.activation_offload and "offload_blocks" not in wanted:
+                plans += self.partial_offload(plan)
+        # Activation offload without checkpointing measured much slower: the host link
+        # cannot move every saved tensor in time (bench/RESULTS.md, "Sharding and offload").
+        plans = [
+            p for p in plans
+            if (p.ac != "none" or not p.activation_offload or wanted.get("ac") == "none")
+            and not plan_problems(self.args, p, self.grad_clip)
+        ]  # fmt: skip
+        # The optimizer in backward last, whatever its speed: it rules out gradient
+        # clipping. Partial offload after the plans without it: none was measured.
+        return sorted(
+            plans,
+            key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,
+                           step_seconds(self.args, p), -p.micro_batch, p.mlp_tile > 0,
+                           -p.mlp_tile),
+        )  # fmt: skip
 
-def ways_to_fit(
-    args: ModelArgs, machine: Machine, base: Plan, wanted: dict, grad_clip: float | None
-) -> tuple[list[str], list[str]]:
-    """The changes that would make a plan fit, as flags, each the first of its kind that
-    does: the planner's choice instead of the planned fields the user set; context
-    parallelism, LoRA or QLoRA, or both together where neither alone does; more GPUs; a
-    shorter sequence. And the kinds tried, for a message when none does."""
+    def partial_offload(self, plan: Plan) -> list[Plan]:
+        """`plan` (activation offload of all blocks but the last) with only the first N
+        blocks offloaded, N the most whose activations the host holds (leaving the GPU the
+        most room), for a host that cannot hold them all; none where it can, or where it
+        cannot hold even the rest of the plan."""
 
-    def first_fit(changes: dict[str, dict]) -> list[str]:
-        for flags, change in changes.items():
-            changed = dataclasses.replace(base, **change)
-            if fits_any(args, machine, changed, wanted, grad_clip):
-                return [flags]
+        def host_overflows(n: int) -> bool:
+            est = estimate_memory(self.args, dataclasses.replace(plan, offload_blocks=n))
+            return overshoot(est, self.machine)[1] > 1
+
+        # The host's bytes grow with N: bisect for the first N that overflows it.
+        overflows_from = bisect.bisect(range(self.args.n_layers), False, key=host_overflows)
+        if 0 < overflows_from < self.args.n_layers:
+            return [dataclasses.replace(plan, offload_blocks=overflows_from - 1)]
         return []
 
-    on_gpu, nproc, cp = machine.gpu_gib is not None, machine.nproc_per_node, base.context_parallel
-    ways, tried = [], []
-    if wanted:
-        tried.append("the planner's choice")
-        if fits_any(args, machine, base, {}, grad_clip):
-            ways.append(f"the planner's choice instead of {flags_of(wanted, negated=True)}")
-    sharing = {f"--context-parallel {n}": {"context_parallel": n}
-               for n in range(2 * cp, nproc + 1, cp) if on_gpu}  # fmt: skip
-    rank16 = LoRAConfig(rank=16, alpha=16.0)
-    adapters = {"--lora-rank 16": rank16, "--lora-rank 16 --quantize-base nf4": (
-        dataclasses.replace(rank16, quantize_base="nf4"))}  # fmt: skip
-    if base.lora is not None:
-        adapters = {"--quantize-base nf4": dataclasses.replace(base.lora, quantize_base="nf4")}
-    if not all(shape[-1] % NF4_BLOCK == 0 for shape in block_shapes(args).values()):
-        adapters = {flags: lora for flags, lora in adapters.items() if not lora.quantize_base}
-    adapters = {flags: {"lora": lora} for flags, lora in adapters.items() if lora != base.lora}
-    if sharing:
-        tried.append("context parallelism")
-    if adapters:
-        tried.append("LoRA or QLoRA")
-    alone = first_fit(sharing) + first_fit(adapters)
-    both = {f"{a} {b}": {**sharing[a], **adapters[b]} for a in sharing for b in adapters}
-    ways += alone or first_fit(both)
-    if on_gpu:
-        tried.append("more GPUs (up to 64x)")
-        for k in (2, 4, 8, 16, 32, 64):
-            world = machine.world_size * k
-            per_node = min(world, max(nproc, 8))
-            more = dataclasses.replace(machine, world_size=world, nproc_per_node=per_node)
-            if fits_any(args, more, base, wanted, grad_clip):
-                ways.append(f"{world} GPUs ({per_node} per node)")
-                break
-    tried.append("a shorter sequence")
-    shorter, seq = {}, base.seq_len // 2
-    while seq >= 1024:
-        shorter[f"--seq-len {seq}"] = {"seq_len": seq}
-        seq //= 2
-    ways += first_fit(shorter)
-    return ways, tried
+    def first_fit(self, sequences: int = 1) -> Plan | None:
+        """The first candidate whose estimate fits the machine with the margins above."""
+        for plan in self.candidates(sequences):
+            if fits(estimate_memory(self.args, plan), self.machine):
+                return plan
+        return None
 
+    def no_fit_message(self, sequences: int) -> str:
+        """Which plan came closest (the worse memory, then both), its largest terms, and the
+        ways to fit (ways_to_fit)."""
+        m = self.machine
 
-def fits_any(
-    args: ModelArgs, machine: Machine, base: Plan, wanted: dict, grad_clip: float | None = None
-) -> bool:
-    """Whether some plan fits `machine` with one sequence per rank per step."""
-    base = dataclasses.replace(
-        base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
-    )
-    plans = candidate_plans(args, base, wanted, 1, machine, grad_clip)
-    return any(fits(estimate_memory(args, p), machine) for p in plans)
+        def closeness(plan: Plan) -> tuple[float, float]:
+            ratios = overshoot(estimate_memory(self.args, plan), m)
+            return max(ratios), sum(ratios)
+
+        closest = min(self.candidates(sequences), key=closeness)
+        est = estimate_memory(self.args, closest)
+        gpu, host = memory_needed(est, m)
+        largest = sorted(est.terms().items(), key=lambda term: -term[1])[:3]
+        largest = ", ".join(f"{name} {gib:.1f}" for name, gib in largest)
+        if on_gpu := m.gpu_gib is not None:
+            where = f"{m.world_size} x {m.gpu_gib:.1f} GiB GPU"
+            needs = (
+                f"{gpu:.1f} GiB per GPU of {(1 - GPU_MARGIN) * m.gpu_gib:.1f} usable "
+                f"({largest} GiB) and "
+            )
+            margins = f"{GPU_MARGIN:.0%} of a GPU, {HOST_MARGIN:.0%} of a host kept free"
+        else:
+            where, needs = "the CPU", f"on the host {largest} GiB, and in all "
+            margins = f"{HOST_MARGIN:.0%} of the host kept free"
+        lines = [
+            f"no plan fits {self.base.seq_len}-token sequences on {where} with {m.host_gib:.1f} "
+            f"GiB of host memory per node ({count(m.nproc_per_node, 'process')} on it).",
+            f"The closest, {closest.flags()}, needs {needs}{host:.1f} GiB of host memory per "
+            f"node of {(1 - HOST_MARGIN) * m.host_gib:.1f} usable (margins: {margins}).",
+        ]
+        ways, tried = self.ways_to_fit()
+        if ways:
+            return "\n".join([*lines, "It would fit with: " + "; or ".join(ways)])
+        tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
+        where = "" if on_gpu else " in this host's memory"
+        return "\n".join([*lines, f"Neither {tried} would make it fit{where}."])
+
+    def ways_to_fit(self) -> tuple[list[str], list[str]]:
+        """The changes that would make a plan of one sequence per rank fit, as flags, each
+        the first of its kind that does: the planner's choice instead of the planned fields
+        the user set; context parallelism, LoRA or QLoRA, or both together where neither
+        alone does; more GPUs; a shorter sequence. And the kinds tried, for a message when
+        none does."""
+        m, base, wanted = self.machine, self.base, self.wanted
+
+        def fits_with(fields: dict, **change) -> bool:
+            changed = dataclasses.replace(self, base=dataclasses.replace(base, **fields), **change)
+            return changed.first_fit() is not None
+
+        def first(changes: dict[str, dict]) -> list[str]:
+            return next(([flags] for flags, fields in changes.items() if fits_with(fields)), [])
+
+        on_gpu, cp = m.gpu_gib is not None, base.context_parallel
+        ways, tried = [], []
+        if wanted:
+            tried.append("the planner's choice")
+            if fits_with({}, wanted={}):
+                ways.append(f"the planner's choice instead of {flags_of(wanted, negated=True)}")
+        sharing = {f"--context-parallel {n}": {"context_parallel": n}
+                   for n in range(2 * cp, m.nproc_per_node + 1, cp) if on_gpu}  # fmt: skip
+        rank16 = LoRAConfig(rank=16, alpha=16.0)
+        adapters = {"--lora-rank 16": rank16, "--lora-rank 16 --quantize-base nf4": (
+            dataclasses.replace(rank16, quantize_base="nf4"))}  # fmt: skip
+        if base.lora is not None:
+            adapters = {"--quantize-base nf4": dataclasses.replace(base.lora, quantize_base="nf4")}
+        if any(len(s) == 2 and s[-1] % NF4_BLOCK for s in block_shapes(self.args).values()):
+            adapters = {flags: lora for flags, lora in adapters.items() if not lora.quantize_base}
+        adapters = {flags: {"lora": lora} for flags, lora in adapters.items() if lora != base.lora}
+        tried += ["context parallelism"] if sharing else []
+        tried += ["LoRA or QLoRA"] if adapters else []
+        both = {f"{a} {b}": {**sharing[a], **adapters[b]} for a in sharing for b in adapters}
+        ways += first(sharing) + first(adapters) or first(both)
+        if on_gpu:
+            tried.append("more GPUs (up to 64x)")
+            for world in (m.world_size * 2**k for k in range(1, 7)):
+                per_node = min(world, max(m.nproc_per_node, 8))
+                if fits_with({}, machine=Machine(world, per_node, m.gpu_gib, m.host_gib)):
+                    ways.append(f"{world} GPUs ({per_node} per node)")
+                    break
+        tried.append("a shorter sequence")
+        halves = (base.seq_len // 2**k for k in range(1, base.seq_len.bit_length()))
+        ways += first({f"--seq-len {seq}": {"seq_len": seq} for seq in halves if seq >= 1024})
+        return ways, tried
 
 
 def flag_name(field: str) -> str:

@@ -34,6 +34,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from model import Llama, LoRAConfig, ModelArgs, apply_lora, load_hf_checkpoint, save_hf_checkpoint
 from shard import (
+    CPU_FLOPS,
+    GPU_FLOPS,
     GPU_MARGIN,
     HOST_MARGIN,
     OVERHEAD_GIB,
@@ -554,6 +556,65 @@ def test_the_ranking_orders_recorded_runs_as_measured():
         assert (a[5] > b[5]) == (time_a < time_b), (a, b)
         pairs += 1
     assert pairs >= 19
+
+
+# Recorded steps beyond RECORDED's, dense causal rows: (preset, seq_len, machine, fields,
+# seconds a step). CPU: the tiny preset, fp32, the reference ops.
+CPU = Machine(world_size=1, nproc_per_node=1, gpu_gib=None, host_gib=16.0)
+QLORA16 = LoRAConfig(rank=16, alpha=16.0, quantize_base="nf4")
+STEPS = [
+    # "Context parallelism (issue #11)": one row over the 2 GPUs
+    ("llama3.1-8b", 262144, H200_X2, dict(context_parallel=2, ac="attention", mlp_tile=16384),
+     75.6),
+    ("llama3.2-1b", 524288, H200_X2, dict(context_parallel=2, ac="attention", mlp_tile=16384),
+     82.2),
+    # "Context parallelism, longer sequences (2026-11-23)"
+    ("llama3.1-8b", 524288, H200_X2, dict(context_parallel=2, ac="attention", mlp_tile=16384,
+     activation_offload=True, offload_blocks=22, cpu_offload=True), 304),
+    ("llama3.2-1b", 1048576, H200_X2, dict(context_parallel=2, ac="attention", cpu_offload=True),
+     329),
+    # "llama3.1-8b at 1,048,576 tokens over 2 H200 (2026-11-23, second session)"
+    ("llama3.1-8b", 1048576, H200_X2, dict(context_parallel=2, ac="full", mlp_tile=16384,
+     activation_offload=True, offload_blocks=28), 1339),
+    # "llama3.1-70b QLoRA on one H200 (issue #14)"
+    ("llama3.1-70b", 32768, H200, dict(lora=dataclasses.replace(QLORA16, alpha=32.0), ac="full",
+     mlp_tile=8192), 40.6),
+    # "The first block's backward, SwiGLU in place, a 10% GPU margin: ..." (issue #24's runs)
+    ("llama3.1-8b", 262144, H100, dict(ac="full", mlp_tile=16384, activation_offload=True,
+     offload_blocks=12, cpu_offload=True, optimizer_in_backward=True), 247),
+    ("llama3.1-70b", 98304, H100, dict(lora=QLORA16, ac="full", mlp_tile=16384,
+     activation_offload=True, offload_blocks=77), 253),
+    ("llama3.1-8b", 524288, H100, dict(lora=QLORA16, ac="full", mlp_tile=16384,
+     activation_offload=True, offload_blocks=28), 683),
+    ("llama3.2-1b", 524288, H100, dict(ac="attention", mlp_tile=4096, activation_offload=True),
+     170),
+    # "llama3.1-8b at 131072, packed sft rows against dense causal, at f70c413: 3.26x"
+    ("llama3.1-8b", 131072, H100, dict(ac="full", mlp_tile=16384, optimizer_in_backward=True),
+     49.52),
+    # "Planner: CPU rate"
+    ("tiny", 2048, CPU, dict(param_dtype="fp32", kernels=False), 0.17),
+    ("tiny", 16384, CPU, dict(param_dtype="fp32", kernels=False), 6.64),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "run",
+    [(*r[:4], r[1] / r[5]) for r in RECORDED] + STEPS,
+    ids=lambda r: f"{r[0]}-{r[1]}-{r[2].world_size}x-{r[3]}",
+)
+def test_the_step_time_guess_is_within_2x_of_each_recorded_step(run):
+    """step_seconds, the plan's "a step takes about", against every recorded step of dense
+    causal rows: RECORDED's (one sequence per GPU, from tokens/s per GPU) and STEPS'. Under
+    context parallelism a rank computes its share of the row (the guess was 2.3x the 8B
+    step at 262144 over 2 GPUs when it counted the whole row); a LoRA base computes no
+    weight gradients. (Not the tiny preset on a GPU, whose steps are launch-bound, nor
+    packed rows, whose attention within documents the plan does not know: the guess is
+    an upper bound there.)"""
+    preset, seq_len, machine, fields, seconds = run
+    flops = GPU_FLOPS if machine.gpu_gib else CPU_FLOPS
+    plan = recorded_plan(seq_len, machine, fields)
+    guess = step_seconds(ModelArgs.from_name(preset), plan, flops)
+    assert 0.5 < guess / seconds < 2, guess
 
 
 @pytest.mark.parametrize("preset, seq_len, machine", sorted({situation(r) for r in RECORDED},
