@@ -111,6 +111,11 @@ def check_directory_path(path: Path, what: str) -> None:
         raise UsageError(f"{what} {path}{where} is a file")
 
 
+def plural(n: int, noun: str) -> str:
+    """'1 process', '2 processes', '1 group', '2 groups'."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
+
+
 def first_names(names: list[str]) -> str:
     """The first five names, for an error message."""
     return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")

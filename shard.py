@@ -1,9 +1,11 @@
 """Spreads the model and its training state over processes and memory with FSDP2
-(`torch.distributed.fsdp.fully_shard`), and holds what that needs: the process group and
-device mesh, a meta-built model filled shard by shard, the global gradient norm, context
-parallelism (the ranks of a group share each sequence), the sharded optimizer, its DCP
-checkpoints in the run directory, and exports gathered from the shards. Last, apart: the
-memory estimate of a run's plan and the planner that picks the fastest plan that fits.
+(`torch.distributed.fsdp.fully_shard`), and holds what that needs. In order: the processes
+and devices (the process group, the memory a plan may fill); FSDP (the device mesh, a
+meta-built model filled shard by shard, the global gradient norm); context parallelism (the
+ranks of a group share each sequence); the run directory, its DCP checkpoints of the sharded
+optimizer, and the exports gathered from the shards. Last, apart: the plan (`Plan`, each
+field a train.py flag), the memory estimate of a plan, and the planner that picks the fastest
+plan that fits.
 
 train.apply_techniques applies them in the one order in which they compose:
 
@@ -56,7 +58,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from data import UsageError, check_directory_path, first_names, read_json
+from data import UsageError, check_directory_path, first_names, plural, read_json
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, chunk_rows
 from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
@@ -934,7 +936,8 @@ FROZEN_LEFT_OUT = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 # ----------------------------------------------------------------------------------------
-# Memory per rank
+# The plan (each field a train.py flag) and its memory estimate: what a run applies, prints
+# and saves in plan.json
 # ----------------------------------------------------------------------------------------
 
 # CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers and the caching allocator's rounding
@@ -1065,9 +1068,9 @@ class Plan:
                 f" ({self.grad_accum} forward and backward passes a step: --batch-tokens "
                 f"{self.seq_len * self.micro_batch * self.world_size // cp:,} takes one)"
             )
-        ranks = count(self.world_size, "process")
+        ranks = plural(self.world_size, "process")
         if cp > 1:
-            ranks = f"{count(self.world_size // cp, 'group')} of {cp} context-parallel ranks"
+            ranks = f"{plural(self.world_size // cp, 'group')} of {cp} context-parallel ranks"
         planned = ", ".join(self.planned) or "nothing: every option was given"
         slow = ""
         if self.seconds_per_step and self.seconds_per_step > 60:
@@ -1085,8 +1088,8 @@ class Plan:
             f"{self.micro_batch} sequences x {self.grad_accum} micro-batches x {ranks} | "
             f"planned: {planned}{slow}",
             self.estimate.format(on_gpu=m.gpu_gib is not None),
-            f"{count(m.world_size, 'process')}: {where}; host {host:.1f} of {m.host_gib:.1f} "
-            f"GiB per node ({HOST_MARGIN:.0%} kept free; {count(m.nproc_per_node, 'process')}, "
+            f"{plural(m.world_size, 'process')}: {where}; host {host:.1f} of {m.host_gib:.1f} "
+            f"GiB per node ({HOST_MARGIN:.0%} kept free; {plural(m.nproc_per_node, 'process')}, "
             f"{HOST_PROCESS_GIB:.0f} GiB each besides the estimate)",
         ])  # fmt: skip
 
@@ -1107,6 +1110,30 @@ class Plan:
 
 
 MADE_FOR = ("machine", "estimate", "planned", "tokens_per_step_asked", "seconds_per_step")
+
+
+def flag_name(field: str) -> str:
+    """The train.py flag of an Options field: `micro_batch` is --micro-batch."""
+    return "--" + field.replace("_", "-")
+
+
+def flags_of(fields: dict, negated: bool = False) -> str:
+    """The train.py flags that set these planned fields; False as --no-x when `negated`."""
+    out = []
+    for name, value in fields.items():
+        flag = flag_name(name)
+        if value is True:
+            out.append(flag)
+        elif value is False:
+            out += [f"--no-{flag[2:]}"] if negated else []
+        elif value is not None:
+            out.append(f"{flag} {value}")
+    return " ".join(out)
+
+
+# ----------------------------------------------------------------------------------------
+# Memory per rank: the estimate's terms
+# ----------------------------------------------------------------------------------------
 
 
 @functools.cache  # the planner asks once per plan it tries
@@ -1554,7 +1581,7 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
             f"--grad-accum {plan.grad_accum} (the updates happen in every backward)": (
                 plan.grad_accum > 1
             ),
-            f"{count(plan.world_size, 'process')} without --cpu-offload (it runs on one GPU)": (
+            f"{plural(plan.world_size, 'process')} without --cpu-offload (it runs on one GPU)": (
                 plan.world_size > 1 and not plan.cpu_offload
             ),
         }
@@ -1578,7 +1605,7 @@ def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bo
         if opts.batch_tokens and opts.batch_tokens != sequences * per_sequence:
             raise UsageError(
                 f"--batch-tokens {opts.batch_tokens} is not --micro-batch {opts.micro_batch} x "
-                f"--grad-accum {opts.grad_accum} x {count(machine.world_size // cp, 'process')}"
+                f"--grad-accum {opts.grad_accum} x {plural(machine.world_size // cp, 'process')}"
                 f" x --seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
             )
         return sequences, True, opts.batch_tokens
@@ -1801,7 +1828,7 @@ class Planner:
             margins = f"{HOST_MARGIN:.0%} of the host kept free"
         lines = [
             f"no plan fits {self.base.seq_len}-token sequences on {where} with {m.host_gib:.1f} "
-            f"GiB of host memory per node ({count(m.nproc_per_node, 'process')} on it).",
+            f"GiB of host memory per node ({plural(m.nproc_per_node, 'process')} on it).",
             f"The closest, {closest.flags()}, needs {needs}{host:.1f} GiB of host memory per "
             f"node of {(1 - HOST_MARGIN) * m.host_gib:.1f} usable (margins: {margins}).",
         ]
@@ -1858,27 +1885,3 @@ class Planner:
         halves = (base.seq_len // 2**k for k in range(1, base.seq_len.bit_length()))
         ways += first({f"--seq-len {seq}": {"seq_len": seq} for seq in halves if seq >= 1024})
         return ways, tried
-
-
-def flag_name(field: str) -> str:
-    """The train.py flag of an Options field: `micro_batch` is --micro-batch."""
-    return "--" + field.replace("_", "-")
-
-
-def flags_of(fields: dict, negated: bool = False) -> str:
-    """The train.py flags that set these planned fields; False as --no-x when `negated`."""
-    out = []
-    for name, value in fields.items():
-        flag = flag_name(name)
-        if value is True:
-            out.append(flag)
-        elif value is False:
-            out += [f"--no-{flag[2:]}"] if negated else []
-        elif value is not None:
-            out.append(f"{flag} {value}")
-    return " ".join(out)
-
-
-def count(n: int, noun: str) -> str:
-    """'1 process', '2 processes', '1 group', '2 groups'."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"

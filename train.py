@@ -15,14 +15,16 @@
 
     # Several nodes under SLURM: README.md, "One sequence over several GPUs", has the script.
 
-The file reads in the order a run goes: the options; setup (`setup`: check what was given,
-plan, build the model through `apply_techniques`, which states the order in which the
-techniques compose, open the data, resume from a checkpoint); then `train`: a loop of
+The file reads in the order a run goes: the options; setup (`setup`: find the checkpoint to
+resume from and take what it fixes, check what was given, plan, build the model through
+`apply_techniques`, which states the order in which the techniques compose, open the data,
+resume); the step and what the loop asks after it; then `train`: a loop of
 `train_step` calls, with logging, evaluation, saving and stopping each decided by the object
 that owns it (`MetricsLog`, `shard.Checkpointer`, `StopSignals`).
 Errors in what was given (data, checkpoint, options) are raised before the first step, as
 one UsageError naming what is wrong and what was expected. SIGTERM or Ctrl-C stop the run
-after the step in progress, with a checkpoint, and it exits with EXIT_STOPPED (75).
+after the step in progress, with a checkpoint, and it exits with EXIT_STOPPED (75); so does
+a worker whose torchrun died (`stop_when_launcher_dies`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from data import (
     UsageError,
     open_data,
     open_eval_data,
+    plural,
     write_json,
 )
 from model import (
@@ -973,7 +976,7 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
         f"{'; MFU counts attention within documents' if masked else ''}) | "
         f"data {dataset.path}: {dataset.n_tokens:,} tokens ({dataset.meta['tokenizer']}"
         f"{', attention masked between documents' if masked else ''}) | "
-        f"{shard.count(world.world_size, 'process')} x {world.device.type}, "
+        f"{plural(world.world_size, 'process')} x {world.device.type}, "
         f"{layout}, {plan.param_dtype} params, kernels {'on' if plan.kernels else 'off'} | "
         f"{plan.tokens_per_step:,} tokens/step, {max_steps} steps"
     )
@@ -1050,7 +1053,7 @@ class MetricsLog:
             if damaged:
                 lines = ", ".join(map(str, damaged[:5])) + (", ..." * (len(damaged) > 5))
                 run.log(
-                    f"{self.path}: {shard.count(len(damaged), 'line')} not a JSON record "
+                    f"{self.path}: {plural(len(damaged), 'line')} not a JSON record "
                     f"(line {lines}), left as found; readers skip them"
                 )
             with self.path.open("a") as f:
