@@ -1142,7 +1142,9 @@ def block_shapes(args: ModelArgs) -> dict[str, torch.Size]:
     weights, Qwen2's wq.bias ...), built on the meta device: the estimate counts the model
     itself, not a formula."""
     with torch.device("meta"):
-        block = Llama(dataclasses.replace(args, n_layers=1)).layers[0]
+        # One block: which layers skip RoPE or slide a window changes none of its parameters.
+        one = dataclasses.replace(args, n_layers=1, nope_layers=(), window_layers=())
+        block = Llama(one).layers[0]
     return {".".join(name.split(".")[-2:]): p.shape for name, p in block.named_parameters()}
 
 

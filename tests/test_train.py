@@ -1783,24 +1783,35 @@ def test_the_end_of_a_run_prints_only_commands_that_do_what_they_say(
     assert torch.equal(exported, trained) and not torch.equal(trained, torch.ones_like(trained))
 
 
-@CPU_ONLY
-def test_a_qwen3_checkpoint_trains_as_transformers_computes_and_over_context_parallel_ranks(
-    dataset, tmp_path
-):
-    """A tiny Qwen3 that transformers saved (q/k norms, a head dim of 24 apart from dim /
-    heads, untied): the step-1 loss of train.py --hf-checkpoint is transformers' own over the
-    same rows, and 2 gloo ranks sharing each row (--context-parallel 2) take the same steps
-    as one process (fp32: rel 1e-5, the sums go in another order)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+# Tiny checkpoints of the Llama family that transformers saves: (config class, its switches).
+FAMILY_CHECKPOINTS = {
+    "mistral": ("MistralConfig", dict(head_dim=24, sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(use_sliding_window=False)),  # a bias on q, k and v
+    "qwen3": ("Qwen3Config", dict(head_dim=24)),  # q/k norms, a head dim apart from dim / heads
+    "smollm3": ("SmolLM3Config", dict(no_rope_layers=[1, 0], pad_token_id=None)),  # no RoPE in 1
+}
 
-    config = Qwen3Config(
+
+@CPU_ONLY
+@pytest.mark.parametrize("family", sorted(FAMILY_CHECKPOINTS))
+def test_a_family_checkpoint_trains_as_transformers_computes_and_over_context_parallel_ranks(
+    family, dataset, tmp_path
+):
+    """A tiny checkpoint of each of the Llama family's model types that transformers saved
+    (untied): the step-1 loss of train.py --hf-checkpoint is transformers' own over the same
+    rows, and 2 gloo ranks sharing each row (--context-parallel 2) take the same steps as one
+    process (fp32: rel 1e-5, the sums go in another order)."""
+    import transformers
+
+    config_class, switches = FAMILY_CHECKPOINTS[family]
+    config = getattr(transformers, config_class)(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=24, intermediate_size=96, vocab_size=320, max_position_embeddings=512,
-        tie_word_embeddings=False,
+        intermediate_size=96, vocab_size=320, max_position_embeddings=512,
+        tie_word_embeddings=False, **switches,
     )  # fmt: skip
     torch.manual_seed(0)
-    Qwen3ForCausalLM(config).float().save_pretrained(tmp_path / "qwen3")
-    argv = ["--data", str(dataset), *SMALL, "--hf-checkpoint", str(tmp_path / "qwen3"),
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path / "hf")
+    argv = ["--data", str(dataset), *SMALL, "--hf-checkpoint", str(tmp_path / "hf"),
             "--lr", "1e-3", "--max-steps", "3", "--checkpoint-interval", "0"]  # fmt: skip
     run_subprocess(*argv, "--run-dir", str(tmp_path / "one"))
     run_subprocess(*argv, "--run-dir", str(tmp_path / "cp"), "--context-parallel", "2", nproc=2)
@@ -1808,7 +1819,7 @@ def test_a_qwen3_checkpoint_trains_as_transformers_computes_and_over_context_par
     assert [r["loss"] for r in cp] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["grad_norm"] for r in cp] == pytest.approx([r["grad_norm"] for r in one], rel=1e-5)
 
-    model = Qwen3ForCausalLM.from_pretrained(tmp_path / "qwen3", dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     b = next(iter(data.PackedLoader(data.TokenDataset(dataset), 128, 8, seed=0)))
     with torch.no_grad():
         logits = model(input_ids=b.tokens, position_ids=b.positions).logits
