@@ -69,6 +69,7 @@ from model import (
     Llama,
     LoRAConfig,
     ModelArgs,
+    RopeScaling,
     fill_weights,
     merged_named_tensors,
     save_hf_checkpoint,
@@ -685,9 +686,13 @@ def check_resumable(saved: dict, run: dict) -> None:
     """Refuses a checkpoint of another model, sequence length, tokenizer, strategy or LoRA
     adapters (--lora-rank, --lora-alpha, --lora-targets), naming every field that differs.
     The world size may change: DCP reshards on load."""
+    saved_model = dict(saved["model"])
+    if saved_model.get("rope_scaling"):  # with the defaults of fields added since it was saved
+        rope = RopeScaling(**saved_model["rope_scaling"])
+        saved_model["rope_scaling"] = json.loads(json.dumps(dataclasses.asdict(rope)))
     problems = [
         f"model {k}: checkpoint {v!r}, this run {run['model'][k]!r}"
-        for k, v in saved["model"].items()
+        for k, v in saved_model.items()
         if run["model"].get(k) != v
     ]
     problems += [
@@ -1305,15 +1310,20 @@ def block_saved_bytes(args: ModelArgs, n: int, a: int, kernels: bool, mlp_tokens
     logsumexp (the math backend would keep the [B, H, S, S] scores); with MLP tiling
     (offload.apply_mlp_tiling) the [tokens, ffn_dim] tensors exist `mlp_tokens` at a time."""
     d, f, m = args.dim, args.ffn_dim, mlp_tokens
-    kv = args.n_kv_heads * args.head_dim
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     linear_inputs = 2 * n * d * a + m * f * a  # normed x (wq/wk/wv), normed h (w1/w3), w2's
-    attention = (n * d + 2 * n * kv + n * d) * a + n * args.n_heads * 4  # q k v out, lse
+    attention = (n * q + 2 * n * kv + n * q) * a + n * args.n_heads * 4  # q k v out, lse
+    # The block's two RMSNorms over rows of dim; with qk_norm (Qwen3) two more, over each head
+    # of q and k (rows of head_dim, as many elements as q and k).
+    normed, rows = 2 * n * d, 2 * n
+    if args.qk_norm:
+        normed, rows = normed + n * (q + kv), rows + n * (args.n_heads + args.n_kv_heads)
     if kernels:
-        norms = 2 * (n * d * a + n * 4)  # each RMSNorm kernel: its input and fp32 rstd [N]
+        norms = normed * a + rows * 4  # each RMSNorm kernel: its input and fp32 rstd
         rope = 0  # the kernel keeps positions and inv_freq only
         swiglu = 2 * m * f * a  # gate and up
     else:
-        norms = 2 * (2 * n * d * 4 + n * 4)  # fp32 upcast input, normalized x, rstd
+        norms = 2 * normed * 4 + rows * 4  # fp32 upcast input, normalized x, rstd
         rope = n * args.head_dim * 4  # cos and sin [B, S, 1, Dh/2] fp32
         swiglu = 3 * m * f * a  # gate, silu(gate), up
     return linear_inputs + attention + norms + rope + swiglu
@@ -1324,8 +1334,8 @@ def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int |
     hooks, so activation offload leaves it on the GPU): nothing under full checkpointing,
     attention's output and logsumexp under attention, and under selective the outputs of
     every matmul too (offload.SAVED_OPS: wq, wk, wv, wo, w1, w3, w2). None: no checkpointing."""
-    kv = args.n_kv_heads * args.head_dim
-    attention = n * args.dim * p + n * args.n_heads * 4
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    attention = n * q * p + n * args.n_heads * 4
     match plan.ac:
         case "none":
             return None
@@ -1334,18 +1344,19 @@ def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int |
         case "attention":
             cached = attention
         case "selective":
-            cached = attention + (3 * n * args.dim + 2 * n * kv + 2 * n * args.ffn_dim) * p
+            # wq, wk and wv; wo and w2 (dim wide); w1 and w3
+            cached = attention + (n * q + 2 * n * kv + 2 * n * args.dim + 2 * n * args.ffn_dim) * p
         case _:
             raise UsageError(
                 f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
             )
     if plan.document_mask:
         # The document-masked attention's kept output comes with its q, k and v, which its
-        # backward needs (offload._KeptAttention), and the outputs of long documents' heads,
-        # which the causal kernel keeps for its own backward (model.packed_attention): up to
-        # a row's worth.
-        cached += (n * args.dim + 2 * n * kv) * p
-        cached += n * args.dim * p if plan.long_documents else 0
+        # backward needs (offload._KeptAttention), and the outputs of long documents' causal
+        # prefixes, which the causal kernel keeps for its own backward
+        # (model.packed_attention): up to a row's worth.
+        cached += (n * q + 2 * n * kv) * p
+        cached += n * q * p if plan.long_documents else 0
     return cached
 
 

@@ -44,6 +44,7 @@ from shard import (
     Machine,
     Plan,
     block_params,
+    block_saved_bytes,
     choose_plan,
     count_weights,
     estimate_memory,
@@ -854,3 +855,32 @@ def test_the_planner_is_quick_at_a_million_tokens():
     with pytest.raises(ValueError, match="It would fit with: --seq-len 131072"):
         choose_plan(args, H100, Plan(1048576), {}, 1, True)
     assert time.perf_counter() - start < 5
+
+
+def test_the_saved_activations_follow_qs_width_and_the_qk_norms():
+    """What one block saves for backward (counted through autograd's hooks, reference ops,
+    fp32) against block_saved_bytes, for a head dim apart from dim / heads and for Qwen3's
+    q/k norms: the measured share of the estimate stays the Llama block's within 5% (q and
+    attention's output are n_heads * head_dim wide, not dim; each q/k norm keeps its input
+    and rstd)."""
+    from model import REFERENCE_OPS, rope_frequencies
+
+    llama = ModelArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=320,
+                      ffn_dim=512, max_seq_len=256)  # fmt: skip
+    variants = [dataclasses.replace(llama, head_dim=96),
+                dataclasses.replace(llama, qk_norm=True, family="qwen3"),
+                dataclasses.replace(llama, head_dim=96, qk_norm=True, family="qwen3")]  # fmt: skip
+    bsz, seq = 2, 128
+
+    def measured_share(args: ModelArgs) -> float:
+        block = Llama(args, REFERENCE_OPS).layers[0].float()
+        x = torch.randn(bsz, seq, args.dim, requires_grad=True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+        ):
+            block(x, torch.arange(seq).expand(bsz, seq), rope_frequencies(args))
+        return sum(saved) / block_saved_bytes(args, bsz * seq, 4, False, bsz * seq)
+
+    for args in variants:
+        assert measured_share(args) == pytest.approx(measured_share(llama), rel=0.05), args

@@ -1825,3 +1825,20 @@ def test_a_family_checkpoint_trains_as_transformers_computes_and_over_context_pa
         logits = model(input_ids=b.tokens, position_ids=b.positions).logits
     loss = F.cross_entropy(logits.flatten(0, 1), b.labels.flatten())  # -100 left out
     assert one[0]["loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_a_checkpoint_saved_before_rope_scaling_had_a_type_resumes():
+    """The run record of a llama3.2-1b checkpoint saved at c52560e, before RopeScaling had a
+    type and YaRN's fields: it resumes (the missing fields are Llama 3.1's defaults), and a
+    checkpoint of another factor is still refused."""
+    old_model = {"dim": 2048, "n_layers": 16, "n_heads": 32, "n_kv_heads": 8,
+                 "vocab_size": 128256, "ffn_dim": 8192, "norm_eps": 1e-05,
+                 "rope_theta": 500000.0, "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0,
+                 "high_freq_factor": 4.0, "original_max_seq_len": 8192},
+                 "max_seq_len": 131072, "tie_embeddings": True}  # fmt: skip
+    record = {"seq_len": 4096, "tokenizer": "bytes", "strategy": "FULL_SHARD", "lora": None}
+    now = json.loads(json.dumps(dataclasses.asdict(train.PRESETS["llama3.2-1b"])))
+    shard.check_resumable({**record, "model": old_model}, {**record, "model": now})
+    other = {**old_model, "rope_scaling": {**old_model["rope_scaling"], "factor": 8.0}}
+    with pytest.raises(data.UsageError, match="model rope_scaling: checkpoint"):
+        shard.check_resumable({**record, "model": other}, {**record, "model": now})
