@@ -632,8 +632,8 @@ class ByteLevelBPETokenizer:
         return ids[ids < self.vocab_size]  # bytes the vocabulary lacks
 
     def _pieces(self, text: str, allowed_special: set[str] | str) -> list[str]:
-        """`text` cut at the added tokens `_encode` finds in it: text, token, text, ... (an even
-        count of pieces, the texts NFC-normalized)."""
+        """`text` cut at the added tokens `_encode` finds in it: text, token, text, ..., text
+        (texts at the even places, each NFC-normalized)."""
         pattern = self._added_pattern if allowed_special == "all" else self._plain_added_pattern
         pieces = pattern.split(text) if pattern else [text]
         pieces[::2] = [unicodedata.normalize("NFC", piece) for piece in pieces[::2]]
@@ -1998,6 +1998,14 @@ def open_data(
         )
     if prepared_with == ByteTokenizer.name:
         text_tokenizer = ByteTokenizer()
+    if text_tokenizer and dataset.meta["bos_id"] != text_tokenizer.bos_id:
+        # The same tokenizer.json read another way: a dataset prepared before a null
+        # bos_token in tokenizer_config.json meant no BOS has one before each document.
+        raise UsageError(
+            f"dataset {dataset.path} starts its documents with BOS id {dataset.meta['bos_id']}, "
+            f"but its tokenizer {source or prepared_with} has BOS {text_tokenizer.bos_id}: "
+            f"prepare the data again (python data.py prepare ...)"
+        )
     if dataset.chat_template and isinstance(text_tokenizer, ByteLevelBPETokenizer):
         text_tokenizer.use_chat_template(dataset.chat_template)
     export_tokenizer = read_hf_tokenizer(hf_checkpoint) if hf_checkpoint else None

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.tensor import DTensor
@@ -735,8 +735,8 @@ class ShardedOptimizerInBackward:
         while self.pending:
             self.pending.popleft().result()
         sq_norm, self.sq_norm = self.sq_norm, torch.zeros(())
-        if torch_dist.is_initialized() and torch_dist.get_world_size() > 1:
-            torch_dist.all_reduce(sq_norm)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sq_norm)
         return sq_norm.sqrt()
 
     def state_dict(self) -> dict:

@@ -32,6 +32,7 @@ import os
 import resource
 import shutil
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -740,6 +741,11 @@ def set_aside(damaged: list[Path], log: Callable) -> None:
         log(f"set the damaged {checkpoint.name} aside as {aside}")
 
 
+# Set while this process writes a checkpoint: a stop that must come within some time waits
+# for it (train.stop_when_launcher_dies), rather than leave the step's checkpoint half written.
+SAVING = threading.Event()
+
+
 @dataclass
 class Checkpointer:
     """Saves the run every `interval` steps, at its last step and when it stops on a signal
@@ -775,6 +781,13 @@ class Checkpointer:
         return saved["step"]
 
     def save(self, step: int, optimizer, loader) -> Path:
+        SAVING.set()
+        try:
+            return self._save(step, optimizer, loader)
+        finally:
+            SAVING.clear()
+
+    def _save(self, step: int, optimizer, loader) -> Path:
         final = self.root / f"step-{step:06d}"
         tmp = self.root / f".tmp-{final.name}"
         train_state = {

@@ -364,7 +364,7 @@ def exit_after_rank_0(status: int) -> NoReturn:
 
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
     """The options, and the names of those given on the command line: resuming takes the
-    others that the checkpoint fixes or keeps from it (shard.taken_on_resume, resume_options)."""
+    others that the checkpoint fixes or keeps from it (taken_on_resume, resume_options)."""
     parser = Parser(description=__doc__.split("\n\n")[0])
     types = {"int": int, "float": float, "str": str}
     group = parser
@@ -1140,18 +1140,19 @@ class MetricsLog:
 
 def damaged_lines(path: Path) -> tuple[list[int], bool]:
     """The numbers (from 1) of the lines of the JSON-lines file `path` that are not a JSON
-    object, and whether its last line is cut short (no newline at its end)."""
+    object, and whether its last line is cut short (no newline at its end). Read a line at a
+    time: a long run's log may be large."""
+    damaged, line = [], b"\n"
     if not path.is_file():
-        return [], False
-    content = path.read_bytes()
-    damaged = []
-    for number, line in enumerate(content.split(b"\n"), 1):
-        try:
-            if line.strip() and not isinstance(json.loads(line), dict):
+        return damaged, False
+    with path.open("rb") as f:
+        for number, line in enumerate(f, 1):
+            try:
+                if line.strip() and not isinstance(json.loads(line), dict):
+                    damaged.append(number)
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
                 damaged.append(number)
-        except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
-            damaged.append(number)
-    return damaged, bool(content) and not content.endswith(b"\n")
+    return damaged, not line.endswith(b"\n")
 
 
 def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tuple[float, int]:
@@ -1334,7 +1335,8 @@ def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
     directory's lock. A thread watches for that adoption; then the worker sends itself the
     SIGTERM torchrun would have sent: it stops after the step in progress, with a
     checkpoint (StopSignals; before the first step, at once). A worker that is still alive
-    LAUNCHER_GONE_GRACE_S later (a rank stuck in a collective whose peer is gone) exits."""
+    LAUNCHER_GONE_GRACE_S later (a rank stuck in a collective whose peer is gone) exits, once
+    any checkpoint it is writing is complete."""
     launcher = os.getppid()
 
     def watch() -> None:
@@ -1346,6 +1348,8 @@ def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
             )
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(LAUNCHER_GONE_GRACE_S)
+        while shard.SAVING.is_set():  # the stop's checkpoint: let it be written whole
+            time.sleep(poll_s)
         to_stderr(
             f"torchrun is gone and rank {os.environ.get('RANK', '0')} has not stopped: exiting"
         )

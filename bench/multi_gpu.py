@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as torch_dist
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import Llama, ModelArgs  # noqa: E402
@@ -27,33 +27,33 @@ from shard import (  # noqa: E402
 )
 
 
-def losses(dist, args, strategy, cpu_offload=False, ac="none", act_offload=False,
+def losses(world, args, strategy, cpu_offload=False, ac="none", act_offload=False,
            dtype=torch.float32, seq=1024, local_world_size=None, steps=3):  # fmt: skip
     if local_world_size is not None:
-        dist = dataclasses.replace(dist, local_world_size=local_world_size)
+        world = dataclasses.replace(world, local_world_size=local_world_size)
     with torch.device("meta"):
         model = Llama(args)
     apply_ac(model, ac)
-    apply_fsdp(model, build_mesh(strategy, dist), strategy, cpu_offload, param_dtype=dtype,
+    apply_fsdp(model, build_mesh(strategy, world), strategy, cpu_offload, param_dtype=dtype,
                reduce_dtype=torch.float32)  # fmt: skip
-    materialize(model, dist, seed=0, cpu_offload=cpu_offload)
+    materialize(model, world, seed=0, cpu_offload=cpu_offload)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    g = torch.Generator().manual_seed(dist.rank)
+    g = torch.Generator().manual_seed(world.rank)
     tokens = torch.randint(0, args.vocab_size, (steps, 2, 2, seq), generator=g)
     out = []
     torch.cuda.synchronize()
     start = time.perf_counter()
     for step in range(steps):
-        total = torch.zeros((), device=dist.device)
+        total = torch.zeros((), device=world.device)
         for mb in range(2):
             model.set_requires_gradient_sync(mb == 1)
-            batch = tokens[step, mb].to(dist.device)
+            batch = tokens[step, mb].to(world.device)
             with activation_offload(model, enabled=act_offload):
                 loss = model(batch, batch, reduction="sum")
-            n = batch.numel() * dist.world_size * 2
+            n = batch.numel() * world.world_size * 2
             (loss / n).backward()
             total += loss.detach() / n
-        torch_dist.all_reduce(total)
+        dist.all_reduce(total)
         norm = clip_grad_norm_(model, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -64,12 +64,12 @@ def losses(dist, args, strategy, cpu_offload=False, ac="none", act_offload=False
 
 
 def main():
-    dist = init_distributed()
-    say = print if dist.is_main else (lambda *a, **k: None)
-    say(f"{dist.world_size} x {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    world = init_distributed()
+    say = print if world.is_main else (lambda *a, **k: None)
+    say(f"{world.world_size} x {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for preset in ("tiny", "llama3.2-1b"):
         args = ModelArgs.from_name(preset)
-        base, _, _ = losses(dist, args, "FULL_SHARD")
+        base, _, _ = losses(world, args, "FULL_SHARD")
         say(f"{preset} FULL_SHARD fp32 (loss, grad norm) per step: {base}")
         for name, kw in [
             ("SHARD_GRAD_OP", dict(strategy="SHARD_GRAD_OP")),
@@ -81,7 +81,7 @@ def main():
              dict(strategy="FULL_SHARD", ac="full", act_offload=True)),
             ("FULL_SHARD selective AC", dict(strategy="FULL_SHARD", ac="selective")),
         ]:  # fmt: skip
-            got, _, _ = losses(dist, args, **kw)
+            got, _, _ = losses(world, args, **kw)
             err = max(
                 abs(a - b) / abs(b)
                 for g, r in zip(got, base, strict=True)
@@ -96,10 +96,10 @@ def main():
          dict(strategy="FULL_SHARD", ac="full", cpu_offload=True)),
     ]:  # fmt: skip
         torch.cuda.reset_peak_memory_stats()
-        got, seconds, peak = losses(dist, args, dtype=torch.bfloat16, seq=4096, **kw)
+        got, seconds, peak = losses(world, args, dtype=torch.bfloat16, seq=4096, **kw)
         say(f"llama3.2-1b bf16 {name}, 2 x 2 x 4096 tokens per rank and step: "
             f"{seconds:.3f} s/step, peak {peak:.2f} GiB, last loss {got[-1][0]:.4f}")  # fmt: skip
-    torch_dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -604,6 +604,9 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
     past_vocab = write_dataset(tmp / "past_vocab", [1, 2, 3] * 100 + [400])
     other_tokenizer = write_dataset(tmp / "other_tokenizer", [1, 2, 3] * 100, "tiktoken:abc")
     short = write_dataset(tmp / "short", [1, 2, 3] * 100)
+    other_bos = write_dataset(tmp / "other_bos", [1, 2, 3] * 200)
+    meta = json.loads((other_bos / "meta.json").read_text())
+    (other_bos / "meta.json").write_text(json.dumps({**meta, "bos_id": 5}))
     users_dir = tmp / "users_dir"
     users_dir.mkdir()
     (users_dir / "notes.txt").write_text("the user's")
@@ -861,6 +864,10 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--lr", "1e37", "--weight-decay", "100"],
             "lr * weight_decay is 1e+39: --lr is at most 3.4e+36 with --weight-decay 100",
         ),
+        "data whose BOS is not its tokenizer's": (
+            ["--data", str(other_bos), "--seq-len", "128"],
+            "starts its documents with BOS id 5, but its tokenizer bytes has BOS 256",
+        ),
         "export of a resume that finds no checkpoint": (
             ["--data", str(dataset), "--resume", "--export-hf", str(tmp / "new_export")],
             f"--resume found no checkpoint in {tmp / 'run' / 'checkpoints'}, so --export-hf "
@@ -919,6 +926,7 @@ CASES = [
     "lr that AdamW's first step overflows",
     "lr times weight decay past float32",
     "export of a resume that finds no checkpoint",
+    "data whose BOS is not its tokenizer's",
 ]
 
 
