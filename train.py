@@ -1342,17 +1342,15 @@ def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(poll_s)
-        if not other_rank():
-            to_stderr(
-                f"torchrun (pid {launcher}) is gone: stopping this run after the step in progress"
-            )
+        # Each rank that sees it says so: the first to see it stops them all (StopSignals
+        # agrees), and may do so before the others look again.
+        rank = os.environ.get("RANK", "0")
+        to_stderr(f"rank {rank}: torchrun (pid {launcher}) is gone: stopping after this step")
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(LAUNCHER_GONE_GRACE_S)
         while shard.SAVING.is_set():  # the stop's checkpoint: let it be written whole
             time.sleep(poll_s)
-        to_stderr(
-            f"torchrun is gone and rank {os.environ.get('RANK', '0')} has not stopped: exiting"
-        )
+        to_stderr(f"rank {rank}: torchrun is gone and this rank has not stopped: exiting")
         os._exit(EXIT_STOPPED)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

@@ -1713,7 +1713,7 @@ def test_workers_stop_when_their_torchrun_is_killed_and_the_run_resumes(dataset,
         time.sleep(0.1)
     assert not alive(workers), "workers outlived their torchrun by 10 s"
     out, err = proc.communicate(timeout=10)
-    assert "torchrun (pid" in err and "is gone: stopping this run" in err, err
+    assert "torchrun (pid" in err and "is gone: stopping after this step" in err, out + err
     (saved,) = (run_dir / "checkpoints").iterdir()
     stopped = shard.step_of(saved)
     assert f"stopped at step {stopped} of 1000 on a signal; saved {saved}" in out, out + err
