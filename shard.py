@@ -36,6 +36,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,9 @@ from model import (
     save_peft_adapter,
 )
 from offload import AC_MODES, STAGING_SLOTS
+
+if TYPE_CHECKING:  # the planner reads train.py's options, and train.py imports this file
+    import train
 
 GiB = 2**30
 
@@ -1553,7 +1557,7 @@ BATCH_TOKENS = 2**19
 SMALL_MODEL_BATCH_TOKENS = 4096
 
 
-def options_plan(opts, machine: Machine, **fixed) -> tuple[Plan, dict]:
+def options_plan(opts: "train.Options", machine: Machine, **fixed) -> tuple[Plan, dict]:
     """What the options (train.Options) fix of the plan, with `fixed` (the data's and
     LoRA's fields), and the planned fields they set: the planner keeps them."""
     on_gpu = machine.gpu_gib is not None
@@ -1566,7 +1570,9 @@ def options_plan(opts, machine: Machine, **fixed) -> tuple[Plan, dict]:
     return base, {k: getattr(opts, k) for k in PLANNED if getattr(opts, k) is not None}
 
 
-def technique_problems(opts, args: ModelArgs, world_size: int, nproc_per_node: int) -> list[str]:
+def technique_problems(
+    opts: "train.Options", args: ModelArgs, world_size: int, nproc_per_node: int
+) -> list[str]:
     """plan_problems of the plan the options ask for on `world_size` processes,
     `nproc_per_node` a node. (Whether LoRA is on matters, not how: train.py checks that.)"""
     lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
@@ -1619,7 +1625,9 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
     return problems
 
 
-def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bool, int | None]:
+def sequences_per_step(
+    opts: "train.Options", args: ModelArgs, machine: Machine
+) -> tuple[int, bool, int | None]:
     """Sequences per rank (per context-parallel group) per step, whether the user fixed
     them, and the tokens per step asked for: --batch-tokens (or its default) in whole
     sequences; or --micro-batch x --grad-accum when both are given, the tokens then asked
@@ -1642,7 +1650,7 @@ def sequences_per_step(opts, args: ModelArgs, machine: Machine) -> tuple[int, bo
 
 
 def make_plan(
-    opts,
+    opts: "train.Options",
     args: ModelArgs,
     machine: Machine,
     document_mask: bool,
