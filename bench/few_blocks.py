@@ -16,10 +16,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train  # noqa: E402
 
 
+def first_blocks(args, blocks: int):
+    """`args` cut to its first `blocks` blocks, with the layers that skip RoPE or slide a
+    window among them."""
+    kept = lambda layers: tuple(i for i in layers if i < blocks)  # noqa: E731
+    return dataclasses.replace(
+        args, n_layers=blocks, nope_layers=kept(args.nope_layers),
+        window_layers=kept(args.window_layers),
+    )  # fmt: skip
+
+
 def main() -> None:
     blocks, argv = int(sys.argv[1]), sys.argv[2:]
     whole_model = train.model_args
-    train.model_args = lambda opts: dataclasses.replace(whole_model(opts), n_layers=blocks)
+    train.model_args = lambda opts: first_blocks(whole_model(opts), blocks)
     train.main(argv)
 
 
