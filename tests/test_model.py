@@ -110,6 +110,20 @@ def sample_batch(vocab: int, bsz: int = 2, seq_len: int = 40):
     return tokens, labels
 
 
+def assert_same_logits_and_loss(ours: Llama, hf) -> None:
+    """Our model's logits and loss equal transformers' (fp32) on a sample batch; both losses
+    are backpropagated, for the caller to compare the gradients."""
+    tokens, labels = sample_batch(ours.args.vocab_size)
+    hf_logits = hf(tokens).logits
+    hf_loss = F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    hf_loss.backward()
+    logits = ours(tokens)
+    loss = ours(tokens, labels)
+    loss.backward()
+    assert rel_err(logits, hf_logits) <= FP32_RTOL
+    assert rel_err(loss, hf_loss) <= FP32_RTOL
+
+
 @pytest.mark.parametrize("variant", sorted(HF_CONFIGS))
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
 def test_logits_loss_and_gradients_match_transformers(tmp_path, variant, sharded):
@@ -118,17 +132,7 @@ def test_logits_loss_and_gradients_match_transformers(tmp_path, variant, sharded
     if sharded:
         assert (tmp_path / "model.safetensors.index.json").is_file()
     ours = load_longtune(tmp_path)
-    tokens, labels = sample_batch(ours.args.vocab_size)
-
-    hf_logits = hf(tokens).logits
-    hf_loss = F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-    hf_loss.backward()
-    logits = ours(tokens)
-    loss = ours(tokens, labels)
-    loss.backward()
-
-    assert rel_err(logits, hf_logits) <= FP32_RTOL
-    assert rel_err(loss, hf_loss) <= FP32_RTOL
+    assert_same_logits_and_loss(ours, hf)
     hf_params = dict(hf.named_parameters())
     for name, theirs in hf_names(ours.args).items():
         grad = ours.get_parameter(name).grad
@@ -795,17 +799,7 @@ def test_each_family_matches_its_transformers_class(tmp_path, variant, kernels):
         ours = Llama(args, ops=triton_ops() if kernels else REFERENCE_OPS)
     ours.to_empty(device="cpu")
     load_hf_checkpoint(ours, tmp_path)
-    tokens, labels = sample_batch(args.vocab_size)
-
-    hf_logits = hf(tokens).logits
-    hf_loss = F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-    hf_loss.backward()
-    logits = ours(tokens)
-    loss = ours(tokens, labels)
-    loss.backward()
-
-    assert rel_err(logits, hf_logits) <= FP32_RTOL
-    assert rel_err(loss, hf_loss) <= FP32_RTOL
+    assert_same_logits_and_loss(ours, hf)
     hf_params = dict(hf.named_parameters())
     names = hf_names(args)
     assert set(names.values()) == set(hf_params) - (
