@@ -232,6 +232,21 @@ Message = dict[str, object]
 Segments = list[tuple[list[int], bool]]
 
 
+def _check_role_and_content_only(messages: list[Message], chat_format: str) -> None:
+    """A built-in chat format renders role and content only: a message's other field
+    ("reasoning_content", "tool_calls") is refused, not dropped from what the model learns.
+    A null or empty one renders as nothing anyway (a table exported as JSONL gives every
+    message every key)."""
+    for i, message in enumerate(messages):
+        for key, value in message.items():
+            if key not in ("role", "content") and value not in (None, "", [], {}):
+                raise UsageError(
+                    f"messages[{i}].{key}: {chat_format} renders a message's role and "
+                    f"content only; remove the field, or give a tokenizer whose chat template "
+                    f"renders it"
+                )
+
+
 class Tokenizer(Protocol):
     """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS.
 
@@ -278,6 +293,7 @@ class ByteTokenizer:
     def render_chat(self, messages: list[Message]) -> Segments:
         """The bytes have no special tokens but BOS and EOS, so a turn is the text
         "<|role|>\n" + content followed by EOS as its end-of-turn token."""
+        _check_role_and_content_only(messages, "the bytes tokenizer's chat format")
         segments = [([self.bos_id], False)]
         for message in messages:
             is_assistant = message["role"] == "assistant"
@@ -365,6 +381,7 @@ class TiktokenTokenizer:
         """Meta's Llama 3 chat format: <|begin_of_text|>, then per turn
         <|start_header_id|>role<|end_header_id|> "\n\n" content <|eot_id|>, content stripped
         of surrounding whitespace as Meta's ChatFormat does."""
+        _check_role_and_content_only(messages, "Llama 3's chat format")
         segments = [([self.bos_id], False)]
         for message in messages:
             role, content = message["role"], message["content"].strip()
@@ -414,6 +431,7 @@ class SentencePieceTokenizer:
         with BOS; here only the first, since a BOS starts a new document for the loader. The
         answer is encoded on its own (sentencepiece's leading "▁" stands for the space after
         [/INST]), so the label boundary falls between tokens."""
+        _check_role_and_content_only(messages, "Llama 2's chat format")
         system = messages[0]["content"].strip() if messages[0]["role"] == "system" else None
         segments = [([self.bos_id], False)]
         for message in messages[1:] if system is not None else messages:

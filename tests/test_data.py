@@ -261,6 +261,29 @@ def test_llama2_chat_format_with_system_prompt(tmp_path):
     )
 
 
+@pytest.mark.parametrize("tokenizer", ["bytes", "tiktoken", "sentencepiece"])
+def test_built_in_chat_formats_refuse_a_field_they_cannot_render(tmp_path, tokenizer):
+    """Not dropped: the model would learn answers without the reasoning that led to them. A
+    null one (every message of a table exported as JSONL has every key) renders as nothing."""
+    writers = {"tiktoken": write_ranks_file, "sentencepiece": write_sentencepiece_model}
+    path = writers[tokenizer](tmp_path / "tokenizer.model") if tokenizer in writers else None
+    answer = {"role": "assistant", "content": "4", "reasoning_content": None, "tool_calls": []}
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"messages": [CONVERSATION[1], answer]}])
+    data.prepare([plain], tmp_path / "ds", tokenizer_path=path)
+    answer["reasoning_content"] = "2 + 2 = 4"
+    chat = write_jsonl(
+        tmp_path / "chat.jsonl", [{"text": "ok"}, {"messages": [CONVERSATION[1], answer]}]
+    )
+    with pytest.raises(ValueError) as error:
+        data.prepare([chat], tmp_path / "ds", tokenizer_path=path)
+    assert re.fullmatch(
+        r"\S*chat.jsonl line 2: messages\[1\].reasoning_content: (the bytes tokenizer's|Llama 3's|"
+        r"Llama 2's) chat format renders a message's role and content only; remove the field, or "
+        r"give a tokenizer whose chat template renders it",
+        str(error.value),
+    )
+
+
 def test_byte_chat_format_ends_turns_with_eos(tmp_path):
     messages = CONVERSATION[1:3]
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}, {"text": "ok"}])
