@@ -1,5 +1,7 @@
-"""The peer longtune is measured against: Hugging Face transformers' LlamaForCausalLM with
-Liger-Kernel's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy), full
+"""The peer longtune is measured against: Hugging Face transformers' class of the preset's
+family (LlamaForCausalLM, Qwen3ForCausalLM, ...: its config.json as longtune exports the
+preset) with Liger-Kernel's Triton kernels for that family (RMSNorm, Qwen3's q/k norms
+included, RoPE, SwiGLU, fused linear cross-entropy), full
 gradient checkpointing, fused AdamW, fp32 master weights with bf16 autocast; with several
 GPUs (torchrun), FSDP2 `fully_shard` per decoder layer and on the root, bf16 compute, fp32
 reduction. Random weights, random tokens, or with --data the rows longtune's loader gives
@@ -12,6 +14,7 @@ LoRA of rank R (alpha 2R, no dropout) on all seven projections, AdamW on the ada
 Prints one JSON line of results on rank 0.
 
     python bench/peer_hf.py --preset llama3.2-1b --seq-len 8192 [--no-liger]
+    torchrun --nproc-per-node 4 bench/peer_hf.py --model qwen3-8b --seq-len 131072
     torchrun --nproc-per-node 8 bench/peer_hf.py --preset llama3.1-8b --seq-len 8192
     python bench/peer_hf.py --preset llama3.2-1b --seq-len 131072 --data DIR --attn flex_attention
     python bench/peer_hf.py --preset llama3.1-8b --seq-len 8192 --qlora 16
@@ -30,14 +33,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data import PackedLoader, TokenDataset  # noqa: E402
-from model import PRESETS, hf_config  # noqa: E402
+from model import PRESETS, ModelArgs, hf_config  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="llama3.2-1b", choices=sorted(PRESETS))
+    parser.add_argument(
+        "--preset", "--model", default="llama3.2-1b", choices=sorted(PRESETS),
+        help="a longtune preset (--model, as train.py names it, is the same)",
+    )  # fmt: skip
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=6, help="timed steps after the warm-up")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -47,8 +53,6 @@ def main():
     parser.add_argument("--qlora", type=int, default=0, metavar="R", help="QLoRA of rank R")
     opts = parser.parse_args()
 
-    import transformers
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -57,21 +61,9 @@ def main():
             raise SystemExit("--qlora runs on one GPU")
         dist.init_process_group("nccl")
     args = PRESETS[opts.preset]
-    config = transformers.LlamaConfig.from_dict(hf_config(args, torch.float32))
-    config.use_cache = False
-    if not opts.no_liger:
-        from liger_kernel.transformers import apply_liger_kernel_to_llama
-
-        apply_liger_kernel_to_llama(
-            rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-            fused_linear_cross_entropy=True,
-        )  # fmt: skip
     device = "meta" if world > 1 else "cuda"
     dtype = torch.bfloat16 if opts.qlora else torch.float32
-    with torch.device(device):
-        model = transformers.LlamaForCausalLM._from_config(
-            config, attn_implementation=opts.attn, dtype=dtype
-        )
+    model = hf_model(args, opts.attn, dtype, device, liger=not opts.no_liger)
     if opts.qlora:
         model = qlora(model, opts.qlora)
     else:
@@ -88,7 +80,7 @@ def main():
             for p in model.parameters():
                 p.normal_(0, 0.02)
         # RoPE's inverse frequencies are a buffer that to_empty left uninitialized.
-        model.model.rotary_emb = type(model.model.rotary_emb)(config, device="cuda")
+        model.model.rotary_emb = type(model.model.rotary_emb)(model.config, device="cuda")
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True)
     if opts.data:
@@ -154,6 +146,26 @@ def main():
         dist.destroy_process_group()
 
 
+def hf_model(args: ModelArgs, attn: str, dtype: torch.dtype, device: str, liger: bool):
+    """transformers' class of `args.family`, built from the config.json longtune would export
+    (one copy of the preset's numbers), with Liger's kernels for that family patched in first:
+    they replace the classes the model is built from."""
+    import transformers
+
+    if liger:
+        import liger_kernel.transformers
+
+        patch = getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{args.family}")
+        patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+              fused_linear_cross_entropy=True)  # fmt: skip
+    config = transformers.AutoConfig.for_model(**hf_config(args, torch.float32))
+    config.use_cache = False
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn, dtype=dtype
+        )
+
+
 def qlora(model, rank: int):
     """The bf16 model's decoder linears replaced by bitsandbytes' Linear4bit (quantized as
     they move to the GPU, one at a time), then prepared and wrapped as PEFT's QLoRA recipe."""
@@ -166,7 +178,7 @@ def qlora(model, rank: int):
                 if not isinstance(linear, torch.nn.Linear):
                     continue
                 quantized = bnb.nn.Linear4bit(
-                    linear.in_features, linear.out_features, bias=False,
+                    linear.in_features, linear.out_features, bias=linear.bias is not None,
                     compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
                     device="meta",
                 )  # fmt: skip
@@ -174,6 +186,8 @@ def qlora(model, rank: int):
                     linear.weight.data.cpu(), requires_grad=False, compress_statistics=True,
                     quant_type="nf4",
                 )  # fmt: skip
+                if linear.bias is not None:  # Qwen2's q/k/v biases, frozen as the base
+                    quantized.bias = torch.nn.Parameter(linear.bias.data, requires_grad=False)
                 setattr(parent, name, quantized.to("cuda"))
         torch.cuda.empty_cache()
     model.is_loaded_in_4bit = True  # what from_pretrained(quantization_config=...) sets
