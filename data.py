@@ -401,13 +401,25 @@ class TiktokenTokenizer:
         return byte_level_bpe_files(self._ranks, self._specials, LLAMA3_PATTERN, pad)
 
 
-class SentencePieceTokenizer:
-    """Llama 2: a sentencepiece model proto (binary). Raises RuntimeError if it is not one."""
+# transformers' LlamaTokenizer (legacy=False) reads a tokenizer.model without its normalizer,
+# prefixing "▁" only to the text that starts the input, and only where that text starts with no
+# space (Metaspace, prepend_scheme "first"). Appended to the model proto, this NormalizerSpec
+# merges into the model's: no character map, no dummy prefix, spaces kept (fields 2, 3, 4).
+_SP_AS_TRANSFORMERS = b"\x1a\x06\x12\x00\x18\x00\x20\x00"
 
-    def __init__(self, path: Path):
+
+class SentencePieceTokenizer:
+    """A sentencepiece model proto (binary): Llama 2's, Mistral's. Raises RuntimeError if it is
+    not one. Text encodes as transformers' LlamaTokenizer (legacy=False) reads the file.
+    Conversations render with the chat template beside it, the control pieces it writes
+    (BOS, EOS, Mistral's [INST]) as tokens, as apply_chat_template does; with none, in Llama
+    2's chat format."""
+
+    def __init__(self, path: Path, chat_template: Path | None = None):
         data = path.read_bytes()
         self._sp = sentencepiece.SentencePieceProcessor(model_proto=data)
-        self._proto = data
+        self._encoder = sentencepiece.SentencePieceProcessor(model_proto=data + _SP_AS_TRANSFORMERS)
+        self._proto, self._path = data, path
         self.name = f"sentencepiece:{_sha256(data)}"
         self.vocab_size = self._sp.vocab_size()
         self.bos_id = self._sp.bos_id()
@@ -418,20 +430,78 @@ class SentencePieceTokenizer:
                 f"{path}: the sentencepiece model needs BOS and EOS pieces, "
                 f"has bos_id={self.bos_id} eos_id={self.eos_id}"
             )
+        pieces = [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+        self._specials = {
+            p: i for i, p in enumerate(pieces) if self._sp.is_control(i) or self._sp.is_unknown(i)
+        }
+        self._specials_pattern = _alternatives(self._specials)
+        tokens, _ = _hf_special_tokens(path.parent, {p: i for i, p in enumerate(pieces)})
+        self._template_tokens = {"bos_token": pieces[self.bos_id]} | tokens
+        self._template_tokens.setdefault("eos_token", pieces[self.eos_id])
+        self.chat_template = _find_chat_template(path.parent, chat_template, self._template_tokens)
+
+    def use_chat_template(self, path: Path) -> None:
+        """As ByteLevelBPETokenizer.use_chat_template."""
+        self.chat_template = _find_chat_template(self._path.parent, path, self._template_tokens)
 
     def encode(self, text: str) -> list[int]:
-        return self._sp.encode(text, out_type=int)
+        # As TiktokenTokenizer.encode: a control piece's name in a document stays text.
+        if text and not text.startswith((" ", "▁")):
+            text = " " + text  # the "▁" transformers prefixes
+        return self._encoder.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
 
     def render_chat(self, messages: list[Message]) -> Segments:
+        """With a chat template, its text tokenized and labelled as ByteLevelBPETokenizer's."""
+        if self.chat_template is None:
+            return self._llama2_chat(messages)
+        text, spans = self.chat_template.assistant_spans(messages, self._specials_pattern)
+        ids, lengths = self._encode_rendered(text)
+        spans = [tuple(len(text[:i].encode("utf-8", "surrogatepass")) for i in s) for s in spans]
+        return _labelled_runs(ids, lengths, spans, self.bos_id)
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        if self.chat_template is None:
+            return _ids(self._llama2_chat(messages))  # the answer follows [/INST]
+        ids = self._encode_rendered(self.chat_template.render(messages, True))[0].tolist()
+        return ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+
+    def _encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """A template's text as apply_chat_template tokenizes it (the control pieces it spells
+        are tokens, and only the text at its very start gets the "▁" prefix), with the bytes
+        of text each token stands for."""
+        parts = self._specials_pattern.split(text) if self._specials_pattern else [text]
+        ids, lengths = [], []
+        for k, part in enumerate(parts):
+            if k % 2:
+                ids.append(self._specials[part])
+                lengths.append(len(part.encode()))
+                continue
+            prefix = " " if k == 0 and part and not part.startswith((" ", "▁")) else ""
+            pieces = self._encoder.encode(prefix + part, out_type=str)  # an unknown: its text
+            part_ids = self._encoder.piece_to_id(pieces)
+            ids += part_ids
+            for i, p in zip(part_ids, pieces, strict=True):
+                lengths.append(1 if self._sp.is_byte(i) else len(p.replace("▁", " ").encode()))
+            if prefix:  # no byte of the text
+                lengths[len(lengths) - len(pieces)] -= 1
+        return np.array(ids, dtype=np.int64), np.array(lengths, dtype=np.int64)
+
+    def _llama2_chat(self, messages: list[Message]) -> Segments:
         """Meta's Llama 2 chat format: "[INST] user [/INST]" then the answer and EOS, the system
         prompt wrapped in <<SYS>> inside the first [INST]. Meta's code starts every exchange
         with BOS; here only the first, since a BOS starts a new document for the loader. The
         answer is encoded on its own (sentencepiece's leading "▁" stands for the space after
         [/INST]), so the label boundary falls between tokens."""
         _check_role_and_content_only(messages, "Llama 2's chat format")
+        if "[INST]" in self._specials:
+            raise UsageError(
+                f"{self._path} has [INST] as a control token (Mistral's), which Llama 2's chat "
+                f"format writes as text: give the chat template it was trained with (its "
+                f"checkpoint directory's, or --chat-template FILE)"
+            )
         system = messages[0]["content"].strip() if messages[0]["role"] == "system" else None
         segments = [([self.bos_id], False)]
         for message in messages[1:] if system is not None else messages:
@@ -444,9 +514,6 @@ class SentencePieceTokenizer:
                 system = None
             segments.append((self.encode(f"[INST] {content} [/INST]"), False))
         return segments
-
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
-        return _ids(self.render_chat(messages))  # the answer follows [/INST]
 
     def hf_files(self) -> dict[str, bytes]:
         # transformers builds its LlamaTokenizer from the sentencepiece model itself.
@@ -462,7 +529,10 @@ class SentencePieceTokenizer:
         }
         if self._sp.unk_id() >= 0:
             config["unk_token"] = self._sp.id_to_piece(self._sp.unk_id())
-        return {"tokenizer.model": self._proto, "tokenizer_config.json": _json_bytes(config)}
+        files = {"tokenizer.model": self._proto, "tokenizer_config.json": _json_bytes(config)}
+        if self.chat_template is not None:
+            _set_chat_template(files, self.chat_template.source.encode())
+        return files
 
 
 # ---- Hugging Face tokenizer.json: a byte-level BPE, encoded by tiktoken
@@ -585,18 +655,8 @@ class ByteLevelBPETokenizer:
         transformers' assistant mask includes it."""
         text, spans = self._template().assistant_spans(messages, self._added_pattern)
         ids = self._encode(text, allowed_special="all")
-        ends = np.cumsum(self._lengths[ids])
-        starts = ends - self._lengths[ids]
-        is_label = np.zeros(len(ids), dtype=bool)
-        for first, last in spans:
-            begin, end = (self._bytes_before(text, i) for i in (first, last))
-            is_label[(starts < end) & (ends > begin)] = True
-        if self.bos_id is not None and ids[:1].tolist() != [self.bos_id]:
-            # A template writing no BOS: documents start at one all the same.
-            ids = np.concatenate([[self.bos_id], ids])
-            is_label = np.concatenate([[False], is_label])
-        runs = groupby(zip(ids.tolist(), is_label.tolist(), strict=True), key=lambda t: t[1])
-        return [([i for i, _ in run], label) for label, run in runs]
+        spans = [tuple(self._bytes_before(text, i) for i in span) for span in spans]
+        return _labelled_runs(ids, self._lengths[ids], spans, self.bos_id)
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         ids = self._encode(self._template().render(messages, True), allowed_special="all").tolist()
@@ -671,6 +731,25 @@ class ByteLevelBPETokenizer:
                 f"--chat-template FILE"
             )
         return self.chat_template
+
+
+def _labelled_runs(
+    ids: np.ndarray, lengths: np.ndarray, spans: list[tuple[int, int]], bos_id: int | None
+) -> Segments:
+    """A rendered conversation's ids (each standing for `lengths` bytes of its text) as runs,
+    labels where a token's bytes meet an assistant turn's span of bytes (a token straddling a
+    turn's start included, as transformers' assistant mask includes it)."""
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    is_label = np.zeros(len(ids), dtype=bool)
+    for begin, end in spans:
+        is_label[(starts < end) & (ends > begin)] = True
+    if bos_id is not None and ids[:1].tolist() != [bos_id]:
+        # A template writing no BOS: documents start at one all the same.
+        ids = np.concatenate([[bos_id], ids])
+        is_label = np.concatenate([[False], is_label])
+    runs = groupby(zip(ids.tolist(), is_label.tolist(), strict=True), key=lambda t: t[1])
+    return [([i for i, _ in run], label) for label, run in runs]
 
 
 def _check_byte_level_bpe(path: Path, spec: dict) -> None:
@@ -984,17 +1063,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.mode
 
 
 def tokenizer_file(directory: str | Path) -> Path | None:
-    """The tokenizer file of a HF checkpoint directory (or of its tokenizer files), if any."""
-    found = (Path(directory) / n for n in TOKENIZER_FILES if (Path(directory) / n).is_file())
-    return next(found, None)
+    """The tokenizer file of a HF checkpoint directory (or of its tokenizer files), if any:
+    tokenizer.model before a tokenizer.json converted from it (a BPE with byte fallback,
+    Llama 2's and Mistral's), which longtune does not read."""
+    found = [Path(directory) / n for n in TOKENIZER_FILES if (Path(directory) / n).is_file()]
+    if [f.name for f in found[:2]] == ["tokenizer.json", "tokenizer.model"] and re.search(
+        rb'"byte_fallback":\s*true', found[0].read_bytes()
+    ):
+        return found[1]
+    return found[0] if found else None
 
 
 def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = None) -> Tokenizer:
     """None gives the byte tokenizer; a directory (a HF checkpoint, or its tokenizer files) its
     first of TOKENIZER_FILES. A file: a HF tokenizer.json (byte-level BPE), a Llama 3 tiktoken
-    ranks file, or a Llama 2 sentencepiece model. `chat_template`: a Jinja file that renders
-    conversations instead of the directory's template (tokenizer.json only: the others have
-    their built-in chat formats)."""
+    ranks file, or a sentencepiece model (Llama 2's, Mistral's). `chat_template`: a Jinja file
+    that renders conversations instead of the directory's template (tokenizer.json and
+    sentencepiece only: the others have their built-in chat formats)."""
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -1021,22 +1106,22 @@ def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = N
                     f"tokenizer file {path} is not a tokenizer.json as `tokenizers` writes "
                     f"one ({type(e).__name__}: {e})"
                 ) from e
-    if chat_template is not None:
-        raise UsageError(
-            f"a chat template renders conversations with a tokenizer.json; the tokenizer "
-            f"{path or 'bytes'} has its built-in chat format"
-        )
-    if path is None:
-        return ByteTokenizer()
-    first_line = first_line.split()
-    try:
-        if len(first_line) == 2 and first_line[1].isdigit():
-            base64.b64decode(first_line[0], validate=True)
-            return TiktokenTokenizer(path)
+    fields = first_line.split() if path else []
+    try:  # a tiktoken ranks file's first line, "base64-token rank"
+        ranks = len(fields) == 2 and fields[1].isdigit()
+        ranks = ranks and bool(base64.b64decode(fields[0], validate=True))
     except binascii.Error:
-        pass  # not base64: try sentencepiece
+        ranks = False
+    if path is None or ranks:
+        if chat_template is not None:
+            raise UsageError(
+                f"a chat template renders conversations with a tokenizer.json or a "
+                f"sentencepiece model; the tokenizer {path or 'bytes'} has its built-in chat "
+                f"format"
+            )
+        return TiktokenTokenizer(path) if path else ByteTokenizer()
     try:
-        return SentencePieceTokenizer(path)
+        return SentencePieceTokenizer(path, chat_template and Path(chat_template))
     except RuntimeError as e:
         raise UsageError(
             f"tokenizer file {path} is neither a HF tokenizer.json, a tiktoken BPE ranks file "
@@ -2024,7 +2109,7 @@ def open_data(
             f"but its tokenizer {source or prepared_with} has BOS {text_tokenizer.bos_id}: "
             f"prepare the data again (python data.py prepare ...)"
         )
-    if dataset.chat_template and isinstance(text_tokenizer, ByteLevelBPETokenizer):
+    if dataset.chat_template and hasattr(text_tokenizer, "use_chat_template"):
         text_tokenizer.use_chat_template(dataset.chat_template)
     export_tokenizer = read_hf_tokenizer(hf_checkpoint) if hf_checkpoint else None
     if export_tokenizer and export_tokenizer.has_tokenizer() and dataset.chat_template:

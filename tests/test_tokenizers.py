@@ -2,6 +2,7 @@
 `tokenizers` and transformers' apply_chat_template, on files built in each test."""
 
 import gc
+import io
 import json
 import random
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sentencepiece
 
 import data
 from model import PRESETS
@@ -567,6 +569,113 @@ def test_qwen_documents_have_no_bos_and_start_where_their_bit_says(tmp_path):
     loader = data.PackedLoader(ds, seq_len=ds.n_tokens - 1, micro_batch=1)
     positions = next(loader).positions[0].tolist()
     assert [i for i, p in enumerate(positions) if p == 0] == starts
+
+
+# Mistral: a sentencepiece tokenizer.model whose [INST] and [/INST] are control pieces
+
+# Mistral v0.3's template cut to system, user and assistant turns (no tools), the system
+# prompt in the first user turn (Mistral's puts it in the last, so earlier turns render
+# otherwise than the whole conversation's, which longtune refuses). GEN and END: as Qwen3's.
+MISTRAL_TEMPLATE = """
+{%- set loop_messages = messages[1:] if messages[0].role == 'system' else messages %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message.role == 'user' and loop.first and messages[0].role == 'system' %}
+        {{- '[INST] ' + messages[0].content + '\n\n' + message.content + '[/INST]' }}
+    {%- elif message.role == 'user' %}
+        {{- '[INST] ' + message.content + '[/INST]' }}
+    {%- else %}
+        GEN{{- ' ' + message.content|trim + eos_token }}END
+    {%- endif %}
+{%- endfor %}
+"""
+MISTRAL_CONVERSATIONS = [
+    CONVERSATIONS[0],
+    [{"role": "system", "content": "Be brief."}, *CONVERSATIONS[1][1:3]],
+    CONVERSATIONS[1][1:] + [{"role": "user", "content": "漢字 [INST] </s>"}],
+    [{"role": "user", "content": "   spaces"}, {"role": "assistant", "content": "é\n\n  x"}],
+]
+
+
+def mistral_dir(tmp_path: Path) -> tuple[Path, object]:
+    """A sentencepiece BPE trained as Mistral's and Llama 2's were (byte fallback, digits
+    split, whitespace-only pieces, no normalization), with control pieces [INST] and [/INST]
+    and a user-defined <think>, in a directory as Mistral's repos hold it (beside a
+    tokenizer.json converted from it, and the template), and transformers' tokenizer read from
+    the tokenizer.model alone (the oracle)."""
+    pytest.importorskip("google.protobuf")  # transformers reads the model proto with it
+    lines = [line for text in stdlib_text(100_000) for line in text.splitlines() if line]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines + ["café naïve 漢字 12345 🙂"] * 20),
+        model_writer=model,
+        vocab_size=800,
+        model_type="bpe",
+        byte_fallback=True,
+        split_digits=True,
+        allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        control_symbols=["[INST]", "[/INST]"],
+        user_defined_symbols=["<think>"],
+        minloglevel=2,
+    )
+    (tmp_path / "sp").mkdir()
+    (tmp_path / "sp/tokenizer.model").write_bytes(model.getvalue())
+    config = {"tokenizer_class": "LlamaTokenizer", "legacy": False, "chat_template": "x"}
+    (tmp_path / "sp/tokenizer_config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "sp")
+    theirs.chat_template = MISTRAL_TEMPLATE.replace("GEN", "").replace("END", "")
+    theirs.save_pretrained(tmp_path / "mistral")
+    (tmp_path / "mistral/tokenizer.model").write_bytes(model.getvalue())
+    return tmp_path / "mistral", theirs
+
+
+def test_mistral_tokenizer_model_encodes_and_chats_as_transformers_reads_it(tmp_path):
+    """Text as LlamaTokenizer (legacy=False) encodes it: "▁" before the text only where it
+    starts with no space; a chat through the template, its [INST] a control token, as
+    apply_chat_template gives it, with the labels of its assistant mask. The directory's
+    tokenizer.json (byte fallback, converted from the model) is passed over for the model."""
+    directory, theirs = mistral_dir(tmp_path)
+    assert '"byte_fallback": true' in (directory / "tokenizer.json").read_text()
+    ours = data.load_tokenizer(directory)
+    assert isinstance(ours, data.SentencePieceTokenizer)
+    assert (ours.bos_id, ours.eos_id) == (theirs.bos_token_id, theirs.eos_token_id)
+    texts = stdlib_text(50_000) + odd_texts()[:100] + odd_texts()[-6:]
+    texts += [" leading", "  two", "\tx", "▁x", "[INST]x [/INST] y <think> z<think>", ""]
+    for text in texts:
+        ids = ours.encode(text)
+        their_ids = theirs(text, add_special_tokens=False, split_special_tokens=True).input_ids
+        assert ids == their_ids, text[:80]
+        assert ours.decode(ids) == theirs.decode(ids), text[:80]
+    marked = MISTRAL_TEMPLATE.replace("GEN", "{% generation %}").replace(
+        "END", "{% endgeneration %}"
+    )
+    for messages in MISTRAL_CONVERSATIONS:
+        segments = ours.render_chat(messages)
+        ids = [i for ids, _ in segments for i in ids]
+        oracle = theirs.apply_chat_template(
+            messages, chat_template=marked, return_dict=True, return_assistant_tokens_mask=True
+        )
+        assert ids == oracle["input_ids"] == rendered(theirs, messages)
+        assert assistant_mask(segments) == oracle["assistant_masks"], ours.decode(ids)
+        n = len(messages) - 1 if messages[-1]["role"] == "assistant" else len(messages)
+        prompt = rendered(theirs, messages[:n], add_generation_prompt=True)
+        assert ours.chat_prompt(messages[:n]) == prompt
+    assert ours.render_chat(MISTRAL_CONVERSATIONS[1])[0][0][:2] == [ours.bos_id, 3]  # [INST]
+    out = tmp_path / "export"  # the files an export carries: the model and the template
+    out.mkdir()
+    for name, contents in ours.hf_files().items():
+        (out / name).write_bytes(contents)
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    assert rendered(exported, MISTRAL_CONVERSATIONS[2]) == rendered(
+        theirs, MISTRAL_CONVERSATIONS[2]
+    )
+    # Without its template, Llama 2's format would write [INST] as text: refused.
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare/tokenizer.model").write_bytes((directory / "tokenizer.model").read_bytes())
+    with pytest.raises(ValueError, match=r"has \[INST\] as a control token \(Mistral's\)"):
+        data.load_tokenizer(tmp_path / "bare").render_chat(CONVERSATIONS[0])
 
 
 # Refusals
