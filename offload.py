@@ -100,12 +100,14 @@ class _Phase:
 
     @classmethod
     @contextlib.contextmanager
-    def of(cls, phase: str) -> Iterator[None]:
-        cls.now = phase
-        try:
-            yield
-        finally:
-            cls.now = None
+    def of(cls, phase: str, policy: contextlib.AbstractContextManager) -> Iterator[None]:
+        """The selective policy's context of that phase, with the phase set."""
+        with policy:
+            cls.now = phase
+            try:
+                yield
+            finally:
+                cls.now = None
 
 
 def _keeping_contexts(saved_ops: list) -> tuple:
@@ -121,18 +123,12 @@ def _keeping_contexts(saved_ops: list) -> tuple:
     the hooks unless checkpoint(..., respect_saved_tensors_hooks=False) says otherwise. The
     composable checkpoint (apply_ac) refuses that argument in 2.14; torch.utils.checkpoint
     hands it on as this attribute of the policy's forward context, set here the same way
-    (torch sets it only on a forward context that is the policy's own, not on `_both`'s,
-    so it stays)."""
+    (torch sets it only on a forward context that is the policy's own, not on
+    `_Phase.of`'s, so it stays)."""
     forward, recompute = create_selective_checkpoint_contexts(saved_ops)
     if hasattr(forward, "respect_saved_tensors_hooks"):  # torch >= 2.14
         forward.respect_saved_tensors_hooks = False
-    return _both(forward, _Phase.of("forward")), _both(recompute, _Phase.of("recompute"))
-
-
-@contextlib.contextmanager
-def _both(first, second) -> Iterator[None]:
-    with first, second:
-        yield
+    return _Phase.of("forward", forward), _Phase.of("recompute", recompute)
 
 
 class _KeptAttention:
@@ -420,16 +416,6 @@ def activation_offload(
 STAGING_SLOTS = 2
 
 
-def adamw_state(master: torch.Tensor) -> dict[str, torch.Tensor]:
-    """AdamW's state of a fresh `master` weight, by torch.optim.AdamW's names (checkpoints
-    go between the optimizers in backward and shard.ShardedAdamW)."""
-    return {
-        "step": torch.zeros(()),
-        "exp_avg": torch.zeros_like(master),
-        "exp_avg_sq": torch.zeros_like(master),
-    }
-
-
 @torch.no_grad()
 def adamw_(
     master: torch.Tensor,
@@ -480,7 +466,41 @@ def materialize_on_host(
     fill_weights(model, seed, device, hf_path, progress=progress)
 
 
-class OptimizerInBackward:
+class _AdamWInBackward:
+    """What both optimizers in backward share: AdamW's settings, the lr of the coming
+    backward's updates (set_lr, before backward starts), and AdamW's state beside the fp32
+    `master` weights, by parameter name. state_dict is laid out as train.py's FSDP
+    checkpoints are, {"model": fp32 weights, "optim": torch.optim.AdamW's state}, so that
+    checkpoints go between these and shard.ShardedAdamW. The interface of train.py's
+    optimizer: gradients need no zeroing (none is kept)."""
+
+    def __init__(self, master: dict[str, torch.Tensor], lr, betas, weight_decay, eps):
+        self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
+        self.master = master
+        self.state = {
+            name: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(weight),
+                   "exp_avg_sq": torch.zeros_like(weight)}
+            for name, weight in master.items()
+        }  # fmt: skip
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    def state_dict(self) -> dict:
+        """The tensors themselves, not copies: read it between steps (after step())."""
+        return {"model": dict(self.master), "optim": {n: dict(s) for n, s in self.state.items()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Copies `state` (state_dict's layout) in; the tensors of state_dict() itself, filled
+        in place (as DCP loads), copy nothing."""
+        for name, master in self.master.items():
+            master.copy_(state["model"][name])
+            for key, tensor in self.state[name].items():
+                tensor.copy_(state["optim"][name][key])
+
+
+class OptimizerInBackward(_AdamWInBackward):
     """AdamW applied to each parameter on the CPU as soon as its gradient is complete in
     backward. The host keeps the fp32 master weights and AdamW's two moments (12 bytes per
     parameter, 96 GB for 8B); the GPU keeps only the param_dtype working weights, and no
@@ -524,24 +544,21 @@ class OptimizerInBackward:
     ):
         """`model` has its parameters on the host in fp32 (materialize_on_host): they become
         the master weights, and each parameter gets a `param_dtype` copy on `device`."""
-        self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
         self.cuda = torch.device(device).type == "cuda"
         self.streams = torch.get_device_module(torch.device(device).type)
-        self.params: dict[str, nn.Parameter] = {}
-        self.master: dict[str, torch.Tensor] = {}
-        self.state: dict[str, dict[str, torch.Tensor]] = {}  # torch.optim.AdamW's names
-        for name, param in model.named_parameters():
+        self.params = dict(model.named_parameters())
+        for name, param in self.params.items():
             if param.device.type != "cpu" or param.dtype != torch.float32:
                 raise UsageError(
                     f"OptimizerInBackward takes a model on the host in fp32 "
                     f"(materialize_on_host); {name} is {param.dtype} on {param.device}"
                 )
-            self.params[name] = param
-            self.master[name] = master = param.detach()
-            self.state[name] = adamw_state(master)
+        master = {name: param.detach() for name, param in self.params.items()}
+        super().__init__(master, lr, betas, weight_decay, eps)
+        for name, param in self.params.items():
             # A copy even where device and dtype are the master's (CPU fp32): the working
             # weight is never the master itself.
-            param.data = master.to(device, param_dtype, copy=True)
+            param.data = master[name].to(device, param_dtype, copy=True)
             param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
         self.sq_norm = torch.zeros((), device=device)  # the step's sum of squared gradients
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
@@ -565,10 +582,6 @@ class OptimizerInBackward:
         self.weight_staging = [staging_buffer() for _ in range(STAGING_SLOTS)]
         self.weight_copied: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
         self.weight_copies = 0
-
-    def set_lr(self, lr: float) -> None:
-        """The lr of the coming backward's updates: set it before backward starts."""
-        self.lr = lr
 
     def _on_grad(self, name: str, param: nn.Parameter) -> None:
         grad = param.grad
@@ -634,8 +647,7 @@ class OptimizerInBackward:
         """Ends the step whose updates backward started: waits for them (raising a worker's
         error here) and makes the compute stream wait for their copies to the GPU. Returns
         the global L2 norm of the step's gradients as a 0-dim tensor on the device, unread,
-        so no host sync (non-finite if a gradient was: by then every update is applied).
-        The interface of train.py's optimizer; gradients need no zeroing (none is kept)."""
+        so no host sync (non-finite if a gradient was: by then every update is applied)."""
         updates, self.updates = self.updates, []
         self.on_gpu.clear()  # every copy is done once every update is
         self.on_gpu_bytes = 0
@@ -646,26 +658,16 @@ class OptimizerInBackward:
         self.sq_norm.zero_()  # stream-ordered after the sqrt above
         return norm
 
-    def state_dict(self) -> dict:
-        """The host state by parameter name, laid out as train.py's FSDP checkpoints are:
-        {"model": fp32 weights, "optim": torch.optim.AdamW's state}, so that either kind of
-        run can resume from the other's checkpoint. The tensors themselves, not copies:
-        read it between steps (after step())."""
-        return {"model": dict(self.master), "optim": {n: dict(s) for n, s in self.state.items()}}
-
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Copies `state` (state_dict's layout) in and the weights on to the working copies.
-        The tensors of state_dict() itself, filled in place (as DCP loads), copy nothing."""
-        for name, master in self.master.items():
-            master.copy_(state["model"][name])
-            for key, tensor in self.state[name].items():
-                tensor.copy_(state["optim"][name][key])
+        """As the base's, then the weights on to the working copies."""
+        super().load_state_dict(state)
+        for name in self.master:
             self._copy_to_working(name)
         self.streams.current_stream().wait_stream(self.h2d)
 
 
-class ShardedOptimizerInBackward:
+class ShardedOptimizerInBackward(_AdamWInBackward):
     """The optimizer in backward over FSDP with CPU offload (shard.apply_fsdp, cpu_offload):
     the fp32 shards FSDP keeps on the host are the master weights, gathered to the GPU in
     param_dtype only while their block runs, so the GPU keeps no weights between uses (the
@@ -676,10 +678,9 @@ class ShardedOptimizerInBackward:
     OptimizerInBackward's update) while backward goes on. At most a block's worth of
     updates wait (`max_pending`, one per parameter of a block), so no more than about a
     block's gradients exist at once, never the whole set. `step()` waits for them all,
-    before the next forward's all-gathers read the shards. The interface and state_dict
-    layout are OptimizerInBackward's and shard.ShardedAdamW's, the tensors DTensors as the
-    latter's, so checkpoints go between the three. What it rules out is what
-    OptimizerInBackward rules out (clipping, accumulation)."""
+    before the next forward's all-gathers read the shards. Its state_dict's tensors are
+    DTensors, as shard.ShardedAdamW's. What it rules out is what OptimizerInBackward rules
+    out (clipping, accumulation)."""
 
     def __init__(
         self,
@@ -689,10 +690,8 @@ class ShardedOptimizerInBackward:
         weight_decay: float = 0.0,
         eps: float = 1e-8,
     ):
-        self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
-        self.params = dict(model.named_parameters())
-        self.state = {name: adamw_state(param) for name, param in self.params.items()}
-        for name, param in self.params.items():
+        super().__init__(dict(model.named_parameters()), lr, betas, weight_decay, eps)
+        for name, param in self.master.items():
             # FSDP copies a gradient to pinned memory without blocking (torch < 2.13 even
             # where a hook reads it at once): the shards must be plain memory, so that each
             # gradient is on the host when the hook gets it.
@@ -709,10 +708,6 @@ class ShardedOptimizerInBackward:
         self.pending: collections.deque[Future] = collections.deque()
         self.max_pending = len(list(model.layers[0].parameters()))
 
-    def set_lr(self, lr: float) -> None:
-        """The lr of the coming backward's updates: set it before backward starts."""
-        self.lr = lr
-
     def _on_grad(self, name: str, param: nn.Parameter) -> None:
         grad = param.grad.to_local()
         param.grad = None
@@ -725,7 +720,7 @@ class ShardedOptimizerInBackward:
         self.sq_norm += grad.square().sum()
         state = {key: t.to_local() if isinstance(t, DTensor) else t
                  for key, t in self.state[name].items()}  # fmt: skip
-        adamw_(self.params[name].to_local(), grad, state, lr, self.betas, self.weight_decay,
+        adamw_(self.master[name].to_local(), grad, state, lr, self.betas, self.weight_decay,
                self.eps)  # fmt: skip
 
     def step(self) -> torch.Tensor:
@@ -738,17 +733,3 @@ class ShardedOptimizerInBackward:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq_norm)
         return sq_norm.sqrt()
-
-    def state_dict(self) -> dict:
-        """{"model": fp32 weights, "optim": AdamW's state} by parameter name, the sharded
-        tensors themselves: read it between steps (after step())."""
-        return {"model": dict(self.params), "optim": {n: dict(s) for n, s in self.state.items()}}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """Copies `state` (state_dict's layout) in; the tensors of state_dict() itself, filled
-        in place (as DCP loads), copy nothing."""
-        for name, param in self.params.items():
-            param.copy_(state["model"][name])
-            for key, tensor in self.state[name].items():
-                tensor.copy_(state["optim"][name][key])
