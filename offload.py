@@ -4,10 +4,8 @@ while compute goes on) and the optimizer step in backward. train.apply_technique
 order in which they compose with LoRA, context parallelism and FSDP.
 
 `apply_ac` registers the checkpoint as hooks on each TransformerBlock (torch.distributed's
-composable `checkpoint`), so the model's structure and parameter names stay as they were, which HF
-loading and checkpoints rely on, and `fully_shard` wraps the same modules. In backward
-the recomputed forward runs through FSDP's hooks again, which re-gather the block's
-weights if they were freed.
+composable `checkpoint`), so the model's structure and parameter names stay as they were, which
+HF loading and checkpoints rely on, and `fully_shard` wraps the same modules.
 
 `activation_offload` is used by train.py around the forward only; the saved tensors come
 back during backward:
@@ -16,11 +14,8 @@ back during backward:
         loss = model(tokens, labels)
     loss.backward()
 
-`OptimizerInBackward` offloads the optimizer instead: fp32 master weights and AdamW's
-moments on the host, each parameter updated by the CPU as soon as its gradient is complete
-in backward, so that no full set of gradients ever exists (one GPU, see its docstring);
-`ShardedOptimizerInBackward` does the same for FSDP's shards with CPU offload, which keep no
-weights on the GPU at all.
+`OptimizerInBackward` (one GPU) and `ShardedOptimizerInBackward` (FSDP's shards on the host)
+run AdamW on the CPU for each parameter as soon as its gradient is complete in backward.
 """
 
 import collections
@@ -245,14 +240,6 @@ def host_pieces(nbytes: int, pin_memory: bool) -> list[torch.Tensor]:
     return [torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory) for size in sizes]
 
 
-def _pieces_of(flat: torch.Tensor, pieces: list[torch.Tensor]) -> Iterator[tuple]:
-    """(slice of `flat`, piece) pairs, in order: the pieces laid end to end over `flat`."""
-    start = 0
-    for piece in pieces:
-        yield flat[start : start + piece.numel()], piece
-        start += piece.numel()
-
-
 class _Offloader:
     """saved_tensors_hooks that move the large tensors saved inside the TransformerBlocks
     to pinned host memory on a side stream, and bring a block's tensors back during the
@@ -283,11 +270,23 @@ class _Offloader:
         self.offloaded_bytes = 0
         self.offloaded_tensors = 0
 
-    def _used_by_side_stream(self, tensor: torch.Tensor) -> None:
-        """The caching allocator does not reuse `tensor`'s memory before the side stream's
-        work queued so far is done (there is no such allocator on the CPU)."""
+    def _copy(self, flat: torch.Tensor, pieces: list[torch.Tensor], to_host: bool):
+        """Copies the device bytes `flat` to the host `pieces` laid end to end over it, or
+        back, on the side stream once the compute stream's queued work is done; the caching
+        allocator does not reuse `flat`'s memory before the copy is (there is no such
+        allocator on the CPU). Returns the copy's event (None on the CPU)."""
+        self.stream.wait_stream(self.streams.current_stream())
+        with self.streams.stream(self.stream):
+            start = 0
+            for piece in pieces:
+                part = flat[start : start + piece.numel()]
+                source, destination = (part, piece) if to_host else (piece, part)
+                destination.copy_(source, non_blocking=True)
+                start += piece.numel()
+            ready = self.stream.record_event()
         if self.cuda:
-            tensor.record_stream(self.stream)
+            flat.record_stream(self.stream)
+        return ready
 
     def enter_block(self, index: int, *_) -> None:
         self.block = index
@@ -324,11 +323,7 @@ class _Offloader:
         saved.pieces = host_pieces(nbytes, pin_memory=self.cuda)
         flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         flat.set_(source.untyped_storage())
-        self.stream.wait_stream(self.streams.current_stream())
-        with self.streams.stream(self.stream):
-            for part, piece in _pieces_of(flat, saved.pieces):
-                piece.copy_(part, non_blocking=True)
-        self._used_by_side_stream(source)
+        self._copy(flat, saved.pieces, to_host=True)
         saved.device = tensor.device
         saved.block = self.block
         saved.on_device = None
@@ -342,12 +337,7 @@ class _Offloader:
         # Allocated on the compute stream, whose queued work may still use that memory.
         nbytes = sum(piece.numel() for piece in saved.pieces)
         flat = torch.empty(nbytes, dtype=torch.uint8, device=saved.device)
-        self.stream.wait_stream(self.streams.current_stream())
-        with self.streams.stream(self.stream):
-            for part, piece in _pieces_of(flat, saved.pieces):
-                part.copy_(piece, non_blocking=True)
-            saved.ready = self.stream.record_event()
-        self._used_by_side_stream(flat)
+        saved.ready = self._copy(flat, saved.pieces, to_host=False)
         saved.on_device = flat.view(saved.dtype).as_strided(saved.shape, saved.stride)
 
     def _fetch_block(self, block: int) -> None:
@@ -384,8 +374,7 @@ def activation_offload(
 
     The copies run at the host link's speed, and a block's memory is freed only once its
     copy is done, so offload pays when a block computes longer than it takes to move what
-    it saves: with full checkpointing (the inputs only) it cost 0.5% of step time on an
-    H200; without checkpointing the step took 1.95x as long (bench/RESULTS.md)."""
+    it saves: with full checkpointing (the inputs only), not without (bench/RESULTS.md)."""
     if not enabled:
         yield None
         return
@@ -508,23 +497,18 @@ class OptimizerInBackward(_AdamWInBackward):
     backward needs 16 bytes per parameter, fp32 gradients included: 128.5 GB for 8B, more
     than a 128 GiB host.)
 
-    Each parameter's post-accumulate-grad hook fires once its gradient is complete, which
-    is after its last use in this backward (a tied embedding's fires once, after both
-    uses), so its working weight may be rewritten from then on. The hook adds the
-    gradient's squared norm to the step's total and hands the gradient, still on the GPU,
-    to one worker thread. The worker copies it on a side stream to a pinned staging buffer
-    once the GPU has computed it, drops it, converts the copy to fp32, runs AdamW on the
-    master (weight decay on matrices only, as train.py's param groups) and copies the
-    master back, rounded to param_dtype, into the working weight on a second side stream
-    (the two directions use different copy engines). The hook waits only while a block's
-    bytes of gradients wait on the GPU for the worker to copy them: backward is launched
-    ahead of the GPU, and a hook that waited for each copy (as one did when it made the
-    copy itself, into one of two buffers), or for a long update such as the output head's,
-    held the launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer in
-    backward's stalls"). `step()` waits for all updates and makes the compute stream wait
-    for those copies, so the next forward reads the new weights.
-    Without CUDA (the tests) the same code runs: torch.cpu's streams and events do nothing,
-    and the staging buffers are not pinned.
+    Each parameter's post-accumulate-grad hook fires once its gradient is complete, after
+    its last use in this backward (a tied embedding's once, after both uses), so its working
+    weight may be rewritten from then on. The hook hands the gradient, still on the GPU, to
+    one worker thread, which copies it to a pinned staging buffer on a side stream, runs
+    AdamW on the fp32 master and copies the master back in param_dtype on a second side
+    stream (the two directions use different copy engines). The hook waits only while a
+    block's bytes of gradients wait on the GPU for the worker: backward is launched ahead of
+    the GPU, and a hook that waited for each copy, or for a long update such as the output
+    head's, held the launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer
+    in backward's stalls"). `step()` waits for all updates and makes the compute stream wait
+    for their copies. Without CUDA (the tests) the same code runs: torch.cpu's streams and
+    events do nothing, and the staging buffers are not pinned.
 
     What updating before the step's last gradient exists rules out: clipping by the
     global norm (known only at the end), gradient accumulation (the hooks fire on every
@@ -668,19 +652,16 @@ class OptimizerInBackward(_AdamWInBackward):
 
 
 class ShardedOptimizerInBackward(_AdamWInBackward):
-    """The optimizer in backward over FSDP with CPU offload (shard.apply_fsdp, cpu_offload):
-    the fp32 shards FSDP keeps on the host are the master weights, gathered to the GPU in
-    param_dtype only while their block runs, so the GPU keeps no weights between uses (the
-    GPU copies of OptimizerInBackward are 2 bytes per parameter), and it runs on any number
-    of processes. FSDP calls the post-accumulate-grad hooks of each sharded parameter once
-    its gradient shard is reduced and copied to the host; the hook takes the gradient from
-    the parameter and hands it to one worker thread, which runs AdamW on the shard (adamw_,
-    OptimizerInBackward's update) while backward goes on. At most a block's worth of
-    updates wait (`max_pending`, one per parameter of a block), so no more than about a
-    block's gradients exist at once, never the whole set. `step()` waits for them all,
-    before the next forward's all-gathers read the shards. Its state_dict's tensors are
-    DTensors, as shard.ShardedAdamW's. What it rules out is what OptimizerInBackward rules
-    out (clipping, accumulation)."""
+    """The optimizer in backward over FSDP with CPU offload (shard.apply_fsdp, cpu_offload),
+    on any number of processes: the fp32 shards FSDP keeps on the host are the master
+    weights, gathered to the GPU in param_dtype only while their block runs, so the GPU keeps
+    no weights between uses. FSDP calls each sharded parameter's post-accumulate-grad hook
+    once its gradient shard is on the host; the hook hands it to one worker thread, which
+    runs AdamW on the shard while backward goes on. At most a block's worth of updates wait
+    (`max_pending`), so about a block's gradients exist at once, never the whole set;
+    `step()` waits for them all, before the next forward's all-gathers read the shards. Its
+    state_dict's tensors are DTensors, as shard.ShardedAdamW's. What it rules out is what
+    OptimizerInBackward rules out (clipping, accumulation)."""
 
     def __init__(
         self,
