@@ -1409,10 +1409,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
         "rope_scaling": rope if s is not None else None,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if args.family in ("llama", "qwen3", "smollm3"):
-        config["attention_bias"] = False
-    if args.family in ("llama", "smollm3"):
-        config["mlp_bias"] = False
+    defaults = HF_CONFIG_DEFAULTS[args.family]  # the biases its config class reads: off
+    config |= {key: False for key in ("attention_bias", "mlp_bias") if key in defaults}
     if args.family == "mistral":
         config["sliding_window"] = args.sliding_window
     if args.family == "smollm3":
