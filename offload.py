@@ -21,10 +21,9 @@ run AdamW on the CPU for each parameter as soon as its gradient is complete in b
 import collections
 import contextlib
 import functools
-import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -36,7 +35,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from data import UsageError
-from model import Llama, fill_weights
+from model import Llama
 
 aten = torch.ops.aten
 
@@ -439,22 +438,6 @@ def adamw_(
     )
 
 
-@torch.no_grad()
-def materialize_on_host(
-    model: Llama,
-    device: torch.device,
-    seed: int = 0,
-    hf_path: str | os.PathLike | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> None:
-    """Allocates a meta-built model's parameters on the host in fp32 and fills them from a
-    Hugging Face checkpoint or with the initial values (drawn on `device`, so they equal
-    what shard.materialize gives there). OptimizerInBackward then keeps these tensors as its
-    master weights: the model exists in fp32 only once, on the host."""
-    model.to_empty(device="cpu")
-    fill_weights(model, seed, device, hf_path, progress=progress)
-
-
 class _AdamWInBackward:
     """What both optimizers in backward share: AdamW's settings, the lr of the coming
     backward's updates (set_lr, before backward starts), and AdamW's state beside the fp32
@@ -526,8 +509,9 @@ class OptimizerInBackward(_AdamWInBackward):
         weight_decay: float = 0.0,
         eps: float = 1e-8,
     ):
-        """`model` has its parameters on the host in fp32 (materialize_on_host): they become
-        the master weights, and each parameter gets a `param_dtype` copy on `device`."""
+        """`model` has its parameters on the host in fp32 (train.apply_techniques puts them
+        there): they become the master weights, the model in fp32 only once, and each
+        parameter gets a `param_dtype` copy on `device`."""
         self.cuda = torch.device(device).type == "cuda"
         self.streams = torch.get_device_module(torch.device(device).type)
         self.params = dict(model.named_parameters())
@@ -535,7 +519,8 @@ class OptimizerInBackward(_AdamWInBackward):
             if param.device.type != "cpu" or param.dtype != torch.float32:
                 raise UsageError(
                     f"OptimizerInBackward takes a model on the host in fp32 "
-                    f"(materialize_on_host); {name} is {param.dtype} on {param.device}"
+                    f"(to_empty on the CPU, then model.fill_weights); {name} is {param.dtype} "
+                    f"on {param.device}"
                 )
         master = {name: param.detach() for name, param in self.params.items()}
         super().__init__(master, lr, betas, weight_decay, eps)

@@ -81,6 +81,7 @@ from model import (
     attended_pairs,
     check_hf_checkpoint,
     check_peft_adapter,
+    fill_weights,
     generate,
     parse_lora_targets,
     peak_flops,
@@ -164,9 +165,7 @@ class Options:
         None, "micro-batches per optimizer step (default: --batch-tokens / the micro-batches)"
     )
     max_steps: int = option(1000, "optimizer steps to train for")
-    max_tokens: int | None = option(
-        None, "train for this many tokens instead (sets max steps) (default: none)"
-    )
+    max_tokens: int | None = option(None, "train for this many tokens instead (sets max steps)")
     lr: float | None = option(
         None,
         "peak learning rate, after the warmup (default, from scratch: 3e-3 under 100M "
@@ -247,9 +246,7 @@ class Options:
         "their HF names q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,up_proj",
     )
     quantize_base: str | None = option(
-        None,
-        "store the frozen base's adapted projections in 4 bits (QLoRA) (default: none)",
-        choices=["nf4"],
+        None, "store the frozen base's adapted projections in 4 bits (QLoRA)", choices=["nf4"]
     )
     lora_adapter: str | None = option(
         None, "start the adapters from this PEFT adapter directory", metavar="DIR"
@@ -632,7 +629,9 @@ def apply_techniques(
     offload.apply_mlp_tiling(model, plan.mlp_tile)
     shard.apply_context_parallel(model, shard.context_parallel_group(world, plan.context_parallel))
     if plan.optimizer_in_backward and not plan.cpu_offload:
-        offload.materialize_on_host(model, world.device, seed, hf_path, progress)
+        # The initial values drawn on the GPU, so that they equal shard.materialize's there.
+        model.to_empty(device="cpu")
+        fill_weights(model, seed, world.device, hf_path, progress=progress)
         return
     mesh = shard.build_mesh(plan.strategy, world)
     shard.apply_fsdp(
