@@ -319,11 +319,8 @@ GROUPS = {
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse without abbreviations (--max-step is no --max-steps) and with a suggestion
-    for a mistyped flag."""
-
-    def __init__(self, **kwargs):
-        super().__init__(allow_abbrev=False, **kwargs)
+    """argparse with a suggestion for a mistyped flag (and made without abbreviations:
+    --max-step is no --max-steps)."""
 
     def parse_args(self, argv=None, namespace=None):
         argv = sys.argv[1:] if argv is None else argv
@@ -361,7 +358,7 @@ def exit_after_rank_0(status: int) -> NoReturn:
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
     """The options, and the names of those given on the command line: resuming takes the
     others that the checkpoint fixes or keeps from it (taken_on_resume, resume_options)."""
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     types = {"int": int, "float": float, "str": str}
     group = parser
     for f in dataclasses.fields(Options):
@@ -946,11 +943,9 @@ def resume(opts, checkpointer, optimizer, loader, resume_from, saved, log: Calla
             log(f"no checkpoint in {Path(opts.run_dir) / 'checkpoints'}: starting {start}")
         return 0
     step = checkpointer.restore(resume_from, saved, optimizer, loader)
-    n = saved["run"]["world_size"]
-    log(
-        f"resumed from {resume_from} at step {step} (saved by {n} "
-        f"process{'es' * (n != 1)}, now {checkpointer.world.world_size})"
-    )
+    saved_by = plural(saved["run"]["world_size"], "process")
+    now = checkpointer.world.world_size
+    log(f"resumed from {resume_from} at step {step} (saved by {saved_by}, now {now})")
     return step
 
 
