@@ -542,13 +542,10 @@ class OptimizerInBackward(_AdamWInBackward):
         self.device = torch.device(device)
         with torch.cuda.device(device) if self.cuda else contextlib.nullcontext():
             self.d2h, self.h2d = self.streams.Stream(), self.streams.Stream()  # on `device`
-
-        def staging_buffer():
-            return torch.empty(largest, dtype=param_dtype, pin_memory=self.cuda)
-
-        self.grad_staging = staging_buffer()
+        staging = functools.partial(torch.empty, largest, dtype=param_dtype, pin_memory=self.cuda)
+        self.grad_staging = staging()
         self.grad32 = torch.empty(largest)  # the worker's fp32 copy of one gradient
-        self.weight_staging = [staging_buffer() for _ in range(STAGING_SLOTS)]
+        self.weight_staging = [staging() for _ in range(STAGING_SLOTS)]
         self.weight_copied: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
         self.weight_copies = 0
 
