@@ -170,8 +170,6 @@ def apply_mlp_tiling(model: Llama, tile_tokens: int) -> None:
     attention runs there anyway (_tiled_forward): one more forward of the MLP only in the
     blocks that are not, or under selective checkpointing. The feed-forward acts on each
     position alone, so tiling does not change its result. 0 leaves the model as it is."""
-    if tile_tokens < 0:
-        raise ValueError(f"MLP tile size must be >= 0 tokens, got {tile_tokens}")
     if tile_tokens == 0:
         return
     for block in model.layers:
