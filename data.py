@@ -70,9 +70,7 @@ FORMAT_VERSION = 1
 LABEL, BOS_INSIDE, STARTS_DOCUMENT = 1, 2, 4  # the bits of loss_mask.bin
 
 # ---------------------------------------------------------------------------------------------
-# Files a user gives or keeps: one error type for what the user got wrong, JSON read with
-# the file's name in every error, and written whole; directories written whole, and never
-# over anything else
+# Files a user gives or keeps
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1892,19 +1890,10 @@ class PackedLoader:
         context_rank: int = 0,
         context_parallel: int = 1,
     ):
-        if seq_len < 1 or micro_batch < 1:
-            raise ValueError(f"seq_len and micro_batch must be >= 1, got {seq_len}, {micro_batch}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
         if context_parallel < 1 or seq_len % context_parallel:
             raise ValueError(
                 f"context_parallel must be >= 1 and divide seq_len {seq_len}, got "
                 f"{context_parallel}"
-            )
-        if not 0 <= context_rank < context_parallel:
-            raise ValueError(
-                f"context_rank must be in [0, context_parallel={context_parallel}), "
-                f"got {context_rank}"
             )
         self.num_samples = (dataset.n_tokens - 1) // seq_len
         if self.num_samples < 1:
@@ -1925,18 +1914,8 @@ class PackedLoader:
         self.cursor = 0  # samples of this epoch's order read so far, by all ranks together
         self._orders: dict[int, np.ndarray] = {}
 
-    @property
-    def tokens_per_step(self) -> int:
-        """Input tokens of one optimizer step across all ranks (label-masked ones included)."""
-        return self.world_size * self.micro_batch * self.seq_len
-
     def state_dict(self) -> dict[str, int]:
-        return {
-            "epoch": self.epoch,
-            "cursor": self.cursor,
-            "seed": self.seed,
-            "num_samples": self.num_samples,
-        }
+        return {key: getattr(self, key) for key in ("epoch", "cursor", "seed", "num_samples")}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_samples"] != self.num_samples:

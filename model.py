@@ -93,7 +93,7 @@ class RopeScaling:
             return 1.0
         if self.attention_factor is not None:
             return self.attention_factor
-        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        return _yarn_mscale(self.factor)
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # "default": no scaling
@@ -237,9 +237,7 @@ class ModelArgs:
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         _check_hf_numbers(config_path, config, rope)
         n_heads, n_layers = config["num_attention_heads"], config["num_hidden_layers"]
-        nope_layers = ()
-        if family == "smollm3":
-            nope_layers = _nope_layers(config_path, config, n_layers)
+        nope_layers = _nope_layers(config_path, config, n_layers) if family == "smollm3" else ()
         window, window_layers = _sliding_window(config, family, n_layers, nope_layers)
         try:
             return cls(
@@ -307,9 +305,8 @@ def _rope_scaling(config_path: Path, config: dict, rope: dict) -> RopeScaling | 
         )
     if rope_type == "default":
         return None
-    needs = {"linear": ["factor"], "yarn": ["factor"]}
-    needs["llama3"] = ["factor", "low_freq_factor", "high_freq_factor"]
-    missing = [k for k in needs[rope_type] if rope.get(k) is None]
+    needs = ["factor"] + ["low_freq_factor", "high_freq_factor"] * (rope_type == "llama3")
+    missing = [k for k in needs if rope.get(k) is None]
     if missing:  # transformers refuses these too: it has no default for them
         raise UsageError(f"{config_path}: rope_type {rope_type!r} needs {missing} as well")
     # transformers defaults the pre-training length to max_position_embeddings.
@@ -655,18 +652,13 @@ def triton_ops() -> Ops:
 # Attention backends by name. "auto" tries cuDNN first, the fastest at long sequences on
 # Hopper (bench/RESULTS.md, "Attention backends"). SDPA skips a backend that cannot take
 # the inputs.
-SDPA_BACKENDS = {
-    "auto": [
-        SDPBackend.CUDNN_ATTENTION,
-        SDPBackend.FLASH_ATTENTION,
-        SDPBackend.EFFICIENT_ATTENTION,
-        SDPBackend.MATH,
-    ],
-    "cudnn": [SDPBackend.CUDNN_ATTENTION],
-    "flash": [SDPBackend.FLASH_ATTENTION],
-    "efficient": [SDPBackend.EFFICIENT_ATTENTION],
-    "math": [SDPBackend.MATH],
+_SDPA = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
 }
+SDPA_BACKENDS = {"auto": list(_SDPA.values())} | {name: [b] for name, b in _SDPA.items()}
 
 
 # FlexAttention's tiles on the GPU where they beat its defaults (bench/RESULTS.md,
@@ -734,11 +726,11 @@ def causal_prefix(length: int) -> int:
 class PackedRows:
     """Attention over rows of packed documents, as `packed_rows` plans it. `prefixes`: per
     row, the (start, end) of the causal prefix of each document of `long_document` tokens or
-    more (its first rows, `causal_prefix`),
-    which SDPA's causal kernel attends alone on its slice of the row. `short`: the mask for
-    every other row (the short documents and the long ones' last rows): FlexAttention's block
-    mask on CUDA (it skips the query tiles inside prefixes, and the tiles between documents),
-    a dense mask elsewhere; None when the prefixes cover every row."""
+    more (its first rows, `causal_prefix`), which SDPA's causal kernel attends alone on its
+    slice of the row. `short`: the mask for every other row (the short documents and the long
+    ones' last rows): FlexAttention's block mask on CUDA (it skips the query tiles inside
+    prefixes, and the tiles between documents), a dense mask elsewhere; None when the
+    prefixes cover every row."""
 
     short: BlockMask | torch.Tensor | None
     prefixes: tuple[tuple[tuple[int, int], ...], ...]
@@ -1179,15 +1171,6 @@ _HF_LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_HF_QKV_BIAS_NAMES = {
-    "attention.wq.bias": "self_attn.q_proj.bias",
-    "attention.wk.bias": "self_attn.k_proj.bias",
-    "attention.wv.bias": "self_attn.v_proj.bias",
-}
-_HF_QK_NORM_NAMES = {
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-}
 
 
 def hf_names(args: ModelArgs) -> dict[str, str]:
@@ -1200,9 +1183,9 @@ def hf_names(args: ModelArgs) -> dict[str, str]:
         names["output.weight"] = "lm_head.weight"
     layer = dict(_HF_LAYER_NAMES)
     if args.qkv_bias:
-        layer |= _HF_QKV_BIAS_NAMES
+        layer |= {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
     if args.qk_norm:
-        layer |= _HF_QK_NORM_NAMES
+        layer |= {f"attention.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"}
     for i in range(args.n_layers):
         for ours, theirs in layer.items():
             names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
@@ -1426,10 +1409,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
         "rope_scaling": rope if s is not None else None,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if args.family in ("llama", "qwen3", "smollm3"):
-        config["attention_bias"] = False
-    if args.family in ("llama", "smollm3"):
-        config["mlp_bias"] = False
+    defaults = HF_CONFIG_DEFAULTS[args.family]  # the biases its config class reads: off
+    config |= {key: False for key in ("attention_bias", "mlp_bias") if key in defaults}
     if args.family == "mistral":
         config["sliding_window"] = args.sliding_window
     if args.family == "smollm3":

@@ -4,10 +4,8 @@ while compute goes on) and the optimizer step in backward. train.apply_technique
 order in which they compose with LoRA, context parallelism and FSDP.
 
 `apply_ac` registers the checkpoint as hooks on each TransformerBlock (torch.distributed's
-composable `checkpoint`), so the model's structure and parameter names stay as they were, which HF
-loading and checkpoints rely on, and `fully_shard` wraps the same modules. In backward
-the recomputed forward runs through FSDP's hooks again, which re-gather the block's
-weights if they were freed.
+composable `checkpoint`), so the model's structure and parameter names stay as they were, which
+HF loading and checkpoints rely on, and `fully_shard` wraps the same modules.
 
 `activation_offload` is used by train.py around the forward only; the saved tensors come
 back during backward:
@@ -16,20 +14,16 @@ back during backward:
         loss = model(tokens, labels)
     loss.backward()
 
-`OptimizerInBackward` offloads the optimizer instead: fp32 master weights and AdamW's
-moments on the host, each parameter updated by the CPU as soon as its gradient is complete
-in backward, so that no full set of gradients ever exists (one GPU, see its docstring);
-`ShardedOptimizerInBackward` does the same for FSDP's shards with CPU offload, which keep no
-weights on the GPU at all.
+`OptimizerInBackward` (one GPU) and `ShardedOptimizerInBackward` (FSDP's shards on the host)
+run AdamW on the CPU for each parameter as soon as its gradient is complete in backward.
 """
 
 import collections
 import contextlib
 import functools
-import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -41,7 +35,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from data import UsageError
-from model import Llama, fill_weights
+from model import Llama
 
 aten = torch.ops.aten
 
@@ -100,12 +94,14 @@ class _Phase:
 
     @classmethod
     @contextlib.contextmanager
-    def of(cls, phase: str) -> Iterator[None]:
-        cls.now = phase
-        try:
-            yield
-        finally:
-            cls.now = None
+    def of(cls, phase: str, policy: contextlib.AbstractContextManager) -> Iterator[None]:
+        """The selective policy's context of that phase, with the phase set."""
+        with policy:
+            cls.now = phase
+            try:
+                yield
+            finally:
+                cls.now = None
 
 
 def _keeping_contexts(saved_ops: list) -> tuple:
@@ -121,18 +117,12 @@ def _keeping_contexts(saved_ops: list) -> tuple:
     the hooks unless checkpoint(..., respect_saved_tensors_hooks=False) says otherwise. The
     composable checkpoint (apply_ac) refuses that argument in 2.14; torch.utils.checkpoint
     hands it on as this attribute of the policy's forward context, set here the same way
-    (torch sets it only on a forward context that is the policy's own, not on `_both`'s,
-    so it stays)."""
+    (torch sets it only on a forward context that is the policy's own, not on
+    `_Phase.of`'s, so it stays)."""
     forward, recompute = create_selective_checkpoint_contexts(saved_ops)
     if hasattr(forward, "respect_saved_tensors_hooks"):  # torch >= 2.14
         forward.respect_saved_tensors_hooks = False
-    return _both(forward, _Phase.of("forward")), _both(recompute, _Phase.of("recompute"))
-
-
-@contextlib.contextmanager
-def _both(first, second) -> Iterator[None]:
-    with first, second:
-        yield
+    return _Phase.of("forward", forward), _Phase.of("recompute", recompute)
 
 
 class _KeptAttention:
@@ -180,8 +170,6 @@ def apply_mlp_tiling(model: Llama, tile_tokens: int) -> None:
     attention runs there anyway (_tiled_forward): one more forward of the MLP only in the
     blocks that are not, or under selective checkpointing. The feed-forward acts on each
     position alone, so tiling does not change its result. 0 leaves the model as it is."""
-    if tile_tokens < 0:
-        raise ValueError(f"MLP tile size must be >= 0 tokens, got {tile_tokens}")
     if tile_tokens == 0:
         return
     for block in model.layers:
@@ -249,14 +237,6 @@ def host_pieces(nbytes: int, pin_memory: bool) -> list[torch.Tensor]:
     return [torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory) for size in sizes]
 
 
-def _pieces_of(flat: torch.Tensor, pieces: list[torch.Tensor]) -> Iterator[tuple]:
-    """(slice of `flat`, piece) pairs, in order: the pieces laid end to end over `flat`."""
-    start = 0
-    for piece in pieces:
-        yield flat[start : start + piece.numel()], piece
-        start += piece.numel()
-
-
 class _Offloader:
     """saved_tensors_hooks that move the large tensors saved inside the TransformerBlocks
     to pinned host memory on a side stream, and bring a block's tensors back during the
@@ -287,11 +267,23 @@ class _Offloader:
         self.offloaded_bytes = 0
         self.offloaded_tensors = 0
 
-    def _used_by_side_stream(self, tensor: torch.Tensor) -> None:
-        """The caching allocator does not reuse `tensor`'s memory before the side stream's
-        work queued so far is done (there is no such allocator on the CPU)."""
+    def _copy(self, flat: torch.Tensor, pieces: list[torch.Tensor], to_host: bool):
+        """Copies the device bytes `flat` to the host `pieces` laid end to end over it, or
+        back, on the side stream once the compute stream's queued work is done; the caching
+        allocator does not reuse `flat`'s memory before the copy is (there is no such
+        allocator on the CPU). Returns the copy's event (None on the CPU)."""
+        self.stream.wait_stream(self.streams.current_stream())
+        with self.streams.stream(self.stream):
+            start = 0
+            for piece in pieces:
+                part = flat[start : start + piece.numel()]
+                source, destination = (part, piece) if to_host else (piece, part)
+                destination.copy_(source, non_blocking=True)
+                start += piece.numel()
+            ready = self.stream.record_event()
         if self.cuda:
-            tensor.record_stream(self.stream)
+            flat.record_stream(self.stream)
+        return ready
 
     def enter_block(self, index: int, *_) -> None:
         self.block = index
@@ -328,11 +320,7 @@ class _Offloader:
         saved.pieces = host_pieces(nbytes, pin_memory=self.cuda)
         flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
         flat.set_(source.untyped_storage())
-        self.stream.wait_stream(self.streams.current_stream())
-        with self.streams.stream(self.stream):
-            for part, piece in _pieces_of(flat, saved.pieces):
-                piece.copy_(part, non_blocking=True)
-        self._used_by_side_stream(source)
+        self._copy(flat, saved.pieces, to_host=True)
         saved.device = tensor.device
         saved.block = self.block
         saved.on_device = None
@@ -346,12 +334,7 @@ class _Offloader:
         # Allocated on the compute stream, whose queued work may still use that memory.
         nbytes = sum(piece.numel() for piece in saved.pieces)
         flat = torch.empty(nbytes, dtype=torch.uint8, device=saved.device)
-        self.stream.wait_stream(self.streams.current_stream())
-        with self.streams.stream(self.stream):
-            for part, piece in _pieces_of(flat, saved.pieces):
-                part.copy_(piece, non_blocking=True)
-            saved.ready = self.stream.record_event()
-        self._used_by_side_stream(flat)
+        saved.ready = self._copy(flat, saved.pieces, to_host=False)
         saved.on_device = flat.view(saved.dtype).as_strided(saved.shape, saved.stride)
 
     def _fetch_block(self, block: int) -> None:
@@ -388,8 +371,7 @@ def activation_offload(
 
     The copies run at the host link's speed, and a block's memory is freed only once its
     copy is done, so offload pays when a block computes longer than it takes to move what
-    it saves: with full checkpointing (the inputs only) it cost 0.5% of step time on an
-    H200; without checkpointing the step took 1.95x as long (bench/RESULTS.md)."""
+    it saves: with full checkpointing (the inputs only), not without (bench/RESULTS.md)."""
     if not enabled:
         yield None
         return
@@ -418,16 +400,6 @@ def activation_offload(
 # param_dtype: with two, one can be copied while the other is filled. (The gradients' way
 # down has one: the worker copies and reads one gradient at a time.)
 STAGING_SLOTS = 2
-
-
-def adamw_state(master: torch.Tensor) -> dict[str, torch.Tensor]:
-    """AdamW's state of a fresh `master` weight, by torch.optim.AdamW's names (checkpoints
-    go between the optimizers in backward and shard.ShardedAdamW)."""
-    return {
-        "step": torch.zeros(()),
-        "exp_avg": torch.zeros_like(master),
-        "exp_avg_sq": torch.zeros_like(master),
-    }
 
 
 @torch.no_grad()
@@ -464,23 +436,41 @@ def adamw_(
     )
 
 
-@torch.no_grad()
-def materialize_on_host(
-    model: Llama,
-    device: torch.device,
-    seed: int = 0,
-    hf_path: str | os.PathLike | None = None,
-    progress: Callable[[int, int], None] | None = None,
-) -> None:
-    """Allocates a meta-built model's parameters on the host in fp32 and fills them from a
-    Hugging Face checkpoint or with the initial values (drawn on `device`, so they equal
-    what shard.materialize gives there). OptimizerInBackward then keeps these tensors as its
-    master weights: the model exists in fp32 only once, on the host."""
-    model.to_empty(device="cpu")
-    fill_weights(model, seed, device, hf_path, progress=progress)
+class _AdamWInBackward:
+    """What both optimizers in backward share: AdamW's settings, the lr of the coming
+    backward's updates (set_lr, before backward starts), and AdamW's state beside the fp32
+    `master` weights, by parameter name. state_dict is laid out as train.py's FSDP
+    checkpoints are, {"model": fp32 weights, "optim": torch.optim.AdamW's state}, so that
+    checkpoints go between these and shard.ShardedAdamW. The interface of train.py's
+    optimizer: gradients need no zeroing (none is kept)."""
+
+    def __init__(self, master: dict[str, torch.Tensor], lr, betas, weight_decay, eps):
+        self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
+        self.master = master
+        self.state = {
+            name: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(weight),
+                   "exp_avg_sq": torch.zeros_like(weight)}
+            for name, weight in master.items()
+        }  # fmt: skip
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = lr
+
+    def state_dict(self) -> dict:
+        """The tensors themselves, not copies: read it between steps (after step())."""
+        return {"model": dict(self.master), "optim": {n: dict(s) for n, s in self.state.items()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Copies `state` (state_dict's layout) in; the tensors of state_dict() itself, filled
+        in place (as DCP loads), copy nothing."""
+        for name, master in self.master.items():
+            master.copy_(state["model"][name])
+            for key, tensor in self.state[name].items():
+                tensor.copy_(state["optim"][name][key])
 
 
-class OptimizerInBackward:
+class OptimizerInBackward(_AdamWInBackward):
     """AdamW applied to each parameter on the CPU as soon as its gradient is complete in
     backward. The host keeps the fp32 master weights and AdamW's two moments (12 bytes per
     parameter, 96 GB for 8B); the GPU keeps only the param_dtype working weights, and no
@@ -488,23 +478,18 @@ class OptimizerInBackward:
     backward needs 16 bytes per parameter, fp32 gradients included: 128.5 GB for 8B, more
     than a 128 GiB host.)
 
-    Each parameter's post-accumulate-grad hook fires once its gradient is complete, which
-    is after its last use in this backward (a tied embedding's fires once, after both
-    uses), so its working weight may be rewritten from then on. The hook adds the
-    gradient's squared norm to the step's total and hands the gradient, still on the GPU,
-    to one worker thread. The worker copies it on a side stream to a pinned staging buffer
-    once the GPU has computed it, drops it, converts the copy to fp32, runs AdamW on the
-    master (weight decay on matrices only, as train.py's param groups) and copies the
-    master back, rounded to param_dtype, into the working weight on a second side stream
-    (the two directions use different copy engines). The hook waits only while a block's
-    bytes of gradients wait on the GPU for the worker to copy them: backward is launched
-    ahead of the GPU, and a hook that waited for each copy (as one did when it made the
-    copy itself, into one of two buffers), or for a long update such as the output head's,
-    held the launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer in
-    backward's stalls"). `step()` waits for all updates and makes the compute stream wait
-    for those copies, so the next forward reads the new weights.
-    Without CUDA (the tests) the same code runs: torch.cpu's streams and events do nothing,
-    and the staging buffers are not pinned.
+    Each parameter's post-accumulate-grad hook fires once its gradient is complete, after
+    its last use in this backward (a tied embedding's once, after both uses), so its working
+    weight may be rewritten from then on. The hook hands the gradient, still on the GPU, to
+    one worker thread, which copies it to a pinned staging buffer on a side stream, runs
+    AdamW on the fp32 master and copies the master back in param_dtype on a second side
+    stream (the two directions use different copy engines). The hook waits only while a
+    block's bytes of gradients wait on the GPU for the worker: backward is launched ahead of
+    the GPU, and a hook that waited for each copy, or for a long update such as the output
+    head's, held the launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer
+    in backward's stalls"). `step()` waits for all updates and makes the compute stream wait
+    for their copies. Without CUDA (the tests) the same code runs: torch.cpu's streams and
+    events do nothing, and the staging buffers are not pinned.
 
     What updating before the step's last gradient exists rules out: clipping by the
     global norm (known only at the end), gradient accumulation (the hooks fire on every
@@ -522,26 +507,25 @@ class OptimizerInBackward:
         weight_decay: float = 0.0,
         eps: float = 1e-8,
     ):
-        """`model` has its parameters on the host in fp32 (materialize_on_host): they become
-        the master weights, and each parameter gets a `param_dtype` copy on `device`."""
-        self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
+        """`model` has its parameters on the host in fp32 (train.apply_techniques puts them
+        there): they become the master weights, the model in fp32 only once, and each
+        parameter gets a `param_dtype` copy on `device`."""
         self.cuda = torch.device(device).type == "cuda"
         self.streams = torch.get_device_module(torch.device(device).type)
-        self.params: dict[str, nn.Parameter] = {}
-        self.master: dict[str, torch.Tensor] = {}
-        self.state: dict[str, dict[str, torch.Tensor]] = {}  # torch.optim.AdamW's names
-        for name, param in model.named_parameters():
+        self.params = dict(model.named_parameters())
+        for name, param in self.params.items():
             if param.device.type != "cpu" or param.dtype != torch.float32:
                 raise UsageError(
                     f"OptimizerInBackward takes a model on the host in fp32 "
-                    f"(materialize_on_host); {name} is {param.dtype} on {param.device}"
+                    f"(to_empty on the CPU, then model.fill_weights); {name} is {param.dtype} "
+                    f"on {param.device}"
                 )
-            self.params[name] = param
-            self.master[name] = master = param.detach()
-            self.state[name] = adamw_state(master)
+        master = {name: param.detach() for name, param in self.params.items()}
+        super().__init__(master, lr, betas, weight_decay, eps)
+        for name, param in self.params.items():
             # A copy even where device and dtype are the master's (CPU fp32): the working
             # weight is never the master itself.
-            param.data = master.to(device, param_dtype, copy=True)
+            param.data = master[name].to(device, param_dtype, copy=True)
             param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
         self.sq_norm = torch.zeros((), device=device)  # the step's sum of squared gradients
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
@@ -556,19 +540,12 @@ class OptimizerInBackward:
         self.device = torch.device(device)
         with torch.cuda.device(device) if self.cuda else contextlib.nullcontext():
             self.d2h, self.h2d = self.streams.Stream(), self.streams.Stream()  # on `device`
-
-        def staging_buffer():
-            return torch.empty(largest, dtype=param_dtype, pin_memory=self.cuda)
-
-        self.grad_staging = staging_buffer()
+        staging = functools.partial(torch.empty, largest, dtype=param_dtype, pin_memory=self.cuda)
+        self.grad_staging = staging()
         self.grad32 = torch.empty(largest)  # the worker's fp32 copy of one gradient
-        self.weight_staging = [staging_buffer() for _ in range(STAGING_SLOTS)]
+        self.weight_staging = [staging() for _ in range(STAGING_SLOTS)]
         self.weight_copied: list[torch.cuda.Event | None] = [None] * STAGING_SLOTS
         self.weight_copies = 0
-
-    def set_lr(self, lr: float) -> None:
-        """The lr of the coming backward's updates: set it before backward starts."""
-        self.lr = lr
 
     def _on_grad(self, name: str, param: nn.Parameter) -> None:
         grad = param.grad
@@ -634,8 +611,7 @@ class OptimizerInBackward:
         """Ends the step whose updates backward started: waits for them (raising a worker's
         error here) and makes the compute stream wait for their copies to the GPU. Returns
         the global L2 norm of the step's gradients as a 0-dim tensor on the device, unread,
-        so no host sync (non-finite if a gradient was: by then every update is applied).
-        The interface of train.py's optimizer; gradients need no zeroing (none is kept)."""
+        so no host sync (non-finite if a gradient was: by then every update is applied)."""
         updates, self.updates = self.updates, []
         self.on_gpu.clear()  # every copy is done once every update is
         self.on_gpu_bytes = 0
@@ -646,39 +622,25 @@ class OptimizerInBackward:
         self.sq_norm.zero_()  # stream-ordered after the sqrt above
         return norm
 
-    def state_dict(self) -> dict:
-        """The host state by parameter name, laid out as train.py's FSDP checkpoints are:
-        {"model": fp32 weights, "optim": torch.optim.AdamW's state}, so that either kind of
-        run can resume from the other's checkpoint. The tensors themselves, not copies:
-        read it between steps (after step())."""
-        return {"model": dict(self.master), "optim": {n: dict(s) for n, s in self.state.items()}}
-
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Copies `state` (state_dict's layout) in and the weights on to the working copies.
-        The tensors of state_dict() itself, filled in place (as DCP loads), copy nothing."""
-        for name, master in self.master.items():
-            master.copy_(state["model"][name])
-            for key, tensor in self.state[name].items():
-                tensor.copy_(state["optim"][name][key])
+        """As the base's, then the weights on to the working copies."""
+        super().load_state_dict(state)
+        for name in self.master:
             self._copy_to_working(name)
         self.streams.current_stream().wait_stream(self.h2d)
 
 
-class ShardedOptimizerInBackward:
-    """The optimizer in backward over FSDP with CPU offload (shard.apply_fsdp, cpu_offload):
-    the fp32 shards FSDP keeps on the host are the master weights, gathered to the GPU in
-    param_dtype only while their block runs, so the GPU keeps no weights between uses (the
-    GPU copies of OptimizerInBackward are 2 bytes per parameter), and it runs on any number
-    of processes. FSDP calls the post-accumulate-grad hooks of each sharded parameter once
-    its gradient shard is reduced and copied to the host; the hook takes the gradient from
-    the parameter and hands it to one worker thread, which runs AdamW on the shard (adamw_,
-    OptimizerInBackward's update) while backward goes on. At most a block's worth of
-    updates wait (`max_pending`, one per parameter of a block), so no more than about a
-    block's gradients exist at once, never the whole set. `step()` waits for them all,
-    before the next forward's all-gathers read the shards. The interface and state_dict
-    layout are OptimizerInBackward's and shard.ShardedAdamW's, the tensors DTensors as the
-    latter's, so checkpoints go between the three. What it rules out is what
+class ShardedOptimizerInBackward(_AdamWInBackward):
+    """The optimizer in backward over FSDP with CPU offload (shard.apply_fsdp, cpu_offload),
+    on any number of processes: the fp32 shards FSDP keeps on the host are the master
+    weights, gathered to the GPU in param_dtype only while their block runs, so the GPU keeps
+    no weights between uses. FSDP calls each sharded parameter's post-accumulate-grad hook
+    once its gradient shard is on the host; the hook hands it to one worker thread, which
+    runs AdamW on the shard while backward goes on. At most a block's worth of updates wait
+    (`max_pending`), so about a block's gradients exist at once, never the whole set;
+    `step()` waits for them all, before the next forward's all-gathers read the shards. Its
+    state_dict's tensors are DTensors, as shard.ShardedAdamW's. What it rules out is what
     OptimizerInBackward rules out (clipping, accumulation)."""
 
     def __init__(
@@ -689,10 +651,8 @@ class ShardedOptimizerInBackward:
         weight_decay: float = 0.0,
         eps: float = 1e-8,
     ):
-        self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
-        self.params = dict(model.named_parameters())
-        self.state = {name: adamw_state(param) for name, param in self.params.items()}
-        for name, param in self.params.items():
+        super().__init__(dict(model.named_parameters()), lr, betas, weight_decay, eps)
+        for name, param in self.master.items():
             # FSDP copies a gradient to pinned memory without blocking (torch < 2.13 even
             # where a hook reads it at once): the shards must be plain memory, so that each
             # gradient is on the host when the hook gets it.
@@ -709,10 +669,6 @@ class ShardedOptimizerInBackward:
         self.pending: collections.deque[Future] = collections.deque()
         self.max_pending = len(list(model.layers[0].parameters()))
 
-    def set_lr(self, lr: float) -> None:
-        """The lr of the coming backward's updates: set it before backward starts."""
-        self.lr = lr
-
     def _on_grad(self, name: str, param: nn.Parameter) -> None:
         grad = param.grad.to_local()
         param.grad = None
@@ -725,7 +681,7 @@ class ShardedOptimizerInBackward:
         self.sq_norm += grad.square().sum()
         state = {key: t.to_local() if isinstance(t, DTensor) else t
                  for key, t in self.state[name].items()}  # fmt: skip
-        adamw_(self.params[name].to_local(), grad, state, lr, self.betas, self.weight_decay,
+        adamw_(self.master[name].to_local(), grad, state, lr, self.betas, self.weight_decay,
                self.eps)  # fmt: skip
 
     def step(self) -> torch.Tensor:
@@ -738,17 +694,3 @@ class ShardedOptimizerInBackward:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sq_norm)
         return sq_norm.sqrt()
-
-    def state_dict(self) -> dict:
-        """{"model": fp32 weights, "optim": AdamW's state} by parameter name, the sharded
-        tensors themselves: read it between steps (after step())."""
-        return {"model": dict(self.params), "optim": {n: dict(s) for n, s in self.state.items()}}
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """Copies `state` (state_dict's layout) in; the tensors of state_dict() itself, filled
-        in place (as DCP loads), copy nothing."""
-        for name, param in self.params.items():
-            param.copy_(state["model"][name])
-            for key, tensor in self.state[name].items():
-                tensor.copy_(state["optim"][name][key])

@@ -81,6 +81,7 @@ from model import (
     attended_pairs,
     check_hf_checkpoint,
     check_peft_adapter,
+    fill_weights,
     generate,
     parse_lora_targets,
     peak_flops,
@@ -106,8 +107,7 @@ def option(default, help: str, **argparse_kwargs):
 
 @dataclass
 class Options:
-    """Each field is the flag of the same name with dashes: `micro_batch` is --micro-batch.
-    The comments are the groups --help shows (GROUPS: the first field of each)."""
+    """`micro_batch` is --micro-batch; the comments are the groups --help shows (GROUPS)."""
 
     # Model and data
     model: str | None = option(
@@ -165,9 +165,7 @@ class Options:
         None, "micro-batches per optimizer step (default: --batch-tokens / the micro-batches)"
     )
     max_steps: int = option(1000, "optimizer steps to train for")
-    max_tokens: int | None = option(
-        None, "train for this many tokens instead (sets max steps) (default: none)"
-    )
+    max_tokens: int | None = option(None, "train for this many tokens instead (sets max steps)")
     lr: float | None = option(
         None,
         "peak learning rate, after the warmup (default, from scratch: 3e-3 under 100M "
@@ -248,9 +246,7 @@ class Options:
         "their HF names q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,up_proj",
     )
     quantize_base: str | None = option(
-        None,
-        "store the frozen base's adapted projections in 4 bits (QLoRA) (default: none)",
-        choices=["nf4"],
+        None, "store the frozen base's adapted projections in 4 bits (QLoRA)", choices=["nf4"]
     )
     lora_adapter: str | None = option(
         None, "start the adapters from this PEFT adapter directory", metavar="DIR"
@@ -323,11 +319,8 @@ GROUPS = {
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse without abbreviations (--max-step is no --max-steps) and with a suggestion
-    for a mistyped flag."""
-
-    def __init__(self, **kwargs):
-        super().__init__(allow_abbrev=False, **kwargs)
+    """argparse with a suggestion for a mistyped flag (and made without abbreviations:
+    --max-step is no --max-steps)."""
 
     def parse_args(self, argv=None, namespace=None):
         argv = sys.argv[1:] if argv is None else argv
@@ -365,7 +358,7 @@ def exit_after_rank_0(status: int) -> NoReturn:
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
     """The options, and the names of those given on the command line: resuming takes the
     others that the checkpoint fixes or keeps from it (taken_on_resume, resume_options)."""
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     types = {"int": int, "float": float, "str": str}
     group = parser
     for f in dataclasses.fields(Options):
@@ -411,18 +404,17 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     for name in at_least_one.split():
         if (value := getattr(opts, name)) is not None and value < 1:
             problems.append(f"{shard.flag_name(name)} must be >= 1, got {value}")
+    largest = torch.finfo(torch.float32).max  # AdamW keeps lr and its products in fp32
     for name in ["lr", "min_lr", "grad_clip", "weight_decay"]:
         value = getattr(opts, name)
         if value is not None and not (math.isfinite(value) and value >= 0):
             problems.append(f"{shard.flag_name(name)} must be a number >= 0, got {value}")
+        elif value is not None and value > largest:
+            problems.append(f"{shard.flag_name(name)} must be at most {largest:.3g}, got {value}")
     for name in ["gpu_memory", "host_memory"]:
         value = getattr(opts, name)
         if value is not None and not (math.isfinite(value) and value > 0):
             problems.append(f"{shard.flag_name(name)} must be a number of GiB > 0, got {value}")
-    largest = torch.finfo(torch.float32).max  # AdamW keeps lr and its products in fp32
-    for name in ["lr", "min_lr", "weight_decay", "grad_clip"]:
-        if (value := getattr(opts, name)) is not None and value > largest:
-            problems.append(f"{shard.flag_name(name)} must be at most {largest:.3g}, got {value}")
     for name in ["beta1", "beta2"]:
         if not 0 <= getattr(opts, name) < 1:  # also refuses nan
             problems.append(f"--{name} must be in [0, 1), got {getattr(opts, name)}")
@@ -634,7 +626,9 @@ def apply_techniques(
     offload.apply_mlp_tiling(model, plan.mlp_tile)
     shard.apply_context_parallel(model, shard.context_parallel_group(world, plan.context_parallel))
     if plan.optimizer_in_backward and not plan.cpu_offload:
-        offload.materialize_on_host(model, world.device, seed, hf_path, progress)
+        # The initial values drawn on the GPU, so that they equal shard.materialize's there.
+        model.to_empty(device="cpu")
+        fill_weights(model, seed, world.device, hf_path, progress=progress)
         return
     mesh = shard.build_mesh(plan.strategy, world)
     shard.apply_fsdp(
@@ -690,16 +684,12 @@ class Run:
     lock: object  # run_dir/.lock, held open as long as the run lives (shard.lock_run_dir)
 
 
-# The options (Options' names) that name what a checkpoint was made for: the model
-# (--model or --hf-checkpoint, and --max-seq-len), the sequence length, FSDP's strategy, the
-# adapters, and the data whose samples the loader's cursor counts (with the --tokenizer file
-# that goes with it). Given again with another value, they are refused (check_resumable; the
+# The options that name what a checkpoint was made for (the data: whose samples the loader's
+# cursor counts). Given again with another value, they are refused (check_resumable; the
 # loader refuses another number of samples).
 FIXED_BY_CHECKPOINT = ("model", "hf_checkpoint", "max_seq_len", "seq_len", "strategy",
                        "lora_rank", "lora_alpha", "lora_targets", "data", "tokenizer")  # fmt: skip
-# The options of the run's course, which may change when given again: the learning-rate
-# schedule, AdamW's settings, the data order's seed, the document mask, the adapters' dropout
-# and 4-bit base.
+# The options of the run's course, which may change when given again.
 KEPT_ON_RESUME = ("lr", "min_lr", "warmup_steps", "decay", "weight_decay", "beta1", "beta2",
                   "seed", "document_mask", "lora_dropout", "quantize_base")  # fmt: skip
 # An option given keeps its partner from being taken: --model and --hf-checkpoint are one
@@ -709,12 +699,11 @@ GIVEN_WITH = {"model": "hf_checkpoint", "hf_checkpoint": "model", "data": "token
 
 
 def taken_on_resume(opts: Options, given: frozenset[str], saved: dict) -> dict:
-    """The options that a run resumed from the checkpoint whose train_state
-    is `saved` takes from it: those of FIXED_BY_CHECKPOINT and KEPT_ON_RESUME that this
-    command does not give (nor their GIVEN_WITH partners), where the checkpoint's differ from
-    this command's defaults. So a bare --resume continues the run as it was. They are taken
-    before the model is built and planned (setup): the model and the sequence length
-    are what the checks and the plan are made of."""
+    """The options that a run resumed from the checkpoint whose train_state is `saved` takes
+    from it: those of FIXED_BY_CHECKPOINT and KEPT_ON_RESUME that this command does not give
+    (nor their GIVEN_WITH partners), where the checkpoint's differ from this command's. So a
+    bare --resume continues the run as it was. They are taken before the model is built and
+    planned (setup): the model and the sequence length are what those are made of."""
     options = saved["options"]
     not_taken = given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
     return {
@@ -954,11 +943,9 @@ def resume(opts, checkpointer, optimizer, loader, resume_from, saved, log: Calla
             log(f"no checkpoint in {Path(opts.run_dir) / 'checkpoints'}: starting {start}")
         return 0
     step = checkpointer.restore(resume_from, saved, optimizer, loader)
-    n = saved["run"]["world_size"]
-    log(
-        f"resumed from {resume_from} at step {step} (saved by {n} "
-        f"process{'es' * (n != 1)}, now {checkpointer.world.world_size})"
-    )
+    saved_by = plural(saved["run"]["world_size"], "process")
+    now = checkpointer.world.world_size
+    log(f"resumed from {resume_from} at step {step} (saved by {saved_by}, now {now})")
     return step
 
 
@@ -1175,12 +1162,20 @@ def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tu
 def held_out_evaluation(
     opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.World, model
 ) -> Callable[[], tuple[float, int]] | None:
-    """The evaluation of --eval-data's rows, read in order and split as the training rows
-    are; None without --eval-data."""
+    """The evaluation of --eval-data's rows (--eval-tokens' or all, at least one per
+    data-parallel group), read in order and split as the training rows are; None without
+    --eval-data."""
     if held_out is None:
         return None
     eval_loader = loader_of(held_out, plan, world)
-    samples = eval_samples_of(opts, eval_loader, world.world_size // plan.context_parallel)
+    groups, n = world.world_size // plan.context_parallel, eval_loader.num_samples
+    samples = min(-(-opts.eval_tokens // opts.seq_len), n) if opts.eval_tokens else n
+    if samples < groups:
+        raise UsageError(
+            f"--eval-data {opts.eval_data} gives {plural(samples, 'sequence')} of {opts.seq_len} "
+            f"tokens{' within --eval-tokens' if opts.eval_tokens else ''}: fewer than the "
+            f"{groups} data-parallel groups, which take one at least each"
+        )
     return functools.partial(evaluate, model, lambda: eval_loader.in_order(samples), world.device)
 
 
@@ -1195,20 +1190,6 @@ def loader_of(
         pin_memory=world.device.type == "cuda", context_rank=world.rank % cp,
         context_parallel=cp, **kwargs,
     )  # fmt: skip
-
-
-def eval_samples_of(opts: Options, held_out: PackedLoader, groups: int) -> int:
-    """The held-out sequences evaluated (--eval-tokens' or all), at least one per group."""
-    wanted = -(-opts.eval_tokens // opts.seq_len) if opts.eval_tokens else held_out.num_samples
-    available = min(wanted, held_out.num_samples)
-    if available < groups:
-        raise UsageError(
-            f"--eval-data {opts.eval_data} gives {available:,} "
-            f"sequence{'s' * (available != 1)} of {opts.seq_len} "
-            f"tokens{' within --eval-tokens' if opts.eval_tokens else ''}: fewer than the "
-            f"{groups} data-parallel groups, which take one at least each"
-        )
-    return available
 
 
 def format_record(r: dict, max_steps: int) -> str:

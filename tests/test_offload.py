@@ -21,7 +21,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload as offload_module
-from model import PRESETS, REFERENCE_OPS, Attention, FeedForward, Llama, ModelArgs, triton_ops
+from model import (
+    PRESETS,
+    REFERENCE_OPS,
+    Attention,
+    FeedForward,
+    Llama,
+    ModelArgs,
+    fill_weights,
+    triton_ops,
+)
 from offload import (
     AC_MODES,
     ATTENTION_OPS,
@@ -30,7 +39,6 @@ from offload import (
     apply_ac,
     apply_mlp_tiling,
     host_pieces,
-    materialize_on_host,
 )
 
 FP32_RTOL = 1e-5
@@ -393,7 +401,8 @@ def adamw_steps(args: ModelArgs, in_backward: bool, device="cpu", steps: int = 4
     and the global gradient norm of each step."""
     with torch.device("meta"):
         model = Llama(args)
-    materialize_on_host(model, torch.device(device), seed=0)
+    model.to_empty(device="cpu")  # fp32 on the host: the optimizer in backward's masters
+    fill_weights(model, 0, torch.device(device))
     if in_backward:
         optimizer = OptimizerInBackward(
             model, torch.device(device), torch.float32, LR, BETAS, WEIGHT_DECAY
@@ -454,7 +463,8 @@ def test_optimizer_in_backward_state_dict_restores_weights_and_moments():
     trained, optimizer, _ = adamw_steps(ModelArgs.from_name("tiny"), True, steps=2)
     with torch.device("meta"):
         fresh = Llama(ARGS)
-    materialize_on_host(fresh, torch.device("cpu"), seed=1)
+    fresh.to_empty(device="cpu")
+    fill_weights(fresh, 1, torch.device("cpu"))
     restored = OptimizerInBackward(fresh, torch.device("cpu"), torch.float32, LR)
     restored.load_state_dict(optimizer.state_dict())
     for a, b in zip(fresh.parameters(), trained.parameters(), strict=True):
@@ -487,7 +497,8 @@ def test_optimizer_in_backward_copies_a_blocks_gradients_during_a_long_update(
     args = dataclasses.replace(ARGS, tie_embeddings=False, vocab_size=vocab_size)
     with torch.device("meta"):
         model = Llama(args)
-    materialize_on_host(model, torch.device("cpu"), seed=0)
+    model.to_empty(device="cpu")
+    fill_weights(model, 0, torch.device("cpu"))
     optimizer = OptimizerInBackward(model, torch.device("cpu"), torch.float32, LR)
     tokens, labels = torch.randint(0, vocab_size, (2, BATCH, SEQ), generator=torch.manual_seed(0))
     backward = threading.Thread(target=lambda: model(tokens, labels).backward())
