@@ -1,0 +1,70 @@
+"""FP8 linear layers against bf16 at Llama 3 8B's projection shapes, forward and backward.
+
+    python bench/fp8.py [--tokens 8192]
+
+Per projection shape: the time of a bf16 nn.functional.linear forward + backward, of
+kernels.fp8_linear's, their ratio, and what fp8_linear's quantization kernels take alone
+(the rest of its time is cuBLAS's e4m3 matmuls). Results: bench/RESULTS.md, "FP8 linear".
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import kernels  # noqa: E402
+from kernels import fp8  # noqa: E402
+
+# (name, out_features, in_features) of llama3.1-8b's projections.
+SHAPES = [("wq/wo", 4096, 4096), ("wk/wv", 1024, 4096), ("w1/w3", 14336, 4096), ("w2", 4096, 14336)]
+
+
+def milliseconds(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=8192)
+    tokens = parser.parse_args().tokens
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {tokens} tokens")
+    print("shape         bf16 ms  fp8 ms  speedup  quantize ms  matmul TFLOP/s (bf16, fp8)")
+    for name, n, k in SHAPES:
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+
+        def step(linear):
+            return lambda: torch.autograd.backward(linear(x, w), dy)
+
+        bf16 = milliseconds(step(torch.nn.functional.linear))
+        ours = milliseconds(step(kernels.fp8_linear))
+
+        def quantize():  # what fp8_linear quantizes in one forward and backward
+            fp8.quantize_rows(x)
+            fp8.quantize_rows(w)
+            fp8.quantize_rows(dy)
+            fp8.quantize_columns(w)
+            fp8.quantize_columns(dy)
+            fp8.quantize_columns(x)
+
+        q = milliseconds(quantize)
+        flops = 6 * tokens * n * k
+        print(
+            f"{name:8} {n:5}x{k:<5} {bf16:6.3f} {ours:7.3f} {bf16 / ours:7.2f}x {q:9.3f}"
+            f"     {flops / bf16 / 1e9:5.0f}, {flops / (ours - q) / 1e9:5.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
