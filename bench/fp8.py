@@ -33,6 +33,23 @@ def milliseconds(fn, repeats: int = 20) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def shape_milliseconds(tokens: int, n: int, k: int) -> tuple[float, float, float]:
+    """bf16's and fp8_linear's forward + backward, and fp8_linear's quantizations alone."""
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+    bf16 = milliseconds(lambda: torch.autograd.backward(torch.nn.functional.linear(x, w), dy))
+    ours = milliseconds(lambda: torch.autograd.backward(kernels.fp8_linear(x, w), dy))
+
+    def quantize():  # what fp8_linear quantizes in one forward and backward
+        for t in (x, w, dy):
+            fp8.quantize_rows(t)
+        for t in (w, dy, x):
+            fp8.quantize_columns(t)
+
+    return bf16, ours, milliseconds(quantize)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=8192)
@@ -40,29 +57,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {tokens} tokens")
     print("shape         bf16 ms  fp8 ms  speedup  quantize ms  matmul TFLOP/s (bf16, fp8)")
     for name, n, k in SHAPES:
-        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-
-        def step(linear):
-            return lambda: torch.autograd.backward(linear(x, w), dy)
-
-        bf16 = milliseconds(step(torch.nn.functional.linear))
-        ours = milliseconds(step(kernels.fp8_linear))
-
-        def quantize():  # what fp8_linear quantizes in one forward and backward
-            fp8.quantize_rows(x)
-            fp8.quantize_rows(w)
-            fp8.quantize_rows(dy)
-            fp8.quantize_columns(w)
-            fp8.quantize_columns(dy)
-            fp8.quantize_columns(x)
-
-        q = milliseconds(quantize)
+        bf16, ours, quantize = shape_milliseconds(tokens, n, k)
         flops = 6 * tokens * n * k
         print(
-            f"{name:8} {n:5}x{k:<5} {bf16:6.3f} {ours:7.3f} {bf16 / ours:7.2f}x {q:9.3f}"
-            f"     {flops / bf16 / 1e9:5.0f}, {flops / (ours - q) / 1e9:5.0f}"
+            f"{name:8} {n:5}x{k:<5} {bf16:6.3f} {ours:7.3f} {bf16 / ours:7.2f}x {quantize:9.3f}"
+            f"     {flops / bf16 / 1e9:5.0f}, {flops / (ours - quantize) / 1e9:5.0f}"
         )
 
 

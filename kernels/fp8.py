@@ -90,10 +90,13 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_rows, dim, EPS: tl.constexp
     mask = row_mask[:, None] & (cols < dim)[None, :]
     offsets = rows[:, None] * dim + cols[None, :]
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    inverse = tl.math.div_rn(tl.full([ROWS], 448.0, tl.float32), tl.maximum(tl.max(tl.abs(x), axis=1), EPS))
+    # Correctly rounded divisions (Triton's `/` is approximate on the GPU), as torch's.
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS)
+    inverse = tl.math.div_rn(tl.full([ROWS], 448.0, tl.float32), amax)
     q = tl.clamp(x * inverse[:, None], -448.0, 448.0)
     tl.store(q_ptr + offsets, _e4m3_bits(q), mask=mask)
-    tl.store(scale_ptr + rows, tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), inverse), mask=row_mask)
+    scale = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), inverse)
+    tl.store(scale_ptr + rows, scale, mask=row_mask)
 
 
 @triton.jit
