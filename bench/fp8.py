@@ -3,7 +3,7 @@
     python bench/fp8.py [--tokens 8192]
 
 Per projection shape: the time of a bf16 nn.functional.linear forward + backward, of
-kernels.fp8_linear's, their ratio, and what fp8_linear's quantization kernels take alone
+kernels.fp8_linears', their ratio, and what its quantization kernels take alone
 (the rest of its time is cuBLAS's e4m3 matmuls). Results: bench/RESULTS.md, "FP8 linear".
 """
 
@@ -34,18 +34,19 @@ def milliseconds(fn, repeats: int = 20) -> float:
 
 
 def shape_milliseconds(tokens: int, n: int, k: int) -> tuple[float, float, float]:
-    """bf16's and fp8_linear's forward + backward, and fp8_linear's quantizations alone."""
+    """bf16's and fp8_linears' forward + backward, and their quantizations alone."""
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
     bf16 = milliseconds(lambda: torch.autograd.backward(torch.nn.functional.linear(x, w), dy))
-    ours = milliseconds(lambda: torch.autograd.backward(kernels.fp8_linear(x, w), dy))
+    ours = milliseconds(lambda: torch.autograd.backward(kernels.fp8_linears(x, [w], [None])[0], dy))
 
-    def quantize():  # what fp8_linear quantizes in one forward and backward
-        for t in (x, w, dy):
+    def quantize():  # what fp8_linears quantizes in one forward and backward
+        for t in (x, w):
             fp8.quantize_rows(t)
-        for t in (w, dy, x):
+        for t in (w, x):
             fp8.quantize_columns(t)
+        fp8.quantize_both(dy)
 
     return bf16, ours, milliseconds(quantize)
 

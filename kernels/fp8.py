@@ -11,7 +11,7 @@ uses e4m3's whole range and one outlier token spoils only its own row. An all-ze
 smallest scale, never zero or a non-finite one.
 
 Read in order: the plain-PyTorch references, the row and column quantization kernels, the
-autograd Function, and `fp8_linear`, which takes F.linear's arguments.
+autograd Function, and `fp8_linears`, F.linear for several weights that read one input.
 """
 
 import torch
@@ -41,6 +41,12 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 def quantize_columns_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (e4m3 [K, M], scale [K] fp32): x's transpose, scaled per row of it."""
     return quantize_rows_reference(x.t())
+
+
+def quantize_both_reference(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """quantize_columns_reference(x), then quantize_rows_reference(x): an output gradient
+    is needed both ways."""
+    return quantize_columns_reference(x) + quantize_rows_reference(x)
 
 
 def scaled_mm(a: torch.Tensor, a_scale, b: torch.Tensor, b_scale, out_dtype) -> torch.Tensor:
@@ -100,10 +106,11 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_rows, dim, EPS: tl.constexp
 
 
 @triton.jit
-def _column_amax_kernel(x_ptr, amax_ptr, n_rows, dim, rows_per_program,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _amax_kernel(x_ptr, col_amax_ptr, row_amax_ptr, n_rows, dim, rows_per_program,
+                 ROWS_TOO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Program (i, j): the amax of columns j*BLOCK_N.. over its range of rows, merged into
-    amax (zeros first) with an atomic max: |x| >= 0, so the float max is exact."""
+    col_amax (zeros first) with an atomic max (|x| >= 0, so the float max is exact); with
+    ROWS_TOO each row's amax over these columns into row_amax too."""
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < dim
     first = tl.program_id(0).to(tl.int64) * rows_per_program
@@ -113,24 +120,35 @@ def _column_amax_kernel(x_ptr, amax_ptr, n_rows, dim, rows_per_program,
         rows = start + tl.arange(0, BLOCK_M)
         mask = (rows < last)[:, None] & col_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * dim + cols[None, :], mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=0))
-    tl.atomic_max(amax_ptr + cols, amax, mask=col_mask)
+        x = tl.abs(x.to(tl.float32))
+        amax = tl.maximum(amax, tl.max(x, axis=0))
+        if ROWS_TOO:
+            tl.atomic_max(row_amax_ptr + rows, tl.max(x, axis=1), mask=rows < last)
+    tl.atomic_max(col_amax_ptr + cols, amax, mask=col_mask)
 
 
 @triton.jit
-def _quantize_columns_kernel(x_ptr, amax_ptr, qt_ptr, n_rows, dim, EPS: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Tile [BLOCK_M, BLOCK_N] of x [M, N], scaled by its columns' 448 / amax, stored
-    transposed into qt [N, M]."""
+def _quantize_tiles_kernel(x_ptr, col_amax_ptr, qt_ptr, row_amax_ptr, q_ptr, n_rows, dim,
+                           EPS: tl.constexpr, ROWS_TOO: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):  # fmt: skip
+    """Tile [BLOCK_M, BLOCK_N] of x [M, N], scaled by its columns' 448 / amax and stored
+    transposed into qt [N, M]; with ROWS_TOO also scaled by its rows' and stored into q."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < dim
-    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(x_ptr + rows[:, None] * dim + cols[None, :], mask=mask, other=0.0)
-    amax = tl.load(amax_ptr + cols, mask=col_mask, other=1.0)
+    x = x.to(tl.float32)
+    amax = tl.load(col_amax_ptr + cols, mask=col_mask, other=1.0)
     inverse = tl.math.div_rn(tl.full([BLOCK_N], 448.0, tl.float32), tl.maximum(amax, EPS))
-    q = tl.clamp(x.to(tl.float32) * inverse[None, :], -448.0, 448.0)
+    q = tl.clamp(x * inverse[None, :], -448.0, 448.0)
     tl.store(qt_ptr + cols[None, :] * n_rows + rows[:, None], _e4m3_bits(q), mask=mask)
+    if ROWS_TOO:
+        amax = tl.load(row_amax_ptr + rows, mask=row_mask, other=1.0)
+        inverse = tl.math.div_rn(tl.full([BLOCK_M], 448.0, tl.float32), tl.maximum(amax, EPS))
+        q = tl.clamp(x * inverse[:, None], -448.0, 448.0)
+        tl.store(q_ptr + rows[:, None] * dim + cols[None, :], _e4m3_bits(q), mask=mask)
 
 
 # Rows longer than this do not fit one program's registers in _quantize_rows_kernel.
@@ -154,69 +172,108 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_columns_reference's result, by two Triton passes over x: the columns' amax,
-    then the scaled, transposed copy."""
+def _quantize_tiles(x: torch.Tensor, rows_too: bool) -> tuple[torch.Tensor, ...]:
+    """quantize_columns's result, then quantize_rows's if rows_too, by two passes over x:
+    the amaxes, then the scaled copies. 64 x 64 tiles: of the sizes tried at 8B's shapes the
+    fastest or within 10% (bench/RESULTS.md, "FP8 linear")."""
     n_rows, dim = x.shape
     x = x.contiguous()
-    amax = torch.zeros(dim, dtype=torch.float32, device=x.device)
+    col_amax = torch.zeros(dim, dtype=torch.float32, device=x.device)
+    row_amax = torch.zeros(n_rows if rows_too else 0, dtype=torch.float32, device=x.device)
     qt = torch.empty(dim, n_rows, dtype=FP8, device=x.device)
+    q = torch.empty(n_rows if rows_too else 0, dim, dtype=FP8, device=x.device)
     block_m, block_n = 64, 64
     # Enough row ranges that the amax pass fills the GPU when the matrix is narrow.
     splits = min(triton.cdiv(n_rows, block_m), max(1, 1024 // triton.cdiv(dim, block_n)))
     rows_per_program = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
-    _column_amax_kernel[(triton.cdiv(n_rows, rows_per_program), triton.cdiv(dim, block_n))](
-        x, amax, n_rows, dim, rows_per_program, BLOCK_M=block_m, BLOCK_N=block_n
-    )
-    _quantize_columns_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(dim, block_n))](
-        x, amax, qt.view(torch.uint8), n_rows, dim, EPS=EPS, BLOCK_M=block_m, BLOCK_N=block_n
-    )
-    return qt, _inverse_scale(amax).reciprocal()
+    _amax_kernel[(triton.cdiv(n_rows, rows_per_program), triton.cdiv(dim, block_n))](
+        x, col_amax, row_amax, n_rows, dim, rows_per_program, ROWS_TOO=rows_too,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    _quantize_tiles_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(dim, block_n))](
+        x, col_amax, qt.view(torch.uint8), row_amax, q.view(torch.uint8), n_rows, dim, EPS=EPS,
+        ROWS_TOO=rows_too, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    columns = (qt, _inverse_scale(col_amax).reciprocal())
+    return columns + (q, _inverse_scale(row_amax).reciprocal()) if rows_too else columns
 
 
-class _FP8Linear(torch.autograd.Function):
-    """y = x @ W^T (+ b), each matmul in e4m3. Saves x and W as given (bf16), not their e4m3
-    copies: the backward needs them scaled along the other dimension, and quantizing an e4m3
-    copy again would round twice."""
+def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_columns_reference's result, by Triton: the amax pass, then the copy."""
+    return _quantize_tiles(x, rows_too=False)
+
+
+def quantize_both(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """quantize_both_reference's result in the two passes quantize_columns takes alone."""
+    return _quantize_tiles(x, rows_too=True)
+
+
+class _FP8Linears(torch.autograd.Function):
+    """ys[i] = x @ W_i^T (+ b_i) for the projections that read one input x, each matmul in
+    e4m3, x quantized once for all of them (by row in forward, by column in backward).
+    Saves x and the W_i as given (bf16), not their e4m3 copies: the backward needs them
+    scaled along the other dimension, and quantizing an e4m3 copy again would round twice."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, triton_kernels: bool):
-        rows, columns = (
-            (quantize_rows, quantize_columns)
-            if triton_kernels
-            else (quantize_rows_reference, quantize_columns_reference)
-        )
+    def forward(ctx, x, quantizers, *weights_and_biases):
+        rows, _, _ = quantizers
+        weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
         x2d = x.reshape(-1, x.shape[-1])
-        y = scaled_mm(*rows(x2d), *rows(weight), out_dtype=x.dtype)
-        if bias is not None:
-            y += bias
-        ctx.save_for_backward(x2d, weight)
-        ctx.quantizers, ctx.has_bias = (rows, columns), bias is not None
-        return y.view(*x.shape[:-1], weight.shape[0])
+        x_rows = rows(x2d)
+        ys = []
+        for weight, bias in zip(weights, biases, strict=True):
+            y = scaled_mm(*x_rows, *rows(weight), out_dtype=x.dtype)
+            # Not in place: selective checkpointing may hand back the matmul's kept output.
+            y = y if bias is None else y + bias
+            ys.append(y.view(*x.shape[:-1], weight.shape[0]))
+        ctx.save_for_backward(x2d, *weights)
+        ctx.quantizers, ctx.has_bias = quantizers, [b is not None for b in biases]
+        return tuple(ys)
 
     @staticmethod
-    def backward(ctx, dy):
-        x2d, weight = ctx.saved_tensors
-        rows, columns = ctx.quantizers
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = scaled_mm(*rows(dy2d), *columns(weight), out_dtype=dy.dtype)
-            dx = dx.view(*dy.shape[:-1], x2d.shape[1])
-        if ctx.needs_input_grad[1]:
-            dw = scaled_mm(*columns(dy2d), *columns(x2d), out_dtype=weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2d.sum(0, dtype=torch.float32).to(dy.dtype)
-        return dx, dw, db, None
+    def backward(ctx, *dys):
+        x2d, *weights = ctx.saved_tensors
+        rows, columns, both = ctx.quantizers
+        needs_weight, needs_bias = ctx.needs_input_grad[2::2], ctx.needs_input_grad[3::2]
+        x_columns = columns(x2d) if any(needs_weight) else None
+        dx, grads = None, []
+        for i, (weight, dy) in enumerate(zip(weights, dys, strict=True)):
+            dy2d = dy.reshape(-1, dy.shape[-1])
+            if needs_weight[i]:
+                dy_columns_q, dy_columns_scale, *dy_rows = both(dy2d)
+                dw = scaled_mm(dy_columns_q, dy_columns_scale, *x_columns, out_dtype=weight.dtype)
+            else:
+                dy_rows, dw = rows(dy2d), None
+            if ctx.needs_input_grad[0]:
+                part = scaled_mm(*dy_rows, *columns(weight), out_dtype=dy.dtype)
+                dx = part if dx is None else dx.add_(part)
+            db = None
+            if ctx.has_bias[i] and needs_bias[i]:
+                db = dy2d.sum(0, dtype=torch.float32).to(dy.dtype)
+            grads += [dw, db]
+        if dx is not None:
+            dx = dx.view(*dys[0].shape[:-1], x2d.shape[1])
+        return dx, None, *grads
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear(x, weight, bias) with its three matmuls in e4m3 (the module docstring), the
-    scales computed by the Triton kernels. x [..., K], weight [N, K]; K, N and the number of
-    tokens multiples of 16, as cuBLAS's e4m3 matmul requires."""
-    return _FP8Linear.apply(x, weight, bias, True)
+TRITON_QUANTIZERS = (quantize_rows, quantize_columns, quantize_both)
+REFERENCE_QUANTIZERS = (
+    quantize_rows_reference,
+    quantize_columns_reference,
+    quantize_both_reference,
+)
 
 
-def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """fp8_linear with the scales computed by the plain-PyTorch references."""
-    return _FP8Linear.apply(x, weight, bias, False)
+def fp8_linears(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    triton_kernels: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """F.linear(x, w, b) for each weight and bias, each matmul in e4m3 (the module
+    docstring), the scales computed by the Triton kernels or their references. x [..., K],
+    each weight [N, K]; K, N and the number of tokens multiples of 16, as cuBLAS's e4m3
+    matmul requires."""
+    quantizers = TRITON_QUANTIZERS if triton_kernels else REFERENCE_QUANTIZERS
+    pairs = [t for pair in zip(weights, biases, strict=True) for t in pair]
+    return _FP8Linears.apply(x, quantizers, *pairs)

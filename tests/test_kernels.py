@@ -587,6 +587,9 @@ def test_fp8_quantization_kernels_equal_their_references(rows, cols, dtype):
     assert_quantized_equal(rows_out, kernels.fp8.quantize_rows_reference(x), "rows")
     columns = kernels.fp8.quantize_columns(x)
     assert_quantized_equal(columns, kernels.fp8.quantize_columns_reference(x), "columns")
+    both = kernels.fp8.quantize_both(x)
+    assert_quantized_equal(both[:2], columns, "both's columns")
+    assert_quantized_equal(both[2:], rows_out, "both's rows")
     # Dequantized, within half an e4m3 step (2^-4 relative) of x, or of e4m3's smallest
     # subnormal step (2^-9 of the scale) for the row's small values.
     q, scale = rows_out
@@ -608,39 +611,57 @@ def test_fp8_rounding_is_to_nearest_even_at_every_binade_edge():
     )
 
 
-def fp8_linear_case(dtype: torch.dtype, bias: bool):
+def fp8_linears_case(dtype: torch.dtype):
+    """x [3, 11, 48] read by two projections, of 40 outputs with a bias and of 16 without."""
     torch.manual_seed(0)
     x = torch.randn(3, 11, 48, dtype=dtype)
-    weight = torch.randn(40, 48, dtype=dtype) / 7
-    b = torch.randn(40, dtype=dtype) if bias else None
-    inputs = [x, weight] + ([b] if bias else [])
-    return inputs, [torch.randn(3, 11, 40, dtype=dtype)]
+    weights = [torch.randn(40, 48, dtype=dtype) / 7, torch.randn(16, 48, dtype=dtype) / 7]
+    bias = torch.randn(40, dtype=dtype)
+    grad_out = [torch.randn(3, 11, 40, dtype=dtype), torch.randn(3, 11, 16, dtype=dtype)]
+    return [x, *weights, bias], grad_out
 
 
-@pytest.mark.parametrize("bias", [False, True])
+def two_projections(linear):
+    return lambda x, w1, w2, b1: tuple(linear(x, [w1, w2], [b1, None]))
+
+
+FP8_NAMES = ["y1", "y2", "dx", "dW1", "dW2", "db1"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_linear_kernels_equal_the_reference_quantization(dtype, bias):
-    inputs, grad_out = fp8_linear_case(dtype, bias)
-    out, grads = forward_and_grads(kernels.fp8_linear, inputs, grad_out)
-    ref_out, ref_grads = forward_and_grads(kernels.fp8_linear_reference, inputs, grad_out)
-    names = ["out", "dx", "dW", "db"][: len(inputs) + 1]
-    for name, a, b in zip(names, out + grads, ref_out + ref_grads, strict=True):
+def test_fp8_linears_kernels_equal_the_reference_quantization(dtype):
+    inputs, grad_out = fp8_linears_case(dtype)
+    triton = forward_and_grads(two_projections(kernels.fp8_linears), inputs, grad_out)
+    reference = two_projections(lambda *a: kernels.fp8_linears(*a, triton_kernels=False))
+    ref = forward_and_grads(reference, inputs, grad_out)
+    for name, a, b in zip(FP8_NAMES, triton[0] + triton[1], ref[0] + ref[1], strict=True):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_fp8_linear_output_and_gradients_are_near_the_unquantized_linear(bias):
+def test_fp8_linears_output_and_gradients_are_near_the_unquantized_linear():
     """The CPU's dequantize-then-multiply path: checks the autograd wiring, which of the
     three products each gradient is, and that they differ from F.linear's only by the
     e4m3 rounding."""
-    inputs, grad_out = fp8_linear_case(torch.float32, bias)
-    out, grads = forward_and_grads(kernels.fp8_linear_reference, inputs, grad_out)
-    ref_out, ref_grads = forward_and_grads(torch.nn.functional.linear, inputs, grad_out)
-    names = ["out", "dx", "dW", "db"][: len(inputs) + 1]
-    for name, a, b in zip(names, out + grads, ref_out + ref_grads, strict=True):
+    inputs, grad_out = fp8_linears_case(torch.float32)
+    fp8 = forward_and_grads(two_projections(kernels.fp8_linears), inputs, grad_out)
+
+    def unquantized(x, weights, biases):
+        return [torch.nn.functional.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+
+    ref = forward_and_grads(two_projections(unquantized), inputs, grad_out)
+    for name, a, b in zip(FP8_NAMES, fp8[0] + fp8[1], ref[0] + ref[1], strict=True):
         error = ((a - b).norm() / b.norm()).item()
         assert error <= FP8_TOLERANCE, f"{name}: norm-wise error {error:.2e}"
-        assert error > 0 or name == "db", f"{name} was not computed in e4m3"
+        assert error > 0 or name == "db1", f"{name} was not computed in e4m3"
+
+
+def test_fp8_linears_of_a_frozen_weight_give_only_the_input_gradient():
+    inputs, grad_out = fp8_linears_case(torch.float32)
+    x, w1, w2, b1 = (leaf(t) for t in inputs)
+    w2.requires_grad_(False)
+    y1, y2 = kernels.fp8_linears(x, [w1, w2], [b1, None])
+    torch.autograd.backward([y1, y2], grad_out)
+    assert w2.grad is None and x.grad is not None and w1.grad is not None
 
 
 @pytest.mark.gpu
@@ -655,7 +676,7 @@ def test_fp8_linear_bf16_is_near_the_bf16_linear_at_llama3_8b_shapes(out_feature
     bias = torch.randn(out_features, device="cuda", dtype=torch.bfloat16)
     grad_out = [torch.randn(4096, out_features, device="cuda", dtype=torch.bfloat16)]
     inputs = [x, weight, bias]
-    fp8 = forward_and_grads(kernels.fp8_linear, inputs, grad_out)
+    fp8 = forward_and_grads(lambda x, w, b: kernels.fp8_linears(x, [w], [b]), inputs, grad_out)
     bf16 = forward_and_grads(torch.nn.functional.linear, inputs, grad_out)
     ref = forward_and_grads(
         torch.nn.functional.linear, [t.float() for t in inputs], [g.float() for g in grad_out]
