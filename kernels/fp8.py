@@ -66,8 +66,7 @@ def scaled_mm(a: torch.Tensor, a_scale, b: torch.Tensor, b_scale, out_dtype) -> 
 @triton.jit
 def _e4m3_bits(v):
     """The e4m3 byte nearest v (ties to even), |v| <= 448, by integer arithmetic on v's fp32
-    bits: exactly torch's cast on every backend (Triton's CPU interpreter rounds its own fp8
-    casts half up, and drops the carry into the exponent)."""
+    bits: torch's cast, where Triton's own is wrong (_to_e4m3)."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     magnitude = bits & 0x7FFFFFFF
@@ -86,8 +85,21 @@ def _e4m3_bits(v):
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_rows, dim, EPS: tl.constexpr,
-                          BLOCK: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+def _to_e4m3(v, BY_BITS: tl.constexpr):
+    """v (|v| <= 448) rounded to the nearest e4m3, ties to even, as its byte. The GPU converts
+    in hardware, at twice the speed of _e4m3_bits (bench/RESULTS.md, "FP8 linear"); Triton's
+    CPU interpreter rounds its fp8 casts half up and drops the carry into the exponent, so
+    there the rounding is done on v's bits."""
+    if BY_BITS:
+        return _e4m3_bits(v)
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, n_rows, dim, EPS: tl.constexpr, BY_BITS: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
     """ROWS whole rows a program: amax over the row, then q = x * (448 / amax), scale =
     amax / 448 (amax at least EPS). One read of x, held in registers."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -100,7 +112,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n_rows, dim, EPS: tl.constexp
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS)
     inverse = tl.math.div_rn(tl.full([ROWS], 448.0, tl.float32), amax)
     q = tl.clamp(x * inverse[:, None], -448.0, 448.0)
-    tl.store(q_ptr + offsets, _e4m3_bits(q), mask=mask)
+    tl.store(q_ptr + offsets, _to_e4m3(q, BY_BITS), mask=mask)
     scale = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), inverse)
     tl.store(scale_ptr + rows, scale, mask=row_mask)
 
@@ -129,8 +141,8 @@ def _amax_kernel(x_ptr, col_amax_ptr, row_amax_ptr, n_rows, dim, rows_per_progra
 
 @triton.jit
 def _quantize_tiles_kernel(x_ptr, col_amax_ptr, qt_ptr, row_amax_ptr, q_ptr, n_rows, dim,
-                           EPS: tl.constexpr, ROWS_TOO: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):  # fmt: skip
+                           EPS: tl.constexpr, BY_BITS: tl.constexpr, ROWS_TOO: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
     """Tile [BLOCK_M, BLOCK_N] of x [M, N], scaled by its columns' 448 / amax and stored
     transposed into qt [N, M]; with ROWS_TOO also scaled by its rows' and stored into q."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -143,12 +155,12 @@ def _quantize_tiles_kernel(x_ptr, col_amax_ptr, qt_ptr, row_amax_ptr, q_ptr, n_r
     amax = tl.load(col_amax_ptr + cols, mask=col_mask, other=1.0)
     inverse = tl.math.div_rn(tl.full([BLOCK_N], 448.0, tl.float32), tl.maximum(amax, EPS))
     q = tl.clamp(x * inverse[None, :], -448.0, 448.0)
-    tl.store(qt_ptr + cols[None, :] * n_rows + rows[:, None], _e4m3_bits(q), mask=mask)
+    tl.store(qt_ptr + cols[None, :] * n_rows + rows[:, None], _to_e4m3(q, BY_BITS), mask=mask)
     if ROWS_TOO:
         amax = tl.load(row_amax_ptr + rows, mask=row_mask, other=1.0)
         inverse = tl.math.div_rn(tl.full([BLOCK_M], 448.0, tl.float32), tl.maximum(amax, EPS))
         q = tl.clamp(x * inverse[:, None], -448.0, 448.0)
-        tl.store(q_ptr + rows[:, None] * dim + cols[None, :], _e4m3_bits(q), mask=mask)
+        tl.store(q_ptr + rows[:, None] * dim + cols[None, :], _to_e4m3(q, BY_BITS), mask=mask)
 
 
 # Rows longer than this do not fit one program's registers in _quantize_rows_kernel.
@@ -163,19 +175,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
     q = torch.empty(n_rows, dim, dtype=FP8, device=x.device)
     scale = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    # At least 4096 elements a program, 4 warps: the fastest of 2048-16384 and 4-16 warps at
+    # the 1B's shapes (bench/RESULTS.md, "FP8 linear").
     block = triton.next_power_of_2(dim)
     rows = max(4096 // block, 1)
     _quantize_rows_kernel[(triton.cdiv(n_rows, rows),)](
-        x, q.view(torch.uint8), scale, n_rows, dim, EPS=EPS, BLOCK=block, ROWS=rows,
-        num_warps=min(max(rows * block // 512, 1), 16),
+        x, q.view(torch.uint8), scale, n_rows, dim, EPS=EPS, BY_BITS=x.device.type != "cuda",
+        BLOCK=block, ROWS=rows,
+        num_warps=4,
     )  # fmt: skip
     return q, scale
 
 
 def _quantize_tiles(x: torch.Tensor, rows_too: bool) -> tuple[torch.Tensor, ...]:
     """quantize_columns's result, then quantize_rows's if rows_too, by two passes over x:
-    the amaxes, then the scaled copies. 64 x 64 tiles: of the sizes tried at 8B's shapes the
-    fastest or within 10% (bench/RESULTS.md, "FP8 linear")."""
+    the amaxes, then the scaled copies. 64 x 64 tiles and 4 warps: of the seven sizes tried
+    at the 1B's and 8B's shapes the fastest or within 5% (bench/RESULTS.md, "FP8 linear")."""
     n_rows, dim = x.shape
     x = x.contiguous()
     col_amax = torch.zeros(dim, dtype=torch.float32, device=x.device)
@@ -192,7 +207,7 @@ def _quantize_tiles(x: torch.Tensor, rows_too: bool) -> tuple[torch.Tensor, ...]
     )  # fmt: skip
     _quantize_tiles_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(dim, block_n))](
         x, col_amax, qt.view(torch.uint8), row_amax, q.view(torch.uint8), n_rows, dim, EPS=EPS,
-        ROWS_TOO=rows_too, BLOCK_M=block_m, BLOCK_N=block_n,
+        BY_BITS=x.device.type != "cuda", ROWS_TOO=rows_too, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     columns = (qt, _inverse_scale(col_amax).reciprocal())
     return columns + (q, _inverse_scale(row_amax).reciprocal()) if rows_too else columns

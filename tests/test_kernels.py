@@ -666,6 +666,19 @@ def test_fp8_linears_of_a_frozen_weight_give_only_the_input_gradient():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows, cols", [(4096, 4096), (4099, 14336), (1000, 1024)])
+def test_fp8_quantization_kernels_equal_their_references_on_cuda(rows, cols):
+    """The GPU's own e4m3 conversion (not the interpreter's bit arithmetic) rounds as torch."""
+    x = fp8_inputs(rows, cols, torch.bfloat16).cuda()
+    rows_out = kernels.fp8.quantize_rows(x)
+    assert_quantized_equal(rows_out, kernels.fp8.quantize_rows_reference(x), "rows")
+    both = kernels.fp8.quantize_both(x)
+    assert_quantized_equal(both[:2], kernels.fp8.quantize_columns_reference(x), "columns")
+    assert_quantized_equal(both[2:], rows_out, "both's rows")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("out_features, in_features", [(4096, 4096), (14336, 4096), (4096, 14336)])
 def test_fp8_linear_bf16_is_near_the_bf16_linear_at_llama3_8b_shapes(out_features, in_features):
     """cuBLAS's e4m3 matmul: output and the three gradients against the fp32 linear of the
