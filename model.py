@@ -48,6 +48,7 @@ from kernels import (
     apply_rope_reference,
     dequantize_nf4,
     dequantize_nf4_reference,
+    fp8_linears,
     linear_cross_entropy_reference,
     nf4_linear,
     quantize_nf4,
@@ -625,6 +626,11 @@ class Ops:
     apply_rope: Callable  # (q [B,S,H,Dh], k [B,S,Hkv,Dh], positions [B,S], inv_freq, scale) -> q, k
     swiglu: Callable  # (gate, up) -> silu(gate) * up
     linear_cross_entropy: Callable  # (hidden [N,D], weight [V,D], labels [N], ignore, reduction)
+    project: Callable  # (x, linears) -> [linear(x) for each], the projections reading one x
+
+
+def project(x: torch.Tensor, linears: Iterable[nn.Module]) -> list[torch.Tensor]:
+    return [linear(x) for linear in linears]
 
 
 REFERENCE_OPS = Ops(
@@ -632,6 +638,7 @@ REFERENCE_OPS = Ops(
     apply_rope=apply_rope_reference,
     swiglu=swiglu_reference,
     linear_cross_entropy=linear_cross_entropy_reference,
+    project=project,
 )
 
 
@@ -646,7 +653,24 @@ def triton_ops() -> Ops:
         # backward may write its gradients over them (kernels.swiglu).
         swiglu=functools.partial(kernels.swiglu, overwrite=True),
         linear_cross_entropy=kernels.linear_cross_entropy,
+        project=project,
     )
+
+
+def fp8_ops(ops: Ops, triton_kernels: bool) -> Ops:
+    """`ops` with the blocks' projections in FP8 (--fp8, kernels/fp8.py): the nn.Linear
+    layers among those that read one input in one fp8_linears call, which quantizes the input
+    once; others (LoRALinear) as they are. The output head and the embedding stay in bf16."""
+
+    def fp8_project(x: torch.Tensor, linears: Iterable[nn.Module]) -> list[torch.Tensor]:
+        outputs = [None if type(linear) is nn.Linear else linear(x) for linear in linears]
+        plain = [linear for linear in linears if type(linear) is nn.Linear]
+        quantized = iter(
+            fp8_linears(x, [m.weight for m in plain], [m.bias for m in plain], triton_kernels)
+        )
+        return [next(quantized) if out is None else out for out in outputs]
+
+    return dataclasses.replace(ops, project=fp8_project)
 
 
 # Attention backends by name. "auto" tries cuDNN first, the fastest at long sequences on
@@ -946,16 +970,18 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """Causal attention; `mask` (`Llama.attention_mask`) also keeps it inside documents."""
         bsz, seq_len, _ = x.shape
-        q = self.wq(x).view(bsz, seq_len, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        q, k, v = self.ops.project(x, (self.wq, self.wk, self.wv))
+        q = q.view(bsz, seq_len, self.n_heads, self.head_dim)
+        k = k.view(bsz, seq_len, self.n_kv_heads, self.head_dim)
+        v = v.view(bsz, seq_len, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.apply_rope(q, k, positions, inv_freq, self.rope_scale)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, Dh]
         out = self.attend(q, k, v, mask)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq_len, -1))
+        (out,) = self.ops.project(out.transpose(1, 2).reshape(bsz, seq_len, -1), (self.wo,))
+        return out
 
     def attend(
         self,
@@ -978,7 +1004,9 @@ class FeedForward(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.ops.swiglu(self.w1(x), self.w3(x)))
+        gate, up = self.ops.project(x, (self.w1, self.w3))
+        (out,) = self.ops.project(self.ops.swiglu(gate, up), (self.w2,))
+        return out
 
 
 class TransformerBlock(nn.Module):

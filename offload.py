@@ -55,7 +55,8 @@ ATTENTION_OPS = {
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
-SAVED_OPS = {"attention": ATTENTION_OPS, "selective": ATTENTION_OPS | {aten.mm.default}}
+MATMUL_OPS = {aten.mm.default, aten._scaled_mm.default}  # bf16, and FP8 (--fp8)
+SAVED_OPS = {"attention": ATTENTION_OPS, "selective": ATTENTION_OPS | MATMUL_OPS}
 
 
 def apply_ac(model: Llama, mode: str, every: int = 1) -> None:

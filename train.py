@@ -82,6 +82,7 @@ from model import (
     check_hf_checkpoint,
     check_peft_adapter,
     fill_weights,
+    fp8_ops,
     generate,
     parse_lora_targets,
     peak_flops,
@@ -227,6 +228,11 @@ class Options:
     )
     attention_backend: str = option("auto", "SDPA backend", choices=sorted(SDPA_BACKENDS))
     kernels: bool | None = option(None, "the Triton kernels (default: on with CUDA, off on CPU)")
+    fp8: bool = option(
+        False,
+        "the blocks' projections multiply in FP8 (e4m3, rowwise scales; kernels/fp8.py); "
+        "needs a GPU of compute capability 8.9+ (Ada, Hopper). MFU stays against bf16's peak",
+    )
     # Parallelism
     strategy: str = option("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
     context_parallel: int = option(
@@ -802,7 +808,14 @@ def check_this_machine(opts: Options) -> None:
     """The options that need a GPU, on a machine without one (shard.init_distributed takes
     a GPU where there is one)."""
     if torch.cuda.is_available():
+        if opts.fp8 and torch.cuda.get_device_capability() < (8, 9):
+            raise UsageError(
+                f"--fp8 needs FP8 matmuls (compute capability 8.9+: Ada, Hopper); this "
+                f"{torch.cuda.get_device_name()} has {torch.cuda.get_device_capability()}"
+            )
         return
+    if opts.fp8:
+        raise UsageError("--fp8 needs a GPU with FP8 matmuls (Ada, Hopper); this run has none")
     if opts.kernels and os.environ.get("TRITON_INTERPRET") != "1":
         raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
     if opts.memory_snapshot:
@@ -917,6 +930,8 @@ def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool
     LoRA run's frozen base, which is not in it."""
     with torch.device("meta"):
         ops = triton_ops() if plan.kernels else REFERENCE_OPS
+        if opts.fp8:
+            ops = fp8_ops(ops, plan.kernels)
         model = Llama(args, ops, opts.attention_backend, plan.document_mask)
     hf_path = opts.hf_checkpoint if not resumed or plan.lora else None
     adapter = opts.lora_adapter if not resumed else None
@@ -960,7 +975,8 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
     log(
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {params_text(args.num_params())} "
         f"params, {flops_per_token / 1e6:.1f} MFLOP/token ({4 if frozen else 6}N + 6LSd"
-        f"{'; MFU counts attention within documents' if masked else ''}) | "
+        f"{'; MFU counts attention within documents' if masked else ''}"
+        f"{'; MFU against the bf16 peak, matmuls in FP8' if opts.fp8 else ''}) | "
         f"data {dataset.path}: {dataset.n_tokens:,} tokens ({dataset.meta['tokenizer']}"
         f"{', attention masked between documents' if masked else ''}) | "
         f"{plural(world.world_size, 'process')} x {world.device.type}, "

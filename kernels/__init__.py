@@ -8,6 +8,7 @@ from kernels.cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_reference,
 )
+from kernels.fp8 import fp8_linears
 from kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, nf4_linear, quantize_nf4
 from kernels.rmsnorm import rms_norm, rms_norm_reference
 from kernels.rope import apply_rope, apply_rope_reference
@@ -19,6 +20,7 @@ __all__ = [
     "apply_rope_reference",
     "dequantize_nf4",
     "dequantize_nf4_reference",
+    "fp8_linears",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "nf4_linear",

@@ -29,6 +29,7 @@ from model import (
     Llama,
     ModelArgs,
     fill_weights,
+    fp8_ops,
     triton_ops,
 )
 from offload import (
@@ -42,6 +43,10 @@ from offload import (
 )
 
 FP32_RTOL = 1e-5
+# --fp8's gradients against the unquantized model's, norm-wise per tensor: each projection's
+# e4m3 rounding is within 6e-2 (tests/test_kernels.py), and the errors compound through the
+# tiny model's 4 blocks (measured up to 8.7e-2).
+FP8_TOLERANCE = 0.15
 ARGS = ModelArgs.from_name("tiny")
 # 2 x 40 tokens: no activation shares a shape with a weight (checked below).
 BATCH, SEQ = 2, 40
@@ -173,6 +178,47 @@ def test_triton_kernels_keep_gradients_under_checkpointing_and_offload(ac, tile)
     apply_mlp_tiling(model, tile_tokens=tile)
     grads, _ = gradients(model, offload=True)
     assert_grads_close(grads, want)
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "attention", "selective"])
+def test_fp8_projections_keep_gradients_under_checkpointing_and_offload(ac):
+    """--fp8's projections (model.fp8_ops; on the CPU the e4m3 values dequantized, then
+    multiplied): recomputation quantizes the same inputs again, and selective checkpointing
+    keeps the e4m3 matmuls' outputs, so each mode gives the gradients of the plain FP8 model.
+    Those are within FP8's error of the unquantized model's, and not equal to them."""
+    ops = fp8_ops(triton_ops(), triton_kernels=True)
+    want, _ = gradients(build(ops=ops))
+    grads, _ = gradients(build(ac, ops=ops), offload=True)
+    assert_grads_close(grads, want)
+    unquantized, _ = gradients(build(ops=triton_ops()))
+    for name, ref in unquantized.items():
+        error = ((want[name] - ref).norm() / ref.norm()).item()
+        assert error <= FP8_TOLERANCE, f"{name}: norm-wise error {error:.2e}"
+        if name.endswith(("wq.weight", "w2.weight")):
+            assert error > 0, f"{name}: not computed in e4m3"
+
+
+def test_selective_checkpointing_keeps_the_fp8_matmuls_outputs():
+    """The recompute of a selectively checkpointed FP8 block runs no matmul: its backward
+    runs as many as the unchekpointed model's, and full checkpointing's more."""
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            matmuls = (torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default)
+            Count.calls += func in matmuls
+            return func(*args, **(kwargs or {}))
+
+    def backward_matmuls(ac: str) -> int:
+        model = build(ac, ops=fp8_ops(triton_ops(), triton_kernels=True))
+        loss = model(*batch())
+        Count.calls = 0
+        with Count():
+            loss.backward()
+        return Count.calls
+
+    assert backward_matmuls("selective") == backward_matmuls("none") < backward_matmuls("full")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,294 @@
+"""FP8 (e4m3) linear layers with rowwise scales, the recipe of torchao's and torchtitan's
+"rowwise" float8 training.
+
+Each of a linear layer's three matmuls multiplies two e4m3 tensors, each scaled along the
+dimension the matmul does not sum over, and accumulates in fp32 (`torch._scaled_mm`):
+    y  = x  @ W^T    x per token (row),         W per output channel (row)
+    dx = dy @ W      dy per token (row),        W per input channel (column)
+    dW = dy^T @ x    dy per output channel (column), x per input channel (column)
+A scale is amax / 448 over its row or column (448 is e4m3's largest finite value), so each row
+uses e4m3's whole range and one outlier token spoils only its own row. An all-zero row gets the
+smallest scale, never zero or a non-finite one.
+
+Read in order: the plain-PyTorch references, the row and column quantization kernels, the
+autograd Function, and `fp8_linears`, F.linear for several weights that read one input.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+# The amax below which a row counts as zero: its scale is EPS / 448, still a normal float32.
+EPS = 1e-12
+
+
+def _inverse_scale(amax: torch.Tensor) -> torch.Tensor:
+    """What the values are multiplied by before the cast: 448 / amax, in fp32, correctly
+    rounded (a Python number over a tensor is a reciprocal times the number in torch)."""
+    amax = amax.float().clamp(min=EPS)
+    return torch.full_like(amax, FP8_MAX) / amax
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], scale [M] fp32) with x ~= q * scale[:, None]."""
+    inverse = _inverse_scale(x.abs().amax(dim=1))
+    q = (x.float() * inverse[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, inverse.reciprocal()
+
+
+def quantize_columns_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [K, M], scale [K] fp32): x's transpose, scaled per row of it."""
+    return quantize_rows_reference(x.t())
+
+
+def quantize_both_reference(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """quantize_columns_reference(x), then quantize_rows_reference(x): an output gradient
+    is needed both ways."""
+    return quantize_columns_reference(x) + quantize_rows_reference(x)
+
+
+def scaled_mm(a: torch.Tensor, a_scale, b: torch.Tensor, b_scale, out_dtype) -> torch.Tensor:
+    """(a * a_scale[:, None]) @ (b * b_scale[:, None])^T for e4m3 a [M, K] and b [N, K], in
+    fp32 accumulation. On the GPU, cuBLAS's e4m3 matmul; on the CPU the dequantized product,
+    which checks everything around the matmul (the tests' path; train.py refuses --fp8 there)."""
+    if a.device.type == "cuda":
+        # Rowwise scales need a bf16 output; an fp32 weight's gradient is cast after.
+        product = torch._scaled_mm(
+            a, b.t(), scale_a=a_scale[:, None], scale_b=b_scale[None, :], out_dtype=torch.bfloat16
+        )
+        return product.to(out_dtype)
+    product = (a.float() * a_scale[:, None]) @ (b.float() * b_scale[:, None]).t()
+    return product.to(out_dtype)
+
+
+@triton.jit
+def _e4m3_bits(v):
+    """The e4m3 byte nearest v (ties to even), |v| <= 448, by integer arithmetic on v's fp32
+    bits: torch's cast, where Triton's own is wrong (_to_e4m3)."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    magnitude = bits & 0x7FFFFFFF
+    exponent = magnitude >> 23
+    # Normal in e4m3 (|v| >= 2^-6): keep 3 of the 23 mantissa bits, rounding into the
+    # exponent on a carry; rebias the exponent from 127 to 7 (120 << 3 = 960).
+    rounded = magnitude + 0x7FFFF + ((magnitude >> 20) & 1)
+    normal = (rounded >> 20) - 960
+    # Subnormal in e4m3: a count of 2^-9, the significand shifted right by 14 - (exponent -
+    # 127) and rounded; 8 of them is the smallest normal number's byte, so a carry is right too.
+    significand = (magnitude & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(141 - exponent, 31)
+    half = (1 << (shift - 1)) - 1 + ((significand >> shift) & 1)
+    subnormal = (significand + half) >> shift
+    return (tl.where(exponent >= 121, normal, subnormal) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _to_e4m3(v, BY_BITS: tl.constexpr):
+    """v (|v| <= 448) rounded to the nearest e4m3, ties to even, as its byte. The GPU converts
+    in hardware, at twice the speed of _e4m3_bits (bench/RESULTS.md, "FP8 linear"); Triton's
+    CPU interpreter rounds its fp8 casts half up and drops the carry into the exponent, so
+    there the rounding is done on v's bits."""
+    if BY_BITS:
+        return _e4m3_bits(v)
+    return v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, n_rows, dim, EPS: tl.constexpr, BY_BITS: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """ROWS whole rows a program: amax over the row, then q = x * (448 / amax), scale =
+    amax / 448 (amax at least EPS). One read of x, held in registers."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & (cols < dim)[None, :]
+    offsets = rows[:, None] * dim + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    # Correctly rounded divisions (Triton's `/` is approximate on the GPU), as torch's.
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS)
+    inverse = tl.math.div_rn(tl.full([ROWS], 448.0, tl.float32), amax)
+    q = tl.clamp(x * inverse[:, None], -448.0, 448.0)
+    tl.store(q_ptr + offsets, _to_e4m3(q, BY_BITS), mask=mask)
+    scale = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), inverse)
+    tl.store(scale_ptr + rows, scale, mask=row_mask)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, col_amax_ptr, row_amax_ptr, n_rows, dim, rows_per_program,
+                 ROWS_TOO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Program (i, j): the amax of columns j*BLOCK_N.. over its range of rows, merged into
+    col_amax (zeros first) with an atomic max (|x| >= 0, so the float max is exact); with
+    ROWS_TOO each row's amax over these columns into row_amax too."""
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < dim
+    first = tl.program_id(0).to(tl.int64) * rows_per_program
+    last = tl.minimum(first + rows_per_program, n_rows)
+    amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(first, last, BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        mask = (rows < last)[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * dim + cols[None, :], mask=mask, other=0.0)
+        x = tl.abs(x.to(tl.float32))
+        amax = tl.maximum(amax, tl.max(x, axis=0))
+        if ROWS_TOO:
+            tl.atomic_max(row_amax_ptr + rows, tl.max(x, axis=1), mask=rows < last)
+    tl.atomic_max(col_amax_ptr + cols, amax, mask=col_mask)
+
+
+@triton.jit
+def _quantize_tiles_kernel(x_ptr, col_amax_ptr, qt_ptr, row_amax_ptr, q_ptr, n_rows, dim,
+                           EPS: tl.constexpr, BY_BITS: tl.constexpr, ROWS_TOO: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Tile [BLOCK_M, BLOCK_N] of x [M, N], scaled by its columns' 448 / amax and stored
+    transposed into qt [N, M]; with ROWS_TOO also scaled by its rows' and stored into q."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < dim
+    row_mask = rows < n_rows
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * dim + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.load(col_amax_ptr + cols, mask=col_mask, other=1.0)
+    inverse = tl.math.div_rn(tl.full([BLOCK_N], 448.0, tl.float32), tl.maximum(amax, EPS))
+    q = tl.clamp(x * inverse[None, :], -448.0, 448.0)
+    tl.store(qt_ptr + cols[None, :] * n_rows + rows[:, None], _to_e4m3(q, BY_BITS), mask=mask)
+    if ROWS_TOO:
+        amax = tl.load(row_amax_ptr + rows, mask=row_mask, other=1.0)
+        inverse = tl.math.div_rn(tl.full([BLOCK_M], 448.0, tl.float32), tl.maximum(amax, EPS))
+        q = tl.clamp(x * inverse[:, None], -448.0, 448.0)
+        tl.store(q_ptr + rows[:, None] * dim + cols[None, :], _to_e4m3(q, BY_BITS), mask=mask)
+
+
+# Rows longer than this do not fit one program's registers in _quantize_rows_kernel.
+MAX_ROW = 65536
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_reference's result, by one Triton pass over x."""
+    n_rows, dim = x.shape
+    if dim > MAX_ROW:
+        raise ValueError(f"quantize_rows supports rows of at most {MAX_ROW} elements, got {dim}")
+    x = x.contiguous()
+    q = torch.empty(n_rows, dim, dtype=FP8, device=x.device)
+    scale = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    # At least 4096 elements a program, 4 warps: the fastest of 2048-16384 and 4-16 warps at
+    # the 1B's shapes (bench/RESULTS.md, "FP8 linear").
+    block = triton.next_power_of_2(dim)
+    rows = max(4096 // block, 1)
+    _quantize_rows_kernel[(triton.cdiv(n_rows, rows),)](
+        x, q.view(torch.uint8), scale, n_rows, dim, EPS=EPS, BY_BITS=x.device.type != "cuda",
+        BLOCK=block, ROWS=rows,
+        num_warps=4,
+    )  # fmt: skip
+    return q, scale
+
+
+def _quantize_tiles(x: torch.Tensor, rows_too: bool) -> tuple[torch.Tensor, ...]:
+    """quantize_columns's result, then quantize_rows's if rows_too, by two passes over x:
+    the amaxes, then the scaled copies. 64 x 64 tiles and 4 warps: of the seven sizes tried
+    at the 1B's and 8B's shapes the fastest or within 5% (bench/RESULTS.md, "FP8 linear")."""
+    n_rows, dim = x.shape
+    x = x.contiguous()
+    col_amax = torch.zeros(dim, dtype=torch.float32, device=x.device)
+    row_amax = torch.zeros(n_rows if rows_too else 0, dtype=torch.float32, device=x.device)
+    qt = torch.empty(dim, n_rows, dtype=FP8, device=x.device)
+    q = torch.empty(n_rows if rows_too else 0, dim, dtype=FP8, device=x.device)
+    block_m, block_n = 64, 64
+    # Enough row ranges that the amax pass fills the GPU when the matrix is narrow.
+    splits = min(triton.cdiv(n_rows, block_m), max(1, 1024 // triton.cdiv(dim, block_n)))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
+    _amax_kernel[(triton.cdiv(n_rows, rows_per_program), triton.cdiv(dim, block_n))](
+        x, col_amax, row_amax, n_rows, dim, rows_per_program, ROWS_TOO=rows_too,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    _quantize_tiles_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(dim, block_n))](
+        x, col_amax, qt.view(torch.uint8), row_amax, q.view(torch.uint8), n_rows, dim, EPS=EPS,
+        BY_BITS=x.device.type != "cuda", ROWS_TOO=rows_too, BLOCK_M=block_m, BLOCK_N=block_n,
+    )  # fmt: skip
+    columns = (qt, _inverse_scale(col_amax).reciprocal())
+    return columns + (q, _inverse_scale(row_amax).reciprocal()) if rows_too else columns
+
+
+def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_columns_reference's result, by Triton: the amax pass, then the copy."""
+    return _quantize_tiles(x, rows_too=False)
+
+
+def quantize_both(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """quantize_both_reference's result in the two passes quantize_columns takes alone."""
+    return _quantize_tiles(x, rows_too=True)
+
+
+class _FP8Linears(torch.autograd.Function):
+    """ys[i] = x @ W_i^T (+ b_i) for the projections that read one input x, each matmul in
+    e4m3, x quantized once for all of them (by row in forward, by column in backward).
+    Saves x and the W_i as given (bf16), not their e4m3 copies: the backward needs them
+    scaled along the other dimension, and quantizing an e4m3 copy again would round twice."""
+
+    @staticmethod
+    def forward(ctx, x, quantizers, *weights_and_biases):
+        rows, _, _ = quantizers
+        weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
+        x2d = x.reshape(-1, x.shape[-1])
+        x_rows = rows(x2d)
+        ys = []
+        for weight, bias in zip(weights, biases, strict=True):
+            y = scaled_mm(*x_rows, *rows(weight), out_dtype=x.dtype)
+            # Not in place: selective checkpointing may hand back the matmul's kept output.
+            y = y if bias is None else y + bias
+            ys.append(y.view(*x.shape[:-1], weight.shape[0]))
+        ctx.save_for_backward(x2d, *weights)
+        ctx.quantizers, ctx.has_bias = quantizers, [b is not None for b in biases]
+        return tuple(ys)
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x2d, *weights = ctx.saved_tensors
+        rows, columns, both = ctx.quantizers
+        needs_weight, needs_bias = ctx.needs_input_grad[2::2], ctx.needs_input_grad[3::2]
+        x_columns = columns(x2d) if any(needs_weight) else None
+        dx, grads = None, []
+        for i, (weight, dy) in enumerate(zip(weights, dys, strict=True)):
+            dy2d = dy.reshape(-1, dy.shape[-1])
+            if needs_weight[i]:
+                dy_columns_q, dy_columns_scale, *dy_rows = both(dy2d)
+                dw = scaled_mm(dy_columns_q, dy_columns_scale, *x_columns, out_dtype=weight.dtype)
+            else:
+                dy_rows, dw = rows(dy2d), None
+            if ctx.needs_input_grad[0]:
+                part = scaled_mm(*dy_rows, *columns(weight), out_dtype=dy.dtype)
+                dx = part if dx is None else dx.add_(part)
+            db = None
+            if ctx.has_bias[i] and needs_bias[i]:
+                db = dy2d.sum(0, dtype=torch.float32).to(dy.dtype)
+            grads += [dw, db]
+        if dx is not None:
+            dx = dx.view(*dys[0].shape[:-1], x2d.shape[1])
+        return dx, None, *grads
+
+
+TRITON_QUANTIZERS = (quantize_rows, quantize_columns, quantize_both)
+REFERENCE_QUANTIZERS = (
+    quantize_rows_reference,
+    quantize_columns_reference,
+    quantize_both_reference,
+)
+
+
+def fp8_linears(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    triton_kernels: bool = True,
+) -> tuple[torch.Tensor, ...]:
+    """F.linear(x, w, b) for each weight and bias, each matmul in e4m3 (the module
+    docstring), the scales computed by the Triton kernels or their references. x [..., K],
+    each weight [N, K]; K, N and the number of tokens multiples of 16, as cuBLAS's e4m3
+    matmul requires."""
+    quantizers = TRITON_QUANTIZERS if triton_kernels else REFERENCE_QUANTIZERS
+    pairs = [t for pair in zip(weights, biases, strict=True) for t in pair]
+    return _FP8Linears.apply(x, quantizers, *pairs)
