@@ -1011,9 +1011,8 @@ class MemoryEstimate:
 @dataclass(frozen=True)
 class Plan:
     """How a run takes its steps: everything besides the model that the memory per rank
-    depends on, each field the train.py flag of the same name. make_plan chooses the fields
-    the options leave open and adds what the plan was made for (MADE_FOR): this one object
-    is what a run applies, prints and saves. Tests and estimate_memory use bare ones."""
+    depends on, each field the train.py flag of the same name. make_plan adds what the plan
+    was made for (MADE_FOR): one object a run applies, prints and saves."""
 
     seq_len: int
     micro_batch: int = 1  # sequences per rank per forward
@@ -1077,7 +1076,7 @@ class Plan:
         """Three lines and the estimate's table, printed at the start of a run."""
         m, cp, asked = self.machine, self.context_parallel, self.tokens_per_step_asked
         batch = ""
-        if asked and asked != self.tokens_per_step:
+        if asked and asked != self.tokens_per_step:  # whole sequences, or one (choose_plan)
             holders = "process" if cp == 1 else f"group of {cp} context-parallel processes"
             batch = f" ({asked:,} asked: rounded to whole sequences per {holders})"
             if self.tokens_per_step < asked and asked >= 2 * self.seq_len * self.world_size // cp:
@@ -1165,9 +1164,9 @@ def block_params(args: ModelArgs) -> int:
 
 @functools.cache
 def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
-    """Pinned host bytes of one rank's fp32 parameter shards: PyTorch's caching host
-    allocator rounds each tensor's shard (dim 0 split over the shard group) up to a power
-    of two (bench/RESULTS.md, "CPU offload at scale")."""
+    """Pinned host bytes of one rank's fp32 parameter shards: the caching host allocator
+    rounds each tensor's shard up to a power of two (bench/RESULTS.md, "CPU offload at
+    scale")."""
     with torch.device("meta"):
         shapes = [p.shape for p in Llama(args).parameters()]
     shards = (-(-s[0] // shard_size) * (s.numel() // s[0]) * 4 for s in shapes)
@@ -1218,11 +1217,10 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
 def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict, float, float]:
     """Under FSDP: the GPU's (parameters, gradients) at estimate_memory's moments (a block's
     backward with the gradient shard each later block has written), AdamW's moments on the
-    GPU, the host's bytes. Gathered in param_dtype (`p` bytes): the root from forward
-    through backward, the head from the end of forward through its backward, and two blocks
-    (the one running and the one prefetched) when resharded after forward, else all. A
-    unit's reduction copies its gradient into an fp32 buffer, reduce-scattered into the
-    fp32 shard."""
+    GPU, and the host's bytes. Gathered in param_dtype (`p` bytes): the root through the
+    step, the head from the end of forward through its backward, and two blocks (the one
+    running and the one prefetched) when resharded after forward, else all. A unit's
+    reduction copies its gradient into an fp32 buffer, reduce-scattered into its shard."""
     s = shard_group_size(plan.strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
     root, head = (w.embedding, w.head) if plan.lora is None else (0, 0)  # trained numel
     master = 0.0 if plan.cpu_offload else (4 * w.trained + w.frozen_bytes) / s
@@ -1262,11 +1260,10 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
 def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, float, float]:
     """sharded_state's terms for the optimizer in backward on one GPU, without FSDP: every
     param_dtype weight stays on the GPU; a gradient lives until the worker has copied it to
-    the host, the hook letting at most a block's worth wait (one larger alone: the head's);
-    a tied embedding's gradient from the head waits for the embedding's own. The host holds
-    the fp32 weights and moments (12 bytes a parameter), the pinned staging buffers of the
-    largest parameter (one for gradients, STAGING_SLOTS for weights) and the worker's fp32
-    copy of one gradient."""
+    the host, at most a block's worth waiting (one larger alone: the head's; a tied
+    embedding's from the head waits for its own). The host holds the fp32 weights and
+    moments, the pinned staging buffers of the largest parameter (one for gradients,
+    STAGING_SLOTS for weights) and the worker's fp32 copy of one gradient."""
     total, block, d = args.num_params(), block_params(args), args.dim
     largest_in_block = max(args.ffn_dim * d, d * d)
     largest = max(w.embedding, largest_in_block)
@@ -1568,21 +1565,14 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
 
 
 def make_plan(
-    opts: "train.Options",
-    args: ModelArgs,
-    machine: Machine,
-    document_mask: bool,
-    *,
-    lora: LoRAConfig | None = None,
-    long_documents: bool = True,
+    opts: "train.Options", args: ModelArgs, machine: Machine, document_mask: bool, **fixed
 ) -> Plan:
     """The plan of the run: what the options set, and the fastest choice for the rest that
     fits `machine` (choose_plan), with what it was made for. The step's sequences per rank
     (per context-parallel group): --batch-tokens (or its default) in whole sequences, or
-    --micro-batch x --grad-accum when both are given. `lora`: train.lora_config(opts)."""
-    base, wanted = options_plan(
-        opts, machine, lora=lora, document_mask=document_mask, long_documents=long_documents
-    )
+    --micro-batch x --grad-accum when both are given. `fixed`: the plan's `lora`
+    (train.lora_config) and `long_documents`."""
+    base, wanted = options_plan(opts, machine, document_mask=document_mask, **fixed)
     holders = machine.world_size // opts.context_parallel  # a group of ranks shares a row
     asked = opts.batch_tokens
     if opts.micro_batch and opts.grad_accum:
@@ -1685,8 +1675,11 @@ def choose_plan(
     set (`batch_is_fixed` False) and none does, one: without accumulation, whose gradients
     take memory, and where the optimizer in backward can run. Raises ValueError naming the
     largest terms of the closest plan, and what would make a plan fit."""
+    base = dataclasses.replace(
+        base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
+    )
     planner = Planner(args, machine, base, wanted, grad_clip)
-    if problems := plan_problems(args, dataclasses.replace(planner.base, **wanted), grad_clip):
+    if problems := plan_problems(args, dataclasses.replace(base, **wanted), grad_clip):
         raise UsageError("; ".join(problems))
     for n in [sequences] if batch_is_fixed or sequences == 1 else [sequences, 1]:
         if plan := planner.first_fit(n):
@@ -1696,21 +1689,15 @@ def choose_plan(
 
 @dataclass
 class Planner:
-    """A plan's choice: the model, the machine, what the plan does not choose (`base`:
-    seq_len, strategy, dtype, kernels...), the planned fields the user set (`wanted`, kept)
-    and the user's --grad-clip (None: the default, which follows the plan)."""
+    """A plan's choice: the model, the machine, what the plan does not choose (`base`: its
+    processes the machine's), the planned fields the user set (`wanted`, kept) and the
+    user's --grad-clip (None: the default, which follows the plan)."""
 
     args: ModelArgs
     machine: Machine
     base: Plan
     wanted: dict
     grad_clip: float | None = None
-
-    def __post_init__(self):  # the plan's processes are the machine's
-        m = self.machine
-        self.base = dataclasses.replace(
-            self.base, world_size=m.world_size, nproc_per_node=m.nproc_per_node
-        )
 
     def candidates(self, sequences: int) -> list[Plan]:
         """Every plan of `sequences` per rank per step that keeps the wanted fields and that
@@ -1769,12 +1756,10 @@ class Planner:
         return []
 
     def first_fit(self, sequences: int = 1) -> Plan | None:
-        fitting = (
-            p
-            for p in self.candidates(sequences)
-            if fits(estimate_memory(self.args, p), self.machine)
-        )
-        return next(fitting, None)
+        for plan in self.candidates(sequences):
+            if fits(estimate_memory(self.args, plan), self.machine):
+                return plan
+        return None
 
     def no_fit_message(self, sequences: int) -> str:
         """The closest plan (by the worse memory, then both), what it needs and its largest
@@ -1788,13 +1773,12 @@ class Planner:
         closest = min(self.candidates(sequences), key=closeness)
         est = estimate_memory(self.args, closest)
         largest = sorted(est.terms().items(), key=lambda term: -term[1])[:3]
+        largest = ", ".join(f"{name} {gib:.1f}" for name, gib in largest)
         where = "the CPU" if m.gpu_gib is None else f"{m.world_size} x {m.gpu_gib:.1f} GiB GPU"
         lines = [
             f"no plan fits {self.base.seq_len}-token sequences on {where} with {m.host_gib:.1f} "
             f"GiB of host memory per node ({plural(m.nproc_per_node, 'process')} on it).",
-            f"The closest, {closest.flags()}: {memory_line(est, m)}; its largest terms: "
-            + ", ".join(f"{name} {gib:.1f}" for name, gib in largest)
-            + " GiB.",
+            f"The closest, {closest.flags()}, {memory_line(est, m)}; most: {largest} GiB.",
         ]
         ways, tried = self.ways_to_fit()
         if ways:
@@ -1841,7 +1825,8 @@ class Planner:
             tried.append("more GPUs (up to 64x)")
             for world in (m.world_size * 2**k for k in range(1, 7)):
                 per_node = min(world, max(m.nproc_per_node, 8))
-                if fits_with({}, machine=Machine(world, per_node, m.gpu_gib, m.host_gib)):
+                machine = Machine(world, per_node, m.gpu_gib, m.host_gib)
+                if fits_with({"world_size": world, "nproc_per_node": per_node}, machine=machine):
                     ways.append(f"{world} GPUs ({per_node} per node)")
                     break
         tried.append("a shorter sequence")
