@@ -1177,8 +1177,7 @@ def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
 class Weights:
     """The model's weights by FSDP unit: the root (the embedding), the head ([norm, output],
     none when tied) and each block. Trained ones have fp32 master weights, gradients and
-    AdamW's moments; frozen ones (LoRA's base, its embedding and head too) are stored as
-    they are used."""
+    AdamW's moments; frozen ones (LoRA's base, ends included) are stored as they are used."""
 
     embedding: int  # numel of the root
     head: int  # numel of the head
@@ -1306,8 +1305,7 @@ def block_saved_bytes(args: ModelArgs, n: int, a: int, kernels: bool, mlp_tokens
 def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int | None:
     """What a checkpointed block keeps in the checkpoint's own cache (not through autograd's
     hooks, so activation offload leaves it on the GPU), None without checkpointing: the
-    outputs of offload.SAVED_OPS (attention's with its logsumexp; under selective every
-    matmul's too)."""
+    outputs of offload.SAVED_OPS (attention's and its logsumexp; selective: every matmul's)."""
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     attention = n * q * p + n * args.n_heads * 4
     matmuls = (n * q + 2 * n * kv + 2 * n * args.dim + 2 * n * args.ffn_dim) * p
@@ -1354,13 +1352,11 @@ def block_backward_bytes(
 
 
 def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int, int], int]:
-    """The activations on the GPU until the head's backward, in the backward of each block
-    that is a moment of estimate_memory's table (by index), and on the host. Each block
-    saves, through autograd's hooks (which activation offload takes to the host), its input
-    when checkpointed and everything otherwise (`ac_every` skips some). Activation offload
-    takes the first blocks' (by default all but the last, whose backward comes first). In
-    backward the blocks kept on the GPU come first, each freeing its own; then each
-    offloaded block is fetched with the one before it."""
+    """The activations on the GPU until the head's backward, in the backward of the blocks
+    that are moments of estimate_memory's table (by index), and on the host. A block saves,
+    through autograd's hooks (which activation offload takes to the host), its input when
+    checkpointed, else everything; in backward the blocks kept on the GPU come first, each
+    freeing its own, then each offloaded block is fetched with the one before it."""
     n, d, layers = plan.tokens, args.dim, args.n_layers
     mlp_tokens = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
     full_block = block_saved_bytes(args, n, p, plan.kernels, mlp_tokens)
@@ -1476,9 +1472,8 @@ SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
 ACTIVATION_OFFLOAD_COST = 0.01  # of the step, with checkpointing
 CPU_OFFLOAD_S_PER_PARAM = 0.75e-9  # per parameter of a rank's shard, per rank on the host
 IN_BACKWARD_S_PER_PARAM = 0.15e-9
-# What the planner chooses among where the user leaves a field open, fastest first at
-# equal cost: recomputation (offload.AC_MODES), MLP tiles (positions; shorter than the
-# sequence), the offloads.
+# What the planner chooses among where the user leaves a field open, fastest first at equal
+# cost: recomputation (offload.AC_MODES), MLP tiles (shorter than the sequence), offloads.
 CHOICES = {
     "ac": ("none", "selective", "attention", "full"),
     "mlp_tile": (0, 16384, 8192, 4096),
@@ -1489,9 +1484,8 @@ CHOICES = {
 # The fields the planner chooses, in the order of the plan's flags.
 PLANNED = ("ac", "mlp_tile", "activation_offload", "offload_blocks", "cpu_offload",
            "optimizer_in_backward", "micro_batch", "grad_accum")  # fmt: skip
-# The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; for
-# models under 100M parameters (the tiny preset of the default run and the tests), 16
-# sequences of 256 tokens.
+# The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; under
+# 100M parameters (the tiny preset of the default run and the tests), 16 x 256 tokens.
 BATCH_TOKENS = 2**19
 SMALL_MODEL_BATCH_TOKENS = 4096
 
@@ -1599,8 +1593,7 @@ def make_plan(
 
 
 def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float:
-    """The modelled time of one step of `plan` on one rank (see GPU_FLOPS above). Under
-    context parallelism a rank computes 1/N of each row's FLOPs."""
+    """The modelled time of one step of `plan` on one rank (GPU_FLOPS above says how)."""
     layers, d, s = args.n_layers, args.dim, plan.seq_len
     checkpointed = -(-layers // plan.ac_every) / layers
     blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
@@ -1700,9 +1693,8 @@ class Planner:
     grad_clip: float | None = None
 
     def candidates(self, sequences: int) -> list[Plan]:
-        """Every plan of `sequences` per rank per step that keeps the wanted fields and that
-        plan_problems allows, in the order the planner tries them. On the CPU only the
-        micro-batch is planned: there is no GPU memory to save."""
+        """The plans of `sequences` per rank per step that keep the wanted fields, in the order
+        they are tried. On the CPU only the micro-batch is planned: no GPU memory to save."""
         wanted, on_gpu = self.wanted, self.machine.gpu_gib is not None
         choices = {k: (wanted[k],) if k in wanted else v if on_gpu else v[:1]
                    for k, v in CHOICES.items()}  # fmt: skip
@@ -1789,9 +1781,8 @@ class Planner:
 
     def ways_to_fit(self) -> tuple[list[str], list[str]]:
         """The first change of each kind that makes a plan of one sequence per rank fit, as
-        flags, and the kinds tried: the planner's choice instead of the fields the user set;
-        context parallelism, LoRA or QLoRA, or both where neither alone does; more GPUs; a
-        shorter sequence."""
+        flags (context parallelism and LoRA together where neither alone does), and the kinds
+        tried."""
         m, base, wanted = self.machine, self.base, self.wanted
 
         def fits_with(fields: dict, **change) -> bool:
