@@ -1567,19 +1567,19 @@ def make_plan(
     --micro-batch x --grad-accum when both are given. `fixed`: the plan's `lora`
     (train.lora_config) and `long_documents`."""
     base, wanted = options_plan(opts, machine, document_mask=document_mask, **fixed)
-    holders = machine.world_size // opts.context_parallel  # a group of ranks shares a row
-    asked = opts.batch_tokens
+    cp, asked = opts.context_parallel, opts.batch_tokens
+    per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
     if opts.micro_batch and opts.grad_accum:
         sequences, batch_is_fixed = opts.micro_batch * opts.grad_accum, True
-        if asked and asked != sequences * opts.seq_len * holders:
+        if asked and asked != sequences * per_sequence:
             raise UsageError(
                 f"--batch-tokens {asked} is not --micro-batch {opts.micro_batch} x --grad-accum "
-                f"{opts.grad_accum} x {plural(holders, 'process')} x --seq-len {opts.seq_len} = "
-                f"{sequences * opts.seq_len * holders}; give two of the three"
+                f"{opts.grad_accum} x {plural(machine.world_size // cp, 'process')} x --seq-len "
+                f"{opts.seq_len} = {sequences * per_sequence}; give two of the three"
             )
     else:
         asked = asked or (SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS)
-        sequences = max(1, round(asked / (opts.seq_len * holders)))
+        sequences = max(1, round(asked / per_sequence))
         batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
     plan = choose_plan(args, machine, base, wanted, sequences, batch_is_fixed, opts.grad_clip)
     return dataclasses.replace(
