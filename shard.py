@@ -958,7 +958,6 @@ FROZEN_LEFT_OUT = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 # ----------------------------------------------------------------------------------------
-# ----------------------------------------------------------------------------------------
 # The plan (each field a train.py flag) and its memory estimate: what a run applies, prints
 # and saves in plan.json
 # ----------------------------------------------------------------------------------------
@@ -1308,6 +1307,7 @@ def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int |
     outputs of offload.SAVED_OPS (attention's and its logsumexp; selective: every matmul's)."""
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     attention = n * q * p + n * args.n_heads * 4
+    # wq, wk and wv; wo and w2 (dim wide); w1 and w3
     matmuls = (n * q + 2 * n * kv + 2 * n * args.dim + 2 * n * args.ffn_dim) * p
     cached = {"none": None, "full": 0, "attention": attention, "selective": attention + matmuls}
     if plan.ac not in cached:
@@ -1452,20 +1452,22 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 
 # The share of each memory a plan may fill by its estimate. GPU: twice the estimate's worst
 # miss against the measured peaks (bench/RESULTS.md, "The first block's backward, SwiGLU in
-# place, a 10% GPU margin"); with expandable segments (train.main's default) the caching
-# allocator can give back what it holds beyond its tensors. Host: the estimate is close to
-# the measured RSS ("CPU offload at scale"), to which each process adds torch, the CUDA
-# context and the loader (HOST_PROCESS_GIB; "The run plan with no memory flags").
+# place, a 10% GPU margin", "The block in backward, measured"); with expandable segments
+# (train.main's default) the caching allocator can give back what it holds beyond its
+# tensors. Host: the estimate is close to the measured RSS ("CPU offload at scale"), to
+# which each process adds torch, the CUDA context and the loader (HOST_PROCESS_GIB; "The
+# run plan with no memory flags").
 GPU_MARGIN = 0.10
 HOST_MARGIN = 0.05
 HOST_PROCESS_GIB = 2.0
 
 # Plans are ranked by a model of the step's time (step_seconds): its FLOPs, recomputation
 # included, at the rate measured runs sustained, plus the host time that offload leaves
-# uncovered. It orders plans as the runs of bench/RESULTS.md are ordered, and its seconds,
-# printed past a minute, are within 2x of each recorded step of dense rows ("Planner: the
-# step time's guess against the recorded steps"); tests/test_shard.py checks both. Packed
-# rows attend within documents: fewer FLOPs.
+# uncovered. It orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and
+# offload", "Long context, less memory", "CPU offload at scale", "Where the step time goes
+# at 128k tokens"), and its seconds, printed past a minute, are within 2x of each recorded
+# step of dense rows ("Planner: the step time's guess against the recorded steps");
+# tests/test_shard.py checks both. Packed rows attend within documents: fewer FLOPs.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
 SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
@@ -1593,7 +1595,9 @@ def make_plan(
 
 
 def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float:
-    """The modelled time of one step of `plan` on one rank (GPU_FLOPS above says how)."""
+    """The modelled time of one step of `plan` on one rank (GPU_FLOPS above says how). Under
+    context parallelism a rank computes 1/N of each row: seq_len / N tokens through the
+    blocks, the whole row's attention for H/N heads."""
     layers, d, s = args.n_layers, args.dim, plan.seq_len
     checkpointed = -(-layers // plan.ac_every) / layers
     blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
