@@ -1010,10 +1010,8 @@ class MemoryEstimate:
 @dataclass(frozen=True)
 class Plan:
     """How a run takes its steps: everything besides the model that the memory per rank
-    depends on, each field the train.py flag of the same name. `make_plan` chooses the
-    fields the options leave open and adds what the plan was made for (MADE_FOR), so that
-    this one object is what a run applies, prints (`format`) and saves (`to_json`); tests
-    and `estimate_memory` use bare ones."""
+    depends on, each field the train.py flag of the same name. make_plan adds what the plan
+    was made for (MADE_FOR): one object a run applies, prints and saves."""
 
     seq_len: int
     micro_batch: int = 1  # sequences per rank per forward
@@ -1043,9 +1041,13 @@ class Plan:
     seconds_per_step: float | None = None  # step_seconds on the machine's kind of device
 
     @property
+    def tokens(self) -> int:
+        """A rank's tokens in a forward: under context parallelism, its share of each row."""
+        return self.micro_batch * self.seq_len // self.context_parallel
+
+    @property
     def tokens_per_step(self) -> int:
-        rows_per_micro_batch = self.micro_batch * self.world_size // self.context_parallel
-        return self.seq_len * rows_per_micro_batch * self.grad_accum
+        return self.tokens * self.world_size * self.grad_accum
 
     def flags(self) -> str:
         """The train.py flags of the planned fields."""
@@ -1071,48 +1073,34 @@ class Plan:
 
     def format(self) -> str:
         """Three lines and the estimate's table, printed at the start of a run."""
-        m, cp, tokens, asked = self.machine, self.context_parallel, self.tokens_per_step, (
-            self.tokens_per_step_asked)  # fmt: skip
-        gpu, host = memory_needed(self.estimate, m)
+        m, cp, asked = self.machine, self.context_parallel, self.tokens_per_step_asked
         batch = ""
-        if asked and asked != tokens:
+        if asked and asked != self.tokens_per_step:  # whole sequences, or one (choose_plan)
             holders = "process" if cp == 1 else f"group of {cp} context-parallel processes"
-            batch = (
-                f" ({asked:,} asked: rounded to whole sequences per {holders})"
-                if tokens > asked or asked < 2 * self.seq_len * self.world_size // cp
-                else f" (of the {asked:,} asked: the optimizer in backward cannot accumulate)"
-                if self.optimizer_in_backward
-                else f" (of the {asked:,} asked: accumulating micro-batches keeps a whole fp32 "
-                "copy of the gradients on each GPU, which does not fit)"
-            )
+            batch = f" ({asked:,} asked: rounded to whole sequences per {holders})"
+            if self.tokens_per_step < asked and asked >= 2 * self.seq_len * self.world_size // cp:
+                why = "the optimizer in backward cannot accumulate"
+                if not self.optimizer_in_backward:
+                    why = "accumulating micro-batches keeps a whole fp32 copy of the gradients "
+                    why += "on each GPU, which does not fit"
+                batch = f" (of the {asked:,} asked: {why})"
         if self.grad_accum > 64:  # a step of hundreds of passes reads as a hang
-            batch += (
-                f" ({self.grad_accum} forward and backward passes a step: --batch-tokens "
-                f"{self.seq_len * self.micro_batch * self.world_size // cp:,} takes one)"
-            )
+            batch += f" ({self.grad_accum} forward and backward passes a step: --batch-tokens "
+            batch += f"{self.tokens * self.world_size:,} takes one)"
         ranks = plural(self.world_size, "process")
         if cp > 1:
             ranks = f"{plural(self.world_size // cp, 'group')} of {cp} context-parallel ranks"
         planned = ", ".join(self.planned) or "nothing: every option was given"
-        slow = ""
         if self.seconds_per_step and self.seconds_per_step > 60:
             device = "an H100" if m.gpu_gib is not None else "a 2-core CPU"
-            slow = (
-                f" | a step takes about {self.seconds_per_step / 60:.0f} min (a rough guess "
-                f"from a FLOP rate of {device})"
-            )
-        if m.gpu_gib is None:
-            where = "on the CPU, all of it on the host"
-        else:
-            where = f"needs {gpu:.1f} of {m.gpu_gib:.1f} GiB per GPU ({GPU_MARGIN:.0%} kept free)"
+            planned += f" | a step takes about {self.seconds_per_step / 60:.0f} min (a rough "
+            planned += f"guess from a FLOP rate of {device})"
         return "\n".join([
-            f"plan: {self.flags()} | {tokens:,} tokens/step{batch} = {self.seq_len} x "
-            f"{self.micro_batch} sequences x {self.grad_accum} micro-batches x {ranks} | "
-            f"planned: {planned}{slow}",
+            f"plan: {self.flags()} | {self.tokens_per_step:,} tokens/step{batch} = "
+            f"{self.seq_len} x {self.micro_batch} sequences x {self.grad_accum} micro-batches x "
+            f"{ranks} | planned: {planned}",
             self.estimate.format(on_gpu=m.gpu_gib is not None),
-            f"{plural(m.world_size, 'process')}: {where}; host {host:.1f} of {m.host_gib:.1f} "
-            f"GiB per node ({HOST_MARGIN:.0%} kept free; {plural(m.nproc_per_node, 'process')}, "
-            f"{HOST_PROCESS_GIB:.0f} GiB each besides the estimate)",
+            f"{plural(m.world_size, 'process')}: {memory_line(self.estimate, m)}",
         ])  # fmt: skip
 
     def format_measured(self, measured: dict) -> str:
@@ -1160,9 +1148,8 @@ def flags_of(fields: dict, negated: bool = False) -> str:
 
 @functools.cache  # the planner asks once per plan it tries
 def block_shapes(args: ModelArgs) -> dict[str, torch.Size]:
-    """A TransformerBlock's parameters by module and leaf (wq.weight ... w2.weight, the norms'
-    weights, Qwen2's wq.bias ...), built on the meta device: the estimate counts the model
-    itself, not a formula."""
+    """A block's parameters by module and leaf (wq.weight, Qwen2's wq.bias, the norms'...),
+    from the meta model: the estimate counts the model itself, not a formula."""
     with torch.device("meta"):
         # One block: which layers skip RoPE or slide a window changes none of its parameters.
         one = dataclasses.replace(args, n_layers=1, nope_layers=(), window_layers=())
@@ -1176,9 +1163,9 @@ def block_params(args: ModelArgs) -> int:
 
 @functools.cache
 def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
-    """Pinned host bytes of one rank's fp32 parameter shards: PyTorch's caching host
-    allocator hands out each tensor's shard (dim 0 split over the shard group) rounded up
-    to a power of two (bench/RESULTS.md, "CPU offload at scale")."""
+    """Pinned host bytes of one rank's fp32 parameter shards: the caching host allocator
+    rounds each tensor's shard up to a power of two (bench/RESULTS.md, "CPU offload at
+    scale")."""
     with torch.device("meta"):
         shapes = [p.shape for p in Llama(args).parameters()]
     shards = (-(-s[0] // shard_size) * (s.numel() // s[0]) * 4 for s in shapes)
@@ -1189,14 +1176,12 @@ def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
 class Weights:
     """The model's weights by FSDP unit: the root (the embedding), the head ([norm, output],
     none when tied) and each block. Trained ones have fp32 master weights, gradients and
-    AdamW's moments; frozen ones (LoRA's base) are stored as they are used."""
+    AdamW's moments; frozen ones (LoRA's base, ends included) are stored as they are used."""
 
     embedding: int  # numel of the root
     head: int  # numel of the head
     trained: int  # numel, all units
     frozen_bytes: int  # all units, stored in param_dtype or (quantized targets) NF4
-    root_trained: int
-    head_trained: int
     block_trained: int
     block_frozen_bytes: int
     dequantized: int  # numel of the largest NF4 weight, dequantized for its matmul, freed after
@@ -1205,66 +1190,45 @@ class Weights:
 def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) -> Weights:
     embedding = args.vocab_size * args.dim
     head = embedding + args.dim if not args.tie_embeddings else 0
-    block = block_params(args)
     if lora is None:
-        return Weights(embedding, head, trained=args.num_params(), frozen_bytes=0,
-                       root_trained=embedding, head_trained=head, block_trained=block,
-                       block_frozen_bytes=0, dequantized=0)  # fmt: skip
+        block = block_params(args)
+        return Weights(embedding, head, args.num_params(), 0, block, 0, dequantized=0)
     # A target's base in NF4 is its packed rows and scales, any other frozen weight
     # param_bytes a value. (The scales, 1/16384 of the rows, are whole on every rank: the
-    # estimate divides them over the shard group with the rest.)
-    targets = {
-        name: shape
-        for name, shape in block_shapes(args).items()
-        if name.removesuffix(".weight") in lora.targets  # a target's bias is not adapted
-    }
+    # estimate divides them over the shard group with the rest.) Biases are not adapted.
+    shapes = block_shapes(args)
+    targets = {k: s for k, s in shapes.items() if k.removesuffix(".weight") in lora.targets}
+    quantized = targets if lora.quantize_base else {}
+    base = sum(
+        nf4_stored_bytes(*s) if k in quantized else s.numel() * param_bytes
+        for k, s in shapes.items()
+    )
     adapters = sum(lora.rank * (n + k) for n, k in targets.values())
-    base = 0
-    for name, shape in block_shapes(args).items():
-        quantized = lora.quantize_base and name in targets
-        base += nf4_stored_bytes(*shape) if quantized else shape.numel() * param_bytes
-    largest = max(shape.numel() for shape in targets.values())
     return Weights(
         embedding, head, trained=args.n_layers * adapters,
         frozen_bytes=args.n_layers * base + param_bytes * (embedding + head),
-        root_trained=0, head_trained=0, block_trained=adapters, block_frozen_bytes=base,
-        dequantized=largest if lora.quantize_base else 0,
+        block_trained=adapters, block_frozen_bytes=base,
+        dequantized=max((s.numel() for s in quantized.values()), default=0),
     )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class State:
-    """Bytes of the parameters, gradients and optimizer state on the GPU at the moments of
-    estimate_memory's table, and on the host."""
-
-    weights: float  # from the loss's forward through the head's backward
-    weights_in_blocks: float
-    weights_at_end: float
-    accumulated: float  # earlier micro-batches' gradients
-    head_gradients: float  # in the head's backward, the accumulated ones included
-    block_gradients: float  # in a block's backward, the accumulated ones included
-    shards: tuple[float, float]  # the written gradient shards of the head and of each block
-    end_gradients: float
-    optimizer: float
-    host: float
-
-
-def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> State:
-    """Under FSDP, for `p` bytes a gathered weight. Gathered param_dtype weights: the root
-    (kept from forward through backward), the head (from the end of forward until its
-    backward is done) and the blocks: the one in backward and the one prefetched when
-    resharded after forward, all of them otherwise; with CPU offload, also the fp32 copy of
-    a block's largest shard before its cast. A unit's reduction: its param_dtype gradient
-    is copied into an fp32 buffer, which is reduce-scattered into the fp32 shard."""
+def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict, float, float]:
+    """Under FSDP: the GPU's (parameters, gradients) at estimate_memory's moments (a block's
+    backward with the gradient shard each later block has written), AdamW's moments on the
+    GPU, and the host's bytes. Gathered in param_dtype (`p` bytes): the root through the
+    step, the head from the end of forward through its backward, and two blocks (the one
+    running and the one prefetched) when resharded after forward, else all. A unit's
+    reduction copies its gradient into an fp32 buffer, reduce-scattered into its shard."""
     s = shard_group_size(plan.strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
-    master = (4 * w.trained + w.frozen_bytes) / s
+    root, head = (w.embedding, w.head) if plan.lora is None else (0, 0)  # trained numel
+    master = 0.0 if plan.cpu_offload else (4 * w.trained + w.frozen_bytes) / s
     optimizer = 2 * 4 * w.trained / s  # exp_avg, exp_avg_sq
-    gpu_master = 0.0 if plan.cpu_offload else master
-    gathered_blocks = 2 if _strategy(plan.strategy).reshard_after_forward else args.n_layers
+    blocks = 2 if _strategy(plan.strategy).reshard_after_forward else args.n_layers
     gathered = p * (w.embedding + w.head) + p * w.dequantized
-    gathered += gathered_blocks * (p * w.block_trained + w.block_frozen_bytes)
+    gathered += blocks * (p * w.block_trained + w.block_frozen_bytes)
+    # With CPU offload, the fp32 copy of a block's largest shard before its cast.
     staging = 4 * args.ffn_dim * args.dim / s if plan.cpu_offload else 0.0
-    in_use = gpu_master + gathered + staging
+    in_use = master + gathered + staging
     # Earlier micro-batches' gradients stay unsharded in fp32 until the last backward.
     accumulated = 4 * w.trained if plan.grad_accum > 1 else 0.0
     shard = 0.0 if plan.cpu_offload else 4 / s  # GPU bytes a trained parameter's shard holds
@@ -1274,51 +1238,42 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> State:
     # gradients only while their updates wait: a block's and the embedding's or output's.
     host = 0.0
     if plan.cpu_offload and plan.optimizer_in_backward:
-        waiting = w.block_trained + max(w.root_trained, w.head_trained)
-        host = 4 * (w.trained + waiting) / s + optimizer
+        host = 4 * (w.trained + w.block_trained + max(root, head)) / s + optimizer
     elif plan.cpu_offload:
         host = 2 * pinned_shard_bytes(args, s) + optimizer
-    return State(
-        weights=in_use,
-        # With CPU offload the recorded peaks still hold a tensor of the head's size through
-        # the blocks' backward (not analysed yet), so it stays counted there.
-        weights_in_blocks=in_use - (0.0 if plan.cpu_offload else p * w.head),
-        weights_at_end=gpu_master + p * w.embedding + staging,
-        accumulated=accumulated,
-        head_gradients=accumulated + (4 + 4 / s) * w.head_trained,
-        block_gradients=accumulated + w.block_trained * reduced,
-        shards=(shard * w.head_trained, shard * w.block_trained),
-        end_gradients=shard * (w.trained - w.root_trained) + w.root_trained * reduced,
-        optimizer=0.0 if plan.cpu_offload else optimizer,
-        host=host,
-    )
+    # With CPU offload the recorded peaks still hold a tensor of the head's size through the
+    # blocks' backward (not analysed yet), so it stays counted there.
+    in_blocks = in_use - (0.0 if plan.cpu_offload else p * w.head)
+    moments = {
+        "loss forward": (in_use, accumulated),
+        "head backward": (in_use, accumulated + (4 + 4 / s) * head),
+        "block backward": (in_blocks, accumulated + w.block_trained * reduced + shard * head,
+                           shard * w.block_trained),
+        "backward end": (master + p * w.embedding + staging,
+                         shard * (w.trained - root) + root * reduced),
+    }  # fmt: skip
+    return moments, (0.0 if plan.cpu_offload else optimizer), host
 
 
-def in_backward_state(args: ModelArgs, w: Weights, p: int) -> State:
-    """With the optimizer in backward on one GPU, without FSDP: every param_dtype weight
-    stays on the GPU, and a gradient lives until the worker has copied it to the host, the
-    hook letting at most a block's worth wait (one larger alone: the head's). A tied
-    embedding's gradient from the head waits in autograd for the embedding's own. The host
-    holds the fp32 weights and moments (12 bytes a parameter), the pinned staging buffers
-    of the largest parameter (one for gradients, STAGING_SLOTS for weights) and the
-    worker's fp32 copy of one gradient."""
-    total, d = args.num_params(), args.dim
-    block, largest_in_block = block_params(args), max(args.ffn_dim * d, d * d)
+def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, float, float]:
+    """sharded_state's terms for the optimizer in backward on one GPU, without FSDP: every
+    param_dtype weight stays on the GPU; a gradient lives until the worker has copied it to
+    the host, at most a block's worth waiting (one larger alone: the head's; a tied
+    embedding's from the head waits for its own). The host holds the fp32 weights and
+    moments, the pinned staging buffers of the largest parameter (one for gradients,
+    STAGING_SLOTS for weights) and the worker's fp32 copy of one gradient."""
+    total, block, d = args.num_params(), block_params(args), args.dim
+    largest_in_block = max(args.ffn_dim * d, d * d)
     largest = max(w.embedding, largest_in_block)
     pinned_slot = 1 << (largest * p - 1).bit_length()
     tied = w.embedding if args.tie_embeddings else 0
-    return State(
-        weights=p * total,
-        weights_in_blocks=p * total,
-        weights_at_end=p * total,
-        accumulated=0,
-        head_gradients=largest * p,
-        block_gradients=(block + largest_in_block) * p,
-        shards=(0, 0),
-        end_gradients=(block + largest + tied) * p,
-        optimizer=0.0,
-        host=12 * total + (1 + STAGING_SLOTS) * pinned_slot + 4 * largest,
-    )
+    moments = {
+        "loss forward": (p * total, 0),
+        "head backward": (p * total, largest * p),
+        "block backward": (p * total, (block + largest_in_block) * p, 0),
+        "backward end": (p * total, (block + largest + tied) * p),
+    }
+    return moments, 0.0, 12 * total + (1 + STAGING_SLOTS) * pinned_slot + 4 * largest
 
 
 def block_saved_bytes(args: ModelArgs, n: int, a: int, kernels: bool, mlp_tokens: int) -> int:
@@ -1348,55 +1303,44 @@ def block_saved_bytes(args: ModelArgs, n: int, a: int, kernels: bool, mlp_tokens
 
 def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int | None:
     """What a checkpointed block keeps in the checkpoint's own cache (not through autograd's
-    hooks, so activation offload leaves it on the GPU): nothing under full checkpointing,
-    attention's output and logsumexp under attention, and under selective the outputs of
-    every matmul too (offload.SAVED_OPS: wq, wk, wv, wo, w1, w3, w2). None: no checkpointing."""
+    hooks, so activation offload leaves it on the GPU), None without checkpointing: the
+    outputs of offload.SAVED_OPS (attention's and its logsumexp; selective: every matmul's)."""
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     attention = n * q * p + n * args.n_heads * 4
-    match plan.ac:
-        case "none":
-            return None
-        case "full":
-            return 0
-        case "attention":
-            cached = attention
-        case "selective":
-            # wq, wk and wv; wo and w2 (dim wide); w1 and w3
-            cached = attention + (n * q + 2 * n * kv + 2 * n * args.dim + 2 * n * args.ffn_dim) * p
-        case _:
-            raise UsageError(
-                f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
-            )
-    if plan.document_mask:
-        # The document-masked attention's kept output comes with its q, k and v, which its
-        # backward needs (offload._KeptAttention), and the outputs of long documents' causal
-        # prefixes, which the causal kernel keeps for its own backward
-        # (model.packed_attention): up to a row's worth.
-        cached += (n * q + 2 * n * kv) * p
-        cached += n * q * p if plan.long_documents else 0
-    return cached
+    # wq, wk and wv; wo and w2 (dim wide); w1 and w3
+    matmuls = (n * q + 2 * n * kv + 2 * n * args.dim + 2 * n * args.ffn_dim) * p
+    cached = {"none": None, "full": 0, "attention": attention, "selective": attention + matmuls}
+    if plan.ac not in cached:
+        raise UsageError(
+            f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
+        )
+    if not (plan.document_mask and cached[plan.ac]):
+        return cached[plan.ac]
+    # The document-masked attention's kept output comes with its q, k and v, which its
+    # backward needs (offload._KeptAttention), and the outputs of long documents' causal
+    # prefixes, which the causal kernel keeps for its own backward (model.packed_attention):
+    # up to a row's worth.
+    return cached[plan.ac] + (n * q + 2 * n * kv) * p + (n * q * p if plan.long_documents else 0)
 
 
 def block_backward_bytes(
     args: ModelArgs, plan: Plan, n: int, mlp_tokens: int, p: int, checkpointed: bool
 ) -> int:
     """What the block in backward holds beyond its saved input and the checkpoint's cache,
-    at the larger of its two moments (memory snapshots: bench/RESULTS.md, "The block in
-    backward, measured"): the MLP's backward, with h, normed h, a tile's gate, up and w2
-    input, three residual-sized gradients and one [tile, ffn_dim] gradient (SwiGLU's kernel
-    writes the others over gate and up); and attention's, with two residual-sized
-    gradients, dq, dk, dv and cuDNN's fp32 workspace (8 bytes a query element; under a
-    document mask FlexAttention's backward runs instead: this errs high there). Both hold
-    what attention's backward needs (normed x, q, k, v and, unless the checkpoint keeps
-    them, its output and logsumexp), counted in the saved tensors of a block not
-    checkpointed."""
+    at the larger of two moments (memory snapshots: bench/RESULTS.md, "The block in
+    backward, measured"): the MLP's backward (h, normed h, a tile's gate, up and w2 input,
+    three residual-sized gradients and one [tile, ffn_dim]: SwiGLU's kernel writes the
+    others over gate and up) and attention's (two residual-sized gradients, dq, dk, dv and
+    cuDNN's fp32 workspace, 8 bytes a query element; FlexAttention's under a document mask
+    needs less). Both hold what attention's backward needs, counted in the saved tensors of
+    a block not checkpointed."""
     d, f, h = args.dim, args.ffn_dim, args.n_heads
     q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
     mlp = 3 * n * d * p + mlp_tokens * f * p
     attention = 2 * n * d * p + (n * q + 2 * n * kv) * p + 8 * n * q
     if not checkpointed:
         return max(mlp, attention)
-    kept = plan.ac in ("attention", "selective")
+    kept = plan.ac in ("attention", "selective")  # attention's output and logsumexp
     attention_saved = (n * d + n * q + 2 * n * kv) * p + (0 if kept else n * q * p + n * h * 4)
     recomputed_tile = 1 if plan.ac == "selective" else 3  # selective keeps gate and up
     mlp += 2 * n * d * p + recomputed_tile * mlp_tokens * f * p
@@ -1407,29 +1351,22 @@ def block_backward_bytes(
     return attention_saved + max(mlp, attention)
 
 
-def offloaded_blocks(plan: Plan, layers: int) -> int:
-    """The first blocks, whose activations activation offload moves to the host: by default
-    all but the last (whose backward comes first)."""
-    if not plan.activation_offload:
-        return 0
-    return layers - 1 if plan.offload_blocks is None else plan.offload_blocks
-
-
-def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, list[int], int]:
-    """The activations on the GPU from the loss's forward into the head's backward, in each
-    block's backward, and on the host. Each block saves, through autograd's hooks (which
-    activation offload takes to the host), its input when checkpointed and everything
-    otherwise (`ac_every` skips some). In backward the blocks kept on the GPU come first,
-    each freeing its own; then each offloaded block is fetched with the one before it."""
-    n = plan.micro_batch * plan.seq_len // plan.context_parallel  # the tokens this rank holds
-    d, layers = args.dim, args.n_layers
+def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int, int], int]:
+    """The activations on the GPU until the head's backward, in the backward of the blocks
+    that are moments of estimate_memory's table (by index), and on the host. A block saves,
+    through autograd's hooks (which activation offload takes to the host), its input when
+    checkpointed, else everything; in backward the blocks kept on the GPU come first, each
+    freeing its own, then each offloaded block is fetched with the one before it."""
+    n, d, layers = plan.tokens, args.dim, args.n_layers
     mlp_tokens = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
     full_block = block_saved_bytes(args, n, p, plan.kernels, mlp_tokens)
     cached_by_mode = checkpoint_cache_bytes(args, plan, n, p)
     checkpointed = [cached_by_mode is not None and i % plan.ac_every == 0 for i in range(layers)]
     saved = [n * d * p if c else full_block for c in checkpointed]
     cached = [cached_by_mode if c else 0 for c in checkpointed]
-    offloaded = offloaded_blocks(plan, layers)
+    offloaded = 0
+    if plan.activation_offload:
+        offloaded = layers - 1 if plan.offload_blocks is None else plan.offload_blocks
     final_norm = n * d * p + n * 4 if plan.kernels else 2 * n * d * 4 + n * 4
 
     def in_backward(i: int) -> int:
@@ -1437,8 +1374,11 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, list[int
         working = block_backward_bytes(args, plan, n, mlp_tokens, p, checkpointed[i])
         return sum(on_gpu) + sum(cached[: i + 1]) + working
 
+    # The last block; each offloaded one but the first (later ones keep more of the
+    # checkpoint's cache, earlier ones see more gradient shards written); the first.
+    moments = [layers - 1, *range(1, offloaded), 0]
     kept = sum(saved[offloaded:]) + sum(cached) + final_norm
-    return kept, [in_backward(i) for i in range(layers)], sum(saved[:offloaded])
+    return kept, {i: in_backward(i) for i in moments}, sum(saved[:offloaded])
 
 
 def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[float, float, float]:
@@ -1447,8 +1387,7 @@ def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[float, float, float
     backward (hidden-sized and output-weight-sized). Reference: [N, V] fp32
     log-probabilities saved, then their gradient and the fp32 logits' one (12 bytes per
     logit), and the param_dtype logits' gradient."""
-    n = plan.micro_batch * plan.seq_len // plan.context_parallel
-    v, d = args.vocab_size, args.dim
+    n, v, d = plan.tokens, args.vocab_size, args.dim
     output_grad = 0 if plan.lora is not None else v * d * p  # a frozen output: no gradient
     fused_loss = min(CHUNK_LOGITS_BYTES, n * v * p) + n * d * p + output_grad
     loss = fused_loss if plan.kernels else n * v * (12 + p)
@@ -1464,48 +1403,46 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     """Memory per rank of one training step of `plan`, counted from the shapes at each
     moment of the table below: the peak is the largest. (The fused AdamW step needs less
     than backward's end.) Activations assume the cuDNN attention backend and, with
-    activation offload, host copies that keep up with compute (Planner.candidates says when).
-    Under context parallelism each rank holds seq_len / N tokens of each row, and for
-    attention the whole sequence for H/N heads: every activation term divides by N."""
+    activation offload, host copies that keep up with compute (Planner.candidates says
+    when). Under context parallelism each rank holds seq_len / N tokens of each row, and
+    for attention the whole row for H/N heads: every activation term divides by N."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
     w = count_weights(args, plan.lora, p)
     if plan.optimizer_in_backward and not plan.cpu_offload:
-        st = in_backward_state(args, w, p)
+        state, optimizer, host = in_backward_state(args, w, p)
     else:  # with CPU offload FSDP's state is counted, less its set of gradient shards
-        st = sharded_state(args, plan, w, p)
+        state, optimizer, host = sharded_state(args, plan, w, p)
     kept, in_backward, host_activations = activation_bytes(args, plan, p)
     loss_forward, loss_backward, loss_in_blocks = loss_bytes(args, plan, p)
-    last, offloaded = args.n_layers - 1, offloaded_blocks(plan, args.n_layers)
+    weights, gradients, written = state["block backward"]
+    last = args.n_layers - 1
+    names = {0: "first block backward", last: "last block backward"}  # one block: the last
 
-    def block(moment: str, i: int) -> tuple:
-        """The backward of block i: the head's gradient shard and the later blocks' written."""
-        gradients = st.block_gradients + st.shards[0] + (last - i) * st.shards[1]
-        return moment, st.weights_in_blocks, gradients, st.optimizer, in_backward[i], loss_in_blocks
+    def block(i: int) -> tuple:  # the head's gradient shard and the later blocks' written
+        moment = names.get(i, "offloaded block backward")
+        return moment, weights, gradients + (last - i) * written, in_backward[i], loss_in_blocks
 
-    # moment: parameters, gradients, optimizer state, activations, loss
+    # moment: parameters, gradients, activations, loss (and AdamW's moments throughout)
     moments = [
         # every saved activation and the fused loss's buffers, its fp32 ones included
-        ("loss forward", st.weights, st.accumulated, st.optimizer, kept, loss_forward),
+        ("loss forward", *state["loss forward"], kept, loss_forward),
         # every saved activation, and the head's (untied output's) gradient being reduced
-        ("head backward", st.weights, st.head_gradients, st.optimizer, kept, loss_backward),
-        # backward's first block, with every activation kept on the GPU still there
-        block("last block backward", last),
-        # an offloaded block but the first, fetched with the one before it: later ones keep
-        # more of the checkpoint's cache, earlier ones see more gradient shards written
-        *(block("offloaded block backward", i) for i in range(1, offloaded)),
-        # backward's last block, every other block's gradient shard written (the peak when
-        # activation offload leaves few activations on the GPU)
-        block("first block backward", 0),
+        ("head backward", *state["head backward"], kept, loss_backward),
+        # the last block, with every activation kept on the GPU; the offloaded ones, each
+        # fetched with the one before it; the first (the peak when activation offload
+        # leaves few activations on the GPU)
+        *(block(i) for i in in_backward),
         # activations freed, every shard written, the root's (embedding's) gradient reduced
-        ("backward end", st.weights_at_end, st.end_gradients, st.optimizer, 0, 0.0),
+        ("backward end", *state["backward end"], 0, 0.0),
     ]
     phase, *terms = max(moments, key=lambda moment: sum(moment[1:]))
-    parameters, gradients, optimizer, activations, loss = (term / GiB for term in terms)
+    parameters, gradients, activations, loss = (term / GiB for term in terms)
+    optimizer /= GiB
     return MemoryEstimate(
         args.num_params(), phase, parameters, gradients, optimizer, activations, loss,
         overhead=OVERHEAD_GIB,
         gpu_total=parameters + gradients + optimizer + activations + loss + OVERHEAD_GIB,
-        host_total=(st.host + host_activations) / GiB,
+        host_total=(host + host_activations) / GiB,
     )  # fmt: skip
 
 
@@ -1515,11 +1452,11 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 
 # The share of each memory a plan may fill by its estimate. GPU: twice the estimate's worst
 # miss against the measured peaks (bench/RESULTS.md, "The first block's backward, SwiGLU in
-# place, a 10% GPU margin" and "The block in backward, measured"); with expandable segments
+# place, a 10% GPU margin", "The block in backward, measured"); with expandable segments
 # (train.main's default) the caching allocator can give back what it holds beyond its
-# tensors. Host: the estimate is close to the measured RSS ("CPU
-# offload at scale"), to which each process adds torch, the CUDA context and the loader
-# (HOST_PROCESS_GIB; "The run plan with no memory flags").
+# tensors. Host: the estimate is close to the measured RSS ("CPU offload at scale"), to
+# which each process adds torch, the CUDA context and the loader (HOST_PROCESS_GIB; "The
+# run plan with no memory flags").
 GPU_MARGIN = 0.10
 HOST_MARGIN = 0.05
 HOST_PROCESS_GIB = 2.0
@@ -1528,8 +1465,8 @@ HOST_PROCESS_GIB = 2.0
 # included, at the rate measured runs sustained, plus the host time that offload leaves
 # uncovered. It orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and
 # offload", "Long context, less memory", "CPU offload at scale", "Where the step time goes
-# at 128k tokens"), and its seconds, printed past a minute, are within 2x of each step of
-# dense rows recorded there ("Planner: the step time's guess against the recorded steps");
+# at 128k tokens"), and its seconds, printed past a minute, are within 2x of each recorded
+# step of dense rows ("Planner: the step time's guess against the recorded steps");
 # tests/test_shard.py checks both. Packed rows attend within documents: fewer FLOPs.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
@@ -1537,9 +1474,8 @@ SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
 ACTIVATION_OFFLOAD_COST = 0.01  # of the step, with checkpointing
 CPU_OFFLOAD_S_PER_PARAM = 0.75e-9  # per parameter of a rank's shard, per rank on the host
 IN_BACKWARD_S_PER_PARAM = 0.15e-9
-# What the planner chooses among where the user leaves a field open (None), fastest first
-# at equal cost: recomputation (offload.AC_MODES), MLP tiles (positions; shorter than the
-# sequence), the offloads.
+# What the planner chooses among where the user leaves a field open, fastest first at equal
+# cost: recomputation (offload.AC_MODES), MLP tiles (shorter than the sequence), offloads.
 CHOICES = {
     "ac": ("none", "selective", "attention", "full"),
     "mlp_tile": (0, 16384, 8192, 4096),
@@ -1550,16 +1486,15 @@ CHOICES = {
 # The fields the planner chooses, in the order of the plan's flags.
 PLANNED = ("ac", "mlp_tile", "activation_offload", "offload_blocks", "cpu_offload",
            "optimizer_in_backward", "micro_batch", "grad_accum")  # fmt: skip
-# The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; for
-# models under 100M parameters (the tiny preset of the default run and the tests), 16
-# sequences of 256 tokens.
+# The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; under
+# 100M parameters (the tiny preset of the default run and the tests), 16 x 256 tokens.
 BATCH_TOKENS = 2**19
 SMALL_MODEL_BATCH_TOKENS = 4096
 
 
 def options_plan(opts: "train.Options", machine: Machine, **fixed) -> tuple[Plan, dict]:
-    """What the options (train.Options) fix of the plan, with `fixed` (the data's and
-    LoRA's fields), and the planned fields they set: the planner keeps them."""
+    """What the options fix of the plan, with `fixed` (the data's and LoRA's fields), and
+    the planned fields they set (`wanted`: the planner keeps them)."""
     on_gpu = machine.gpu_gib is not None
     base = Plan(
         opts.seq_len, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node,
@@ -1585,7 +1520,7 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
     """Every rule of the techniques and their combinations, stated once: the options are
     checked by it (technique_problems) and the planner tries only plans it allows.
     `grad_clip`: the user's --grad-clip (None: the default, which follows the plan)."""
-    problems, cp = [], plan.context_parallel
+    problems, cp, blocks = [], plan.context_parallel, plan.offload_blocks
     if cp >= 1:  # train.check_options refuses the rest
         if plan.seq_len % cp:
             problems.append(f"--context-parallel {cp} must divide --seq-len {plan.seq_len}")
@@ -1596,75 +1531,58 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
                 check(*given)
             except UsageError as e:
                 problems.append(str(e))
-    blocks = plan.offload_blocks
     if blocks is not None and not (plan.activation_offload and 0 <= blocks < args.n_layers):
         problems.append(
             f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
             f"{args.n_layers - 1} (the model's blocks but the last)"
         )
-    if plan.optimizer_in_backward:
-        # Each parameter is updated during backward, before the step's last gradient exists.
-        # Without CPU offload it runs without FSDP, on one GPU; with it, on FULL_SHARD's
-        # shards (offload.ShardedOptimizerInBackward), whose norm sums over all ranks.
-        refused = {
-            f"--strategy {plan.strategy} (FULL_SHARD only)": plan.strategy != "FULL_SHARD",
-            f"--grad-clip {grad_clip} (the global norm is known only after the updates; pass "
-            "--grad-clip 0)": bool(grad_clip),
-            f"--grad-accum {plan.grad_accum} (the updates happen in every backward)": (
-                plan.grad_accum > 1
-            ),
-            f"{plural(plan.world_size, 'process')} without --cpu-offload (it runs on one GPU)": (
-                plan.world_size > 1 and not plan.cpu_offload
-            ),
-        }
-        problems += [
-            f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
-        ]
-        if plan.lora is not None:
-            problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
+    if not plan.optimizer_in_backward:
+        return problems
+    # Each parameter is updated during backward, before the step's last gradient exists.
+    # Without CPU offload it runs without FSDP, on one GPU; with it, on FULL_SHARD's shards
+    # (offload.ShardedOptimizerInBackward), whose norm sums over all ranks.
+    refused = {
+        f"--strategy {plan.strategy} (FULL_SHARD only)": plan.strategy != "FULL_SHARD",
+        f"--grad-clip {grad_clip} (the global norm is known only after the updates; pass "
+        "--grad-clip 0)": bool(grad_clip),
+        f"--grad-accum {plan.grad_accum} (the updates happen in every backward)": (
+            plan.grad_accum > 1
+        ),
+        f"{plural(plan.world_size, 'process')} without --cpu-offload (it runs on one GPU)": (
+            plan.world_size > 1 and not plan.cpu_offload
+        ),
+    }
+    problems += [
+        f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
+    ]
+    if plan.lora is not None:
+        problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
     return problems
 
 
-def sequences_per_step(
-    opts: "train.Options", args: ModelArgs, machine: Machine
-) -> tuple[int, bool, int | None]:
-    """Sequences per rank (per context-parallel group) per step, whether the user fixed
-    them, and the tokens per step asked for: --batch-tokens (or its default) in whole
-    sequences; or --micro-batch x --grad-accum when both are given, the tokens then asked
-    only by --batch-tokens."""
-    cp = opts.context_parallel
-    per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
-    if opts.micro_batch and opts.grad_accum:
-        sequences = opts.micro_batch * opts.grad_accum
-        if opts.batch_tokens and opts.batch_tokens != sequences * per_sequence:
-            raise UsageError(
-                f"--batch-tokens {opts.batch_tokens} is not --micro-batch {opts.micro_batch} x "
-                f"--grad-accum {opts.grad_accum} x {plural(machine.world_size // cp, 'process')}"
-                f" x --seq-len {opts.seq_len} = {sequences * per_sequence}; give two of the three"
-            )
-        return sequences, True, opts.batch_tokens
-    small = args.num_params() < 100e6
-    batch = opts.batch_tokens or (SMALL_MODEL_BATCH_TOKENS if small else BATCH_TOKENS)
-    batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
-    return max(1, round(batch / per_sequence)), batch_is_fixed, batch
-
-
 def make_plan(
-    opts: "train.Options",
-    args: ModelArgs,
-    machine: Machine,
-    document_mask: bool,
-    *,
-    lora: LoRAConfig | None = None,
-    long_documents: bool = True,
+    opts: "train.Options", args: ModelArgs, machine: Machine, document_mask: bool, **fixed
 ) -> Plan:
     """The plan of the run: what the options set, and the fastest choice for the rest that
-    fits `machine` (choose_plan), with what it was made for. `lora`:
-    train.lora_config(opts), built once there."""
-    base, wanted = options_plan(
-        opts, machine, lora=lora, document_mask=document_mask, long_documents=long_documents
-    )
-    sequences, batch_is_fixed, asked = sequences_per_step(opts, args, machine)
+    fits `machine` (choose_plan), with what it was made for. The step's sequences per rank
+    (per context-parallel group): --batch-tokens (or its default) in whole sequences, or
+    --micro-batch x --grad-accum when both are given. `fixed`: the plan's `lora`
+    (train.lora_config) and `long_documents`."""
+    base, wanted = options_plan(opts, machine, document_mask=document_mask, **fixed)
+    cp, asked = opts.context_parallel, opts.batch_tokens
+    per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
+    if opts.micro_batch and opts.grad_accum:
+        sequences, batch_is_fixed = opts.micro_batch * opts.grad_accum, True
+        if asked and asked != sequences * per_sequence:
+            raise UsageError(
+                f"--batch-tokens {asked} is not --micro-batch {opts.micro_batch} x --grad-accum "
+                f"{opts.grad_accum} x {plural(machine.world_size // cp, 'process')} x --seq-len "
+                f"{opts.seq_len} = {sequences * per_sequence}; give two of the three"
+            )
+    else:
+        asked = asked or (SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS)
+        sequences = max(1, round(asked / per_sequence))
+        batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
     plan = choose_plan(args, machine, base, wanted, sequences, batch_is_fixed, opts.grad_clip)
     return dataclasses.replace(
         plan,
@@ -1677,9 +1595,9 @@ def make_plan(
 
 
 def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float:
-    """The modelled time of one step of `plan` on one rank (see GPU_FLOPS above). A rank
-    computes its share of each row: under context parallelism seq_len / N tokens through
-    the blocks, and attention over the whole row for H/N heads, 1/N of the row's FLOPs."""
+    """The modelled time of one step of `plan` on one rank (GPU_FLOPS above says how). Under
+    context parallelism a rank computes 1/N of each row: seq_len / N tokens through the
+    blocks, the whole row's attention for H/N heads."""
     layers, d, s = args.n_layers, args.dim, plan.seq_len
     checkpointed = -(-layers // plan.ac_every) / layers
     blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
@@ -1695,18 +1613,16 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     if 0 < plan.mlp_tile < s:  # the MLP's forward once more, where no block recompute was
         recomputing_mlp = checkpointed if plan.ac in ("full", "attention") else 0.0
         per_token += (1 - recomputing_mlp) * 2 * layers * 3 * d * args.ffn_dim
-    tokens = s * plan.micro_batch * plan.grad_accum / plan.context_parallel
-    compute_s = tokens * per_token / flops
+    compute_s = plan.tokens * plan.grad_accum * per_token / flops
     if plan.activation_offload:
         compute_s *= 1 + ACTIVATION_OFFLOAD_COST
-    host_s = 0.0
+    per_node = plan.nproc_per_node or plan.world_size
     if plan.cpu_offload:  # with the optimizer in backward too: its updates overlap backward
-        per_node = plan.nproc_per_node or plan.world_size
         shard = shard_group_size(plan.strategy, plan.world_size, per_node)
-        host_s = args.num_params() / shard * CPU_OFFLOAD_S_PER_PARAM * per_node
-    elif plan.optimizer_in_backward:  # the host's updates that backward leaves uncovered
-        host_s = args.num_params() * IN_BACKWARD_S_PER_PARAM
-    return compute_s + host_s
+        return compute_s + args.num_params() / shard * CPU_OFFLOAD_S_PER_PARAM * per_node
+    if plan.optimizer_in_backward:  # the host's updates that backward leaves uncovered
+        return compute_s + args.num_params() * IN_BACKWARD_S_PER_PARAM
+    return compute_s
 
 
 def memory_needed(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
@@ -1730,6 +1646,19 @@ def fits(est: MemoryEstimate, machine: Machine) -> bool:
     return max(overshoot(est, machine)) <= 1
 
 
+def memory_line(est: MemoryEstimate, machine: Machine) -> str:
+    """What a plan needs of the machine, beside what it has and the margins kept free."""
+    gpu, host = memory_needed(est, machine)
+    where = "on the CPU, all of it on the host"
+    if machine.gpu_gib is not None:
+        where = f"needs {gpu:.1f} of {machine.gpu_gib:.1f} GiB per GPU ({GPU_MARGIN:.0%} kept free)"
+    return (
+        f"{where}; host {host:.1f} of {machine.host_gib:.1f} GiB per node ({HOST_MARGIN:.0%} "
+        f"kept free; {plural(machine.nproc_per_node, 'process')}, {HOST_PROCESS_GIB:.0f} GiB "
+        "each besides the estimate)"
+    )
+
+
 def choose_plan(
     args: ModelArgs,
     machine: Machine,
@@ -1739,13 +1668,15 @@ def choose_plan(
     batch_is_fixed: bool,
     grad_clip: float | None = None,
 ) -> Plan:
-    """The first plan that fits (Planner.first_fit). When the batch was not set
-    (`batch_is_fixed` False) and none does, one sequence per rank per step is tried:
-    without accumulation, whose gradients take memory, and where the optimizer in backward
-    can run. Raises ValueError naming the largest terms of the closest plan, and what
-    would make a plan fit."""
+    """The first plan that fits, of `sequences` per rank per step. When the batch was not
+    set (`batch_is_fixed` False) and none does, one: without accumulation, whose gradients
+    take memory, and where the optimizer in backward can run. Raises ValueError naming the
+    largest terms of the closest plan, and what would make a plan fit."""
+    base = dataclasses.replace(
+        base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
+    )
     planner = Planner(args, machine, base, wanted, grad_clip)
-    if problems := plan_problems(args, dataclasses.replace(planner.base, **wanted), grad_clip):
+    if problems := plan_problems(args, dataclasses.replace(base, **wanted), grad_clip):
         raise UsageError("; ".join(problems))
     for n in [sequences] if batch_is_fixed or sequences == 1 else [sequences, 1]:
         if plan := planner.first_fit(n):
@@ -1755,9 +1686,9 @@ def choose_plan(
 
 @dataclass
 class Planner:
-    """A plan's choice: the model, the machine, what the plan does not choose (`base`:
-    seq_len, strategy, dtype, kernels...), the planned fields the user set (`wanted`, kept)
-    and the user's --grad-clip (None: the default, which follows the plan)."""
+    """A plan's choice: the model, the machine, what the plan does not choose (`base`: its
+    processes the machine's), the planned fields the user set (`wanted`, kept) and the
+    user's --grad-clip (None: the default, which follows the plan)."""
 
     args: ModelArgs
     machine: Machine
@@ -1765,16 +1696,9 @@ class Planner:
     wanted: dict
     grad_clip: float | None = None
 
-    def __post_init__(self):  # the plan's processes are the machine's
-        m = self.machine
-        self.base = dataclasses.replace(
-            self.base, world_size=m.world_size, nproc_per_node=m.nproc_per_node
-        )
-
     def candidates(self, sequences: int) -> list[Plan]:
-        """Every plan of `sequences` per rank per step that keeps the wanted fields and that
-        plan_problems allows, in the order the planner tries them. On the CPU only the
-        micro-batch is planned: there is no GPU memory to save."""
+        """The plans of `sequences` per rank per step that keep the wanted fields, in the order
+        they are tried. On the CPU only the micro-batch is planned: no GPU memory to save."""
         wanted, on_gpu = self.wanted, self.machine.gpu_gib is not None
         choices = {k: (wanted[k],) if k in wanted else v if on_gpu else v[:1]
                    for k, v in CHOICES.items()}  # fmt: skip
@@ -1787,13 +1711,12 @@ class Planner:
             micro_batches = [m for m in range(sequences, 0, -1) if sequences % m == 0]
         plans = []
         for *values, micro_batch in itertools.product(*choices.values(), micro_batches):
-            plan = dataclasses.replace(self.base, **dict(zip(choices, values, strict=True)))
             plan = dataclasses.replace(
-                plan,
-                micro_batch=micro_batch,
+                self.base, **dict(zip(choices, values, strict=True)), micro_batch=micro_batch,
                 grad_accum=accum or max(1, round(sequences / micro_batch)),
-                offload_blocks=wanted.get("offload_blocks") if plan.activation_offload else None,
-            )
+            )  # fmt: skip
+            if plan.activation_offload:
+                plan = dataclasses.replace(plan, offload_blocks=wanted.get("offload_blocks"))
             plans.append(plan)
             if plan.activation_offload and "offload_blocks" not in wanted:
                 plans += self.partial_offload(plan)
@@ -1814,9 +1737,8 @@ class Planner:
         )  # fmt: skip
 
     def partial_offload(self, plan: Plan) -> list[Plan]:
-        """`plan` (activation offload of all blocks but the last) with only the first N
-        blocks offloaded, N the most whose activations the host holds (leaving the GPU the
-        most room), for a host that cannot hold them all; none where it can, or where it
+        """`plan` with only the first N blocks offloaded, N the most whose activations the
+        host holds, for a host that cannot hold them all; none where it can, or where it
         cannot hold even the rest of the plan."""
 
         def host_overflows(n: int) -> bool:
@@ -1830,15 +1752,14 @@ class Planner:
         return []
 
     def first_fit(self, sequences: int = 1) -> Plan | None:
-        """The first candidate whose estimate fits the machine with the margins above."""
         for plan in self.candidates(sequences):
             if fits(estimate_memory(self.args, plan), self.machine):
                 return plan
         return None
 
     def no_fit_message(self, sequences: int) -> str:
-        """Which plan came closest (the worse memory, then both), its largest terms, and the
-        ways to fit (ways_to_fit)."""
+        """The closest plan (by the worse memory, then both), what it needs and its largest
+        terms, and the ways to fit (ways_to_fit)."""
         m = self.machine
 
         def closeness(plan: Plan) -> tuple[float, float]:
@@ -1847,38 +1768,25 @@ class Planner:
 
         closest = min(self.candidates(sequences), key=closeness)
         est = estimate_memory(self.args, closest)
-        gpu, host = memory_needed(est, m)
         largest = sorted(est.terms().items(), key=lambda term: -term[1])[:3]
         largest = ", ".join(f"{name} {gib:.1f}" for name, gib in largest)
-        if on_gpu := m.gpu_gib is not None:
-            where = f"{m.world_size} x {m.gpu_gib:.1f} GiB GPU"
-            needs = (
-                f"{gpu:.1f} GiB per GPU of {(1 - GPU_MARGIN) * m.gpu_gib:.1f} usable "
-                f"({largest} GiB) and "
-            )
-            margins = f"{GPU_MARGIN:.0%} of a GPU, {HOST_MARGIN:.0%} of a host kept free"
-        else:
-            where, needs = "the CPU", f"on the host {largest} GiB, and in all "
-            margins = f"{HOST_MARGIN:.0%} of the host kept free"
+        where = "the CPU" if m.gpu_gib is None else f"{m.world_size} x {m.gpu_gib:.1f} GiB GPU"
         lines = [
             f"no plan fits {self.base.seq_len}-token sequences on {where} with {m.host_gib:.1f} "
             f"GiB of host memory per node ({plural(m.nproc_per_node, 'process')} on it).",
-            f"The closest, {closest.flags()}, needs {needs}{host:.1f} GiB of host memory per "
-            f"node of {(1 - HOST_MARGIN) * m.host_gib:.1f} usable (margins: {margins}).",
+            f"The closest, {closest.flags()}, {memory_line(est, m)}; most: {largest} GiB.",
         ]
         ways, tried = self.ways_to_fit()
         if ways:
             return "\n".join([*lines, "It would fit with: " + "; or ".join(ways)])
         tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
-        where = "" if on_gpu else " in this host's memory"
+        where = "" if m.gpu_gib is not None else " in this host's memory"
         return "\n".join([*lines, f"Neither {tried} would make it fit{where}."])
 
     def ways_to_fit(self) -> tuple[list[str], list[str]]:
-        """The changes that would make a plan of one sequence per rank fit, as flags, each
-        the first of its kind that does: the planner's choice instead of the planned fields
-        the user set; context parallelism, LoRA or QLoRA, or both together where neither
-        alone does; more GPUs; a shorter sequence. And the kinds tried, for a message when
-        none does."""
+        """The first change of each kind that makes a plan of one sequence per rank fit, as
+        flags (context parallelism and LoRA together where neither alone does), and the kinds
+        tried."""
         m, base, wanted = self.machine, self.base, self.wanted
 
         def fits_with(fields: dict, **change) -> bool:
@@ -1912,7 +1820,8 @@ class Planner:
             tried.append("more GPUs (up to 64x)")
             for world in (m.world_size * 2**k for k in range(1, 7)):
                 per_node = min(world, max(m.nproc_per_node, 8))
-                if fits_with({}, machine=Machine(world, per_node, m.gpu_gib, m.host_gib)):
+                machine = Machine(world, per_node, m.gpu_gib, m.host_gib)
+                if fits_with({"world_size": world, "nproc_per_node": per_node}, machine=machine):
                     ways.append(f"{world} GPUs ({per_node} per node)")
                     break
         tried.append("a shorter sequence")
