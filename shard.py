@@ -1028,6 +1028,7 @@ class Plan:
     optimizer_in_backward: bool = False
     param_dtype: str = "bf16"  # of the gathered weights and the activations
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
+    fp8: bool = False  # the projections in e4m3 (kernels/fp8.py): their copies in backward
     lora: LoRAConfig | None = None
     context_parallel: int = 1
     document_mask: bool = False
@@ -1333,11 +1334,17 @@ def block_backward_bytes(
     others over gate and up) and attention's (two residual-sized gradients, dq, dk, dv and
     cuDNN's fp32 workspace, 8 bytes a query element; FlexAttention's under a document mask
     needs less). Both hold what attention's backward needs, counted in the saved tensors of
-    a block not checkpointed."""
+    a block not checkpointed. With --fp8, a projection's backward adds e4m3 copies (a byte
+    an element): its output gradient's two and its input's columns, at most w2's input
+    beside w2's output gradient, and q's beside the block's input (1B at 131072: +1.5 GiB
+    measured, +1.5 estimated; bench/RESULTS.md, "FP8 matmuls")."""
     d, f, h = args.dim, args.ffn_dim, args.n_heads
     q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
     mlp = 3 * n * d * p + mlp_tokens * f * p
     attention = 2 * n * d * p + (n * q + 2 * n * kv) * p + 8 * n * q
+    if plan.fp8:
+        mlp += mlp_tokens * f + 2 * n * d
+        attention += n * d + 2 * n * q
     if not checkpointed:
         return max(mlp, attention)
     kept = plan.ac in ("attention", "selective")  # attention's output and logsumexp
@@ -1500,7 +1507,7 @@ def options_plan(opts: "train.Options", machine: Machine, **fixed) -> tuple[Plan
         opts.seq_len, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node,
         strategy=opts.strategy, ac_every=opts.ac_every, context_parallel=opts.context_parallel,
         param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
-        kernels=on_gpu if opts.kernels is None else opts.kernels, **fixed,
+        kernels=on_gpu if opts.kernels is None else opts.kernels, fp8=opts.fp8, **fixed,
     )  # fmt: skip
     return base, {k: getattr(opts, k) for k in PLANNED if getattr(opts, k) is not None}
 

@@ -930,7 +930,7 @@ def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool
     LoRA run's frozen base, which is not in it."""
     with torch.device("meta"):
         ops = triton_ops() if plan.kernels else REFERENCE_OPS
-        if opts.fp8:
+        if plan.fp8:
             ops = fp8_ops(ops, plan.kernels)
         model = Llama(args, ops, opts.attention_backend, plan.document_mask)
     hf_path = opts.hf_checkpoint if not resumed or plan.lora else None
@@ -976,7 +976,7 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {params_text(args.num_params())} "
         f"params, {flops_per_token / 1e6:.1f} MFLOP/token ({4 if frozen else 6}N + 6LSd"
         f"{'; MFU counts attention within documents' if masked else ''}"
-        f"{'; MFU against the bf16 peak, matmuls in FP8' if opts.fp8 else ''}) | "
+        f"{'; MFU against the bf16 peak, matmuls in FP8' if plan.fp8 else ''}) | "
         f"data {dataset.path}: {dataset.n_tokens:,} tokens ({dataset.meta['tokenizer']}"
         f"{', attention masked between documents' if masked else ''}) | "
         f"{plural(world.world_size, 'process')} x {world.device.type}, "

@@ -770,12 +770,21 @@ def test_the_estimate_counts_what_document_masked_attention_keeps():
     assert estimate_memory(args, full) == estimate_memory(args, dense)
 
 
+def test_fp8_adds_its_e4m3_copies_to_the_block_backward_as_measured():
+    """llama3.2-1b at 131072, --ac selective --activation-offload on one H200: the measured
+    peak rose by 1.5 GiB with --fp8 (120.8 to 122.3; bench/RESULTS.md, "FP8 matmuls")."""
+    args = ModelArgs.from_name("llama3.2-1b")
+    plan = Plan(131072, ac="selective", activation_offload=True)
+    bf16, fp8 = (estimate_memory(args, dataclasses.replace(plan, fp8=f)) for f in (False, True))
+    assert abs(fp8.gpu_total - bf16.gpu_total - 1.5) < 0.1
+
+
 def options(**changes) -> SimpleNamespace:
     """train.Options' fields that the planner reads, at their defaults (shard imports
     nothing of train.py; test_train.py goes through train.main)."""
     defaults = dict(seq_len=256, batch_tokens=None, strategy="FULL_SHARD", ac_every=1,
                     param_dtype=None, kernels=None, offload_blocks=None, context_parallel=1,
-                    grad_clip=None, lora_rank=0, lora_alpha=16.0)  # fmt: skip
+                    grad_clip=None, lora_rank=0, lora_alpha=16.0, fp8=False)  # fmt: skip
     return SimpleNamespace(**{**defaults, **dict.fromkeys(PLANNED), **changes})
 
 
