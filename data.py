@@ -1977,15 +1977,34 @@ class PackedLoader:
         label_ok = (mask[1:] & LABEL) != 0
         tokens = window[:-1]
         labels = np.where(label_ok, window[1:], IGNORE_INDEX)
-        # The sample's first token starts a span too: attention cannot see what came before it,
-        # so a document cut by the sample boundary restarts at position 0.
-        index = np.arange(self.seq_len)
-        is_start = (mask[:-1] & STARTS_DOCUMENT) != 0
-        if self.dataset.bos_id is not None:
-            is_start |= (tokens == self.dataset.bos_id) & ((mask[:-1] & BOS_INSIDE) == 0)
-        is_start[0] = True
-        positions = index - np.maximum.accumulate(np.where(is_start, index, 0))
-        return tokens, labels, positions
+        return tokens, labels, window_positions(tokens, mask[:-1], self.dataset.bos_id)
+
+
+def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -> np.ndarray:
+    """Each token's position in its document within a sample's window (its loss-mask bits
+    `mask`). The window's first token starts a span too: attention cannot see what came
+    before it, so a document cut by the window's start restarts at position 0."""
+    index = np.arange(len(tokens))
+    is_start = (mask & STARTS_DOCUMENT) != 0
+    if bos_id is not None:
+        is_start |= (tokens == bos_id) & ((mask & BOS_INSIDE) == 0)
+    is_start[0] = True
+    return index - np.maximum.accumulate(np.where(is_start, index, 0))
+
+
+def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -> float:
+    """The (query, key) pairs a token attends on average when documents are masked apart
+    (model.attended_pairs: its position + 1/2), over `samples` windows spread through the
+    data: the attention a step of packed rows computes, for the planner's step time."""
+    n = (dataset.n_tokens - 1) // seq_len
+    means = []
+    for i in np.linspace(0, n - 1, min(samples, n)).astype(np.int64):
+        start = int(i) * seq_len
+        tokens = dataset.tokens[start : start + seq_len]
+        positions = window_positions(tokens, dataset.loss_mask[start : start + seq_len],
+                                     dataset.bos_id)  # fmt: skip
+        means.append(positions.mean())
+    return float(np.mean(means)) + 0.5
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1035,6 +1035,9 @@ class Plan:
     # Whether some packed document may reach model.LONG_DOCUMENT tokens, so that the causal
     # kernel keeps its heads' outputs (the data's longest document says; unknown: yes).
     long_documents: bool = True
+    # The pairs a token attends on average with documents masked apart (the data's
+    # data.attended_per_token), for the step time; None: a causal row's seq_len / 2.
+    attended_per_token: float | None = None
     machine: Machine | None = None
     estimate: MemoryEstimate | None = None
     planned: tuple[str, ...] = ()  # the fields the planner chose
@@ -1473,8 +1476,9 @@ HOST_PROCESS_GIB = 2.0
 # uncovered. It orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and
 # offload", "Long context, less memory", "CPU offload at scale", "Where the step time goes
 # at 128k tokens"), and its seconds, printed past a minute, are within 2x of each recorded
-# step of dense rows ("Planner: the step time's guess against the recorded steps");
-# tests/test_shard.py checks both. Packed rows attend within documents: fewer FLOPs.
+# step ("Planner: the step time's guess against the recorded steps"), packed rows' too,
+# whose attention within documents the plan takes from the data (attended_per_token);
+# tests/test_shard.py checks both.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
 SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
@@ -1574,7 +1578,7 @@ def make_plan(
     fits `machine` (choose_plan), with what it was made for. The step's sequences per rank
     (per context-parallel group): --batch-tokens (or its default) in whole sequences, or
     --micro-batch x --grad-accum when both are given. `fixed`: the plan's `lora`
-    (train.lora_config) and `long_documents`."""
+    (train.lora_config), `long_documents` and `attended_per_token`."""
     base, wanted = options_plan(opts, machine, document_mask=document_mask, **fixed)
     cp, asked = opts.context_parallel, opts.batch_tokens
     per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
@@ -1608,8 +1612,9 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     layers, d, s = args.n_layers, args.dim, plan.seq_len
     checkpointed = -(-layers // plan.ac_every) / layers
     blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
-    attention_forward = 2 * layers * s * d  # causal: a third of flops_per_token's 6LSd
-    per_token = args.flops_per_token(s, frozen=plan.lora is not None)
+    attended = plan.attended_per_token or s / 2
+    per_token = args.training_flops(1, attended, frozen=plan.lora is not None)
+    attention_forward = args.training_flops(0, attended) / 3
     recomputed = {
         "none": 0.0,
         "selective": SELECTIVE_RECOMPUTE * per_token,

@@ -62,6 +62,7 @@ from data import (
     TokenDataset,
     Tokenizer,
     UsageError,
+    attended_per_token,
     open_data,
     open_eval_data,
     plural,
@@ -889,9 +890,11 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     mask_documents = dataset.is_sft if opts.document_mask is None else opts.document_mask
     longest = dataset.meta.get("longest_document", opts.seq_len)
     machine = shard.this_machine(opts.gpu_memory, opts.host_memory, world)
+    attended = attended_per_token(dataset, opts.seq_len) if mask_documents else None
     plan = shard.make_plan(
-        opts, args, machine, mask_documents, lora=lora, long_documents=longest >= LONG_DOCUMENT
-    )
+        opts, args, machine, mask_documents, lora=lora, long_documents=longest >= LONG_DOCUMENT,
+        attended_per_token=attended,
+    )  # fmt: skip
     opts = settle_options(opts, args, plan)
     log(plan.format())
     model, optimizer = build(opts, args, plan, world, resumed=resume_from is not None, log=log)

@@ -32,6 +32,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from data import TokenDataset, attended_per_token
 from model import Llama, LoRAConfig, ModelArgs, apply_lora, load_hf_checkpoint, save_hf_checkpoint
 from shard import (
     CPU_FLOPS,
@@ -608,14 +609,44 @@ def test_the_step_time_guess_is_within_2x_of_each_recorded_step(run):
     causal rows: RECORDED's (one sequence per GPU, from tokens/s per GPU) and STEPS'. Under
     context parallelism a rank computes its share of the row (the guess was 2.3x the 8B
     step at 262144 over 2 GPUs when it counted the whole row); a LoRA base computes no
-    weight gradients. (Not the tiny preset on a GPU, whose steps are launch-bound, nor
-    packed rows, whose attention within documents the plan does not know: the guess is
-    an upper bound there.)"""
+    weight gradients. (Not the tiny preset on a GPU, whose steps are launch-bound; packed
+    rows are the next test's.)"""
     preset, seq_len, machine, fields, seconds = run
     flops = GPU_FLOPS if machine.gpu_gib else CPU_FLOPS
     plan = recorded_plan(seq_len, machine, fields)
     guess = step_seconds(ModelArgs.from_name(preset), plan, flops)
     assert 0.5 < guess / seconds < 2, guess
+
+
+# "Training on packed SFT rows" (H100, c1a2642): bench/sft_corpus.py --tokens 12000000
+# (seed 0, the sft corpus), documents masked apart; (preset, seq_len, fields, tokens/s).
+PACKED_STEPS = [
+    ("llama3.2-1b", 131072, dict(ac="attention"), 43907),
+    ("llama3.2-1b", 131072, dict(ac="full"), 40151),
+    ("llama3.1-8b", 131072, dict(ac="full", mlp_tile=8192, optimizer_in_backward=True), 7214),
+    ("llama3.2-1b", 1048576, dict(ac="full", activation_offload=True, cpu_offload=True,
+                                  mlp_tile=16384), 32250),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sft_corpus(tmp_path_factory):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from sft_corpus import write_corpus
+
+    return TokenDataset(write_corpus(tmp_path_factory.mktemp("sft"), 12_000_000, seed=0))
+
+
+@pytest.mark.parametrize("run", PACKED_STEPS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}")
+def test_the_step_time_guess_of_packed_rows_counts_the_attention_within_documents(run, sft_corpus):
+    """Packed rows with documents masked apart attend within their documents: the plan
+    takes the data's pairs per token (data.attended_per_token), and the guess is within 2x
+    of each recorded step (with a whole row's attention it was 24x the 1B's at 1,048,576)."""
+    preset, seq_len, fields, tokens_per_s = run
+    attended = attended_per_token(sft_corpus, seq_len)
+    plan = recorded_plan(seq_len, H100, dict(fields, attended_per_token=attended))
+    guess = step_seconds(ModelArgs.from_name(preset), plan)
+    assert 0.5 < guess * tokens_per_s / seq_len < 2, guess
 
 
 @pytest.mark.parametrize("preset, seq_len, machine", sorted({situation(r) for r in RECORDED},
