@@ -1996,7 +1996,7 @@ def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -
     """The (query, key) pairs a token attends on average when documents are masked apart
     (model.attended_pairs: its position + 1/2), over `samples` windows spread through the
     data: the attention a step of packed rows computes, for the planner's step time."""
-    n = (dataset.n_tokens - 1) // seq_len
+    n = max((dataset.n_tokens - 1) // seq_len, 1)  # one window, short, in too small a dataset
     means = []
     for i in np.linspace(0, n - 1, min(samples, n)).astype(np.int64):
         start = int(i) * seq_len
