@@ -625,7 +625,8 @@ def apply_techniques(
     is materialized in fp32 on the host, as the master weights offload.OptimizerInBackward
     keeps.
     Activation offload (offload.activation_offload) is not applied to the model: it wraps
-    each forward of the step (train_step). (torch.compile of each block, which would come
+    each forward of the step (train_step); --fp8 neither: it picks the ops the model is
+    built with (model.fp8_ops, in build). (torch.compile of each block, which would come
     between 2 and 4, measured slower than eager here and is not offered.)"""
     if plan.lora:
         apply_lora(model, plan.lora, base_dtype=DTYPES[plan.param_dtype], kernels=plan.kernels)
