@@ -799,6 +799,10 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--memory-snapshot"],
             "--memory-snapshot records CUDA allocations; this run has no GPU",
         ),
+        "fp8 without a GPU": (
+            ["--data", str(dataset), "--fp8"],
+            "--fp8 needs a GPU with FP8 matmuls (Ada, Hopper); this run has none",
+        ),
         "lora options without a rank": (
             ["--data", str(dataset), "--quantize-base", "nf4", "--lora-targets", "qkv"],
             "--quantize-base needs --lora-rank > 0",
