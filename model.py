@@ -658,17 +658,27 @@ def triton_ops() -> Ops:
 
 
 def fp8_ops(ops: Ops, triton_kernels: bool) -> Ops:
-    """`ops` with the blocks' projections in FP8 (--fp8, kernels/fp8.py): the nn.Linear
-    layers among those that read one input in one fp8_linears call, which quantizes the input
-    once; others (LoRALinear) as they are. The output head and the embedding stay in bf16."""
+    """`ops` with the blocks' projections in FP8 (--fp8, kernels/fp8.py): those that read one
+    input in one fp8_linears call, which quantizes the input once. A LoRA projection's frozen
+    base too, its adapters then added as they are; a 4-bit base (QLoRA) stays as it is. The
+    output head and the embedding stay in bf16."""
 
     def fp8_project(x: torch.Tensor, linears: Iterable[nn.Module]) -> list[torch.Tensor]:
-        outputs = [None if type(linear) is nn.Linear else linear(x) for linear in linears]
-        plain = [linear for linear in linears if type(linear) is nn.Linear]
-        quantized = iter(
-            fp8_linears(x, [m.weight for m in plain], [m.bias for m in plain], triton_kernels)
-        )
-        return [next(quantized) if out is None else out for out in outputs]
+        in_fp8 = [
+            m for m in linears
+            if type(m) is nn.Linear or (isinstance(m, LoRALinear) and not m.quantized)
+        ]  # fmt: skip
+        weights, biases = [m.weight for m in in_fp8], [m.bias for m in in_fp8]
+        outputs = iter(fp8_linears(x, weights, biases, triton_kernels))
+        projected = []
+        for m in linears:
+            if m not in in_fp8:
+                projected.append(m(x))
+            elif isinstance(m, LoRALinear):
+                projected.append(next(outputs) + m.adapter(x))
+            else:
+                projected.append(next(outputs))
+        return projected
 
     return dataclasses.replace(ops, project=fp8_project)
 
@@ -1650,9 +1660,13 @@ class LoRALinear(nn.Module):
             base = F.linear(x, self.weight)
         if self.bias is not None:
             base = base + self.bias
+        return base + self.adapter(x)
+
+    def adapter(self, x: torch.Tensor) -> torch.Tensor:
+        """What the adapters add to the frozen projection: scale * dropout(x) A^T B^T."""
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
-        return base + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+        return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
 
     @torch.no_grad()
     def load_weight(self, tensor_slice, copy: Callable[[torch.Tensor, object], None]) -> None:

@@ -15,11 +15,13 @@ import torch
 from model import (
     HF_LORA_TARGETS,
     LORA_TARGETS,
+    REFERENCE_OPS,
     Llama,
     LoRAConfig,
     LoRALinear,
     ModelArgs,
     apply_lora,
+    fp8_ops,
     hf_names,
     load_hf_checkpoint,
     load_peft_adapter,
@@ -35,6 +37,7 @@ peft = pytest.importorskip("peft")
 
 FP32_RTOL = 1e-5
 CONFIG = LoRAConfig(rank=4, alpha=8.0)
+NF4_CONFIG = LoRAConfig(rank=4, alpha=8.0, quantize_base="nf4")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,9 +88,9 @@ def hf_model(path: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def lora_model(path: Path, config: LoRAConfig = CONFIG, seed: int = 0) -> Llama:
+def lora_model(path: Path, config: LoRAConfig = CONFIG, seed: int = 0, ops=REFERENCE_OPS) -> Llama:
     with torch.device("meta"):
-        model = Llama(ModelArgs.from_hf_config(path))
+        model = Llama(ModelArgs.from_hf_config(path), ops)
     apply_lora(model, config, torch.float32)
     model.to_empty(device="cpu")
     model.init_weights(seed)  # the adapters' initial values (the base is then loaded)
@@ -249,7 +252,7 @@ def test_model_on_nf4_base_equals_model_on_dequantized_base(tmp_path, family):
     """Only the targets' weights are in 4 bits: Qwen2's q/k/v biases and Qwen3's q/k norms
     stay as loaded, frozen."""
     path = hf_checkpoint(tmp_path, family)
-    quantized = lora_model(path, LoRAConfig(rank=4, alpha=8.0, quantize_base="nf4"))
+    quantized = lora_model(path, NF4_CONFIG)
     plain = lora_model(path)
     randomize_adapters(quantized)
     randomize_adapters(plain)
@@ -275,6 +278,31 @@ def test_model_on_nf4_base_equals_model_on_dequantized_base(tmp_path, family):
     for name, p in plain.named_parameters():
         if p.requires_grad:
             assert rel_err(quantized.get_parameter(name).grad, p.grad) <= FP32_RTOL, name
+
+
+# --fp8's gradients against the model without it, norm-wise per tensor: each projection's e4m3
+# rounding is within 6e-2 (tests/test_kernels.py), compounded through the blocks of the tiny
+# checkpoint (measured up to 0.17 on an adapter's B; a missing base or adapter term is ~1).
+FP8_TOLERANCE = 0.25
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fp8_runs_a_bf16_base_in_e4m3_and_leaves_a_4_bit_base_as_it_is(tmp_path, family):
+    """With LoRA, --fp8 multiplies the frozen base (and its Qwen2 biases, added) in e4m3 and
+    adds the adapters as they are: their gradients are within FP8's error of the model
+    without --fp8, and not equal to them. QLoRA's 4-bit base is not in FP8: equal."""
+    path = hf_checkpoint(tmp_path, family)
+    fp8 = fp8_ops(REFERENCE_OPS, triton_kernels=False)
+    for config, tolerance in [(CONFIG, FP8_TOLERANCE), (NF4_CONFIG, 0.0)]:
+        models = [lora_model(path, config, ops=ops) for ops in (fp8, REFERENCE_OPS)]
+        grads = []
+        for model in models:
+            randomize_adapters(model)
+            model(tokens_for(model)).square().mean().backward()
+            grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+        for name, want in grads[1].items():
+            error = ((grads[0][name] - want).norm() / want.norm()).item()
+            assert error <= tolerance and (error > 0 or tolerance == 0), (config, name, error)
 
 
 def test_nf4_needs_rows_that_are_multiples_of_64():
