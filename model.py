@@ -23,7 +23,7 @@ import json
 import math
 import os
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -629,7 +629,7 @@ class Ops:
     project: Callable  # (x, linears) -> [linear(x) for each], the projections reading one x
 
 
-def project(x: torch.Tensor, linears: Iterable[nn.Module]) -> list[torch.Tensor]:
+def project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
     return [linear(x) for linear in linears]
 
 
@@ -663,13 +663,13 @@ def fp8_ops(ops: Ops, triton_kernels: bool) -> Ops:
     base too, its adapters then added as they are; a 4-bit base (QLoRA) stays as it is. The
     output head and the embedding stay in bf16."""
 
-    def fp8_project(x: torch.Tensor, linears: Iterable[nn.Module]) -> list[torch.Tensor]:
+    def fp8_project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
         in_fp8 = [
             m for m in linears
             if type(m) is nn.Linear or (isinstance(m, LoRALinear) and not m.quantized)
         ]  # fmt: skip
         weights, biases = [m.weight for m in in_fp8], [m.bias for m in in_fp8]
-        outputs = iter(fp8_linears(x, weights, biases, triton_kernels))
+        outputs = iter(fp8_linears(x, weights, biases, triton_kernels) if in_fp8 else ())
         projected = []
         for m in linears:
             if m not in in_fp8:

@@ -1346,7 +1346,7 @@ def block_backward_bytes(
     mlp = 3 * n * d * p + mlp_tokens * f * p
     attention = 2 * n * d * p + (n * q + 2 * n * kv) * p + 8 * n * q
     if plan.fp8:
-        mlp += mlp_tokens * f + 2 * n * d
+        mlp += mlp_tokens * f + 2 * mlp_tokens * d
         attention += n * d + 2 * n * q
     if not checkpointed:
         return max(mlp, attention)
@@ -1542,6 +1542,15 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
                 check(*given)
             except UsageError as e:
                 problems.append(str(e))
+    if plan.fp8:  # cuBLAS's e4m3 matmul multiplies dimensions of multiples of 16 only
+        widths = {"dim": args.dim, "ffn_dim": args.ffn_dim,
+                  "heads x head_dim": args.n_heads * args.head_dim,
+                  "kv heads x head_dim": args.n_kv_heads * args.head_dim}  # fmt: skip
+        tokens = {"--seq-len / --context-parallel": plan.seq_len // max(cp, 1),
+                  "--mlp-tile": plan.mlp_tile}  # fmt: skip
+        odd = [f"{k} {v}" for k, v in {**widths, **tokens}.items() if v % 16]
+        if odd:
+            problems.append(f"--fp8 needs multiples of 16: {', '.join(odd)}")
     if blocks is not None and not (plan.activation_offload and 0 <= blocks < args.n_layers):
         problems.append(
             f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "

@@ -39,8 +39,9 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_columns_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [K, M], scale [K] fp32): x's transpose, scaled per row of it."""
-    return quantize_rows_reference(x.t())
+    """x [M, K] -> (e4m3 [K, M], scale [K] fp32): x's transpose, scaled per row of it, laid
+    out row by row (cuBLAS's e4m3 matmul takes no other layout)."""
+    return quantize_rows_reference(x.t().contiguous())
 
 
 def quantize_both_reference(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -254,9 +255,11 @@ class _FP8Linears(torch.autograd.Function):
         dx, grads = None, []
         for i, (weight, dy) in enumerate(zip(weights, dys, strict=True)):
             dy2d = dy.reshape(-1, dy.shape[-1])
+            part = None
             if needs_weight[i]:
                 dy_columns_q, dy_columns_scale, *dy_rows = both(dy2d)
                 dw = scaled_mm(dy_columns_q, dy_columns_scale, *x_columns, out_dtype=weight.dtype)
+                del dy_columns_q
             else:
                 dy_rows, dw = rows(dy2d), None
             if ctx.needs_input_grad[0]:
@@ -266,6 +269,7 @@ class _FP8Linears(torch.autograd.Function):
             if ctx.has_bias[i] and needs_bias[i]:
                 db = dy2d.sum(0, dtype=torch.float32).to(dy.dtype)
             grads += [dw, db]
+            del dy_rows, part  # before the next projection's copies are made
         if dx is not None:
             dx = dx.view(*dys[0].shape[:-1], x2d.shape[1])
         return dx, None, *grads

@@ -575,6 +575,9 @@ def assert_quantized_equal(out, ref, name: str) -> None:
     (q, scale), (q_ref, scale_ref) = out, ref
     assert q.dtype == q_ref.dtype == kernels.fp8.FP8 and q.shape == q_ref.shape, name
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), f"{name}: e4m3 bytes differ"
+    # Row by row, both: cuBLAS's e4m3 matmul takes no other layout (the GPU runs references
+    # too, under --no-kernels).
+    assert q.is_contiguous() and q_ref.is_contiguous(), f"{name}: not row by row"
     assert torch.equal(scale, scale_ref), f"{name}: scales differ"
     assert torch.isfinite(scale).all() and (scale > 0).all(), f"{name}: a scale is 0 or not finite"
 

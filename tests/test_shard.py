@@ -54,6 +54,7 @@ from shard import (
     make_plan,
     memory_needed,
     pinned_shard_bytes,
+    plan_problems,
     step_seconds,
     technique_problems,
 )
@@ -842,6 +843,19 @@ def test_the_options_are_refused_by_the_rules_the_planner_follows():
     assert choose_plan(args, machine, Plan(131072), {}, 1, True).optimizer_in_backward
     with pytest.raises(ValueError, match="no plan fits"):
         choose_plan(args, machine, Plan(131072, strategy="NO_SHARD"), {}, 1, True)
+
+
+def test_fp8_asks_for_the_multiples_of_16_of_cublas_e4m3_matmul():
+    """Else the first backward would stop in cuBLAS: the tiny preset's ffn_dim 200, and a
+    rank's tokens and MLP tiles (the weight gradient sums over them)."""
+    problems = plan_problems(ModelArgs.from_name("tiny"), Plan(1000, fp8=True, mlp_tile=24))
+    assert problems == [
+        "--fp8 needs multiples of 16: ffn_dim 200, --seq-len / --context-parallel 1000, "
+        "--mlp-tile 24"
+    ]
+    llama = ModelArgs.from_name("llama3.2-1b")
+    assert plan_problems(llama, Plan(131072, fp8=True, mlp_tile=4096)) == []
+    assert plan_problems(llama, Plan(1000, fp8=False)) == []
 
 
 def test_a_plan_that_cannot_fit_names_every_route_that_would():
