@@ -306,7 +306,9 @@ def _rope_scaling(config_path: Path, config: dict, rope: dict) -> RopeScaling | 
         )
     if rope_type == "default":
         return None
-    needs = ["factor"] + ["low_freq_factor", "high_freq_factor"] * (rope_type == "llama3")
+    needs = ["factor"]
+    if rope_type == "llama3":
+        needs += ["low_freq_factor", "high_freq_factor"]
     missing = [k for k in needs if rope.get(k) is None]
     if missing:  # transformers refuses these too: it has no default for them
         raise UsageError(f"{config_path}: rope_type {rope_type!r} needs {missing} as well")
