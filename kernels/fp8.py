@@ -243,7 +243,7 @@ class _FP8Linears(torch.autograd.Function):
             y = y if bias is None else y + bias
             ys.append(y.view(*x.shape[:-1], weight.shape[0]))
         ctx.save_for_backward(x2d, *weights)
-        ctx.quantizers, ctx.has_bias = quantizers, [b is not None for b in biases]
+        ctx.quantizers = quantizers
         return tuple(ys)
 
     @staticmethod
@@ -266,7 +266,7 @@ class _FP8Linears(torch.autograd.Function):
                 part = scaled_mm(*dy_rows, *columns(weight), out_dtype=dy.dtype)
                 dx = part if dx is None else dx.add_(part)
             db = None
-            if ctx.has_bias[i] and needs_bias[i]:
+            if needs_bias[i]:  # False for a bias of None
                 db = dy2d.sum(0, dtype=torch.float32).to(dy.dtype)
             grads += [dw, db]
             del dy_rows, part  # before the next projection's copies are made

@@ -33,6 +33,7 @@ from kernels import (
     swiglu,
     swiglu_reference,
 )
+from kernels.fp8 import scaled_mm
 from kernels.nf4 import DYNAMIC_CODE, NF4_CODE
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -658,13 +659,19 @@ def test_fp8_linears_output_and_gradients_are_near_the_unquantized_linear():
         assert error > 0 or name == "db1", f"{name} was not computed in e4m3"
 
 
-def test_fp8_linears_of_a_frozen_weight_give_only_the_input_gradient():
+def test_fp8_linears_of_a_frozen_weight_give_only_the_input_gradient(monkeypatch):
+    """A frozen weight (LoRA's base) costs its backward one matmul, dx's, not dW's too."""
+    products = []
+    monkeypatch.setattr(
+        kernels.fp8, "scaled_mm", lambda *a, **k: products.append(1) or scaled_mm(*a, **k)
+    )
     inputs, grad_out = fp8_linears_case(torch.float32)
     x, w1, w2, b1 = (leaf(t) for t in inputs)
     w2.requires_grad_(False)
     y1, y2 = kernels.fp8_linears(x, [w1, w2], [b1, None])
     torch.autograd.backward([y1, y2], grad_out)
     assert w2.grad is None and x.grad is not None and w1.grad is not None
+    assert len(products) == 2 + 3  # forward: y1, y2; backward: dx's two parts, dW1
 
 
 @pytest.mark.gpu
