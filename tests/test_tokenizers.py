@@ -71,20 +71,26 @@ def odd_texts(seed: int = 0) -> list[str]:
     return texts
 
 
+def train_byte_level_bpe(tok, texts: list[str], specials: list[str], plain: list[str]) -> None:
+    """Trains `tok` to 1500 ids over the 256 byte symbols, `specials` first; then adds the
+    `plain` added tokens (not special: decoding keeps them)."""
+    trainer = trainers.BpeTrainer(
+        vocab_size=1500,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in plain])
+
+
 def build_tokenizer_json(tmp_path: Path, kind: str, shuffle_ids: bool = False) -> Path:
     """A byte-level BPE trained by `tokenizers` on stdlib text, saved with its specials (and
     with its ids permuted, so they are not in merge order)."""
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = PRE_TOKENIZERS[kind]()
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1500,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(stdlib_text(150_000), trainer)
-    tok.add_tokens([tokenizers.AddedToken(THINK, special=False, normalized=False)])
+    train_byte_level_bpe(tok, stdlib_text(150_000), SPECIALS, [THINK])
     spec = json.loads(tok.to_str())
     if shuffle_ids:
         vocab = spec["model"]["vocab"]
@@ -473,14 +479,8 @@ def qwen_dir(tmp_path: Path, template: str = QWEN_CHATML) -> Path:
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1500,
-        special_tokens=QWEN_SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(stdlib_text(150_000) + ["café naïve 漢字 12345"] * 50, trainer)
-    tok.add_tokens([tokenizers.AddedToken(t, special=False, normalized=False) for t in QWEN_PLAIN])
+    texts = stdlib_text(150_000) + ["café naïve 漢字 12345"] * 50
+    train_byte_level_bpe(tok, texts, QWEN_SPECIALS, QWEN_PLAIN)
     directory = tmp_path / "qwen"
     directory.mkdir(exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
