@@ -1389,15 +1389,6 @@ class DatasetWriter:
 
     def add(self, tokens: np.ndarray, loss_mask: np.ndarray) -> None:
         """One document: its tokens (uint32, from BOS on) and where they may be labels (uint8)."""
-        if (
-            tokens.dtype != np.uint32
-            or loss_mask.dtype != np.uint8
-            or tokens.shape != (len(loss_mask),)
-        ):
-            raise UsageError(
-                f"a document is uint32 tokens and a uint8 loss mask of the same 1-d shape, got "
-                f"{tokens.dtype} {tokens.shape} and {loss_mask.dtype} {loss_mask.shape}"
-            )
         tokens.tofile(self._tokens_file)
         loss_mask.tofile(self._mask_file)
         self.n_tokens += len(tokens)
