@@ -1178,9 +1178,6 @@ def byte_level_bpe_files(
         {"Sequence": {"id": "A", "type_id": 0}},
     ]
     tokenizer = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
         "added_tokens": [
             {
                 "id": i,
@@ -1193,7 +1190,6 @@ def byte_level_bpe_files(
             }
             for token, i in specials.items()
         ],
-        "normalizer": None,
         "pre_tokenizer": {
             "type": "Sequence",
             "pretokenizers": [*pre_tokenizers, {**byte_level, "use_regex": False}],
@@ -1211,12 +1207,6 @@ def byte_level_bpe_files(
         "decoder": {**byte_level, "use_regex": False},
         "model": {
             "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
             "ignore_merges": True,  # a piece that is a token is that token, as in tiktoken
             "vocab": {text(token): rank for token, rank in ranks.items()},
             "merges": [[left, right] for *_, left, right in splits],
