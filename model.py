@@ -120,6 +120,21 @@ FAMILIES = {
     "smollm3": Family("SmolLM3ForCausalLM", nope=True, window="some"),
 }
 
+# The ModelArgs fields every family's config.json holds, by their key there: read by
+# from_hf_config, written by hf_config.
+HF_CONFIG_KEYS = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "ffn_dim": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "norm_eps": "rms_norm_eps",
+    "max_seq_len": "max_position_embeddings",
+    "tie_embeddings": "tie_word_embeddings",
+}
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -237,24 +252,17 @@ class ModelArgs:
         # `rope_theta` plus `rope_scaling`.
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         _check_hf_numbers(config_path, config, rope)
-        n_heads, n_layers = config["num_attention_heads"], config["num_hidden_layers"]
+        n_layers = config["num_hidden_layers"]
         nope_layers = _nope_layers(config_path, config, n_layers) if family == "smollm3" else ()
         window, window_layers = _sliding_window(config, family, n_layers, nope_layers)
+        fields = {field: config[key] for field, key in HF_CONFIG_KEYS.items() if key in config}
+        fields.setdefault("n_kv_heads", fields["n_heads"])  # head_dim: ModelArgs derives it
         try:
             return cls(
-                dim=config["hidden_size"],
-                n_layers=n_layers,
-                n_heads=n_heads,
-                n_kv_heads=config.get("num_key_value_heads", n_heads),
-                vocab_size=config["vocab_size"],
-                ffn_dim=config["intermediate_size"],
-                norm_eps=config["rms_norm_eps"],
+                **fields,
                 rope_theta=rope.get("rope_theta", config["rope_theta"]),
                 rope_scaling=_rope_scaling(config_path, config, rope),
-                max_seq_len=config["max_position_embeddings"],
-                tie_embeddings=config["tie_word_embeddings"],
                 family=family,
-                head_dim=config.get("head_dim"),
                 qkv_bias=FAMILIES[family].qkv_bias,
                 qk_norm=FAMILIES[family].qk_norm,
                 nope_layers=nope_layers,
@@ -1433,16 +1441,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
     config = {
         "architectures": [FAMILIES[args.family].architecture],
         "model_type": args.family,
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "intermediate_size": args.ffn_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
+        **{key: getattr(args, field) for field, key in HF_CONFIG_KEYS.items()},
         "hidden_act": "silu",
         "rope_parameters": rope,
         "rope_theta": args.rope_theta,
