@@ -435,18 +435,14 @@ _LLAMA_DEFAULTS = {
     "mlp_bias": False,
     "rope_theta": 10000.0,
 }
+# Mistral's and Qwen2's classes have no bias switches.
+_WITHOUT_BIASES = {k: v for k, v in _LLAMA_DEFAULTS.items() if not k.endswith("_bias")}
 _QWEN2_DEFAULTS = {
+    **_WITHOUT_BIASES,
     "vocab_size": 151936,
-    "hidden_size": 4096,
     "intermediate_size": 22016,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
     "num_key_value_heads": 32,
-    "hidden_act": "silu",
     "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "rope_theta": 10000.0,
     "use_sliding_window": False,
     "sliding_window": 4096,
     "max_window_layers": 28,
@@ -454,7 +450,7 @@ _QWEN2_DEFAULTS = {
 HF_CONFIG_DEFAULTS = {
     "llama": _LLAMA_DEFAULTS,
     "mistral": {
-        **{k: v for k, v in _LLAMA_DEFAULTS.items() if not k.endswith("_bias")},
+        **_WITHOUT_BIASES,
         "intermediate_size": 14336,
         "num_key_value_heads": 8,
         "max_position_embeddings": 131072,
