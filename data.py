@@ -2128,21 +2128,18 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument("--output", required=True, help="the dataset directory to write")
     prep.add_argument(
         "--tokenizer",
-        default=None,
         help="a HF checkpoint or tokenizer directory, a tokenizer.json, or a Llama 3 or Llama 2 "
         "tokenizer.model (default: bytes)",
     )
     prep.add_argument(
         "--chat-template",
-        default=None,
         help="a Jinja chat template file for the conversations (default: the tokenizer "
         "directory's)",
     )
-    prep.add_argument("--workers", type=int, default=None, help="default: one per CPU")
+    prep.add_argument("--workers", type=int, help="default: one per CPU")
     prep.add_argument(
         "--seq-len",
         type=int,
-        default=None,
         help="split conversations longer than this many tokens between their exchanges "
         "(default: split none; the loader cuts every document at its samples' boundaries)",
     )
