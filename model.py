@@ -1548,15 +1548,12 @@ def save_hf_checkpoint(
 # ----------------------------------------------------------------------------------------
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-# The same projections by their HF / PEFT module names (adapter_config.json's target_modules).
+# The same projections by their HF / PEFT module names (adapter_config.json's target_modules),
+# read off the names of their weights.
 HF_LORA_TARGETS = {
-    "wq": "q_proj",
-    "wk": "k_proj",
-    "wv": "v_proj",
-    "wo": "o_proj",
-    "w1": "gate_proj",
-    "w3": "up_proj",
-    "w2": "down_proj",
+    ours.split(".")[1]: theirs.split(".")[1]
+    for ours, theirs in _HF_LAYER_NAMES.items()
+    if not ours.endswith("norm.weight")
 }
 NF4_SUFFIX = "_nf4"  # `wq.weight_nf4`: the 4-bit storage of `wq.weight`
 
