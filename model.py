@@ -36,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from data import (
+    SPECIAL_TOKEN_KEYS,
     HFTokenizer,
     OutputDir,
     UsageError,
@@ -1466,8 +1467,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
         config["max_window_layers"] = min(args.window_layers, default=args.n_layers)
     # Without a tokenizer's ids, none: the family's defaults (SmolLM3's pad 128004, Mistral's
     # bos 1) are ids of its own vocabulary.
-    no_ids = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))
-    return config | no_ids | (special_ids or {})
+    return config | dict.fromkeys(SPECIAL_TOKEN_KEYS) | (special_ids or {})
 
 
 def save_hf_checkpoint(
