@@ -1130,7 +1130,12 @@ class Llama(nn.Module):
         residual's variance does not grow with depth; biases 0. LoRA's adapters as PEFT
         initializes them, so that an adapted model starts equal to its base: B = 0,
         A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's default, kaiming-uniform with a = sqrt(5))."""
-        shape = weight_shape(self, name)
+        owner_path, _, leaf = name.rpartition(".")
+        owner = self.get_submodule(owner_path)
+        if isinstance(owner, LoRALinear) and leaf == "weight":  # a 4-bit one is no parameter
+            shape = torch.Size((owner.out_features, owner.in_features))
+        else:
+            shape = self.get_parameter(name).shape
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=device)
         if name.endswith(("lora_B", "bias")):
@@ -1720,15 +1725,6 @@ def apply_lora(
         for name, param in list(module.named_parameters(recurse=False)):
             frozen = torch.empty_like(param, dtype=base_dtype)
             setattr(module, name, nn.Parameter(frozen, requires_grad=False))
-
-
-def weight_shape(model: Llama, name: str) -> torch.Size:
-    """The shape of parameter `name`, or of the weight a 4-bit `weight_nf4` stores."""
-    owner_path, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(owner_path)
-    if isinstance(owner, LoRALinear) and owner.quantized and leaf == "weight":
-        return torch.Size((owner.out_features, owner.in_features))
-    return model.get_parameter(name).shape
 
 
 def copy_into(model: Llama, name: str, tensor_slice, copy: Callable) -> None:
