@@ -1178,9 +1178,6 @@ def byte_level_bpe_files(
         {"Sequence": {"id": "A", "type_id": 0}},
     ]
     tokenizer = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
         "added_tokens": [
             {
                 "id": i,
@@ -1193,7 +1190,6 @@ def byte_level_bpe_files(
             }
             for token, i in specials.items()
         ],
-        "normalizer": None,
         "pre_tokenizer": {
             "type": "Sequence",
             "pretokenizers": [*pre_tokenizers, {**byte_level, "use_regex": False}],
@@ -1211,12 +1207,6 @@ def byte_level_bpe_files(
         "decoder": {**byte_level, "use_regex": False},
         "model": {
             "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
             "ignore_merges": True,  # a piece that is a token is that token, as in tiktoken
             "vocab": {text(token): rank for token, rank in ranks.items()},
             "merges": [[left, right] for *_, left, right in splits],
@@ -1389,15 +1379,6 @@ class DatasetWriter:
 
     def add(self, tokens: np.ndarray, loss_mask: np.ndarray) -> None:
         """One document: its tokens (uint32, from BOS on) and where they may be labels (uint8)."""
-        if (
-            tokens.dtype != np.uint32
-            or loss_mask.dtype != np.uint8
-            or tokens.shape != (len(loss_mask),)
-        ):
-            raise UsageError(
-                f"a document is uint32 tokens and a uint8 loss mask of the same 1-d shape, got "
-                f"{tokens.dtype} {tokens.shape} and {loss_mask.dtype} {loss_mask.shape}"
-            )
         tokens.tofile(self._tokens_file)
         loss_mask.tofile(self._mask_file)
         self.n_tokens += len(tokens)
@@ -2147,21 +2128,18 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument("--output", required=True, help="the dataset directory to write")
     prep.add_argument(
         "--tokenizer",
-        default=None,
         help="a HF checkpoint or tokenizer directory, a tokenizer.json, or a Llama 3 or Llama 2 "
         "tokenizer.model (default: bytes)",
     )
     prep.add_argument(
         "--chat-template",
-        default=None,
         help="a Jinja chat template file for the conversations (default: the tokenizer "
         "directory's)",
     )
-    prep.add_argument("--workers", type=int, default=None, help="default: one per CPU")
+    prep.add_argument("--workers", type=int, help="default: one per CPU")
     prep.add_argument(
         "--seq-len",
         type=int,
-        default=None,
         help="split conversations longer than this many tokens between their exchanges "
         "(default: split none; the loader cuts every document at its samples' boundaries)",
     )

@@ -36,6 +36,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from data import (
+    SPECIAL_TOKEN_KEYS,
     HFTokenizer,
     OutputDir,
     UsageError,
@@ -118,6 +119,21 @@ FAMILIES = {
     "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, window="some"),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, window="some"),
     "smollm3": Family("SmolLM3ForCausalLM", nope=True, window="some"),
+}
+
+# The ModelArgs fields every family's config.json holds, by their key there: read by
+# from_hf_config, written by hf_config.
+HF_CONFIG_KEYS = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "ffn_dim": "intermediate_size",
+    "vocab_size": "vocab_size",
+    "norm_eps": "rms_norm_eps",
+    "max_seq_len": "max_position_embeddings",
+    "tie_embeddings": "tie_word_embeddings",
 }
 
 
@@ -237,24 +253,17 @@ class ModelArgs:
         # `rope_theta` plus `rope_scaling`.
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         _check_hf_numbers(config_path, config, rope)
-        n_heads, n_layers = config["num_attention_heads"], config["num_hidden_layers"]
+        n_layers = config["num_hidden_layers"]
         nope_layers = _nope_layers(config_path, config, n_layers) if family == "smollm3" else ()
         window, window_layers = _sliding_window(config, family, n_layers, nope_layers)
+        fields = {field: config[key] for field, key in HF_CONFIG_KEYS.items() if key in config}
+        fields.setdefault("n_kv_heads", fields["n_heads"])  # head_dim: ModelArgs derives it
         try:
             return cls(
-                dim=config["hidden_size"],
-                n_layers=n_layers,
-                n_heads=n_heads,
-                n_kv_heads=config.get("num_key_value_heads", n_heads),
-                vocab_size=config["vocab_size"],
-                ffn_dim=config["intermediate_size"],
-                norm_eps=config["rms_norm_eps"],
+                **fields,
                 rope_theta=rope.get("rope_theta", config["rope_theta"]),
                 rope_scaling=_rope_scaling(config_path, config, rope),
-                max_seq_len=config["max_position_embeddings"],
-                tie_embeddings=config["tie_word_embeddings"],
                 family=family,
-                head_dim=config.get("head_dim"),
                 qkv_bias=FAMILIES[family].qkv_bias,
                 qk_norm=FAMILIES[family].qk_norm,
                 nope_layers=nope_layers,
@@ -427,18 +436,14 @@ _LLAMA_DEFAULTS = {
     "mlp_bias": False,
     "rope_theta": 10000.0,
 }
+# Mistral's and Qwen2's classes have no bias switches.
+_WITHOUT_BIASES = {k: v for k, v in _LLAMA_DEFAULTS.items() if not k.endswith("_bias")}
 _QWEN2_DEFAULTS = {
+    **_WITHOUT_BIASES,
     "vocab_size": 151936,
-    "hidden_size": 4096,
     "intermediate_size": 22016,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
     "num_key_value_heads": 32,
-    "hidden_act": "silu",
     "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "rope_theta": 10000.0,
     "use_sliding_window": False,
     "sliding_window": 4096,
     "max_window_layers": 28,
@@ -446,7 +451,7 @@ _QWEN2_DEFAULTS = {
 HF_CONFIG_DEFAULTS = {
     "llama": _LLAMA_DEFAULTS,
     "mistral": {
-        **{k: v for k, v in _LLAMA_DEFAULTS.items() if not k.endswith("_bias")},
+        **_WITHOUT_BIASES,
         "intermediate_size": 14336,
         "num_key_value_heads": 8,
         "max_position_embeddings": 131072,
@@ -1125,7 +1130,12 @@ class Llama(nn.Module):
         residual's variance does not grow with depth; biases 0. LoRA's adapters as PEFT
         initializes them, so that an adapted model starts equal to its base: B = 0,
         A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's default, kaiming-uniform with a = sqrt(5))."""
-        shape = weight_shape(self, name)
+        owner_path, _, leaf = name.rpartition(".")
+        owner = self.get_submodule(owner_path)
+        if isinstance(owner, LoRALinear) and leaf == "weight":  # a 4-bit one is no parameter
+            shape = torch.Size((owner.out_features, owner.in_features))
+        else:
+            shape = self.get_parameter(name).shape
         if name.endswith("norm.weight"):
             return torch.ones(shape, device=device)
         if name.endswith(("lora_B", "bias")):
@@ -1433,16 +1443,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
     config = {
         "architectures": [FAMILIES[args.family].architecture],
         "model_type": args.family,
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "intermediate_size": args.ffn_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "max_position_embeddings": args.max_seq_len,
-        "tie_word_embeddings": args.tie_embeddings,
+        **{key: getattr(args, field) for field, key in HF_CONFIG_KEYS.items()},
         "hidden_act": "silu",
         "rope_parameters": rope,
         "rope_theta": args.rope_theta,
@@ -1471,8 +1472,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
         config["max_window_layers"] = min(args.window_layers, default=args.n_layers)
     # Without a tokenizer's ids, none: the family's defaults (SmolLM3's pad 128004, Mistral's
     # bos 1) are ids of its own vocabulary.
-    no_ids = dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"))
-    return config | no_ids | (special_ids or {})
+    return config | dict.fromkeys(SPECIAL_TOKEN_KEYS) | (special_ids or {})
 
 
 def save_hf_checkpoint(
@@ -1553,15 +1553,12 @@ def save_hf_checkpoint(
 # ----------------------------------------------------------------------------------------
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-# The same projections by their HF / PEFT module names (adapter_config.json's target_modules).
+# The same projections by their HF / PEFT module names (adapter_config.json's target_modules),
+# read off the names of their weights.
 HF_LORA_TARGETS = {
-    "wq": "q_proj",
-    "wk": "k_proj",
-    "wv": "v_proj",
-    "wo": "o_proj",
-    "w1": "gate_proj",
-    "w3": "up_proj",
-    "w2": "down_proj",
+    ours.split(".")[1]: theirs.split(".")[1]
+    for ours, theirs in _HF_LAYER_NAMES.items()
+    if not ours.endswith("norm.weight")
 }
 NF4_SUFFIX = "_nf4"  # `wq.weight_nf4`: the 4-bit storage of `wq.weight`
 
@@ -1728,15 +1725,6 @@ def apply_lora(
         for name, param in list(module.named_parameters(recurse=False)):
             frozen = torch.empty_like(param, dtype=base_dtype)
             setattr(module, name, nn.Parameter(frozen, requires_grad=False))
-
-
-def weight_shape(model: Llama, name: str) -> torch.Size:
-    """The shape of parameter `name`, or of the weight a 4-bit `weight_nf4` stores."""
-    owner_path, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(owner_path)
-    if isinstance(owner, LoRALinear) and owner.quantized and leaf == "weight":
-        return torch.Size((owner.out_features, owner.in_features))
-    return model.get_parameter(name).shape
 
 
 def copy_into(model: Llama, name: str, tensor_slice, copy: Callable) -> None:
