@@ -1009,9 +1009,8 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a run takes its steps: everything besides the model that the memory per rank
-    depends on, each field the train.py flag of the same name. make_plan adds what the plan
-    was made for (MADE_FOR): one object a run applies, prints and saves."""
+    """How a run takes its steps: all but the model that the memory per rank depends on, each
+    field the train.py flag of its name, then what make_plan made it for (MADE_FOR)."""
 
     seq_len: int
     micro_batch: int = 1  # sequences per rank per forward
@@ -1283,33 +1282,25 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, float,
 def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, int, int]:
     """One block's activations for a rank's tokens, `p` bytes each: what it saves for
     backward through autograd's hooks when not checkpointed; what a checkpointed one keeps
-    in the checkpoint's own cache (not through the hooks, so activation offload leaves it on
-    the GPU; None without checkpointing); and what its backward holds beyond those, not
-    checkpointed and checkpointed.
-
-    Saved: the flash or cuDNN attention backend keeps q, k, v, out and a fp32 logsumexp (the
-    math backend would keep the [B, H, S, S] scores); with MLP tiling
-    (offload.apply_mlp_tiling) the [tokens, ffn_dim] tensors exist a tile at a time. Cached:
-    the outputs of offload.SAVED_OPS. In backward, the larger of two moments (memory
-    snapshots: bench/RESULTS.md, "The block in backward, measured"): the MLP's backward (h,
-    normed h, a tile's gate, up and w2 input, three residual-sized gradients and one [tile,
-    ffn_dim]: SwiGLU's kernel writes the others over gate and up) and attention's (two
-    residual-sized gradients, dq, dk, dv and cuDNN's fp32 workspace, 8 bytes a query
-    element; FlexAttention's under a document mask needs less). Both hold what attention's
-    backward needs, counted in the saved tensors of a block not checkpointed. With --fp8, a
-    projection's backward adds e4m3 copies (a byte an element): its output gradient's two
-    and its input's columns, at most w2's input beside w2's output gradient, and q's beside
-    the block's input (1B at 131072: +1.5 GiB measured, +1.5 estimated; bench/RESULTS.md,
-    "FP8 matmuls")."""
+    in the checkpoint's own cache, the outputs of offload.SAVED_OPS (not through the hooks,
+    so activation offload leaves it on the GPU; None without checkpointing); and what its
+    backward holds beyond those, not checkpointed and checkpointed: the larger of two
+    moments (memory snapshots: bench/RESULTS.md, "The block in backward, measured"), the
+    MLP's backward and attention's. Both hold what attention's backward needs, counted in
+    the saved tensors of a block not checkpointed."""
     if plan.ac not in AC_MODES:
         raise UsageError(
             f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
         )
     n, d, f, h = plan.tokens, args.dim, args.ffn_dim, args.n_heads
-    m = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n  # an MLP tile's tokens
+    # With MLP tiling (offload.apply_mlp_tiling) the [tokens, ffn_dim] tensors exist a tile
+    # of m tokens at a time.
+    m = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
     q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
     x, qkv, tile = n * d * p, (n * q + 2 * n * kv) * p, m * f * p
-    out = n * q * p + n * h * 4  # attention's output and its fp32 logsumexp
+    # The flash or cuDNN backend keeps attention's output and its fp32 logsumexp (the math
+    # backend would keep the [B, H, S, S] scores).
+    out = n * q * p + n * h * 4
 
     # The block's two RMSNorms over rows of dim; with qk_norm (Qwen3) two more, over each head
     # of q and k (rows of head_dim, as many elements as q and k).
@@ -1321,7 +1312,8 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     else:  # each norm: its fp32 upcast input, normalized x, rstd; RoPE: fp32 cos and sin;
         # SwiGLU: gate, silu(gate), up
         saved = 2 * normed * 4 + rows * 4 + n * args.head_dim * 4 + 3 * tile
-    saved += 2 * x + tile + qkv + out  # the linears' inputs (normed x, normed h, w2's)
+    # The linears' inputs (normed x, normed h, w2's) and attention's q, k, v and output.
+    saved += 2 * x + tile + qkv + out
 
     # The checkpoint's cache: attention's output; selective: every matmul's too (wq, wk and
     # wv; wo and w2, dim wide; w1 and w3).
@@ -1334,7 +1326,15 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
         # (model.packed_attention): up to a row's worth.
         cached += qkv + (n * q * p if plan.long_documents else 0)
 
+    # The MLP's backward: h, normed h, a tile's gate, up and w2 input, three residual-sized
+    # gradients and one [tile, ffn_dim] (SwiGLU's kernel writes the others over gate and
+    # up). Attention's: two residual-sized gradients, dq, dk, dv and cuDNN's fp32 workspace,
+    # 8 bytes a query element (FlexAttention's under a document mask needs less).
     mlp, attention = 3 * x + tile, 2 * x + qkv + 8 * n * q
+    # --fp8 adds a projection's e4m3 copies (a byte an element): its output gradient's two
+    # and its input's columns, at most w2's input beside w2's output gradient, and q's
+    # beside the block's input (1B at 131072: +1.5 GiB measured, +1.5 estimated;
+    # bench/RESULTS.md, "FP8 matmuls").
     if plan.fp8:
         mlp += m * f + 2 * m * d
         attention += n * d + 2 * n * q
@@ -1420,13 +1420,8 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 
     # moment: parameters, gradients, activations, loss (and AdamW's moments throughout)
     moments = [
-        # every saved activation and the fused loss's buffers, its fp32 ones included
         ("loss forward", *state["loss forward"], kept, loss_forward),
-        # every saved activation, and the head's (untied output's) gradient being reduced
         ("head backward", *state["head backward"], kept, loss_backward),
-        # the last block, with every activation kept on the GPU; the offloaded ones, each
-        # fetched with the one before it; the first (the peak when activation offload
-        # leaves few activations on the GPU)
         *(block(i) for i in in_backward),
         # activations freed, every shard written, the root's (embedding's) gradient reduced
         ("backward end", *state["backward end"], 0, 0.0),
@@ -1496,8 +1491,7 @@ HOST_PROCESS_GIB = 2.0
 # uncovered. It orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and
 # offload", "Long context, less memory", "CPU offload at scale", "Where the step time goes
 # at 128k tokens"), and its seconds, printed past a minute, are within 2x of each recorded
-# step ("Planner: the step time's guess against the recorded steps"), packed rows' too,
-# whose attention within documents the plan takes from the data (attended_per_token);
+# step, packed rows' too ("Planner: the step time's guess against the recorded steps");
 # tests/test_shard.py checks both.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
@@ -1693,9 +1687,7 @@ def choose_plan(
 
 @dataclass
 class Planner:
-    """A plan's choice: the model, the machine, what the plan does not choose (`base`: its
-    processes the machine's), the planned fields the user set (`wanted`, kept) and the
-    user's --grad-clip (None: the default, which follows the plan)."""
+    """choose_plan's search: `base` has the machine's processes, `wanted` is kept."""
 
     args: ModelArgs
     machine: Machine
