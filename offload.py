@@ -111,9 +111,9 @@ def _keeping_contexts(saved_ops: list) -> tuple:
 
     The outputs the policy keeps stay on the GPU, outside the saved-tensor hooks around the
     forward (activation_offload's). The planner counts them there, and only the blocks'
-    inputs on the host (shard.checkpoint_cache_bytes, activation_bytes); and they are most
-    of what a block keeps (under "selective" every matmul's output: over 11 times the block's
-    input in Llama 3 8B), too much to copy out and back behind the block's compute. torch up
+    inputs on the host (shard.block_bytes, activation_bytes); and they are most of what a
+    block keeps (under "selective" every matmul's output: over 11 times the block's input in
+    Llama 3 8B), too much to copy out and back behind the block's compute. torch up
     to 2.13 always leaves them so; 2.14 warns that a later release will route them through
     the hooks unless checkpoint(..., respect_saved_tensors_hooks=False) says otherwise. The
     composable checkpoint (apply_ac) refuses that argument in 2.14; torch.utils.checkpoint

@@ -1009,9 +1009,8 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a run takes its steps: everything besides the model that the memory per rank
-    depends on, each field the train.py flag of the same name. make_plan adds what the plan
-    was made for (MADE_FOR): one object a run applies, prints and saves."""
+    """How a run takes its steps: all but the model that the memory per rank depends on, each
+    field the train.py flag of its name, then what make_plan made it for (MADE_FOR)."""
 
     seq_len: int
     micro_batch: int = 1  # sequences per rank per forward
@@ -1280,85 +1279,74 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, float,
     return moments, 0.0, 12 * total + (1 + STAGING_SLOTS) * pinned_slot + 4 * largest
 
 
-def block_saved_bytes(args: ModelArgs, n: int, a: int, kernels: bool, mlp_tokens: int) -> int:
-    """Bytes one block saves for backward without checkpointing, for n = B * S tokens, `a`
-    bytes an activation: the flash or cuDNN attention backend keeps q, k, v, out and a fp32
-    logsumexp (the math backend would keep the [B, H, S, S] scores); with MLP tiling
-    (offload.apply_mlp_tiling) the [tokens, ffn_dim] tensors exist `mlp_tokens` at a time."""
-    d, f, m = args.dim, args.ffn_dim, mlp_tokens
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    linear_inputs = 2 * n * d * a + m * f * a  # normed x (wq/wk/wv), normed h (w1/w3), w2's
-    attention = (n * q + 2 * n * kv + n * q) * a + n * args.n_heads * 4  # q k v out, lse
+def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, int, int]:
+    """One block's activations for a rank's tokens, `p` bytes each: what it saves for
+    backward through autograd's hooks when not checkpointed; what a checkpointed one keeps
+    in the checkpoint's own cache, the outputs of offload.SAVED_OPS (not through the hooks,
+    so activation offload leaves it on the GPU; None without checkpointing); and what its
+    backward holds beyond those, not checkpointed and checkpointed: the larger of two
+    moments (memory snapshots: bench/RESULTS.md, "The block in backward, measured"), the
+    MLP's backward and attention's. Both hold what attention's backward needs, counted in
+    the saved tensors of a block not checkpointed."""
+    if plan.ac not in AC_MODES:
+        raise UsageError(
+            f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
+        )
+    n, d, f, h = plan.tokens, args.dim, args.ffn_dim, args.n_heads
+    # With MLP tiling (offload.apply_mlp_tiling) the [tokens, ffn_dim] tensors exist a tile
+    # of m tokens at a time.
+    m = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
+    q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
+    x, qkv, tile = n * d * p, (n * q + 2 * n * kv) * p, m * f * p
+    # The flash or cuDNN backend keeps attention's output and its fp32 logsumexp (the math
+    # backend would keep the [B, H, S, S] scores).
+    out = n * q * p + n * h * 4
+
     # The block's two RMSNorms over rows of dim; with qk_norm (Qwen3) two more, over each head
     # of q and k (rows of head_dim, as many elements as q and k).
     normed, rows = 2 * n * d, 2 * n
     if args.qk_norm:
-        normed, rows = normed + n * (q + kv), rows + n * (args.n_heads + args.n_kv_heads)
-    if kernels:
-        norms = normed * a + rows * 4  # each RMSNorm kernel: its input and fp32 rstd
-        rope = 0  # the kernel keeps positions and inv_freq only
-        swiglu = 2 * m * f * a  # gate and up
-    else:
-        norms = 2 * normed * 4 + rows * 4  # fp32 upcast input, normalized x, rstd
-        rope = n * args.head_dim * 4  # cos and sin [B, S, 1, Dh/2] fp32
-        swiglu = 3 * m * f * a  # gate, silu(gate), up
-    return linear_inputs + attention + norms + rope + swiglu
+        normed, rows = normed + n * (q + kv), rows + n * (h + args.n_kv_heads)
+    if plan.kernels:  # each RMSNorm kernel: its input and fp32 rstd; SwiGLU's: gate and up
+        saved = normed * p + rows * 4 + 2 * tile
+    else:  # each norm: its fp32 upcast input, normalized x, rstd; RoPE: fp32 cos and sin;
+        # SwiGLU: gate, silu(gate), up
+        saved = 2 * normed * 4 + rows * 4 + n * args.head_dim * 4 + 3 * tile
+    # The linears' inputs (normed x, normed h, w2's) and attention's q, k, v and output.
+    saved += 2 * x + tile + qkv + out
 
+    # The checkpoint's cache: attention's output; selective: every matmul's too (wq, wk and
+    # wv; wo and w2, dim wide; w1 and w3).
+    cached = {"none": None, "full": 0, "attention": out,
+              "selective": out + qkv + 2 * x + 2 * n * f * p}[plan.ac]  # fmt: skip
+    if plan.document_mask and cached:
+        # The document-masked attention's kept output comes with its q, k and v, which its
+        # backward needs (offload._KeptAttention), and the outputs of long documents' causal
+        # prefixes, which the causal kernel keeps for its own backward
+        # (model.packed_attention): up to a row's worth.
+        cached += qkv + (n * q * p if plan.long_documents else 0)
 
-def checkpoint_cache_bytes(args: ModelArgs, plan: Plan, n: int, p: int) -> int | None:
-    """What a checkpointed block keeps in the checkpoint's own cache (not through autograd's
-    hooks, so activation offload leaves it on the GPU), None without checkpointing: the
-    outputs of offload.SAVED_OPS (attention's and its logsumexp; selective: every matmul's)."""
-    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    attention = n * q * p + n * args.n_heads * 4
-    # wq, wk and wv; wo and w2 (dim wide); w1 and w3
-    matmuls = (n * q + 2 * n * kv + 2 * n * args.dim + 2 * n * args.ffn_dim) * p
-    cached = {"none": None, "full": 0, "attention": attention, "selective": attention + matmuls}
-    if plan.ac not in cached:
-        raise UsageError(
-            f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
-        )
-    if not (plan.document_mask and cached[plan.ac]):
-        return cached[plan.ac]
-    # The document-masked attention's kept output comes with its q, k and v, which its
-    # backward needs (offload._KeptAttention), and the outputs of long documents' causal
-    # prefixes, which the causal kernel keeps for its own backward (model.packed_attention):
-    # up to a row's worth.
-    return cached[plan.ac] + (n * q + 2 * n * kv) * p + (n * q * p if plan.long_documents else 0)
-
-
-def block_backward_bytes(
-    args: ModelArgs, plan: Plan, n: int, mlp_tokens: int, p: int, checkpointed: bool
-) -> int:
-    """What the block in backward holds beyond its saved input and the checkpoint's cache,
-    at the larger of two moments (memory snapshots: bench/RESULTS.md, "The block in
-    backward, measured"): the MLP's backward (h, normed h, a tile's gate, up and w2 input,
-    three residual-sized gradients and one [tile, ffn_dim]: SwiGLU's kernel writes the
-    others over gate and up) and attention's (two residual-sized gradients, dq, dk, dv and
-    cuDNN's fp32 workspace, 8 bytes a query element; FlexAttention's under a document mask
-    needs less). Both hold what attention's backward needs, counted in the saved tensors of
-    a block not checkpointed. With --fp8, a projection's backward adds e4m3 copies (a byte
-    an element): its output gradient's two and its input's columns, at most w2's input
-    beside w2's output gradient, and q's beside the block's input (1B at 131072: +1.5 GiB
-    measured, +1.5 estimated; bench/RESULTS.md, "FP8 matmuls")."""
-    d, f, h = args.dim, args.ffn_dim, args.n_heads
-    q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
-    mlp = 3 * n * d * p + mlp_tokens * f * p
-    attention = 2 * n * d * p + (n * q + 2 * n * kv) * p + 8 * n * q
+    # The MLP's backward: h, normed h, a tile's gate, up and w2 input, three residual-sized
+    # gradients and one [tile, ffn_dim] (SwiGLU's kernel writes the others over gate and
+    # up). Attention's: two residual-sized gradients, dq, dk, dv and cuDNN's fp32 workspace,
+    # 8 bytes a query element (FlexAttention's under a document mask needs less).
+    mlp, attention = 3 * x + tile, 2 * x + qkv + 8 * n * q
+    # --fp8 adds a projection's e4m3 copies (a byte an element): its output gradient's two
+    # and its input's columns, at most w2's input beside w2's output gradient, and q's
+    # beside the block's input (1B at 131072: +1.5 GiB measured, +1.5 estimated;
+    # bench/RESULTS.md, "FP8 matmuls").
     if plan.fp8:
-        mlp += mlp_tokens * f + 2 * mlp_tokens * d
+        mlp += m * f + 2 * m * d
         attention += n * d + 2 * n * q
-    if not checkpointed:
-        return max(mlp, attention)
-    kept = plan.ac in ("attention", "selective")  # attention's output and logsumexp
-    attention_saved = (n * d + n * q + 2 * n * kv) * p + (0 if kept else n * q * p + n * h * 4)
-    recomputed_tile = 1 if plan.ac == "selective" else 3  # selective keeps gate and up
-    mlp += 2 * n * d * p + recomputed_tile * mlp_tokens * f * p
+    # A checkpointed block's recomputed forward: attention's inputs, and its output unless
+    # the cache kept it; the MLP's tile again (selective keeps gate and up).
+    recomputed = x + qkv + (0 if plan.ac in ("attention", "selective") else out)
+    mlp_recomputed = mlp + 2 * x + (1 if plan.ac == "selective" else 3) * tile
     if not plan.kernels:  # the references keep an fp32 input and output in each norm
-        norm = 2 * n * d * 4 - n * d * p
-        attention_saved += norm + n * args.head_dim * 4  # and RoPE its cos and sin
-        mlp += norm + mlp_tokens * f * p  # and SwiGLU silu(gate)
-    return attention_saved + max(mlp, attention)
+        norm = 2 * n * d * 4 - x
+        recomputed += norm + n * args.head_dim * 4  # and RoPE its cos and sin
+        mlp_recomputed += norm + tile  # and SwiGLU silu(gate)
+    return saved, cached, max(mlp, attention), recomputed + max(mlp_recomputed, attention)
 
 
 def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int, int], int]:
@@ -1368,12 +1356,10 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int
     checkpointed, else everything; in backward the blocks kept on the GPU come first, each
     freeing its own, then each offloaded block is fetched with the one before it."""
     n, d, layers = plan.tokens, args.dim, args.n_layers
-    mlp_tokens = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
-    full_block = block_saved_bytes(args, n, p, plan.kernels, mlp_tokens)
-    cached_by_mode = checkpoint_cache_bytes(args, plan, n, p)
-    checkpointed = [cached_by_mode is not None and i % plan.ac_every == 0 for i in range(layers)]
+    full_block, cache, working, working_checkpointed = block_bytes(args, plan, p)
+    checkpointed = [cache is not None and i % plan.ac_every == 0 for i in range(layers)]
     saved = [n * d * p if c else full_block for c in checkpointed]
-    cached = [cached_by_mode if c else 0 for c in checkpointed]
+    cached = [cache if c else 0 for c in checkpointed]
     offloaded = 0
     if plan.activation_offload:
         offloaded = layers - 1 if plan.offload_blocks is None else plan.offload_blocks
@@ -1381,8 +1367,8 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int
 
     def in_backward(i: int) -> int:
         on_gpu = saved[offloaded : i + 1] if i >= offloaded else saved[max(i - 1, 0) : i + 1]
-        working = block_backward_bytes(args, plan, n, mlp_tokens, p, checkpointed[i])
-        return sum(on_gpu) + sum(cached[: i + 1]) + working
+        held = working_checkpointed if checkpointed[i] else working
+        return sum(on_gpu) + sum(cached[: i + 1]) + held
 
     # The last block; each offloaded one but the first (later ones keep more of the
     # checkpoint's cache, earlier ones see more gradient shards written); the first.
@@ -1434,13 +1420,8 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 
     # moment: parameters, gradients, activations, loss (and AdamW's moments throughout)
     moments = [
-        # every saved activation and the fused loss's buffers, its fp32 ones included
         ("loss forward", *state["loss forward"], kept, loss_forward),
-        # every saved activation, and the head's (untied output's) gradient being reduced
         ("head backward", *state["head backward"], kept, loss_backward),
-        # the last block, with every activation kept on the GPU; the offloaded ones, each
-        # fetched with the one before it; the first (the peak when activation offload
-        # leaves few activations on the GPU)
         *(block(i) for i in in_backward),
         # activations freed, every shard written, the root's (embedding's) gradient reduced
         ("backward end", *state["backward end"], 0, 0.0),
@@ -1454,6 +1435,40 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
         gpu_total=parameters + gradients + optimizer + activations + loss + OVERHEAD_GIB,
         host_total=(host + host_activations) / GiB,
     )  # fmt: skip
+
+
+def memory_needed(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
+    """(GPU GiB per GPU, host GiB per node) a plan needs, margins excluded. A CPU run keeps
+    the estimate's GPU part on the host too (the context constant aside)."""
+    on_host = est.host_total + HOST_PROCESS_GIB
+    if machine.gpu_gib is None:
+        on_host += est.gpu_tensors
+    return est.gpu_total, on_host * machine.nproc_per_node
+
+
+def overshoot(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
+    """How many times what the margins leave usable a plan needs, of the GPU (0 on the
+    CPU) and of the host: a plan fits where neither is above 1."""
+    gpu, host = memory_needed(est, machine)
+    gpu_share = 0.0 if machine.gpu_gib is None else gpu / ((1 - GPU_MARGIN) * machine.gpu_gib)
+    return gpu_share, host / ((1 - HOST_MARGIN) * machine.host_gib)
+
+
+def fits(est: MemoryEstimate, machine: Machine) -> bool:
+    return max(overshoot(est, machine)) <= 1
+
+
+def memory_line(est: MemoryEstimate, machine: Machine) -> str:
+    """What a plan needs of the machine, beside what it has and the margins kept free."""
+    gpu, host = memory_needed(est, machine)
+    where = "on the CPU, all of it on the host"
+    if machine.gpu_gib is not None:
+        where = f"needs {gpu:.1f} of {machine.gpu_gib:.1f} GiB per GPU ({GPU_MARGIN:.0%} kept free)"
+    return (
+        f"{where}; host {host:.1f} of {machine.host_gib:.1f} GiB per node ({HOST_MARGIN:.0%} "
+        f"kept free; {plural(machine.nproc_per_node, 'process')}, {HOST_PROCESS_GIB:.0f} GiB "
+        "each besides the estimate)"
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -1476,8 +1491,7 @@ HOST_PROCESS_GIB = 2.0
 # uncovered. It orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and
 # offload", "Long context, less memory", "CPU offload at scale", "Where the step time goes
 # at 128k tokens"), and its seconds, printed past a minute, are within 2x of each recorded
-# step ("Planner: the step time's guess against the recorded steps"), packed rows' too,
-# whose attention within documents the plan takes from the data (attended_per_token);
+# step, packed rows' too ("Planner: the step time's guess against the recorded steps");
 # tests/test_shard.py checks both.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
@@ -1486,21 +1500,54 @@ ACTIVATION_OFFLOAD_COST = 0.01  # of the step, with checkpointing
 CPU_OFFLOAD_S_PER_PARAM = 0.75e-9  # per parameter of a rank's shard, per rank on the host
 IN_BACKWARD_S_PER_PARAM = 0.15e-9
 # What the planner chooses among where the user leaves a field open, fastest first at equal
-# cost: recomputation (offload.AC_MODES), MLP tiles (shorter than the sequence), offloads.
+# cost: recomputation (offload.AC_MODES), MLP tiles (shorter than the sequence), offloads
+# (all blocks' activations; Planner.partial_offload adds the first N's).
 CHOICES = {
     "ac": ("none", "selective", "attention", "full"),
     "mlp_tile": (0, 16384, 8192, 4096),
     "activation_offload": (False, True),
+    "offload_blocks": (None,),
     "cpu_offload": (False, True),
     "optimizer_in_backward": (False, True),
 }
 # The fields the planner chooses, in the order of the plan's flags.
-PLANNED = ("ac", "mlp_tile", "activation_offload", "offload_blocks", "cpu_offload",
-           "optimizer_in_backward", "micro_batch", "grad_accum")  # fmt: skip
+PLANNED = (*CHOICES, "micro_batch", "grad_accum")
 # The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; under
 # 100M parameters (the tiny preset of the default run and the tests), 16 x 256 tokens.
 BATCH_TOKENS = 2**19
 SMALL_MODEL_BATCH_TOKENS = 4096
+
+
+def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float:
+    """The modelled time of one step of `plan` on one rank (GPU_FLOPS above says how). Under
+    context parallelism a rank computes 1/N of each row: seq_len / N tokens through the
+    blocks, the whole row's attention for H/N heads."""
+    layers, d, s = args.n_layers, args.dim, plan.seq_len
+    checkpointed = -(-layers // plan.ac_every) / layers
+    blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
+    attended = plan.attended_per_token or s / 2
+    per_token = args.training_flops(1, attended, frozen=plan.lora is not None)
+    attention_forward = args.training_flops(0, attended) / 3
+    recomputed = {
+        "none": 0.0,
+        "selective": SELECTIVE_RECOMPUTE * per_token,
+        "attention": blocks_forward,
+        "full": blocks_forward + attention_forward,
+    }
+    per_token += checkpointed * recomputed[plan.ac]
+    if 0 < plan.mlp_tile < s:  # the MLP's forward once more, where no block recompute was
+        recomputing_mlp = checkpointed if plan.ac in ("full", "attention") else 0.0
+        per_token += (1 - recomputing_mlp) * 2 * layers * 3 * d * args.ffn_dim
+    compute_s = plan.tokens * plan.grad_accum * per_token / flops
+    if plan.activation_offload:
+        compute_s *= 1 + ACTIVATION_OFFLOAD_COST
+    per_node = plan.nproc_per_node or plan.world_size
+    if plan.cpu_offload:  # with the optimizer in backward too: its updates overlap backward
+        shard = shard_group_size(plan.strategy, plan.world_size, per_node)
+        return compute_s + args.num_params() / shard * CPU_OFFLOAD_S_PER_PARAM * per_node
+    if plan.optimizer_in_backward:  # the host's updates that backward leaves uncovered
+        return compute_s + args.num_params() * IN_BACKWARD_S_PER_PARAM
+    return compute_s
 
 
 def options_plan(opts: "train.Options", machine: Machine, **fixed) -> tuple[Plan, dict]:
@@ -1543,13 +1590,12 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
             except UsageError as e:
                 problems.append(str(e))
     if plan.fp8:  # cuBLAS's e4m3 matmul multiplies dimensions of multiples of 16 only
-        widths = {"dim": args.dim, "ffn_dim": args.ffn_dim,
-                  "heads x head_dim": args.n_heads * args.head_dim,
-                  "kv heads x head_dim": args.n_kv_heads * args.head_dim}  # fmt: skip
-        tokens = {"--seq-len / --context-parallel": plan.seq_len // max(cp, 1),
-                  "--mlp-tile": plan.mlp_tile}  # fmt: skip
-        odd = [f"{k} {v}" for k, v in {**widths, **tokens}.items() if v % 16]
-        if odd:
+        sizes = {"dim": args.dim, "ffn_dim": args.ffn_dim,
+                 "heads x head_dim": args.n_heads * args.head_dim,
+                 "kv heads x head_dim": args.n_kv_heads * args.head_dim,
+                 "--seq-len / --context-parallel": plan.seq_len // max(cp, 1),
+                 "--mlp-tile": plan.mlp_tile}  # fmt: skip
+        if odd := [f"{k} {v}" for k, v in sizes.items() if v % 16]:
             problems.append(f"--fp8 needs multiples of 16: {', '.join(odd)}")
     if blocks is not None and not (plan.activation_offload and 0 <= blocks < args.n_layers):
         problems.append(
@@ -1614,72 +1660,6 @@ def make_plan(
     )
 
 
-def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float:
-    """The modelled time of one step of `plan` on one rank (GPU_FLOPS above says how). Under
-    context parallelism a rank computes 1/N of each row: seq_len / N tokens through the
-    blocks, the whole row's attention for H/N heads."""
-    layers, d, s = args.n_layers, args.dim, plan.seq_len
-    checkpointed = -(-layers // plan.ac_every) / layers
-    blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
-    attended = plan.attended_per_token or s / 2
-    per_token = args.training_flops(1, attended, frozen=plan.lora is not None)
-    attention_forward = args.training_flops(0, attended) / 3
-    recomputed = {
-        "none": 0.0,
-        "selective": SELECTIVE_RECOMPUTE * per_token,
-        "attention": blocks_forward,
-        "full": blocks_forward + attention_forward,
-    }
-    per_token += checkpointed * recomputed[plan.ac]
-    if 0 < plan.mlp_tile < s:  # the MLP's forward once more, where no block recompute was
-        recomputing_mlp = checkpointed if plan.ac in ("full", "attention") else 0.0
-        per_token += (1 - recomputing_mlp) * 2 * layers * 3 * d * args.ffn_dim
-    compute_s = plan.tokens * plan.grad_accum * per_token / flops
-    if plan.activation_offload:
-        compute_s *= 1 + ACTIVATION_OFFLOAD_COST
-    per_node = plan.nproc_per_node or plan.world_size
-    if plan.cpu_offload:  # with the optimizer in backward too: its updates overlap backward
-        shard = shard_group_size(plan.strategy, plan.world_size, per_node)
-        return compute_s + args.num_params() / shard * CPU_OFFLOAD_S_PER_PARAM * per_node
-    if plan.optimizer_in_backward:  # the host's updates that backward leaves uncovered
-        return compute_s + args.num_params() * IN_BACKWARD_S_PER_PARAM
-    return compute_s
-
-
-def memory_needed(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
-    """(GPU GiB per GPU, host GiB per node) a plan needs, margins excluded. A CPU run keeps
-    the estimate's GPU part on the host too (the context constant aside)."""
-    on_host = est.host_total + HOST_PROCESS_GIB
-    if machine.gpu_gib is None:
-        on_host += est.gpu_tensors
-    return est.gpu_total, on_host * machine.nproc_per_node
-
-
-def overshoot(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
-    """How many times what the margins leave usable a plan needs, of the GPU (0 on the
-    CPU) and of the host: a plan fits where neither is above 1."""
-    gpu, host = memory_needed(est, machine)
-    gpu_share = 0.0 if machine.gpu_gib is None else gpu / ((1 - GPU_MARGIN) * machine.gpu_gib)
-    return gpu_share, host / ((1 - HOST_MARGIN) * machine.host_gib)
-
-
-def fits(est: MemoryEstimate, machine: Machine) -> bool:
-    return max(overshoot(est, machine)) <= 1
-
-
-def memory_line(est: MemoryEstimate, machine: Machine) -> str:
-    """What a plan needs of the machine, beside what it has and the margins kept free."""
-    gpu, host = memory_needed(est, machine)
-    where = "on the CPU, all of it on the host"
-    if machine.gpu_gib is not None:
-        where = f"needs {gpu:.1f} of {machine.gpu_gib:.1f} GiB per GPU ({GPU_MARGIN:.0%} kept free)"
-    return (
-        f"{where}; host {host:.1f} of {machine.host_gib:.1f} GiB per node ({HOST_MARGIN:.0%} "
-        f"kept free; {plural(machine.nproc_per_node, 'process')}, {HOST_PROCESS_GIB:.0f} GiB "
-        "each besides the estimate)"
-    )
-
-
 def choose_plan(
     args: ModelArgs,
     machine: Machine,
@@ -1707,15 +1687,16 @@ def choose_plan(
 
 @dataclass
 class Planner:
-    """A plan's choice: the model, the machine, what the plan does not choose (`base`: its
-    processes the machine's), the planned fields the user set (`wanted`, kept) and the
-    user's --grad-clip (None: the default, which follows the plan)."""
+    """choose_plan's search: `base` has the machine's processes, `wanted` is kept."""
 
     args: ModelArgs
     machine: Machine
     base: Plan
     wanted: dict
     grad_clip: float | None = None
+
+    def overshoot(self, plan: Plan) -> tuple[float, float]:
+        return overshoot(estimate_memory(self.args, plan), self.machine)
 
     def candidates(self, sequences: int) -> list[Plan]:
         """The plans of `sequences` per rank per step that keep the wanted fields, in the order
@@ -1727,20 +1708,16 @@ class Planner:
             choices["mlp_tile"] = tuple(t for t in choices["mlp_tile"] if t < self.base.seq_len)
         given, accum = wanted.get("micro_batch"), wanted.get("grad_accum")
         if given or accum:
-            micro_batches = [given or max(1, round(sequences / accum))]
+            choices["micro_batch"] = (given or max(1, round(sequences / accum)),)
         else:
-            micro_batches = [m for m in range(sequences, 0, -1) if sequences % m == 0]
+            choices["micro_batch"] = [m for m in range(sequences, 0, -1) if sequences % m == 0]
         plans = []
-        for *values, micro_batch in itertools.product(*choices.values(), micro_batches):
-            plan = dataclasses.replace(
-                self.base, **dict(zip(choices, values, strict=True)), micro_batch=micro_batch,
-                grad_accum=accum or max(1, round(sequences / micro_batch)),
-            )  # fmt: skip
-            if plan.activation_offload:
-                plan = dataclasses.replace(plan, offload_blocks=wanted.get("offload_blocks"))
-            plans.append(plan)
-            if plan.activation_offload and "offload_blocks" not in wanted:
-                plans += self.partial_offload(plan)
+        for values in itertools.product(*choices.values()):
+            fields = dict(zip(choices, values, strict=True))
+            accumulated = accum or max(1, round(sequences / fields["micro_batch"]))
+            plans.append(dataclasses.replace(self.base, **fields, grad_accum=accumulated))
+            if fields["activation_offload"] and "offload_blocks" not in wanted:
+                plans += self.partial_offload(plans[-1])
         # Activation offload without checkpointing measured much slower: the host link
         # cannot move every saved tensor in time (bench/RESULTS.md, "Sharding and offload").
         plans = [
@@ -1763,8 +1740,7 @@ class Planner:
         cannot hold even the rest of the plan."""
 
         def host_overflows(n: int) -> bool:
-            est = estimate_memory(self.args, dataclasses.replace(plan, offload_blocks=n))
-            return overshoot(est, self.machine)[1] > 1
+            return self.overshoot(dataclasses.replace(plan, offload_blocks=n))[1] > 1
 
         # The host's bytes grow with N: bisect for the first N that overflows it.
         overflows_from = bisect.bisect(range(self.args.n_layers), False, key=host_overflows)
@@ -1773,10 +1749,7 @@ class Planner:
         return []
 
     def first_fit(self, sequences: int = 1) -> Plan | None:
-        for plan in self.candidates(sequences):
-            if fits(estimate_memory(self.args, plan), self.machine):
-                return plan
-        return None
+        return next((p for p in self.candidates(sequences) if max(self.overshoot(p)) <= 1), None)
 
     def no_fit_message(self, sequences: int) -> str:
         """The closest plan (by the worse memory, then both), what it needs and its largest
@@ -1784,7 +1757,7 @@ class Planner:
         m = self.machine
 
         def closeness(plan: Plan) -> tuple[float, float]:
-            ratios = overshoot(estimate_memory(self.args, plan), m)
+            ratios = self.overshoot(plan)
             return max(ratios), sum(ratios)
 
         closest = min(self.candidates(sequences), key=closeness)

@@ -44,8 +44,8 @@ from shard import (
     STRATEGIES,
     Machine,
     Plan,
+    block_bytes,
     block_params,
-    block_saved_bytes,
     choose_plan,
     count_weights,
     estimate_memory,
@@ -913,7 +913,7 @@ def test_the_planner_is_quick_at_a_million_tokens():
 
 def test_the_saved_activations_follow_qs_width_and_the_qk_norms():
     """What one block saves for backward (counted through autograd's hooks, reference ops,
-    fp32) against block_saved_bytes, for a head dim apart from dim / heads and for Qwen3's
+    fp32) against block_bytes' saved tensors, for a head dim apart from dim / heads and for Qwen3's
     q/k norms: the measured share of the estimate stays the Llama block's within 5% (q and
     attention's output are n_heads * head_dim wide, not dim; each q/k norm keeps its input
     and rstd)."""
@@ -934,7 +934,8 @@ def test_the_saved_activations_follow_qs_width_and_the_qk_norms():
             lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
         ):
             block(x, torch.arange(seq).expand(bsz, seq), rope_frequencies(args))
-        return sum(saved) / block_saved_bytes(args, bsz * seq, 4, False, bsz * seq)
+        plan = Plan(seq, micro_batch=bsz, param_dtype="fp32", kernels=False)
+        return sum(saved) / block_bytes(args, plan, 4)[0]
 
     for args in variants:
         assert measured_share(args) == pytest.approx(measured_share(llama), rel=0.05), args
