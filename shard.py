@@ -5,16 +5,8 @@ meta-built model filled shard by shard, the global gradient norm); context paral
 ranks of a group share each sequence); the run directory, its DCP checkpoints of the sharded
 optimizer, and the exports gathered from the shards. Last, apart: the plan (`Plan`, each
 field a train.py flag), the memory estimate of a plan, and the planner that picks the fastest
-plan that fits.
-
-train.apply_techniques applies them in the one order in which they compose:
-
-    world = init_distributed()
-    with torch.device("meta"):
-        model = Llama(args, ops)
-    apply_context_parallel(model, context_parallel_group(world, 2))   # optional
-    apply_fsdp(model, build_mesh("FULL_SHARD", world), "FULL_SHARD")
-    materialize(model, world, seed=0)            # or hf_path=...
+plan that fits. train.apply_techniques applies the techniques in the one order in which they
+compose.
 
 Multi-node runs need no code here: torchrun's rendezvous flags (`--nnodes`, `--node-rank`,
 `--rdzv-backend c10d --rdzv-endpoint host:port`) set the variables `init_distributed` reads.
