@@ -273,7 +273,6 @@ def apply_fsdp(
     strategy: str,
     cpu_offload: bool = False,
     param_dtype: torch.dtype = torch.bfloat16,
-    reduce_dtype: torch.dtype = torch.float32,
     pin_memory: bool = True,
 ) -> None:
     """Shards `model` in place: each TransformerBlock is one FSDP unit (one all-gather and
@@ -291,7 +290,7 @@ def apply_fsdp(
     # rounding it to bf16 would shift the angles of long positions; the activations are
     # already param_dtype (the embedding's output), so nothing else needs the cast.
     mp_policy = MixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
     offload_policy = (
         CPUOffloadPolicy(pin_memory=pin_memory and torch.cuda.is_available())

@@ -645,7 +645,6 @@ def apply_techniques(
         plan.strategy,
         cpu_offload=plan.cpu_offload,
         param_dtype=DTYPES[plan.param_dtype],
-        reduce_dtype=torch.float32,
         # The optimizer in backward reads each gradient in FSDP's hook: pinned shards would
         # let torch < 2.13 copy it there without blocking, so the hook could read it before
         # it arrived. Plain memory also spares the pinned allocator's rounding up, at the
