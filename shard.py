@@ -392,7 +392,6 @@ def context_parallel_group(world: World, n: int) -> dist.ProcessGroup | None:
     """The group of ranks that share this rank's sequences, None when n is 1: N consecutive
     ranks, so with torchrun's numbering (a node's ranks are consecutive) a group never spans
     nodes, and FSDP's mesh (build_mesh) shards over the same ranks."""
-    check_context_parallel_ranks(n, world.world_size, world.local_world_size)
     if n == 1:
         return None
     mesh = init_device_mesh(
@@ -501,7 +500,6 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
     model.py holds no process group or collective."""
     if group is None:
         return
-    check_context_parallel(model.args, group.size())
     for block in model.layers:
         block.attention.attend = functools.partial(
             _attend_whole_sequence, block.attention.attend, group
