@@ -776,46 +776,43 @@ class Checkpointer:
     def save(self, step: int, optimizer, loader) -> Path:
         SAVING.set()
         try:
-            return self._save(step, optimizer, loader)
+            final = self.root / f"step-{step:06d}"
+            tmp = self.root / f".tmp-{final.name}"
+            if self.world.is_main:
+                for stale in self.root.glob(".tmp-*"):  # left by a run killed while it saved
+                    shutil.rmtree(stale)
+                tmp.mkdir(parents=True)
+            dist.barrier()
+            # Safetensors files (each rank writes its own shards, their layout as JSON in
+            # their headers), so that resuming unpickles nothing: DCP's default format keeps
+            # its metadata as a pickle.
+            state = optimizer.state_dict()
+            writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
+            dcp.save(state, storage_writer=writer)
+            if self.world.is_main:
+                # dcp.save returns once every rank's shards are written. Their sizes and the
+                # full shape of each tensor go in, so that a truncated, missing or replaced
+                # shard is caught before resuming (check_checkpoint).
+                train_state = {
+                    "step": step,
+                    "loader": loader.state_dict(),
+                    "rng": rng_state(self.world.device),
+                    **self.record,
+                    "files": {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))},
+                    "tensors": tensor_shapes(state),
+                }
+                (tmp / "train_state.json").write_text(json.dumps(train_state))
+            dist.barrier()  # every rank's shards are written before the directory is renamed
+            if self.world.is_main:
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                for old in list_checkpoints(self.root)[: -self.keep]:
+                    shutil.rmtree(old)
+            self.last = final
+            return final
         finally:
             SAVING.clear()
-
-    def _save(self, step: int, optimizer, loader) -> Path:
-        final = self.root / f"step-{step:06d}"
-        tmp = self.root / f".tmp-{final.name}"
-        train_state = {
-            "step": step,
-            "loader": loader.state_dict(),
-            "rng": rng_state(self.world.device),
-            **self.record,
-        }
-        if self.world.is_main:
-            for stale in self.root.glob(".tmp-*"):  # left by a run killed while it saved
-                shutil.rmtree(stale)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        # Safetensors files (each rank writes its own shards, their layout as JSON in their
-        # headers), so that resuming unpickles nothing: DCP's default format keeps its
-        # metadata as a pickle.
-        state = optimizer.state_dict()
-        writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
-        dcp.save(state, storage_writer=writer)
-        if self.world.is_main:
-            # dcp.save returns once every rank's shards are written. Their sizes and the full
-            # shape of each tensor go in, so that a truncated, missing or replaced shard is
-            # caught before resuming (check_checkpoint).
-            files = {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))}
-            train_state = {**train_state, "files": files, "tensors": tensor_shapes(state)}
-            (tmp / "train_state.json").write_text(json.dumps(train_state))
-        dist.barrier()  # every rank's shards are written before the directory is renamed
-        if self.world.is_main:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in list_checkpoints(self.root)[: -self.keep]:
-                shutil.rmtree(old)
-        self.last = final
-        return final
 
 
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, list[int]]:
