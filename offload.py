@@ -1,21 +1,15 @@
-"""What trades time for memory: activation checkpointing (recompute in backward what forward
-did not keep), MLP tiling, activation offload (the tensors forward keeps, to host memory
-while compute goes on) and the optimizer step in backward. train.apply_techniques states the
-order in which they compose with LoRA, context parallelism and FSDP.
+"""What trades time for memory, in this order: activation checkpointing (`apply_ac`:
+recompute in backward what forward did not keep), MLP tiling (`apply_mlp_tiling`),
+activation offload (`activation_offload`, around each forward: the tensors forward keeps go
+to host memory while compute goes on, and come back during backward) and the optimizer step
+in backward (`OptimizerInBackward` on one GPU, `ShardedOptimizerInBackward` on FSDP's shards
+on the host: AdamW on the CPU for each parameter as soon as its gradient is complete).
+train.apply_techniques states the order in which they compose with LoRA, context
+parallelism and FSDP.
 
 `apply_ac` registers the checkpoint as hooks on each TransformerBlock (torch.distributed's
 composable `checkpoint`), so the model's structure and parameter names stay as they were, which
 HF loading and checkpoints rely on, and `fully_shard` wraps the same modules.
-
-`activation_offload` is used by train.py around the forward only; the saved tensors come
-back during backward:
-
-    with activation_offload(model, enabled=opts.activation_offload):
-        loss = model(tokens, labels)
-    loss.backward()
-
-`OptimizerInBackward` (one GPU) and `ShardedOptimizerInBackward` (FSDP's shards on the host)
-run AdamW on the CPU for each parameter as soon as its gradient is complete in backward.
 """
 
 import collections
