@@ -145,15 +145,11 @@ class _KeptAttention:
                 raise RuntimeError("attention recompute without a kept forward output")
             out, self.kept = self.kept, None
             return out
-        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             out = self.attend(q, k, v, mask)
         # Requiring grad as the original does, so the recompute saves the same tensors.
         self.kept = out.detach().requires_grad_(out.requires_grad)
         return out
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 def apply_mlp_tiling(model: Llama, tile_tokens: int) -> None:
@@ -325,20 +321,18 @@ class _Offloader:
         self.offloaded_tensors += 1
         return saved
 
-    def _fetch(self, saved: _Offloaded) -> None:
-        # Allocated on the compute stream, whose queued work may still use that memory.
-        nbytes = sum(piece.numel() for piece in saved.pieces)
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=saved.device)
-        saved.ready = self._copy(flat, saved.pieces, to_host=False)
-        saved.on_device = flat.view(saved.dtype).as_strided(saved.shape, saved.stride)
-
     def _fetch_block(self, block: int) -> None:
         if block in self.fetched or block not in self.blocks:
             return
         self.fetched.add(block)
         for ref in self.blocks[block]:
-            if (saved := ref()) is not None and saved.on_device is None:
-                self._fetch(saved)
+            if (saved := ref()) is None or saved.on_device is not None:
+                continue
+            # Allocated on the compute stream, whose queued work may still use that memory.
+            nbytes = sum(piece.numel() for piece in saved.pieces)
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=saved.device)
+            saved.ready = self._copy(flat, saved.pieces, to_host=False)
+            saved.on_device = flat.view(saved.dtype).as_strided(saved.shape, saved.stride)
 
     def unpack(self, saved):
         if isinstance(saved, torch.Tensor):
