@@ -399,7 +399,6 @@ def adamw_(
     lr: float,
     betas: tuple[float, float],
     weight_decay: float,
-    eps: float,
 ) -> None:
     """One AdamW step of the fp32 `master` in place, `state` torch.optim.AdamW's ("step",
     "exp_avg", "exp_avg_sq"), weight decay on matrices only (train.py's param groups): the
@@ -419,7 +418,7 @@ def adamw_(
         beta1=betas[0],
         beta2=betas[1],
         weight_decay=weight_decay if master.ndim >= 2 else 0.0,
-        eps=eps,
+        eps=1e-8,  # torch.optim.AdamW's default, as shard.ShardedAdamW's
         amsgrad=False,
         maximize=False,
     )
@@ -427,20 +426,23 @@ def adamw_(
 
 class _AdamWInBackward:
     """What both optimizers in backward share: AdamW's settings, the lr of the coming
-    backward's updates (set_lr, before backward starts), and AdamW's state beside the fp32
-    `master` weights, by parameter name. state_dict is laid out as train.py's FSDP
-    checkpoints are, {"model": fp32 weights, "optim": torch.optim.AdamW's state}, so that
-    checkpoints go between these and shard.ShardedAdamW. The interface of train.py's
-    optimizer: gradients need no zeroing (none is kept)."""
+    backward's updates (set_lr, before backward starts), AdamW's state beside the fp32
+    `master` weights, by parameter name, and the worker thread to which each parameter's
+    post-accumulate-grad hook (`_on_grad`) hands its gradient. The interface, state_dict's
+    layout among it, is shard.ShardedAdamW's, so that checkpoints go between them; gradients
+    need no zeroing (none is kept)."""
 
-    def __init__(self, master: dict[str, torch.Tensor], lr, betas, weight_decay, eps):
-        self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
+    def __init__(self, params: dict[str, nn.Parameter], master: dict, lr, betas, weight_decay):
+        self.lr, self.betas, self.weight_decay = lr, betas, weight_decay
         self.master = master
         self.state = {
             name: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(weight),
                    "exp_avg_sq": torch.zeros_like(weight)}
             for name, weight in master.items()
         }  # fmt: skip
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
+        for name, param in params.items():
+            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
@@ -494,7 +496,6 @@ class OptimizerInBackward(_AdamWInBackward):
         lr: float,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
-        eps: float = 1e-8,
     ):
         """`model` has its parameters on the host in fp32 (train.apply_techniques puts them
         there): they become the master weights, the model in fp32 only once, and each
@@ -510,14 +511,12 @@ class OptimizerInBackward(_AdamWInBackward):
                     f"on {param.device}"
                 )
         master = {name: param.detach() for name, param in self.params.items()}
-        super().__init__(master, lr, betas, weight_decay, eps)
+        super().__init__(self.params, master, lr, betas, weight_decay)
         for name, param in self.params.items():
             # A copy even where device and dtype are the master's (CPU fp32): the working
             # weight is never the master itself.
             param.data = master[name].to(device, param_dtype, copy=True)
-            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
         self.sq_norm = torch.zeros((), device=device)  # the step's sum of squared gradients
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
         self.updates: list[Future] = []  # this step's, waited for in step()
         # The gradients handed to the worker and not yet copied off the GPU, with their
         # bytes: the hook waits beyond a block's (one larger than that goes alone).
@@ -582,7 +581,7 @@ class OptimizerInBackward(_AdamWInBackward):
             grad = None
             copied.set()
         grad32 = self.grad32[: staging.numel()].view(staging.shape).copy_(staging)
-        adamw_(master, grad32, state, lr, self.betas, self.weight_decay, self.eps)
+        adamw_(master, grad32, state, lr, self.betas, self.weight_decay)
         self._copy_to_working(name)
 
     def _copy_to_working(self, name: str) -> None:
@@ -638,10 +637,9 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
         lr: float,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
-        eps: float = 1e-8,
     ):
-        super().__init__(dict(model.named_parameters()), lr, betas, weight_decay, eps)
-        for name, param in self.master.items():
+        params = dict(model.named_parameters())
+        for name, param in params.items():
             # FSDP copies a gradient to pinned memory without blocking (torch < 2.13 even
             # where a hook reads it at once): the shards must be plain memory, so that each
             # gradient is on the host when the hook gets it.
@@ -652,9 +650,8 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
                     f"offload, not pinned; {name} is a {type(param).__name__} on "
                     f"{param.device}{', pinned' if sharded else ''}"
                 )
-            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
+        super().__init__(params, params, lr, betas, weight_decay)
         self.sq_norm = torch.zeros(())  # of this rank's gradient shards; the worker's
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
         self.pending: collections.deque[Future] = collections.deque()
         self.max_pending = len(list(model.layers[0].parameters()))
 
@@ -670,8 +667,7 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
         self.sq_norm += grad.square().sum()
         state = {key: t.to_local() if isinstance(t, DTensor) else t
                  for key, t in self.state[name].items()}  # fmt: skip
-        adamw_(self.master[name].to_local(), grad, state, lr, self.betas, self.weight_decay,
-               self.eps)  # fmt: skip
+        adamw_(self.master[name].to_local(), grad, state, lr, self.betas, self.weight_decay)
 
     def step(self) -> torch.Tensor:
         """Ends the step whose updates backward started: waits for them (raising a worker's
