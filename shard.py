@@ -240,13 +240,8 @@ def _strategy(name: str) -> Strategy:
 
 def shard_group_size(strategy: str, world_size: int, local_world_size: int) -> int:
     """How many ranks share one copy of the parameters (the mesh's "shard" dim)."""
-    match _strategy(strategy).shard_over:
-        case "world":
-            return world_size
-        case "node":
-            return local_world_size
-        case _:
-            return 1
+    shard_over = _strategy(strategy).shard_over
+    return {"world": world_size, "node": local_world_size, "none": 1}[shard_over]
 
 
 def build_mesh(strategy: str, world: World) -> DeviceMesh:
