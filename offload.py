@@ -235,12 +235,12 @@ class _Offloader:
 
     Streams: every device tensor involved is allocated on the compute stream, so the
     caching allocator keeps one pool (tensors allocated on a side stream would go to a
-    second pool, which reserves far more than it holds). The side stream
-    waits for the compute stream before each copy; `record_stream(side)` keeps a copy's
-    source (device to host) or destination (host to device) from being reused before the
-    copy is done; host to device follows device to host on the same stream; the compute
-    stream waits on `ready` before it reads a fetched tensor. Without CUDA the "copies" are
-    plain CPU copies without streams, so the bookkeeping runs, and is tested, the same way."""
+    second pool, which reserves far more than it holds). The side stream waits for the
+    compute stream before each copy; `record_stream(side)` keeps a copy's source (device to
+    host) or destination (host to device) from being reused before the copy is done; host to
+    device follows device to host on the same stream; the compute stream waits on `ready`
+    before it reads a fetched tensor. Without CUDA the "copies" are plain CPU copies without
+    streams, so the bookkeeping runs, and is tested, the same way."""
 
     def __init__(self, min_bytes: int):
         self.min_bytes = min_bytes
@@ -260,9 +260,7 @@ class _Offloader:
 
     def _copy(self, flat: torch.Tensor, pieces: list[torch.Tensor], to_host: bool):
         """Copies the device bytes `flat` to the host `pieces` laid end to end over it, or
-        back, on the side stream once the compute stream's queued work is done; the caching
-        allocator does not reuse `flat`'s memory before the copy is (there is no such
-        allocator on the CPU). Returns the copy's event (None on the CPU)."""
+        back, as the class docstring says; returns the copy's event (None on the CPU)."""
         self.stream.wait_stream(self.streams.current_stream())
         with self.streams.stream(self.stream):
             start = 0
