@@ -399,11 +399,10 @@ def adamw_(
     weight_decay: float,
 ) -> None:
     """One AdamW step of the fp32 `master` in place, `state` torch.optim.AdamW's ("step",
-    "exp_avg", "exp_avg_sq"), weight decay on matrices only (train.py's param groups): the
-    update of both optimizers in backward. It calls the kernel torch.optim.AdamW(fused=True)
-    runs, directly: the callers own the state tensors, and it skips the optimizer's per-call
-    bookkeeping (a third of the time for a 58M-element tensor on 2 CPU cores). The tests
-    pin it to AdamW."""
+    "exp_avg", "exp_avg_sq"), weight decay on matrices only (as shard.ShardedAdamW's param
+    groups). It calls the kernel torch.optim.AdamW(fused=True) runs, directly: the callers own
+    the state tensors, and it skips the optimizer's per-call bookkeeping (a third of the time
+    for a 58M-element tensor on 2 CPU cores)."""
     state["step"] += 1
     torch._fused_adamw_(
         [master],
@@ -498,8 +497,9 @@ class OptimizerInBackward(_AdamWInBackward):
         """`model` has its parameters on the host in fp32 (train.apply_techniques puts them
         there): they become the master weights, the model in fp32 only once, and each
         parameter gets a `param_dtype` copy on `device`."""
-        self.cuda = torch.device(device).type == "cuda"
-        self.streams = torch.get_device_module(torch.device(device).type)
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.streams = torch.get_device_module(self.device.type)
         self.params = dict(model.named_parameters())
         for name, param in self.params.items():
             if param.device.type != "cpu" or param.dtype != torch.float32:
@@ -523,7 +523,6 @@ class OptimizerInBackward(_AdamWInBackward):
         block = sum(p.numel() for p in model.layers[0].parameters())
         self.max_on_gpu_bytes = block * param_dtype.itemsize
         largest = max(p.numel() for p in self.params.values())
-        self.device = torch.device(device)
         with torch.cuda.device(device) if self.cuda else contextlib.nullcontext():
             self.d2h, self.h2d = self.streams.Stream(), self.streams.Stream()  # on `device`
         staging = functools.partial(torch.empty, largest, dtype=param_dtype, pin_memory=self.cuda)
