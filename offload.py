@@ -1,21 +1,15 @@
-"""What trades time for memory: activation checkpointing (recompute in backward what forward
-did not keep), MLP tiling, activation offload (the tensors forward keeps, to host memory
-while compute goes on) and the optimizer step in backward. train.apply_techniques states the
-order in which they compose with LoRA, context parallelism and FSDP.
+"""What trades time for memory, in this order: activation checkpointing (`apply_ac`:
+recompute in backward what forward did not keep), MLP tiling (`apply_mlp_tiling`),
+activation offload (`activation_offload`, around each forward: the tensors forward keeps go
+to host memory while compute goes on, and come back during backward) and the optimizer step
+in backward (`OptimizerInBackward` on one GPU, `ShardedOptimizerInBackward` on FSDP's shards
+on the host: AdamW on the CPU for each parameter as soon as its gradient is complete).
+train.apply_techniques states the order in which they compose with LoRA, context
+parallelism and FSDP.
 
 `apply_ac` registers the checkpoint as hooks on each TransformerBlock (torch.distributed's
 composable `checkpoint`), so the model's structure and parameter names stay as they were, which
 HF loading and checkpoints rely on, and `fully_shard` wraps the same modules.
-
-`activation_offload` is used by train.py around the forward only; the saved tensors come
-back during backward:
-
-    with activation_offload(model, enabled=opts.activation_offload):
-        loss = model(tokens, labels)
-    loss.backward()
-
-`OptimizerInBackward` (one GPU) and `ShardedOptimizerInBackward` (FSDP's shards on the host)
-run AdamW on the CPU for each parameter as soon as its gradient is complete in backward.
 """
 
 import collections
@@ -151,15 +145,11 @@ class _KeptAttention:
                 raise RuntimeError("attention recompute without a kept forward output")
             out, self.kept = self.kept, None
             return out
-        with torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             out = self.attend(q, k, v, mask)
         # Requiring grad as the original does, so the recompute saves the same tensors.
         self.kept = out.detach().requires_grad_(out.requires_grad)
         return out
-
-
-def _same(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
 
 
 def apply_mlp_tiling(model: Llama, tile_tokens: int) -> None:
@@ -245,12 +235,12 @@ class _Offloader:
 
     Streams: every device tensor involved is allocated on the compute stream, so the
     caching allocator keeps one pool (tensors allocated on a side stream would go to a
-    second pool, which reserves far more than it holds). The side stream
-    waits for the compute stream before each copy; `record_stream(side)` keeps a copy's
-    source (device to host) or destination (host to device) from being reused before the
-    copy is done; host to device follows device to host on the same stream; the compute
-    stream waits on `ready` before it reads a fetched tensor. Without CUDA the "copies" are
-    plain CPU copies without streams, so the bookkeeping runs, and is tested, the same way."""
+    second pool, which reserves far more than it holds). The side stream waits for the
+    compute stream before each copy; `record_stream(side)` keeps a copy's source (device to
+    host) or destination (host to device) from being reused before the copy is done; host to
+    device follows device to host on the same stream; the compute stream waits on `ready`
+    before it reads a fetched tensor. Without CUDA the "copies" are plain CPU copies without
+    streams, so the bookkeeping runs, and is tested, the same way."""
 
     def __init__(self, min_bytes: int):
         self.min_bytes = min_bytes
@@ -270,9 +260,7 @@ class _Offloader:
 
     def _copy(self, flat: torch.Tensor, pieces: list[torch.Tensor], to_host: bool):
         """Copies the device bytes `flat` to the host `pieces` laid end to end over it, or
-        back, on the side stream once the compute stream's queued work is done; the caching
-        allocator does not reuse `flat`'s memory before the copy is (there is no such
-        allocator on the CPU). Returns the copy's event (None on the CPU)."""
+        back, as the class docstring says; returns the copy's event (None on the CPU)."""
         self.stream.wait_stream(self.streams.current_stream())
         with self.streams.stream(self.stream):
             start = 0
@@ -331,20 +319,18 @@ class _Offloader:
         self.offloaded_tensors += 1
         return saved
 
-    def _fetch(self, saved: _Offloaded) -> None:
-        # Allocated on the compute stream, whose queued work may still use that memory.
-        nbytes = sum(piece.numel() for piece in saved.pieces)
-        flat = torch.empty(nbytes, dtype=torch.uint8, device=saved.device)
-        saved.ready = self._copy(flat, saved.pieces, to_host=False)
-        saved.on_device = flat.view(saved.dtype).as_strided(saved.shape, saved.stride)
-
     def _fetch_block(self, block: int) -> None:
         if block in self.fetched or block not in self.blocks:
             return
         self.fetched.add(block)
         for ref in self.blocks[block]:
-            if (saved := ref()) is not None and saved.on_device is None:
-                self._fetch(saved)
+            if (saved := ref()) is None or saved.on_device is not None:
+                continue
+            # Allocated on the compute stream, whose queued work may still use that memory.
+            nbytes = sum(piece.numel() for piece in saved.pieces)
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=saved.device)
+            saved.ready = self._copy(flat, saved.pieces, to_host=False)
+            saved.on_device = flat.view(saved.dtype).as_strided(saved.shape, saved.stride)
 
     def unpack(self, saved):
         if isinstance(saved, torch.Tensor):
@@ -411,14 +397,12 @@ def adamw_(
     lr: float,
     betas: tuple[float, float],
     weight_decay: float,
-    eps: float,
 ) -> None:
     """One AdamW step of the fp32 `master` in place, `state` torch.optim.AdamW's ("step",
-    "exp_avg", "exp_avg_sq"), weight decay on matrices only (train.py's param groups): the
-    update of both optimizers in backward. It calls the kernel torch.optim.AdamW(fused=True)
-    runs, directly: the callers own the state tensors, and it skips the optimizer's per-call
-    bookkeeping (a third of the time for a 58M-element tensor on 2 CPU cores). The tests
-    pin it to AdamW."""
+    "exp_avg", "exp_avg_sq"), weight decay on matrices only (as shard.ShardedAdamW's param
+    groups). It calls the kernel torch.optim.AdamW(fused=True) runs, directly: the callers own
+    the state tensors, and it skips the optimizer's per-call bookkeeping (a third of the time
+    for a 58M-element tensor on 2 CPU cores)."""
     state["step"] += 1
     torch._fused_adamw_(
         [master],
@@ -431,7 +415,7 @@ def adamw_(
         beta1=betas[0],
         beta2=betas[1],
         weight_decay=weight_decay if master.ndim >= 2 else 0.0,
-        eps=eps,
+        eps=1e-8,  # torch.optim.AdamW's default, as shard.ShardedAdamW's
         amsgrad=False,
         maximize=False,
     )
@@ -439,20 +423,23 @@ def adamw_(
 
 class _AdamWInBackward:
     """What both optimizers in backward share: AdamW's settings, the lr of the coming
-    backward's updates (set_lr, before backward starts), and AdamW's state beside the fp32
-    `master` weights, by parameter name. state_dict is laid out as train.py's FSDP
-    checkpoints are, {"model": fp32 weights, "optim": torch.optim.AdamW's state}, so that
-    checkpoints go between these and shard.ShardedAdamW. The interface of train.py's
-    optimizer: gradients need no zeroing (none is kept)."""
+    backward's updates (set_lr, before backward starts), AdamW's state beside the fp32
+    `master` weights, by parameter name, and the worker thread to which each parameter's
+    post-accumulate-grad hook (`_on_grad`) hands its gradient. The interface, state_dict's
+    layout among it, is shard.ShardedAdamW's, so that checkpoints go between them; gradients
+    need no zeroing (none is kept)."""
 
-    def __init__(self, master: dict[str, torch.Tensor], lr, betas, weight_decay, eps):
-        self.lr, self.betas, self.weight_decay, self.eps = lr, betas, weight_decay, eps
+    def __init__(self, params: dict[str, nn.Parameter], master: dict, lr, betas, weight_decay):
+        self.lr, self.betas, self.weight_decay = lr, betas, weight_decay
         self.master = master
         self.state = {
             name: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(weight),
                    "exp_avg_sq": torch.zeros_like(weight)}
             for name, weight in master.items()
         }  # fmt: skip
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
+        for name, param in params.items():
+            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
 
     def set_lr(self, lr: float) -> None:
         self.lr = lr
@@ -506,13 +493,13 @@ class OptimizerInBackward(_AdamWInBackward):
         lr: float,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
-        eps: float = 1e-8,
     ):
         """`model` has its parameters on the host in fp32 (train.apply_techniques puts them
         there): they become the master weights, the model in fp32 only once, and each
         parameter gets a `param_dtype` copy on `device`."""
-        self.cuda = torch.device(device).type == "cuda"
-        self.streams = torch.get_device_module(torch.device(device).type)
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.streams = torch.get_device_module(self.device.type)
         self.params = dict(model.named_parameters())
         for name, param in self.params.items():
             if param.device.type != "cpu" or param.dtype != torch.float32:
@@ -522,14 +509,12 @@ class OptimizerInBackward(_AdamWInBackward):
                     f"on {param.device}"
                 )
         master = {name: param.detach() for name, param in self.params.items()}
-        super().__init__(master, lr, betas, weight_decay, eps)
+        super().__init__(self.params, master, lr, betas, weight_decay)
         for name, param in self.params.items():
             # A copy even where device and dtype are the master's (CPU fp32): the working
             # weight is never the master itself.
             param.data = master[name].to(device, param_dtype, copy=True)
-            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
         self.sq_norm = torch.zeros((), device=device)  # the step's sum of squared gradients
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
         self.updates: list[Future] = []  # this step's, waited for in step()
         # The gradients handed to the worker and not yet copied off the GPU, with their
         # bytes: the hook waits beyond a block's (one larger than that goes alone).
@@ -538,7 +523,6 @@ class OptimizerInBackward(_AdamWInBackward):
         block = sum(p.numel() for p in model.layers[0].parameters())
         self.max_on_gpu_bytes = block * param_dtype.itemsize
         largest = max(p.numel() for p in self.params.values())
-        self.device = torch.device(device)
         with torch.cuda.device(device) if self.cuda else contextlib.nullcontext():
             self.d2h, self.h2d = self.streams.Stream(), self.streams.Stream()  # on `device`
         staging = functools.partial(torch.empty, largest, dtype=param_dtype, pin_memory=self.cuda)
@@ -594,7 +578,7 @@ class OptimizerInBackward(_AdamWInBackward):
             grad = None
             copied.set()
         grad32 = self.grad32[: staging.numel()].view(staging.shape).copy_(staging)
-        adamw_(master, grad32, state, lr, self.betas, self.weight_decay, self.eps)
+        adamw_(master, grad32, state, lr, self.betas, self.weight_decay)
         self._copy_to_working(name)
 
     def _copy_to_working(self, name: str) -> None:
@@ -650,10 +634,9 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
         lr: float,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
-        eps: float = 1e-8,
     ):
-        super().__init__(dict(model.named_parameters()), lr, betas, weight_decay, eps)
-        for name, param in self.master.items():
+        params = dict(model.named_parameters())
+        for name, param in params.items():
             # FSDP copies a gradient to pinned memory without blocking (torch < 2.13 even
             # where a hook reads it at once): the shards must be plain memory, so that each
             # gradient is on the host when the hook gets it.
@@ -664,9 +647,8 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
                     f"offload, not pinned; {name} is a {type(param).__name__} on "
                     f"{param.device}{', pinned' if sharded else ''}"
                 )
-            param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, name))
+        super().__init__(params, params, lr, betas, weight_decay)
         self.sq_norm = torch.zeros(())  # of this rank's gradient shards; the worker's
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adamw")
         self.pending: collections.deque[Future] = collections.deque()
         self.max_pending = len(list(model.layers[0].parameters()))
 
@@ -682,8 +664,7 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
         self.sq_norm += grad.square().sum()
         state = {key: t.to_local() if isinstance(t, DTensor) else t
                  for key, t in self.state[name].items()}  # fmt: skip
-        adamw_(self.master[name].to_local(), grad, state, lr, self.betas, self.weight_decay,
-               self.eps)  # fmt: skip
+        adamw_(self.master[name].to_local(), grad, state, lr, self.betas, self.weight_decay)
 
     def step(self) -> torch.Tensor:
         """Ends the step whose updates backward started: waits for them (raising a worker's

@@ -5,16 +5,8 @@ meta-built model filled shard by shard, the global gradient norm); context paral
 ranks of a group share each sequence); the run directory, its DCP checkpoints of the sharded
 optimizer, and the exports gathered from the shards. Last, apart: the plan (`Plan`, each
 field a train.py flag), the memory estimate of a plan, and the planner that picks the fastest
-plan that fits.
-
-train.apply_techniques applies them in the one order in which they compose:
-
-    world = init_distributed()
-    with torch.device("meta"):
-        model = Llama(args, ops)
-    apply_context_parallel(model, context_parallel_group(world, 2))   # optional
-    apply_fsdp(model, build_mesh("FULL_SHARD", world), "FULL_SHARD")
-    materialize(model, world, seed=0)            # or hf_path=...
+plan that fits. train.apply_techniques applies the techniques in the one order in which they
+compose.
 
 Multi-node runs need no code here: torchrun's rendezvous flags (`--nnodes`, `--node-rank`,
 `--rdzv-backend c10d --rdzv-endpoint host:port`) set the variables `init_distributed` reads.
@@ -248,13 +240,8 @@ def _strategy(name: str) -> Strategy:
 
 def shard_group_size(strategy: str, world_size: int, local_world_size: int) -> int:
     """How many ranks share one copy of the parameters (the mesh's "shard" dim)."""
-    match _strategy(strategy).shard_over:
-        case "world":
-            return world_size
-        case "node":
-            return local_world_size
-        case _:
-            return 1
+    shard_over = _strategy(strategy).shard_over
+    return {"world": world_size, "node": local_world_size, "none": 1}[shard_over]
 
 
 def build_mesh(strategy: str, world: World) -> DeviceMesh:
@@ -281,7 +268,6 @@ def apply_fsdp(
     strategy: str,
     cpu_offload: bool = False,
     param_dtype: torch.dtype = torch.bfloat16,
-    reduce_dtype: torch.dtype = torch.float32,
     pin_memory: bool = True,
 ) -> None:
     """Shards `model` in place: each TransformerBlock is one FSDP unit (one all-gather and
@@ -299,7 +285,7 @@ def apply_fsdp(
     # rounding it to bf16 would shift the angles of long positions; the activations are
     # already param_dtype (the embedding's output), so nothing else needs the cast.
     mp_policy = MixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
     offload_policy = (
         CPUOffloadPolicy(pin_memory=pin_memory and torch.cuda.is_available())
@@ -401,7 +387,6 @@ def context_parallel_group(world: World, n: int) -> dist.ProcessGroup | None:
     """The group of ranks that share this rank's sequences, None when n is 1: N consecutive
     ranks, so with torchrun's numbering (a node's ranks are consecutive) a group never spans
     nodes, and FSDP's mesh (build_mesh) shards over the same ranks."""
-    check_context_parallel_ranks(n, world.world_size, world.local_world_size)
     if n == 1:
         return None
     mesh = init_device_mesh(
@@ -510,7 +495,6 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
     model.py holds no process group or collective."""
     if group is None:
         return
-    check_context_parallel(model.args, group.size())
     for block in model.layers:
         block.attention.attend = functools.partial(
             _attend_whole_sequence, block.attention.attend, group
@@ -787,46 +771,43 @@ class Checkpointer:
     def save(self, step: int, optimizer, loader) -> Path:
         SAVING.set()
         try:
-            return self._save(step, optimizer, loader)
+            final = self.root / f"step-{step:06d}"
+            tmp = self.root / f".tmp-{final.name}"
+            if self.world.is_main:
+                for stale in self.root.glob(".tmp-*"):  # left by a run killed while it saved
+                    shutil.rmtree(stale)
+                tmp.mkdir(parents=True)
+            dist.barrier()
+            # Safetensors files (each rank writes its own shards, their layout as JSON in
+            # their headers), so that resuming unpickles nothing: DCP's default format keeps
+            # its metadata as a pickle.
+            state = optimizer.state_dict()
+            writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
+            dcp.save(state, storage_writer=writer)
+            if self.world.is_main:
+                # dcp.save returns once every rank's shards are written. Their sizes and the
+                # full shape of each tensor go in, so that a truncated, missing or replaced
+                # shard is caught before resuming (check_checkpoint).
+                train_state = {
+                    "step": step,
+                    "loader": loader.state_dict(),
+                    "rng": rng_state(self.world.device),
+                    **self.record,
+                    "files": {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))},
+                    "tensors": tensor_shapes(state),
+                }
+                (tmp / "train_state.json").write_text(json.dumps(train_state))
+            dist.barrier()  # every rank's shards are written before the directory is renamed
+            if self.world.is_main:
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                for old in list_checkpoints(self.root)[: -self.keep]:
+                    shutil.rmtree(old)
+            self.last = final
+            return final
         finally:
             SAVING.clear()
-
-    def _save(self, step: int, optimizer, loader) -> Path:
-        final = self.root / f"step-{step:06d}"
-        tmp = self.root / f".tmp-{final.name}"
-        train_state = {
-            "step": step,
-            "loader": loader.state_dict(),
-            "rng": rng_state(self.world.device),
-            **self.record,
-        }
-        if self.world.is_main:
-            for stale in self.root.glob(".tmp-*"):  # left by a run killed while it saved
-                shutil.rmtree(stale)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        # Safetensors files (each rank writes its own shards, their layout as JSON in their
-        # headers), so that resuming unpickles nothing: DCP's default format keeps its
-        # metadata as a pickle.
-        state = optimizer.state_dict()
-        writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
-        dcp.save(state, storage_writer=writer)
-        if self.world.is_main:
-            # dcp.save returns once every rank's shards are written. Their sizes and the full
-            # shape of each tensor go in, so that a truncated, missing or replaced shard is
-            # caught before resuming (check_checkpoint).
-            files = {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))}
-            train_state = {**train_state, "files": files, "tensors": tensor_shapes(state)}
-            (tmp / "train_state.json").write_text(json.dumps(train_state))
-        dist.barrier()  # every rank's shards are written before the directory is renamed
-        if self.world.is_main:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            for old in list_checkpoints(self.root)[: -self.keep]:
-                shutil.rmtree(old)
-        self.last = final
-        return final
 
 
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, list[int]]:

@@ -645,7 +645,6 @@ def apply_techniques(
         plan.strategy,
         cpu_offload=plan.cpu_offload,
         param_dtype=DTYPES[plan.param_dtype],
-        reduce_dtype=torch.float32,
         # The optimizer in backward reads each gradient in FSDP's hook: pinned shards would
         # let torch < 2.13 copy it there without blocking, so the hook could read it before
         # it arrived. Plain memory also spares the pinned allocator's rounding up, at the
@@ -710,8 +709,7 @@ def taken_on_resume(opts: Options, given: frozenset[str], saved: dict) -> dict:
     """The options that a run resumed from the checkpoint whose train_state is `saved` takes
     from it: those of FIXED_BY_CHECKPOINT and KEPT_ON_RESUME that this command does not give
     (nor their GIVEN_WITH partners), where the checkpoint's differ from this command's. So a
-    bare --resume continues the run as it was. They are taken before the model is built and
-    planned (setup): the model and the sequence length are what those are made of."""
+    bare --resume continues the run as it was."""
     options = saved["options"]
     not_taken = given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
     return {
@@ -729,13 +727,11 @@ def resume_options(
     taken: dict,
     log: Callable,
 ):
-    """The options of a run resumed from the checkpoint whose train_state
-    is `saved`, once `taken` (taken_on_resume's) are in them. Resuming keeps the checkpoint's
-    global batch (tokens per step) and schedule (max steps) unless this command gives
-    --batch-tokens, --micro-batch or --grad-accum (the batch), --max-steps or --max-tokens
-    (the schedule): on another number of processes the plan splits the same batch into
-    micro-batches and accumulation. Logs one line: what was taken and kept. `data_parallel`:
-    the ranks that read rows of their own (those of a context-parallel group share theirs)."""
+    """The options of a run resumed from the checkpoint whose train_state is `saved`, once
+    `taken` (taken_on_resume's) are in them: the checkpoint's global batch (tokens per step)
+    and schedule (max steps) unless given, so that on another number of processes the plan
+    splits the same batch. Logs what was taken and kept. `data_parallel`: the ranks that read
+    rows of their own (those of a context-parallel group share theirs)."""
     saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
     said = []
     if taken:
@@ -850,9 +846,7 @@ def open_run_data(
 
 
 def setup(opts: Options, given: frozenset[str]) -> Run:
-    """The run, ready for its first step: the checkpoint to resume from found, what was
-    given checked, the plan made and printed, the model built and loaded (or resumed), the
-    data opened."""
+    """The run, ready for its first step, in the order the module docstring gives."""
     log = (lambda *a, **k: None) if other_rank() else print
     # The checkpoint first (checked from its files' sizes and headers alone): a resumed run
     # takes from it the options not given that it was made for, the model and the sequence
@@ -1010,10 +1004,8 @@ def train_step(
     micro_batches: list[Batch],
     offload_activations: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> StepResult:
-    """One optimizer step: count the labelled tokens of the micro-batches on all ranks, then
-    for each micro-batch forward (the loss summed) and backward (divided by that count),
-    then the optimizer's step (clip, AdamW; with the optimizer in backward, the wait for
-    its last updates). The loss is the mean over the step's labelled tokens, not a mean of
+    """One optimizer step (with the optimizer in backward, its step() waits for the last
+    updates). The loss is the mean over the step's labelled tokens on all ranks, not a mean of
     per-micro-batch means: micro-batches hold different numbers of labelled tokens."""
     n_labels = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches)
     dist.all_reduce(n_labels)
@@ -1088,8 +1080,7 @@ class MetricsLog:
         return due or self.evaluating(step, stopping)
 
     def read(self, step: int, last_saved: Path | None) -> tuple[float, float]:
-        """The last step's loss and gradient norm, read; raises if any step since the last
-        read had a non-finite one."""
+        """The last step's loss and gradient norm, checked as the class docstring says."""
         dist.all_reduce(self.last.loss_sum)
         dist.all_reduce(self.nonfinite, op=dist.ReduceOp.MAX)
         loss = (self.last.loss_sum / self.last.n_labels).item()
@@ -1163,9 +1154,8 @@ def damaged_lines(path: Path) -> tuple[list[int], bool]:
 
 
 def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tuple[float, int]:
-    """The mean loss over the labelled tokens of `batches()` on all ranks, and their count:
-    forward only (no_grad: no activations kept, no gradients in the fused loss), with
-    dropout off; the model is back in training mode after."""
+    """The mean loss over the labelled tokens of `batches()` on all ranks, and their count
+    (under no_grad: no activations kept, no gradients in the fused loss)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, labelled tokens
     with torch.no_grad():

@@ -34,8 +34,7 @@ def losses(world, args, strategy, cpu_offload=False, ac="none", act_offload=Fals
     with torch.device("meta"):
         model = Llama(args)
     apply_ac(model, ac)
-    apply_fsdp(model, build_mesh(strategy, world), strategy, cpu_offload, param_dtype=dtype,
-               reduce_dtype=torch.float32)  # fmt: skip
+    apply_fsdp(model, build_mesh(strategy, world), strategy, cpu_offload, param_dtype=dtype)
     materialize(model, world, seed=0, cpu_offload=cpu_offload)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     g = torch.Generator().manual_seed(world.rank)
