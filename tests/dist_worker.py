@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data import Batch, document_starts  # noqa: E402
-from model import Llama, LoRAConfig, ModelArgs, apply_lora  # noqa: E402
+from model import REFERENCE_OPS, Llama, LoRAConfig, ModelArgs, apply_lora, fp8_ops  # noqa: E402
 from offload import ShardedOptimizerInBackward, activation_offload, apply_ac  # noqa: E402
 from shard import (  # noqa: E402
     ShardedAdamW,  # noqa: E402
@@ -59,6 +59,10 @@ class Scenario:
     context_parallel: int = 1  # ranks sharing each row (shard.apply_context_parallel)
     document_mask: bool = False  # packed documents, one crossing the ranks' row halves
     lora: LoRAConfig | None = None  # adapters on a frozen base (model.apply_lora)
+    fp8: bool = False  # the projections in e4m3 (model.fp8_ops; the CPU dequantizes them)
+
+    def ops(self):
+        return fp8_ops(REFERENCE_OPS, triton_kernels=False) if self.fp8 else REFERENCE_OPS
 
 
 TRAIN_SCENARIOS = {
@@ -90,6 +94,9 @@ TRAIN_SCENARIOS = {
         document_mask=True,
     ),  # fmt: skip
     "qlora_full_shard": Scenario(args=QLORA_ARGS, lora=QLORA),
+    # A rank's tokens are scaled per column over that rank's rows (the weight gradient's
+    # e4m3 copies), so the reference takes each rank's rows apart, as the ranks do.
+    "full_shard_fp8_selective_ac": Scenario(ac="selective", fp8=True),
     "qlora_full_shard_ac_offload": Scenario(
         args=QLORA_ARGS, ac="full", activation_offload=True, lora=QLORA
     ),
@@ -139,10 +146,11 @@ def sharded_model(
     lora=None,
     cp=1,
     mask=False,
+    ops=REFERENCE_OPS,
 ):
     world = dataclasses.replace(world, local_world_size=local_world_size)
     with torch.device("meta"):
-        model = Llama(args, mask_documents=mask)
+        model = Llama(args, ops, mask_documents=mask)
     # The documents of 8 and 14 tokens (DOCUMENT_STARTS) go through the causal kernel on their
     # slices, the others through the mask; the reference masks them all.
     model.long_document = 8
@@ -181,7 +189,7 @@ def train(world, out: Path, name: str) -> None:
     s = TRAIN_SCENARIOS[name]
     model = sharded_model(
         world, s.args, s.strategy, s.local_world_size, s.cpu_offload, s.ac, lora=s.lora,
-        cp=s.context_parallel, mask=s.document_mask,
+        cp=s.context_parallel, mask=s.document_mask, ops=s.ops(),
     )  # fmt: skip
     optimizer = RecordingAdamW(model)
     # The global batch of 2 * BATCH rows: a data-parallel rank takes its rows, and a

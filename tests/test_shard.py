@@ -60,6 +60,7 @@ from shard import (
 )
 
 FP32_RTOL = 1e-5
+FP8_RTOL = 1e-4
 ADAMW_ATOL = 0.05 * w.LR
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,8 +95,8 @@ def dist_out(tmp_path_factory) -> Path:
 def reference_run(scenario: w.Scenario) -> dict:
     """The same steps as dist_worker.train in one process, no FSDP: each step's whole
     global batch (whole rows), micro-batch by micro-batch, the sums divided by the global
-    target count."""
-    model = Llama(scenario.args, mask_documents=scenario.document_mask)
+    target count; each data-parallel rank's rows apart, as the ranks take them."""
+    model = Llama(scenario.args, scenario.ops(), mask_documents=scenario.document_mask)
     if scenario.lora is not None:
         apply_lora(model, scenario.lora, torch.float32)
     model.init_weights(w.SEED)
@@ -106,12 +107,14 @@ def reference_run(scenario: w.Scenario) -> dict:
     ]
     optimizer = torch.optim.AdamW(groups, lr=w.LR, fused=True)
     tokens, labels, positions = w.batches(scenario.args, 2, scenario.document_mask)
+    data_rank_rows = torch.arange(2 * w.BATCH).chunk(2 // scenario.context_parallel)
     losses, norms = [], []
     for step in range(w.STEPS):
         n_targets = (labels[step] != -100).sum()
         step_loss = 0.0
-        for mb in range(w.MICRO_BATCHES):
-            loss = model(tokens[step, mb], labels[step, mb], positions[step, mb], "sum")
+        for mb, rows in itertools.product(range(w.MICRO_BATCHES), data_rank_rows):
+            batch = (t[step, mb][rows] for t in (tokens, labels, positions))
+            loss = model(*batch, "sum")
             (loss / n_targets).backward()
             step_loss += loss.item()
         losses.append(step_loss / n_targets.item())
@@ -151,14 +154,20 @@ def test_sharded_training_matches_one_process(dist_out, scenario):
     3 steps of 2 accumulated micro-batches equal the unsharded run's; with context
     parallelism too, where each rank holds half of each row (and one packed document
     crosses the halves). With QLoRA: the adapters, and the 4-bit base that each rank
-    quantized and kept its rows of, bit for bit."""
+    quantized and kept its rows of, bit for bit. With --fp8 the projections' e4m3 copies."""
     got = torch.load(dist_out / f"{scenario}.pt")
     want = reference_run(w.TRAIN_SCENARIOS[scenario])
     assert min(want["norms"]) > w.MAX_NORM  # so clipping is exercised
-    torch.testing.assert_close(got["losses"], want["losses"], rtol=FP32_RTOL, atol=0)
-    torch.testing.assert_close(got["norms"], want["norms"], rtol=FP32_RTOL, atol=0)
+    # In e4m3, weights that differ in their last bits after a step (the ranks sum gradients
+    # in another order) may round an element to the next e4m3 value: a later step's loss and
+    # norm agree to 1e-4, and AdamW may move a weight whose gradient is near zero by up to
+    # its lr the other way. The first step's gradients, from equal weights, stay at fp32's.
+    fp8 = w.TRAIN_SCENARIOS[scenario].fp8
+    rtol = FP8_RTOL if fp8 else FP32_RTOL
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=rtol, atol=0)
+    torch.testing.assert_close(got["norms"], want["norms"], rtol=rtol, atol=0)
     assert_tensors_close(got["grads"], want["grads"], rtol=FP32_RTOL)
-    assert_tensors_close(got["weights"], want["weights"], atol=ADAMW_ATOL)
+    assert_tensors_close(got["weights"], want["weights"], atol=w.LR if fp8 else ADAMW_ATOL)
     assert got["frozen"].keys() == want["frozen"].keys()
     for name, frozen in want["frozen"].items():
         assert torch.equal(got["frozen"][name], frozen), name
