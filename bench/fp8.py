@@ -15,22 +15,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
+from bench.attention import time_ms  # noqa: E402
 from kernels import fp8  # noqa: E402
 
 # (name, out_features, in_features) of llama3.1-8b's projections.
 SHAPES = [("wq/wo", 4096, 4096), ("wk/wv", 1024, 4096), ("w1/w3", 14336, 4096), ("w2", 4096, 14336)]
-
-
-def milliseconds(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def shape_milliseconds(tokens: int, n: int, k: int) -> tuple[float, float, float]:
@@ -38,8 +27,8 @@ def shape_milliseconds(tokens: int, n: int, k: int) -> tuple[float, float, float
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-    bf16 = milliseconds(lambda: torch.autograd.backward(torch.nn.functional.linear(x, w), dy))
-    ours = milliseconds(lambda: torch.autograd.backward(kernels.fp8_linears(x, [w], [None])[0], dy))
+    bf16 = time_ms(lambda: torch.autograd.backward(torch.nn.functional.linear(x, w), dy), 20)
+    ours = time_ms(lambda: torch.autograd.backward(kernels.fp8_linears(x, [w], [None])[0], dy), 20)
 
     def quantize():  # what fp8_linears quantizes in one forward and backward
         for t in (x, w):
@@ -48,7 +37,7 @@ def shape_milliseconds(tokens: int, n: int, k: int) -> tuple[float, float, float
             fp8.quantize_columns(t)
         fp8.quantize_both(dy)
 
-    return bf16, ours, milliseconds(quantize)
+    return bf16, ours, time_ms(quantize, 20)
 
 
 def main() -> None:
