@@ -97,6 +97,11 @@ TRAIN_SCENARIOS = {
     # A rank's tokens are scaled per column over that rank's rows (the weight gradient's
     # e4m3 copies), so the reference takes each rank's rows apart, as the ranks do.
     "full_shard_fp8_selective_ac": Scenario(ac="selective", fp8=True),
+    # Likewise over each context-parallel rank's half of every row (the reference splits the
+    # columns' scales by position), with packed documents and the recompute quantizing again.
+    "context_parallel_fp8_documents_full_ac": Scenario(
+        context_parallel=2, document_mask=True, ac="full", fp8=True
+    ),
     "qlora_full_shard_ac_offload": Scenario(
         args=QLORA_ARGS, ac="full", activation_offload=True, lora=QLORA
     ),
