@@ -1565,6 +1565,8 @@ if __name__ == "__main__":
         main()
         status = 0
     except SystemExit as end:
+        if not isinstance(end.code, int | None):  # a message: Python's own exit prints it
+            raise
         status = end.code or 0
     # fully_shard keeps the process group alive past destroy_process_group (torch 2.13
     # holds it where Python cannot reach), so its gloo threads still run while the

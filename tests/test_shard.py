@@ -63,7 +63,6 @@ from shard import (
 
 FP32_RTOL = 1e-5
 FP8_RTOL = 1e-4
-FP8_CONTEXT_PARALLEL_RTOL, FP8_CONTEXT_PARALLEL_GRAD_RTOL = 3e-3, 3e-2
 ADAMW_ATOL = 0.05 * w.LR
 REPO = Path(__file__).resolve().parents[1]
 
@@ -135,6 +134,7 @@ def reference_steps(scenario: w.Scenario) -> dict:
         apply_lora(model, scenario.lora, torch.float32)
     model.init_weights(w.SEED)
     trained = [p for p in model.parameters() if p.requires_grad]
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     groups = [  # weight decay on the matrices, as shard.ShardedAdamW
         {"params": [p for p in trained if p.ndim >= 2], "weight_decay": w.WEIGHT_DECAY},
         {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
@@ -161,7 +161,8 @@ def reference_steps(scenario: w.Scenario) -> dict:
     frozen = {
         n: p.detach().view(torch.uint8) for n, p in model.named_parameters() if not p.requires_grad
     }
-    return {"losses": losses, "norms": norms, "grads": grads, "weights": weights, "frozen": frozen}
+    return {"losses": losses, "norms": norms, "grads": grads, "weights": weights, "frozen": frozen,
+            "initial": initial}  # fmt: skip
 
 
 def assert_tensors_close(got: dict, want: dict, rtol: float = 0.0, atol: float = 0.0) -> None:
@@ -197,27 +198,35 @@ def test_sharded_training_matches_one_process(dist_out, scenario):
     # norm agree to 1e-4, and AdamW may move a weight whose gradient is near zero by up to
     # its lr the other way. The first step's gradients, from equal weights, stay at fp32's.
     fp8 = w.TRAIN_SCENARIOS[scenario].fp8
-    rtol, weight_atol = (FP8_RTOL, w.LR) if fp8 else (FP32_RTOL, ADAMW_ATOL)
     if fp8 and w.TRAIN_SCENARIOS[scenario].context_parallel > 1:
-        # Context parallelism computes attention by groups of heads, its outputs then differ
-        # from one process's in fp32's last bits, and a few e4m3 elements round the other
-        # way from the first step. One process moved as far with its embedding moved by
-        # 1e-7: the step-1 gradients by up to 1.9% of a tensor's norm (here 0.9%), its norms
-        # by 1.3e-3. Without --fp8 the ranks' gradients would be 9.2% off, and with each
-        # column's scale over whole rows instead of the ranks' halves, 3.7%.
-        # Each step's update of a weight, at most its lr under AdamW, may go the other way.
-        rtol, weight_atol = FP8_CONTEXT_PARALLEL_RTOL, 2 * w.STEPS * w.LR
-        for name, ref in want["grads"].items():
-            error = (got["grads"][name] - ref).norm() / ref.norm()
-            assert error <= FP8_CONTEXT_PARALLEL_GRAD_RTOL, f"{name}: {error:.2e} of its norm"
+        assert_close_to_e4m3s_rounding(got, want)
     else:
+        rtol = FP8_RTOL if fp8 else FP32_RTOL
+        torch.testing.assert_close(got["losses"], want["losses"], rtol=rtol, atol=0)
+        torch.testing.assert_close(got["norms"], want["norms"], rtol=rtol, atol=0)
         assert_tensors_close(got["grads"], want["grads"], rtol=FP32_RTOL)
-    torch.testing.assert_close(got["losses"], want["losses"], rtol=rtol, atol=0)
-    torch.testing.assert_close(got["norms"], want["norms"], rtol=rtol, atol=0)
-    assert_tensors_close(got["weights"], want["weights"], atol=weight_atol)
+        assert_tensors_close(got["weights"], want["weights"], atol=w.LR if fp8 else ADAMW_ATOL)
     assert got["frozen"].keys() == want["frozen"].keys()
     for name, frozen in want["frozen"].items():
         assert torch.equal(got["frozen"][name], frozen), name
+
+
+def assert_close_to_e4m3s_rounding(got: dict, want: dict) -> None:
+    """--fp8 under context parallelism against one process. Attention runs by groups of
+    heads there, so its outputs differ from one process's in fp32's last bits, and a few
+    e4m3 elements round the other way from the first step. One process moved as far with
+    its embedding moved by 1e-7: each step-1 gradient by up to 1.9% of its norm (here 0.9%),
+    each weight's update over 3 steps by 11% (here 7%), the norms by 1.3e-3. The ranks
+    without --fp8 would be 9.2% and 24% off, and with each column's scale over whole rows
+    instead of each rank's half, 3.7% and 15%."""
+    for name, grad in want["grads"].items():
+        error = (got["grads"][name] - grad).norm() / grad.norm()
+        assert error <= 0.03, f"{name}'s step-1 gradient: {error:.2e} of its norm off"
+        update = want["weights"][name] - want["initial"][name]  # the same initial weights
+        error = (got["weights"][name] - want["weights"][name]).norm() / update.norm()
+        assert error <= 0.2, f"{name}'s update: {error:.2e} of its norm off"
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=3e-3, atol=0)
+    torch.testing.assert_close(got["norms"], want["norms"], rtol=3e-3, atol=0)
 
 
 def in_backward_reference() -> dict:
