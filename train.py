@@ -1568,11 +1568,11 @@ if __name__ == "__main__":
         if not isinstance(end.code, int | None):  # a message: Python's own exit prints it
             raise
         status = end.code or 0
-    # fully_shard keeps the process group alive past destroy_process_group (torch 2.13
-    # holds it where Python cannot reach), so its gloo threads still run while the
-    # interpreter shuts down, and at times abort it ("terminate called without an active
-    # exception", once in CI after a finished run). Everything is written and closed by
-    # now: the process leaves at once, with main's status.
+    # torch's DTensor sharding cache (in C++) keeps the mesh, and so the process group,
+    # alive past destroy_process_group: gloo's threads still run while the interpreter
+    # shuts down, and at times abort it ("terminate called without an active exception",
+    # once in CI after a finished run). Everything is written and closed by now: the
+    # process leaves at once, with main's status.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
