@@ -71,6 +71,7 @@ from data import (
 from model import (
     HF_EXPORT,
     LONG_DOCUMENT,
+    LORA_TARGETS,
     PEFT_ADAPTER,
     PRESETS,
     REFERENCE_OPS,
@@ -448,9 +449,15 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
             if getattr(opts, name)
         ]
     try:
-        lora_config(opts)
+        lora = lora_config(opts)
     except ValueError as e:
         problems.append(str(e))
+    else:  # fp8_ops leaves a 4-bit projection as it is
+        if opts.fp8 and lora and lora.quantize_base and set(lora.targets) == set(LORA_TARGETS):
+            problems.append(
+                "--fp8 multiplies the bf16 projections in e4m3, and --quantize-base nf4 on "
+                "--lora-targets all leaves none: drop --fp8, or adapt fewer projections"
+            )
     problems += shard.technique_problems(opts, args, world_size, per_node)
     if problems:
         raise UsageError("; ".join(problems))

@@ -799,9 +799,14 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--memory-snapshot"],
             "--memory-snapshot records CUDA allocations; this run has no GPU",
         ),
-        "fp8 without a GPU": (
-            ["--data", str(dataset), "--fp8"],
+        "fp8 without a GPU": (  # a model of widths FP8 takes (the tiny one's are not)
+            ["--data", str(dataset), "--fp8", "--model", "llama3.2-1b"],
             "--fp8 needs a GPU with FP8 matmuls (Ada, Hopper); this run has none",
+        ),
+        "fp8 on a base all in 4 bits": (
+            ["--data", str(dataset), "--fp8", "--lora-rank", "2", "--quantize-base", "nf4"],
+            "--fp8 multiplies the bf16 projections in e4m3, and --quantize-base nf4 on "
+            "--lora-targets all leaves none",
         ),
         "lora options without a rank": (
             ["--data", str(dataset), "--quantize-base", "nf4", "--lora-targets", "qkv"],
@@ -900,6 +905,7 @@ CASES = [
     "both exports in one directory",
     "negative seed",
     "gpu memory without a GPU",
+    "a GPU of no memory",
     "another run's checkpoint into a run dir of checkpoints",
     "export over the user's files",
     "adapter over the user's files",
@@ -915,6 +921,8 @@ CASES = [
     "bad option",
     "non-finite option",
     "memory snapshot without CUDA",
+    "fp8 without a GPU",
+    "fp8 on a base all in 4 bits",
     "lora options without a rank",
     "nf4 on rows of 96",
     "missing lora adapter",
@@ -940,11 +948,18 @@ CASES = [
 ]
 
 
+def test_every_bad_input_is_a_case(dataset, reference_run, tmp_path):
+    """CASES parametrizes the test below: an input of bad_inputs left out of it never runs."""
+    assert sorted(bad_inputs(tmp_path, dataset, reference_run)) == sorted(CASES)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_fails_before_any_step(case, dataset, reference_run, tmp_path, capsys):
-    if case in ("memory snapshot without CUDA", "gpu memory without a GPU") and (
-        torch.cuda.is_available()
-    ):
+    if case in (
+        "memory snapshot without CUDA",
+        "gpu memory without a GPU",
+        "fp8 without a GPU",
+    ) and (torch.cuda.is_available()):
         pytest.skip("this machine has CUDA")
     argv, message = bad_inputs(tmp_path, dataset, reference_run)[case]
     run_dir = tmp_path / "run"
