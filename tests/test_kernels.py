@@ -522,8 +522,9 @@ def test_nf4_linear_gradient_is_through_the_dequantized_weight():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nf4_dequantize_kernel_on_cuda_is_bitwise_and_its_bandwidth():
-    """llama3.1-8b's w1 (14336 x 4096) in bf16: bit for bit the reference, and the bytes read
-    and written per second, printed under -s (target: >= 80% of the device's copy rate)."""
+    """llama3.1-8b's w1 (14336 x 4096) in bf16: bit for bit the reference; and the bytes read
+    and written per second beside a copy's, printed under -s, not asserted (a rate depends on
+    the GPU and what else runs on it; bench/RESULTS.md records them)."""
     weight = torch.randn(14336, 4096, device="cuda") * 0.02
     q = quantize_nf4(weight)
     rows = q.rows.view(torch.bfloat16)

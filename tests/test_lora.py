@@ -76,7 +76,7 @@ def hf_checkpoint(path: Path, family: str = "llama") -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if family != "llama" and "norm" in name:
+            if "norm" in name:
                 p.uniform_(0.5, 1.5)
             elif name.endswith("bias"):
                 p.uniform_(-0.2, 0.2)

@@ -168,7 +168,9 @@ def test_mlp_tiles_run_in_forward_and_once_in_their_backward(monkeypatch, ac):
     assert runs == 2 * 3 * ARGS.n_layers
 
 
-@pytest.mark.parametrize("ac, tile", [("none", 0), ("full", 0), ("selective", 0), ("full", 16)])
+@pytest.mark.parametrize(
+    "ac, tile", [("none", 0), ("full", 0), ("selective", 0), ("attention", 0), ("full", 16)]
+)
 def test_triton_kernels_keep_gradients_under_checkpointing_and_offload(ac, tile):
     """The SwiGLU kernel's backward writes its gradients over the gate and up it saved;
     under each way of keeping or rebuilding them, the gradients stay those of the plain

@@ -36,6 +36,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 import kernels.fp8
 from data import TokenDataset, attended_per_token
 from model import Llama, LoRAConfig, ModelArgs, apply_lora, load_hf_checkpoint, save_hf_checkpoint
+from offload import AC_MODES
 from shard import (
     CPU_FLOPS,
     GPU_FLOPS,
@@ -196,7 +197,8 @@ def test_sharded_training_matches_one_process(dist_out, scenario):
     # In e4m3, weights that differ in their last bits after a step (the ranks sum gradients
     # in another order) may round an element to the next e4m3 value: a later step's loss and
     # norm agree to 1e-4, and AdamW may move a weight whose gradient is near zero by up to
-    # its lr the other way. The first step's gradients, from equal weights, stay at fp32's.
+    # its lr the other way, so each weight's update is compared by its norm (0.2% off
+    # measured). The first step's gradients, from equal weights, stay at fp32's.
     fp8 = w.TRAIN_SCENARIOS[scenario].fp8
     if fp8 and w.TRAIN_SCENARIOS[scenario].context_parallel > 1:
         assert_close_to_e4m3s_rounding(got, want)
@@ -205,7 +207,10 @@ def test_sharded_training_matches_one_process(dist_out, scenario):
         torch.testing.assert_close(got["losses"], want["losses"], rtol=rtol, atol=0)
         torch.testing.assert_close(got["norms"], want["norms"], rtol=rtol, atol=0)
         assert_tensors_close(got["grads"], want["grads"], rtol=FP32_RTOL)
-        assert_tensors_close(got["weights"], want["weights"], atol=w.LR if fp8 else ADAMW_ATOL)
+        if fp8:
+            assert_updates_close(got, want, rtol=0.02)
+        else:
+            assert_tensors_close(got["weights"], want["weights"], atol=ADAMW_ATOL)
     assert got["frozen"].keys() == want["frozen"].keys()
     for name, frozen in want["frozen"].items():
         assert torch.equal(got["frozen"][name], frozen), name
@@ -222,11 +227,18 @@ def assert_close_to_e4m3s_rounding(got: dict, want: dict) -> None:
     for name, grad in want["grads"].items():
         error = (got["grads"][name] - grad).norm() / grad.norm()
         assert error <= 0.03, f"{name}'s step-1 gradient: {error:.2e} of its norm off"
-        update = want["weights"][name] - want["initial"][name]  # the same initial weights
-        error = (got["weights"][name] - want["weights"][name]).norm() / update.norm()
-        assert error <= 0.2, f"{name}'s update: {error:.2e} of its norm off"
+    assert_updates_close(got, want, rtol=0.2)
     torch.testing.assert_close(got["losses"], want["losses"], rtol=3e-3, atol=0)
     torch.testing.assert_close(got["norms"], want["norms"], rtol=3e-3, atol=0)
+
+
+def assert_updates_close(got: dict, want: dict, rtol: float) -> None:
+    """Each trained weight's change over the steps within rtol of its norm (both runs start
+    from the same weights)."""
+    for name, weight in want["weights"].items():
+        update = weight - want["initial"][name]
+        error = (got["weights"][name] - weight).norm() / update.norm()
+        assert error <= rtol, f"{name}'s update: {error:.2e} of its norm off"
 
 
 def in_backward_reference() -> dict:
@@ -375,7 +387,7 @@ def test_estimate_counts_the_models_parameters(preset):
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("ac_mode", ["none", "full", "selective"])
+@pytest.mark.parametrize("ac_mode", AC_MODES)
 def test_estimate_parts_add_up(strategy, ac_mode):
     args = ModelArgs.from_name("llama3-8b")
     est = estimate(args, strategy=strategy, ac=ac_mode, nproc_per_node=4)

@@ -1818,6 +1818,7 @@ def test_the_end_of_a_run_prints_only_commands_that_do_what_they_say(
 
 # Tiny checkpoints of the Llama family that transformers saves: (config class, its switches).
 FAMILY_CHECKPOINTS = {
+    "llama": ("LlamaConfig", {}),
     "mistral": ("MistralConfig", dict(head_dim=24, sliding_window=None)),
     "qwen2": ("Qwen2Config", dict(use_sliding_window=False)),  # a bias on q, k and v
     "qwen3": ("Qwen3Config", dict(head_dim=24)),  # q/k norms, a head dim apart from dim / heads
