@@ -4,7 +4,7 @@
 
 Per projection shape: the time of a bf16 nn.functional.linear forward + backward, of
 kernels.fp8_linears', their ratio, and what its quantization kernels take alone
-(the rest of its time is cuBLAS's e4m3 matmuls). Results: bench/RESULTS.md, "FP8 linear".
+(the rest of its time is cuBLAS's e4m3 matmuls). Results: bench/RESULTS.md, "FP8 matmuls".
 """
 
 import argparse

@@ -88,7 +88,7 @@ def _e4m3_bits(v):
 @triton.jit
 def _to_e4m3(v, BY_BITS: tl.constexpr):
     """v (|v| <= 448) rounded to the nearest e4m3, ties to even, as its byte. The GPU converts
-    in hardware, at twice the speed of _e4m3_bits (bench/RESULTS.md, "FP8 linear"); Triton's
+    in hardware, at twice the speed of _e4m3_bits (bench/RESULTS.md, "FP8 matmuls"); Triton's
     CPU interpreter rounds its fp8 casts half up and drops the carry into the exponent, so
     there the rounding is done on v's bits."""
     if BY_BITS:
@@ -177,7 +177,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(n_rows, dim, dtype=FP8, device=x.device)
     scale = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     # At least 4096 elements a program, 4 warps: the fastest of 2048-16384 and 4-16 warps at
-    # the 1B's shapes (bench/RESULTS.md, "FP8 linear").
+    # the 1B's shapes (bench/RESULTS.md, "FP8 matmuls").
     block = triton.next_power_of_2(dim)
     rows = max(4096 // block, 1)
     _quantize_rows_kernel[(triton.cdiv(n_rows, rows),)](
@@ -191,7 +191,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _quantize_tiles(x: torch.Tensor, rows_too: bool) -> tuple[torch.Tensor, ...]:
     """quantize_columns's result, then quantize_rows's if rows_too, by two passes over x:
     the amaxes, then the scaled copies. 64 x 64 tiles and 4 warps: of the seven sizes tried
-    at the 1B's and 8B's shapes the fastest or within 5% (bench/RESULTS.md, "FP8 linear")."""
+    at the 1B's and 8B's shapes the fastest or within 5% (bench/RESULTS.md, "FP8 matmuls")."""
     n_rows, dim = x.shape
     x = x.contiguous()
     col_amax = torch.zeros(dim, dtype=torch.float32, device=x.device)

@@ -10,6 +10,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -1876,3 +1877,19 @@ def test_a_checkpoint_saved_before_rope_scaling_had_a_type_resumes():
     other = {**old_model, "rope_scaling": {**old_model["rope_scaling"], "factor": 8.0}}
     with pytest.raises(data.UsageError, match="model rope_scaling: checkpoint"):
         shard.check_resumable({**record, "model": other}, {**record, "model": now})
+
+
+def test_the_results_that_the_code_cites_are_in_results():
+    """Each (bench/RESULTS.md, "name") in the code and the README names text of RESULTS."""
+    results = " ".join((REPO / "bench" / "RESULTS.md").read_text().split())
+    sources = [*REPO.glob("*.py"), *REPO.glob("kernels/*.py"), *REPO.glob("bench/*.py")]
+    cited = []
+    for path in [*sources, REPO / "README.md"]:
+        for cite in re.finditer(
+            r'RESULTS(?:\.md)?[,:]?\s*\(?((?:"[^"]+"[,\s]*(?:and\s*)?)+)', path.read_text()
+        ):
+            # A name may run over lines, each a comment's.
+            cited += [(path.name, " ".join(re.sub(r"\n\s*#?", " ", name).split()))
+                      for name in re.findall(r'"([^"]+)"', cite.group(1))]  # fmt: skip
+    assert len(cited) > 20
+    assert [(path, name) for path, name in cited if name not in results] == []
