@@ -1567,6 +1567,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_STOPPED)
 
 
+def leave(status: int) -> NoReturn:
+    """Ends the process at once, its output flushed, once everything is written and closed.
+    torch's DTensor sharding cache (in C++) keeps the mesh, and so the process group, alive
+    past destroy_process_group: gloo's threads would still run while the interpreter shuts
+    down, and at times abort it ("terminate called without an active exception", once in CI
+    after a finished run)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
     try:
         main()
@@ -1575,11 +1586,4 @@ if __name__ == "__main__":
         if not isinstance(end.code, int | None):  # a message: Python's own exit prints it
             raise
         status = end.code or 0
-    # torch's DTensor sharding cache (in C++) keeps the mesh, and so the process group,
-    # alive past destroy_process_group: gloo's threads still run while the interpreter
-    # shuts down, and at times abort it ("terminate called without an active exception",
-    # once in CI after a finished run). Everything is written and closed by now: the
-    # process leaves at once, with main's status.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    leave(status)

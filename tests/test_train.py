@@ -949,6 +949,10 @@ CASES = [
 ]
 
 
+# The cases that only a machine without a GPU can show.
+WITHOUT_A_GPU = ("memory snapshot without CUDA", "gpu memory without a GPU", "fp8 without a GPU")
+
+
 def test_every_bad_input_is_a_case(dataset, reference_run, tmp_path):
     """CASES parametrizes the test below: an input of bad_inputs left out of it never runs."""
     assert sorted(bad_inputs(tmp_path, dataset, reference_run)) == sorted(CASES)
@@ -956,11 +960,7 @@ def test_every_bad_input_is_a_case(dataset, reference_run, tmp_path):
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_fails_before_any_step(case, dataset, reference_run, tmp_path, capsys):
-    if case in (
-        "memory snapshot without CUDA",
-        "gpu memory without a GPU",
-        "fp8 without a GPU",
-    ) and (torch.cuda.is_available()):
+    if case in WITHOUT_A_GPU and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     argv, message = bad_inputs(tmp_path, dataset, reference_run)[case]
     run_dir = tmp_path / "run"
