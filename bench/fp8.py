@@ -1,6 +1,6 @@
-"""FP8 linear layers against bf16 at Llama 3 8B's projection shapes, forward and backward.
+"""FP8 linear layers against bf16 at a model's projection shapes, forward and backward.
 
-    python bench/fp8.py [--tokens 8192]
+    python bench/fp8.py [--model llama3.1-8b] [--tokens 8192 32768]
 
 Per projection shape: the time of a bf16 nn.functional.linear forward + backward, of
 kernels.fp8_linears', their ratio, and what its quantization kernels take alone
@@ -17,9 +17,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernels  # noqa: E402
 from bench.attention import time_ms  # noqa: E402
 from kernels import fp8  # noqa: E402
+from model import ModelArgs  # noqa: E402
 
-# (name, out_features, in_features) of llama3.1-8b's projections.
-SHAPES = [("wq/wo", 4096, 4096), ("wk/wv", 1024, 4096), ("w1/w3", 14336, 4096), ("w2", 4096, 14336)]
+
+def projection_shapes(args: ModelArgs) -> list[tuple[str, int, int]]:
+    """(name, out_features, in_features) of a block's projections, one of each shape."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    return [
+        ("wq", q, args.dim),
+        ("wk/wv", kv, args.dim),
+        ("wo", args.dim, q),
+        ("w1/w3", args.ffn_dim, args.dim),
+        ("w2", args.dim, args.ffn_dim),
+    ]
 
 
 def shape_milliseconds(tokens: int, n: int, k: int) -> tuple[float, float, float]:
@@ -42,17 +52,20 @@ def shape_milliseconds(tokens: int, n: int, k: int) -> tuple[float, float, float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=8192)
-    tokens = parser.parse_args().tokens
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {tokens} tokens")
-    print("shape         bf16 ms  fp8 ms  speedup  quantize ms  matmul TFLOP/s (bf16, fp8)")
-    for name, n, k in SHAPES:
-        bf16, ours, quantize = shape_milliseconds(tokens, n, k)
-        flops = 6 * tokens * n * k
-        print(
-            f"{name:8} {n:5}x{k:<5} {bf16:6.3f} {ours:7.3f} {bf16 / ours:7.2f}x {quantize:9.3f}"
-            f"     {flops / bf16 / 1e9:5.0f}, {flops / (ours - quantize) / 1e9:5.0f}"
-        )
+    parser.add_argument("--model", default="llama3.1-8b", help="a model preset")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192])
+    cli = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {cli.model}")
+    print("tokens shape          bf16 ms  fp8 ms  speedup  quantize ms  TFLOP/s (bf16, fp8)")
+    for tokens in cli.tokens:
+        for name, n, k in projection_shapes(ModelArgs.from_name(cli.model)):
+            bf16, ours, quantize = shape_milliseconds(tokens, n, k)
+            flops = 6 * tokens * n * k
+            print(
+                f"{tokens:6} {name:5} {n:5}x{k:<5} {bf16:6.3f} {ours:7.3f} {bf16 / ours:7.2f}x"
+                f" {quantize:9.3f}     {flops / bf16 / 1e9:5.0f},"
+                f" {flops / (ours - quantize) / 1e9:5.0f}"
+            )
 
 
 if __name__ == "__main__":
