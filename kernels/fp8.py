@@ -141,11 +141,15 @@ def _amax_kernel(x_ptr, col_amax_ptr, row_amax_ptr, n_rows, dim, rows_per_progra
 
 
 @triton.jit
-def _quantize_tiles_kernel(x_ptr, col_amax_ptr, qt_ptr, row_amax_ptr, q_ptr, n_rows, dim,
-                           EPS: tl.constexpr, BY_BITS: tl.constexpr, ROWS_TOO: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+def _quantize_tiles_kernel(
+    x_ptr, col_amax_ptr, qt_ptr, col_scale_ptr, row_amax_ptr, q_ptr, row_scale_ptr, n_rows, dim,
+    EPS: tl.constexpr, BY_BITS: tl.constexpr, ROWS_TOO: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
     """Tile [BLOCK_M, BLOCK_N] of x [M, N], scaled by its columns' 448 / amax and stored
-    transposed into qt [N, M]; with ROWS_TOO also scaled by its rows' and stored into q."""
+    transposed into qt [N, M]; with ROWS_TOO also scaled by its rows' and stored into q. The
+    first tile of each column (and row) writes its scale: done here, not in torch after, as
+    each of those small torch operations costs the host a launch."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < dim
@@ -157,11 +161,17 @@ def _quantize_tiles_kernel(x_ptr, col_amax_ptr, qt_ptr, row_amax_ptr, q_ptr, n_r
     inverse = tl.math.div_rn(tl.full([BLOCK_N], 448.0, tl.float32), tl.maximum(amax, EPS))
     q = tl.clamp(x * inverse[None, :], -448.0, 448.0)
     tl.store(qt_ptr + cols[None, :] * n_rows + rows[:, None], _to_e4m3(q, BY_BITS), mask=mask)
+    if tl.program_id(0) == 0:
+        scale = tl.math.div_rn(tl.full([BLOCK_N], 1.0, tl.float32), inverse)
+        tl.store(col_scale_ptr + cols, scale, mask=col_mask)
     if ROWS_TOO:
         amax = tl.load(row_amax_ptr + rows, mask=row_mask, other=1.0)
         inverse = tl.math.div_rn(tl.full([BLOCK_M], 448.0, tl.float32), tl.maximum(amax, EPS))
         q = tl.clamp(x * inverse[:, None], -448.0, 448.0)
         tl.store(q_ptr + rows[:, None] * dim + cols[None, :], _to_e4m3(q, BY_BITS), mask=mask)
+        if tl.program_id(1) == 0:
+            scale = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), inverse)
+            tl.store(row_scale_ptr + rows, scale, mask=row_mask)
 
 
 # Rows longer than this do not fit one program's registers in _quantize_rows_kernel.
@@ -194,8 +204,11 @@ def _quantize_tiles(x: torch.Tensor, rows_too: bool) -> tuple[torch.Tensor, ...]
     at the 1B's and 8B's shapes the fastest or within 5% (bench/RESULTS.md, "FP8 matmuls")."""
     n_rows, dim = x.shape
     x = x.contiguous()
-    col_amax = torch.zeros(dim, dtype=torch.float32, device=x.device)
-    row_amax = torch.zeros(n_rows if rows_too else 0, dtype=torch.float32, device=x.device)
+    # One zeroed buffer for both amaxes and one for both scales: fewer launches.
+    amax = torch.zeros(dim + (n_rows if rows_too else 0), dtype=torch.float32, device=x.device)
+    scale = torch.empty_like(amax)
+    col_amax, row_amax = amax[:dim], amax[dim:]
+    col_scale, row_scale = scale[:dim], scale[dim:]
     qt = torch.empty(dim, n_rows, dtype=FP8, device=x.device)
     q = torch.empty(n_rows if rows_too else 0, dim, dtype=FP8, device=x.device)
     block_m, block_n = 64, 64
@@ -207,11 +220,11 @@ def _quantize_tiles(x: torch.Tensor, rows_too: bool) -> tuple[torch.Tensor, ...]
         BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
     _quantize_tiles_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(dim, block_n))](
-        x, col_amax, qt.view(torch.uint8), row_amax, q.view(torch.uint8), n_rows, dim, EPS=EPS,
-        BY_BITS=x.device.type != "cuda", ROWS_TOO=rows_too, BLOCK_M=block_m, BLOCK_N=block_n,
+        x, col_amax, qt.view(torch.uint8), col_scale, row_amax, q.view(torch.uint8), row_scale,
+        n_rows, dim, EPS=EPS, BY_BITS=x.device.type != "cuda", ROWS_TOO=rows_too,
+        BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
-    columns = (qt, _inverse_scale(col_amax).reciprocal())
-    return columns + (q, _inverse_scale(row_amax).reciprocal()) if rows_too else columns
+    return (qt, col_scale, q, row_scale) if rows_too else (qt, col_scale)
 
 
 def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
