@@ -1035,7 +1035,7 @@ class Plan:
 
     def flags(self) -> str:
         """The train.py flags of the planned fields."""
-        return flags_of({name: getattr(self, name) for name in PLANNED})
+        return " ".join(flags_of({name: getattr(self, name) for name in PLANNED}))
 
     def to_json(self) -> dict:
         """plan.json: the plan, what it was made for, and its estimate."""
@@ -1111,18 +1111,18 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def flags_of(fields: dict, negated: bool = False) -> str:
-    """The train.py flags that set these planned fields; False as --no-x when `negated`."""
-    out = []
+def flags_of(fields: dict, negated: bool = False) -> list[str]:
+    """The words of the train.py flags that set these fields; False as --no-x when `negated`."""
+    words = []
     for name, value in fields.items():
         flag = flag_name(name)
         if value is True:
-            out.append(flag)
+            words.append(flag)
         elif value is False:
-            out += [f"--no-{flag[2:]}"] if negated else []
+            words += [f"--no-{flag[2:]}"] if negated else []
         elif value is not None:
-            out.append(f"{flag} {value}")
-    return " ".join(out)
+            words += [flag, str(value)]
+    return words
 
 
 # ----------------------------------------------------------------------------------------
@@ -1776,7 +1776,8 @@ class Planner:
         if wanted:
             tried.append("the planner's choice")
             if fits_with({}, wanted={}):
-                ways.append(f"the planner's choice instead of {flags_of(wanted, negated=True)}")
+                instead = " ".join(flags_of(wanted, negated=True))
+                ways.append(f"the planner's choice instead of {instead}")
         sharing = {f"--context-parallel {n}": {"context_parallel": n}
                    for n in range(2 * cp, m.nproc_per_node + 1, cp) if on_gpu}  # fmt: skip
         rank16 = LoRAConfig(rank=16, alpha=16.0)

@@ -521,17 +521,12 @@ def command_line(opts: Options, given: frozenset[str], **changes) -> str:
         words = ["torchrun", f"--nproc-per-node={per_node}", script]
         if world_size > per_node:
             words[1:1] = [f"--nnodes={world_size // per_node}"]
-    for f in dataclasses.fields(Options):
-        value, name = getattr(opts, f.name), shard.flag_name(f.name)
-        if f.name not in given | changes.keys():
-            continue
-        if value is True or (f.name == "resume" and value == "latest"):
-            words.append(name)
-        elif value is False:  # a flag whose default depends on the device: --no-kernels
-            words.append("--no-" + name.removeprefix("--"))
-        elif value is not None:
-            words += [name, str(value)]
-    return shlex.join(words)
+    named = given | changes.keys()
+    fields = {f.name: getattr(opts, f.name) for f in dataclasses.fields(Options) if f.name in named}
+    if fields.get("resume") == "latest":  # the bare flag
+        fields["resume"] = True
+    # False where the flag's default depends on the device: --no-kernels
+    return shlex.join(words + shard.flags_of(fields, negated=True))
 
 
 # ----------------------------------------------------------------------------------------
