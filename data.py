@@ -114,6 +114,10 @@ def plural(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}{'es' if noun.endswith('s') else 's'}"
 
 
+def params_text(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
 def first_names(names: list[str]) -> str:
     """The first five names, for an error message."""
     return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")

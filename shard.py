@@ -52,7 +52,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from data import UsageError, check_directory_path, first_names, plural, read_json
+from data import UsageError, check_directory_path, first_names, params_text, plural, read_json
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, chunk_rows
 from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
@@ -982,9 +982,7 @@ class MemoryEstimate:
                      "host total": self.host_total}  # fmt: skip
         else:
             rows["host total"] = self.host_total + self.gpu_tensors
-        n = self.num_params
-        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-        lines = [f"memory per rank ({size} params, peak at {self.phase})"]
+        lines = [f"memory per rank ({params_text(self.num_params)} params, peak at {self.phase})"]
         return "\n".join(lines + [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows.items()])
 
 

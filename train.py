@@ -65,6 +65,7 @@ from data import (
     attended_per_token,
     open_data,
     open_eval_data,
+    params_text,
     plural,
     write_json,
 )
@@ -393,10 +394,6 @@ def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str
     if {"max_steps", "max_tokens"} <= given:
         parser.error("--max-tokens sets the number of steps: give it or --max-steps, not both")
     return opts, frozenset(given)
-
-
-def params_text(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int) -> None:
