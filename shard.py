@@ -395,24 +395,6 @@ def context_parallel_group(world: World, n: int) -> dist.ProcessGroup | None:
     return mesh.get_group("context")
 
 
-def check_context_parallel_ranks(n: int, world_size: int, ranks_per_node: int) -> None:
-    if n < 1 or world_size % n or ranks_per_node % n:
-        raise UsageError(
-            f"--context-parallel {n} must divide the ranks per node ({ranks_per_node}) "
-            f"and the world size ({world_size}): a context-parallel group stays in a node"
-        )
-
-
-def check_context_parallel(args: ModelArgs, n: int) -> None:
-    kv_ok = args.n_kv_heads % n == 0 or n % args.n_kv_heads == 0
-    if args.n_heads % n or not kv_ok:
-        raise UsageError(
-            f"--context-parallel {n} splits attention by heads: it must divide the "
-            f"{args.n_heads} query heads, and divide the {args.n_kv_heads} key/value heads or "
-            f"be a multiple of them"
-        )
-
-
 def _all_to_all(
     x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
 ) -> torch.Tensor:
@@ -1562,12 +1544,18 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
         if plan.seq_len % cp:
             problems.append(f"--context-parallel {cp} must divide --seq-len {plan.seq_len}")
         per_node = plan.nproc_per_node or plan.world_size
-        for check, *given in [(check_context_parallel_ranks, cp, plan.world_size, per_node),
-                              (check_context_parallel, args, cp)]:  # fmt: skip
-            try:
-                check(*given)
-            except UsageError as e:
-                problems.append(str(e))
+        if plan.world_size % cp or per_node % cp:
+            problems.append(
+                f"--context-parallel {cp} must divide the ranks per node ({per_node}) "
+                f"and the world size ({plan.world_size}): a context-parallel group stays in a node"
+            )
+        kv_ok = args.n_kv_heads % cp == 0 or cp % args.n_kv_heads == 0
+        if args.n_heads % cp or not kv_ok:
+            problems.append(
+                f"--context-parallel {cp} splits attention by heads: it must divide the "
+                f"{args.n_heads} query heads, and divide the {args.n_kv_heads} key/value heads or "
+                f"be a multiple of them"
+            )
     if plan.fp8:  # cuBLAS's e4m3 matmul multiplies dimensions of multiples of 16 only
         sizes = {"dim": args.dim, "ffn_dim": args.ffn_dim,
                  "heads x head_dim": args.n_heads * args.head_dim,
