@@ -637,9 +637,7 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
     ):
         params = dict(model.named_parameters())
         for name, param in params.items():
-            # FSDP copies a gradient to pinned memory without blocking (torch < 2.13 even
-            # where a hook reads it at once): the shards must be plain memory, so that each
-            # gradient is on the host when the hook gets it.
+            # Plain memory, not pinned: train.apply_techniques says why.
             sharded = isinstance(param, DTensor) and param.device.type == "cpu"
             if not sharded or param.to_local().is_pinned():
                 raise UsageError(

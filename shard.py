@@ -327,11 +327,9 @@ def materialize(
 ) -> None:
     """Allocates the sharded parameters of a meta-built, `apply_fsdp`-ed model (on the host
     when `cpu_offload`, which must match apply_fsdp's) and fills them (model.fill_weights),
-    each rank keeping only its own rows: of a Hugging Face checkpoint and a PEFT adapter,
-    or of each parameter's whole initial value, so the weights are the same for any number
-    of ranks. A checkpoint that does not fit the model raises the same error on every rank
-    (it is checked from config and headers) before anything is read, so no rank is left
-    waiting in a collective."""
+    each rank keeping only its own rows. A checkpoint that does not fit the model raises the
+    same error on every rank (it is checked from config and headers) before anything is
+    read, so no rank is left waiting in a collective."""
     model.to_empty(device="cpu" if cpu_offload else world.device)
 
     def copy_rows(param: DTensor, tensor_slice) -> None:
