@@ -475,9 +475,8 @@ class OptimizerInBackward(_AdamWInBackward):
     block's bytes of gradients wait on the GPU for the worker: backward is launched ahead of
     the GPU, and a hook that waited for each copy, or for a long update such as the output
     head's, held the launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer
-    in backward's stalls"). `step()` waits for all updates and makes the compute stream wait
-    for their copies. Without CUDA (the tests) the same code runs: torch.cpu's streams and
-    events do nothing, and the staging buffers are not pinned.
+    in backward's stalls"). Without CUDA (the tests) the same code runs: torch.cpu's streams
+    and events do nothing, and the staging buffers are not pinned.
 
     What updating before the step's last gradient exists rules out: clipping by the
     global norm (known only at the end), gradient accumulation (the hooks fire on every
@@ -665,9 +664,8 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
         adamw_(self.master[name].to_local(), grad, state, lr, self.betas, self.weight_decay)
 
     def step(self) -> torch.Tensor:
-        """Ends the step whose updates backward started: waits for them (raising a worker's
-        error here). Returns the global L2 norm of the step's gradients, a 0-dim tensor on
-        the host (the sum of every rank's squares: each holds its shards)."""
+        """Waits for the updates as OptimizerInBackward.step does; the norm is on the host, the
+        sum of every rank's squares (each holds its shards)."""
         while self.pending:
             self.pending.popleft().result()
         sq_norm, self.sq_norm = self.sq_norm, torch.zeros(())
