@@ -1012,7 +1012,6 @@ class Plan:
         return self.tokens * self.world_size * self.grad_accum
 
     def flags(self) -> str:
-        """The train.py flags of the planned fields."""
         return " ".join(flags_of({name: getattr(self, name) for name in PLANNED}))
 
     def to_json(self) -> dict:
@@ -1636,8 +1635,7 @@ def choose_plan(
 ) -> Plan:
     """The first plan that fits, of `sequences` per rank per step. When the batch was not
     set (`batch_is_fixed` False) and none does, one: without accumulation, whose gradients
-    take memory, and where the optimizer in backward can run. Raises ValueError naming the
-    largest terms of the closest plan, and what would make a plan fit."""
+    take memory, and where the optimizer in backward can run; else raises no_fit_message."""
     base = dataclasses.replace(
         base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
     )
