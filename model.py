@@ -1407,11 +1407,10 @@ def fill_weights(
     lora_adapter: str | os.PathLike | None = None,
     agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
 ) -> None:
-    """Fills a materialized model, one tensor at a time through `copy` (shard.py's keeps a
-    rank's rows): from a HF checkpoint, or every parameter from its initial value drawn on
-    `device` (so any layout gets the same weights). With LoRA the adapters come from
-    `lora_adapter` (a PEFT adapter directory) or their initial values. `agree` gathers what
-    each rank found non-finite, so all ranks refuse alike."""
+    """Fills a materialized model, one tensor at a time through `copy`: from a HF checkpoint
+    (`copy` and `agree` as in load_hf_checkpoint), or every parameter from its initial value
+    drawn on `device` (so any layout gets the same weights). With LoRA the adapters come
+    from `lora_adapter` (a PEFT adapter directory) or their initial values."""
     if hf_path is None:
         model.init_weights(seed, device=device, copy=copy)
     else:

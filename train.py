@@ -706,9 +706,7 @@ GIVEN_WITH = {"model": "hf_checkpoint", "hf_checkpoint": "model", "data": "token
 
 def taken_on_resume(opts: Options, given: frozenset[str], saved: dict) -> dict:
     """The options that a run resumed from the checkpoint whose train_state is `saved` takes
-    from it: those of FIXED_BY_CHECKPOINT and KEPT_ON_RESUME that this command does not give
-    (nor their GIVEN_WITH partners), where the checkpoint's differ from this command's. So a
-    bare --resume continues the run as it was."""
+    from it, where they differ from this command's: so a bare --resume continues the run."""
     options = saved["options"]
     not_taken = given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
     return {
