@@ -653,8 +653,7 @@ class ByteLevelBPETokenizer:
         """The chat template's text of the conversation, tokenized as transformers'
         apply_chat_template(..., tokenize=True) does (the special tokens it writes are tokens).
         The labels: each assistant turn's tokens as the whole conversation renders it
-        (`ChatTemplate.assistant_spans`), a token straddling a turn's start included, as
-        transformers' assistant mask includes it."""
+        (`ChatTemplate.assistant_spans`, `_labelled_runs`)."""
         text, spans = self._template().assistant_spans(messages, self._added_pattern)
         ids = self._encode(text, allowed_special="all")
         spans = [tuple(self._bytes_before(text, i) for i in span) for span in spans]
@@ -1518,8 +1517,7 @@ def _without_lone_surrogates(value):
 def _check_messages(messages: object, where: str) -> list[Message]:
     """The conversations every chat format renders: an optional system message first, then user
     and assistant turns alternating from a user turn, with at least one assistant turn. Each
-    message is kept whole, as transformers passes it to a chat template: fields other than role
-    and content (Qwen3's "reasoning_content", "tool_calls") are the template's to render."""
+    message is kept whole, its other fields for a chat template (Message)."""
     if not isinstance(messages, list) or not messages:
         raise UsageError(
             f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
