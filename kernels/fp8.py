@@ -204,7 +204,7 @@ def _quantize_tiles(x: torch.Tensor, rows_too: bool) -> tuple[torch.Tensor, ...]
     at the 1B's and 8B's shapes the fastest or within 5% (bench/RESULTS.md, "FP8 matmuls")."""
     n_rows, dim = x.shape
     x = x.contiguous()
-    # One zeroed buffer for both amaxes and one for both scales: fewer launches.
+    # One zeroed buffer for both amaxes (one launch, not two), one allocation for both scales.
     amax = torch.zeros(dim + (n_rows if rows_too else 0), dtype=torch.float32, device=x.device)
     scale = torch.empty_like(amax)
     col_amax, row_amax = amax[:dim], amax[dim:]
