@@ -354,6 +354,30 @@ def test_offload_skips_weights_and_small_tensors_and_frees_its_copies():
     assert offloader.offloaded_tensors == 0
 
 
+def test_offload_of_a_view_into_a_larger_tensor_keeps_its_values():
+    """A saved tensor that is part of a larger one, at an offset (a row range: contiguous,
+    and a column range: not), comes back as its own values, not the larger one's first
+    bytes."""
+
+    class Block(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 1.5
+            # sin and cos save their inputs: the rows after the first, the columns after it
+            return torch.cat([x[:1], y[1:].sin()]) + torch.cat([x[:, :1], y[:, 1:].cos()], 1)
+
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Block(), Block()])  # the last one is not offloaded
+    x = torch.randn(5, 7, requires_grad=True)
+    grads = []
+    for offload in (False, True):
+        with activation_offload(model, enabled=offload, min_bytes=0) as offloader:
+            out = model.layers[1](model.layers[0](x))
+        (grad,) = torch.autograd.grad(out.square().sum(), x)
+        grads.append(grad)
+    assert offloader.offloaded_tensors == 2
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
 def test_host_pieces_hold_exactly_the_bytes_in_powers_of_two():
     mib = offload_module.SMALLEST_PIECE
     for nbytes in (1, mib, 3 * mib + 512 * 1024 + 10, 2**31 // 4 * 3 // mib * mib):
