@@ -302,8 +302,7 @@ class _Offloader:
             return self.seen[key][1]
         saved = _Offloaded()
         # Keep the layout (a transposed view stays transposed) when the view covers its
-        # whole storage; otherwise a copy of its own (contiguous() would hand back a
-        # contiguous part of a larger tensor as it is, whose storage starts elsewhere).
+        # whole storage; otherwise a copy of its own (contiguous() keeps a row range a view).
         dense = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes
         source = tensor if dense else tensor.clone(memory_format=torch.contiguous_format)
         saved.dtype, saved.shape, saved.stride = tensor.dtype, tensor.shape, source.stride()
