@@ -367,7 +367,9 @@ def test_offload_of_a_view_into_a_larger_tensor_keeps_its_values():
 
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([Block(), Block()])  # the last one is not offloaded
-    x = torch.randn(5, 7, requires_grad=True)
+    # On the device offload copies from: pinned host memory and a side stream under CUDA.
+    x = torch.randn(5, 7, device="cuda" if torch.cuda.is_available() else "cpu")
+    x.requires_grad_()
     grads = []
     for offload in (False, True):
         with activation_offload(model, enabled=offload, min_bytes=0) as offloader:
