@@ -664,8 +664,8 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
         adamw_(self.master[name].to_local(), grad, state, lr, self.betas, self.weight_decay)
 
     def step(self) -> torch.Tensor:
-        """Waits for the updates as OptimizerInBackward.step does; the norm is on the host, the
-        sum of every rank's squares (each holds its shards)."""
+        """Waits for the updates and returns the global gradient norm as OptimizerInBackward's
+        step does, but on the host: from every rank's sum of squares (each holds its shards)."""
         while self.pending:
             self.pending.popleft().result()
         sq_norm, self.sq_norm = self.sq_norm, torch.zeros(())
