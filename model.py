@@ -100,6 +100,18 @@ class RopeScaling:
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # "default": no scaling
 
+# The RopeScaling fields each scaling has, by their key in HF rope settings (the field's
+# name, but for the pre-training length): read by _rope_scaling, written by hf_config.
+_SCALED = ("factor", "original_max_seq_len")
+HF_ROPE_KEYS = {
+    rope_type: {f: f.replace("max_seq_len", "max_position_embeddings") for f in fields}
+    for rope_type, fields in (
+        ("linear", ("factor",)),
+        ("llama3", (*_SCALED, "low_freq_factor", "high_freq_factor")),
+        ("yarn", (*_SCALED, "beta_fast", "beta_slow", "truncate", "attention_factor")),
+    )
+}
+
 
 @dataclass(frozen=True)
 class Family:
@@ -304,9 +316,10 @@ class ModelArgs:
 
 
 def _rope_scaling(config_path: Path, config: dict, rope: dict) -> RopeScaling | None:
-    """The RoPE scaling of HF rope settings, with transformers' defaults: YaRN's betas 32
-    and 1, its truncation on, and the attention factor from mscale and mscale_all_dim when
-    both are given (DeepSeek's form), else left to YaRN's formula."""
+    """The RoPE scaling of HF rope settings, with transformers' defaults for what they leave
+    out: the pre-training length max_position_embeddings, YaRN's betas 32 and 1, its
+    truncation on, and the attention factor from mscale and mscale_all_dim when both are
+    given (DeepSeek's form), else left to YaRN's formula."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise UsageError(
@@ -315,34 +328,21 @@ def _rope_scaling(config_path: Path, config: dict, rope: dict) -> RopeScaling | 
         )
     if rope_type == "default":
         return None
-    needs = ["factor"]
-    if rope_type == "llama3":
-        needs += ["low_freq_factor", "high_freq_factor"]
+    keys = HF_ROPE_KEYS[rope_type]
+    needs = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k in keys]
     missing = [k for k in needs if rope.get(k) is None]
     if missing:  # transformers refuses these too: it has no default for them
         raise UsageError(f"{config_path}: rope_type {rope_type!r} needs {missing} as well")
-    # transformers defaults the pre-training length to max_position_embeddings.
-    original = rope.get("original_max_position_embeddings", config["max_position_embeddings"])
-    if rope_type == "linear":
-        return RopeScaling("linear", rope["factor"])
-    if rope_type == "llama3":
-        return RopeScaling(
-            "llama3", rope["factor"], original, rope["low_freq_factor"], rope["high_freq_factor"]
-        )
-    attention_factor = rope.get("attention_factor")
+    values = {field: rope[key] for field, key in keys.items() if rope.get(key) is not None}
+    if "truncate" in rope and "truncate" in keys:  # a null one too, as transformers reads it
+        values["truncate"] = rope["truncate"]
+    if "original_max_seq_len" in keys:
+        values.setdefault("original_max_seq_len", config["max_position_embeddings"])
     mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
-    if attention_factor is None and mscale and mscale_all_dim:
-        factor = rope["factor"]
-        attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-    return RopeScaling(
-        "yarn",
-        rope["factor"],
-        original,
-        beta_fast=rope.get("beta_fast") or 32.0,
-        beta_slow=rope.get("beta_slow") or 1.0,
-        truncate=rope.get("truncate", True),
-        attention_factor=attention_factor,
-    )
+    if rope_type == "yarn" and "attention_factor" not in values and mscale and mscale_all_dim:
+        ratio = _yarn_mscale(rope["factor"], mscale) / _yarn_mscale(rope["factor"], mscale_all_dim)
+        values["attention_factor"] = ratio
+    return RopeScaling(rope_type, **values)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -1430,15 +1430,10 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     s = args.rope_scaling
     if s is not None:
-        rope |= {"rope_type": s.rope_type, "factor": s.factor}
-    if s is not None and s.rope_type in ("llama3", "yarn"):
-        rope["original_max_position_embeddings"] = s.original_max_seq_len
-    if s is not None and s.rope_type == "llama3":
-        rope |= {"low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor}
-    if s is not None and s.rope_type == "yarn":
-        rope |= {"beta_fast": s.beta_fast, "beta_slow": s.beta_slow, "truncate": s.truncate}
-        if s.attention_factor is not None:
-            rope["attention_factor"] = s.attention_factor
+        rope["rope_type"] = s.rope_type
+        for field, key in HF_ROPE_KEYS[s.rope_type].items():
+            if getattr(s, field) is not None:  # attention_factor None: YaRN's formula
+                rope[key] = getattr(s, field)
     config = {
         "architectures": [FAMILIES[args.family].architecture],
         "model_type": args.family,
