@@ -475,40 +475,19 @@ HF_CONFIG_DEFAULTS = {
     },
 }
 
-_LLAMA31_SCALING = RopeScaling(factor=8.0)
-_LLAMA32_SCALING = RopeScaling(factor=32.0)
+# Llama 3.1's and 3.2's context: RoPE scaled to 128K tokens.
+_LLAMA31 = {"rope_scaling": RopeScaling(factor=8.0), "max_seq_len": 131072}
+_LLAMA32 = {**_LLAMA31, "rope_scaling": RopeScaling(factor=32.0), "tie_embeddings": True}
 
 PRESETS: dict[str, ModelArgs] = {
     "llama2-7b": ModelArgs(
         n_kv_heads=32, vocab_size=32000, ffn_dim=11008, rope_theta=10000.0, max_seq_len=4096
     ),
     "llama3-8b": ModelArgs(),
-    "llama3.1-8b": ModelArgs(rope_scaling=_LLAMA31_SCALING, max_seq_len=131072),
-    "llama3.1-70b": ModelArgs(
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        ffn_dim=28672,
-        rope_scaling=_LLAMA31_SCALING,
-        max_seq_len=131072,
-    ),
-    "llama3.2-1b": ModelArgs(
-        dim=2048,
-        n_layers=16,
-        ffn_dim=8192,
-        tie_embeddings=True,
-        rope_scaling=_LLAMA32_SCALING,
-        max_seq_len=131072,
-    ),
-    "llama3.2-3b": ModelArgs(
-        dim=3072,
-        n_layers=28,
-        n_heads=24,
-        ffn_dim=8192,
-        tie_embeddings=True,
-        rope_scaling=_LLAMA32_SCALING,
-        max_seq_len=131072,
-    ),
+    "llama3.1-8b": ModelArgs(**_LLAMA31),
+    "llama3.1-70b": ModelArgs(dim=8192, n_layers=80, n_heads=64, ffn_dim=28672, **_LLAMA31),
+    "llama3.2-1b": ModelArgs(dim=2048, n_layers=16, ffn_dim=8192, **_LLAMA32),
+    "llama3.2-3b": ModelArgs(dim=3072, n_layers=28, n_heads=24, ffn_dim=8192, **_LLAMA32),
     # The Llama family's other published shapes, from their config.json on the hub.
     "mistral-7b": ModelArgs(  # v0.3 (v0.1's 4096-token sliding window is gone)
         family="mistral",
