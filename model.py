@@ -65,11 +65,9 @@ from kernels.nf4 import check_quantizable, row_bytes, scale_count
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE scaling as transformers computes it (HF `rope_type`): "llama3", Llama 3.1's
-    frequency-dependent scaling (reads low_freq_factor, high_freq_factor); "linear", every
-    frequency divided by `factor` (Position Interpolation); "yarn", YaRN (reads beta_fast,
-    beta_slow, truncate, attention_factor). `original_max_seq_len`: the length the model was
-    pre-trained at (llama3, yarn)."""
+    """RoPE scaling as transformers computes it (HF `rope_type`, in rope_frequencies): "llama3"
+    (Llama 3.1's), "linear" (Position Interpolation) or "yarn" (YaRN), each with the fields
+    HF_ROPE_KEYS lists. `original_max_seq_len`: the length the model was pre-trained at."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
@@ -217,8 +215,6 @@ class ModelArgs:
         return problems
 
     def check_sequence_length(self, seq_len: int) -> None:
-        """Refuses sequences longer than the sliding window (which longtune does not
-        implement): up to it, the window covers every key and attention is plain causal."""
         if self.sliding_window is not None and seq_len > self.sliding_window:
             raise UsageError(
                 f"this {self.family} model attends within a sliding window of "
@@ -245,36 +241,36 @@ class ModelArgs:
         if not config_path.is_file():
             raise UsageError(f"no Hugging Face config.json at {config_path}")
         raw = read_json(config_path)
-        family = raw.get("model_type")
-        if family not in FAMILIES:
-            raise UsageError(
-                f"{config_path}: model_type is {family or 'missing'!r}; longtune reads the "
-                f"dense Llama family: {', '.join(FAMILIES)}"
-            )
-        # A null num_key_value_heads or head_dim is derived from the heads, as transformers
-        # derives it; a null sliding_window is none; another null is the default.
-        derived = {k for k in ("num_key_value_heads", "head_dim") if raw.get(k, 0) is None}
-        given = {k: v for k, v in raw.items() if v is not None or k == "sliding_window"}
-        config = {**HF_CONFIG_DEFAULTS[family], **given}
-        config = {k: v for k, v in config.items() if k not in derived}
-        required = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
-        for key, expected in required.items():
-            if config.get(key, expected) != expected:
-                raise UsageError(f"{config_path}: {key} is {config[key]!r}, expected {expected!r}")
-        # transformers >= 5 keeps rope settings in `rope_parameters`; older files use
-        # `rope_theta` plus `rope_scaling`.
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        _check_hf_numbers(config_path, config, rope)
-        n_layers = config["num_hidden_layers"]
-        nope_layers = _nope_layers(config_path, config, n_layers) if family == "smollm3" else ()
-        window, window_layers = _sliding_window(config, family, n_layers, nope_layers)
-        fields = {field: config[key] for field, key in HF_CONFIG_KEYS.items() if key in config}
-        fields.setdefault("n_kv_heads", fields["n_heads"])  # head_dim: ModelArgs derives it
         try:
+            family = raw.get("model_type")
+            if family not in FAMILIES:
+                raise UsageError(
+                    f"model_type is {family or 'missing'!r}; longtune reads the dense Llama "
+                    f"family: {', '.join(FAMILIES)}"
+                )
+            # A null num_key_value_heads or head_dim is derived from the heads, as transformers
+            # derives it; a null sliding_window is none; another null is the default.
+            derived = {k for k in ("num_key_value_heads", "head_dim") if raw.get(k, 0) is None}
+            given = {k: v for k, v in raw.items() if v is not None or k == "sliding_window"}
+            config = {**HF_CONFIG_DEFAULTS[family], **given}
+            config = {k: v for k, v in config.items() if k not in derived}
+            required = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+            for key, expected in required.items():
+                if config.get(key, expected) != expected:
+                    raise UsageError(f"{key} is {config[key]!r}, expected {expected!r}")
+            # transformers >= 5 keeps rope settings in `rope_parameters`; older files use
+            # `rope_theta` plus `rope_scaling`.
+            rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+            _check_hf_numbers(config, rope)
+            n_layers = config["num_hidden_layers"]
+            nope_layers = _nope_layers(config, n_layers) if family == "smollm3" else ()
+            window, window_layers = _sliding_window(config, family, n_layers, nope_layers)
+            fields = {field: config[key] for field, key in HF_CONFIG_KEYS.items() if key in config}
+            fields.setdefault("n_kv_heads", fields["n_heads"])  # head_dim: ModelArgs derives it
             return cls(
                 **fields,
                 rope_theta=rope.get("rope_theta", config["rope_theta"]),
-                rope_scaling=_rope_scaling(config_path, config, rope),
+                rope_scaling=_rope_scaling(config, rope),
                 family=family,
                 qkv_bias=FAMILIES[family].qkv_bias,
                 qk_norm=FAMILIES[family].qk_norm,
@@ -315,7 +311,7 @@ class ModelArgs:
         return self.training_flops(1, seq_len / 2, frozen)
 
 
-def _rope_scaling(config_path: Path, config: dict, rope: dict) -> RopeScaling | None:
+def _rope_scaling(config: dict, rope: dict) -> RopeScaling | None:
     """The RoPE scaling of HF rope settings, with transformers' defaults for what they leave
     out: the pre-training length max_position_embeddings, YaRN's betas 32 and 1, its
     truncation on, and the attention factor from mscale and mscale_all_dim when both are
@@ -323,8 +319,8 @@ def _rope_scaling(config_path: Path, config: dict, rope: dict) -> RopeScaling | 
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise UsageError(
-            f"{config_path}: rope_type {rope_type!r} is not one longtune computes; expected "
-            f"one of {', '.join(ROPE_TYPES)}"
+            f"rope_type {rope_type!r} is not one longtune computes; expected one of "
+            f"{', '.join(ROPE_TYPES)}"
         )
     if rope_type == "default":
         return None
@@ -332,7 +328,7 @@ def _rope_scaling(config_path: Path, config: dict, rope: dict) -> RopeScaling | 
     needs = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k in keys]
     missing = [k for k in needs if rope.get(k) is None]
     if missing:  # transformers refuses these too: it has no default for them
-        raise UsageError(f"{config_path}: rope_type {rope_type!r} needs {missing} as well")
+        raise UsageError(f"rope_type {rope_type!r} needs {missing} as well")
     values = {field: rope[key] for field, key in keys.items() if rope.get(key) is not None}
     if "truncate" in rope and "truncate" in keys:  # a null one too, as transformers reads it
         values["truncate"] = rope["truncate"]
@@ -349,7 +345,7 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
-def _nope_layers(config_path: Path, config: dict, n_layers: int) -> tuple[int, ...]:
+def _nope_layers(config: dict, n_layers: int) -> tuple[int, ...]:
     """SmolLM3's layers without RoPE: `no_rope_layers` (1 = RoPE, per layer), by default
     every `no_rope_layer_interval`-th layer."""
     flags = config.get("no_rope_layers")
@@ -358,8 +354,7 @@ def _nope_layers(config_path: Path, config: dict, n_layers: int) -> tuple[int, .
         flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
     if not isinstance(flags, list) or len(flags) < n_layers or any(f not in (0, 1) for f in flags):
         raise UsageError(
-            f"{config_path}: no_rope_layers is {flags!r}, expected a 0 or 1 for each of the "
-            f"{n_layers} layers"
+            f"no_rope_layers is {flags!r}, expected a 0 or 1 for each of the {n_layers} layers"
         )
     return tuple(i for i in range(n_layers) if not flags[i])
 
@@ -387,11 +382,11 @@ def _sliding_window(
     return (window, layers) if layers else (None, ())
 
 
-def _check_hf_numbers(config_path: Path, config: dict, rope: dict) -> None:
+def _check_hf_numbers(config: dict, rope: dict) -> None:
     """Refuses a config.json whose sizes are not integers > 0, or whose epsilon, RoPE base or
     RoPE scaling are not numbers > 0, naming each (one error for all)."""
     if not isinstance(rope, dict):
-        raise UsageError(f"{config_path}: the rope settings are {rope!r}, expected an object")
+        raise UsageError(f"the rope settings are {rope!r}, expected an object")
     sizes = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
     sizes += ["vocab_size", "intermediate_size", "max_position_embeddings", "head_dim"]
     sizes += ["sliding_window", "no_rope_layer_interval"]
@@ -415,7 +410,7 @@ def _check_hf_numbers(config_path: Path, config: dict, rope: dict) -> None:
         if not (type(value) in (int, float) and math.isfinite(value) and value > 0)
     ]
     if problems:
-        raise UsageError(f"{config_path}: {'; '.join(problems)}")
+        raise UsageError("; ".join(problems))
 
 
 # transformers' config class defaults by model_type (5.x keeps rope_theta in
