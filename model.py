@@ -578,7 +578,6 @@ def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> tor
         scaled = torch.where(wavelen > long_wavelen, inv_freq / s.factor, inv_freq)
         is_band = (wavelen >= short_wavelen) & (wavelen <= long_wavelen)
         return torch.where(is_band, blended, scaled)
-    # yarn: the frequencies blended by dimension
     pos_freqs = args.rope_theta ** (exponents / args.head_dim)  # as transformers rounds
 
     def dimension(turns: float) -> float:  # the dimension that turns `turns` times
@@ -627,14 +626,14 @@ def triton_ops() -> Ops:
     """The Triton kernels; they run on CUDA, or on the CPU under TRITON_INTERPRET=1."""
     import kernels
 
-    return Ops(
+    return dataclasses.replace(
+        REFERENCE_OPS,
         rms_norm=kernels.rms_norm,
         apply_rope=kernels.apply_rope,
         # The MLP's gate and up are its linears' outputs, read by nothing else: the kernel's
         # backward may write its gradients over them (kernels.swiglu).
         swiglu=functools.partial(kernels.swiglu, overwrite=True),
         linear_cross_entropy=kernels.linear_cross_entropy,
-        project=project,
     )
 
 
@@ -679,8 +678,7 @@ SDPA_BACKENDS = {"auto": list(_SDPA.values())} | {name: [b] for name, b in _SDPA
 # FlexAttention's tiles on the GPU where they beat its defaults (bench/RESULTS.md,
 # "FlexAttention's kernel options" and "FlexAttention's backward tiles"). The forward's,
 # queries x keys: faster at head dim 64, as fast at 128. At head dim 64 on Hopper (where it
-# was measured; other GPUs have less shared memory) the backward's too: dK and dV over 32
-# queries x 128 keys, dQ over 128 x 64, 4 warps, 3 stages (at 128 these are slower).
+# was measured; other GPUs have less shared memory) the backward's too (slower at 128).
 FLEX_FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64}
 FLEX_BACKWARD_TILE_HEAD_DIM_64 = {
     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
@@ -1459,7 +1457,7 @@ def save_hf_checkpoint(
     names = hf_names(args)
     shards: list[list[str]] = []  # the HF names each written shard holds
     shard: dict[str, torch.Tensor] = {}
-    shard_bytes = total_bytes = 0
+    total_bytes = 0
     with HF_EXPORT.writing(out_dir) as tmp:
 
         def flush():  # to part-k: the final names need the number of shards
@@ -1471,11 +1469,9 @@ def save_hf_checkpoint(
             if ours not in names:
                 continue  # the tied output, which HF does not store
             tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
-            if shard and shard_bytes + tensor.nbytes > max_shard_bytes:
+            if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_bytes:
                 flush()
-                shard_bytes = 0
             shard[names[ours]] = tensor
-            shard_bytes += tensor.nbytes
             total_bytes += tensor.nbytes
         flush()
         weight_map = {}
@@ -1630,7 +1626,6 @@ class LoRALinear(nn.Module):
         return base + self.adapter(x)
 
     def adapter(self, x: torch.Tensor) -> torch.Tensor:
-        """What the adapters add to the frozen projection: scale * dropout(x) A^T B^T."""
         if self.dropout and self.training:
             x = F.dropout(x, self.dropout)
         return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
