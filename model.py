@@ -145,6 +145,9 @@ HF_CONFIG_KEYS = {
     "max_seq_len": "max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings",
 }
+# What every family's block fixes, by its config.json key: refused otherwise by
+# from_hf_config, written by hf_config where the family's config class reads the key.
+HF_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 
 
 @dataclass(frozen=True)
@@ -254,8 +257,7 @@ class ModelArgs:
             given = {k: v for k, v in raw.items() if v is not None or k == "sliding_window"}
             config = {**HF_CONFIG_DEFAULTS[family], **given}
             config = {k: v for k, v in config.items() if k not in derived}
-            required = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
-            for key, expected in required.items():
+            for key, expected in HF_FIXED.items():
                 if config.get(key, expected) != expected:
                     raise UsageError(f"{key} is {config[key]!r}, expected {expected!r}")
             # transformers >= 5 keeps rope settings in `rope_parameters`; older files use
@@ -1410,14 +1412,12 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
         "architectures": [FAMILIES[args.family].architecture],
         "model_type": args.family,
         **{key: getattr(args, field) for field, key in HF_CONFIG_KEYS.items()},
-        "hidden_act": "silu",
+        **{k: v for k, v in HF_FIXED.items() if k in HF_CONFIG_DEFAULTS[args.family]},
         "rope_parameters": rope,
         "rope_theta": args.rope_theta,
         "rope_scaling": rope if s is not None else None,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    defaults = HF_CONFIG_DEFAULTS[args.family]  # the biases its config class reads: off
-    config |= {key: False for key in ("attention_bias", "mlp_bias") if key in defaults}
     if args.family == "mistral":
         config["sliding_window"] = args.sliding_window
     if args.family == "smollm3":
