@@ -475,6 +475,7 @@ HF_CONFIG_DEFAULTS = {
 # Llama 3.1's and 3.2's context: RoPE scaled to 128K tokens.
 _LLAMA31 = {"rope_scaling": RopeScaling(factor=8.0), "max_seq_len": 131072}
 _LLAMA32 = {**_LLAMA31, "rope_scaling": RopeScaling(factor=32.0), "tie_embeddings": True}
+_QWEN = {"norm_eps": 1e-6, "rope_theta": 1e6}  # Qwen2.5's and Qwen3's
 
 PRESETS: dict[str, ModelArgs] = {
     "llama2-7b": ModelArgs(
@@ -500,8 +501,7 @@ PRESETS: dict[str, ModelArgs] = {
         n_kv_heads=4,
         vocab_size=152064,
         ffn_dim=18944,
-        norm_eps=1e-6,
-        rope_theta=1e6,
+        **_QWEN,
         max_seq_len=131072,
         qkv_bias=True,
     ),
@@ -510,8 +510,7 @@ PRESETS: dict[str, ModelArgs] = {
         n_layers=36,
         vocab_size=151936,
         ffn_dim=12288,
-        norm_eps=1e-6,
-        rope_theta=1e6,
+        **_QWEN,
         max_seq_len=40960,
         head_dim=128,
         qk_norm=True,
