@@ -869,9 +869,8 @@ def packed_attention(
     rows: PackedRows,
     sdpa_backends: list[SDPBackend],
 ) -> torch.Tensor:
-    """Attention over PackedRows: each prefix's rows from the causal kernel on its own slice
-    of the row (its document's first rows, so the causal kernel gives them what the document
-    mask would), every other row's from the mask."""
+    """Attention over PackedRows. A prefix's rows are its document's first, so the causal
+    kernel on their slice of the row gives them what the document mask would."""
     short = None if rows.short is None else attention_kernel(q, k, v, rows.short, sdpa_backends)
     if not any(rows.prefixes):
         return short
