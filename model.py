@@ -679,7 +679,8 @@ SDPA_BACKENDS = {"auto": list(_SDPA.values())} | {name: [b] for name, b in _SDPA
 # FlexAttention's tiles on the GPU where they beat its defaults (bench/RESULTS.md,
 # "FlexAttention's kernel options" and "FlexAttention's backward tiles"). The forward's,
 # queries x keys: faster at head dim 64, as fast at 128. At head dim 64 on Hopper (where it
-# was measured; other GPUs have less shared memory) the backward's too (slower at 128).
+# was measured; other GPUs have less shared memory) the backward's too: dK and dV over 32
+# queries x 128 keys, dQ over 128 x 64, 4 warps, 3 stages (at 128 these are slower).
 FLEX_FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64}
 FLEX_BACKWARD_TILE_HEAD_DIM_64 = {
     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
