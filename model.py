@@ -1593,20 +1593,19 @@ class LoRALinear(nn.Module):
         self.scale, self.dropout = config.scale, config.dropout
         self.dequantize = dequantize
         self.quantized = config.quantize_base == "nf4"
+
+        def frozen(*shape: int) -> nn.Parameter:
+            empty = torch.empty(shape, dtype=base_dtype, device=device)
+            return nn.Parameter(empty, requires_grad=False)
+
         if self.quantized:
-            words = row_bytes(in_features) // base_dtype.itemsize
-            packed = torch.empty(out_features, words, dtype=base_dtype, device=device)
-            self.weight_nf4 = nn.Parameter(packed, requires_grad=False)
+            self.weight_nf4 = frozen(out_features, row_bytes(in_features) // base_dtype.itemsize)
             n_scales = scale_count(out_features * in_features)
             self.register_buffer("absmax2", torch.empty(n_scales, device=device), persistent=False)
             self.register_buffer("offset", torch.empty((), device=device), persistent=False)
         else:
-            weight = torch.empty(out_features, in_features, dtype=base_dtype, device=device)
-            self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None
-        if bias:
-            bias_values = torch.empty(out_features, dtype=base_dtype, device=device)
-            self.bias = nn.Parameter(bias_values, requires_grad=False)
+            self.weight = frozen(out_features, in_features)
+        self.bias = frozen(out_features) if bias else None
         self.lora_A = nn.Parameter(torch.empty(config.rank, in_features, device=device))
         self.lora_B = nn.Parameter(torch.empty(out_features, config.rank, device=device))
 
