@@ -1,15 +1,14 @@
-"""The Llama model longtune trains (Llama 2, 3, 3.1 and 3.2 shapes, and the family that shares
-its block: Mistral, Qwen2/2.5, Qwen3, SmolLM3), its LoRA adapters, and the Hugging Face
-checkpoints and PEFT adapters it reads and writes.
+"""The Llama model longtune trains (Llama 2 to 3.2, and Mistral, Qwen2/2.5, Qwen3, SmolLM3,
+which share its block), its LoRA adapters, and the HF checkpoints and PEFT adapters it reads
+and writes.
 
 In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
-(`Ops`), attention over packed documents, the network, HF checkpoints (config.json, tensor
-names, loading and saving), then LoRA and PEFT adapters. What a user gives is checked with
-data.py's `UsageError`, `read_json` and `OutputDir`.
+(`Ops`), attention over packed documents, the network, HF checkpoints, then LoRA and PEFT
+adapters. User input is checked with data.py's `UsageError`, `read_json` and `OutputDir`.
 
-The model knows nothing of sharding, checkpointing or offload: `shard.py` and `offload.py`
-apply those from the outside, in the order train.apply_techniques states. Build it on the
-meta device and materialize it after sharding:
+The model knows nothing of sharding, checkpointing or offload: shard.py and offload.py apply
+them from outside, in train.apply_techniques' order. Build it on the meta device and
+materialize it after sharding:
 
     with torch.device("meta"):
         model = Llama(ModelArgs.from_name("llama3.2-1b"))
@@ -65,8 +64,7 @@ from kernels.nf4 import check_quantizable, row_bytes, scale_count
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE scaling as transformers computes it (HF `rope_type`, in rope_frequencies): "llama3"
-    (Llama 3.1's), "linear" (Position Interpolation) or "yarn" (YaRN), each with the fields
+    """RoPE scaling as transformers computes it (rope_frequencies), with the fields
     HF_ROPE_KEYS lists. `original_max_seq_len`: the length the model was pre-trained at."""
 
     rope_type: str = "llama3"
@@ -87,8 +85,7 @@ class RopeScaling:
 
     @property
     def cos_sin_scale(self) -> float:
-        """YaRN's attention factor, which multiplies cos and sin (so q.k by its square); 1
-        for the other types."""
+        """YaRN's attention factor, on cos and sin (so on q.k squared); 1 for other types."""
         if self.rope_type != "yarn":
             return 1.0
         if self.attention_factor is not None:
@@ -98,8 +95,8 @@ class RopeScaling:
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # "default": no scaling
 
-# The RopeScaling fields each scaling has, by their key in HF rope settings (the field's
-# name, but for the pre-training length): read by _rope_scaling, written by hf_config.
+# Each scaling's RopeScaling fields -> their key in HF rope settings (the field's name, but
+# for the pre-training length): read by _rope_scaling, written by hf_config.
 _SCALED = ("factor", "original_max_seq_len")
 HF_ROPE_KEYS = {
     rope_type: {f: f.replace("max_seq_len", "max_position_embeddings") for f in fields}
@@ -131,8 +128,7 @@ FAMILIES = {
     "smollm3": Family("SmolLM3ForCausalLM", nope=True, window="some"),
 }
 
-# The ModelArgs fields every family's config.json holds, by their key there: read by
-# from_hf_config, written by hf_config.
+# ModelArgs field -> its key in every family's config.json: for from_hf_config and hf_config.
 HF_CONFIG_KEYS = {
     "dim": "hidden_size",
     "n_layers": "num_hidden_layers",
@@ -145,8 +141,7 @@ HF_CONFIG_KEYS = {
     "max_seq_len": "max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings",
 }
-# What every family's block fixes, by its config.json key: refused otherwise by
-# from_hf_config, written by hf_config where the family's config class reads the key.
+# What every family's block fixes, by config.json key: from_hf_config refuses anything else.
 HF_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 
 
@@ -163,16 +158,15 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 8192
     tie_embeddings: bool = False
-    # The Llama family's switches, Llama's values by default. `family`: the HF model_type an
-    # export is written as (FAMILIES). head_dim: None is dim / n_heads.
+    # The family's switches, Llama's by default. `family`: the HF model_type an export is
+    # written as. head_dim: None is dim / n_heads.
     family: str = "llama"
     head_dim: int | None = None
     qkv_bias: bool = False  # a bias on q, k and v (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     nope_layers: tuple[int, ...] = ()  # layers that attend without RoPE (SmolLM3's NoPE)
-    # A sliding window over keys on `window_layers`, which longtune does not implement: it
-    # trains only sequences that fit in the window (check_sequence_length), where attention
-    # is plain causal. Kept so that an export is the model it came from.
+    # A sliding window on `window_layers`, not implemented (check_sequence_length keeps
+    # sequences inside it: plain causal attention); kept so an export is the model it came from.
     sliding_window: int | None = None
     window_layers: tuple[int, ...] = ()
 
@@ -234,9 +228,8 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, path: str | os.PathLike) -> "ModelArgs":
-        """Reads a HF `config.json` (a file or the directory holding it) of a FAMILIES type.
-        A key the file leaves out means what it means to transformers: its config class's
-        default (HF_CONFIG_DEFAULTS)."""
+        """A HF `config.json` (or its directory) of a FAMILIES type. A key it leaves out takes
+        its transformers config class's default (HF_CONFIG_DEFAULTS)."""
         path = Path(path)
         config_path = path / "config.json" if path.is_dir() else path
         if path.is_file() and path.suffix != ".json":
@@ -260,8 +253,7 @@ class ModelArgs:
             for key, expected in HF_FIXED.items():
                 if config.get(key, expected) != expected:
                     raise UsageError(f"{key} is {config[key]!r}, expected {expected!r}")
-            # transformers >= 5 keeps rope settings in `rope_parameters`; older files use
-            # `rope_theta` plus `rope_scaling`.
+            # transformers >= 5 writes `rope_parameters`, older ones `rope_theta` + `rope_scaling`.
             rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
             _check_hf_numbers(config, rope)
             n_layers = config["num_hidden_layers"]
@@ -296,11 +288,10 @@ class ModelArgs:
         return self.n_layers * sum(self._block_params()) + embeddings + self.dim
 
     def training_flops(self, tokens: float, attended_pairs: float, frozen: bool = False) -> float:
-        """Training FLOPs of `tokens` tokens whose causal attention computes `attended_pairs`
-        (query, key) pairs: 6 per weight used in a matmul per token (forward 2, backward 4),
-        or 4 for `frozen` weights (LoRA's base: backward computes the input's gradient, not
-        the weight's; the small adapters are not counted), plus 12*L*H*Dh per pair: QK^T and
-        AV are 2*H*Dh FLOPs each per pair in forward, times 3 for forward+backward."""
+        """Training FLOPs of `tokens` tokens attending `attended_pairs` (query, key) pairs: 6
+        per matmul weight per token (forward 2, backward 4), 4 if `frozen` (LoRA's base: no
+        weight gradient; adapters not counted), plus 12*L*H*Dh per pair (QK^T and AV,
+        2*H*Dh each in forward, times 3 with backward)."""
         # The embedding lookup is not a matmul; a tied embedding still is the output matmul.
         output = self.vocab_size * self.dim
         matmul_params = self.n_layers * self._block_params()[0] + output
@@ -314,10 +305,9 @@ class ModelArgs:
 
 
 def _rope_scaling(config: dict, rope: dict) -> RopeScaling | None:
-    """The RoPE scaling of HF rope settings, with transformers' defaults for what they leave
-    out: the pre-training length max_position_embeddings, YaRN's betas 32 and 1, its
-    truncation on, and the attention factor from mscale and mscale_all_dim when both are
-    given (DeepSeek's form), else left to YaRN's formula."""
+    """HF rope settings as transformers reads them: what they leave out is RopeScaling's
+    default, except the pre-training length (max_position_embeddings) and YaRN's attention
+    factor when mscale and mscale_all_dim are both given (DeepSeek's form)."""
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise UsageError(
@@ -364,10 +354,9 @@ def _nope_layers(config: dict, n_layers: int) -> tuple[int, ...]:
 def _sliding_window(
     config: dict, family: str, n_layers: int, nope_layers: tuple[int, ...]
 ) -> tuple[int | None, tuple[int, ...]]:
-    """(window, the layers it is on) as transformers reads them: Mistral's `sliding_window`
-    on every layer; Qwen2/3's and SmolLM3's only with `use_sliding_window`, on the layers
-    `layer_types` calls sliding, by default Qwen's from `max_window_layers` on and
-    SmolLM3's NoPE layers."""
+    """(window, its layers) as transformers reads them: Mistral's on every layer; Qwen2/3's
+    and SmolLM3's only with `use_sliding_window`, on the `layer_types` called sliding (by
+    default Qwen's from `max_window_layers` on, SmolLM3's NoPE layers)."""
     window = config.get("sliding_window")
     if family == "llama" or window is None:
         return None, ()
@@ -385,8 +374,7 @@ def _sliding_window(
 
 
 def _check_hf_numbers(config: dict, rope: dict) -> None:
-    """Refuses a config.json whose sizes are not integers > 0, or whose epsilon, RoPE base or
-    RoPE scaling are not numbers > 0, naming each (one error for all)."""
+    """Refuses sizes not integers > 0, and epsilon or RoPE numbers not > 0, in one error."""
     if not isinstance(rope, dict):
         raise UsageError(f"the rope settings are {rope!r}, expected an object")
     sizes = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
@@ -415,10 +403,8 @@ def _check_hf_numbers(config: dict, rope: dict) -> None:
         raise UsageError("; ".join(problems))
 
 
-# transformers' config class defaults by model_type (5.x keeps rope_theta in
-# rope_parameters): what a config.json without the key means. tests/test_model.py compares
-# them with each class's. num_key_value_heads and head_dim, when absent here, derive from
-# the heads.
+# What a config.json without the key means: transformers' config class defaults by model_type
+# (5.x keeps rope_theta in rope_parameters), which tests/test_model.py checks.
 _LLAMA_DEFAULTS = {
     "vocab_size": 32000,
     "hidden_size": 4096,
@@ -543,24 +529,19 @@ def peak_flops(device: torch.device) -> float | None:
 def attended_pairs(
     positions: torch.Tensor, document_mask: bool, seq_len: int
 ) -> torch.Tensor | float:
-    """The (query, key) pairs that causal attention computes for these rows (a
-    context-parallel rank's slices of them), for ModelArgs.training_flops: S^2/2 for a row of
-    S tokens (the mask halves the S x S square), and masked between documents l^2/2 for each
-    document of l tokens, the sum over its tokens of (position + 1/2). A tensor stays on the
-    device: it is read on log steps only."""
+    """The (query, key) pairs causal attention computes in these rows (or a context-parallel
+    rank's slices), for training_flops: S^2/2 per row of S tokens; with the document mask the
+    sum of (position + 1/2), l^2/2 per document of l tokens. A tensor stays on the device: it
+    is read on log steps only."""
     if document_mask:
         return positions.sum(dtype=torch.float64) + positions.numel() / 2
     return positions.numel() * seq_len / 2
 
 
 def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
-    """inv_freq [head_dim/2] fp32 (as transformers computes it), with the model's scaling:
-    "linear" divides every frequency by `factor`; "llama3" slows long wavelengths (past
-    original_max_seq_len / low_freq_factor) by `factor`, keeps short ones (below
-    original_max_seq_len / high_freq_factor) and blends the band between; "yarn" blends the
-    slowed and the kept frequency by dimension, on a ramp between the dimensions that turn
-    beta_fast and beta_slow times over original_max_seq_len. (YaRN's attention factor
-    scales cos and sin: RopeScaling.cos_sin_scale.)"""
+    """inv_freq [head_dim/2] fp32 as transformers computes it, with the model's scaling ("llama3"
+    slows long wavelengths and keeps short ones, "yarn" slows dimensions along a ramp; YaRN's
+    attention factor is RopeScaling.cos_sin_scale)."""
     exponents = torch.arange(0, args.head_dim, 2, device=device, dtype=torch.int64).float()
     inv_freq = 1.0 / args.rope_theta ** (exponents / args.head_dim)
     s = args.rope_scaling
@@ -639,10 +620,9 @@ def triton_ops() -> Ops:
 
 
 def fp8_ops(ops: Ops, triton_kernels: bool) -> Ops:
-    """`ops` with the blocks' projections in FP8 (--fp8, kernels/fp8.py): those that read one
-    input in one fp8_linears call, which quantizes the input once. A LoRA projection's frozen
-    base too, its adapters then added as they are; a 4-bit base (QLoRA) stays as it is. The
-    output head and the embedding stay in bf16."""
+    """`ops` with the blocks' projections in FP8 (--fp8): those reading one input in one
+    fp8_linears call, which quantizes it once. A LoRA base too (its adapters added as they
+    are), not a 4-bit one; the output head and the embedding stay in bf16."""
 
     def fp8_project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
         in_fp8 = [
@@ -665,8 +645,7 @@ def fp8_ops(ops: Ops, triton_kernels: bool) -> Ops:
 
 
 # Attention backends by name. "auto" tries cuDNN first, the fastest at long sequences on
-# Hopper (bench/RESULTS.md, "Attention backends"). SDPA skips a backend that cannot take
-# the inputs.
+# Hopper (bench/RESULTS.md, "Attention backends"); SDPA skips those that cannot take the input.
 _SDPA = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -676,11 +655,9 @@ _SDPA = {
 SDPA_BACKENDS = {"auto": list(_SDPA.values())} | {name: [b] for name, b in _SDPA.items()}
 
 
-# FlexAttention's tiles on the GPU where they beat its defaults (bench/RESULTS.md,
-# "FlexAttention's kernel options" and "FlexAttention's backward tiles"). The forward's,
-# queries x keys: faster at head dim 64, as fast at 128. At head dim 64 on Hopper (where it
-# was measured; other GPUs have less shared memory) the backward's too: dK and dV over 32
-# queries x 128 keys, dQ over 128 x 64, 4 warps, 3 stages (at 128 these are slower).
+# FlexAttention's tiles where they beat its defaults (bench/RESULTS.md, "FlexAttention's
+# kernel options" and "FlexAttention's backward tiles"): the forward's, queries x keys; the
+# backward's (M1/N1: dK and dV's pass, M2/N2: dQ's) only where measured, head dim 64 on Hopper.
 FLEX_FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64}
 FLEX_BACKWARD_TILE_HEAD_DIM_64 = {
     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
@@ -705,7 +682,6 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
 
 @functools.cache
 def flex_tiles(device: torch.device, head_dim: int) -> dict[str, int]:
-    """FlexAttention's kernel options on this GPU at this head dim (decided once)."""
     hopper = torch.cuda.get_device_capability(device)[0] == 9
     backward = FLEX_BACKWARD_TILE_HEAD_DIM_64 if hopper and head_dim == 64 else {}
     return {**FLEX_FORWARD_TILE, **backward}
@@ -730,9 +706,8 @@ def document_ids(positions: torch.Tensor) -> torch.Tensor:
 
 def causal_prefix(length: int) -> int:
     """How many of a long document's first rows SDPA's causal kernel takes: `length` rounded
-    down to a 32nd of its power of two, so that SDPA meets few shapes in a run (cuDNN builds
-    execution plans for each new one). The rows past it, at most 1/32 of them, go through
-    FlexAttention."""
+    down to a 32nd of its power of two, so that SDPA meets few shapes (cuDNN plans each new
+    one). The rest, at most 1/32, go through FlexAttention."""
     step = max(1, (1 << (length.bit_length() - 1)) // 32)
     return length // step * step
 
@@ -740,12 +715,10 @@ def causal_prefix(length: int) -> int:
 @dataclass(frozen=True)
 class PackedRows:
     """Attention over rows of packed documents, as `packed_rows` plans it. `prefixes`: per
-    row, the (start, end) of the causal prefix of each document of `long_document` tokens or
-    more (its first rows, `causal_prefix`), which SDPA's causal kernel attends alone on its
-    slice of the row. `short`: the mask for every other row (the short documents and the long
-    ones' last rows): FlexAttention's block mask on CUDA (it skips the query tiles inside
-    prefixes, and the tiles between documents), a dense mask elsewhere; None when the
-    prefixes cover every row."""
+    row, the (start, end) of each long document's `causal_prefix`, which SDPA's causal kernel
+    attends alone on its slice of the row. `short`: the mask of every other row,
+    FlexAttention's block mask on CUDA (skipping the prefixes' query tiles), a dense mask
+    elsewhere; None when the prefixes cover every row."""
 
     short: BlockMask | torch.Tensor | None
     prefixes: tuple[tuple[tuple[int, int], ...], ...]
@@ -781,17 +754,14 @@ def packed_rows(
 
 def document_block_mask(positions: torch.Tensor, skip: torch.Tensor | None = None) -> BlockMask:
     """FlexAttention's mask for causal attention inside each packed document (positions:
-    [B, S]), built one FLEX_BLOCK tile at a time: nothing of size S x S exists, only
-    [B, S/128, S/128] booleans.
+    [B, S]), built per FLEX_BLOCK tile: nothing S x S exists, only [B, S/128, S/128] booleans.
 
-    Documents are contiguous and numbered in order, so a query tile i and a key tile j < i
-    share a document exactly when the key tile's last document is the query tile's first.
-    Such a tile is "full" (no element masked) when both tiles lie inside that one document;
-    the diagonal tile and a tile a document starts in are "partial" (`same_document_causal`
-    applied to each element); all others are skipped. So is a query tile of `skip` rows alone
-    ([B, S] booleans: PackedRows' prefixes); in a tile shared with other rows they are computed
-    and left unused. A sequence that is not a multiple of the tile is padded with a document
-    no real token is in."""
+    Documents are contiguous and numbered in order, so query tile i and key tile j < i share
+    a document exactly when the key tile's last document is the query tile's first. Such a
+    tile is "full" when both lie inside that one document; the diagonal and a tile a document
+    starts in are "partial" (masked element by element); all others are skipped, and so is a
+    query tile of `skip` rows ([B, S]) alone. The sequence is padded to whole tiles with a
+    document no real token is in."""
     bsz, seq_len = positions.shape
     n_tiles = -(-seq_len // FLEX_BLOCK)
     pad = n_tiles * FLEX_BLOCK - seq_len
@@ -831,9 +801,8 @@ def _tile_indices(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dense_document_mask(positions: torch.Tensor) -> torch.Tensor:
-    """The same mask as `document_block_mask`, element by element: [B, 1, S, S] booleans for
-    SDPA. FlexAttention has no CPU backward, so CPU runs use this (fine at the sequence lengths
-    a CPU trains); the tests compare the two."""
+    """`document_block_mask` element by element, [B, 1, S, S] booleans for SDPA: CPU runs use
+    it, FlexAttention having no CPU backward (the tests compare the two)."""
     seq_len = positions.shape[1]
     document = document_ids(positions)
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=positions.device).tril()
@@ -847,9 +816,7 @@ def attention_kernel(
     mask: torch.Tensor | BlockMask | PackedRows | None,
     sdpa_backends: list[SDPBackend],
 ) -> torch.Tensor:
-    """[B, H, S, Dh] -> [B, H, S, Dh] (k, v with fewer heads): SDPA's causal kernel without a
-    mask, FlexAttention with a block mask, SDPA with a dense one, and for PackedRows each
-    document through the kernel its length calls for."""
+    """[B, H, S, Dh] -> [B, H, S, Dh] (k, v may have fewer heads) by the kernel `mask` picks."""
     if isinstance(mask, PackedRows):
         return packed_attention(q, k, v, mask, sdpa_backends)
     gqa = q.shape[1] != k.shape[1]
@@ -885,14 +852,13 @@ def packed_attention(
 
 
 class _JoinPrefixes(torch.autograd.Function):
-    """The attention output [B, H, S, Dh]: the prefixes' rows from `prefixes`, every other row
-    from `short` (None where the prefixes cover every row: then a new tensor of `shape`
-    [B, S, H, Dh], transposed). The prefixes are written into `short` itself: the mask
-    kernel's autograd node saved it, and a copy would hold a third output-sized tensor per
-    block with checkpointing's kept attention (offload._KeptAttention). That backward reads
-    its output only through rowsum(output * gradient) and gets a zero gradient on the
-    prefixes' rows, so their values there do not matter; the write goes through `.data` so
-    the saved tensor's version stays."""
+    """The attention output [B, H, S, Dh]: the prefixes' rows from `prefixes`, the others from
+    `short` (None when the prefixes cover every row: a new [B, S, H, Dh] `shape`, transposed).
+    Written into `short` itself, which the mask kernel's node saved: a copy would hold a third
+    output-sized tensor per block under checkpointing's kept attention (offload._KeptAttention).
+    That backward reads its output only through rowsum(output * gradient), zero on the
+    prefixes' rows, so their values there do not matter; the write goes through `.data` so the
+    saved tensor's version stays."""
 
     @staticmethod
     def forward(ctx, spans, shape, short, *prefixes):
