@@ -906,8 +906,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(q_dim, args.dim, bias=False)
-        # QK-norm (Qwen3): each head's q and k normalized, so that their dot products stay in
-        # range without a softmax temperature.
+        # QK-norm (Qwen3): q.k stays in range without a softmax temperature.
         self.q_norm = self.k_norm = None
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops)
@@ -994,8 +993,7 @@ class Llama(nn.Module):
         attention_backend: str = "auto",
         mask_documents: bool = False,
     ):
-        """`attention_backend`: an SDPA_BACKENDS name. `mask_documents`: no attention across
-        the documents packed in a sequence (`attention_mask`), instead of plain causal."""
+        """`mask_documents`: no attention across the documents packed in a row (attention_mask)."""
         super().__init__()
         if attention_backend not in SDPA_BACKENDS:
             raise UsageError(
@@ -1013,9 +1011,8 @@ class Llama(nn.Module):
             for i in range(args.n_layers)
         )
         self.norm = RMSNorm(args.dim, args.norm_eps, ops)
-        # A tied model has no output module: it reuses the embedding matrix. (Sharing one
-        # Parameter between two modules would not survive `to_empty`, which re-creates each
-        # module's parameters separately.)
+        # A tied model has no output module but reuses the embedding: one Parameter shared by
+        # two modules would not survive `to_empty`, which re-creates each module's parameters.
         self.output = None
         if not args.tie_embeddings:
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -1023,10 +1020,9 @@ class Llama(nn.Module):
     def attention_mask(
         self, positions: torch.Tensor, starts: tuple[tuple[int, ...], ...] | None = None
     ) -> PackedRows | None:
-        """The mask every block's attention takes, chosen once per forward so that a block
-        recomputed in backward gets the same kernels: None (SDPA's causal kernel) unless the
-        model masks documents and some row holds several, then PackedRows. `starts`
-        (`document_starts`, data.Batch has them) saves reading them off `positions` on the GPU."""
+        """Every block's mask, chosen once per forward so that a block recomputed in backward
+        gets the same kernels. `starts` (`document_starts`, data.Batch has them) saves reading
+        them off `positions` on the GPU."""
         if not self.mask_documents:
             return None
         if starts is None:
@@ -1041,11 +1037,9 @@ class Llama(nn.Module):
         reduction: str = "mean",
         document_starts: tuple[tuple[int, ...], ...] | None = None,
     ) -> torch.Tensor:
-        """tokens, labels, positions: [B, S]. Returns logits [B, S, V] without labels; with
-        them, the loss ("mean" over labels that are not -100, or their "sum") computed by
-        `Ops.linear_cross_entropy`, which need not build the full logits.
-        positions default to 0..S-1; packed documents pass positions restarting at 0.
-        `document_starts`: see `attention_mask`."""
+        """tokens, labels, positions: [B, S]. Without labels, logits [B, S, V]; with them, the
+        loss ("mean" over labels that are not -100, or "sum") by `Ops.linear_cross_entropy`,
+        which need not build the logits. Packed documents' positions restart at 0."""
         bsz, seq_len = tokens.shape
         if positions is None:
             positions = torch.arange(seq_len, device=tokens.device).expand(bsz, seq_len)
@@ -1064,11 +1058,9 @@ class Llama(nn.Module):
 
     def initial_value(self, name: str, seed: int, device: torch.device) -> torch.Tensor:
         """The full initial tensor of parameter `name` (fp32), one per (seed, name) whatever the
-        device and however the model is sharded: norms 1, matrices N(0, 0.02), the projections
-        that write into the residual stream (wo, w2) scaled down by sqrt(2 * n_layers) so the
-        residual's variance does not grow with depth; biases 0. LoRA's adapters as PEFT
-        initializes them, so that an adapted model starts equal to its base: B = 0,
-        A ~ U(-1/sqrt(in), 1/sqrt(in)) (nn.Linear's default, kaiming-uniform with a = sqrt(5))."""
+        device and sharding. wo and w2 write into the residual stream: scaled down so that its
+        variance does not grow with depth. LoRA's adapters as PEFT's: B = 0, so an adapted model
+        starts equal to its base; A as nn.Linear's default (kaiming-uniform, a = sqrt(5))."""
         owner_path, _, leaf = name.rpartition(".")
         owner = self.get_submodule(owner_path)
         if isinstance(owner, LoRALinear) and leaf == "weight":  # a 4-bit one is no parameter
@@ -1095,9 +1087,8 @@ class Llama(nn.Module):
         device: torch.device | None = None,
         copy: Callable[[torch.Tensor, object], None] | None = None,
     ) -> None:
-        """Each parameter's initial value, computed whole on `device` (default: the
-        parameter's) and moved in by `copy(param, full_tensor)` (default: all of it; shard.py
-        passes one that keeps this rank's rows). A 4-bit base weight is quantized from it."""
+        """Each parameter's initial value, computed whole on `device` (default: the parameter's)
+        and moved in by `copy(param, full_tensor)` (shard.py's keeps this rank's rows)."""
         for name, param in self.named_parameters():
             name = name.removesuffix(NF4_SUFFIX)  # a quantized weight's value is the weight's
             full = self.initial_value(name, seed, device or param.device)
@@ -1116,9 +1107,9 @@ def generate(
 ) -> list[int]:
     """The tokens that continue `prompt`, each sampled at `temperature` (0: the most likely)
     from the ids below `allowed_ids` (a tokenizer smaller than the model's vocabulary), up to
-    and including `stop_id` (the end of a document or of a chat turn).
-    The whole sequence goes through the model for each token (no cache): for short samples.
-    The draws are on the CPU with `seed`, so every rank of a sharded model draws alike."""
+    and including `stop_id`. No cache: for short samples. The draws are on the CPU with
+    `seed`, so every rank of a sharded model draws alike."""
+
     device = model.tok_embeddings.weight.device
     tokens = torch.tensor([prompt], device=device)
     generator = torch.Generator().manual_seed(seed)
