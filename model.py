@@ -1226,9 +1226,8 @@ def _open_safetensors(file: Path):
 
 
 def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, Path]:
-    """Refuses a checkpoint that does not fit `args`, reading only config and headers:
-    one ValueError listing every config field that differs and every missing, unexpected
-    or wrongly shaped tensor with both shapes. Returns HF tensor name -> file."""
+    """Refuses a checkpoint that does not fit `args` with one error listing every difference,
+    reading only config and headers. Returns HF tensor name -> file."""
     theirs = ModelArgs.from_hf_config(path)
     problems = [
         f"config {f.name}: checkpoint has {getattr(theirs, f.name)!r}, model has "
@@ -1267,10 +1266,9 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
 
 
 class CheckedSlice:
-    """A safetensors slice whose reads are checked for NaN and inf as they load: one
-    aminmax pass over what was read, already in memory (nothing of its size allocated). A
-    tensor holding one is named in `nonfinite`, so a damaged checkpoint is refused before
-    training instead of blamed as a NaN loss later."""
+    """A safetensors slice whose reads are checked for NaN and inf by one aminmax pass
+    (allocating nothing of their size): a tensor holding one is named in `nonfinite`, so that a
+    damaged checkpoint is refused before training, not blamed on a NaN loss later."""
 
     def __init__(self, piece, name: str, nonfinite: list[str]):
         self.piece, self.name, self.nonfinite = piece, name, nonfinite
@@ -1291,7 +1289,6 @@ def refuse_nonfinite(path: str | os.PathLike, nonfinite: list[str]) -> None:
 
 
 def copy_whole_tensor(param: torch.Tensor, tensor_slice) -> None:
-    """Reads the whole tensor from a safetensors slice into `param` (dtype converted)."""
     param.copy_(tensor_slice[:])
 
 
@@ -1303,11 +1300,10 @@ def load_hf_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
 ) -> None:
-    """Loads HF weights into `model`'s materialized parameters, one tensor at a time so host
-    memory peaks near one tensor. `copy(param, safetensors_slice)` moves each tensor in
-    (through `copy_into`); shard.py passes one that reads only the rows its rank owns.
-    `progress(done, total)` is called after each tensor. What is read is checked for NaN and
-    inf (CheckedSlice) and refused at the end, after `agree` has gathered what each rank found."""
+    """Loads HF weights into `model`'s materialized parameters one tensor at a time, so that
+    host memory peaks near one tensor. `copy(param, safetensors_slice)` moves each in (shard.py's
+    reads only its rank's rows). NaN and inf (CheckedSlice) are refused at the end, after
+    `agree` has gathered what each rank found."""
     found = []
     files = check_hf_checkpoint(model.args, path)
     names = hf_names(model.args)
@@ -1337,10 +1333,9 @@ def fill_weights(
     lora_adapter: str | os.PathLike | None = None,
     agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
 ) -> None:
-    """Fills a materialized model, one tensor at a time through `copy`: from a HF checkpoint
-    (`copy` and `agree` as in load_hf_checkpoint), or every parameter from its initial value
-    drawn on `device` (so any layout gets the same weights). With LoRA the adapters come
-    from `lora_adapter` (a PEFT adapter directory) or their initial values."""
+    """Fills a materialized model through `copy`: from a HF checkpoint (as load_hf_checkpoint)
+    or from initial values drawn on `device` (so any layout gets the same weights); LoRA's
+    adapters from `lora_adapter` (a PEFT adapter directory) or their initial values."""
     if hf_path is None:
         model.init_weights(seed, device=device, copy=copy)
     else:
@@ -1354,9 +1349,8 @@ def fill_weights(
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = None) -> dict:
-    """A config.json that transformers reads as the same model, of the model's family (rope
-    settings written both the transformers >= 5 way and the older way), with the
-    tokenizer's special token ids."""
+    """A config.json that transformers reads as the same model (rope settings both the
+    transformers >= 5 way and the older way), with the tokenizer's special token ids."""
     rope = {"rope_type": "default", "rope_theta": args.rope_theta}
     s = args.rope_scaling
     if s is not None:
@@ -1392,8 +1386,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
     if args.family in ("qwen2", "qwen3"):
         # Qwen's rule for the window's layers, from here on; layer_types says them all.
         config["max_window_layers"] = min(args.window_layers, default=args.n_layers)
-    # Without a tokenizer's ids, none: the family's defaults (SmolLM3's pad 128004, Mistral's
-    # bos 1) are ids of its own vocabulary.
+    # Without a tokenizer's ids, none: the family's defaults are ids of its own vocabulary.
     return config | dict.fromkeys(SPECIAL_TOKEN_KEYS) | (special_ids or {})
 
 
@@ -1405,11 +1398,10 @@ def save_hf_checkpoint(
     max_shard_bytes: int = 5 * 2**30,
     tokenizer: HFTokenizer | None = None,
 ) -> None:
-    """Writes config.json, model-0000k-of-0000n.safetensors shards and their index, from
-    (longtune name, full tensor) pairs consumed one at a time (a sharded model can gather
-    each parameter just before it is written), and the tokenizer's files with a
-    generation_config.json. Atomic: `out_dir` (an earlier export, or nothing) is replaced
-    only once complete (HF_EXPORT)."""
+    """Writes config.json, safetensors shards and their index, the tokenizer's files and a
+    generation_config.json, consuming `named_tensors` one at a time (a sharded model can gather
+    each just before it is written). Atomic: `out_dir` is replaced once complete (HF_EXPORT)."""
+
     names = hf_names(args)
     shards: list[list[str]] = []  # the HF names each written shard holds
     shard: dict[str, torch.Tensor] = {}
@@ -1450,9 +1442,9 @@ def save_hf_checkpoint(
             for name, contents in tokenizer.files.items():
                 (tmp / name).write_bytes(contents)
             if "generation_config.json" not in tokenizer.files:
-                # generate() pads a batch's finished rows with EOS when there is no pad token.
-                # (config.json names only a pad token that is one: transformers' Llama gives
-                # the embedding row of config's pad_token_id no gradient.)
+                # generate() pads finished rows with EOS when there is no pad token. (config.json
+                # names only a real one: transformers gives pad_token_id's embedding no gradient.)
+
                 pad_id = special_ids.get("pad_token_id")
                 if pad_id is None:
                     pad_id = special_ids["eos_token_id"]
