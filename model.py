@@ -1454,19 +1454,15 @@ def save_hf_checkpoint(
 
 # ----------------------------------------------------------------------------------------
 # LoRA: low-rank adapters on the blocks' linear layers over a frozen base, which may be
-# stored in 4-bit NormalFloat (QLoRA). Applied from outside, like offload.apply_ac:
+# stored in 4-bit NormalFloat (QLoRA), saved as PEFT's files. Applied from outside:
 #
 #     with torch.device("meta"):
 #         model = Llama(args)
 #     apply_lora(model, LoRAConfig(rank=16, alpha=32, quantize_base="nf4"), torch.bfloat16)
-#
-# Each adapted projection keeps its frozen base weight as `weight` (`weight_nf4` in 4 bits)
-# and gains `lora_A` [rank, in] and `lora_B` [out, rank]; saved adapters are PEFT's files.
 # ----------------------------------------------------------------------------------------
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-# The same projections by their HF / PEFT module names (adapter_config.json's target_modules),
-# read off the names of their weights.
+# The same projections by their HF / PEFT module names (adapter_config.json's target_modules).
 HF_LORA_TARGETS = {
     ours.split(".")[1]: theirs.split(".")[1]
     for ours, theirs in _HF_LAYER_NAMES.items()
@@ -1520,12 +1516,11 @@ def parse_lora_targets(text: str) -> tuple[str, ...]:
 
 
 class LoRALinear(nn.Module):
-    """y = x W^T (+ b) + scale * dropout(x) A^T B^T, scale = alpha / rank (PEFT's LoRA layer),
-    with W and the projection's bias b (Qwen2's q, k, v) frozen. b stays in `base_dtype`.
-    W is stored in `base_dtype`, or in NF4 (kernels/nf4.py) as `weight_nf4`: its
-    packed rows viewed as `base_dtype`, which must be the compute dtype FSDP gathers in (so
-    its mixed precision policy has nothing to cast), and two small second-level tensors
-    kept whole as buffers (not in checkpoints: the base is re-read from the HF checkpoint)."""
+    """y = x W^T (+ b) + scale * dropout(x) A^T B^T (PEFT's LoRA layer; A [rank, in], B [out,
+    rank]), W (`weight`) and b frozen in `base_dtype`. In NF4 (kernels/nf4.py) W is
+    `weight_nf4`, packed rows viewed as `base_dtype`, which must be the compute dtype FSDP
+    gathers in (so its mixed precision policy has nothing to cast), and two small second-level
+    tensors kept whole as buffers (not in checkpoints: the base is re-read from the HF one)."""
 
     def __init__(
         self,
@@ -1579,9 +1574,8 @@ class LoRALinear(nn.Module):
 
     @torch.no_grad()
     def load_weight(self, tensor_slice, copy: Callable[[torch.Tensor, object], None]) -> None:
-        """Sets W from the whole weight (a safetensors slice or a tensor): directly, or
-        quantized on the device of the buffers (the rank's GPU) and then moved in by `copy`
-        (which may keep only this rank's rows of the packed storage)."""
+        """Sets W from the whole weight (a safetensors slice or a tensor); in NF4 quantized on
+        the buffers' device (the rank's GPU) before `copy`, which may keep this rank's rows."""
         if not self.quantized:
             copy(self.weight, tensor_slice)
             return
@@ -1610,10 +1604,9 @@ def _lora_module_paths(args: ModelArgs, targets: tuple[str, ...]) -> list[str]:
 def apply_lora(
     model: Llama, config: LoRAConfig, base_dtype: torch.dtype, kernels: bool = False
 ) -> None:
-    """Replaces the target projections of every block with LoRALinear and freezes the rest
-    of the model, stored in `base_dtype` (the compute dtype: no fp32 master copy of what is
-    not trained). Applied first, to the meta-built model (train.apply_techniques); `kernels`
-    picks the Triton NF4 dequantization or its reference."""
+    """Replaces every block's target projections with LoRALinear and freezes the rest, stored
+    in `base_dtype` (the compute dtype: no fp32 master copy of what is not trained). Applied
+    first, to the meta-built model (train.apply_techniques)."""
     dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
     for path in _lora_module_paths(model.args, config.targets):
         parent_path, _, attr = path.rpartition(".")
@@ -1694,8 +1687,7 @@ def save_peft_adapter(
     base_model: str | None = None,
 ) -> None:
     """Writes adapter_config.json + adapter_model.safetensors (fp32, PEFT's names), which
-    `peft.PeftModel.from_pretrained(base, out_dir)` loads, from (longtune name, full tensor)
-    pairs of the adapters. Atomic like save_hf_checkpoint."""
+    `peft.PeftModel.from_pretrained(base, out_dir)` loads. Atomic like save_hf_checkpoint."""
     names = peft_names(args, config.targets)
     tensors = {
         names[ours]: t.detach().to("cpu", torch.float32).contiguous()
@@ -1723,9 +1715,8 @@ PEFT_DEFAULTS_ONLY = {
 
 
 def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathLike) -> Path:
-    """Refuses a PEFT adapter directory that does not fit (config fields and tensor shapes,
-    read from the headers), with one ValueError listing every difference. Returns the
-    safetensors file."""
+    """Refuses a PEFT adapter that does not fit (config, tensor shapes from the headers) with
+    one error listing every difference. Returns the safetensors file."""
     path = Path(path)
     config_file, tensors_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     for file in (config_file, tensors_file):
@@ -1805,10 +1796,10 @@ def load_peft_adapter(
 def merged_named_tensors(
     model: Llama, gather: Callable[[torch.Tensor], torch.Tensor]
 ) -> Iterable[tuple[str, torch.Tensor]]:
-    """(parameter name, full tensor) for save_hf_checkpoint, with each LoRALinear merged
-    into one weight, W + scale * B @ A in fp32 (a 4-bit W dequantized first), so that a
-    plain Llama (transformers' or longtune's) computes what the adapted model computes
-    (without dropout). `gather(param)` returns the whole tensor of a (sharded) parameter."""
+    """(name, full tensor) for save_hf_checkpoint, each LoRALinear merged into one weight
+    W + scale * B @ A in fp32, so that a plain Llama (transformers' or longtune's) computes
+    what the adapted model does without dropout. `gather(param)`: the whole parameter."""
+
     lora = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
     for name, param in model.named_parameters():
         owner_path, _, leaf = name.rpartition(".")
