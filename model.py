@@ -288,10 +288,9 @@ class ModelArgs:
         return self.n_layers * sum(self._block_params()) + embeddings + self.dim
 
     def training_flops(self, tokens: float, attended_pairs: float, frozen: bool = False) -> float:
-        """Training FLOPs of `tokens` tokens attending `attended_pairs` (query, key) pairs: 6
-        per matmul weight per token (forward 2, backward 4), 4 if `frozen` (LoRA's base: no
-        weight gradient; adapters not counted), plus 12*L*H*Dh per pair (QK^T and AV,
-        2*H*Dh each in forward, times 3 with backward)."""
+        """Training FLOPs of `tokens` tokens attending `attended_pairs` (query, key) pairs: 6 per
+        matmul weight per token (forward 2, backward 4; 4 if `frozen`: LoRA's base, no weight
+        gradient, adapters not counted), plus 12*L*H*Dh per pair (QK^T and AV, 2*H*Dh each, x3)."""
         # The embedding lookup is not a matmul; a tied embedding still is the output matmul.
         output = self.vocab_size * self.dim
         matmul_params = self.n_layers * self._block_params()[0] + output
@@ -411,13 +410,11 @@ _LLAMA_DEFAULTS = {
     "intermediate_size": 11008,
     "num_hidden_layers": 32,
     "num_attention_heads": 32,
-    "hidden_act": "silu",
     "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
-    "attention_bias": False,
-    "mlp_bias": False,
     "rope_theta": 10000.0,
+    **HF_FIXED,
 }
 # Mistral's and Qwen2's classes have no bias switches.
 _WITHOUT_BIASES = {k: v for k, v in _LLAMA_DEFAULTS.items() if not k.endswith("_bias")}
@@ -530,9 +527,8 @@ def attended_pairs(
     positions: torch.Tensor, document_mask: bool, seq_len: int
 ) -> torch.Tensor | float:
     """The (query, key) pairs causal attention computes in these rows (or a context-parallel
-    rank's slices), for training_flops: S^2/2 per row of S tokens; with the document mask the
-    sum of (position + 1/2), l^2/2 per document of l tokens. A tensor stays on the device: it
-    is read on log steps only."""
+    rank's slices): S^2/2 per row, or with the document mask l^2/2 per document, the sum of
+    (position + 1/2). A tensor stays on the device: it is read on log steps only."""
     if document_mask:
         return positions.sum(dtype=torch.float64) + positions.numel() / 2
     return positions.numel() * seq_len / 2
@@ -687,13 +683,11 @@ def flex_tiles(device: torch.device, head_dim: int) -> dict[str, int]:
     return {**FLEX_FORWARD_TILE, **backward}
 
 
-# FlexAttention's tile: the block mask says, for each tile of this many queries by this many
-# keys, whether to skip it, compute it whole, or apply the mask element by element.
+# FlexAttention's mask tile, queries x keys: each is skipped, computed whole or masked per element.
 FLEX_BLOCK = 128
 
-# Packed documents at least this long attend through SDPA's causal kernel (cuDNN), the shorter
-# ones through FlexAttention: the faster for each, per attended pair with the per-call cost
-# (bench/RESULTS.md, "Packed documents at the speed of the dense kernels (issue #23)").
+# Packed documents at least this long attend through SDPA's causal kernel (cuDNN), shorter ones
+# through FlexAttention (bench/RESULTS.md, "Packed documents at the speed of the dense kernels").
 LONG_DOCUMENT = 16384
 
 
