@@ -708,11 +708,10 @@ def causal_prefix(length: int) -> int:
 
 @dataclass(frozen=True)
 class PackedRows:
-    """Attention over rows of packed documents, as `packed_rows` plans it. `prefixes`: per
-    row, the (start, end) of each long document's `causal_prefix`, which SDPA's causal kernel
-    attends alone on its slice of the row. `short`: the mask of every other row,
-    FlexAttention's block mask on CUDA (skipping the prefixes' query tiles), a dense mask
-    elsewhere; None when the prefixes cover every row."""
+    """Attention over rows of packed documents (`packed_rows`). `prefixes`: per row, the
+    (start, end) of each long document's `causal_prefix`, attended alone by SDPA's causal
+    kernel. `short`: every other row's mask, FlexAttention's block mask on CUDA (skipping the
+    prefixes' query tiles), else dense; None when the prefixes cover every row."""
 
     short: BlockMask | torch.Tensor | None
     prefixes: tuple[tuple[tuple[int, int], ...], ...]
@@ -721,8 +720,7 @@ class PackedRows:
 def packed_rows(
     positions: torch.Tensor, starts: tuple[tuple[int, ...], ...], long_document: int
 ) -> PackedRows | None:
-    """The plan of attention over rows of packed documents that start at `starts`
-    (`document_starts(positions)`); None where no row holds more than one."""
+    """PackedRows for documents that start at `starts`; None where no row holds several."""
     if all(len(row) == 1 for row in starts):
         return None
     bsz, seq_len = positions.shape
@@ -750,12 +748,11 @@ def document_block_mask(positions: torch.Tensor, skip: torch.Tensor | None = Non
     """FlexAttention's mask for causal attention inside each packed document (positions:
     [B, S]), built per FLEX_BLOCK tile: nothing S x S exists, only [B, S/128, S/128] booleans.
 
-    Documents are contiguous and numbered in order, so query tile i and key tile j < i share
-    a document exactly when the key tile's last document is the query tile's first. Such a
-    tile is "full" when both lie inside that one document; the diagonal and a tile a document
-    starts in are "partial" (masked element by element); all others are skipped, and so is a
-    query tile of `skip` rows ([B, S]) alone. The sequence is padded to whole tiles with a
-    document no real token is in."""
+    Documents are contiguous and numbered in order, so query tile i and key tile j < i share a
+    document exactly when the key tile's last document is the query tile's first. Such a tile
+    is "full" inside that one document; the diagonal and tiles a document starts in are
+    "partial" (masked per element); the rest are skipped, as are query tiles of `skip` rows
+    alone ([B, S]). Padding to whole tiles is a document of its own."""
     bsz, seq_len = positions.shape
     n_tiles = -(-seq_len // FLEX_BLOCK)
     pad = n_tiles * FLEX_BLOCK - seq_len
@@ -850,9 +847,8 @@ class _JoinPrefixes(torch.autograd.Function):
     `short` (None when the prefixes cover every row: a new [B, S, H, Dh] `shape`, transposed).
     Written into `short` itself, which the mask kernel's node saved: a copy would hold a third
     output-sized tensor per block under checkpointing's kept attention (offload._KeptAttention).
-    That backward reads its output only through rowsum(output * gradient), zero on the
-    prefixes' rows, so their values there do not matter; the write goes through `.data` so the
-    saved tensor's version stays."""
+    That backward reads the output only via rowsum(output * gradient), zero on the prefixes'
+    rows, so their values there do not matter; writing via `.data` keeps the saved version."""
 
     @staticmethod
     def forward(ctx, spans, shape, short, *prefixes):
@@ -1103,7 +1099,6 @@ def generate(
     from the ids below `allowed_ids` (a tokenizer smaller than the model's vocabulary), up to
     and including `stop_id`. No cache: for short samples. The draws are on the CPU with
     `seed`, so every rank of a sharded model draws alike."""
-
     device = model.tok_embeddings.weight.device
     tokens = torch.tensor([prompt], device=device)
     generator = torch.Generator().manual_seed(seed)
@@ -1395,7 +1390,6 @@ def save_hf_checkpoint(
     """Writes config.json, safetensors shards and their index, the tokenizer's files and a
     generation_config.json, consuming `named_tensors` one at a time (a sharded model can gather
     each just before it is written). Atomic: `out_dir` is replaced once complete (HF_EXPORT)."""
-
     names = hf_names(args)
     shards: list[list[str]] = []  # the HF names each written shard holds
     shard: dict[str, torch.Tensor] = {}
@@ -1438,7 +1432,6 @@ def save_hf_checkpoint(
             if "generation_config.json" not in tokenizer.files:
                 # generate() pads finished rows with EOS when there is no pad token. (config.json
                 # names only a real one: transformers gives pad_token_id's embedding no gradient.)
-
                 pad_id = special_ids.get("pad_token_id")
                 if pad_id is None:
                     pad_id = special_ids["eos_token_id"]
@@ -1793,7 +1786,6 @@ def merged_named_tensors(
     """(name, full tensor) for save_hf_checkpoint, each LoRALinear merged into one weight
     W + scale * B @ A in fp32, so that a plain Llama (transformers' or longtune's) computes
     what the adapted model does without dropout. `gather(param)`: the whole parameter."""
-
     lora = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
     for name, param in model.named_parameters():
         owner_path, _, leaf = name.rpartition(".")
