@@ -1,6 +1,5 @@
-"""The Llama model longtune trains (Llama 2 to 3.2, and Mistral, Qwen2/2.5, Qwen3, SmolLM3,
-which share its block), its LoRA adapters, and the HF checkpoints and PEFT adapters it reads
-and writes.
+"""The Llama model longtune trains (Llama 2 to 3.2; Mistral, Qwen2/2.5, Qwen3, SmolLM3 share
+its block), its LoRA adapters, and the HF checkpoints and PEFT adapters it reads and writes.
 
 In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
 (`Ops`), attention over packed documents, the network, HF checkpoints, then LoRA and PEFT
@@ -64,12 +63,11 @@ from kernels.nf4 import check_quantizable, row_bytes, scale_count
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE scaling as transformers computes it (rope_frequencies), with the fields
-    HF_ROPE_KEYS lists. `original_max_seq_len`: the length the model was pre-trained at."""
+    """RoPE scaling as transformers computes it (rope_frequencies), with HF_ROPE_KEYS' fields."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
-    original_max_seq_len: int = 8192
+    original_max_seq_len: int = 8192  # the length the model was pre-trained at
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     beta_fast: float = 32.0
@@ -95,8 +93,7 @@ class RopeScaling:
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # "default": no scaling
 
-# Each scaling's RopeScaling fields -> their key in HF rope settings (the field's name, but
-# for the pre-training length): read by _rope_scaling, written by hf_config.
+# Each scaling's RopeScaling fields -> HF rope keys (the same name, but the pre-training length).
 _SCALED = ("factor", "original_max_seq_len")
 HF_ROPE_KEYS = {
     rope_type: {f: f.replace("max_seq_len", "max_position_embeddings") for f in fields}
@@ -110,8 +107,7 @@ HF_ROPE_KEYS = {
 
 @dataclass(frozen=True)
 class Family:
-    """A Hugging Face `model_type` longtune reads and writes: its class, and the block
-    switches its class fixes (transformers builds the block from the type alone)."""
+    """A HF `model_type`: its class and the block switches it fixes (HF builds blocks by type)."""
 
     architecture: str
     qkv_bias: bool = False
@@ -158,10 +154,9 @@ class ModelArgs:
     rope_scaling: RopeScaling | None = None
     max_seq_len: int = 8192
     tie_embeddings: bool = False
-    # The family's switches, Llama's by default. `family`: the HF model_type an export is
-    # written as. head_dim: None is dim / n_heads.
-    family: str = "llama"
-    head_dim: int | None = None
+    # The family's switches, Llama's by default.
+    family: str = "llama"  # the HF model_type an export is written as
+    head_dim: int | None = None  # None: dim / n_heads
     qkv_bias: bool = False  # a bias on q, k and v (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     nope_layers: tuple[int, ...] = ()  # layers that attend without RoPE (SmolLM3's NoPE)
@@ -228,8 +223,7 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, path: str | os.PathLike) -> "ModelArgs":
-        """A HF `config.json` (or its directory) of a FAMILIES type. A key it leaves out takes
-        its transformers config class's default (HF_CONFIG_DEFAULTS)."""
+        """A HF `config.json` (or its directory); a key it leaves out is transformers' default."""
         path = Path(path)
         config_path = path / "config.json" if path.is_dir() else path
         if path.is_file() and path.suffix != ".json":
@@ -298,8 +292,7 @@ class ModelArgs:
         return (4 if frozen else 6) * matmul_params * tokens + per_pair * attended_pairs
 
     def flops_per_token(self, seq_len: int, frozen: bool = False) -> float:
-        """Training FLOPs per token of causal rows of `seq_len` tokens: 6N + 6*L*S*d (4N with
-        a frozen base), a token attending S/2 keys on average."""
+        """Per token of causal rows of `seq_len` tokens: 6N + 6*L*S*d (4N frozen), S/2 keys each."""
         return self.training_flops(1, seq_len / 2, frozen)
 
 
@@ -337,8 +330,7 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 
 def _nope_layers(config: dict, n_layers: int) -> tuple[int, ...]:
-    """SmolLM3's layers without RoPE: `no_rope_layers` (1 = RoPE, per layer), by default
-    every `no_rope_layer_interval`-th layer."""
+    """SmolLM3's NoPE layers: `no_rope_layers` (1 = RoPE), by default each interval-th layer."""
     flags = config.get("no_rope_layers")
     if flags is None:
         interval = config["no_rope_layer_interval"]
@@ -616,9 +608,8 @@ def triton_ops() -> Ops:
 
 
 def fp8_ops(ops: Ops, triton_kernels: bool) -> Ops:
-    """`ops` with the blocks' projections in FP8 (--fp8): those reading one input in one
-    fp8_linears call, which quantizes it once. A LoRA base too (its adapters added as they
-    are), not a 4-bit one; the output head and the embedding stay in bf16."""
+    """`ops` with the projections reading one input in one fp8_linears call (--fp8), which
+    quantizes it once; a LoRA base too, not a 4-bit one. Head and embedding stay in bf16."""
 
     def fp8_project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
         in_fp8 = [
@@ -1011,8 +1002,7 @@ class Llama(nn.Module):
         self, positions: torch.Tensor, starts: tuple[tuple[int, ...], ...] | None = None
     ) -> PackedRows | None:
         """Every block's mask, chosen once per forward so that a block recomputed in backward
-        gets the same kernels. `starts` (`document_starts`, data.Batch has them) saves reading
-        them off `positions` on the GPU."""
+        gets the same kernels. `starts` (data.Batch has them) saves reading them off the GPU."""
         if not self.mask_documents:
             return None
         if starts is None:
@@ -1095,10 +1085,9 @@ def generate(
     stop_id: int | None = None,
     seed: int = 0,
 ) -> list[int]:
-    """The tokens that continue `prompt`, each sampled at `temperature` (0: the most likely)
-    from the ids below `allowed_ids` (a tokenizer smaller than the model's vocabulary), up to
-    and including `stop_id`. No cache: for short samples. The draws are on the CPU with
-    `seed`, so every rank of a sharded model draws alike."""
+    """The tokens continuing `prompt`, sampled at `temperature` (0: the most likely) from ids
+    below `allowed_ids` (a tokenizer smaller than the vocabulary), up to and including
+    `stop_id`. No cache: for short samples. Drawn on the CPU, so every rank draws alike."""
     device = model.tok_embeddings.weight.device
     tokens = torch.tensor([prompt], device=device)
     generator = torch.Generator().manual_seed(seed)
@@ -1486,8 +1475,7 @@ class LoRAConfig:
 
 
 def parse_lora_targets(text: str) -> tuple[str, ...]:
-    """ "all", or a comma-separated list of longtune names (wq,wk,...) or HF names
-    (q_proj,k_proj,...; see HF_LORA_TARGETS), into longtune names in LORA_TARGETS order."""
+    """ "all" or comma-separated longtune or HF names (HF_LORA_TARGETS), in LORA_TARGETS order."""
     if text == "all":
         return LORA_TARGETS
     by_hf = {hf: ours for ours, hf in HF_LORA_TARGETS.items()}
@@ -1572,8 +1560,7 @@ class LoRALinear(nn.Module):
         self.offset.copy_(quantized.offset)
 
     def base_weight(self, stored: torch.Tensor) -> torch.Tensor:
-        """W in fp32 from `stored`, the whole of its stored parameter (`weight` or
-        `weight_nf4`, gathered when this rank holds only a shard)."""
+        """W in fp32 from `stored`, its whole (gathered) `weight` or `weight_nf4`."""
         if not self.quantized:
             return stored.float()
         return dequantize_nf4_reference(
@@ -1618,8 +1605,7 @@ def apply_lora(
 
 
 def copy_into(model: Llama, name: str, tensor_slice, copy: Callable) -> None:
-    """`copy(parameter, tensor_slice)` for parameter `name`; for a base weight stored in
-    4 bits, `LoRALinear.load_weight` quantizes it on the way in."""
+    """`copy(param, tensor_slice)` for `name`; a 4-bit base is quantized on the way in."""
     owner_path, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_path)
     if isinstance(owner, LoRALinear) and leaf == "weight":
@@ -1717,16 +1703,14 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
         for key in ("peft_type", "r", "lora_alpha", "bias", "use_rslora", "use_dora")
         if theirs.get(key, ours[key]) != ours[key]
     ]
-    # PEFT settings that change what an adapter computes, which longtune does not implement:
-    # only their defaults load (a pattern would give some layers another rank or scale).
+    # Unimplemented PEFT settings load only at their defaults (a pattern changes ranks or scales).
     problems += [
         f"adapter_config.json {key}: adapter has {theirs[key]!r}, which longtune does not "
         f"implement (expected {default!r})"
         for key, default in PEFT_DEFAULTS_ONLY.items()
         if theirs.get(key) is not None and theirs[key] != default
     ]
-    # These initializations change the base model too (PEFT saves the adapter as trained on
-    # that changed base, unless converted): on the original base it computes something else.
+    # These initializations change the base too: on the original base the adapter is wrong.
     init = theirs.get("init_lora_weights")
     if isinstance(init, str) and init.split("_")[0] in ("pissa", "olora", "corda", "loftq"):
         problems.append(
@@ -1770,8 +1754,7 @@ def load_peft_adapter(
     copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
     agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
 ) -> None:
-    """Loads a PEFT LoRA adapter directory into the adapters of an `apply_lora`-ed model,
-    after `check_peft_adapter`; `copy` and `agree` as in load_hf_checkpoint."""
+    """Loads a PEFT adapter into the LoRA model; `copy` and `agree` as in load_hf_checkpoint."""
     file = check_peft_adapter(model.args, config, path)
     nonfinite = []
     with _open_safetensors(file) as f:
