@@ -107,7 +107,7 @@ HF_ROPE_KEYS = {
 
 @dataclass(frozen=True)
 class Family:
-    """A HF `model_type`: its class and the block switches it fixes (HF builds blocks by type)."""
+    """A HF `model_type`: its class and the block switches that transformers fixes by type alone."""
 
     architecture: str
     qkv_bias: bool = False
@@ -223,7 +223,7 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, path: str | os.PathLike) -> "ModelArgs":
-        """A HF `config.json` (or its directory); a key it leaves out is transformers' default."""
+        """A HF `config.json` (or its directory); a missing key is read from HF_CONFIG_DEFAULTS."""
         path = Path(path)
         config_path = path / "config.json" if path.is_dir() else path
         if path.is_file() and path.suffix != ".json":
@@ -742,8 +742,8 @@ def document_block_mask(positions: torch.Tensor, skip: torch.Tensor | None = Non
     Documents are contiguous and numbered in order, so query tile i and key tile j < i share a
     document exactly when the key tile's last document is the query tile's first. Such a tile
     is "full" inside that one document; the diagonal and tiles a document starts in are
-    "partial" (masked per element); the rest are skipped, as are query tiles of `skip` rows
-    alone ([B, S]). Padding to whole tiles is a document of its own."""
+    "partial" (masked per element); the rest are skipped, as are query tiles holding only
+    `skip` rows ([B, S]). Padding to whole tiles is a document of its own."""
     bsz, seq_len = positions.shape
     n_tiles = -(-seq_len // FLEX_BLOCK)
     pad = n_tiles * FLEX_BLOCK - seq_len
