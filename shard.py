@@ -1238,14 +1238,12 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, float,
 
 
 def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, int, int]:
-    """One block's activations for a rank's tokens, `p` bytes each: what it saves for
-    backward through autograd's hooks when not checkpointed; what a checkpointed one keeps
-    in the checkpoint's own cache, the outputs of offload.SAVED_OPS (not through the hooks,
-    so activation offload leaves it on the GPU; None without checkpointing); and what its
-    backward holds beyond those, not checkpointed and checkpointed: the larger of two
-    moments (memory snapshots: bench/RESULTS.md, "The block in backward, measured"), the
-    MLP's backward and attention's. Both hold what attention's backward needs, counted in
-    the saved tensors of a block not checkpointed."""
+    """One block's activations for a rank's tokens, `p` bytes each: what it saves through
+    autograd's hooks when not checkpointed; what a checkpointed one keeps in the
+    checkpoint's own cache (offload.SAVED_OPS' outputs, which activation offload leaves on
+    the GPU; None without checkpointing); and what its backward holds beyond those, not
+    checkpointed and checkpointed: the larger of the MLP's backward and attention's
+    (bench/RESULTS.md, "The block in backward, measured")."""
     if plan.ac not in AC_MODES:
         raise UsageError(
             f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
@@ -1291,8 +1289,7 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     mlp, attention = 3 * x + tile, 2 * x + qkv + 8 * n * q
     # --fp8 adds a projection's e4m3 copies (a byte an element): its output gradient's two
     # and its input's columns, at most w2's input beside w2's output gradient, and q's
-    # beside the block's input (1B at 131072: +1.5 GiB measured, +1.5 estimated;
-    # bench/RESULTS.md, "FP8 matmuls").
+    # beside the block's input (bench/RESULTS.md, "FP8 matmuls").
     if plan.fp8:
         mlp += m * f + 2 * m * d
         attention += n * d + 2 * n * q
@@ -1309,10 +1306,10 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
 
 def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int, int], int]:
     """The activations on the GPU until the head's backward, in the backward of the blocks
-    that are moments of estimate_memory's table (by index), and on the host. A block saves,
-    through autograd's hooks (which activation offload takes to the host), its input when
-    checkpointed, else everything; in backward the blocks kept on the GPU come first, each
-    freeing its own, then each offloaded block is fetched with the one before it."""
+    that are moments of estimate_memory's table (by index), and on the host. Activation
+    offload takes what autograd's hooks save to the host; in backward the blocks kept on
+    the GPU come first, each freeing its own, then each offloaded one is fetched with the
+    one before it."""
     n, d, layers = plan.tokens, args.dim, args.n_layers
     full_block, cache, working, working_checkpointed = block_bytes(args, plan, p)
     checkpointed = [cache is not None and i % plan.ac_every == 0 for i in range(layers)]
@@ -1337,10 +1334,9 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int
 
 def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[float, float, float]:
     """The loss's buffers in its forward, in the head's backward and in the blocks'. Fused
-    kernel: the logits chunk, and the gradients it computes in forward and keeps for
-    backward (hidden-sized and output-weight-sized). Reference: [N, V] fp32
-    log-probabilities saved, then their gradient and the fp32 logits' one (12 bytes per
-    logit), and the param_dtype logits' gradient."""
+    kernel: the logits chunk, and the hidden and output gradients it computes in forward.
+    Reference: [N, V] fp32 log-probabilities saved, then their gradient and the fp32
+    logits' one (12 bytes per logit), and the param_dtype logits' gradient."""
     n, v, d = plan.tokens, args.vocab_size, args.dim
     output_grad = 0 if plan.lora is not None else v * d * p  # a frozen output: no gradient
     fused_loss = min(CHUNK_LOGITS_BYTES, n * v * p) + n * d * p + output_grad
@@ -1434,23 +1430,19 @@ def memory_line(est: MemoryEstimate, machine: Machine) -> str:
 # ----------------------------------------------------------------------------------------
 
 # The share of each memory a plan may fill by its estimate. GPU: twice the estimate's worst
-# miss against the measured peaks (bench/RESULTS.md, "The first block's backward, SwiGLU in
-# place, a 10% GPU margin", "The block in backward, measured"); with expandable segments
-# (train.main's default) the caching allocator can give back what it holds beyond its
-# tensors. Host: the estimate is close to the measured RSS ("CPU offload at scale"), to
-# which each process adds torch, the CUDA context and the loader (HOST_PROCESS_GIB; "The
-# run plan with no memory flags").
+# miss against the measured peaks (bench/RESULTS.md, "The block in backward, measured");
+# expandable segments (train.main's default) let the allocator give back what it holds
+# beyond its tensors. Host: the estimate is close to the measured RSS ("CPU offload at
+# scale"), to which each process adds torch, the CUDA context and the loader.
 GPU_MARGIN = 0.10
 HOST_MARGIN = 0.05
 HOST_PROCESS_GIB = 2.0
 
 # Plans are ranked by a model of the step's time (step_seconds): its FLOPs, recomputation
 # included, at the rate measured runs sustained, plus the host time that offload leaves
-# uncovered. It orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and
-# offload", "Long context, less memory", "CPU offload at scale", "Where the step time goes
-# at 128k tokens"), and its seconds, printed past a minute, are within 2x of each recorded
-# step, packed rows' too ("Planner: the step time's guess against the recorded steps");
-# tests/test_shard.py checks both.
+# uncovered. It orders the recorded runs as they were measured, and is within 2x of each
+# recorded step (bench/RESULTS.md, "Planner: the step time's guess against the recorded
+# steps"); tests/test_shard.py checks both.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
 SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
@@ -1458,8 +1450,7 @@ ACTIVATION_OFFLOAD_COST = 0.01  # of the step, with checkpointing
 CPU_OFFLOAD_S_PER_PARAM = 0.75e-9  # per parameter of a rank's shard, per rank on the host
 IN_BACKWARD_S_PER_PARAM = 0.15e-9
 # What the planner chooses among where the user leaves a field open, fastest first at equal
-# cost: recomputation (offload.AC_MODES), MLP tiles (shorter than the sequence), offloads
-# (all blocks' activations; Planner.partial_offload adds the first N's).
+# cost (Planner.partial_offload adds the offload of the first N blocks).
 CHOICES = {
     "ac": ("none", "selective", "attention", "full"),
     "mlp_tile": (0, 16384, 8192, 4096),
@@ -1533,9 +1524,8 @@ def technique_problems(
 
 
 def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -> list[str]:
-    """Every rule of the techniques and their combinations, stated once: the options are
-    checked by it (technique_problems) and the planner tries only plans it allows.
-    `grad_clip`: the user's --grad-clip (None: the default, which follows the plan)."""
+    """Every rule of the techniques and their combinations, stated once: for the options
+    (technique_problems) and the planner's plans. `grad_clip` None: the default."""
     problems, cp, blocks = [], plan.context_parallel, plan.offload_blocks
     if cp >= 1:  # train.check_options refuses the rest
         if plan.seq_len % cp:
@@ -1593,11 +1583,9 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
 def make_plan(
     opts: "train.Options", args: ModelArgs, machine: Machine, document_mask: bool, **fixed
 ) -> Plan:
-    """The plan of the run: what the options set, and the fastest choice for the rest that
-    fits `machine` (choose_plan), with what it was made for. The step's sequences per rank
-    (per context-parallel group): --batch-tokens (or its default) in whole sequences, or
-    --micro-batch x --grad-accum when both are given. `fixed`: the plan's `lora`
-    (train.lora_config), `long_documents` and `attended_per_token`."""
+    """The plan of the run: what the options set, the fastest choice for the rest that fits
+    (choose_plan) and what it was made for. The step's sequences: --batch-tokens in whole
+    sequences, or --micro-batch x --grad-accum. `fixed`: the plan's data and LoRA fields."""
     base, wanted = options_plan(opts, machine, document_mask=document_mask, **fixed)
     cp, asked = opts.context_parallel, opts.batch_tokens
     per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
@@ -1699,8 +1687,7 @@ class Planner:
 
     def partial_offload(self, plan: Plan) -> list[Plan]:
         """`plan` with only the first N blocks offloaded, N the most whose activations the
-        host holds, for a host that cannot hold them all; none where it can, or where it
-        cannot hold even the rest of the plan."""
+        host holds, where it holds some but not all."""
 
         def host_overflows(n: int) -> bool:
             return self.overshoot(dataclasses.replace(plan, offload_blocks=n))[1] > 1
@@ -1715,15 +1702,13 @@ class Planner:
         return next((p for p in self.candidates(sequences) if max(self.overshoot(p)) <= 1), None)
 
     def no_fit_message(self, sequences: int) -> str:
-        """The closest plan (by the worse memory, then both), what it needs and its largest
-        terms, and the ways to fit (ways_to_fit)."""
-        m = self.machine
-
-        def closeness(plan: Plan) -> tuple[float, float]:
-            ratios = self.overshoot(plan)
-            return max(ratios), sum(ratios)
-
-        closest = min(self.candidates(sequences), key=closeness)
+        """The closest plan (by the worse memory, then the other), what it needs and its
+        largest terms, and the first change of each kind that makes a plan of one sequence per
+        rank fit, as flags (context parallelism and LoRA together where neither alone does)."""
+        m, base, wanted = self.machine, self.base, self.wanted
+        closest = min(
+            self.candidates(sequences), key=lambda p: sorted(self.overshoot(p), reverse=True)
+        )
         est = estimate_memory(self.args, closest)
         largest = sorted(est.terms().items(), key=lambda term: -term[1])[:3]
         largest = ", ".join(f"{name} {gib:.1f}" for name, gib in largest)
@@ -1733,18 +1718,6 @@ class Planner:
             f"GiB of host memory per node ({plural(m.nproc_per_node, 'process')} on it).",
             f"The closest, {closest.flags()}, {memory_line(est, m)}; most: {largest} GiB.",
         ]
-        ways, tried = self.ways_to_fit()
-        if ways:
-            return "\n".join([*lines, "It would fit with: " + "; or ".join(ways)])
-        tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
-        where = "" if m.gpu_gib is not None else " in this host's memory"
-        return "\n".join([*lines, f"Neither {tried} would make it fit{where}."])
-
-    def ways_to_fit(self) -> tuple[list[str], list[str]]:
-        """The first change of each kind that makes a plan of one sequence per rank fit, as
-        flags (context parallelism and LoRA together where neither alone does), and the kinds
-        tried."""
-        m, base, wanted = self.machine, self.base, self.wanted
 
         def fits_with(fields: dict, **change) -> bool:
             changed = dataclasses.replace(self, base=dataclasses.replace(base, **fields), **change)
@@ -1785,4 +1758,8 @@ class Planner:
         tried.append("a shorter sequence")
         halves = (base.seq_len // 2**k for k in range(1, base.seq_len.bit_length()))
         ways += first({f"--seq-len {seq}": {"seq_len": seq} for seq in halves if seq >= 1024})
-        return ways, tried
+        if ways:
+            return "\n".join([*lines, "It would fit with: " + "; or ".join(ways)])
+        tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
+        where = "" if on_gpu else " in this host's memory"
+        return "\n".join([*lines, f"Neither {tried} would make it fit{where}."])
