@@ -1004,7 +1004,6 @@ class Plan:
 
     @property
     def tokens(self) -> int:
-        """A rank's tokens in a forward: under context parallelism, its share of each row."""
         return self.micro_batch * self.seq_len // self.context_parallel
 
     @property
@@ -1084,7 +1083,6 @@ MADE_FOR = ("machine", "estimate", "planned", "tokens_per_step_asked", "seconds_
 
 
 def flag_name(field: str) -> str:
-    """The train.py flag of an Options field: `micro_batch` is --micro-batch."""
     return "--" + field.replace("_", "-")
 
 
@@ -1092,13 +1090,10 @@ def flags_of(fields: dict, negated: bool = False) -> list[str]:
     """The words of the train.py flags that set these fields; False as --no-x when `negated`."""
     words = []
     for name, value in fields.items():
-        flag = flag_name(name)
-        if value is True:
-            words.append(flag)
-        elif value is False:
-            words += [f"--no-{flag[2:]}"] if negated else []
+        if isinstance(value, bool):
+            words += [flag_name(name if value else f"no_{name}")] if value or negated else []
         elif value is not None:
-            words += [flag, str(value)]
+            words += [flag_name(name), str(value)]
     return words
 
 
@@ -1124,9 +1119,8 @@ def block_params(args: ModelArgs) -> int:
 
 @functools.cache
 def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
-    """Pinned host bytes of one rank's fp32 parameter shards: the caching host allocator
-    rounds each tensor's shard up to a power of two (bench/RESULTS.md, "CPU offload at
-    scale")."""
+    """Pinned host bytes of one rank's fp32 parameter shards, each rounded up to a power of
+    two by the caching host allocator (bench/RESULTS.md, "CPU offload at scale")."""
     with torch.device("meta"):
         shapes = [p.shape for p in Llama(args).parameters()]
     shards = (-(-s[0] // shard_size) * (s.numel() // s[0]) * 4 for s in shapes)
@@ -1152,8 +1146,7 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
     embedding = args.vocab_size * args.dim
     head = embedding + args.dim if not args.tie_embeddings else 0
     if lora is None:
-        block = block_params(args)
-        return Weights(embedding, head, args.num_params(), 0, block, 0, dequantized=0)
+        return Weights(embedding, head, args.num_params(), 0, block_params(args), 0, 0)
     # A target's base in NF4 is its packed rows and scales, any other frozen weight
     # param_bytes a value. (The scales, 1/16384 of the rows, are whole on every rank: the
     # estimate divides them over the shard group with the rest.) Biases are not adapted.
@@ -1367,19 +1360,16 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     weights, gradients, written = state["block backward"]
     last = args.n_layers - 1
     names = {0: "first block backward", last: "last block backward"}  # one block: the last
-
-    def block(i: int) -> tuple:  # the head's gradient shard and the later blocks' written
-        moment = names.get(i, "offloaded block backward")
-        return moment, weights, gradients + (last - i) * written, in_backward[i], loss_in_blocks
-
     # moment: parameters, gradients, activations, loss (and AdamW's moments throughout)
     moments = [
         ("loss forward", *state["loss forward"], kept, loss_forward),
         ("head backward", *state["head backward"], kept, loss_backward),
-        *(block(i) for i in in_backward),
-        # activations freed, every shard written, the root's (embedding's) gradient reduced
-        ("backward end", *state["backward end"], 0, 0.0),
     ]
+    for i, held in in_backward.items():  # the head's gradient shard, the later blocks' written
+        moment = names.get(i, "offloaded block backward")
+        moments.append((moment, weights, gradients + (last - i) * written, held, loss_in_blocks))
+    # activations freed, every shard written, the root's (embedding's) gradient reduced
+    moments.append(("backward end", *state["backward end"], 0, 0.0))
     phase, *terms = max(moments, key=lambda moment: sum(moment[1:]))
     parameters, gradients, activations, loss = (term / GiB for term in terms)
     optimizer /= GiB
