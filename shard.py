@@ -1236,7 +1236,8 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     checkpoint's own cache (offload.SAVED_OPS' outputs, which activation offload leaves on
     the GPU; None without checkpointing); and what its backward holds beyond those, not
     checkpointed and checkpointed: the larger of the MLP's backward and attention's
-    (bench/RESULTS.md, "The block in backward, measured")."""
+    (bench/RESULTS.md, "The block in backward, measured"). Both hold what attention's
+    backward needs, counted in the saved tensors of a block not checkpointed."""
     if plan.ac not in AC_MODES:
         raise UsageError(
             f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
@@ -1423,7 +1424,8 @@ def memory_line(est: MemoryEstimate, machine: Machine) -> str:
 # miss against the measured peaks (bench/RESULTS.md, "The block in backward, measured");
 # expandable segments (train.main's default) let the allocator give back what it holds
 # beyond its tensors. Host: the estimate is close to the measured RSS ("CPU offload at
-# scale"), to which each process adds torch, the CUDA context and the loader.
+# scale"), to which each process adds torch, the CUDA context and the loader
+# (HOST_PROCESS_GIB; "The run plan with no memory flags").
 GPU_MARGIN = 0.10
 HOST_MARGIN = 0.05
 HOST_PROCESS_GIB = 2.0
@@ -1515,7 +1517,8 @@ def technique_problems(
 
 def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -> list[str]:
     """Every rule of the techniques and their combinations, stated once: for the options
-    (technique_problems) and the planner's plans. `grad_clip` None: the default."""
+    (technique_problems) and the planner's plans. `grad_clip`: the user's (None: the
+    default, which follows the plan)."""
     problems, cp, blocks = [], plan.context_parallel, plan.offload_blocks
     if cp >= 1:  # train.check_options refuses the rest
         if plan.seq_len % cp:
@@ -1574,8 +1577,9 @@ def make_plan(
     opts: "train.Options", args: ModelArgs, machine: Machine, document_mask: bool, **fixed
 ) -> Plan:
     """The plan of the run: what the options set, the fastest choice for the rest that fits
-    (choose_plan) and what it was made for. The step's sequences: --batch-tokens in whole
-    sequences, or --micro-batch x --grad-accum. `fixed`: the plan's data and LoRA fields."""
+    (choose_plan) and what it was made for. The step's sequences per rank (per
+    context-parallel group): --batch-tokens (or its default) in whole sequences, or
+    --micro-batch x --grad-accum when both are given. `fixed`: the data's and LoRA's fields."""
     base, wanted = options_plan(opts, machine, document_mask=document_mask, **fixed)
     cp, asked = opts.context_parallel, opts.batch_tokens
     per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
