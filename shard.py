@@ -919,51 +919,9 @@ FROZEN_LEFT_OUT = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 # ----------------------------------------------------------------------------------------
-# The plan (each field a train.py flag) and its memory estimate: what a run applies, prints
-# and saves in plan.json
+# The plan: what a run applies (each field a train.py flag), the rules of the techniques'
+# combinations, and what a run prints and saves of it (plan.json)
 # ----------------------------------------------------------------------------------------
-
-# CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers and the caching allocator's rounding
-# and fragmentation: what nvidia-smi shows beyond the tensors that
-# torch.cuda.max_memory_allocated counts (bench/RESULTS.md, "Memory estimator, revised").
-OVERHEAD_GIB = 1.0
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """GiB per rank at the step's peak; the GPU parts add up to gpu_total."""
-
-    num_params: int
-    phase: str  # the moment of the peak, a row of estimate_memory's table
-    parameters: float  # fp32 master shards + gathered param_dtype copies
-    gradients: float  # fp32 gradient shards + the reduction in flight
-    optimizer: float  # AdamW's two fp32 moments (on the host with CPU offload)
-    activations: float  # tensors saved for backward + one block's backward working set
-    loss: float  # the output layer + cross-entropy buffers
-    overhead: float  # OVERHEAD_GIB
-    gpu_total: float
-    host_total: float  # host memory: offloaded state (pinned and not) and activations
-
-    @property
-    def gpu_tensors(self) -> float:
-        """What torch.cuda.max_memory_allocated should read."""
-        return self.gpu_total - self.overhead
-
-    def terms(self) -> dict[str, float]:
-        return {"parameters": self.parameters, "gradients": self.gradients,
-                "optimizer states": self.optimizer, "activations": self.activations,
-                "loss / logits": self.loss}  # fmt: skip
-
-    def format(self, on_gpu: bool = True) -> str:
-        """The table of the plan's printout; on the CPU the parts all live on the host."""
-        rows = self.terms()
-        if on_gpu:
-            rows |= {"context + allocator": self.overhead, "GPU total": self.gpu_total,
-                     "host total": self.host_total}  # fmt: skip
-        else:
-            rows["host total"] = self.host_total + self.gpu_tensors
-        lines = [f"memory per rank ({params_text(self.num_params)} params, peak at {self.phase})"]
-        return "\n".join(lines + [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows.items()])
 
 
 @dataclass(frozen=True)
@@ -997,7 +955,7 @@ class Plan:
     # data.attended_per_token), for the step time; None: a causal row's seq_len / 2.
     attended_per_token: float | None = None
     machine: Machine | None = None
-    estimate: MemoryEstimate | None = None
+    estimate: "MemoryEstimate | None" = None  # the planner's (below)
     planned: tuple[str, ...] = ()  # the fields the planner chose
     tokens_per_step_asked: int | None = None  # None: --micro-batch x --grad-accum
     seconds_per_step: float | None = None  # step_seconds on the machine's kind of device
@@ -1097,9 +1055,133 @@ def flags_of(fields: dict, negated: bool = False) -> list[str]:
     return words
 
 
+def options_plan(opts: "train.Options", machine: Machine, **fixed) -> tuple[Plan, dict]:
+    """What the options fix of the plan, with `fixed` (the data's and LoRA's fields), and
+    the planned fields they set (`wanted`: the planner keeps them)."""
+    on_gpu = machine.gpu_gib is not None
+    base = Plan(
+        opts.seq_len, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node,
+        strategy=opts.strategy, ac_every=opts.ac_every, context_parallel=opts.context_parallel,
+        param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
+        kernels=on_gpu if opts.kernels is None else opts.kernels, fp8=opts.fp8, **fixed,
+    )  # fmt: skip
+    return base, {k: getattr(opts, k) for k in PLANNED if getattr(opts, k) is not None}
+
+
+def technique_problems(
+    opts: "train.Options", args: ModelArgs, world_size: int, nproc_per_node: int
+) -> list[str]:
+    """plan_problems of the plan the options ask for on `world_size` processes,
+    `nproc_per_node` a node. (Whether LoRA is on matters, not how: train.py checks that.)"""
+    lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
+    machine = Machine(world_size, nproc_per_node, gpu_gib=None, host_gib=0.0)
+    base, wanted = options_plan(opts, machine, lora=lora)
+    return plan_problems(args, dataclasses.replace(base, **wanted), opts.grad_clip)
+
+
+def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -> list[str]:
+    """Every rule of the techniques and their combinations, stated once: for the options
+    (technique_problems) and the planner's plans. `grad_clip`: the user's (None: the
+    default, which follows the plan)."""
+    problems, cp, blocks = [], plan.context_parallel, plan.offload_blocks
+    if cp >= 1:  # train.check_options refuses the rest
+        if plan.seq_len % cp:
+            problems.append(f"--context-parallel {cp} must divide --seq-len {plan.seq_len}")
+        per_node = plan.nproc_per_node or plan.world_size
+        if plan.world_size % cp or per_node % cp:
+            problems.append(
+                f"--context-parallel {cp} must divide the ranks per node ({per_node}) "
+                f"and the world size ({plan.world_size}): a context-parallel group stays in a node"
+            )
+        kv_ok = args.n_kv_heads % cp == 0 or cp % args.n_kv_heads == 0
+        if args.n_heads % cp or not kv_ok:
+            problems.append(
+                f"--context-parallel {cp} splits attention by heads: it must divide the "
+                f"{args.n_heads} query heads, and divide the {args.n_kv_heads} key/value heads or "
+                f"be a multiple of them"
+            )
+    if plan.fp8:  # cuBLAS's e4m3 matmul multiplies dimensions of multiples of 16 only
+        sizes = {"dim": args.dim, "ffn_dim": args.ffn_dim,
+                 "heads x head_dim": args.n_heads * args.head_dim,
+                 "kv heads x head_dim": args.n_kv_heads * args.head_dim,
+                 "--seq-len / --context-parallel": plan.seq_len // max(cp, 1),
+                 "--mlp-tile": plan.mlp_tile}  # fmt: skip
+        if odd := [f"{k} {v}" for k, v in sizes.items() if v % 16]:
+            problems.append(f"--fp8 needs multiples of 16: {', '.join(odd)}")
+    if blocks is not None and not (plan.activation_offload and 0 <= blocks < args.n_layers):
+        problems.append(
+            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
+            f"{args.n_layers - 1} (the model's blocks but the last)"
+        )
+    if not plan.optimizer_in_backward:
+        return problems
+    # Each parameter is updated during backward, before the step's last gradient exists.
+    # Without CPU offload it runs without FSDP, on one GPU; with it, on FULL_SHARD's shards
+    # (offload.ShardedOptimizerInBackward), whose norm sums over all ranks.
+    refused = {
+        f"--strategy {plan.strategy} (FULL_SHARD only)": plan.strategy != "FULL_SHARD",
+        f"--grad-clip {grad_clip} (the global norm is known only after the updates; pass "
+        "--grad-clip 0)": bool(grad_clip),
+        f"--grad-accum {plan.grad_accum} (the updates happen in every backward)": (
+            plan.grad_accum > 1
+        ),
+        f"{plural(plan.world_size, 'process')} without --cpu-offload (it runs on one GPU)": (
+            plan.world_size > 1 and not plan.cpu_offload
+        ),
+    }
+    problems += [
+        f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
+    ]
+    if plan.lora is not None:
+        problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
+    return problems
+
+
 # ----------------------------------------------------------------------------------------
-# Memory per rank: the estimate's terms
+# The planner's memory estimate: per rank, its terms at each moment of a step
 # ----------------------------------------------------------------------------------------
+
+# CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers and the caching allocator's rounding
+# and fragmentation: what nvidia-smi shows beyond the tensors that
+# torch.cuda.max_memory_allocated counts (bench/RESULTS.md, "Memory estimator, revised").
+OVERHEAD_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """GiB per rank at the step's peak; the GPU parts add up to gpu_total."""
+
+    num_params: int
+    phase: str  # the moment of the peak, a row of estimate_memory's table
+    parameters: float  # fp32 master shards + gathered param_dtype copies
+    gradients: float  # fp32 gradient shards + the reduction in flight
+    optimizer: float  # AdamW's two fp32 moments (on the host with CPU offload)
+    activations: float  # tensors saved for backward + one block's backward working set
+    loss: float  # the output layer + cross-entropy buffers
+    overhead: float  # OVERHEAD_GIB
+    gpu_total: float
+    host_total: float  # host memory: offloaded state (pinned and not) and activations
+
+    @property
+    def gpu_tensors(self) -> float:
+        """What torch.cuda.max_memory_allocated should read."""
+        return self.gpu_total - self.overhead
+
+    def terms(self) -> dict[str, float]:
+        return {"parameters": self.parameters, "gradients": self.gradients,
+                "optimizer states": self.optimizer, "activations": self.activations,
+                "loss / logits": self.loss}  # fmt: skip
+
+    def format(self, on_gpu: bool = True) -> str:
+        """The table of the plan's printout; on the CPU the parts all live on the host."""
+        rows = self.terms()
+        if on_gpu:
+            rows |= {"context + allocator": self.overhead, "GPU total": self.gpu_total,
+                     "host total": self.host_total}  # fmt: skip
+        else:
+            rows["host total"] = self.host_total + self.gpu_tensors
+        lines = [f"memory per rank ({params_text(self.num_params)} params, peak at {self.phase})"]
+        return "\n".join(lines + [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows.items()])
 
 
 @functools.cache  # the planner asks once per plan it tries
@@ -1417,7 +1499,7 @@ def memory_line(est: MemoryEstimate, machine: Machine) -> str:
 
 
 # ----------------------------------------------------------------------------------------
-# The plan: the fastest way to take the steps whose estimate fits the machine
+# The planner: the fastest way to take the steps whose estimate fits the machine
 # ----------------------------------------------------------------------------------------
 
 # The share of each memory a plan may fill by its estimate. GPU: twice the estimate's worst
@@ -1489,88 +1571,6 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     if plan.optimizer_in_backward:  # the host's updates that backward leaves uncovered
         return compute_s + args.num_params() * IN_BACKWARD_S_PER_PARAM
     return compute_s
-
-
-def options_plan(opts: "train.Options", machine: Machine, **fixed) -> tuple[Plan, dict]:
-    """What the options fix of the plan, with `fixed` (the data's and LoRA's fields), and
-    the planned fields they set (`wanted`: the planner keeps them)."""
-    on_gpu = machine.gpu_gib is not None
-    base = Plan(
-        opts.seq_len, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node,
-        strategy=opts.strategy, ac_every=opts.ac_every, context_parallel=opts.context_parallel,
-        param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
-        kernels=on_gpu if opts.kernels is None else opts.kernels, fp8=opts.fp8, **fixed,
-    )  # fmt: skip
-    return base, {k: getattr(opts, k) for k in PLANNED if getattr(opts, k) is not None}
-
-
-def technique_problems(
-    opts: "train.Options", args: ModelArgs, world_size: int, nproc_per_node: int
-) -> list[str]:
-    """plan_problems of the plan the options ask for on `world_size` processes,
-    `nproc_per_node` a node. (Whether LoRA is on matters, not how: train.py checks that.)"""
-    lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
-    machine = Machine(world_size, nproc_per_node, gpu_gib=None, host_gib=0.0)
-    base, wanted = options_plan(opts, machine, lora=lora)
-    return plan_problems(args, dataclasses.replace(base, **wanted), opts.grad_clip)
-
-
-def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -> list[str]:
-    """Every rule of the techniques and their combinations, stated once: for the options
-    (technique_problems) and the planner's plans. `grad_clip`: the user's (None: the
-    default, which follows the plan)."""
-    problems, cp, blocks = [], plan.context_parallel, plan.offload_blocks
-    if cp >= 1:  # train.check_options refuses the rest
-        if plan.seq_len % cp:
-            problems.append(f"--context-parallel {cp} must divide --seq-len {plan.seq_len}")
-        per_node = plan.nproc_per_node or plan.world_size
-        if plan.world_size % cp or per_node % cp:
-            problems.append(
-                f"--context-parallel {cp} must divide the ranks per node ({per_node}) "
-                f"and the world size ({plan.world_size}): a context-parallel group stays in a node"
-            )
-        kv_ok = args.n_kv_heads % cp == 0 or cp % args.n_kv_heads == 0
-        if args.n_heads % cp or not kv_ok:
-            problems.append(
-                f"--context-parallel {cp} splits attention by heads: it must divide the "
-                f"{args.n_heads} query heads, and divide the {args.n_kv_heads} key/value heads or "
-                f"be a multiple of them"
-            )
-    if plan.fp8:  # cuBLAS's e4m3 matmul multiplies dimensions of multiples of 16 only
-        sizes = {"dim": args.dim, "ffn_dim": args.ffn_dim,
-                 "heads x head_dim": args.n_heads * args.head_dim,
-                 "kv heads x head_dim": args.n_kv_heads * args.head_dim,
-                 "--seq-len / --context-parallel": plan.seq_len // max(cp, 1),
-                 "--mlp-tile": plan.mlp_tile}  # fmt: skip
-        if odd := [f"{k} {v}" for k, v in sizes.items() if v % 16]:
-            problems.append(f"--fp8 needs multiples of 16: {', '.join(odd)}")
-    if blocks is not None and not (plan.activation_offload and 0 <= blocks < args.n_layers):
-        problems.append(
-            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
-            f"{args.n_layers - 1} (the model's blocks but the last)"
-        )
-    if not plan.optimizer_in_backward:
-        return problems
-    # Each parameter is updated during backward, before the step's last gradient exists.
-    # Without CPU offload it runs without FSDP, on one GPU; with it, on FULL_SHARD's shards
-    # (offload.ShardedOptimizerInBackward), whose norm sums over all ranks.
-    refused = {
-        f"--strategy {plan.strategy} (FULL_SHARD only)": plan.strategy != "FULL_SHARD",
-        f"--grad-clip {grad_clip} (the global norm is known only after the updates; pass "
-        "--grad-clip 0)": bool(grad_clip),
-        f"--grad-accum {plan.grad_accum} (the updates happen in every backward)": (
-            plan.grad_accum > 1
-        ),
-        f"{plural(plan.world_size, 'process')} without --cpu-offload (it runs on one GPU)": (
-            plan.world_size > 1 and not plan.cpu_offload
-        ),
-    }
-    problems += [
-        f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
-    ]
-    if plan.lora is not None:
-        problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
-    return problems
 
 
 def make_plan(
