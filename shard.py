@@ -919,51 +919,9 @@ FROZEN_LEFT_OUT = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 # ----------------------------------------------------------------------------------------
-# The plan (each field a train.py flag) and its memory estimate: what a run applies, prints
-# and saves in plan.json
+# The plan: what a run applies (each field a train.py flag), the rules of the techniques'
+# combinations, and what a run prints and saves of it (plan.json)
 # ----------------------------------------------------------------------------------------
-
-# CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers and the caching allocator's rounding
-# and fragmentation: what nvidia-smi shows beyond the tensors that
-# torch.cuda.max_memory_allocated counts (bench/RESULTS.md, "Memory estimator, revised").
-OVERHEAD_GIB = 1.0
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """GiB per rank at the step's peak; the GPU parts add up to gpu_total."""
-
-    num_params: int
-    phase: str  # the moment of the peak, a row of estimate_memory's table
-    parameters: float  # fp32 master shards + gathered param_dtype copies
-    gradients: float  # fp32 gradient shards + the reduction in flight
-    optimizer: float  # AdamW's two fp32 moments (on the host with CPU offload)
-    activations: float  # tensors saved for backward + one block's backward working set
-    loss: float  # the output layer + cross-entropy buffers
-    overhead: float  # OVERHEAD_GIB
-    gpu_total: float
-    host_total: float  # host memory: offloaded state (pinned and not) and activations
-
-    @property
-    def gpu_tensors(self) -> float:
-        """What torch.cuda.max_memory_allocated should read."""
-        return self.gpu_total - self.overhead
-
-    def terms(self) -> dict[str, float]:
-        return {"parameters": self.parameters, "gradients": self.gradients,
-                "optimizer states": self.optimizer, "activations": self.activations,
-                "loss / logits": self.loss}  # fmt: skip
-
-    def format(self, on_gpu: bool = True) -> str:
-        """The table of the plan's printout; on the CPU the parts all live on the host."""
-        rows = self.terms()
-        if on_gpu:
-            rows |= {"context + allocator": self.overhead, "GPU total": self.gpu_total,
-                     "host total": self.host_total}  # fmt: skip
-        else:
-            rows["host total"] = self.host_total + self.gpu_tensors
-        lines = [f"memory per rank ({params_text(self.num_params)} params, peak at {self.phase})"]
-        return "\n".join(lines + [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows.items()])
 
 
 @dataclass(frozen=True)
@@ -997,14 +955,13 @@ class Plan:
     # data.attended_per_token), for the step time; None: a causal row's seq_len / 2.
     attended_per_token: float | None = None
     machine: Machine | None = None
-    estimate: MemoryEstimate | None = None
+    estimate: "MemoryEstimate | None" = None  # the planner's (below)
     planned: tuple[str, ...] = ()  # the fields the planner chose
     tokens_per_step_asked: int | None = None  # None: --micro-batch x --grad-accum
     seconds_per_step: float | None = None  # step_seconds on the machine's kind of device
 
     @property
     def tokens(self) -> int:
-        """A rank's tokens in a forward: under context parallelism, its share of each row."""
         return self.micro_batch * self.seq_len // self.context_parallel
 
     @property
@@ -1084,7 +1041,6 @@ MADE_FOR = ("machine", "estimate", "planned", "tokens_per_step_asked", "seconds_
 
 
 def flag_name(field: str) -> str:
-    """The train.py flag of an Options field: `micro_batch` is --micro-batch."""
     return "--" + field.replace("_", "-")
 
 
@@ -1092,19 +1048,140 @@ def flags_of(fields: dict, negated: bool = False) -> list[str]:
     """The words of the train.py flags that set these fields; False as --no-x when `negated`."""
     words = []
     for name, value in fields.items():
-        flag = flag_name(name)
-        if value is True:
-            words.append(flag)
-        elif value is False:
-            words += [f"--no-{flag[2:]}"] if negated else []
+        if isinstance(value, bool):
+            words += [flag_name(name if value else f"no_{name}")] if value or negated else []
         elif value is not None:
-            words += [flag, str(value)]
+            words += [flag_name(name), str(value)]
     return words
 
 
+def options_plan(opts: "train.Options", machine: Machine, **fixed) -> tuple[Plan, dict]:
+    """What the options fix of the plan, with `fixed` (the data's and LoRA's fields), and
+    the planned fields they set (`wanted`: the planner keeps them)."""
+    on_gpu = machine.gpu_gib is not None
+    base = Plan(
+        opts.seq_len, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node,
+        strategy=opts.strategy, ac_every=opts.ac_every, context_parallel=opts.context_parallel,
+        param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
+        kernels=on_gpu if opts.kernels is None else opts.kernels, fp8=opts.fp8, **fixed,
+    )  # fmt: skip
+    return base, {k: getattr(opts, k) for k in PLANNED if getattr(opts, k) is not None}
+
+
+def technique_problems(
+    opts: "train.Options", args: ModelArgs, world_size: int, nproc_per_node: int
+) -> list[str]:
+    """plan_problems of the plan the options ask for on `world_size` processes,
+    `nproc_per_node` a node. (Whether LoRA is on matters, not how: train.py checks that.)"""
+    lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
+    machine = Machine(world_size, nproc_per_node, gpu_gib=None, host_gib=0.0)
+    base, wanted = options_plan(opts, machine, lora=lora)
+    return plan_problems(args, dataclasses.replace(base, **wanted), opts.grad_clip)
+
+
+def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -> list[str]:
+    """Every rule of the techniques and their combinations, stated once: for the options
+    (technique_problems) and the planner's plans. `grad_clip`: the user's (None: the
+    default, which follows the plan)."""
+    problems, cp, blocks = [], plan.context_parallel, plan.offload_blocks
+    if cp >= 1:  # train.check_options refuses the rest
+        if plan.seq_len % cp:
+            problems.append(f"--context-parallel {cp} must divide --seq-len {plan.seq_len}")
+        per_node = plan.nproc_per_node or plan.world_size
+        if plan.world_size % cp or per_node % cp:
+            problems.append(
+                f"--context-parallel {cp} must divide the ranks per node ({per_node}) "
+                f"and the world size ({plan.world_size}): a context-parallel group stays in a node"
+            )
+        kv_ok = args.n_kv_heads % cp == 0 or cp % args.n_kv_heads == 0
+        if args.n_heads % cp or not kv_ok:
+            problems.append(
+                f"--context-parallel {cp} splits attention by heads: it must divide the "
+                f"{args.n_heads} query heads, and divide the {args.n_kv_heads} key/value heads or "
+                f"be a multiple of them"
+            )
+    if plan.fp8:  # cuBLAS's e4m3 matmul multiplies dimensions of multiples of 16 only
+        sizes = {"dim": args.dim, "ffn_dim": args.ffn_dim,
+                 "heads x head_dim": args.n_heads * args.head_dim,
+                 "kv heads x head_dim": args.n_kv_heads * args.head_dim,
+                 "--seq-len / --context-parallel": plan.seq_len // max(cp, 1),
+                 "--mlp-tile": plan.mlp_tile}  # fmt: skip
+        if odd := [f"{k} {v}" for k, v in sizes.items() if v % 16]:
+            problems.append(f"--fp8 needs multiples of 16: {', '.join(odd)}")
+    if blocks is not None and not (plan.activation_offload and 0 <= blocks < args.n_layers):
+        problems.append(
+            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
+            f"{args.n_layers - 1} (the model's blocks but the last)"
+        )
+    if not plan.optimizer_in_backward:
+        return problems
+    # Each parameter is updated during backward, before the step's last gradient exists.
+    # Without CPU offload it runs without FSDP, on one GPU; with it, on FULL_SHARD's shards
+    # (offload.ShardedOptimizerInBackward), whose norm sums over all ranks.
+    refused = {
+        f"--strategy {plan.strategy} (FULL_SHARD only)": plan.strategy != "FULL_SHARD",
+        f"--grad-clip {grad_clip} (the global norm is known only after the updates; pass "
+        "--grad-clip 0)": bool(grad_clip),
+        f"--grad-accum {plan.grad_accum} (the updates happen in every backward)": (
+            plan.grad_accum > 1
+        ),
+        f"{plural(plan.world_size, 'process')} without --cpu-offload (it runs on one GPU)": (
+            plan.world_size > 1 and not plan.cpu_offload
+        ),
+    }
+    problems += [
+        f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
+    ]
+    if plan.lora is not None:
+        problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
+    return problems
+
+
 # ----------------------------------------------------------------------------------------
-# Memory per rank: the estimate's terms
+# The planner's memory estimate: per rank, its terms at each moment of a step
 # ----------------------------------------------------------------------------------------
+
+# CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers and the caching allocator's rounding
+# and fragmentation: what nvidia-smi shows beyond the tensors that
+# torch.cuda.max_memory_allocated counts (bench/RESULTS.md, "Memory estimator, revised").
+OVERHEAD_GIB = 1.0
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """GiB per rank at the step's peak; the GPU parts add up to gpu_total."""
+
+    num_params: int
+    phase: str  # the moment of the peak, a row of estimate_memory's table
+    parameters: float  # fp32 master shards + gathered param_dtype copies
+    gradients: float  # fp32 gradient shards + the reduction in flight
+    optimizer: float  # AdamW's two fp32 moments (on the host with CPU offload)
+    activations: float  # tensors saved for backward + one block's backward working set
+    loss: float  # the output layer + cross-entropy buffers
+    overhead: float  # OVERHEAD_GIB
+    gpu_total: float
+    host_total: float  # host memory: offloaded state (pinned and not) and activations
+
+    @property
+    def gpu_tensors(self) -> float:
+        """What torch.cuda.max_memory_allocated should read."""
+        return self.gpu_total - self.overhead
+
+    def terms(self) -> dict[str, float]:
+        return {"parameters": self.parameters, "gradients": self.gradients,
+                "optimizer states": self.optimizer, "activations": self.activations,
+                "loss / logits": self.loss}  # fmt: skip
+
+    def format(self, on_gpu: bool = True) -> str:
+        """The table of the plan's printout; on the CPU the parts all live on the host."""
+        rows = self.terms()
+        if on_gpu:
+            rows |= {"context + allocator": self.overhead, "GPU total": self.gpu_total,
+                     "host total": self.host_total}  # fmt: skip
+        else:
+            rows["host total"] = self.host_total + self.gpu_tensors
+        lines = [f"memory per rank ({params_text(self.num_params)} params, peak at {self.phase})"]
+        return "\n".join(lines + [f"  {name:<22}{gib:9.2f} GiB" for name, gib in rows.items()])
 
 
 @functools.cache  # the planner asks once per plan it tries
@@ -1124,9 +1201,8 @@ def block_params(args: ModelArgs) -> int:
 
 @functools.cache
 def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
-    """Pinned host bytes of one rank's fp32 parameter shards: the caching host allocator
-    rounds each tensor's shard up to a power of two (bench/RESULTS.md, "CPU offload at
-    scale")."""
+    """Pinned host bytes of one rank's fp32 parameter shards, each rounded up to a power of
+    two by the caching host allocator (bench/RESULTS.md, "CPU offload at scale")."""
     with torch.device("meta"):
         shapes = [p.shape for p in Llama(args).parameters()]
     shards = (-(-s[0] // shard_size) * (s.numel() // s[0]) * 4 for s in shapes)
@@ -1152,8 +1228,7 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
     embedding = args.vocab_size * args.dim
     head = embedding + args.dim if not args.tie_embeddings else 0
     if lora is None:
-        block = block_params(args)
-        return Weights(embedding, head, args.num_params(), 0, block, 0, dequantized=0)
+        return Weights(embedding, head, args.num_params(), 0, block_params(args), 0, 0)
     # A target's base in NF4 is its packed rows and scales, any other frozen weight
     # param_bytes a value. (The scales, 1/16384 of the rows, are whole on every rank: the
     # estimate divides them over the shard group with the rest.) Biases are not adapted.
@@ -1238,14 +1313,13 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, float,
 
 
 def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, int, int]:
-    """One block's activations for a rank's tokens, `p` bytes each: what it saves for
-    backward through autograd's hooks when not checkpointed; what a checkpointed one keeps
-    in the checkpoint's own cache, the outputs of offload.SAVED_OPS (not through the hooks,
-    so activation offload leaves it on the GPU; None without checkpointing); and what its
-    backward holds beyond those, not checkpointed and checkpointed: the larger of two
-    moments (memory snapshots: bench/RESULTS.md, "The block in backward, measured"), the
-    MLP's backward and attention's. Both hold what attention's backward needs, counted in
-    the saved tensors of a block not checkpointed."""
+    """One block's activations for a rank's tokens, `p` bytes each: what it saves through
+    autograd's hooks when not checkpointed; what a checkpointed one keeps in the
+    checkpoint's own cache (offload.SAVED_OPS' outputs, which activation offload leaves on
+    the GPU; None without checkpointing); and what its backward holds beyond those, not
+    checkpointed and checkpointed: the larger of the MLP's backward and attention's
+    (bench/RESULTS.md, "The block in backward, measured"). Both hold what attention's
+    backward needs, counted in the saved tensors of a block not checkpointed."""
     if plan.ac not in AC_MODES:
         raise UsageError(
             f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
@@ -1291,8 +1365,7 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     mlp, attention = 3 * x + tile, 2 * x + qkv + 8 * n * q
     # --fp8 adds a projection's e4m3 copies (a byte an element): its output gradient's two
     # and its input's columns, at most w2's input beside w2's output gradient, and q's
-    # beside the block's input (1B at 131072: +1.5 GiB measured, +1.5 estimated;
-    # bench/RESULTS.md, "FP8 matmuls").
+    # beside the block's input (bench/RESULTS.md, "FP8 matmuls").
     if plan.fp8:
         mlp += m * f + 2 * m * d
         attention += n * d + 2 * n * q
@@ -1309,10 +1382,10 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
 
 def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int, int], int]:
     """The activations on the GPU until the head's backward, in the backward of the blocks
-    that are moments of estimate_memory's table (by index), and on the host. A block saves,
-    through autograd's hooks (which activation offload takes to the host), its input when
-    checkpointed, else everything; in backward the blocks kept on the GPU come first, each
-    freeing its own, then each offloaded block is fetched with the one before it."""
+    that are moments of estimate_memory's table (by index), and on the host. Activation
+    offload takes what autograd's hooks save to the host; in backward the blocks kept on
+    the GPU come first, each freeing its own, then each offloaded one is fetched with the
+    one before it."""
     n, d, layers = plan.tokens, args.dim, args.n_layers
     full_block, cache, working, working_checkpointed = block_bytes(args, plan, p)
     checkpointed = [cache is not None and i % plan.ac_every == 0 for i in range(layers)]
@@ -1337,10 +1410,9 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int
 
 def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[float, float, float]:
     """The loss's buffers in its forward, in the head's backward and in the blocks'. Fused
-    kernel: the logits chunk, and the gradients it computes in forward and keeps for
-    backward (hidden-sized and output-weight-sized). Reference: [N, V] fp32
-    log-probabilities saved, then their gradient and the fp32 logits' one (12 bytes per
-    logit), and the param_dtype logits' gradient."""
+    kernel: the logits chunk, and the hidden and output gradients it computes in forward.
+    Reference: [N, V] fp32 log-probabilities saved, then their gradient and the fp32
+    logits' one (12 bytes per logit), and the param_dtype logits' gradient."""
     n, v, d = plan.tokens, args.vocab_size, args.dim
     output_grad = 0 if plan.lora is not None else v * d * p  # a frozen output: no gradient
     fused_loss = min(CHUNK_LOGITS_BYTES, n * v * p) + n * d * p + output_grad
@@ -1371,19 +1443,16 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     weights, gradients, written = state["block backward"]
     last = args.n_layers - 1
     names = {0: "first block backward", last: "last block backward"}  # one block: the last
-
-    def block(i: int) -> tuple:  # the head's gradient shard and the later blocks' written
-        moment = names.get(i, "offloaded block backward")
-        return moment, weights, gradients + (last - i) * written, in_backward[i], loss_in_blocks
-
     # moment: parameters, gradients, activations, loss (and AdamW's moments throughout)
     moments = [
         ("loss forward", *state["loss forward"], kept, loss_forward),
         ("head backward", *state["head backward"], kept, loss_backward),
-        *(block(i) for i in in_backward),
-        # activations freed, every shard written, the root's (embedding's) gradient reduced
-        ("backward end", *state["backward end"], 0, 0.0),
     ]
+    for i, held in in_backward.items():  # the head's gradient shard, the later blocks' written
+        moment = names.get(i, "offloaded block backward")
+        moments.append((moment, weights, gradients + (last - i) * written, held, loss_in_blocks))
+    # activations freed, every shard written, the root's (embedding's) gradient reduced
+    moments.append(("backward end", *state["backward end"], 0, 0.0))
     phase, *terms = max(moments, key=lambda moment: sum(moment[1:]))
     parameters, gradients, activations, loss = (term / GiB for term in terms)
     optimizer /= GiB
@@ -1430,27 +1499,24 @@ def memory_line(est: MemoryEstimate, machine: Machine) -> str:
 
 
 # ----------------------------------------------------------------------------------------
-# The plan: the fastest way to take the steps whose estimate fits the machine
+# The planner: the fastest way to take the steps whose estimate fits the machine
 # ----------------------------------------------------------------------------------------
 
 # The share of each memory a plan may fill by its estimate. GPU: twice the estimate's worst
-# miss against the measured peaks (bench/RESULTS.md, "The first block's backward, SwiGLU in
-# place, a 10% GPU margin", "The block in backward, measured"); with expandable segments
-# (train.main's default) the caching allocator can give back what it holds beyond its
-# tensors. Host: the estimate is close to the measured RSS ("CPU offload at scale"), to
-# which each process adds torch, the CUDA context and the loader (HOST_PROCESS_GIB; "The
-# run plan with no memory flags").
+# miss against the measured peaks (bench/RESULTS.md, "The block in backward, measured");
+# expandable segments (train.main's default) let the allocator give back what it holds
+# beyond its tensors. Host: the estimate is close to the measured RSS ("CPU offload at
+# scale"), to which each process adds torch, the CUDA context and the loader
+# (HOST_PROCESS_GIB; "The run plan with no memory flags").
 GPU_MARGIN = 0.10
 HOST_MARGIN = 0.05
 HOST_PROCESS_GIB = 2.0
 
 # Plans are ranked by a model of the step's time (step_seconds): its FLOPs, recomputation
 # included, at the rate measured runs sustained, plus the host time that offload leaves
-# uncovered. It orders plans as the runs of bench/RESULTS.md are ordered ("Sharding and
-# offload", "Long context, less memory", "CPU offload at scale", "Where the step time goes
-# at 128k tokens"), and its seconds, printed past a minute, are within 2x of each recorded
-# step, packed rows' too ("Planner: the step time's guess against the recorded steps");
-# tests/test_shard.py checks both.
+# uncovered. It orders the recorded runs as they were measured, and is within 2x of each
+# recorded step (bench/RESULTS.md, "Planner: the step time's guess against the recorded
+# steps"); tests/test_shard.py checks both.
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
 SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
@@ -1458,8 +1524,7 @@ ACTIVATION_OFFLOAD_COST = 0.01  # of the step, with checkpointing
 CPU_OFFLOAD_S_PER_PARAM = 0.75e-9  # per parameter of a rank's shard, per rank on the host
 IN_BACKWARD_S_PER_PARAM = 0.15e-9
 # What the planner chooses among where the user leaves a field open, fastest first at equal
-# cost: recomputation (offload.AC_MODES), MLP tiles (shorter than the sequence), offloads
-# (all blocks' activations; Planner.partial_offload adds the first N's).
+# cost (Planner.partial_offload adds the offload of the first N blocks).
 CHOICES = {
     "ac": ("none", "selective", "attention", "full"),
     "mlp_tile": (0, 16384, 8192, 4096),
@@ -1508,96 +1573,13 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     return compute_s
 
 
-def options_plan(opts: "train.Options", machine: Machine, **fixed) -> tuple[Plan, dict]:
-    """What the options fix of the plan, with `fixed` (the data's and LoRA's fields), and
-    the planned fields they set (`wanted`: the planner keeps them)."""
-    on_gpu = machine.gpu_gib is not None
-    base = Plan(
-        opts.seq_len, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node,
-        strategy=opts.strategy, ac_every=opts.ac_every, context_parallel=opts.context_parallel,
-        param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
-        kernels=on_gpu if opts.kernels is None else opts.kernels, fp8=opts.fp8, **fixed,
-    )  # fmt: skip
-    return base, {k: getattr(opts, k) for k in PLANNED if getattr(opts, k) is not None}
-
-
-def technique_problems(
-    opts: "train.Options", args: ModelArgs, world_size: int, nproc_per_node: int
-) -> list[str]:
-    """plan_problems of the plan the options ask for on `world_size` processes,
-    `nproc_per_node` a node. (Whether LoRA is on matters, not how: train.py checks that.)"""
-    lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
-    machine = Machine(world_size, nproc_per_node, gpu_gib=None, host_gib=0.0)
-    base, wanted = options_plan(opts, machine, lora=lora)
-    return plan_problems(args, dataclasses.replace(base, **wanted), opts.grad_clip)
-
-
-def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -> list[str]:
-    """Every rule of the techniques and their combinations, stated once: the options are
-    checked by it (technique_problems) and the planner tries only plans it allows.
-    `grad_clip`: the user's --grad-clip (None: the default, which follows the plan)."""
-    problems, cp, blocks = [], plan.context_parallel, plan.offload_blocks
-    if cp >= 1:  # train.check_options refuses the rest
-        if plan.seq_len % cp:
-            problems.append(f"--context-parallel {cp} must divide --seq-len {plan.seq_len}")
-        per_node = plan.nproc_per_node or plan.world_size
-        if plan.world_size % cp or per_node % cp:
-            problems.append(
-                f"--context-parallel {cp} must divide the ranks per node ({per_node}) "
-                f"and the world size ({plan.world_size}): a context-parallel group stays in a node"
-            )
-        kv_ok = args.n_kv_heads % cp == 0 or cp % args.n_kv_heads == 0
-        if args.n_heads % cp or not kv_ok:
-            problems.append(
-                f"--context-parallel {cp} splits attention by heads: it must divide the "
-                f"{args.n_heads} query heads, and divide the {args.n_kv_heads} key/value heads or "
-                f"be a multiple of them"
-            )
-    if plan.fp8:  # cuBLAS's e4m3 matmul multiplies dimensions of multiples of 16 only
-        sizes = {"dim": args.dim, "ffn_dim": args.ffn_dim,
-                 "heads x head_dim": args.n_heads * args.head_dim,
-                 "kv heads x head_dim": args.n_kv_heads * args.head_dim,
-                 "--seq-len / --context-parallel": plan.seq_len // max(cp, 1),
-                 "--mlp-tile": plan.mlp_tile}  # fmt: skip
-        if odd := [f"{k} {v}" for k, v in sizes.items() if v % 16]:
-            problems.append(f"--fp8 needs multiples of 16: {', '.join(odd)}")
-    if blocks is not None and not (plan.activation_offload and 0 <= blocks < args.n_layers):
-        problems.append(
-            f"--offload-blocks {blocks} needs --activation-offload and a value from 0 to "
-            f"{args.n_layers - 1} (the model's blocks but the last)"
-        )
-    if not plan.optimizer_in_backward:
-        return problems
-    # Each parameter is updated during backward, before the step's last gradient exists.
-    # Without CPU offload it runs without FSDP, on one GPU; with it, on FULL_SHARD's shards
-    # (offload.ShardedOptimizerInBackward), whose norm sums over all ranks.
-    refused = {
-        f"--strategy {plan.strategy} (FULL_SHARD only)": plan.strategy != "FULL_SHARD",
-        f"--grad-clip {grad_clip} (the global norm is known only after the updates; pass "
-        "--grad-clip 0)": bool(grad_clip),
-        f"--grad-accum {plan.grad_accum} (the updates happen in every backward)": (
-            plan.grad_accum > 1
-        ),
-        f"{plural(plan.world_size, 'process')} without --cpu-offload (it runs on one GPU)": (
-            plan.world_size > 1 and not plan.cpu_offload
-        ),
-    }
-    problems += [
-        f"--optimizer-in-backward cannot be used with {k}" for k, v in refused.items() if v
-    ]
-    if plan.lora is not None:
-        problems.append("--optimizer-in-backward is for full fine-tuning, not --lora-rank")
-    return problems
-
-
 def make_plan(
     opts: "train.Options", args: ModelArgs, machine: Machine, document_mask: bool, **fixed
 ) -> Plan:
-    """The plan of the run: what the options set, and the fastest choice for the rest that
-    fits `machine` (choose_plan), with what it was made for. The step's sequences per rank
-    (per context-parallel group): --batch-tokens (or its default) in whole sequences, or
-    --micro-batch x --grad-accum when both are given. `fixed`: the plan's `lora`
-    (train.lora_config), `long_documents` and `attended_per_token`."""
+    """The plan of the run: what the options set, the fastest choice for the rest that fits
+    (choose_plan) and what it was made for. The step's sequences per rank (per
+    context-parallel group): --batch-tokens (or its default) in whole sequences, or
+    --micro-batch x --grad-accum when both are given. `fixed`: the data's and LoRA's fields."""
     base, wanted = options_plan(opts, machine, document_mask=document_mask, **fixed)
     cp, asked = opts.context_parallel, opts.batch_tokens
     per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
@@ -1699,8 +1681,7 @@ class Planner:
 
     def partial_offload(self, plan: Plan) -> list[Plan]:
         """`plan` with only the first N blocks offloaded, N the most whose activations the
-        host holds, for a host that cannot hold them all; none where it can, or where it
-        cannot hold even the rest of the plan."""
+        host holds, where it holds some but not all."""
 
         def host_overflows(n: int) -> bool:
             return self.overshoot(dataclasses.replace(plan, offload_blocks=n))[1] > 1
@@ -1715,15 +1696,13 @@ class Planner:
         return next((p for p in self.candidates(sequences) if max(self.overshoot(p)) <= 1), None)
 
     def no_fit_message(self, sequences: int) -> str:
-        """The closest plan (by the worse memory, then both), what it needs and its largest
-        terms, and the ways to fit (ways_to_fit)."""
-        m = self.machine
-
-        def closeness(plan: Plan) -> tuple[float, float]:
-            ratios = self.overshoot(plan)
-            return max(ratios), sum(ratios)
-
-        closest = min(self.candidates(sequences), key=closeness)
+        """The closest plan (by the worse memory, then the other), what it needs and its
+        largest terms, and the first change of each kind that makes a plan of one sequence per
+        rank fit, as flags (context parallelism and LoRA together where neither alone does)."""
+        m, base, wanted = self.machine, self.base, self.wanted
+        closest = min(
+            self.candidates(sequences), key=lambda p: sorted(self.overshoot(p), reverse=True)
+        )
         est = estimate_memory(self.args, closest)
         largest = sorted(est.terms().items(), key=lambda term: -term[1])[:3]
         largest = ", ".join(f"{name} {gib:.1f}" for name, gib in largest)
@@ -1733,18 +1712,6 @@ class Planner:
             f"GiB of host memory per node ({plural(m.nproc_per_node, 'process')} on it).",
             f"The closest, {closest.flags()}, {memory_line(est, m)}; most: {largest} GiB.",
         ]
-        ways, tried = self.ways_to_fit()
-        if ways:
-            return "\n".join([*lines, "It would fit with: " + "; or ".join(ways)])
-        tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
-        where = "" if m.gpu_gib is not None else " in this host's memory"
-        return "\n".join([*lines, f"Neither {tried} would make it fit{where}."])
-
-    def ways_to_fit(self) -> tuple[list[str], list[str]]:
-        """The first change of each kind that makes a plan of one sequence per rank fit, as
-        flags (context parallelism and LoRA together where neither alone does), and the kinds
-        tried."""
-        m, base, wanted = self.machine, self.base, self.wanted
 
         def fits_with(fields: dict, **change) -> bool:
             changed = dataclasses.replace(self, base=dataclasses.replace(base, **fields), **change)
@@ -1785,4 +1752,8 @@ class Planner:
         tried.append("a shorter sequence")
         halves = (base.seq_len // 2**k for k in range(1, base.seq_len.bit_length()))
         ways += first({f"--seq-len {seq}": {"seq_len": seq} for seq in halves if seq >= 1024})
-        return ways, tried
+        if ways:
+            return "\n".join([*lines, "It would fit with: " + "; or ".join(ways)])
+        tried = ", ".join(tried[:-1]) + " nor " + tried[-1]
+        where = "" if on_gpu else " in this host's memory"
+        return "\n".join([*lines, f"Neither {tried} would make it fit{where}."])
