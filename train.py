@@ -111,11 +111,13 @@ def option(default, help: str, **argparse_kwargs):
 
 @dataclass
 class Options:
-    """`micro_batch` is --micro-batch; the comments are the groups --help shows (GROUPS)."""
+    """`group`: the --help group that starts at the field."""
 
-    # Model and data
     model: str | None = option(
-        None, "model preset (default: tiny, unless --hf-checkpoint)", choices=sorted(PRESETS)
+        None,
+        "model preset (default: tiny, unless --hf-checkpoint)",
+        choices=sorted(PRESETS),
+        group="model and data",
     )
     hf_checkpoint: str | None = option(
         None, "start from this HF Llama directory (config + weights)", metavar="DIR"
@@ -131,8 +133,8 @@ class Options:
     )
     eval_data: str | None = option(
         None,
-        "a held-out prepared dataset (the same tokenizer as --data): its mean loss over the "
-        "labelled tokens is logged every --eval-interval steps and at the end; never trained on",
+        "a held-out prepared dataset (the same tokenizer as --data) whose mean loss over its "
+        "labelled tokens is logged; never trained on",
         metavar="DIR",
     )
     eval_interval: int = option(100, "evaluate --eval-data every n steps (and at the end)")
@@ -149,17 +151,14 @@ class Options:
     document_mask: bool | None = option(
         None,
         "no attention across the documents packed in a sequence (default: on for SFT data, "
-        "whose meta.json says sft; --no-document-mask turns it off): on a GPU, documents of "
-        "16,384+ tokens through SDPA's causal kernel, the rest through FlexAttention",
+        "whose meta.json says sft)",
     )
-    # Batch and schedule
     batch_tokens: int | None = option(
         None,
         "tokens per optimizer step over all processes, rounded to whole sequences, at least "
-        f"one per process or context-parallel group (default: {shard.BATCH_TOKENS:,}, a "
-        f"usual fine-tuning batch such as 128 sequences of 4096 tokens; "
-        f"{shard.SMALL_MODEL_BATCH_TOKENS:,} for models under 100M parameters); "
-        "--micro-batch and --grad-accum follow from it",
+        f"one per process or context-parallel group (default: {shard.BATCH_TOKENS:,}; "
+        f"{shard.SMALL_MODEL_BATCH_TOKENS:,} for models under 100M parameters)",
+        group="batch and schedule",
     )
     micro_batch: int | None = option(
         None,
@@ -190,14 +189,14 @@ class Options:
         "optimizer in backward, which cannot clip)",
     )
     seed: int = option(0, "seed of the initialization and the data order")
-    # Memory plan: the five below and --micro-batch are planned when not given, the fastest
-    # combination whose memory estimate fits the GPUs and the host (shard.make_plan).
+    # Those planned, and --micro-batch, are shard.make_plan's choice.
     ac: str | None = option(
         None,
         "activation checkpointing: recompute in backward each whole block (full), all of it "
         "but attention (attention), all but the matmuls and attention (selective), or not "
         "(none) (default: planned)",
         choices=list(offload.AC_MODES),
+        group="memory plan (planned to fit when not given)",
     )
     ac_every: int = option(1, "checkpoint every n-th block")
     mlp_tile: int | None = option(
@@ -219,9 +218,8 @@ class Options:
     optimizer_in_backward: bool | None = option(
         None,
         "AdamW runs on the CPU for each parameter as soon as its gradient is complete in "
-        "backward; fp32 weights and AdamW's state stay on the host. Alone: one GPU, no FSDP; "
-        "with --cpu-offload: on FSDP's host shards, any number of GPUs (default: planned, "
-        "only where nothing else fits, since it cannot clip gradients)",
+        "backward: alone on one GPU, with --cpu-offload on FSDP's host shards (default: "
+        "planned, only where nothing else fits, since it cannot clip gradients)",
     )
     param_dtype: str | None = option(
         None,
@@ -236,16 +234,18 @@ class Options:
         "the blocks' projections multiply in FP8 (e4m3, rowwise scales; kernels/fp8.py); "
         "needs a GPU of compute capability 8.9+ (Ada, Hopper). MFU stays against bf16's peak",
     )
-    # Parallelism
-    strategy: str = option("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
+    strategy: str = option(
+        "FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES), group="parallelism"
+    )
     context_parallel: int = option(
         1,
         "ranks that share each sequence, each holding seq-len / N of its tokens (attention "
         "by an all-to-all over heads; N divides the ranks per node and the heads)",
     )
-    # LoRA: adapters on a frozen base (model.apply_lora)
     lora_rank: int = option(
-        0, "train LoRA adapters of this rank on a frozen base (0: full fine-tuning)"
+        0,
+        "train LoRA adapters of this rank on a frozen base (0: full fine-tuning)",
+        group="LoRA and QLoRA",
     )
     lora_alpha: float = option(16.0, "LoRA's alpha: the adapters' output is scaled by alpha / rank")
     lora_dropout: float = option(0.0, "dropout on the adapters' input")
@@ -260,8 +260,12 @@ class Options:
     lora_adapter: str | None = option(
         None, "start the adapters from this PEFT adapter directory", metavar="DIR"
     )
-    # Checkpoints and export
-    run_dir: str = option("runs/default", "metrics.jsonl, checkpoints/, traces", metavar="DIR")
+    run_dir: str = option(
+        "runs/default",
+        "metrics.jsonl, checkpoints/, traces",
+        metavar="DIR",
+        group="checkpoints and export",
+    )
     checkpoint_interval: int = option(
         100, "save a checkpoint every n steps and at the end (0: never, e.g. for benchmarks)"
     )
@@ -280,8 +284,7 @@ class Options:
     export_adapter: str | None = option(
         None, "at the end, write the LoRA adapters in PEFT's format here", metavar="DIR"
     )
-    # Logging
-    log_interval: int = option(10, "log every n steps")
+    log_interval: int = option(10, "log every n steps", group="logging")
     sample_tokens: int = option(
         200, "at the end, print this many tokens generated by the trained model (0: none)"
     )
@@ -291,9 +294,11 @@ class Options:
         "include the tracing and the writing of the trace (bench/profile_summary.py reads it)",
     )
     memory_snapshot: bool = option(False, "dump a CUDA memory snapshot of the first 3 steps")
-    # The machine to plan for: measured for a run; for --estimate-memory, any machine.
+    # Measured for a run; for --estimate-memory, any machine.
     estimate_memory: bool = option(
-        False, "print the plan for the machine below and its memory estimate, and exit"
+        False,
+        "print the plan for the machine below and its memory estimate, and exit",
+        group="the machine to plan for",
     )
     gpu_memory: float | None = option(
         None,
@@ -312,19 +317,6 @@ class Options:
     nproc_per_node: int | None = option(
         None, "processes per node, for --estimate-memory (default: up to 8 of --world-size)"
     )
-
-
-# --help's groups, each starting at the field named.
-GROUPS = {
-    "model": "model and data",
-    "batch_tokens": "batch and schedule",
-    "ac": "memory plan (planned to fit when not given)",
-    "strategy": "parallelism",
-    "lora_rank": "LoRA and QLoRA",
-    "run_dir": "checkpoints and export",
-    "log_interval": "logging",
-    "estimate_memory": "the machine to plan for",
-}
 
 
 class Parser(argparse.ArgumentParser):
@@ -371,9 +363,9 @@ def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str
     types = {"int": int, "float": float, "str": str}
     group = parser
     for f in dataclasses.fields(Options):
-        if f.name in GROUPS:
-            group = parser.add_argument_group(GROUPS[f.name])
         kwargs = dict(f.metadata, default=f.default)
+        if "group" in kwargs:
+            group = parser.add_argument_group(kwargs.pop("group"))
         if "default:" not in kwargs["help"]:
             shown = f.default  # 0 and 1 are equal to False and True: not looked up
             if f.default is None or isinstance(f.default, bool):
