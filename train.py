@@ -395,12 +395,16 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     problems = []
     if opts.model and opts.hf_checkpoint:
         problems.append("give --model or --hf-checkpoint, not both")
-    at_least_one = "seq_len max_steps ac_every log_interval keep_checkpoints max_tokens "
-    at_least_one += "batch_tokens micro_batch grad_accum world_size nproc_per_node context_parallel"
-    at_least_one += " eval_interval eval_tokens max_seq_len"
-    for name in at_least_one.split():
-        if (value := getattr(opts, name)) is not None and value < 1:
-            problems.append(f"{shard.flag_name(name)} must be >= 1, got {value}")
+    at_least = {
+        1: "seq_len max_steps ac_every log_interval keep_checkpoints max_tokens batch_tokens "
+        "micro_batch grad_accum world_size nproc_per_node context_parallel eval_interval "
+        "eval_tokens max_seq_len",
+        0: "warmup_steps profile checkpoint_interval mlp_tile sample_tokens lora_rank",
+    }
+    for least, names in at_least.items():
+        for name in names.split():
+            if (value := getattr(opts, name)) is not None and value < least:
+                problems.append(f"{shard.flag_name(name)} must be >= {least}, got {value}")
     largest = torch.finfo(torch.float32).max  # AdamW keeps lr and its products in fp32
     for name in ["lr", "min_lr", "grad_clip", "weight_decay"]:
         value = getattr(opts, name)
@@ -420,12 +424,6 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     if opts.lora_rank and not (math.isfinite(opts.lora_alpha) and opts.lora_alpha > 0):
         problems.append(f"--lora-alpha must be a number > 0, got {opts.lora_alpha}")
     problems += output_clashes(opts)
-    at_least_zero = [opts.warmup_steps, opts.profile, opts.checkpoint_interval, opts.mlp_tile or 0]
-    if min(*at_least_zero, opts.sample_tokens, opts.lora_rank) < 0:
-        problems.append(
-            "--warmup-steps, --profile, --checkpoint-interval, --mlp-tile, --sample-tokens "
-            "and --lora-rank must be >= 0"
-        )
     if not opts.estimate_memory and (opts.world_size or opts.nproc_per_node):
         problems.append(
             "--world-size and --nproc-per-node describe a machine for --estimate-memory; "
