@@ -1,19 +1,9 @@
 """Train a Llama: options, setup, then the loop, read top to bottom.
 
-    python train.py                       # the "tiny" preset from scratch on the default corpus
-                                          # (Python's stdlib, byte-tokenized), CPU or one GPU
-    python train.py --help                # every option, in groups
-
-    # One node, 8 GPUs, fine-tuning Llama 3.1 8B on a prepared dataset (python data.py prepare);
-    # checkpointing, offload and micro-batches are planned to fit (printed, and in plan.json):
-    torchrun --nproc-per-node=8 train.py --hf-checkpoint llama-3.1-8b/ --data data/mine \\
-        --seq-len 131072 --lr 1e-5 --max-steps 1000 --run-dir runs/ft --export-hf runs/ft/hf
-
-    # What that plan would be, and its memory, on a machine you are not on:
-    python train.py --estimate-memory --model llama3.1-8b --seq-len 131072 \\
-        --world-size 8 --gpu-memory 80 --host-memory 1000
-
-    # Several nodes under SLURM: README.md, "One sequence over several GPUs", has the script.
+    python train.py           # the "tiny" preset from scratch on the default corpus (Python's
+                              # stdlib, byte-tokenized), CPU or one GPU
+    python train.py --help    # every option, in groups; README.md: fine-tuning, several GPUs
+                              # and nodes, the memory plan and --estimate-memory
 
 The file reads in the order a run goes: the options; setup (`setup`: find the checkpoint to
 resume from and take what it fixes, check what was given, plan, build the model through
@@ -22,9 +12,7 @@ resume); the step and what the loop asks after it; then `train`: a loop of
 `train_step` calls, with logging, evaluation, saving and stopping each decided by the object
 that owns it (`MetricsLog`, `shard.Checkpointer`, `StopSignals`).
 Errors in what was given (data, checkpoint, options) are raised before the first step, as
-one UsageError naming what is wrong and what was expected. SIGTERM or Ctrl-C stop the run
-after the step in progress, with a checkpoint, and it exits with EXIT_STOPPED (75); so does
-a worker whose torchrun died (`stop_when_launcher_dies`).
+one UsageError naming what is wrong and what was expected.
 """
 
 from __future__ import annotations
