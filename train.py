@@ -121,8 +121,7 @@ class Options:
     )
     eval_data: str | None = option(
         None,
-        "a held-out prepared dataset (the same tokenizer as --data) whose mean loss over its "
-        "labelled tokens is logged; never trained on",
+        "a held-out prepared dataset (the same tokenizer as --data) whose mean loss is logged",
         metavar="DIR",
     )
     eval_interval: int = option(100, "evaluate --eval-data every n steps (and at the end)")
@@ -131,15 +130,10 @@ class Options:
     )
     seq_len: int = option(256, "tokens per sequence")
     max_seq_len: int | None = option(
-        None,
-        "raise a HF checkpoint's maximum sequence length (context extension; a preset trained "
-        "from scratch takes any --seq-len)",
-        metavar="N",
+        None, "raise a HF checkpoint's maximum sequence length (context extension)", metavar="N"
     )
     document_mask: bool | None = option(
-        None,
-        "no attention across the documents packed in a sequence (default: on for SFT data, "
-        "whose meta.json says sft)",
+        None, "no attention across the documents packed in a sequence (default: on for SFT data)"
     )
     batch_tokens: int | None = option(
         None,
