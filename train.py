@@ -697,10 +697,9 @@ def resume_options(
     log: Callable,
 ):
     """The options of a run resumed from the checkpoint whose train_state is `saved`, once
-    `taken` (taken_on_resume's) are in them: the checkpoint's global batch (tokens per step)
-    and schedule (max steps) unless given, so that on another number of processes the plan
-    splits the same batch. Logs what was taken and kept. `data_parallel`: the ranks that read
-    rows of their own (those of a context-parallel group share theirs)."""
+    `taken` (taken_on_resume's) are in them: its global batch and schedule unless given, so
+    that on another number of processes the plan splits the same batch. `data_parallel`: the
+    ranks that read rows of their own (those of a context-parallel group share theirs)."""
     saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
     said = []
     if taken:
@@ -995,12 +994,11 @@ def train_step(
 
 
 class MetricsLog:
-    """Decides which steps are logged (every --log-interval, the last, one stopped on, and
-    each evaluated: every --eval-interval and the last) and writes their records to stdout
-    and metrics.jsonl. Values are read only on logged and saved steps, as in nanoGPT:
-    reading them every step would make the host wait for the GPU each step. That read
-    checks every step since the last one for a non-finite loss or gradient norm, before a
-    checkpoint could save spoiled weights."""
+    """Decides which steps are logged and writes their records to stdout and metrics.jsonl
+    (README.md says how to read it). Values are read only on logged and saved steps, as in
+    nanoGPT: reading them every step would make the host wait for the GPU each step. That
+    read checks every step since the last one for a non-finite loss or gradient norm, before
+    a checkpoint could save spoiled weights."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -1011,11 +1009,8 @@ class MetricsLog:
         self.checked_step = self.logged_step = run.start_step
         self.started = self.logged_at = time.perf_counter()
         self.last: StepResult | None = None
-        # metrics.jsonl only grows. A resumed run appends a line {"resumed_from": checkpoint,
-        # "step": its step}, then the steps it takes: the records of steps after that
-        # checkpoint that a killed run logged stay, superseded by the later records of the
-        # same step (the last record of a step is the one that counts). A line cut short by
-        # a kill or a full disk stays as it is, said once; this run's lines start after it.
+        # metrics.jsonl only grows: a resumed run marks where it starts, and a line cut short
+        # by a kill or a full disk stays as it is, said once; this run's lines start after it.
         if run.world.is_main:
             damaged, cut = damaged_lines(self.path)
             if damaged:
@@ -1141,9 +1136,8 @@ def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tu
 def held_out_evaluation(
     opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.World, model
 ) -> Callable[[], tuple[float, int]] | None:
-    """The evaluation of --eval-data's rows (--eval-tokens' or all, at least one per
-    data-parallel group), read in order and split as the training rows are; None without
-    --eval-data."""
+    """The evaluation of --eval-data's rows (--eval-tokens' or all), read in order and split
+    as the training rows are; None without --eval-data."""
     if held_out is None:
         return None
     eval_loader = loader_of(held_out, plan, world)
@@ -1397,23 +1391,18 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
 
 
 def finish(run: Run, step: int) -> None:
-    """What a run does at its end: on a signal, say how to resume; at the last step, export,
-    print a sample of the model, and say where everything is and how to go on. Each command
-    it prints continues from a checkpoint that holds the run's last weights, and is printed
-    only where there is one."""
+    """The run's end: on a signal, how to resume; at the last step, the exports, a sample, and
+    where everything is. Each command it prints continues from a checkpoint that holds the
+    run's last weights, and is printed only where there is one."""
     opts, log, last = run.opts, run.log, run.checkpointer.last
     saved_now = last is not None and shard.step_of(last) == step
     if step < run.max_steps:
         stopped = f"stopped at step {step} of {run.max_steps} on a signal"
-        if saved_now:
-            log(f"{stopped}; saved {last}. Resume with:\n  {resume_command(run)}")
-        elif last:
-            log(
-                f"{stopped}; saved nothing (--checkpoint-interval 0): the last checkpoint is "
-                f"{last}. Resume from there with:\n  {resume_command(run)}"
-            )
-        else:
+        if last is None:
             log(f"{stopped}; no checkpoint (--checkpoint-interval 0): nothing to resume from")
+        else:
+            saved = "saved" if saved_now else "saved nothing (--checkpoint-interval 0): the last is"
+            log(f"{stopped}; {saved} {last}. Resume with:\n  {resume_command(run)}")
         return
     if opts.export_hf:
         dtype = DTYPES[run.plan.param_dtype]
@@ -1450,9 +1439,8 @@ def resume_command(run: Run, **changes) -> str:
 
 
 def print_sample(run: Run) -> None:
-    """A short sample of the trained model, decoded by the data's tokenizer: after BOS (EOS
-    where the tokenizer has none), or for SFT data after a short user turn in the data's chat
-    format; where there is no tokenizer to decode it, why."""
+    """A short sample of the trained model, decoded by the data's tokenizer, after BOS or, for
+    SFT data, a short user turn in its chat format; where there is no tokenizer, why."""
     tokenizer, n = run.text_tokenizer, run.opts.sample_tokens
     if not n:
         return
@@ -1478,10 +1466,8 @@ def print_sample(run: Run) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # The caching allocator grows its segments in place instead of leaving gaps between
-    # fixed ones: less memory reserved beyond what is allocated, at the same speed
-    # (bench/RESULTS.md, "Pinned pieces and expandable segments"). Read at CUDA's first
-    # use, which is later; a setting of the user's own stays.
+    # Segments that grow in place: less memory reserved, at the same speed (bench/RESULTS.md,
+    # "Pinned pieces and expandable segments"). Read at CUDA's first use, which is later.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     opts, given = parse_options(argv)
     # Before the first step and after the last, SIGTERM stops the run as Ctrl-C does (the
@@ -1495,7 +1481,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         finished = train(opts, given)
     except KeyboardInterrupt:
-        # Nothing in training is lost: the run directory's checkpoints are as they were.
         if not other_rank():  # Ctrl-C under torchrun reaches every rank
             # Before the first step the command as given starts the run again; after the
             # last, the final checkpoint (if any) is what a resume continues from.
