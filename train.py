@@ -869,7 +869,7 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     evaluate_held_out = held_out_evaluation(opts, held_out, plan, world, model)
     run_dir = Path(opts.run_dir)
     checkpointer = shard.Checkpointer(
-        run_dir / "checkpoints",
+        checkpoints,
         opts.checkpoint_interval,
         opts.keep_checkpoints,
         world,
@@ -878,7 +878,14 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
             "options": dataclasses.asdict(opts),
         },
     )
-    step = resume(opts, checkpointer, optimizer, loader, resume_from, saved, log)
+    step = 0
+    if saved:  # the weights, optimizer state, data cursor and random state
+        step = checkpointer.restore(resume_from, saved, optimizer, loader)
+        by = plural(saved["run"]["world_size"], "process")
+        log(f"resumed from {resume_from} at step {step} (saved by {by}, now {world.world_size})")
+    elif opts.resume:
+        start = f"from {opts.hf_checkpoint}" if opts.hf_checkpoint else "from random weights"
+        log(f"no checkpoint in {checkpoints}: starting {start}")
     # Everything given is checked and loaded: from here on the run writes into its directory.
     lock = shard.lock_run_dir(run_dir, world.is_main)
     if world.is_main:
@@ -913,21 +920,6 @@ def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool
             f"{params_text(args.num_params())} are frozen"
         )
     return model, build_optimizer(model, plan, opts, world.device)
-
-
-def resume(opts, checkpointer, optimizer, loader, resume_from, saved, log: Callable) -> int:
-    """The step the run starts at: a checkpoint's, with its weights, optimizer state, data
-    cursor and random state loaded, or 0."""
-    if resume_from is None:
-        if opts.resume:
-            start = f"from {opts.hf_checkpoint}" if opts.hf_checkpoint else "from random weights"
-            log(f"no checkpoint in {Path(opts.run_dir) / 'checkpoints'}: starting {start}")
-        return 0
-    step = checkpointer.restore(resume_from, saved, optimizer, loader)
-    saved_by = plural(saved["run"]["world_size"], "process")
-    now = checkpointer.world.world_size
-    log(f"resumed from {resume_from} at step {step} (saved by {saved_by}, now {now})")
-    return step
 
 
 def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -> None:
