@@ -438,21 +438,15 @@ def output_clashes(opts: Options) -> list[str]:
     where = lambda path: Path(path).resolve()  # noqa: E731
     run_dir = where(opts.run_dir)
     taken = {run_dir: "the --run-dir", run_dir / "checkpoints": "the --run-dir's checkpoints"}
-    for name in ("hf_checkpoint", "lora_adapter"):
-        if path := getattr(opts, name):
-            taken[where(path)] = f"the {shard.flag_name(name)} directory"
     problems = []
-    for name in ("export_hf", "export_adapter"):
+    for name in ("hf_checkpoint", "lora_adapter", "export_hf", "export_adapter"):
         if not (given := getattr(opts, name)):
             continue
-        out = where(given)
-        if clash := taken.get(out) or (
-            run_dir / "checkpoints" in out.parents and "inside the --run-dir's checkpoints"
-        ):
-            problems.append(
-                f"{shard.flag_name(name)} {given} is {clash}: the export would replace it"
-            )
-        taken[out] = f"the {shard.flag_name(name)} directory"
+        path, flag = where(given), shard.flag_name(name)
+        inside = run_dir / "checkpoints" in path.parents and "inside the --run-dir's checkpoints"
+        if name.startswith("export") and (clash := taken.get(path) or inside):
+            problems.append(f"{flag} {given} is {clash}: the export would replace it")
+        taken[path] = f"the {flag} directory"
     return problems
 
 
