@@ -621,18 +621,6 @@ def apply_techniques(
     )
 
 
-def build_optimizer(model: Llama, plan: shard.Plan, opts: Options, device: torch.device):
-    betas = (opts.beta1, opts.beta2)
-    if plan.optimizer_in_backward and plan.cpu_offload:  # on FSDP's shards on the host
-        return offload.ShardedOptimizerInBackward(model, opts.lr, betas, opts.weight_decay)
-    if plan.optimizer_in_backward:
-        dtype = DTYPES[plan.param_dtype]
-        return offload.OptimizerInBackward(model, device, dtype, opts.lr, betas, opts.weight_decay)
-    # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then.
-    fused = device.type == "cuda" or plan.cpu_offload
-    return shard.ShardedAdamW(model, betas, opts.weight_decay, opts.grad_clip, fused)
-
-
 @dataclass
 class Run:
     """What setup makes and the loop uses."""
@@ -913,7 +901,15 @@ def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool
             f"{params_text(trained)} parameters train, the base's "
             f"{params_text(args.num_params())} are frozen"
         )
-    return model, build_optimizer(model, plan, opts, world.device)
+    betas, decay = (opts.beta1, opts.beta2), opts.weight_decay
+    if plan.optimizer_in_backward and plan.cpu_offload:  # on FSDP's shards on the host
+        return model, offload.ShardedOptimizerInBackward(model, opts.lr, betas, decay)
+    if plan.optimizer_in_backward:
+        dtype = DTYPES[plan.param_dtype]
+        return model, offload.OptimizerInBackward(model, world.device, dtype, opts.lr, betas, decay)
+    # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then.
+    fused = world.device.type == "cuda" or plan.cpu_offload
+    return model, shard.ShardedAdamW(model, betas, decay, opts.grad_clip, fused)
 
 
 def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -> None:
