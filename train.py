@@ -46,7 +46,6 @@ from data import (
     Batch,
     HFTokenizer,
     PackedLoader,
-    RunData,
     TokenDataset,
     Tokenizer,
     UsageError,
@@ -498,9 +497,8 @@ def command_line(opts: Options, given: frozenset[str], **changes) -> str:
 
 
 def model_args(opts: Options) -> ModelArgs:
-    """The model's shape. A preset trained from scratch has no learned length: its
-    max_seq_len follows --seq-len (RoPE's angles come from positions, no table to outgrow).
-    A HF checkpoint's length is the one it learned, raised only by --max-seq-len."""
+    """The model's shape. A preset trained from scratch has no learned length (RoPE's angles
+    come from positions): its max_seq_len follows --seq-len; a HF checkpoint's is its own."""
     if opts.hf_checkpoint:
         args = ModelArgs.from_hf_config(opts.hf_checkpoint)
     else:
@@ -775,32 +773,11 @@ def check_this_machine(opts: Options) -> None:
         )
 
 
-def open_run_data(
-    opts: Options, args: ModelArgs, is_main: bool, log: Callable
-) -> tuple[RunData, TokenDataset | None]:
-    """The training data with its tokenizers (data.open_data), and --eval-data's, if given."""
-    sizes = (args.vocab_size, args.max_seq_len)
-    run_data = open_data(
-        opts.data, opts.tokenizer, opts.hf_checkpoint, *sizes, opts.seq_len, is_main
-    )
-    export_tokenizer = run_data.export_tokenizer
-    if opts.export_hf and not (export_tokenizer and export_tokenizer.has_tokenizer()):
-        log(
-            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
-            f"prepared {run_data.dataset.path} ({run_data.dataset.meta['tokenizer']}) to "
-            f"include it"
-        )
-    if not opts.eval_data:
-        return run_data, None
-    return run_data, open_eval_data(opts.eval_data, *sizes, opts.seq_len, run_data.dataset)
-
-
 def setup(opts: Options, given: frozenset[str]) -> Run:
     """The run, ready for its first step, in the order the module docstring gives."""
     log = (lambda *a, **k: None) if other_rank() else print
-    # The checkpoint first (checked from its files' sizes and headers alone): a resumed run
-    # takes from it the options not given that it was made for, the model and the sequence
-    # length among them, and the checks and the plan below are of those.
+    # The checkpoint first (checked from its files' sizes and headers alone): the checks and
+    # the plan below are of the options a resumed run takes from it (the model among them).
     checkpoints = Path(opts.run_dir) / "checkpoints"
     resume_from, saved = shard.find_checkpoint(opts.resume, checkpoints, log) or (None, None)
     taken = taken_on_resume(opts, given, saved) if saved else {}
@@ -812,8 +789,19 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     torch.manual_seed(opts.seed)
     lora = lora_config(opts)
     check_given(opts, args, lora, resuming=saved is not None)
-    run_data, held_out = open_run_data(opts, args, world.is_main, log)
+    sizes = (args.vocab_size, args.max_seq_len)
+    run_data = open_data(
+        opts.data, opts.tokenizer, opts.hf_checkpoint, *sizes, opts.seq_len, world.is_main
+    )
     dataset, export_tokenizer = run_data.dataset, run_data.export_tokenizer
+    if opts.export_hf and not (export_tokenizer and export_tokenizer.has_tokenizer()):
+        log(
+            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
+            f"prepared {dataset.path} ({dataset.meta['tokenizer']}) to include it"
+        )
+    held_out = None
+    if opts.eval_data:
+        held_out = open_eval_data(opts.eval_data, *sizes, opts.seq_len, dataset)
     run_record = {
         "model": dataclasses.asdict(args),
         "seq_len": opts.seq_len,
