@@ -170,7 +170,6 @@ class Options:
         "optimizer in backward, which cannot clip)",
     )
     seed: int = option(0, "seed of the initialization and the data order")
-    # Those planned, and --micro-batch, are shard.make_plan's choice.
     ac: str | None = option(
         None,
         "activation checkpointing: recompute in backward each whole block (full), all of it "
