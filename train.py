@@ -5,14 +5,12 @@
     python train.py --help    # every option, in groups; README.md: fine-tuning, several GPUs
                               # and nodes, the memory plan and --estimate-memory
 
-The file reads in the order a run goes: the options; setup (`setup`: find the checkpoint to
-resume from and take what it fixes, check what was given, plan, build the model through
-`apply_techniques`, which states the order in which the techniques compose, open the data,
-resume); the step and what the loop asks after it; then `train`: a loop of
-`train_step` calls, with logging, evaluation, saving and stopping each decided by the object
-that owns it (`MetricsLog`, `shard.Checkpointer`, `StopSignals`).
-Errors in what was given (data, checkpoint, options) are raised before the first step, as
-one UsageError naming what is wrong and what was expected.
+The file reads in the order a run goes: the options; `setup` (the checkpoint to resume from
+and what it fixes, the checks, the plan, the model built by `apply_techniques`, the data); the
+step and what the loop asks after it; then `train`, a loop of `train_step` calls whose logging,
+evaluation, saving and stopping are each decided by the object that owns it (`MetricsLog`,
+`shard.Checkpointer`, `StopSignals`). Errors in what was given are raised before the first
+step, as one UsageError naming what is wrong and what was expected.
 """
 
 from __future__ import annotations
@@ -92,7 +90,6 @@ EXIT_STOPPED = 75
 
 
 def option(default, help: str, **argparse_kwargs):
-    """An Options field: its default, and what argparse makes of its flag."""
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
@@ -300,8 +297,7 @@ class Options:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with a suggestion for a mistyped flag (and made without abbreviations:
-    --max-step is no --max-steps)."""
+    """argparse that suggests a flag for a mistyped one, and takes no abbreviation (--max-step)."""
 
     def parse_args(self, argv=None, namespace=None):
         argv = sys.argv[1:] if argv is None else argv
@@ -324,21 +320,19 @@ class Parser(argparse.ArgumentParser):
 
 
 def other_rank() -> bool:
-    """Whether this is a process of torchrun's other than rank 0 (a stray RANK in the
-    environment of a single process is not)."""
+    """A torchrun process other than rank 0 (not a single process with a stray RANK)."""
     return shard.torchrun_processes()[0] > 1 and os.environ.get("RANK", "0") != "0"
 
 
 def exit_after_rank_0(status: int) -> NoReturn:
-    """Exits without a word, where rank 0 says why: after a moment, since torchrun stops
-    every process once one has exited, and rank 0 may not have said it yet."""
+    """Exits silently, where rank 0 says why: after a moment, since torchrun stops every
+    process once one exits, and rank 0 may not have said it yet."""
     time.sleep(2)
     sys.exit(status)
 
 
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
-    """The options, and the names of those given on the command line: resuming takes the
-    others that the checkpoint fixes or keeps from it (taken_on_resume, resume_options)."""
+    """The options, and the names of those on the command line, which resuming keeps."""
     parser = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     types = {"int": int, "float": float, "str": str}
     group = parser
@@ -369,9 +363,8 @@ def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str
 
 
 def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int) -> None:
-    """The options against each other and the model's shape, before any data or weights are
-    read or any process group is joined; every problem in one error. `world_size` and
-    `per_node`: the processes of the run (torchrun's) or of the machine estimated."""
+    """The options against each other and the model's shape, before anything is read or joined,
+    every problem in one error. `world_size`, `per_node`: torchrun's, or the machine estimated."""
     problems = []
     if opts.model and opts.hf_checkpoint:
         problems.append("give --model or --hf-checkpoint, not both")
@@ -472,8 +465,7 @@ def lr_at(step: int, opts: Options, max_steps: int) -> float:
 
 
 def command_line(opts: Options, given: frozenset[str], **changes) -> str:
-    """The command of this run (the options it was given) with `changes`, runnable from the
-    current directory. Resuming with it continues the run where it stopped."""
+    """This run's command (the options it was given) with `changes`, runnable from here."""
     opts = dataclasses.replace(opts, **changes)
     world_size, per_node = shard.torchrun_processes()
     script = os.path.relpath(REPO / "train.py")
@@ -523,8 +515,7 @@ def default_lr(args: ModelArgs) -> float:
 
 
 def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
-    """The options with the learning rates and clipping decided (the planned fields are
-    the plan's: read them there)."""
+    """The options with lr, min_lr and grad_clip decided (the planned ones: read the plan)."""
     lr = default_lr(args) if opts.lr is None else opts.lr
     min_lr = lr / 10 if opts.min_lr is None else opts.min_lr
     if not 0 <= min_lr <= lr:
@@ -537,10 +528,9 @@ def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
 
 
 def check_adamw_range(lr: float, beta1: float, weight_decay: float) -> None:
-    """AdamW multiplies the weights by 1 - lr * weight_decay and moves them by up to
-    lr / (1 - beta1**t), at its largest on the first step, each computed as a float32 scalar:
-    a product past float32's range ends its first step in an overflow. (The lr and beta1 are
-    the run's final ones: a resumed run may take them from its checkpoint.)"""
+    """AdamW's float32 scalars 1 - lr * weight_decay (the weights' scale) and lr / (1 - beta1**t)
+    (the step size, largest at t = 1) overflow in the first step past float32's range. lr and
+    beta1 are the run's final ones: a resumed run may take its checkpoint's."""
     largest = torch.finfo(torch.float32).max
     problems = []
     if lr / (1 - beta1) > largest:
