@@ -560,26 +560,21 @@ def apply_techniques(
 ) -> None:
     """Makes the meta-built model the one the plan describes, in the one order in which the
     techniques compose (every other docstring points here):
-      0. LoRA (model.apply_lora) replaces the adapted projections and freezes the rest: the
-         modules the next steps wrap, shard and fill must be the final ones;
-      1. activation checkpointing (offload.apply_ac) and 2. MLP tiling (a checkpoint per
-         tile, inside the block's): they change how the blocks run, and come before
-         sharding so that the forward recomputed in backward runs through FSDP's hooks
-         again, which re-gather the weights freed after forward;
-      3. context parallelism (shard.apply_context_parallel), when ranks share sequences:
-         its all-to-alls go around attention as checkpointing left it (around the kept
-         attention), and run inside the blocks, so a recomputed block redoes them;
-      4. FSDP (shard.apply_fsdp) shards the blocks as they now are, with mixed precision
-         and, if planned, CPU offload;
-      5. materialization comes last, so that each rank allocates only its own shards: the
-         whole model never exists on one device.
-    With the optimizer in backward and no CPU offload (one GPU) there is no FSDP: the model
-    is materialized in fp32 on the host, as the master weights offload.OptimizerInBackward
-    keeps.
-    Activation offload (offload.activation_offload) is not applied to the model: it wraps
-    each forward of the step (train_step); --fp8 neither: it picks the ops the model is
-    built with (model.fp8_ops, in build). (torch.compile of each block, which would come
-    between 2 and 4, measured slower than eager here and is not offered.)"""
+      0. LoRA (model.apply_lora) replaces the adapted projections and freezes the rest, so
+         that the next steps wrap, shard and fill the final modules;
+      1. activation checkpointing (offload.apply_ac) and 2. MLP tiling (a checkpoint per tile,
+         inside the block's) come before sharding, so that the forward recomputed in backward
+         runs through FSDP's hooks again, which re-gather the weights freed after forward;
+      3. context parallelism (shard.apply_context_parallel): its all-to-alls go around
+         attention as checkpointing left it, inside the blocks: a recomputed block redoes them;
+      4. FSDP (shard.apply_fsdp) shards the blocks as they now are, with mixed precision and,
+         if planned, CPU offload;
+      5. materialization last: each rank allocates only its own shards, never the whole model.
+    With the optimizer in backward and no CPU offload (one GPU) there is no FSDP: the model is
+    materialized in fp32 on the host, as offload.OptimizerInBackward's master weights.
+    Activation offload wraps each forward of the step instead (train_step); --fp8 picks the
+    ops the model is built with (build). torch.compile of each block (between 2 and 4)
+    measured slower than eager here and is not offered."""
     if plan.lora:
         apply_lora(model, plan.lora, base_dtype=DTYPES[plan.param_dtype], kernels=plan.kernels)
     offload.apply_ac(model, plan.ac, every=plan.ac_every)
@@ -597,10 +592,9 @@ def apply_techniques(
         plan.strategy,
         cpu_offload=plan.cpu_offload,
         param_dtype=DTYPES[plan.param_dtype],
-        # The optimizer in backward reads each gradient in FSDP's hook: pinned shards would
-        # let torch < 2.13 copy it there without blocking, so the hook could read it before
-        # it arrived. Plain memory also spares the pinned allocator's rounding up, at the
-        # cost of slower copies.
+        # The optimizer in backward reads each gradient in FSDP's hook: into pinned shards,
+        # torch < 2.13 copies it without blocking, and the hook could read it too early.
+        # Plain memory also spares the pinned allocator's rounding up, for slower copies.
         pin_memory=not plan.optimizer_in_backward,
     )
     shard.materialize(
@@ -631,9 +625,8 @@ class Run:
     lock: object  # run_dir/.lock, held open as long as the run lives (shard.lock_run_dir)
 
 
-# The options that name what a checkpoint was made for (the data: whose samples the loader's
-# cursor counts). Given again with another value, they are refused (check_resumable; the
-# loader refuses another number of samples).
+# The options that name what a checkpoint was made for (the data too: the loader's cursor
+# counts its samples); another value given is refused (check_resumable, or the loader).
 FIXED_BY_CHECKPOINT = ("model", "hf_checkpoint", "max_seq_len", "seq_len", "strategy",
                        "lora_rank", "lora_alpha", "lora_targets", "data", "tokenizer")  # fmt: skip
 # The options of the run's course, which may change when given again.
@@ -665,10 +658,9 @@ def resume_options(
     taken: dict,
     log: Callable,
 ):
-    """The options of a run resumed from the checkpoint whose train_state is `saved`, once
-    `taken` (taken_on_resume's) are in them: its global batch and schedule unless given, so
-    that on another number of processes the plan splits the same batch. `data_parallel`: the
-    ranks that read rows of their own (those of a context-parallel group share theirs)."""
+    """The options resumed from `saved` (as taken_on_resume), `taken` in them: its global
+    batch and schedule unless given, so that on another number of processes the plan splits
+    the same batch. `data_parallel`: the ranks reading their own rows (not context-parallel)."""
     saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
     said = []
     if taken:
@@ -709,9 +701,8 @@ def estimate(opts: Options) -> None:
 
 
 def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resuming: bool) -> None:
-    """Everything given, checked before any step and before anything is written: files that
-    every rank sees alike (a shared filesystem), so all ranks raise the same error and none
-    waits on another. (The checkpoint to resume from is found and checked first, in setup.)"""
+    """Everything given, checked before anything is written, in files every rank sees alike
+    (a shared filesystem): all ranks raise the same error, and none waits on another."""
     run_dir = Path(opts.run_dir)
     shard.check_run_dir(run_dir)
     if opts.hf_checkpoint:
@@ -740,8 +731,7 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resumin
 
 
 def check_this_machine(opts: Options) -> None:
-    """The options that need a GPU, on a machine without one (shard.init_distributed takes
-    a GPU where there is one)."""
+    """The options that need a GPU, where there is none (shard.init_distributed takes any)."""
     if torch.cuda.is_available():
         if opts.fp8 and torch.cuda.get_device_capability() < (8, 9):
             raise UsageError(
@@ -857,9 +847,8 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
 
 
 def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool, log):
-    """The model the plan describes (on the meta device, then apply_techniques), loaded or
-    initialized, and its optimizer. Resuming reads the checkpoint's weights later, except a
-    LoRA run's frozen base, which is not in it."""
+    """The model the plan describes, loaded or initialized, and its optimizer. Resuming reads
+    the checkpoint's weights later, but a LoRA run's frozen base here: the checkpoint lacks it."""
     with torch.device("meta"):
         ops = triton_ops() if plan.kernels else REFERENCE_OPS
         if plan.fp8:
@@ -890,7 +879,6 @@ def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool
 
 
 def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -> None:
-    """One line: what trains on what, and how."""
     frozen = plan.lora is not None
     flops_per_token = args.flops_per_token(opts.seq_len, frozen)
     layout = "optimizer in backward" if plan.optimizer_in_backward else plan.strategy
