@@ -919,9 +919,8 @@ def train_step(
     micro_batches: list[Batch],
     offload_activations: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> StepResult:
-    """One optimizer step (with the optimizer in backward, its step() waits for the last
-    updates). The loss is the mean over the step's labelled tokens on all ranks, not a mean of
-    per-micro-batch means: micro-batches hold different numbers of labelled tokens."""
+    """One optimizer step. The loss is the mean over the step's labelled tokens on all ranks,
+    not of per-micro-batch means: micro-batches hold different numbers of labelled tokens."""
     n_labels = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches)
     dist.all_reduce(n_labels)
     n_labels = n_labels.clamp(min=1)
@@ -941,11 +940,10 @@ def train_step(
 
 
 class MetricsLog:
-    """Decides which steps are logged and writes their records to stdout and metrics.jsonl
-    (README.md says how to read it). Values are read only on logged and saved steps, as in
-    nanoGPT: reading them every step would make the host wait for the GPU each step. That
-    read checks every step since the last one for a non-finite loss or gradient norm, before
-    a checkpoint could save spoiled weights."""
+    """Decides which steps are logged, and writes their records to stdout and metrics.jsonl
+    (README.md reads it). Values are read only on logged and saved steps (a read every step
+    would make the host wait for the GPU), checking all steps since the last read for a
+    non-finite loss or gradient norm before a checkpoint could save spoiled weights."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -957,7 +955,7 @@ class MetricsLog:
         self.started = self.logged_at = time.perf_counter()
         self.last: StepResult | None = None
         # metrics.jsonl only grows: a resumed run marks where it starts, and a line cut short
-        # by a kill or a full disk stays as it is, said once; this run's lines start after it.
+        # (a kill, a full disk) is said once and left; this run's lines start after it.
         if run.world.is_main:
             damaged, cut = damaged_lines(self.path)
             if damaged:
@@ -991,7 +989,6 @@ class MetricsLog:
         return due or self.evaluating(step, stopping)
 
     def read(self, step: int, last_saved: Path | None) -> tuple[float, float]:
-        """The last step's loss and gradient norm, checked as the class docstring says."""
         dist.all_reduce(self.last.loss_sum)
         dist.all_reduce(self.nonfinite, op=dist.ReduceOp.MAX)
         loss = (self.last.loss_sum / self.last.n_labels).item()
@@ -1048,9 +1045,8 @@ class MetricsLog:
 
 
 def damaged_lines(path: Path) -> tuple[list[int], bool]:
-    """The numbers (from 1) of the lines of the JSON-lines file `path` that are not a JSON
-    object, and whether its last line is cut short (no newline at its end). Read a line at a
-    time: a long run's log may be large."""
+    """The numbers (from 1) of `path`'s lines that are not a JSON object, and whether its last
+    is cut short (no newline). Read a line at a time: a long run's log may be large."""
     damaged, line = [], b"\n"
     if not path.is_file():
         return damaged, False
@@ -1065,8 +1061,8 @@ def damaged_lines(path: Path) -> tuple[list[int], bool]:
 
 
 def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tuple[float, int]:
-    """The mean loss over the labelled tokens of `batches()` on all ranks, and their count
-    (under no_grad: no activations kept, no gradients in the fused loss)."""
+    """The mean loss over `batches()`' labelled tokens on all ranks, and their count (under
+    no_grad: no activations kept, and the fused loss computes no gradients)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, labelled tokens
     with torch.no_grad():
@@ -1083,8 +1079,7 @@ def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tu
 def held_out_evaluation(
     opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.World, model
 ) -> Callable[[], tuple[float, int]] | None:
-    """The evaluation of --eval-data's rows (--eval-tokens' or all), read in order and split
-    as the training rows are; None without --eval-data."""
+    """--eval-data's evaluation: its rows (--eval-tokens' or all), in order, split as training's."""
     if held_out is None:
         return None
     eval_loader = loader_of(held_out, plan, world)
@@ -1102,8 +1097,7 @@ def held_out_evaluation(
 def loader_of(
     dataset: TokenDataset, plan: shard.Plan, world: shard.World, **kwargs
 ) -> PackedLoader:
-    """The rows of this rank: each data-parallel group of context_parallel ranks reads its
-    own rows, and each rank of a group a slice of them (shard.py's context parallelism)."""
+    """This rank's rows: each group of context_parallel ranks reads its own, each rank a slice."""
     cp = plan.context_parallel
     return PackedLoader(
         dataset, plan.seq_len, plan.micro_batch, world.rank // cp, world.world_size // cp,
@@ -1136,9 +1130,8 @@ def hms(seconds: float) -> str:
 
 
 class Instruments:
-    """The one-off measurements beside the loop: the memory peaks after the first two steps
-    (printed beside the plan's estimate, and saved in plan.json), --memory-snapshot's
-    record of the first three, and --profile's trace."""
+    """The one-off measurements beside the loop: the memory peaks after two steps (printed
+    beside the plan's estimate, saved in plan.json), --memory-snapshot's and --profile's."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -1182,10 +1175,9 @@ class Instruments:
 
 
 class StopSignals:
-    """SIGTERM and SIGINT (Ctrl-C, SLURM before it preempts a job, torchrun passing either
-    on) ask the run to stop after the step in progress, with a checkpoint. A second one
-    exits at once. Signals that arrive within a second of the first count as the same one:
-    a Ctrl-C reaches torchrun and every worker, and torchrun passes it on once more."""
+    """SIGTERM and SIGINT (Ctrl-C, SLURM's preemption, torchrun passing either on) stop the
+    run after this step, with a checkpoint; a second one, at once. One within a second of the
+    first is the same: a Ctrl-C reaches every worker, and torchrun passes it on again."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -1211,9 +1203,8 @@ class StopSignals:
             os._exit(EXIT_STOPPED)  # as stopped after a step: the last checkpoint resumes
 
     def agreed(self) -> bool:
-        """Whether any rank was asked to stop; every rank calls it at the end of each step
-        and all get the same answer. Its cost is one all-reduce of a CPU integer (gloo, a
-        host round trip between the processes, well under a millisecond on one node); it
+        """Whether any rank was asked to stop, alike on all (each calls it after each step):
+        one all-reduce of a CPU integer (gloo, well under a millisecond on one node), which
         does not wait for the GPU."""
         stop = torch.tensor([self.received is not None], dtype=torch.int32)
         if dist.get_world_size() > 1:
@@ -1231,20 +1222,18 @@ LAUNCHER_GONE_GRACE_S = 30.0
 
 
 def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
-    """Under torchrun: a worker whose agent died alone (kill -9, the OOM killer, a node
-    agent's crash) is adopted by another process and would train on, holding the run
-    directory's lock. A thread watches for that adoption; then the worker sends itself the
-    SIGTERM torchrun would have sent: it stops after the step in progress, with a
-    checkpoint (StopSignals; before the first step, at once). A worker that is still alive
-    LAUNCHER_GONE_GRACE_S later (a rank stuck in a collective whose peer is gone) exits, once
-    any checkpoint it is writing is complete."""
+    """A worker whose torchrun agent died alone (kill -9, the OOM killer) is adopted by another
+    process and would train on, holding the run directory's lock. A thread watches for that
+    and sends the worker the SIGTERM torchrun would have (StopSignals). Still alive
+    LAUNCHER_GONE_GRACE_S later (stuck in a collective whose peer is gone), it exits once any
+    checkpoint it is writing is complete."""
     launcher = os.getppid()
 
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(poll_s)
-        # Each rank that sees it says so: the first to see it stops them all (StopSignals
-        # agrees), and may do so before the others look again.
+        # Each rank that sees it says so: the first stops them all (StopSignals agrees),
+        # maybe before the others look again.
         rank = os.environ.get("RANK", "0")
         to_stderr(f"rank {rank}: torchrun (pid {launcher}) is gone: stopping after this step")
         os.kill(os.getpid(), signal.SIGTERM)
