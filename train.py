@@ -1252,14 +1252,13 @@ def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
 
 
 def to_stderr(line: str) -> None:
-    """One line on stderr in one write (print writes the newline apart), so that the lines
-    of several processes sharing a terminal do not run into each other."""
+    """One line on stderr in one write (print writes the newline apart), so that the lines of
+    processes sharing a terminal do not run into each other."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
 def show_progress(what: str) -> Callable[[int, int], None]:
-    """A one-line progress display on stderr for long work: done/total, elapsed time."""
     start = time.perf_counter()
 
     def report(done: int, total: int) -> None:
@@ -1272,8 +1271,7 @@ def show_progress(what: str) -> Callable[[int, int], None]:
 
 def printable(text: str) -> str:
     """`text` with control characters but newlines and tabs escaped (\\x1b, \\r): a barely
-    trained model samples any bytes, and raw ones would move the cursor or restyle the
-    terminal the log is read in."""
+    trained model samples any bytes, which raw could move the cursor or restyle the terminal."""
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
@@ -1327,9 +1325,8 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
 
 
 def finish(run: Run, step: int) -> None:
-    """The run's end: on a signal, how to resume; at the last step, the exports, a sample, and
-    where everything is. Each command it prints continues from a checkpoint that holds the
-    run's last weights, and is printed only where there is one."""
+    """On a signal, how to resume; at the last step, the exports, a sample and where all is.
+    A command is printed only where a checkpoint holds the run's last weights to continue."""
     opts, log, last = run.opts, run.log, run.checkpointer.last
     saved_now = last is not None and shard.step_of(last) == step
     if step < run.max_steps:
@@ -1375,8 +1372,6 @@ def resume_command(run: Run, **changes) -> str:
 
 
 def print_sample(run: Run) -> None:
-    """A short sample of the trained model, decoded by the data's tokenizer, after BOS or, for
-    SFT data, a short user turn in its chat format; where there is no tokenizer, why."""
     tokenizer, n = run.text_tokenizer, run.opts.sample_tokens
     if not n:
         return
@@ -1427,10 +1422,9 @@ def main(argv: list[str] | None = None) -> None:
             )
         sys.exit(EXIT_STOPPED)
     except Exception as e:
-        # What was given (checked alike on every rank, from files all ranks see) and a
-        # non-finite step (which the ranks agree on) fail every rank the same way: rank 0
-        # says it once. Anything else may be one rank's own, or a bug: that rank says it,
-        # with its traceback. Every rank exits non-zero.
+        # What was given (checked alike on every rank) and a non-finite step (which the ranks
+        # agree on) fail every rank alike: rank 0 says it once. Anything else may be one
+        # rank's own, or a bug: that rank says it, with its traceback. All exit non-zero.
         alike = isinstance(e, (UsageError, FloatingPointError))
         if not alike:
             sys.stderr.write(traceback.format_exc())
@@ -1451,11 +1445,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def leave(status: int) -> NoReturn:
-    """Ends the process at once, its output flushed, once everything is written and closed.
-    torch's DTensor sharding cache (in C++) keeps the mesh, and so the process group, alive
-    past destroy_process_group: gloo's threads would still run while the interpreter shuts
-    down, and at times abort it ("terminate called without an active exception", once in CI
-    after a finished run)."""
+    """Ends the process at once, its output flushed, once all is written and closed: torch's
+    DTensor sharding cache (C++) keeps the mesh, and so the process group, alive past
+    destroy_process_group, and gloo's threads would run on into the interpreter's shutdown
+    and at times abort it ("terminate called without an active exception")."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
