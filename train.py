@@ -1,9 +1,7 @@
 """Train a Llama: options, setup, then the loop, read top to bottom.
 
-    python train.py           # the "tiny" preset from scratch on the default corpus (Python's
-                              # stdlib, byte-tokenized), CPU or one GPU
-    python train.py --help    # every option, in groups; README.md: fine-tuning, several GPUs
-                              # and nodes, the memory plan and --estimate-memory
+    python train.py           # "tiny" from scratch on Python's stdlib, as bytes; CPU or GPU
+    python train.py --help    # the options; README.md: fine-tuning, many GPUs, the memory plan
 
 The file reads in the order a run goes: the options; `setup` (the checkpoint to resume from
 and what it fixes, the checks, the plan, the model built by `apply_techniques`, the data); the
@@ -325,8 +323,7 @@ def other_rank() -> bool:
 
 
 def exit_after_rank_0(status: int) -> NoReturn:
-    """Exits silently, where rank 0 says why: after a moment, since torchrun stops every
-    process once one exits, and rank 0 may not have said it yet."""
+    """Exits silently after a moment, for rank 0 to say why before torchrun stops every process."""
     time.sleep(2)
     sys.exit(status)
 
@@ -424,8 +421,7 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
 
 
 def output_clashes(opts: Options) -> list[str]:
-    """An export that would land on what the run reads or writes: its --run-dir or the
-    checkpoints in it, the checkpoint or adapter it starts from, or the other export."""
+    """An export that would replace what the run reads or writes, or the other export."""
     where = lambda path: Path(path).resolve()  # noqa: E731
     run_dir = where(opts.run_dir)
     taken = {run_dir: "the --run-dir", run_dir / "checkpoints": "the --run-dir's checkpoints"}
@@ -560,21 +556,18 @@ def apply_techniques(
 ) -> None:
     """Makes the meta-built model the one the plan describes, in the one order in which the
     techniques compose (every other docstring points here):
-      0. LoRA (model.apply_lora) replaces the adapted projections and freezes the rest, so
+      0. LoRA (model.apply_lora) swaps in the adapted projections and freezes the rest, so
          that the next steps wrap, shard and fill the final modules;
-      1. activation checkpointing (offload.apply_ac) and 2. MLP tiling (a checkpoint per tile,
-         inside the block's) come before sharding, so that the forward recomputed in backward
-         runs through FSDP's hooks again, which re-gather the weights freed after forward;
+      1. activation checkpointing (offload.apply_ac) and 2. MLP tiling (a checkpoint per tile)
+         precede sharding: the forward recomputed in backward re-gathers through FSDP's hooks;
       3. context parallelism (shard.apply_context_parallel): its all-to-alls go around
-         attention as checkpointing left it, inside the blocks: a recomputed block redoes them;
-      4. FSDP (shard.apply_fsdp) shards the blocks as they now are, with mixed precision and,
-         if planned, CPU offload;
+         attention inside the blocks, so a recomputed block redoes them;
+      4. FSDP (shard.apply_fsdp) shards the blocks as they now are (mixed precision, offload);
       5. materialization last: each rank allocates only its own shards, never the whole model.
-    With the optimizer in backward and no CPU offload (one GPU) there is no FSDP: the model is
+    With the optimizer in backward and no CPU offload (one GPU), no FSDP: the model is
     materialized in fp32 on the host, as offload.OptimizerInBackward's master weights.
-    Activation offload wraps each forward of the step instead (train_step); --fp8 picks the
-    ops the model is built with (build). torch.compile of each block (between 2 and 4)
-    measured slower than eager here and is not offered."""
+    Activation offload wraps each forward instead (train_step); --fp8 picks the ops in build.
+    torch.compile of each block (between 2 and 4) measured slower than eager: not offered."""
     if plan.lora:
         apply_lora(model, plan.lora, base_dtype=DTYPES[plan.param_dtype], kernels=plan.kernels)
     offload.apply_ac(model, plan.ac, every=plan.ac_every)
@@ -639,8 +632,8 @@ GIVEN_WITH = {"model": "hf_checkpoint", "hf_checkpoint": "model", "data": "token
 
 
 def taken_on_resume(opts: Options, given: frozenset[str], saved: dict) -> dict:
-    """The options that a run resumed from the checkpoint whose train_state is `saved` takes
-    from it, where they differ from this command's: so a bare --resume continues the run."""
+    """The options `saved` (a checkpoint's train_state) gives a resumed run where they differ
+    from this command's (not those given): so a bare --resume continues the run."""
     options = saved["options"]
     not_taken = given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
     return {
@@ -715,8 +708,7 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resumin
         PEFT_ADAPTER.check(opts.export_adapter)
     exports = [shard.flag_name(n) for n in ("export_hf", "export_adapter") if getattr(opts, n)]
     if opts.resume and not resuming and exports:
-        # A requeued run may start afresh, but an export asked of a resume means the weights
-        # of that run, not new ones.
+        # A requeued run may start afresh, but an export asked of a resume means that run's.
         raise UsageError(
             f"--resume found no checkpoint in {run_dir / 'checkpoints'}, so "
             f"{' and '.join(exports)} would export weights trained from the start: give the "
@@ -797,8 +789,7 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
         data_parallel = world.world_size // opts.context_parallel
         opts = resume_options(opts, given, saved, data_parallel, taken, log)
 
-    # The plan, before anything is loaded or built: a run that cannot fit the GPUs or the
-    # host stops here, with what would make it fit.
+    # The plan before anything is loaded: a run that cannot fit stops here, saying what would.
     mask_documents = dataset.is_sft if opts.document_mask is None else opts.document_mask
     longest = dataset.meta.get("longest_document", opts.seq_len)
     machine = shard.this_machine(opts.gpu_memory, opts.host_memory, world)
@@ -940,10 +931,9 @@ def train_step(
 
 
 class MetricsLog:
-    """Decides which steps are logged, and writes their records to stdout and metrics.jsonl
-    (README.md reads it). Values are read only on logged and saved steps (a read every step
-    would make the host wait for the GPU), checking all steps since the last read for a
-    non-finite loss or gradient norm before a checkpoint could save spoiled weights."""
+    """Decides which steps are logged and writes them to stdout and metrics.jsonl (README.md).
+    Values are read only on logged and saved steps (a read waits for the GPU), checking each
+    step since the last read for a non-finite loss or gradient norm before a checkpoint is saved."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -1203,9 +1193,8 @@ class StopSignals:
             os._exit(EXIT_STOPPED)  # as stopped after a step: the last checkpoint resumes
 
     def agreed(self) -> bool:
-        """Whether any rank was asked to stop, alike on all (each calls it after each step):
-        one all-reduce of a CPU integer (gloo, well under a millisecond on one node), which
-        does not wait for the GPU."""
+        """Whether any rank was asked to stop, alike on all: one all-reduce of a CPU integer
+        (gloo, well under a millisecond on one node), which does not wait for the GPU."""
         stop = torch.tensor([self.received is not None], dtype=torch.int32)
         if dist.get_world_size() > 1:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
@@ -1223,17 +1212,15 @@ LAUNCHER_GONE_GRACE_S = 30.0
 
 def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
     """A worker whose torchrun agent died alone (kill -9, the OOM killer) is adopted by another
-    process and would train on, holding the run directory's lock. A thread watches for that
-    and sends the worker the SIGTERM torchrun would have (StopSignals). Still alive
-    LAUNCHER_GONE_GRACE_S later (stuck in a collective whose peer is gone), it exits once any
-    checkpoint it is writing is complete."""
+    process and would train on, holding the run's lock: a thread sees that and sends it the
+    SIGTERM torchrun would have (StopSignals). Still alive LAUNCHER_GONE_GRACE_S later (stuck
+    in a collective whose peer is gone), it exits once any checkpoint it writes is complete."""
     launcher = os.getppid()
 
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(poll_s)
-        # Each rank that sees it says so: the first stops them all (StopSignals agrees),
-        # maybe before the others look again.
+        # Each rank that sees it says so: the first stops them all (StopSignals agrees).
         rank = os.environ.get("RANK", "0")
         to_stderr(f"rank {rank}: torchrun (pid {launcher}) is gone: stopping after this step")
         os.kill(os.getpid(), signal.SIGTERM)
@@ -1252,8 +1239,7 @@ def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
 
 
 def to_stderr(line: str) -> None:
-    """One line on stderr in one write (print writes the newline apart), so that the lines of
-    processes sharing a terminal do not run into each other."""
+    """One line on stderr in one write (print's newline is another): processes' lines stay whole."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
@@ -1364,8 +1350,7 @@ def finish(run: Run, step: int) -> None:
 
 
 def resume_command(run: Run, **changes) -> str:
-    """The command that continues the run from its last checkpoint: a bare --resume where
-    that checkpoint is the newest in the run directory, else --resume with its path."""
+    """The command that continues from the last checkpoint: --resume, with its path if not ours."""
     last = run.checkpointer.last
     own = last.parent.resolve() == run.checkpointer.root.resolve()
     return command_line(run.opts, run.given, resume="latest" if own else str(last), **changes)
@@ -1401,9 +1386,8 @@ def main(argv: list[str] | None = None) -> None:
     # "Pinned pieces and expandable segments"). Read at CUDA's first use, which is later.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     opts, given = parse_options(argv)
-    # Before the first step and after the last, SIGTERM stops the run as Ctrl-C does (the
-    # loop's own handlers, StopSignals, finish the step and save first). Not under torchrun:
-    # a rank waiting in a collective would then not end on it.
+    # Outside the loop (whose StopSignals save first), SIGTERM stops the run as Ctrl-C does.
+    # Not under torchrun: a rank waiting in a collective would not end on it.
     previous = signal.getsignal(signal.SIGTERM)
     if shard.torchrun_processes()[0] == 1:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -1445,10 +1429,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def leave(status: int) -> NoReturn:
-    """Ends the process at once, its output flushed, once all is written and closed: torch's
-    DTensor sharding cache (C++) keeps the mesh, and so the process group, alive past
-    destroy_process_group, and gloo's threads would run on into the interpreter's shutdown
-    and at times abort it ("terminate called without an active exception")."""
+    """Ends the process at once, its output flushed: torch's DTensor sharding cache (C++) keeps
+    the process group alive past destroy_process_group, and its gloo threads at times abort the
+    interpreter's shutdown ("terminate called without an active exception")."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
