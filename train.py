@@ -450,8 +450,7 @@ def lora_config(opts: Options) -> LoRAConfig | None:
 
 
 def lr_at(step: int, opts: Options, max_steps: int) -> float:
-    """The lr of step `step` (0-based): linear warmup up to lr at step warmup_steps - 1,
-    then cosine or linear decay down to min_lr at the last step, max_steps - 1."""
+    """lr at 0-based `step`: warmup to lr at warmup_steps - 1, decay to min_lr at max_steps - 1."""
     if step < opts.warmup_steps:
         return opts.lr * (step + 1) / opts.warmup_steps
     progress = (step - opts.warmup_steps) / max(max_steps - 1 - opts.warmup_steps, 1)
@@ -504,8 +503,7 @@ def model_args(opts: Options) -> ModelArgs:
 
 
 def default_lr(args: ModelArgs) -> float:
-    """Peak rates of pre-training by size: Llama 2 and 3 used 3e-4 at 7-8B and 1.5e-4 at
-    70B; models under 100M parameters (tiny) train stably at 10x that."""
+    """Llama 2 and 3's peak pre-training rates by size; models under 100M train stably at 10x."""
     n = args.num_params()
     return 3e-3 if n < 100e6 else 3e-4 if n <= 10e9 else 1.5e-4
 
@@ -524,9 +522,8 @@ def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
 
 
 def check_adamw_range(lr: float, beta1: float, weight_decay: float) -> None:
-    """AdamW's float32 scalars 1 - lr * weight_decay (the weights' scale) and lr / (1 - beta1**t)
-    (the step size, largest at t = 1) overflow in the first step past float32's range. lr and
-    beta1 are the run's final ones: a resumed run may take its checkpoint's."""
+    """AdamW computes these products as float32 scalars: past its range, the first step overflows.
+    lr and beta1 are the run's final ones: a resumed run may take its checkpoint's."""
     largest = torch.finfo(torch.float32).max
     problems = []
     if lr / (1 - beta1) > largest:
@@ -564,8 +561,6 @@ def apply_techniques(
          attention inside the blocks, so a recomputed block redoes them;
       4. FSDP (shard.apply_fsdp) shards the blocks as they now are (mixed precision, offload);
       5. materialization last: each rank allocates only its own shards, never the whole model.
-    With the optimizer in backward and no CPU offload (one GPU), no FSDP: the model is
-    materialized in fp32 on the host, as offload.OptimizerInBackward's master weights.
     Activation offload wraps each forward instead (train_step); --fp8 picks the ops in build.
     torch.compile of each block (between 2 and 4) measured slower than eager: not offered."""
     if plan.lora:
@@ -573,8 +568,9 @@ def apply_techniques(
     offload.apply_ac(model, plan.ac, every=plan.ac_every)
     offload.apply_mlp_tiling(model, plan.mlp_tile)
     shard.apply_context_parallel(model, shard.context_parallel_group(world, plan.context_parallel))
-    if plan.optimizer_in_backward and not plan.cpu_offload:
-        # The initial values drawn on the GPU, so that they equal shard.materialize's there.
+    if plan.optimizer_in_backward and not plan.cpu_offload:  # one GPU: no FSDP
+        # fp32 on the host, offload.OptimizerInBackward's master weights; the initial values
+        # drawn on the GPU, so that they equal shard.materialize's there.
         model.to_empty(device="cpu")
         fill_weights(model, seed, world.device, hf_path, progress=progress)
         return
@@ -632,8 +628,7 @@ GIVEN_WITH = {"model": "hf_checkpoint", "hf_checkpoint": "model", "data": "token
 
 
 def taken_on_resume(opts: Options, given: frozenset[str], saved: dict) -> dict:
-    """The options `saved` (a checkpoint's train_state) gives a resumed run where they differ
-    from this command's (not those given): so a bare --resume continues the run."""
+    """The options a resumed run takes from `saved` where they differ: a bare --resume goes on."""
     options = saved["options"]
     not_taken = given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
     return {
@@ -651,9 +646,8 @@ def resume_options(
     taken: dict,
     log: Callable,
 ):
-    """The options resumed from `saved` (as taken_on_resume), `taken` in them: its global
-    batch and schedule unless given, so that on another number of processes the plan splits
-    the same batch. `data_parallel`: the ranks reading their own rows (not context-parallel)."""
+    """The resumed options, `taken` in them: `saved`'s global batch and schedule unless given,
+    so that another number of processes (`data_parallel`: see loader_of) splits the same batch."""
     saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
     said = []
     if taken:
@@ -747,9 +741,10 @@ def check_this_machine(opts: Options) -> None:
 def setup(opts: Options, given: frozenset[str]) -> Run:
     """The run, ready for its first step, in the order the module docstring gives."""
     log = (lambda *a, **k: None) if other_rank() else print
-    # The checkpoint first (checked from its files' sizes and headers alone): the checks and
-    # the plan below are of the options a resumed run takes from it (the model among them).
-    checkpoints = Path(opts.run_dir) / "checkpoints"
+    # The checkpoint first (read from its headers alone): the checks and the plan below are of
+    # the options a resumed run takes from it, the model among them.
+    run_dir = Path(opts.run_dir)
+    checkpoints = run_dir / "checkpoints"
     resume_from, saved = shard.find_checkpoint(opts.resume, checkpoints, log) or (None, None)
     taken = taken_on_resume(opts, given, saved) if saved else {}
     opts = dataclasses.replace(opts, **taken)
@@ -807,7 +802,6 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     log_start(opts, args, plan, world, dataset, max_steps, log)
     loader = loader_of(dataset, plan, world, seed=opts.seed)
     evaluate_held_out = held_out_evaluation(opts, held_out, plan, world, model)
-    run_dir = Path(opts.run_dir)
     checkpointer = shard.Checkpointer(
         checkpoints,
         opts.checkpoint_interval,
@@ -1120,8 +1114,7 @@ def hms(seconds: float) -> str:
 
 
 class Instruments:
-    """The one-off measurements beside the loop: the memory peaks after two steps (printed
-    beside the plan's estimate, saved in plan.json), --memory-snapshot's and --profile's."""
+    """The one-off measurements beside the loop: memory peaks, --memory-snapshot, --profile."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -1212,9 +1205,8 @@ LAUNCHER_GONE_GRACE_S = 30.0
 
 def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
     """A worker whose torchrun agent died alone (kill -9, the OOM killer) is adopted by another
-    process and would train on, holding the run's lock: a thread sees that and sends it the
-    SIGTERM torchrun would have (StopSignals). Still alive LAUNCHER_GONE_GRACE_S later (stuck
-    in a collective whose peer is gone), it exits once any checkpoint it writes is complete."""
+    process and would train on, holding the run's lock: a thread sends it torchrun's SIGTERM.
+    Alive LAUNCHER_GONE_GRACE_S later (stuck in a collective), it exits, any checkpoint whole."""
     launcher = os.getppid()
 
     def watch() -> None:
@@ -1397,8 +1389,7 @@ def main(argv: list[str] | None = None) -> None:
         finished = train(opts, given)
     except KeyboardInterrupt:
         if not other_rank():  # Ctrl-C under torchrun reaches every rank
-            # Before the first step the command as given starts the run again; after the
-            # last, the final checkpoint (if any) is what a resume continues from.
+            # Before the first step the command as given starts again; after the last, --resume.
             saved = shard.list_checkpoints(Path(opts.run_dir) / "checkpoints")
             again = command_line(opts, given, **({"resume": "latest"} if saved else {}))
             to_stderr(
@@ -1406,9 +1397,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         sys.exit(EXIT_STOPPED)
     except Exception as e:
-        # What was given (checked alike on every rank) and a non-finite step (which the ranks
-        # agree on) fail every rank alike: rank 0 says it once. Anything else may be one
-        # rank's own, or a bug: that rank says it, with its traceback. All exit non-zero.
+        # What was given, and a non-finite step, fail every rank alike: rank 0 says it once.
+        # Anything else may be one rank's own, or a bug: that rank says it, with its traceback.
         alike = isinstance(e, (UsageError, FloatingPointError))
         if not alike:
             sys.stderr.write(traceback.format_exc())
