@@ -3,12 +3,11 @@
     python train.py           # "tiny" from scratch on Python's stdlib, as bytes; CPU or GPU
     python train.py --help    # the options; README.md: fine-tuning, many GPUs, the memory plan
 
-The file reads in the order a run goes: the options; `setup` (the checkpoint to resume from
-and what it fixes, the checks, the plan, the model built by `apply_techniques`, the data); the
-step and what the loop asks after it; then `train`, a loop of `train_step` calls whose logging,
-evaluation, saving and stopping are each decided by the object that owns it (`MetricsLog`,
-`shard.Checkpointer`, `StopSignals`). Errors in what was given are raised before the first
-step, as one UsageError naming what is wrong and what was expected.
+The options; `setup` (the checkpoint to resume from and what it fixes, the checks, the plan,
+the model built by `apply_techniques`, the data); the step and what the loop asks after it;
+then `train`, a loop of `train_step` calls whose logging, evaluation, saving and stopping are
+each decided by the object that owns it (`MetricsLog`, `shard.Checkpointer`, `StopSignals`).
+What was given is checked before the first step: one UsageError says what is wrong and expected.
 """
 
 from __future__ import annotations
@@ -938,8 +937,7 @@ class MetricsLog:
         self.checked_step = self.logged_step = run.start_step
         self.started = self.logged_at = time.perf_counter()
         self.last: StepResult | None = None
-        # metrics.jsonl only grows: a resumed run marks where it starts, and a line cut short
-        # (a kill, a full disk) is said once and left; this run's lines start after it.
+        # metrics.jsonl only grows: a resume marks its start; a line cut short stays, ended here.
         if run.world.is_main:
             damaged, cut = damaged_lines(self.path)
             if damaged:
