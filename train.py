@@ -1,6 +1,6 @@
 """Train a Llama: options, setup, then the loop, read top to bottom.
 
-    python train.py           # "tiny" from scratch on Python's stdlib, as bytes; CPU or GPU
+    python train.py           # "tiny" from scratch on Python's stdlib, as bytes; CPU or one GPU
     python train.py --help    # the options; README.md: fine-tuning, many GPUs, the memory plan
 
 The options; `setup` (the checkpoint to resume from and what it fixes, the checks, the plan,
@@ -567,9 +567,9 @@ def apply_techniques(
     offload.apply_ac(model, plan.ac, every=plan.ac_every)
     offload.apply_mlp_tiling(model, plan.mlp_tile)
     shard.apply_context_parallel(model, shard.context_parallel_group(world, plan.context_parallel))
-    if plan.optimizer_in_backward and not plan.cpu_offload:  # one GPU: no FSDP
-        # fp32 on the host, offload.OptimizerInBackward's master weights; the initial values
-        # drawn on the GPU, so that they equal shard.materialize's there.
+    if plan.optimizer_in_backward and not plan.cpu_offload:
+        # One GPU, no FSDP: fp32 on the host, offload.OptimizerInBackward's master weights,
+        # their initial values drawn on the GPU so that they equal shard.materialize's there.
         model.to_empty(device="cpu")
         fill_weights(model, seed, world.device, hf_path, progress=progress)
         return
