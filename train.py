@@ -268,7 +268,6 @@ class Options:
         "include the tracing and the writing of the trace (bench/profile_summary.py reads it)",
     )
     memory_snapshot: bool = option(False, "dump a CUDA memory snapshot of the first 3 steps")
-    # Measured for a run; for --estimate-memory, any machine.
     estimate_memory: bool = option(
         False,
         "print the plan for the machine below and its memory estimate, and exit",
