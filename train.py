@@ -1,30 +1,13 @@
 """Train a Llama: options, setup, then the loop, read top to bottom.
 
-    python train.py                       # the "tiny" preset from scratch on the default corpus
-                                          # (Python's stdlib, byte-tokenized), CPU or one GPU
-    python train.py --help                # every option, in groups
+    python train.py           # "tiny" from scratch on Python's stdlib, as bytes; CPU or one GPU
+    python train.py --help    # the options; README.md: fine-tuning, many GPUs, the memory plan
 
-    # One node, 8 GPUs, fine-tuning Llama 3.1 8B on a prepared dataset (python data.py prepare);
-    # checkpointing, offload and micro-batches are planned to fit (printed, and in plan.json):
-    torchrun --nproc-per-node=8 train.py --hf-checkpoint llama-3.1-8b/ --data data/mine \\
-        --seq-len 131072 --lr 1e-5 --max-steps 1000 --run-dir runs/ft --export-hf runs/ft/hf
-
-    # What that plan would be, and its memory, on a machine you are not on:
-    python train.py --estimate-memory --model llama3.1-8b --seq-len 131072 \\
-        --world-size 8 --gpu-memory 80 --host-memory 1000
-
-    # Several nodes under SLURM: README.md, "One sequence over several GPUs", has the script.
-
-The file reads in the order a run goes: the options; setup (`setup`: find the checkpoint to
-resume from and take what it fixes, check what was given, plan, build the model through
-`apply_techniques`, which states the order in which the techniques compose, open the data,
-resume); the step and what the loop asks after it; then `train`: a loop of
-`train_step` calls, with logging, evaluation, saving and stopping each decided by the object
-that owns it (`MetricsLog`, `shard.Checkpointer`, `StopSignals`).
-Errors in what was given (data, checkpoint, options) are raised before the first step, as
-one UsageError naming what is wrong and what was expected. SIGTERM or Ctrl-C stop the run
-after the step in progress, with a checkpoint, and it exits with EXIT_STOPPED (75); so does
-a worker whose torchrun died (`stop_when_launcher_dies`).
+The options; `setup` (the checkpoint to resume from and what it fixes, the checks, the plan,
+the model built by `apply_techniques`, the data); the step and what the loop asks after it;
+then `train`, a loop of `train_step` calls whose logging, evaluation, saving and stopping are
+each decided by the object that owns it (`MetricsLog`, `shard.Checkpointer`, `StopSignals`).
+What was given is checked before the first step: one UsageError says what is wrong and expected.
 """
 
 from __future__ import annotations
@@ -58,7 +41,6 @@ from data import (
     Batch,
     HFTokenizer,
     PackedLoader,
-    RunData,
     TokenDataset,
     Tokenizer,
     UsageError,
@@ -105,17 +87,18 @@ EXIT_STOPPED = 75
 
 
 def option(default, help: str, **argparse_kwargs):
-    """An Options field: its default, and what argparse makes of its flag."""
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
 @dataclass
 class Options:
-    """`micro_batch` is --micro-batch; the comments are the groups --help shows (GROUPS)."""
+    """`group`: the --help group that starts at the field."""
 
-    # Model and data
     model: str | None = option(
-        None, "model preset (default: tiny, unless --hf-checkpoint)", choices=sorted(PRESETS)
+        None,
+        "model preset (default: tiny, unless --hf-checkpoint)",
+        choices=sorted(PRESETS),
+        group="model and data",
     )
     hf_checkpoint: str | None = option(
         None, "start from this HF Llama directory (config + weights)", metavar="DIR"
@@ -131,8 +114,7 @@ class Options:
     )
     eval_data: str | None = option(
         None,
-        "a held-out prepared dataset (the same tokenizer as --data): its mean loss over the "
-        "labelled tokens is logged every --eval-interval steps and at the end; never trained on",
+        "a held-out prepared dataset (the same tokenizer as --data) whose mean loss is logged",
         metavar="DIR",
     )
     eval_interval: int = option(100, "evaluate --eval-data every n steps (and at the end)")
@@ -141,25 +123,17 @@ class Options:
     )
     seq_len: int = option(256, "tokens per sequence")
     max_seq_len: int | None = option(
-        None,
-        "raise a HF checkpoint's maximum sequence length (context extension; a preset trained "
-        "from scratch takes any --seq-len)",
-        metavar="N",
+        None, "raise a HF checkpoint's maximum sequence length (context extension)", metavar="N"
     )
     document_mask: bool | None = option(
-        None,
-        "no attention across the documents packed in a sequence (default: on for SFT data, "
-        "whose meta.json says sft; --no-document-mask turns it off): on a GPU, documents of "
-        "16,384+ tokens through SDPA's causal kernel, the rest through FlexAttention",
+        None, "no attention across the documents packed in a sequence (default: on for SFT data)"
     )
-    # Batch and schedule
     batch_tokens: int | None = option(
         None,
         "tokens per optimizer step over all processes, rounded to whole sequences, at least "
-        f"one per process or context-parallel group (default: {shard.BATCH_TOKENS:,}, a "
-        f"usual fine-tuning batch such as 128 sequences of 4096 tokens; "
-        f"{shard.SMALL_MODEL_BATCH_TOKENS:,} for models under 100M parameters); "
-        "--micro-batch and --grad-accum follow from it",
+        f"one per process or context-parallel group (default: {shard.BATCH_TOKENS:,}; "
+        f"{shard.SMALL_MODEL_BATCH_TOKENS:,} for models under 100M parameters)",
+        group="batch and schedule",
     )
     micro_batch: int | None = option(
         None,
@@ -190,14 +164,13 @@ class Options:
         "optimizer in backward, which cannot clip)",
     )
     seed: int = option(0, "seed of the initialization and the data order")
-    # Memory plan: the five below and --micro-batch are planned when not given, the fastest
-    # combination whose memory estimate fits the GPUs and the host (shard.make_plan).
     ac: str | None = option(
         None,
         "activation checkpointing: recompute in backward each whole block (full), all of it "
         "but attention (attention), all but the matmuls and attention (selective), or not "
         "(none) (default: planned)",
         choices=list(offload.AC_MODES),
+        group="memory plan (planned to fit when not given)",
     )
     ac_every: int = option(1, "checkpoint every n-th block")
     mlp_tile: int | None = option(
@@ -219,9 +192,8 @@ class Options:
     optimizer_in_backward: bool | None = option(
         None,
         "AdamW runs on the CPU for each parameter as soon as its gradient is complete in "
-        "backward; fp32 weights and AdamW's state stay on the host. Alone: one GPU, no FSDP; "
-        "with --cpu-offload: on FSDP's host shards, any number of GPUs (default: planned, "
-        "only where nothing else fits, since it cannot clip gradients)",
+        "backward: alone on one GPU, with --cpu-offload on FSDP's host shards (default: "
+        "planned, only where nothing else fits, since it cannot clip gradients)",
     )
     param_dtype: str | None = option(
         None,
@@ -236,16 +208,18 @@ class Options:
         "the blocks' projections multiply in FP8 (e4m3, rowwise scales; kernels/fp8.py); "
         "needs a GPU of compute capability 8.9+ (Ada, Hopper). MFU stays against bf16's peak",
     )
-    # Parallelism
-    strategy: str = option("FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES))
+    strategy: str = option(
+        "FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES), group="parallelism"
+    )
     context_parallel: int = option(
         1,
         "ranks that share each sequence, each holding seq-len / N of its tokens (attention "
         "by an all-to-all over heads; N divides the ranks per node and the heads)",
     )
-    # LoRA: adapters on a frozen base (model.apply_lora)
     lora_rank: int = option(
-        0, "train LoRA adapters of this rank on a frozen base (0: full fine-tuning)"
+        0,
+        "train LoRA adapters of this rank on a frozen base (0: full fine-tuning)",
+        group="LoRA and QLoRA",
     )
     lora_alpha: float = option(16.0, "LoRA's alpha: the adapters' output is scaled by alpha / rank")
     lora_dropout: float = option(0.0, "dropout on the adapters' input")
@@ -260,8 +234,12 @@ class Options:
     lora_adapter: str | None = option(
         None, "start the adapters from this PEFT adapter directory", metavar="DIR"
     )
-    # Checkpoints and export
-    run_dir: str = option("runs/default", "metrics.jsonl, checkpoints/, traces", metavar="DIR")
+    run_dir: str = option(
+        "runs/default",
+        "metrics.jsonl, checkpoints/, traces",
+        metavar="DIR",
+        group="checkpoints and export",
+    )
     checkpoint_interval: int = option(
         100, "save a checkpoint every n steps and at the end (0: never, e.g. for benchmarks)"
     )
@@ -280,8 +258,7 @@ class Options:
     export_adapter: str | None = option(
         None, "at the end, write the LoRA adapters in PEFT's format here", metavar="DIR"
     )
-    # Logging
-    log_interval: int = option(10, "log every n steps")
+    log_interval: int = option(10, "log every n steps", group="logging")
     sample_tokens: int = option(
         200, "at the end, print this many tokens generated by the trained model (0: none)"
     )
@@ -291,9 +268,10 @@ class Options:
         "include the tracing and the writing of the trace (bench/profile_summary.py reads it)",
     )
     memory_snapshot: bool = option(False, "dump a CUDA memory snapshot of the first 3 steps")
-    # The machine to plan for: measured for a run; for --estimate-memory, any machine.
     estimate_memory: bool = option(
-        False, "print the plan for the machine below and its memory estimate, and exit"
+        False,
+        "print the plan for the machine below and its memory estimate, and exit",
+        group="the machine to plan for",
     )
     gpu_memory: float | None = option(
         None,
@@ -314,22 +292,8 @@ class Options:
     )
 
 
-# --help's groups, each starting at the field named.
-GROUPS = {
-    "model": "model and data",
-    "batch_tokens": "batch and schedule",
-    "ac": "memory plan (planned to fit when not given)",
-    "strategy": "parallelism",
-    "lora_rank": "LoRA and QLoRA",
-    "run_dir": "checkpoints and export",
-    "log_interval": "logging",
-    "estimate_memory": "the machine to plan for",
-}
-
-
 class Parser(argparse.ArgumentParser):
-    """argparse with a suggestion for a mistyped flag (and made without abbreviations:
-    --max-step is no --max-steps)."""
+    """argparse that suggests a flag for a mistyped one, and takes no abbreviation (--max-step)."""
 
     def parse_args(self, argv=None, namespace=None):
         argv = sys.argv[1:] if argv is None else argv
@@ -352,28 +316,25 @@ class Parser(argparse.ArgumentParser):
 
 
 def other_rank() -> bool:
-    """Whether this is a process of torchrun's other than rank 0 (a stray RANK in the
-    environment of a single process is not)."""
+    """A torchrun process other than rank 0 (not a single process with a stray RANK)."""
     return shard.torchrun_processes()[0] > 1 and os.environ.get("RANK", "0") != "0"
 
 
 def exit_after_rank_0(status: int) -> NoReturn:
-    """Exits without a word, where rank 0 says why: after a moment, since torchrun stops
-    every process once one has exited, and rank 0 may not have said it yet."""
+    """Exits silently after a moment, for rank 0 to say why before torchrun stops every process."""
     time.sleep(2)
     sys.exit(status)
 
 
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
-    """The options, and the names of those given on the command line: resuming takes the
-    others that the checkpoint fixes or keeps from it (taken_on_resume, resume_options)."""
+    """The options, and the names of those on the command line, which resuming keeps."""
     parser = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     types = {"int": int, "float": float, "str": str}
     group = parser
     for f in dataclasses.fields(Options):
-        if f.name in GROUPS:
-            group = parser.add_argument_group(GROUPS[f.name])
         kwargs = dict(f.metadata, default=f.default)
+        if "group" in kwargs:
+            group = parser.add_argument_group(kwargs.pop("group"))
         if "default:" not in kwargs["help"]:
             shown = f.default  # 0 and 1 are equal to False and True: not looked up
             if f.default is None or isinstance(f.default, bool):
@@ -397,18 +358,21 @@ def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str
 
 
 def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int) -> None:
-    """The options against each other and the model's shape, before any data or weights are
-    read or any process group is joined; every problem in one error. `world_size` and
-    `per_node`: the processes of the run (torchrun's) or of the machine estimated."""
+    """The options against each other and the model's shape, before anything is read or joined,
+    every problem in one error. `world_size`, `per_node`: torchrun's, or the machine estimated."""
     problems = []
     if opts.model and opts.hf_checkpoint:
         problems.append("give --model or --hf-checkpoint, not both")
-    at_least_one = "seq_len max_steps ac_every log_interval keep_checkpoints max_tokens "
-    at_least_one += "batch_tokens micro_batch grad_accum world_size nproc_per_node context_parallel"
-    at_least_one += " eval_interval eval_tokens max_seq_len"
-    for name in at_least_one.split():
-        if (value := getattr(opts, name)) is not None and value < 1:
-            problems.append(f"{shard.flag_name(name)} must be >= 1, got {value}")
+    at_least = {
+        1: "seq_len max_steps ac_every log_interval keep_checkpoints max_tokens batch_tokens "
+        "micro_batch grad_accum world_size nproc_per_node context_parallel eval_interval "
+        "eval_tokens max_seq_len",
+        0: "warmup_steps profile checkpoint_interval mlp_tile sample_tokens lora_rank",
+    }
+    for least, names in at_least.items():
+        for name in names.split():
+            if (value := getattr(opts, name)) is not None and value < least:
+                problems.append(f"{shard.flag_name(name)} must be >= {least}, got {value}")
     largest = torch.finfo(torch.float32).max  # AdamW keeps lr and its products in fp32
     for name in ["lr", "min_lr", "grad_clip", "weight_decay"]:
         value = getattr(opts, name)
@@ -428,12 +392,6 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     if opts.lora_rank and not (math.isfinite(opts.lora_alpha) and opts.lora_alpha > 0):
         problems.append(f"--lora-alpha must be a number > 0, got {opts.lora_alpha}")
     problems += output_clashes(opts)
-    at_least_zero = [opts.warmup_steps, opts.profile, opts.checkpoint_interval, opts.mlp_tile or 0]
-    if min(*at_least_zero, opts.sample_tokens, opts.lora_rank) < 0:
-        problems.append(
-            "--warmup-steps, --profile, --checkpoint-interval, --mlp-tile, --sample-tokens "
-            "and --lora-rank must be >= 0"
-        )
     if not opts.estimate_memory and (opts.world_size or opts.nproc_per_node):
         problems.append(
             "--world-size and --nproc-per-node describe a machine for --estimate-memory; "
@@ -461,26 +419,19 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
 
 
 def output_clashes(opts: Options) -> list[str]:
-    """An export that would land on what the run reads or writes: its --run-dir or the
-    checkpoints in it, the checkpoint or adapter it starts from, or the other export."""
+    """An export that would replace what the run reads or writes, or the other export."""
     where = lambda path: Path(path).resolve()  # noqa: E731
     run_dir = where(opts.run_dir)
     taken = {run_dir: "the --run-dir", run_dir / "checkpoints": "the --run-dir's checkpoints"}
-    for name in ("hf_checkpoint", "lora_adapter"):
-        if path := getattr(opts, name):
-            taken[where(path)] = f"the {shard.flag_name(name)} directory"
     problems = []
-    for name in ("export_hf", "export_adapter"):
+    for name in ("hf_checkpoint", "lora_adapter", "export_hf", "export_adapter"):
         if not (given := getattr(opts, name)):
             continue
-        out = where(given)
-        if clash := taken.get(out) or (
-            run_dir / "checkpoints" in out.parents and "inside the --run-dir's checkpoints"
-        ):
-            problems.append(
-                f"{shard.flag_name(name)} {given} is {clash}: the export would replace it"
-            )
-        taken[out] = f"the {shard.flag_name(name)} directory"
+        path, flag = where(given), shard.flag_name(name)
+        inside = run_dir / "checkpoints" in path.parents and "inside the --run-dir's checkpoints"
+        if name.startswith("export") and (clash := taken.get(path) or inside):
+            problems.append(f"{flag} {given} is {clash}: the export would replace it")
+        taken[path] = f"the {flag} directory"
     return problems
 
 
@@ -497,8 +448,7 @@ def lora_config(opts: Options) -> LoRAConfig | None:
 
 
 def lr_at(step: int, opts: Options, max_steps: int) -> float:
-    """The lr of step `step` (0-based): linear warmup up to lr at step warmup_steps - 1,
-    then cosine or linear decay down to min_lr at the last step, max_steps - 1."""
+    """lr at 0-based `step`: warmup to lr at warmup_steps - 1, decay to min_lr at max_steps - 1."""
     if step < opts.warmup_steps:
         return opts.lr * (step + 1) / opts.warmup_steps
     progress = (step - opts.warmup_steps) / max(max_steps - 1 - opts.warmup_steps, 1)
@@ -508,8 +458,7 @@ def lr_at(step: int, opts: Options, max_steps: int) -> float:
 
 
 def command_line(opts: Options, given: frozenset[str], **changes) -> str:
-    """The command of this run (the options it was given) with `changes`, runnable from the
-    current directory. Resuming with it continues the run where it stopped."""
+    """This run's command (the options it was given) with `changes`, runnable from here."""
     opts = dataclasses.replace(opts, **changes)
     world_size, per_node = shard.torchrun_processes()
     script = os.path.relpath(REPO / "train.py")
@@ -532,9 +481,8 @@ def command_line(opts: Options, given: frozenset[str], **changes) -> str:
 
 
 def model_args(opts: Options) -> ModelArgs:
-    """The model's shape. A preset trained from scratch has no learned length: its
-    max_seq_len follows --seq-len (RoPE's angles come from positions, no table to outgrow).
-    A HF checkpoint's length is the one it learned, raised only by --max-seq-len."""
+    """The model's shape. A preset trained from scratch has no learned length (RoPE's angles
+    come from positions): its max_seq_len follows --seq-len; a HF checkpoint's is its own."""
     if opts.hf_checkpoint:
         args = ModelArgs.from_hf_config(opts.hf_checkpoint)
     else:
@@ -553,15 +501,13 @@ def model_args(opts: Options) -> ModelArgs:
 
 
 def default_lr(args: ModelArgs) -> float:
-    """Peak rates of pre-training by size: Llama 2 and 3 used 3e-4 at 7-8B and 1.5e-4 at
-    70B; models under 100M parameters (tiny) train stably at 10x that."""
+    """Llama 2 and 3's peak pre-training rates by size; models under 100M train stably at 10x."""
     n = args.num_params()
     return 3e-3 if n < 100e6 else 3e-4 if n <= 10e9 else 1.5e-4
 
 
 def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
-    """The options with the learning rates and clipping decided (the planned fields are
-    the plan's: read them there)."""
+    """The options with lr, min_lr and grad_clip decided (the planned ones: read the plan)."""
     lr = default_lr(args) if opts.lr is None else opts.lr
     min_lr = lr / 10 if opts.min_lr is None else opts.min_lr
     if not 0 <= min_lr <= lr:
@@ -574,10 +520,8 @@ def settle_options(opts: Options, args: ModelArgs, plan: shard.Plan) -> Options:
 
 
 def check_adamw_range(lr: float, beta1: float, weight_decay: float) -> None:
-    """AdamW multiplies the weights by 1 - lr * weight_decay and moves them by up to
-    lr / (1 - beta1**t), at its largest on the first step, each computed as a float32 scalar:
-    a product past float32's range ends its first step in an overflow. (The lr and beta1 are
-    the run's final ones: a resumed run may take them from its checkpoint.)"""
+    """AdamW computes these products as float32 scalars: past its range, the first step overflows.
+    lr and beta1 are the run's final ones: a resumed run may take its checkpoint's."""
     largest = torch.finfo(torch.float32).max
     problems = []
     if lr / (1 - beta1) > largest:
@@ -607,33 +551,24 @@ def apply_techniques(
 ) -> None:
     """Makes the meta-built model the one the plan describes, in the one order in which the
     techniques compose (every other docstring points here):
-      0. LoRA (model.apply_lora) replaces the adapted projections and freezes the rest: the
-         modules the next steps wrap, shard and fill must be the final ones;
-      1. activation checkpointing (offload.apply_ac) and 2. MLP tiling (a checkpoint per
-         tile, inside the block's): they change how the blocks run, and come before
-         sharding so that the forward recomputed in backward runs through FSDP's hooks
-         again, which re-gather the weights freed after forward;
-      3. context parallelism (shard.apply_context_parallel), when ranks share sequences:
-         its all-to-alls go around attention as checkpointing left it (around the kept
-         attention), and run inside the blocks, so a recomputed block redoes them;
-      4. FSDP (shard.apply_fsdp) shards the blocks as they now are, with mixed precision
-         and, if planned, CPU offload;
-      5. materialization comes last, so that each rank allocates only its own shards: the
-         whole model never exists on one device.
-    With the optimizer in backward and no CPU offload (one GPU) there is no FSDP: the model
-    is materialized in fp32 on the host, as the master weights offload.OptimizerInBackward
-    keeps.
-    Activation offload (offload.activation_offload) is not applied to the model: it wraps
-    each forward of the step (train_step); --fp8 neither: it picks the ops the model is
-    built with (model.fp8_ops, in build). (torch.compile of each block, which would come
-    between 2 and 4, measured slower than eager here and is not offered.)"""
+      0. LoRA (model.apply_lora) swaps in the adapted projections and freezes the rest, so
+         that the next steps wrap, shard and fill the final modules;
+      1. activation checkpointing (offload.apply_ac) and 2. MLP tiling (a checkpoint per tile)
+         precede sharding: the forward recomputed in backward re-gathers through FSDP's hooks;
+      3. context parallelism (shard.apply_context_parallel): its all-to-alls go around
+         attention inside the blocks, so a recomputed block redoes them;
+      4. FSDP (shard.apply_fsdp) shards the blocks as they now are (mixed precision, offload);
+      5. materialization last: each rank allocates only its own shards, never the whole model.
+    Activation offload wraps each forward instead (train_step); --fp8 picks the ops in build.
+    torch.compile of each block (between 2 and 4) measured slower than eager: not offered."""
     if plan.lora:
         apply_lora(model, plan.lora, base_dtype=DTYPES[plan.param_dtype], kernels=plan.kernels)
     offload.apply_ac(model, plan.ac, every=plan.ac_every)
     offload.apply_mlp_tiling(model, plan.mlp_tile)
     shard.apply_context_parallel(model, shard.context_parallel_group(world, plan.context_parallel))
     if plan.optimizer_in_backward and not plan.cpu_offload:
-        # The initial values drawn on the GPU, so that they equal shard.materialize's there.
+        # One GPU, no FSDP: fp32 on the host, offload.OptimizerInBackward's master weights,
+        # their initial values drawn on the GPU so that they equal shard.materialize's there.
         model.to_empty(device="cpu")
         fill_weights(model, seed, world.device, hf_path, progress=progress)
         return
@@ -644,27 +579,14 @@ def apply_techniques(
         plan.strategy,
         cpu_offload=plan.cpu_offload,
         param_dtype=DTYPES[plan.param_dtype],
-        # The optimizer in backward reads each gradient in FSDP's hook: pinned shards would
-        # let torch < 2.13 copy it there without blocking, so the hook could read it before
-        # it arrived. Plain memory also spares the pinned allocator's rounding up, at the
-        # cost of slower copies.
+        # The optimizer in backward reads each gradient in FSDP's hook: into pinned shards,
+        # torch < 2.13 copies it without blocking, and the hook could read it too early.
+        # Plain memory also spares the pinned allocator's rounding up, for slower copies.
         pin_memory=not plan.optimizer_in_backward,
     )
     shard.materialize(
         model, world, seed, hf_path, plan.cpu_offload, progress, plan.lora, lora_adapter
     )
-
-
-def build_optimizer(model: Llama, plan: shard.Plan, opts: Options, device: torch.device):
-    betas = (opts.beta1, opts.beta2)
-    if plan.optimizer_in_backward and plan.cpu_offload:  # on FSDP's shards on the host
-        return offload.ShardedOptimizerInBackward(model, opts.lr, betas, opts.weight_decay)
-    if plan.optimizer_in_backward:
-        dtype = DTYPES[plan.param_dtype]
-        return offload.OptimizerInBackward(model, device, dtype, opts.lr, betas, opts.weight_decay)
-    # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then.
-    fused = device.type == "cuda" or plan.cpu_offload
-    return shard.ShardedAdamW(model, betas, opts.weight_decay, opts.grad_clip, fused)
 
 
 @dataclass
@@ -690,9 +612,8 @@ class Run:
     lock: object  # run_dir/.lock, held open as long as the run lives (shard.lock_run_dir)
 
 
-# The options that name what a checkpoint was made for (the data: whose samples the loader's
-# cursor counts). Given again with another value, they are refused (check_resumable; the
-# loader refuses another number of samples).
+# The options that name what a checkpoint was made for (the data too: the loader's cursor
+# counts its samples); another value given is refused (check_resumable, or the loader).
 FIXED_BY_CHECKPOINT = ("model", "hf_checkpoint", "max_seq_len", "seq_len", "strategy",
                        "lora_rank", "lora_alpha", "lora_targets", "data", "tokenizer")  # fmt: skip
 # The options of the run's course, which may change when given again.
@@ -705,8 +626,7 @@ GIVEN_WITH = {"model": "hf_checkpoint", "hf_checkpoint": "model", "data": "token
 
 
 def taken_on_resume(opts: Options, given: frozenset[str], saved: dict) -> dict:
-    """The options that a run resumed from the checkpoint whose train_state is `saved` takes
-    from it, where they differ from this command's: so a bare --resume continues the run."""
+    """The options a resumed run takes from `saved` where they differ: a bare --resume goes on."""
     options = saved["options"]
     not_taken = given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
     return {
@@ -724,11 +644,8 @@ def resume_options(
     taken: dict,
     log: Callable,
 ):
-    """The options of a run resumed from the checkpoint whose train_state is `saved`, once
-    `taken` (taken_on_resume's) are in them: the checkpoint's global batch (tokens per step)
-    and schedule (max steps) unless given, so that on another number of processes the plan
-    splits the same batch. Logs what was taken and kept. `data_parallel`: the ranks that read
-    rows of their own (those of a context-parallel group share theirs)."""
+    """The resumed options, `taken` in them: `saved`'s global batch and schedule unless given,
+    so that another number of processes (`data_parallel`: see loader_of) splits the same batch."""
     saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
     said = []
     if taken:
@@ -769,9 +686,8 @@ def estimate(opts: Options) -> None:
 
 
 def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resuming: bool) -> None:
-    """Everything given, checked before any step and before anything is written: files that
-    every rank sees alike (a shared filesystem), so all ranks raise the same error and none
-    waits on another. (The checkpoint to resume from is found and checked first, in setup.)"""
+    """Everything given, checked before anything is written, in files every rank sees alike
+    (a shared filesystem): all ranks raise the same error, and none waits on another."""
     run_dir = Path(opts.run_dir)
     shard.check_run_dir(run_dir)
     if opts.hf_checkpoint:
@@ -784,8 +700,7 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resumin
         PEFT_ADAPTER.check(opts.export_adapter)
     exports = [shard.flag_name(n) for n in ("export_hf", "export_adapter") if getattr(opts, n)]
     if opts.resume and not resuming and exports:
-        # A requeued run may start afresh, but an export asked of a resume means the weights
-        # of that run, not new ones.
+        # A requeued run may start afresh, but an export asked of a resume means that run's.
         raise UsageError(
             f"--resume found no checkpoint in {run_dir / 'checkpoints'}, so "
             f"{' and '.join(exports)} would export weights trained from the start: give the "
@@ -800,8 +715,7 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resumin
 
 
 def check_this_machine(opts: Options) -> None:
-    """The options that need a GPU, on a machine without one (shard.init_distributed takes
-    a GPU where there is one)."""
+    """The options that need a GPU, where there is none (shard.init_distributed takes any)."""
     if torch.cuda.is_available():
         if opts.fp8 and torch.cuda.get_device_capability() < (8, 9):
             raise UsageError(
@@ -822,33 +736,13 @@ def check_this_machine(opts: Options) -> None:
         )
 
 
-def open_run_data(
-    opts: Options, args: ModelArgs, is_main: bool, log: Callable
-) -> tuple[RunData, TokenDataset | None]:
-    """The training data with its tokenizers (data.open_data), and --eval-data's, if given."""
-    sizes = (args.vocab_size, args.max_seq_len)
-    run_data = open_data(
-        opts.data, opts.tokenizer, opts.hf_checkpoint, *sizes, opts.seq_len, is_main
-    )
-    export_tokenizer = run_data.export_tokenizer
-    if opts.export_hf and not (export_tokenizer and export_tokenizer.has_tokenizer()):
-        log(
-            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
-            f"prepared {run_data.dataset.path} ({run_data.dataset.meta['tokenizer']}) to "
-            f"include it"
-        )
-    if not opts.eval_data:
-        return run_data, None
-    return run_data, open_eval_data(opts.eval_data, *sizes, opts.seq_len, run_data.dataset)
-
-
 def setup(opts: Options, given: frozenset[str]) -> Run:
     """The run, ready for its first step, in the order the module docstring gives."""
     log = (lambda *a, **k: None) if other_rank() else print
-    # The checkpoint first (checked from its files' sizes and headers alone): a resumed run
-    # takes from it the options not given that it was made for, the model and the sequence
-    # length among them, and the checks and the plan below are of those.
-    checkpoints = Path(opts.run_dir) / "checkpoints"
+    # The checkpoint first (read from its headers alone): the checks and the plan below are of
+    # the options a resumed run takes from it, the model among them.
+    run_dir = Path(opts.run_dir)
+    checkpoints = run_dir / "checkpoints"
     resume_from, saved = shard.find_checkpoint(opts.resume, checkpoints, log) or (None, None)
     taken = taken_on_resume(opts, given, saved) if saved else {}
     opts = dataclasses.replace(opts, **taken)
@@ -859,8 +753,19 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     torch.manual_seed(opts.seed)
     lora = lora_config(opts)
     check_given(opts, args, lora, resuming=saved is not None)
-    run_data, held_out = open_run_data(opts, args, world.is_main, log)
+    sizes = (args.vocab_size, args.max_seq_len)
+    run_data = open_data(
+        opts.data, opts.tokenizer, opts.hf_checkpoint, *sizes, opts.seq_len, world.is_main
+    )
     dataset, export_tokenizer = run_data.dataset, run_data.export_tokenizer
+    if opts.export_hf and not (export_tokenizer and export_tokenizer.has_tokenizer()):
+        log(
+            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
+            f"prepared {dataset.path} ({dataset.meta['tokenizer']}) to include it"
+        )
+    held_out = None
+    if opts.eval_data:
+        held_out = open_eval_data(opts.eval_data, *sizes, opts.seq_len, dataset)
     run_record = {
         "model": dataclasses.asdict(args),
         "seq_len": opts.seq_len,
@@ -877,8 +782,7 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
         data_parallel = world.world_size // opts.context_parallel
         opts = resume_options(opts, given, saved, data_parallel, taken, log)
 
-    # The plan, before anything is loaded or built: a run that cannot fit the GPUs or the
-    # host stops here, with what would make it fit.
+    # The plan before anything is loaded: a run that cannot fit stops here, saying what would.
     mask_documents = dataset.is_sft if opts.document_mask is None else opts.document_mask
     longest = dataset.meta.get("longest_document", opts.seq_len)
     machine = shard.this_machine(opts.gpu_memory, opts.host_memory, world)
@@ -896,9 +800,8 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     log_start(opts, args, plan, world, dataset, max_steps, log)
     loader = loader_of(dataset, plan, world, seed=opts.seed)
     evaluate_held_out = held_out_evaluation(opts, held_out, plan, world, model)
-    run_dir = Path(opts.run_dir)
     checkpointer = shard.Checkpointer(
-        run_dir / "checkpoints",
+        checkpoints,
         opts.checkpoint_interval,
         opts.keep_checkpoints,
         world,
@@ -907,7 +810,14 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
             "options": dataclasses.asdict(opts),
         },
     )
-    step = resume(opts, checkpointer, optimizer, loader, resume_from, saved, log)
+    step = 0
+    if saved:  # the weights, optimizer state, data cursor and random state
+        step = checkpointer.restore(resume_from, saved, optimizer, loader)
+        by = plural(saved["run"]["world_size"], "process")
+        log(f"resumed from {resume_from} at step {step} (saved by {by}, now {world.world_size})")
+    elif opts.resume:
+        start = f"from {opts.hf_checkpoint}" if opts.hf_checkpoint else "from random weights"
+        log(f"no checkpoint in {checkpoints}: starting {start}")
     # Everything given is checked and loaded: from here on the run writes into its directory.
     lock = shard.lock_run_dir(run_dir, world.is_main)
     if world.is_main:
@@ -920,9 +830,8 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
 
 
 def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool, log):
-    """The model the plan describes (on the meta device, then apply_techniques), loaded or
-    initialized, and its optimizer. Resuming reads the checkpoint's weights later, except a
-    LoRA run's frozen base, which is not in it."""
+    """The model the plan describes, loaded or initialized, and its optimizer. Resuming reads
+    the checkpoint's weights later, but a LoRA run's frozen base here: the checkpoint lacks it."""
     with torch.device("meta"):
         ops = triton_ops() if plan.kernels else REFERENCE_OPS
         if plan.fp8:
@@ -941,26 +850,18 @@ def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool
             f"{params_text(trained)} parameters train, the base's "
             f"{params_text(args.num_params())} are frozen"
         )
-    return model, build_optimizer(model, plan, opts, world.device)
-
-
-def resume(opts, checkpointer, optimizer, loader, resume_from, saved, log: Callable) -> int:
-    """The step the run starts at: a checkpoint's, with its weights, optimizer state, data
-    cursor and random state loaded, or 0."""
-    if resume_from is None:
-        if opts.resume:
-            start = f"from {opts.hf_checkpoint}" if opts.hf_checkpoint else "from random weights"
-            log(f"no checkpoint in {Path(opts.run_dir) / 'checkpoints'}: starting {start}")
-        return 0
-    step = checkpointer.restore(resume_from, saved, optimizer, loader)
-    saved_by = plural(saved["run"]["world_size"], "process")
-    now = checkpointer.world.world_size
-    log(f"resumed from {resume_from} at step {step} (saved by {saved_by}, now {now})")
-    return step
+    betas, decay = (opts.beta1, opts.beta2), opts.weight_decay
+    if plan.optimizer_in_backward and plan.cpu_offload:  # on FSDP's shards on the host
+        return model, offload.ShardedOptimizerInBackward(model, opts.lr, betas, decay)
+    if plan.optimizer_in_backward:
+        dtype = DTYPES[plan.param_dtype]
+        return model, offload.OptimizerInBackward(model, world.device, dtype, opts.lr, betas, decay)
+    # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then.
+    fused = world.device.type == "cuda" or plan.cpu_offload
+    return model, shard.ShardedAdamW(model, betas, decay, opts.grad_clip, fused)
 
 
 def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -> None:
-    """One line: what trains on what, and how."""
     frozen = plan.lora is not None
     flops_per_token = args.flops_per_token(opts.seq_len, frozen)
     layout = "optimizer in backward" if plan.optimizer_in_backward else plan.strategy
@@ -1001,9 +902,8 @@ def train_step(
     micro_batches: list[Batch],
     offload_activations: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> StepResult:
-    """One optimizer step (with the optimizer in backward, its step() waits for the last
-    updates). The loss is the mean over the step's labelled tokens on all ranks, not a mean of
-    per-micro-batch means: micro-batches hold different numbers of labelled tokens."""
+    """One optimizer step. The loss is the mean over the step's labelled tokens on all ranks,
+    not of per-micro-batch means: micro-batches hold different numbers of labelled tokens."""
     n_labels = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches)
     dist.all_reduce(n_labels)
     n_labels = n_labels.clamp(min=1)
@@ -1023,12 +923,9 @@ def train_step(
 
 
 class MetricsLog:
-    """Decides which steps are logged (every --log-interval, the last, one stopped on, and
-    each evaluated: every --eval-interval and the last) and writes their records to stdout
-    and metrics.jsonl. Values are read only on logged and saved steps, as in nanoGPT:
-    reading them every step would make the host wait for the GPU each step. That read
-    checks every step since the last one for a non-finite loss or gradient norm, before a
-    checkpoint could save spoiled weights."""
+    """Decides which steps are logged and writes them to stdout and metrics.jsonl (README.md).
+    Values are read only on logged and saved steps (a read waits for the GPU), checking each
+    step since the last read for a non-finite loss or gradient norm before a checkpoint is saved."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -1039,11 +936,7 @@ class MetricsLog:
         self.checked_step = self.logged_step = run.start_step
         self.started = self.logged_at = time.perf_counter()
         self.last: StepResult | None = None
-        # metrics.jsonl only grows. A resumed run appends a line {"resumed_from": checkpoint,
-        # "step": its step}, then the steps it takes: the records of steps after that
-        # checkpoint that a killed run logged stay, superseded by the later records of the
-        # same step (the last record of a step is the one that counts). A line cut short by
-        # a kill or a full disk stays as it is, said once; this run's lines start after it.
+        # metrics.jsonl only grows: a resume marks its start; a line cut short stays, ended here.
         if run.world.is_main:
             damaged, cut = damaged_lines(self.path)
             if damaged:
@@ -1077,7 +970,6 @@ class MetricsLog:
         return due or self.evaluating(step, stopping)
 
     def read(self, step: int, last_saved: Path | None) -> tuple[float, float]:
-        """The last step's loss and gradient norm, checked as the class docstring says."""
         dist.all_reduce(self.last.loss_sum)
         dist.all_reduce(self.nonfinite, op=dist.ReduceOp.MAX)
         loss = (self.last.loss_sum / self.last.n_labels).item()
@@ -1134,9 +1026,8 @@ class MetricsLog:
 
 
 def damaged_lines(path: Path) -> tuple[list[int], bool]:
-    """The numbers (from 1) of the lines of the JSON-lines file `path` that are not a JSON
-    object, and whether its last line is cut short (no newline at its end). Read a line at a
-    time: a long run's log may be large."""
+    """The numbers (from 1) of `path`'s lines that are not a JSON object, and whether its last
+    is cut short (no newline). Read a line at a time: a long run's log may be large."""
     damaged, line = [], b"\n"
     if not path.is_file():
         return damaged, False
@@ -1151,8 +1042,8 @@ def damaged_lines(path: Path) -> tuple[list[int], bool]:
 
 
 def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tuple[float, int]:
-    """The mean loss over the labelled tokens of `batches()` on all ranks, and their count
-    (under no_grad: no activations kept, no gradients in the fused loss)."""
+    """The mean loss over `batches()`' labelled tokens on all ranks, and their count (under
+    no_grad: no activations kept, and the fused loss computes no gradients)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, labelled tokens
     with torch.no_grad():
@@ -1169,9 +1060,7 @@ def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tu
 def held_out_evaluation(
     opts: Options, held_out: TokenDataset | None, plan: shard.Plan, world: shard.World, model
 ) -> Callable[[], tuple[float, int]] | None:
-    """The evaluation of --eval-data's rows (--eval-tokens' or all, at least one per
-    data-parallel group), read in order and split as the training rows are; None without
-    --eval-data."""
+    """--eval-data's evaluation: its rows (--eval-tokens' or all), in order, split as training's."""
     if held_out is None:
         return None
     eval_loader = loader_of(held_out, plan, world)
@@ -1189,8 +1078,7 @@ def held_out_evaluation(
 def loader_of(
     dataset: TokenDataset, plan: shard.Plan, world: shard.World, **kwargs
 ) -> PackedLoader:
-    """The rows of this rank: each data-parallel group of context_parallel ranks reads its
-    own rows, and each rank of a group a slice of them (shard.py's context parallelism)."""
+    """This rank's rows: each group of context_parallel ranks reads its own, each rank a slice."""
     cp = plan.context_parallel
     return PackedLoader(
         dataset, plan.seq_len, plan.micro_batch, world.rank // cp, world.world_size // cp,
@@ -1223,9 +1111,7 @@ def hms(seconds: float) -> str:
 
 
 class Instruments:
-    """The one-off measurements beside the loop: the memory peaks after the first two steps
-    (printed beside the plan's estimate, and saved in plan.json), --memory-snapshot's
-    record of the first three, and --profile's trace."""
+    """The one-off measurements beside the loop: memory peaks, --memory-snapshot, --profile."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -1269,10 +1155,9 @@ class Instruments:
 
 
 class StopSignals:
-    """SIGTERM and SIGINT (Ctrl-C, SLURM before it preempts a job, torchrun passing either
-    on) ask the run to stop after the step in progress, with a checkpoint. A second one
-    exits at once. Signals that arrive within a second of the first count as the same one:
-    a Ctrl-C reaches torchrun and every worker, and torchrun passes it on once more."""
+    """SIGTERM and SIGINT (Ctrl-C, SLURM's preemption, torchrun passing either on) stop the
+    run after this step, with a checkpoint; a second one, at once. One within a second of the
+    first is the same: a Ctrl-C reaches every worker, and torchrun passes it on again."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -1298,10 +1183,8 @@ class StopSignals:
             os._exit(EXIT_STOPPED)  # as stopped after a step: the last checkpoint resumes
 
     def agreed(self) -> bool:
-        """Whether any rank was asked to stop; every rank calls it at the end of each step
-        and all get the same answer. Its cost is one all-reduce of a CPU integer (gloo, a
-        host round trip between the processes, well under a millisecond on one node); it
-        does not wait for the GPU."""
+        """Whether any rank was asked to stop, alike on all: one all-reduce of a CPU integer
+        (gloo, well under a millisecond on one node), which does not wait for the GPU."""
         stop = torch.tensor([self.received is not None], dtype=torch.int32)
         if dist.get_world_size() > 1:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
@@ -1318,20 +1201,15 @@ LAUNCHER_GONE_GRACE_S = 30.0
 
 
 def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
-    """Under torchrun: a worker whose agent died alone (kill -9, the OOM killer, a node
-    agent's crash) is adopted by another process and would train on, holding the run
-    directory's lock. A thread watches for that adoption; then the worker sends itself the
-    SIGTERM torchrun would have sent: it stops after the step in progress, with a
-    checkpoint (StopSignals; before the first step, at once). A worker that is still alive
-    LAUNCHER_GONE_GRACE_S later (a rank stuck in a collective whose peer is gone) exits, once
-    any checkpoint it is writing is complete."""
+    """A worker whose torchrun agent died alone (kill -9, the OOM killer) is adopted by another
+    process and would train on, holding the run's lock: a thread sends it torchrun's SIGTERM.
+    Alive LAUNCHER_GONE_GRACE_S later (stuck in a collective), it exits, any checkpoint whole."""
     launcher = os.getppid()
 
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(poll_s)
-        # Each rank that sees it says so: the first to see it stops them all (StopSignals
-        # agrees), and may do so before the others look again.
+        # Each rank that sees it says so: the first stops them all (StopSignals agrees).
         rank = os.environ.get("RANK", "0")
         to_stderr(f"rank {rank}: torchrun (pid {launcher}) is gone: stopping after this step")
         os.kill(os.getpid(), signal.SIGTERM)
@@ -1350,14 +1228,12 @@ def stop_when_launcher_dies(poll_s: float = 1.0) -> None:
 
 
 def to_stderr(line: str) -> None:
-    """One line on stderr in one write (print writes the newline apart), so that the lines
-    of several processes sharing a terminal do not run into each other."""
+    """One line on stderr in one write (print's newline is another): processes' lines stay whole."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
 
 def show_progress(what: str) -> Callable[[int, int], None]:
-    """A one-line progress display on stderr for long work: done/total, elapsed time."""
     start = time.perf_counter()
 
     def report(done: int, total: int) -> None:
@@ -1370,8 +1246,7 @@ def show_progress(what: str) -> Callable[[int, int], None]:
 
 def printable(text: str) -> str:
     """`text` with control characters but newlines and tabs escaped (\\x1b, \\r): a barely
-    trained model samples any bytes, and raw ones would move the cursor or restyle the
-    terminal the log is read in."""
+    trained model samples any bytes, which raw could move the cursor or restyle the terminal."""
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
@@ -1425,23 +1300,17 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
 
 
 def finish(run: Run, step: int) -> None:
-    """What a run does at its end: on a signal, say how to resume; at the last step, export,
-    print a sample of the model, and say where everything is and how to go on. Each command
-    it prints continues from a checkpoint that holds the run's last weights, and is printed
-    only where there is one."""
+    """On a signal, how to resume; at the last step, the exports, a sample and where all is.
+    A command is printed only where a checkpoint holds the run's last weights to continue."""
     opts, log, last = run.opts, run.log, run.checkpointer.last
     saved_now = last is not None and shard.step_of(last) == step
     if step < run.max_steps:
         stopped = f"stopped at step {step} of {run.max_steps} on a signal"
-        if saved_now:
-            log(f"{stopped}; saved {last}. Resume with:\n  {resume_command(run)}")
-        elif last:
-            log(
-                f"{stopped}; saved nothing (--checkpoint-interval 0): the last checkpoint is "
-                f"{last}. Resume from there with:\n  {resume_command(run)}"
-            )
-        else:
+        if last is None:
             log(f"{stopped}; no checkpoint (--checkpoint-interval 0): nothing to resume from")
+        else:
+            saved = "saved" if saved_now else "saved nothing (--checkpoint-interval 0): the last is"
+            log(f"{stopped}; {saved} {last}. Resume with:\n  {resume_command(run)}")
         return
     if opts.export_hf:
         dtype = DTYPES[run.plan.param_dtype]
@@ -1470,17 +1339,13 @@ def finish(run: Run, step: int) -> None:
 
 
 def resume_command(run: Run, **changes) -> str:
-    """The command that continues the run from its last checkpoint: a bare --resume where
-    that checkpoint is the newest in the run directory, else --resume with its path."""
+    """The command that continues from the last checkpoint: --resume, with its path if not ours."""
     last = run.checkpointer.last
     own = last.parent.resolve() == run.checkpointer.root.resolve()
     return command_line(run.opts, run.given, resume="latest" if own else str(last), **changes)
 
 
 def print_sample(run: Run) -> None:
-    """A short sample of the trained model, decoded by the data's tokenizer: after BOS (EOS
-    where the tokenizer has none), or for SFT data after a short user turn in the data's chat
-    format; where there is no tokenizer to decode it, why."""
     tokenizer, n = run.text_tokenizer, run.opts.sample_tokens
     if not n:
         return
@@ -1506,15 +1371,12 @@ def print_sample(run: Run) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # The caching allocator grows its segments in place instead of leaving gaps between
-    # fixed ones: less memory reserved beyond what is allocated, at the same speed
-    # (bench/RESULTS.md, "Pinned pieces and expandable segments"). Read at CUDA's first
-    # use, which is later; a setting of the user's own stays.
+    # Segments that grow in place: less memory reserved, at the same speed (bench/RESULTS.md,
+    # "Pinned pieces and expandable segments"). Read at CUDA's first use, which is later.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     opts, given = parse_options(argv)
-    # Before the first step and after the last, SIGTERM stops the run as Ctrl-C does (the
-    # loop's own handlers, StopSignals, finish the step and save first). Not under torchrun:
-    # a rank waiting in a collective would then not end on it.
+    # Outside the loop (whose StopSignals save first), SIGTERM stops the run as Ctrl-C does.
+    # Not under torchrun: a rank waiting in a collective would not end on it.
     previous = signal.getsignal(signal.SIGTERM)
     if shard.torchrun_processes()[0] == 1:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -1523,10 +1385,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         finished = train(opts, given)
     except KeyboardInterrupt:
-        # Nothing in training is lost: the run directory's checkpoints are as they were.
         if not other_rank():  # Ctrl-C under torchrun reaches every rank
-            # Before the first step the command as given starts the run again; after the
-            # last, the final checkpoint (if any) is what a resume continues from.
+            # Before the first step the command as given starts again; after the last, --resume.
             saved = shard.list_checkpoints(Path(opts.run_dir) / "checkpoints")
             again = command_line(opts, given, **({"resume": "latest"} if saved else {}))
             to_stderr(
@@ -1534,10 +1394,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         sys.exit(EXIT_STOPPED)
     except Exception as e:
-        # What was given (checked alike on every rank, from files all ranks see) and a
-        # non-finite step (which the ranks agree on) fail every rank the same way: rank 0
-        # says it once. Anything else may be one rank's own, or a bug: that rank says it,
-        # with its traceback. Every rank exits non-zero.
+        # What was given, and a non-finite step, fail every rank alike: rank 0 says it once.
+        # Anything else may be one rank's own, or a bug: that rank says it, with its traceback.
         alike = isinstance(e, (UsageError, FloatingPointError))
         if not alike:
             sys.stderr.write(traceback.format_exc())
@@ -1558,11 +1416,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def leave(status: int) -> NoReturn:
-    """Ends the process at once, its output flushed, once everything is written and closed.
-    torch's DTensor sharding cache (in C++) keeps the mesh, and so the process group, alive
-    past destroy_process_group: gloo's threads would still run while the interpreter shuts
-    down, and at times abort it ("terminate called without an active exception", once in CI
-    after a finished run)."""
+    """Ends the process at once, its output flushed: torch's DTensor sharding cache (C++) keeps
+    the process group alive past destroy_process_group, and its gloo threads at times abort the
+    interpreter's shutdown ("terminate called without an active exception")."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
