@@ -96,8 +96,7 @@ class World:
 
 
 def torchrun_processes() -> tuple[int, int]:
-    """The processes torchrun started (WORLD_SIZE), and per node (LOCAL_WORLD_SIZE): 1 and
-    1 for a plain `python train.py`."""
+    """WORLD_SIZE and LOCAL_WORLD_SIZE: 1 and 1 for a plain `python train.py`."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     return world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
@@ -108,14 +107,13 @@ def check_gpus() -> None:
     if torch.cuda.is_available() and per_node > (gpus := torch.cuda.device_count()):
         raise UsageError(
             f"{per_node} processes per node were asked (torchrun --nproc-per-node={per_node}), "
-            f"and this machine has {gpus} GPU{'s' * (gpus != 1)}: one process per GPU"
+            f"and this machine has {plural(gpus, 'GPU')}: one process per GPU"
         )
 
 
 def init_distributed() -> World:
-    """Joins the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
-    LOCAL_WORLD_SIZE), or makes a group of one for a plain `python train.py`, so that
-    `fully_shard` and the rest of this file run the same way with one process or many.
+    """Joins torchrun's process group, or makes a group of one for a plain `python train.py`,
+    so that `fully_shard` and the rest of this file run the same way with one process or many.
     gloo also serves CUDA runs: the norm of the gradients that CPU offload keeps on the host."""
     check_gpus()
     env = os.environ
@@ -287,11 +285,8 @@ def apply_fsdp(
     mp_policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
-    offload_policy = (
-        CPUOffloadPolicy(pin_memory=pin_memory and torch.cuda.is_available())
-        if cpu_offload
-        else OffloadPolicy()
-    )
+    pin = pin_memory and torch.cuda.is_available()
+    offload_policy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for block in model.layers:
         fully_shard(block, reshard_after_forward=policy.reshard_after_forward, **common)
@@ -408,8 +403,6 @@ def _all_to_all(
 
 
 class _AllToAll(torch.autograd.Function):
-    """The all-to-all as an autograd op: its gradient is the reverse all-to-all."""
-
     @staticmethod
     def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
         ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
@@ -421,10 +414,9 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _attend_whole_sequence(attend, group, q, k, v, mask):
-    """Attention.attend over this rank's slice of a row, q [B, H, S/N, Dh]: the sequence
-    shards become head shards [B, H/N, S, Dh] for the kernel, and back. The all-to-alls
-    run on the [B, S, H, Dh] views, so the kernel gets the strides it gets without
-    context parallelism (the projections' layout) and its output goes back in that layout."""
+    """Attention.attend over this rank's slice of a row, q [B, H, S/N, Dh], as head shards
+    [B, H/N, S, Dh]. The all-to-alls run on the [B, S, H, Dh] views, so that the kernel's
+    inputs and output keep the strides they have without context parallelism."""
     n = group.size()
     if k.shape[1] < n:  # fewer key/value heads than ranks: each rank gets one, repeated
         k, v = (t.repeat_interleave(n // t.shape[1], dim=1) for t in (k, v))
@@ -442,12 +434,11 @@ def _whole_row_mask(attention_mask, group, positions: torch.Tensor, document_sta
 
 
 def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **kwargs):
-    """The model's forward under context parallelism. Training passes positions with its
+    """The model's forward under context parallelism. Training passes the positions of its
     slice of each row [B, S/N] (data.PackedLoader's) and gets its part of the loss. A call
-    without positions brings whole rows [B, T] for their logits (model.generate's sample at
-    the end of a run): each rank runs its slice of them, the rows padded at the end to N
-    equal slices (the causal mask hides the padding from the tokens before it), and the
-    logits are gathered back whole on every rank, as one process would return them."""
+    without positions brings whole rows [B, T] (model.generate's sample): each rank runs its
+    slice, padded at the end (the causal mask hides the padding from the tokens before it),
+    and every rank gets the logits of the whole rows, as one process would."""
     if positions is not None:
         return forward(tokens, labels, positions, *rest, **kwargs)
     if labels is not None:
@@ -469,10 +460,8 @@ def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **
 
 def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> None:
     """Makes `model` take this rank's slice of each row (tokens, labels and positions
-    [B, S/N]) and attend over the whole row. Attention.attend, Llama.attention_mask and
-    Llama.forward (for calls with whole rows) are wrapped on the instances, as
-    offload.apply_mlp_tiling does, so parameter names and checkpoints do not change and
-    model.py holds no process group or collective."""
+    [B, S/N]), wrapping methods on the instances, as offload.apply_mlp_tiling does, so that
+    parameter names and checkpoints do not change and model.py holds no collective."""
     if group is None:
         return
     for block in model.layers:
