@@ -65,16 +65,13 @@ def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
         )
     if every < 1:
         raise ValueError(f"activation checkpointing 'every' must be >= 1, got {every}")
-    match mode:
-        case "none":
-            return
-        case "full":
-            context_fn = None
-        case "attention" | "selective":
-            context_fn = functools.partial(_keeping_contexts, list(SAVED_OPS[mode]))
+    if mode == "none":
+        return
+    saved_ops = SAVED_OPS.get(mode)  # None for "full"
+    context_fn = saved_ops and functools.partial(_keeping_contexts, list(saved_ops))
     for i, block in enumerate(model.layers):
         if i % every == 0:
-            if context_fn is not None:
+            if saved_ops:
                 block.attention.attend = _KeptAttention(block.attention.attend)
             # No randomness in the model (no dropout): no RNG state to save and restore.
             checkpoint(block, context_fn=context_fn, preserve_rng_state=False)
@@ -90,7 +87,6 @@ class _Phase:
     @classmethod
     @contextlib.contextmanager
     def of(cls, phase: str, policy: contextlib.AbstractContextManager) -> Iterator[None]:
-        """The selective policy's context of that phase, with the phase set."""
         with policy:
             cls.now = phase
             try:
@@ -103,17 +99,15 @@ def _keeping_contexts(saved_ops: list) -> tuple:
     """The checkpoint's (forward, recompute) contexts: the selective policy for SAVED_OPS,
     plus the phase `_KeptAttention` reads.
 
-    The outputs the policy keeps stay on the GPU, outside the saved-tensor hooks around the
-    forward (activation_offload's). The planner counts them there, and only the blocks'
-    inputs on the host (shard.block_bytes, activation_bytes); and they are most of what a
-    block keeps (under "selective" every matmul's output: over 11 times the block's input in
-    Llama 3 8B), too much to copy out and back behind the block's compute. torch up
-    to 2.13 always leaves them so; 2.14 warns that a later release will route them through
-    the hooks unless checkpoint(..., respect_saved_tensors_hooks=False) says otherwise. The
-    composable checkpoint (apply_ac) refuses that argument in 2.14; torch.utils.checkpoint
-    hands it on as this attribute of the policy's forward context, set here the same way
-    (torch sets it only on a forward context that is the policy's own, not on
-    `_Phase.of`'s, so it stays)."""
+    The outputs the policy keeps stay on the GPU, outside activation_offload's saved-tensor
+    hooks: the planner counts them there, and only the blocks' inputs on the host
+    (shard.block_bytes), and they are most of what a block keeps (under "selective" over 11
+    times the block's input in Llama 3 8B), too much to copy out and back behind the block's
+    compute. torch up to 2.13 always leaves them so; 2.14 warns that a later release will
+    route them through the hooks unless checkpoint(..., respect_saved_tensors_hooks=False),
+    which the composable checkpoint (apply_ac) refuses; torch.utils.checkpoint hands it on
+    as this attribute of the policy's forward context, set here the same way (torch sets it
+    only on the policy's own forward context, not on `_Phase.of`'s, so it stays)."""
     forward, recompute = create_selective_checkpoint_contexts(saved_ops)
     if hasattr(forward, "respect_saved_tensors_hooks"):  # torch >= 2.14
         forward.respect_saved_tensors_hooks = False
@@ -122,16 +116,14 @@ def _keeping_contexts(saved_ops: list) -> tuple:
 
 class _KeptAttention:
     """Keeps the document-masked attention's output through a checkpointed block's recompute,
-    as the selective policy keeps SDPA's. The policy works on the aten ops a dispatch mode
-    sees; compiled FlexAttention runs as Triton kernels no dispatch mode sees, so the policy
-    would recompute it. Instead, in the block's forward the kernel runs outside the
-    checkpoint's saved-tensor hooks (its autograd node keeps what its backward needs: q, k,
-    v, the output and the softmax statistics, on the GPU even with activation offload), its
-    output is kept here, and the recompute takes the kept output instead of running the
-    kernel again. Backward then runs the kernel's own backward from its own saved tensors.
-    That keeps q, k and v too (1.5x the output's size with 4 query heads per kv head), which
-    SDPA's policy recomputes: flex's backward is reachable only through its autograd node.
-    SDPA's causal kernel (mask None) is left to the policy."""
+    as the selective policy keeps SDPA's: the policy sees aten ops through a dispatch mode,
+    and compiled FlexAttention runs as Triton kernels, which none sees. In the block's
+    forward the kernel runs outside the checkpoint's saved-tensor hooks (its autograd node
+    keeps what its backward needs: q, k, v, the output and the softmax statistics, on the GPU
+    even with activation offload), and the recompute takes the output kept here instead of
+    running the kernel again. That keeps q, k and v too (1.5x the output's size with 4 query
+    heads per kv head), which SDPA's policy recomputes: flex's backward is reachable only
+    through its autograd node. SDPA's causal kernel (mask None) is left to the policy."""
 
     def __init__(self, attend):
         self.attend = attend
