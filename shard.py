@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -388,29 +389,24 @@ def context_parallel_group(world: World, n: int) -> dist.ProcessGroup | None:
     return mesh.get_group("context")
 
 
-def _all_to_all(
-    x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
-) -> torch.Tensor:
-    """Chunk j of x along scatter_dim goes to rank j; what rank i sent is chunk i of the
-    result along gather_dim. all_to_all_single runs on NCCL for CUDA tensors and on gloo
-    for CPU ones (gloo has it too), so the tests run the same code as the GPUs."""
-    send = torch.stack(x.chunk(group.size(), dim=scatter_dim))  # [N, ...], contiguous
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
-    # The pieces joined along gather_dim: a view, not a copy, where the layout allows (the
-    # sequence of one row: q, k, v on their way to the kernel).
-    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
-
-
 class _AllToAll(torch.autograd.Function):
+    """Chunk j of x along scatter_dim goes to rank j; what rank i sent is chunk i of the
+    result along gather_dim; the gradient goes back the same way. all_to_all_single runs on
+    NCCL for CUDA tensors and on gloo for CPU ones, so the tests run the same code as GPUs."""
+
     @staticmethod
-    def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
+    def forward(ctx, x, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int):
         ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        return _all_to_all(x, group, scatter_dim, gather_dim)
+        send = torch.stack(x.chunk(group.size(), dim=scatter_dim))  # [N, ...], contiguous
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        # The pieces joined along gather_dim: a view, not a copy, where the layout allows (the
+        # sequence of one row: q, k, v on their way to the kernel).
+        return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+        return _AllToAll.apply(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
 def _attend_whole_sequence(attend, group, q, k, v, mask):
@@ -757,13 +753,14 @@ class Checkpointer:
                 # dcp.save returns once every rank's shards are written. Their sizes and the
                 # full shape of each tensor go in, so that a truncated, missing or replaced
                 # shard is caught before resuming (check_checkpoint).
+                flat, _ = flatten_state_dict(state)  # the tensors by their names in the shards
                 train_state = {
                     "step": step,
                     "loader": loader.state_dict(),
                     "rng": rng_state(self.world.device),
                     **self.record,
                     "files": {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))},
-                    "tensors": tensor_shapes(state),
+                    "tensors": {k: list(t.shape) for k, t in flat.items() if torch.is_tensor(t)},
                 }
                 (tmp / "train_state.json").write_text(json.dumps(train_state))
             dist.barrier()  # every rank's shards are written before the directory is renamed
@@ -777,18 +774,6 @@ class Checkpointer:
             return final
         finally:
             SAVING.clear()
-
-
-def tensor_shapes(state: dict, prefix: str = "") -> dict[str, list[int]]:
-    """Each tensor of a nested state dict by its name in a checkpoint's shards (the keys on
-    its path joined with dots, as DCP names them), and its full shape."""
-    shapes = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            shapes |= tensor_shapes(value, f"{prefix}{key}.")
-        elif isinstance(value, torch.Tensor):
-            shapes[f"{prefix}{key}"] = list(value.shape)
-    return shapes
 
 
 def rng_state(device: torch.device) -> dict:
