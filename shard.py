@@ -269,9 +269,8 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.bfloat16,
     pin_memory: bool = True,
 ) -> None:
-    """Shards `model` in place: each TransformerBlock is one FSDP unit (one all-gather and
-    one reduce-scatter), then [norm, output] when the embeddings are untied, then the root,
-    which keeps the rest (tok_embeddings, which a tied model also uses as its output).
+    """Shards `model` in place, an FSDP unit (one all-gather, one reduce-scatter) for each
+    block, [norm, output] and the root (the rest: tok_embeddings, a tied model's output too).
     Master weights, gradients and optimizer state stay fp32 and sharded (on the host with
     `cpu_offload`, where the optimizer then steps); forward and backward run on
     `param_dtype` copies gathered per unit.
@@ -552,21 +551,20 @@ def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path
     """The checkpoint to resume from and its train_state, checked (`check_checkpoint`):
     `resume` (train.py's --resume) "latest" takes the newest intact one in `root`, saying
     which it passed over; a path takes that checkpoint."""
-    if resume is None:
-        if list_checkpoints(root):
-            raise UsageError(
-                f"{root} holds checkpoints of an earlier run: pass --resume to continue it, "
-                f"or choose another --run-dir"
-            )
-        return None
-    if resume != "latest":
+    found = list_checkpoints(root)
+    if resume is None and found:
+        raise UsageError(
+            f"{root} holds checkpoints of an earlier run: pass --resume to continue it, "
+            f"or choose another --run-dir"
+        )
+    if resume not in (None, "latest"):
         resume = Path(resume)
         if list_checkpoints(resume / "checkpoints"):
             raise UsageError(
                 f"{resume} is a run directory, not a checkpoint: --resume --run-dir {resume} "
                 f"continues from its latest checkpoint"
             )
-        theirs = [c for c in list_checkpoints(root) if c.resolve() != resume.resolve()]
+        theirs = [c for c in found if c.resolve() != resume.resolve()]
         if theirs and root.resolve() != resume.resolve().parent:
             # Saving here would rotate this directory's own checkpoints away (--keep-checkpoints).
             raise UsageError(
@@ -574,8 +572,7 @@ def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path
                 f"not one of them: give a new --run-dir to continue {resume} in"
             )
         return resume, check_checkpoint(resume)
-    found = list_checkpoints(root)
-    for checkpoint in reversed(found):
+    for checkpoint in reversed(found):  # none without --resume
         try:
             train_state = check_checkpoint(checkpoint)
         except UsageError as e:
@@ -701,11 +698,10 @@ SAVING = threading.Event()
 
 @dataclass
 class Checkpointer:
-    """Saves the run every `interval` steps, at its last step and when it stops on a signal
-    (`due`), keeping the last `keep`; `last` is the newest saved or resumed from. A
-    checkpoint holds the optimizer's state (the weights with it), and in train_state.json
-    the step, the loader's cursor, the random state and `record` (what the run is: "run",
-    which check_resumable compares, and "options")."""
+    """Saves the run when `due`, keeping the last `keep`; `last` is the newest saved or
+    resumed from. A checkpoint holds the optimizer's state (the weights with it); its
+    train_state.json also holds `record`: what the run is ("run", which check_resumable
+    compares, and "options")."""
 
     root: Path
     interval: int
@@ -812,9 +808,7 @@ def full_tensor(param: torch.Tensor, device: torch.device) -> torch.Tensor:
 def export_hf(
     model: Llama, args: ModelArgs, out_dir: str, dtype: torch.dtype, tokenizer, world: World
 ) -> None:
-    """The weights as a HF checkpoint (model.save_hf_checkpoint, with `tokenizer`'s files),
-    LoRA adapters merged into their base weights (model.merged_named_tensors), each
-    parameter gathered in turn."""
+    """The weights as a HF checkpoint, LoRA adapters merged, each parameter gathered in turn."""
     gather = functools.partial(full_tensor, device=world.device)
     write = lambda named: save_hf_checkpoint(args, named, out_dir, dtype, tokenizer=tokenizer)
     write_gathered(merged_named_tensors(model, gather), write, world.is_main)
@@ -828,8 +822,7 @@ def export_adapter(
     base_model: str | None,
     world: World,
 ) -> None:
-    """The LoRA adapters in PEFT's format (model.save_peft_adapter), gathered like
-    export_hf's weights."""
+    """The LoRA adapters in PEFT's format, gathered like export_hf's weights."""
     trained = model.named_parameters()
     adapters = ((name, full_tensor(p, world.device)) for name, p in trained if p.requires_grad)
     write = lambda named: save_peft_adapter(args, lora, named, out_dir, base_model=base_model)
