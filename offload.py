@@ -414,12 +414,10 @@ def adamw_(
 
 
 class _AdamWInBackward:
-    """What both optimizers in backward share: AdamW's settings, the lr of the coming
-    backward's updates (set_lr, before backward starts), AdamW's state beside the fp32
-    `master` weights, by parameter name, and the worker thread to which each parameter's
-    post-accumulate-grad hook (`_on_grad`) hands its gradient. The interface, state_dict's
-    layout among it, is shard.ShardedAdamW's, so that checkpoints go between them; gradients
-    need no zeroing (none is kept)."""
+    """What both optimizers in backward share: AdamW's state beside the fp32 `master` weights,
+    by parameter name, and the worker thread to which each parameter's post-accumulate-grad
+    hook (`_on_grad`) hands its gradient. The interface is shard.ShardedAdamW's (checkpoints
+    go between them); gradients need no zeroing (none is kept)."""
 
     def __init__(self, params: dict[str, nn.Parameter], master: dict, lr, betas, weight_decay):
         self.lr, self.betas, self.weight_decay = lr, betas, weight_decay
@@ -467,8 +465,7 @@ class OptimizerInBackward(_AdamWInBackward):
     block's bytes of gradients wait on the GPU for the worker: backward is launched ahead of
     the GPU, and a hook that waited for each copy, or for a long update such as the output
     head's, held the launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer
-    in backward's stalls"). Without CUDA (the tests) the same code runs: torch.cpu's streams
-    and events do nothing, and the staging buffers are not pinned.
+    in backward's stalls"). Without CUDA (the tests) the same code runs on torch.cpu's streams.
 
     What updating before the step's last gradient exists rules out: clipping by the
     global norm (known only at the end), gradient accumulation (the hooks fire on every
@@ -495,9 +492,8 @@ class OptimizerInBackward(_AdamWInBackward):
         for name, param in self.params.items():
             if param.device.type != "cpu" or param.dtype != torch.float32:
                 raise UsageError(
-                    f"OptimizerInBackward takes a model on the host in fp32 "
-                    f"(to_empty on the CPU, then model.fill_weights); {name} is {param.dtype} "
-                    f"on {param.device}"
+                    f"OptimizerInBackward takes a model on the host in fp32 (to_empty on the "
+                    f"CPU, then model.fill_weights); {name} is {param.dtype} on {param.device}"
                 )
         master = {name: param.detach() for name, param in self.params.items()}
         super().__init__(self.params, master, lr, betas, weight_decay)
@@ -600,7 +596,6 @@ class OptimizerInBackward(_AdamWInBackward):
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """As the base's, then the weights on to the working copies."""
         super().load_state_dict(state)
         for name in self.master:
             self._copy_to_working(name)
