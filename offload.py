@@ -172,18 +172,13 @@ def _tiled_forward(forward, tile_tokens: int, x: torch.Tensor) -> torch.Tensor:
     # block saved. Of the MLP those are the tiles' inputs only: each tile's checkpoint runs
     # its forward itself, in its backward. So the tiles are not computed here; the block's
     # recomputation stops at the last tile's input (checkpoint's early stop) and never reads
-    # their outputs. Computing them would cost all but one tile's forward once more.
+    # their outputs. Computing them would cost all but one tile's forward once more. Their
+    # stand-in runs no op: selective checkpointing's recompute allows only its forward's ops.
     if torch._C._current_graph_task_id() != -1:
-        forward = _unread_output
+        forward = nn.Identity()
     return torch.cat(
         [torch_checkpoint(forward, tile, use_reentrant=False) for tile in tiles], dim=1
     )
-
-
-def _unread_output(tile: torch.Tensor) -> torch.Tensor:
-    """Stands in for a feed-forward whose output is not read: a tensor of its shape that runs
-    no op (selective checkpointing's recomputation allows only the ops its forward ran)."""
-    return tile
 
 
 # ----------------------------------------------------------------------------------------
