@@ -278,19 +278,14 @@ class _Offloader:
             or isinstance(tensor._base, nn.Parameter)  # a weight's transpose
         ):
             return tensor
-        key = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tensor.stride(),
-            tensor.dtype,
-        )
+        storage, offset = tensor.untyped_storage(), tensor.storage_offset()
+        key = (storage.data_ptr(), offset, tuple(tensor.shape), tensor.stride(), tensor.dtype)
         if key in self.seen:
             return self.seen[key][1]
         saved = _Offloaded()
         # Keep the layout (a transposed view stays transposed) when the view covers its
         # whole storage; otherwise a copy of its own (contiguous() keeps a row range a view).
-        dense = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes
+        dense = offset == 0 and storage.nbytes() == nbytes
         source = tensor if dense else tensor.clone(memory_format=torch.contiguous_format)
         saved.dtype, saved.shape, saved.stride = tensor.dtype, tensor.shape, source.stride()
         saved.pieces = host_pieces(nbytes, pin_memory=self.cuda)
@@ -477,9 +472,8 @@ class OptimizerInBackward(_AdamWInBackward):
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
     ):
-        """`model` has its parameters on the host in fp32 (train.apply_techniques puts them
-        there): they become the master weights, the model in fp32 only once, and each
-        parameter gets a `param_dtype` copy on `device`."""
+        """The parameters of `model`, on the host in fp32, become the master weights (the model
+        in fp32 only once), each with a `param_dtype` copy on `device`."""
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.streams = torch.get_device_module(self.device.type)
@@ -601,12 +595,11 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
     """The optimizer in backward over FSDP with CPU offload (shard.apply_fsdp, cpu_offload),
     on any number of processes: the fp32 shards FSDP keeps on the host are the master
     weights, gathered to the GPU in param_dtype only while their block runs, so the GPU keeps
-    no weights between uses. FSDP calls each sharded parameter's post-accumulate-grad hook
-    once its gradient shard is on the host; the hook hands it to one worker thread, which
-    runs AdamW on the shard while backward goes on. At most a block's worth of updates wait
-    (`max_pending`), so about a block's gradients exist at once, never the whole set;
-    `step()` waits for them all, before the next forward's all-gathers read the shards. Its
-    state_dict's tensors are DTensors, as shard.ShardedAdamW's. What it rules out is what
+    no weights between uses. FSDP calls the hook once a gradient shard is on the host, and
+    the worker updates the shard while backward goes on; at most a block's worth of updates
+    wait (`max_pending`), so about a block's gradients exist at once, never the whole set.
+    step() waits for them all, before the next forward's all-gathers read the shards. The
+    state_dict's tensors are DTensors, as shard.ShardedAdamW's. It rules out what
     OptimizerInBackward rules out (clipping, accumulation)."""
 
     def __init__(

@@ -131,8 +131,7 @@ def init_distributed() -> World:
     if not dist.is_initialized():
         if "RANK" in env:
             # device_id binds NCCL's communicator to this GPU up front (no guessing later).
-            device_id = device if device.type == "cuda" else None
-            dist.init_process_group(backend, device_id=device_id)
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
         else:
             # One process: an in-memory store, no port to find or collide on.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -161,9 +160,8 @@ def host_memory_gib() -> float:
 
 
 def this_machine(gpu_memory: float | None, host_memory: float | None, world: World) -> Machine:
-    """The machine the run is on: its processes, each GPU's free memory and the host's
-    available memory (`gpu_memory`, `host_memory` GiB instead where given). A collective:
-    every rank plans with the smallest over all ranks, so that all choose the same plan."""
+    """The machine the run is on (`gpu_memory`, `host_memory` GiB where given). A collective:
+    every rank plans with the smallest memory over all ranks, so that all choose one plan."""
     gpu = gpu_memory
     if gpu is None and world.device.type == "cuda":
         gpu = torch.cuda.mem_get_info(world.device)[0] / GiB
@@ -634,9 +632,8 @@ def check_checkpoint(path: Path) -> dict:
 
 
 def check_resumable(saved: dict, run: dict) -> None:
-    """Refuses a checkpoint of another model, sequence length, tokenizer, strategy or LoRA
-    adapters (--lora-rank, --lora-alpha, --lora-targets), naming every field that differs.
-    The world size may change: DCP reshards on load."""
+    """Refuses a checkpoint of another run, naming every field that differs. The world size
+    may change: DCP reshards on load."""
     saved_model = dict(saved["model"])
     if saved_model.get("rope_scaling"):  # with the defaults of fields added since it was saved
         rope = RopeScaling(**saved_model["rope_scaling"])
