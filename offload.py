@@ -336,7 +336,6 @@ def activation_offload(
     last block: backward needs it first, so copying it out and back would only stall.
     `blocks` limits the offload to the first `blocks` blocks, for when host memory holds
     less than all of them (the first ones are the last needed in backward).
-    Yields the offloader (its `offloaded_bytes`, `offloaded_tensors`), or None.
 
     The copies run at the host link's speed, and a block's memory is freed only once its
     copy is done, so offload pays when a block computes longer than it takes to move what
@@ -380,11 +379,10 @@ def adamw_(
     betas: tuple[float, float],
     weight_decay: float,
 ) -> None:
-    """One AdamW step of the fp32 `master` in place, `state` torch.optim.AdamW's ("step",
-    "exp_avg", "exp_avg_sq"), weight decay on matrices only (as shard.ShardedAdamW's param
-    groups). It calls the kernel torch.optim.AdamW(fused=True) runs, directly: the callers own
-    the state tensors, and it skips the optimizer's per-call bookkeeping (a third of the time
-    for a 58M-element tensor on 2 CPU cores)."""
+    """One AdamW step of the fp32 `master` in place, `state` as torch.optim.AdamW keeps it,
+    weight decay on matrices only (as shard.ShardedAdamW's param groups), by the kernel
+    AdamW(fused=True) runs: the callers own the state tensors, and the optimizer's per-call
+    bookkeeping would take a third of the time (a 58M-element tensor on 2 CPU cores)."""
     state["step"] += 1
     torch._fused_adamw_(
         [master],
@@ -446,16 +444,15 @@ class OptimizerInBackward(_AdamWInBackward):
     backward needs 16 bytes per parameter, fp32 gradients included: 128.5 GB for 8B, more
     than a 128 GiB host.)
 
-    Each parameter's post-accumulate-grad hook fires once its gradient is complete, after
-    its last use in this backward (a tied embedding's once, after both uses), so its working
-    weight may be rewritten from then on. The hook hands the gradient, still on the GPU, to
-    one worker thread, which copies it to a pinned staging buffer on a side stream, runs
-    AdamW on the fp32 master and copies the master back in param_dtype on a second side
-    stream (the two directions use different copy engines). The hook waits only while a
-    block's bytes of gradients wait on the GPU for the worker: backward is launched ahead of
-    the GPU, and a hook that waited for each copy, or for a long update such as the output
-    head's, held the launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer
-    in backward's stalls"). Without CUDA (the tests) the same code runs on torch.cpu's streams.
+    A parameter's hook fires after its last use in this backward (a tied embedding's after
+    both), so its working weight may be rewritten from then on. The worker copies the
+    gradient, still on the GPU, to a pinned staging buffer on a side stream, runs AdamW on the
+    fp32 master and copies the master back in param_dtype on a second side stream (the two
+    directions use different copy engines). The hook waits only while a block's bytes of
+    gradients wait on the GPU for the worker: backward is launched ahead of the GPU, and a
+    hook that waited for each copy, or for a long update such as the output head's, held the
+    launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer in backward's
+    stalls"). Without CUDA (the tests) the same code runs on torch.cpu's streams.
 
     What updating before the step's last gradient exists rules out: clipping by the
     global norm (known only at the end), gradient accumulation (the hooks fire on every

@@ -186,10 +186,9 @@ def machine_to_estimate(
         raise UsageError(
             f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
         )
-    gpu = gpu_memory
-    if gpu is None:
-        gpu = torch.cuda.mem_get_info()[0] / GiB if torch.cuda.is_available() else 80.0
-    return Machine(world_size, nproc, gpu, host_memory or host_memory_gib())
+    if gpu_memory is None:
+        gpu_memory = torch.cuda.mem_get_info()[0] / GiB if torch.cuda.is_available() else 80.0
+    return Machine(world_size, nproc, gpu_memory, host_memory or host_memory_gib())
 
 
 def host_peak_rss_gib() -> float:
