@@ -233,7 +233,6 @@ class _Offloader:
         self.min_bytes = min_bytes
         self.cuda = torch.cuda.is_available()
         self.device_type = "cuda" if self.cuda else "cpu"
-        # torch.cuda, or torch.cpu, whose streams and events do nothing
         self.streams = torch.get_device_module(self.device_type)
         self.stream = self.streams.Stream()
         self.block: int | None = None  # the block whose forward is running

@@ -78,8 +78,7 @@ if TYPE_CHECKING:  # the planner reads train.py's options, and train.py imports 
 GiB = 2**30
 
 # ----------------------------------------------------------------------------------------
-# Processes and devices: the process group, the memory a plan may fill (Machine) and the
-# peaks a run reached
+# Processes and devices: the process group, the memory a plan may fill, the peaks reached
 # ----------------------------------------------------------------------------------------
 
 
@@ -207,8 +206,7 @@ def measured_memory(steps: int, device: torch.device) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
-# FSDP: the strategies (how parameters, gradients and optimizer state are laid out over the
-# ranks), their mesh, sharding the model, filling its shards, and the global gradient norm
+# FSDP: the sharding strategies and their mesh, the sharded model, the gradient norm
 # ----------------------------------------------------------------------------------------
 
 
@@ -466,9 +464,8 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
 
 
 # ----------------------------------------------------------------------------------------
-# The run directory (--run-dir), its checkpoints of the sharded state
-# (run_dir/checkpoints/step-XXXXXX, resharded on load, so another world size can resume),
-# and the exports (--export-hf, --export-adapter), gathered from the shards
+# The run directory (--run-dir), its checkpoints (run_dir/checkpoints/step-XXXXXX) and the
+# exports (--export-hf, --export-adapter)
 # ----------------------------------------------------------------------------------------
 
 # What a run writes into --run-dir (hidden: its lock, and exports' temporary directories).
