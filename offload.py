@@ -100,9 +100,9 @@ def _keeping_contexts(saved_ops: list) -> tuple:
     plus the phase `_KeptAttention` reads.
 
     The outputs the policy keeps stay on the GPU, outside activation_offload's saved-tensor
-    hooks: the planner counts them there, and only the blocks' inputs on the host
-    (shard.block_bytes), and they are most of what a block keeps (under "selective" over 11
-    times the block's input in Llama 3 8B), too much to copy out and back behind the block's
+    hooks (the planner counts them there, and only the blocks' inputs on the host:
+    shard.block_bytes): they are most of what a block keeps (under "selective" over 11 times
+    the block's input in Llama 3 8B), too much to copy out and back behind the block's
     compute. torch up to 2.13 always leaves them so; 2.14 warns that a later release will
     route them through the hooks unless checkpoint(..., respect_saved_tensors_hooks=False),
     which the composable checkpoint (apply_ac) refuses; torch.utils.checkpoint hands it on
@@ -172,7 +172,7 @@ def _tiled_forward(forward, tile_tokens: int, x: torch.Tensor) -> torch.Tensor:
     # block saved. Of the MLP those are the tiles' inputs only: each tile's checkpoint runs
     # its forward itself, in its backward. So the tiles are not computed here; the block's
     # recomputation stops at the last tile's input (checkpoint's early stop) and never reads
-    # their outputs. Computing them would cost all but one tile's forward once more. Their
+    # their outputs. Computing them would cost all but one tile's forward once more. The
     # stand-in runs no op: selective checkpointing's recompute allows only its forward's ops.
     if torch._C._current_graph_task_id() != -1:
         forward = nn.Identity()
@@ -216,9 +216,8 @@ def host_pieces(nbytes: int, pin_memory: bool) -> list[torch.Tensor]:
 
 
 class _Offloader:
-    """saved_tensors_hooks that move the large tensors saved inside the TransformerBlocks
-    to pinned host memory on a side stream, and bring a block's tensors back during the
-    backward of the block after it, so that both copies overlap compute.
+    """activation_offload's saved_tensors_hooks: the copies run on a side stream, a block's
+    tensors coming back during the backward of the block after it, so that both overlap compute.
 
     Streams: every device tensor involved is allocated on the compute stream, so the
     caching allocator keeps one pool (tensors allocated on a side stream would go to a
