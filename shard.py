@@ -86,7 +86,6 @@ GiB = 2**30
 class World:
     rank: int
     world_size: int
-    local_rank: int
     local_world_size: int  # processes per node: the shard group of HYBRID_SHARD
     device: torch.device
 
@@ -134,7 +133,7 @@ def init_distributed() -> World:
         else:
             # One process: an in-memory store, no port to find or collide on.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return World(rank, world_size, local_rank, local_world_size, device)
+    return World(rank, world_size, local_world_size, device)
 
 
 @dataclass(frozen=True)
