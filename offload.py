@@ -65,16 +65,13 @@ def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
         )
     if every < 1:
         raise ValueError(f"activation checkpointing 'every' must be >= 1, got {every}")
-    match mode:
-        case "none":
-            return
-        case "full":
-            context_fn = None
-        case "attention" | "selective":
-            context_fn = functools.partial(_keeping_contexts, list(SAVED_OPS[mode]))
+    if mode == "none":
+        return
+    saved_ops = SAVED_OPS.get(mode)  # None for "full"
+    context_fn = saved_ops and functools.partial(_keeping_contexts, list(saved_ops))
     for i, block in enumerate(model.layers):
         if i % every == 0:
-            if context_fn is not None:
+            if saved_ops:
                 block.attention.attend = _KeptAttention(block.attention.attend)
             # No randomness in the model (no dropout): no RNG state to save and restore.
             checkpoint(block, context_fn=context_fn, preserve_rng_state=False)
@@ -90,7 +87,6 @@ class _Phase:
     @classmethod
     @contextlib.contextmanager
     def of(cls, phase: str, policy: contextlib.AbstractContextManager) -> Iterator[None]:
-        """The selective policy's context of that phase, with the phase set."""
         with policy:
             cls.now = phase
             try:
@@ -103,17 +99,15 @@ def _keeping_contexts(saved_ops: list) -> tuple:
     """The checkpoint's (forward, recompute) contexts: the selective policy for SAVED_OPS,
     plus the phase `_KeptAttention` reads.
 
-    The outputs the policy keeps stay on the GPU, outside the saved-tensor hooks around the
-    forward (activation_offload's). The planner counts them there, and only the blocks'
-    inputs on the host (shard.block_bytes, activation_bytes); and they are most of what a
-    block keeps (under "selective" every matmul's output: over 11 times the block's input in
-    Llama 3 8B), too much to copy out and back behind the block's compute. torch up
-    to 2.13 always leaves them so; 2.14 warns that a later release will route them through
-    the hooks unless checkpoint(..., respect_saved_tensors_hooks=False) says otherwise. The
-    composable checkpoint (apply_ac) refuses that argument in 2.14; torch.utils.checkpoint
-    hands it on as this attribute of the policy's forward context, set here the same way
-    (torch sets it only on a forward context that is the policy's own, not on
-    `_Phase.of`'s, so it stays)."""
+    The outputs the policy keeps stay on the GPU, outside activation_offload's saved-tensor
+    hooks (the planner counts them there, and only the blocks' inputs on the host:
+    shard.block_bytes): they are most of what a block keeps (under "selective" over 11 times
+    the block's input in Llama 3 8B), too much to copy out and back behind the block's
+    compute. torch up to 2.13 always leaves them so; 2.14 warns that a later release will
+    route them through the hooks unless checkpoint(..., respect_saved_tensors_hooks=False),
+    which the composable checkpoint (apply_ac) refuses; torch.utils.checkpoint hands it on
+    as this attribute of the policy's forward context, set here the same way (torch sets it
+    only on the policy's own forward context, not on `_Phase.of`'s, so it stays)."""
     forward, recompute = create_selective_checkpoint_contexts(saved_ops)
     if hasattr(forward, "respect_saved_tensors_hooks"):  # torch >= 2.14
         forward.respect_saved_tensors_hooks = False
@@ -122,16 +116,14 @@ def _keeping_contexts(saved_ops: list) -> tuple:
 
 class _KeptAttention:
     """Keeps the document-masked attention's output through a checkpointed block's recompute,
-    as the selective policy keeps SDPA's. The policy works on the aten ops a dispatch mode
-    sees; compiled FlexAttention runs as Triton kernels no dispatch mode sees, so the policy
-    would recompute it. Instead, in the block's forward the kernel runs outside the
-    checkpoint's saved-tensor hooks (its autograd node keeps what its backward needs: q, k,
-    v, the output and the softmax statistics, on the GPU even with activation offload), its
-    output is kept here, and the recompute takes the kept output instead of running the
-    kernel again. Backward then runs the kernel's own backward from its own saved tensors.
-    That keeps q, k and v too (1.5x the output's size with 4 query heads per kv head), which
-    SDPA's policy recomputes: flex's backward is reachable only through its autograd node.
-    SDPA's causal kernel (mask None) is left to the policy."""
+    as the selective policy keeps SDPA's: the policy sees aten ops through a dispatch mode,
+    and compiled FlexAttention runs as Triton kernels, which none sees. In the block's
+    forward the kernel runs outside the checkpoint's saved-tensor hooks (its autograd node
+    keeps what its backward needs: q, k, v, the output and the softmax statistics, on the GPU
+    even with activation offload), and the recompute takes the output kept here instead of
+    running the kernel again. That keeps q, k and v too (1.5x the output's size with 4 query
+    heads per kv head), which SDPA's policy recomputes: flex's backward is reachable only
+    through its autograd node. SDPA's causal kernel (mask None) is left to the policy."""
 
     def __init__(self, attend):
         self.attend = attend
@@ -180,18 +172,13 @@ def _tiled_forward(forward, tile_tokens: int, x: torch.Tensor) -> torch.Tensor:
     # block saved. Of the MLP those are the tiles' inputs only: each tile's checkpoint runs
     # its forward itself, in its backward. So the tiles are not computed here; the block's
     # recomputation stops at the last tile's input (checkpoint's early stop) and never reads
-    # their outputs. Computing them would cost all but one tile's forward once more.
+    # their outputs. Computing them would cost all but one tile's forward once more. The
+    # stand-in runs no op: selective checkpointing's recompute allows only its forward's ops.
     if torch._C._current_graph_task_id() != -1:
-        forward = _unread_output
+        forward = nn.Identity()
     return torch.cat(
         [torch_checkpoint(forward, tile, use_reentrant=False) for tile in tiles], dim=1
     )
-
-
-def _unread_output(tile: torch.Tensor) -> torch.Tensor:
-    """Stands in for a feed-forward whose output is not read: a tensor of its shape that runs
-    no op (selective checkpointing's recomputation allows only the ops its forward ran)."""
-    return tile
 
 
 # ----------------------------------------------------------------------------------------
@@ -229,9 +216,8 @@ def host_pieces(nbytes: int, pin_memory: bool) -> list[torch.Tensor]:
 
 
 class _Offloader:
-    """saved_tensors_hooks that move the large tensors saved inside the TransformerBlocks
-    to pinned host memory on a side stream, and bring a block's tensors back during the
-    backward of the block after it, so that both copies overlap compute.
+    """activation_offload's saved_tensors_hooks: the copies run on a side stream, a block's
+    tensors coming back during the backward of the block after it, so that both overlap compute.
 
     Streams: every device tensor involved is allocated on the compute stream, so the
     caching allocator keeps one pool (tensors allocated on a side stream would go to a
@@ -246,7 +232,6 @@ class _Offloader:
         self.min_bytes = min_bytes
         self.cuda = torch.cuda.is_available()
         self.device_type = "cuda" if self.cuda else "cpu"
-        # torch.cuda, or torch.cpu, whose streams and events do nothing
         self.streams = torch.get_device_module(self.device_type)
         self.stream = self.streams.Stream()
         self.block: int | None = None  # the block whose forward is running
@@ -291,19 +276,14 @@ class _Offloader:
             or isinstance(tensor._base, nn.Parameter)  # a weight's transpose
         ):
             return tensor
-        key = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tensor.stride(),
-            tensor.dtype,
-        )
+        storage, offset = tensor.untyped_storage(), tensor.storage_offset()
+        key = (storage.data_ptr(), offset, tuple(tensor.shape), tensor.stride(), tensor.dtype)
         if key in self.seen:
             return self.seen[key][1]
         saved = _Offloaded()
         # Keep the layout (a transposed view stays transposed) when the view covers its
         # whole storage; otherwise a copy of its own (contiguous() keeps a row range a view).
-        dense = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == nbytes
+        dense = offset == 0 and storage.nbytes() == nbytes
         source = tensor if dense else tensor.clone(memory_format=torch.contiguous_format)
         saved.dtype, saved.shape, saved.stride = tensor.dtype, tensor.shape, source.stride()
         saved.pieces = host_pieces(nbytes, pin_memory=self.cuda)
@@ -354,7 +334,6 @@ def activation_offload(
     last block: backward needs it first, so copying it out and back would only stall.
     `blocks` limits the offload to the first `blocks` blocks, for when host memory holds
     less than all of them (the first ones are the last needed in backward).
-    Yields the offloader (its `offloaded_bytes`, `offloaded_tensors`), or None.
 
     The copies run at the host link's speed, and a block's memory is freed only once its
     copy is done, so offload pays when a block computes longer than it takes to move what
@@ -398,11 +377,10 @@ def adamw_(
     betas: tuple[float, float],
     weight_decay: float,
 ) -> None:
-    """One AdamW step of the fp32 `master` in place, `state` torch.optim.AdamW's ("step",
-    "exp_avg", "exp_avg_sq"), weight decay on matrices only (as shard.ShardedAdamW's param
-    groups). It calls the kernel torch.optim.AdamW(fused=True) runs, directly: the callers own
-    the state tensors, and it skips the optimizer's per-call bookkeeping (a third of the time
-    for a 58M-element tensor on 2 CPU cores)."""
+    """One AdamW step of the fp32 `master` in place, `state` as torch.optim.AdamW keeps it,
+    weight decay on matrices only (as shard.ShardedAdamW's param groups), by the kernel
+    AdamW(fused=True) runs: the callers own the state tensors, and the optimizer's per-call
+    bookkeeping would take a third of the time (a 58M-element tensor on 2 CPU cores)."""
     state["step"] += 1
     torch._fused_adamw_(
         [master],
@@ -422,12 +400,10 @@ def adamw_(
 
 
 class _AdamWInBackward:
-    """What both optimizers in backward share: AdamW's settings, the lr of the coming
-    backward's updates (set_lr, before backward starts), AdamW's state beside the fp32
-    `master` weights, by parameter name, and the worker thread to which each parameter's
-    post-accumulate-grad hook (`_on_grad`) hands its gradient. The interface, state_dict's
-    layout among it, is shard.ShardedAdamW's, so that checkpoints go between them; gradients
-    need no zeroing (none is kept)."""
+    """What both optimizers in backward share: AdamW's state beside the fp32 `master` weights,
+    by parameter name, and the worker thread to which each parameter's post-accumulate-grad
+    hook (`_on_grad`) hands its gradient. The interface is shard.ShardedAdamW's (checkpoints
+    go between them); gradients need no zeroing (none is kept)."""
 
     def __init__(self, params: dict[str, nn.Parameter], master: dict, lr, betas, weight_decay):
         self.lr, self.betas, self.weight_decay = lr, betas, weight_decay
@@ -466,17 +442,15 @@ class OptimizerInBackward(_AdamWInBackward):
     backward needs 16 bytes per parameter, fp32 gradients included: 128.5 GB for 8B, more
     than a 128 GiB host.)
 
-    Each parameter's post-accumulate-grad hook fires once its gradient is complete, after
-    its last use in this backward (a tied embedding's once, after both uses), so its working
-    weight may be rewritten from then on. The hook hands the gradient, still on the GPU, to
-    one worker thread, which copies it to a pinned staging buffer on a side stream, runs
-    AdamW on the fp32 master and copies the master back in param_dtype on a second side
-    stream (the two directions use different copy engines). The hook waits only while a
-    block's bytes of gradients wait on the GPU for the worker: backward is launched ahead of
-    the GPU, and a hook that waited for each copy, or for a long update such as the output
-    head's, held the launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer
-    in backward's stalls"). Without CUDA (the tests) the same code runs: torch.cpu's streams
-    and events do nothing, and the staging buffers are not pinned.
+    A parameter's hook fires after its last use in this backward (a tied embedding's after
+    both), so its working weight may be rewritten from then on. The worker copies the
+    gradient, still on the GPU, to a pinned staging buffer on a side stream, runs AdamW on the
+    fp32 master and copies the master back in param_dtype on a second side stream (the two
+    directions use different copy engines). The hook waits only while a block's bytes of
+    gradients wait on the GPU for the worker: backward is launched ahead of the GPU, and a
+    hook that waited for each copy, or for a long update such as the output head's, held the
+    launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer in backward's
+    stalls"). Without CUDA (the tests) the same code runs on torch.cpu's streams.
 
     What updating before the step's last gradient exists rules out: clipping by the
     global norm (known only at the end), gradient accumulation (the hooks fire on every
@@ -493,9 +467,8 @@ class OptimizerInBackward(_AdamWInBackward):
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
     ):
-        """`model` has its parameters on the host in fp32 (train.apply_techniques puts them
-        there): they become the master weights, the model in fp32 only once, and each
-        parameter gets a `param_dtype` copy on `device`."""
+        """The parameters of `model`, on the host in fp32, become the master weights (the model
+        in fp32 only once), each with a `param_dtype` copy on `device`."""
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.streams = torch.get_device_module(self.device.type)
@@ -503,9 +476,8 @@ class OptimizerInBackward(_AdamWInBackward):
         for name, param in self.params.items():
             if param.device.type != "cpu" or param.dtype != torch.float32:
                 raise UsageError(
-                    f"OptimizerInBackward takes a model on the host in fp32 "
-                    f"(to_empty on the CPU, then model.fill_weights); {name} is {param.dtype} "
-                    f"on {param.device}"
+                    f"OptimizerInBackward takes a model on the host in fp32 (to_empty on the "
+                    f"CPU, then model.fill_weights); {name} is {param.dtype} on {param.device}"
                 )
         master = {name: param.detach() for name, param in self.params.items()}
         super().__init__(self.params, master, lr, betas, weight_decay)
@@ -608,7 +580,6 @@ class OptimizerInBackward(_AdamWInBackward):
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """As the base's, then the weights on to the working copies."""
         super().load_state_dict(state)
         for name in self.master:
             self._copy_to_working(name)
@@ -619,12 +590,11 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
     """The optimizer in backward over FSDP with CPU offload (shard.apply_fsdp, cpu_offload),
     on any number of processes: the fp32 shards FSDP keeps on the host are the master
     weights, gathered to the GPU in param_dtype only while their block runs, so the GPU keeps
-    no weights between uses. FSDP calls each sharded parameter's post-accumulate-grad hook
-    once its gradient shard is on the host; the hook hands it to one worker thread, which
-    runs AdamW on the shard while backward goes on. At most a block's worth of updates wait
-    (`max_pending`), so about a block's gradients exist at once, never the whole set;
-    `step()` waits for them all, before the next forward's all-gathers read the shards. Its
-    state_dict's tensors are DTensors, as shard.ShardedAdamW's. What it rules out is what
+    no weights between uses. FSDP calls the hook once a gradient shard is on the host, and
+    the worker updates the shard while backward goes on; at most a block's worth of updates
+    wait (`max_pending`), so about a block's gradients exist at once, never the whole set.
+    step() waits for them all, before the next forward's all-gathers read the shards. The
+    state_dict's tensors are DTensors, as shard.ShardedAdamW's. It rules out what
     OptimizerInBackward rules out (clipping, accumulation)."""
 
     def __init__(

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -77,8 +78,7 @@ if TYPE_CHECKING:  # the planner reads train.py's options, and train.py imports 
 GiB = 2**30
 
 # ----------------------------------------------------------------------------------------
-# Processes and devices: the process group, the memory a plan may fill (Machine) and the
-# peaks a run reached
+# Processes and devices: the process group, the memory a plan may fill, the peaks reached
 # ----------------------------------------------------------------------------------------
 
 
@@ -86,7 +86,6 @@ GiB = 2**30
 class World:
     rank: int
     world_size: int
-    local_rank: int
     local_world_size: int  # processes per node: the shard group of HYBRID_SHARD
     device: torch.device
 
@@ -96,8 +95,7 @@ class World:
 
 
 def torchrun_processes() -> tuple[int, int]:
-    """The processes torchrun started (WORLD_SIZE), and per node (LOCAL_WORLD_SIZE): 1 and
-    1 for a plain `python train.py`."""
+    """WORLD_SIZE and LOCAL_WORLD_SIZE: 1 and 1 for a plain `python train.py`."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     return world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
@@ -108,14 +106,13 @@ def check_gpus() -> None:
     if torch.cuda.is_available() and per_node > (gpus := torch.cuda.device_count()):
         raise UsageError(
             f"{per_node} processes per node were asked (torchrun --nproc-per-node={per_node}), "
-            f"and this machine has {gpus} GPU{'s' * (gpus != 1)}: one process per GPU"
+            f"and this machine has {plural(gpus, 'GPU')}: one process per GPU"
         )
 
 
 def init_distributed() -> World:
-    """Joins the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
-    LOCAL_WORLD_SIZE), or makes a group of one for a plain `python train.py`, so that
-    `fully_shard` and the rest of this file run the same way with one process or many.
+    """Joins torchrun's process group, or makes a group of one for a plain `python train.py`,
+    so that `fully_shard` and the rest of this file run the same way with one process or many.
     gloo also serves CUDA runs: the norm of the gradients that CPU offload keeps on the host."""
     check_gpus()
     env = os.environ
@@ -132,12 +129,11 @@ def init_distributed() -> World:
     if not dist.is_initialized():
         if "RANK" in env:
             # device_id binds NCCL's communicator to this GPU up front (no guessing later).
-            device_id = device if device.type == "cuda" else None
-            dist.init_process_group(backend, device_id=device_id)
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
         else:
             # One process: an in-memory store, no port to find or collide on.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return World(rank, world_size, local_rank, local_world_size, device)
+    return World(rank, world_size, local_world_size, device)
 
 
 @dataclass(frozen=True)
@@ -162,9 +158,8 @@ def host_memory_gib() -> float:
 
 
 def this_machine(gpu_memory: float | None, host_memory: float | None, world: World) -> Machine:
-    """The machine the run is on: its processes, each GPU's free memory and the host's
-    available memory (`gpu_memory`, `host_memory` GiB instead where given). A collective:
-    every rank plans with the smallest over all ranks, so that all choose the same plan."""
+    """The machine the run is on (`gpu_memory`, `host_memory` GiB where given). A collective:
+    every rank plans with the smallest memory over all ranks, so that all choose one plan."""
     gpu = gpu_memory
     if gpu is None and world.device.type == "cuda":
         gpu = torch.cuda.mem_get_info(world.device)[0] / GiB
@@ -189,10 +184,9 @@ def machine_to_estimate(
         raise UsageError(
             f"--nproc-per-node {nproc} must divide --world-size {world_size} (whole nodes)"
         )
-    gpu = gpu_memory
-    if gpu is None:
-        gpu = torch.cuda.mem_get_info()[0] / GiB if torch.cuda.is_available() else 80.0
-    return Machine(world_size, nproc, gpu, host_memory or host_memory_gib())
+    if gpu_memory is None:
+        gpu_memory = torch.cuda.mem_get_info()[0] / GiB if torch.cuda.is_available() else 80.0
+    return Machine(world_size, nproc, gpu_memory, host_memory or host_memory_gib())
 
 
 def host_peak_rss_gib() -> float:
@@ -211,8 +205,7 @@ def measured_memory(steps: int, device: torch.device) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
-# FSDP: the strategies (how parameters, gradients and optimizer state are laid out over the
-# ranks), their mesh, sharding the model, filling its shards, and the global gradient norm
+# FSDP: the sharding strategies and their mesh, the sharded model, the gradient norm
 # ----------------------------------------------------------------------------------------
 
 
@@ -270,9 +263,8 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.bfloat16,
     pin_memory: bool = True,
 ) -> None:
-    """Shards `model` in place: each TransformerBlock is one FSDP unit (one all-gather and
-    one reduce-scatter), then [norm, output] when the embeddings are untied, then the root,
-    which keeps the rest (tok_embeddings, which a tied model also uses as its output).
+    """Shards `model` in place, an FSDP unit (one all-gather, one reduce-scatter) for each
+    block, [norm, output] and the root (the rest: tok_embeddings, a tied model's output too).
     Master weights, gradients and optimizer state stay fp32 and sharded (on the host with
     `cpu_offload`, where the optimizer then steps); forward and backward run on
     `param_dtype` copies gathered per unit.
@@ -287,11 +279,8 @@ def apply_fsdp(
     mp_policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
-    offload_policy = (
-        CPUOffloadPolicy(pin_memory=pin_memory and torch.cuda.is_available())
-        if cpu_offload
-        else OffloadPolicy()
-    )
+    pin = pin_memory and torch.cuda.is_available()
+    offload_policy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     common = dict(mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy)
     for block in model.layers:
         fully_shard(block, reshard_after_forward=policy.reshard_after_forward, **common)
@@ -393,38 +382,30 @@ def context_parallel_group(world: World, n: int) -> dist.ProcessGroup | None:
     return mesh.get_group("context")
 
 
-def _all_to_all(
-    x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
-) -> torch.Tensor:
-    """Chunk j of x along scatter_dim goes to rank j; what rank i sent is chunk i of the
-    result along gather_dim. all_to_all_single runs on NCCL for CUDA tensors and on gloo
-    for CPU ones (gloo has it too), so the tests run the same code as the GPUs."""
-    send = torch.stack(x.chunk(group.size(), dim=scatter_dim))  # [N, ...], contiguous
-    received = torch.empty_like(send)
-    dist.all_to_all_single(received, send, group=group)
-    # The pieces joined along gather_dim: a view, not a copy, where the layout allows (the
-    # sequence of one row: q, k, v on their way to the kernel).
-    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
-
-
 class _AllToAll(torch.autograd.Function):
-    """The all-to-all as an autograd op: its gradient is the reverse all-to-all."""
+    """Chunk j of x along scatter_dim goes to rank j; what rank i sent is chunk i of the
+    result along gather_dim; the gradient goes back the same way. all_to_all_single runs on
+    NCCL for CUDA tensors and on gloo for CPU ones, so the tests run the same code as GPUs."""
 
     @staticmethod
-    def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
+    def forward(ctx, x, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int):
         ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
-        return _all_to_all(x, group, scatter_dim, gather_dim)
+        send = torch.stack(x.chunk(group.size(), dim=scatter_dim))  # [N, ...], contiguous
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=group)
+        # The pieces joined along gather_dim: a view, not a copy, where the layout allows (the
+        # sequence of one row: q, k, v on their way to the kernel).
+        return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+        return _AllToAll.apply(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
 def _attend_whole_sequence(attend, group, q, k, v, mask):
-    """Attention.attend over this rank's slice of a row, q [B, H, S/N, Dh]: the sequence
-    shards become head shards [B, H/N, S, Dh] for the kernel, and back. The all-to-alls
-    run on the [B, S, H, Dh] views, so the kernel gets the strides it gets without
-    context parallelism (the projections' layout) and its output goes back in that layout."""
+    """Attention.attend over this rank's slice of a row, q [B, H, S/N, Dh], as head shards
+    [B, H/N, S, Dh]. The all-to-alls run on the [B, S, H, Dh] views, so that the kernel's
+    inputs and output keep the strides they have without context parallelism."""
     n = group.size()
     if k.shape[1] < n:  # fewer key/value heads than ranks: each rank gets one, repeated
         k, v = (t.repeat_interleave(n // t.shape[1], dim=1) for t in (k, v))
@@ -442,12 +423,11 @@ def _whole_row_mask(attention_mask, group, positions: torch.Tensor, document_sta
 
 
 def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **kwargs):
-    """The model's forward under context parallelism. Training passes positions with its
+    """The model's forward under context parallelism. Training passes the positions of its
     slice of each row [B, S/N] (data.PackedLoader's) and gets its part of the loss. A call
-    without positions brings whole rows [B, T] for their logits (model.generate's sample at
-    the end of a run): each rank runs its slice of them, the rows padded at the end to N
-    equal slices (the causal mask hides the padding from the tokens before it), and the
-    logits are gathered back whole on every rank, as one process would return them."""
+    without positions brings whole rows [B, T] (model.generate's sample): each rank runs its
+    slice, padded at the end (the causal mask hides the padding from the tokens before it),
+    and every rank gets the logits of the whole rows, as one process would."""
     if positions is not None:
         return forward(tokens, labels, positions, *rest, **kwargs)
     if labels is not None:
@@ -469,10 +449,8 @@ def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **
 
 def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> None:
     """Makes `model` take this rank's slice of each row (tokens, labels and positions
-    [B, S/N]) and attend over the whole row. Attention.attend, Llama.attention_mask and
-    Llama.forward (for calls with whole rows) are wrapped on the instances, as
-    offload.apply_mlp_tiling does, so parameter names and checkpoints do not change and
-    model.py holds no process group or collective."""
+    [B, S/N]), wrapping methods on the instances, as offload.apply_mlp_tiling does, so that
+    parameter names and checkpoints do not change and model.py holds no collective."""
     if group is None:
         return
     for block in model.layers:
@@ -485,9 +463,8 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
 
 
 # ----------------------------------------------------------------------------------------
-# The run directory (--run-dir), its checkpoints of the sharded state
-# (run_dir/checkpoints/step-XXXXXX, resharded on load, so another world size can resume),
-# and the exports (--export-hf, --export-adapter), gathered from the shards
+# The run directory (--run-dir), its checkpoints (run_dir/checkpoints/step-XXXXXX) and the
+# exports (--export-hf, --export-adapter)
 # ----------------------------------------------------------------------------------------
 
 # What a run writes into --run-dir (hidden: its lock, and exports' temporary directories).
@@ -567,21 +544,20 @@ def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path
     """The checkpoint to resume from and its train_state, checked (`check_checkpoint`):
     `resume` (train.py's --resume) "latest" takes the newest intact one in `root`, saying
     which it passed over; a path takes that checkpoint."""
-    if resume is None:
-        if list_checkpoints(root):
-            raise UsageError(
-                f"{root} holds checkpoints of an earlier run: pass --resume to continue it, "
-                f"or choose another --run-dir"
-            )
-        return None
-    if resume != "latest":
+    found = list_checkpoints(root)
+    if resume is None and found:
+        raise UsageError(
+            f"{root} holds checkpoints of an earlier run: pass --resume to continue it, "
+            f"or choose another --run-dir"
+        )
+    if resume not in (None, "latest"):
         resume = Path(resume)
         if list_checkpoints(resume / "checkpoints"):
             raise UsageError(
                 f"{resume} is a run directory, not a checkpoint: --resume --run-dir {resume} "
                 f"continues from its latest checkpoint"
             )
-        theirs = [c for c in list_checkpoints(root) if c.resolve() != resume.resolve()]
+        theirs = [c for c in found if c.resolve() != resume.resolve()]
         if theirs and root.resolve() != resume.resolve().parent:
             # Saving here would rotate this directory's own checkpoints away (--keep-checkpoints).
             raise UsageError(
@@ -589,8 +565,7 @@ def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path
                 f"not one of them: give a new --run-dir to continue {resume} in"
             )
         return resume, check_checkpoint(resume)
-    found = list_checkpoints(root)
-    for checkpoint in reversed(found):
+    for checkpoint in reversed(found):  # none without --resume
         try:
             train_state = check_checkpoint(checkpoint)
         except UsageError as e:
@@ -652,9 +627,8 @@ def check_checkpoint(path: Path) -> dict:
 
 
 def check_resumable(saved: dict, run: dict) -> None:
-    """Refuses a checkpoint of another model, sequence length, tokenizer, strategy or LoRA
-    adapters (--lora-rank, --lora-alpha, --lora-targets), naming every field that differs.
-    The world size may change: DCP reshards on load."""
+    """Refuses a checkpoint of another run, naming every field that differs. The world size
+    may change: DCP reshards on load."""
     saved_model = dict(saved["model"])
     if saved_model.get("rope_scaling"):  # with the defaults of fields added since it was saved
         rope = RopeScaling(**saved_model["rope_scaling"])
@@ -716,11 +690,10 @@ SAVING = threading.Event()
 
 @dataclass
 class Checkpointer:
-    """Saves the run every `interval` steps, at its last step and when it stops on a signal
-    (`due`), keeping the last `keep`; `last` is the newest saved or resumed from. A
-    checkpoint holds the optimizer's state (the weights with it), and in train_state.json
-    the step, the loader's cursor, the random state and `record` (what the run is: "run",
-    which check_resumable compares, and "options")."""
+    """Saves the run when `due`, keeping the last `keep`; `last` is the newest saved or
+    resumed from. A checkpoint holds the optimizer's state (the weights with it); its
+    train_state.json also holds `record`: what the run is ("run", which check_resumable
+    compares, and "options")."""
 
     root: Path
     interval: int
@@ -768,13 +741,14 @@ class Checkpointer:
                 # dcp.save returns once every rank's shards are written. Their sizes and the
                 # full shape of each tensor go in, so that a truncated, missing or replaced
                 # shard is caught before resuming (check_checkpoint).
+                flat, _ = flatten_state_dict(state)  # the tensors by their names in the shards
                 train_state = {
                     "step": step,
                     "loader": loader.state_dict(),
                     "rng": rng_state(self.world.device),
                     **self.record,
                     "files": {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))},
-                    "tensors": tensor_shapes(state),
+                    "tensors": {k: list(t.shape) for k, t in flat.items() if torch.is_tensor(t)},
                 }
                 (tmp / "train_state.json").write_text(json.dumps(train_state))
             dist.barrier()  # every rank's shards are written before the directory is renamed
@@ -788,18 +762,6 @@ class Checkpointer:
             return final
         finally:
             SAVING.clear()
-
-
-def tensor_shapes(state: dict, prefix: str = "") -> dict[str, list[int]]:
-    """Each tensor of a nested state dict by its name in a checkpoint's shards (the keys on
-    its path joined with dots, as DCP names them), and its full shape."""
-    shapes = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            shapes |= tensor_shapes(value, f"{prefix}{key}.")
-        elif isinstance(value, torch.Tensor):
-            shapes[f"{prefix}{key}"] = list(value.shape)
-    return shapes
 
 
 def rng_state(device: torch.device) -> dict:
@@ -838,9 +800,7 @@ def full_tensor(param: torch.Tensor, device: torch.device) -> torch.Tensor:
 def export_hf(
     model: Llama, args: ModelArgs, out_dir: str, dtype: torch.dtype, tokenizer, world: World
 ) -> None:
-    """The weights as a HF checkpoint (model.save_hf_checkpoint, with `tokenizer`'s files),
-    LoRA adapters merged into their base weights (model.merged_named_tensors), each
-    parameter gathered in turn."""
+    """The weights as a HF checkpoint, LoRA adapters merged, each parameter gathered in turn."""
     gather = functools.partial(full_tensor, device=world.device)
     write = lambda named: save_hf_checkpoint(args, named, out_dir, dtype, tokenizer=tokenizer)
     write_gathered(merged_named_tensors(model, gather), write, world.is_main)
@@ -854,8 +814,7 @@ def export_adapter(
     base_model: str | None,
     world: World,
 ) -> None:
-    """The LoRA adapters in PEFT's format (model.save_peft_adapter), gathered like
-    export_hf's weights."""
+    """The LoRA adapters in PEFT's format, gathered like export_hf's weights."""
     trained = model.named_parameters()
     adapters = ((name, full_tensor(p, world.device)) for name, p in trained if p.requires_grad)
     write = lambda named: save_peft_adapter(args, lora, named, out_dir, base_model=base_model)
