@@ -1100,9 +1100,8 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
 # The planner's memory estimate: per rank, its terms at each moment of a step
 # ----------------------------------------------------------------------------------------
 
-# CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers and the caching allocator's rounding
-# and fragmentation: what nvidia-smi shows beyond the tensors that
-# torch.cuda.max_memory_allocated counts (bench/RESULTS.md, "Memory estimator, revised").
+# CUDA context, cuBLAS/cuDNN workspaces, NCCL's buffers, the allocator's rounding: what nvidia-smi
+# shows beyond torch.cuda.max_memory_allocated (bench/RESULTS.md, "Memory estimator, revised").
 OVERHEAD_GIB = 1.0
 
 
@@ -1145,8 +1144,7 @@ class MemoryEstimate:
 
 @functools.cache  # the planner asks once per plan it tries
 def block_shapes(args: ModelArgs) -> dict[str, torch.Size]:
-    """A block's parameters by module and leaf (wq.weight, Qwen2's wq.bias, the norms'...),
-    from the meta model: the estimate counts the model itself, not a formula."""
+    """A block's parameter shapes by "module.leaf", from the meta model, not a formula."""
     with torch.device("meta"):
         # One block: which layers skip RoPE or slide a window changes none of its parameters.
         one = dataclasses.replace(args, n_layers=1, nope_layers=(), window_layers=())
@@ -1170,9 +1168,9 @@ def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
 
 @dataclass(frozen=True)
 class Weights:
-    """The model's weights by FSDP unit: the root (the embedding), the head ([norm, output],
-    none when tied) and each block. Trained ones have fp32 master weights, gradients and
-    AdamW's moments; frozen ones (LoRA's base, ends included) are stored as they are used."""
+    """The weights by FSDP unit: root (embedding), head ([norm, output], none when tied), each
+    block. Trained ones have fp32 master weights, gradients and AdamW's moments; frozen ones
+    (LoRA's base, ends included) are stored as they are used."""
 
     embedding: int  # numel of the root
     head: int  # numel of the head
@@ -1188,9 +1186,8 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
     head = embedding + args.dim if not args.tie_embeddings else 0
     if lora is None:
         return Weights(embedding, head, args.num_params(), 0, block_params(args), 0, 0)
-    # A target's base in NF4 is its packed rows and scales, any other frozen weight
-    # param_bytes a value. (The scales, 1/16384 of the rows, are whole on every rank: the
-    # estimate divides them over the shard group with the rest.) Biases are not adapted.
+    # A target's NF4 base is its packed rows and scales (whole on every rank, but 1/16384 of
+    # the rows: divided over the shard group here); biases are not adapted.
     shapes = block_shapes(args)
     targets = {k: s for k, s in shapes.items() if k.removesuffix(".weight") in lora.targets}
     quantized = targets if lora.quantize_base else {}
@@ -1209,11 +1206,9 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
 
 def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict, float, float]:
     """Under FSDP: the GPU's (parameters, gradients) at estimate_memory's moments (a block's
-    backward with the gradient shard each later block has written), AdamW's moments on the
-    GPU, and the host's bytes. Gathered in param_dtype (`p` bytes): the root through the
-    step, the head from the end of forward through its backward, and two blocks (the one
-    running and the one prefetched) when resharded after forward, else all. A unit's
-    reduction copies its gradient into an fp32 buffer, reduce-scattered into its shard."""
+    backward: with the shard each later block wrote), AdamW's GPU moments, the host's bytes.
+    Gathered in param_dtype (`p` bytes): the root through the step, the head from forward's
+    end through its backward, two blocks (running, prefetched) if resharded after forward."""
     s = shard_group_size(plan.strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
     root, head = (w.embedding, w.head) if plan.lora is None else (0, 0)  # trained numel
     master = 0.0 if plan.cpu_offload else (4 * w.trained + w.frozen_bytes) / s
@@ -1227,10 +1222,11 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
     # Earlier micro-batches' gradients stay unsharded in fp32 until the last backward.
     accumulated = 4 * w.trained if plan.grad_accum > 1 else 0.0
     shard = 0.0 if plan.cpu_offload else 4 / s  # GPU bytes a trained parameter's shard holds
-    reduced = max(p + 4, 4 + 4 / s)  # the same, a trained parameter in its unit's reduction
-    # CPU offload keeps the fp32 shards of parameters and gradients in pinned memory; with
-    # the optimizer in backward in plain memory (train.apply_techniques says why), and
-    # gradients only while their updates wait: a block's and the embedding's or output's.
+    # The same in its unit's reduction: an fp32 copy of the gradient, reduce-scattered.
+    reduced = max(p + 4, 4 + 4 / s)
+    # CPU offload pins the fp32 shards of parameters and gradients; with the optimizer in
+    # backward (train.apply_techniques says why) in plain memory, gradients only while their
+    # updates wait: a block's and the embedding's or output's.
     host = 0.0
     if plan.cpu_offload and plan.optimizer_in_backward:
         host = 4 * (w.trained + w.block_trained + max(root, head)) / s + optimizer
@@ -1251,12 +1247,11 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
 
 
 def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, float, float]:
-    """sharded_state's terms for the optimizer in backward on one GPU, without FSDP: every
-    param_dtype weight stays on the GPU; a gradient lives until the worker has copied it to
-    the host, at most a block's worth waiting (one larger alone: the head's; a tied
-    embedding's from the head waits for its own). The host holds the fp32 weights and
-    moments, the pinned staging buffers of the largest parameter (one for gradients,
-    STAGING_SLOTS for weights) and the worker's fp32 copy of one gradient."""
+    """sharded_state's terms for the optimizer in backward on one GPU without FSDP: every
+    param_dtype weight on the GPU; a gradient until the worker copies it to the host, at most
+    a block's worth (the head's alone is larger; a tied embedding's waits for its own). The
+    host: fp32 weights and moments, pinned staging of the largest parameter (one slot for
+    gradients, STAGING_SLOTS for weights), the worker's fp32 copy of one gradient."""
     total, block, d = args.num_params(), block_params(args), args.dim
     largest_in_block = max(args.ffn_dim * d, d * d)
     largest = max(w.embedding, largest_in_block)
@@ -1272,29 +1267,25 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, float,
 
 
 def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, int, int]:
-    """One block's activations for a rank's tokens, `p` bytes each: what it saves through
-    autograd's hooks when not checkpointed; what a checkpointed one keeps in the
-    checkpoint's own cache (offload.SAVED_OPS' outputs, which activation offload leaves on
-    the GPU; None without checkpointing); and what its backward holds beyond those, not
-    checkpointed and checkpointed: the larger of the MLP's backward and attention's
-    (bench/RESULTS.md, "The block in backward, measured"). Both hold what attention's
-    backward needs, counted in the saved tensors of a block not checkpointed."""
+    """One block's activations for a rank's tokens, `p` bytes each: what autograd's hooks save
+    when not checkpointed; what a checkpointed one keeps in the checkpoint's cache
+    (offload.SAVED_OPS' outputs, left on the GPU by activation offload; None without
+    checkpointing); what its backward holds beyond those, not checkpointed and checkpointed:
+    the larger of the MLP's and attention's (bench/RESULTS.md, "The block in backward,
+    measured"), the latter's inputs counted in the uncheckpointed block's saved tensors."""
     if plan.ac not in AC_MODES:
         raise UsageError(
             f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
         )
     n, d, f, h = plan.tokens, args.dim, args.ffn_dim, args.n_heads
-    # With MLP tiling (offload.apply_mlp_tiling) the [tokens, ffn_dim] tensors exist a tile
-    # of m tokens at a time.
+    # MLP tiling (offload.apply_mlp_tiling): [tokens, ffn_dim] tensors exist m tokens at a time.
     m = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
     q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
     x, qkv, tile = n * d * p, (n * q + 2 * n * kv) * p, m * f * p
-    # The flash or cuDNN backend keeps attention's output and its fp32 logsumexp (the math
-    # backend would keep the [B, H, S, S] scores).
+    # The flash or cuDNN backend keeps attention's output and fp32 logsumexp (math: the scores).
     out = n * q * p + n * h * 4
 
-    # The block's two RMSNorms over rows of dim; with qk_norm (Qwen3) two more, over each head
-    # of q and k (rows of head_dim, as many elements as q and k).
+    # The block's two RMSNorms over rows of dim; qk_norm (Qwen3) adds two over q's and k's heads.
     normed, rows = 2 * n * d, 2 * n
     if args.qk_norm:
         normed, rows = normed + n * (q + kv), rows + n * (h + args.n_kv_heads)
@@ -1306,25 +1297,23 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     # The linears' inputs (normed x, normed h, w2's) and attention's q, k, v and output.
     saved += 2 * x + tile + qkv + out
 
-    # The checkpoint's cache: attention's output; selective: every matmul's too (wq, wk and
-    # wv; wo and w2, dim wide; w1 and w3).
+    # The checkpoint's cache: attention's output; selective: every matmul's too (wq, wk, wv;
+    # wo and w2, dim wide; w1 and w3).
     cached = {"none": None, "full": 0, "attention": out,
               "selective": out + qkv + 2 * x + 2 * n * f * p}[plan.ac]  # fmt: skip
     if plan.document_mask and cached:
-        # The document-masked attention's kept output comes with its q, k and v, which its
-        # backward needs (offload._KeptAttention), and the outputs of long documents' causal
-        # prefixes, which the causal kernel keeps for its own backward
-        # (model.packed_attention): up to a row's worth.
+        # The document-masked attention's kept output comes with the q, k, v its backward
+        # needs (offload._KeptAttention) and, up to a row's worth, long documents' causal
+        # prefixes' outputs, kept for the causal kernel's backward (model.packed_attention).
         cached += qkv + (n * q * p if plan.long_documents else 0)
 
     # The MLP's backward: h, normed h, a tile's gate, up and w2 input, three residual-sized
-    # gradients and one [tile, ffn_dim] (SwiGLU's kernel writes the others over gate and
-    # up). Attention's: two residual-sized gradients, dq, dk, dv and cuDNN's fp32 workspace,
-    # 8 bytes a query element (FlexAttention's under a document mask needs less).
+    # gradients, one [tile, ffn_dim] (SwiGLU's kernel writes the others over gate and up).
+    # Attention's: two residual-sized gradients, dq, dk, dv and cuDNN's fp32 workspace, 8
+    # bytes a query element (FlexAttention's, under a document mask, less).
     mlp, attention = 3 * x + tile, 2 * x + qkv + 8 * n * q
-    # --fp8 adds a projection's e4m3 copies (a byte an element): its output gradient's two
-    # and its input's columns, at most w2's input beside w2's output gradient, and q's
-    # beside the block's input (bench/RESULTS.md, "FP8 matmuls").
+    # --fp8 adds e4m3 copies (a byte an element): two of an output gradient and its input's
+    # columns, at most w2's; q's beside the block's input (bench/RESULTS.md, "FP8 matmuls").
     if plan.fp8:
         mlp += m * f + 2 * m * d
         attention += n * d + 2 * n * q
@@ -1341,10 +1330,9 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
 
 def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int, int], int]:
     """The activations on the GPU until the head's backward, in the backward of the blocks
-    that are moments of estimate_memory's table (by index), and on the host. Activation
-    offload takes what autograd's hooks save to the host; in backward the blocks kept on
-    the GPU come first, each freeing its own, then each offloaded one is fetched with the
-    one before it."""
+    that are moments of estimate_memory's table (by index), and on the host. In backward the
+    blocks kept on the GPU come first, each freeing its own; then each offloaded one is
+    fetched with the one before it."""
     n, d, layers = plan.tokens, args.dim, args.n_layers
     full_block, cache, working, working_checkpointed = block_bytes(args, plan, p)
     checkpointed = [cache is not None and i % plan.ac_every == 0 for i in range(layers)]
@@ -1368,10 +1356,9 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int
 
 
 def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[float, float, float]:
-    """The loss's buffers in its forward, in the head's backward and in the blocks'. Fused
-    kernel: the logits chunk, and the hidden and output gradients it computes in forward.
-    Reference: [N, V] fp32 log-probabilities saved, then their gradient and the fp32
-    logits' one (12 bytes per logit), and the param_dtype logits' gradient."""
+    """The loss's buffers in its forward, the head's backward and the blocks'. Fused: the
+    logits chunk, the hidden and output gradients computed in forward. Reference: [N, V] fp32
+    log-probabilities, their and the fp32 logits' gradients, the param_dtype logits'."""
     n, v, d = plan.tokens, args.vocab_size, args.dim
     output_grad = 0 if plan.lora is not None else v * d * p  # a frozen output: no gradient
     fused_loss = min(CHUNK_LOGITS_BYTES, n * v * p) + n * d * p + output_grad
@@ -1385,12 +1372,11 @@ def loss_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[float, float, float
 
 
 def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
-    """Memory per rank of one training step of `plan`, counted from the shapes at each
-    moment of the table below: the peak is the largest. (The fused AdamW step needs less
-    than backward's end.) Activations assume the cuDNN attention backend and, with
-    activation offload, host copies that keep up with compute (Planner.candidates says
-    when). Under context parallelism each rank holds seq_len / N tokens of each row, and
-    for attention the whole row for H/N heads: every activation term divides by N."""
+    """Memory per rank of a step of `plan`, counted from the shapes at each moment of the
+    table below; the peak is the largest (the fused AdamW step needs less than backward's
+    end). Activations assume cuDNN attention and, with activation offload, host copies that
+    keep up (Planner.candidates says when). Under context parallelism N, a rank holds
+    seq_len / N tokens of each row (attention: the whole row for H/N heads): activations / N."""
     p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
     w = count_weights(args, plan.lora, p)
     if plan.optimizer_in_backward and not plan.cpu_offload:
