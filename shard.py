@@ -1168,9 +1168,8 @@ def pinned_shard_bytes(args: ModelArgs, shard_size: int) -> int:
 
 @dataclass(frozen=True)
 class Weights:
-    """The weights by FSDP unit: root (embedding), head ([norm, output], none when tied), each
-    block. Trained ones have fp32 master weights, gradients and AdamW's moments; frozen ones
-    (LoRA's base, ends included) are stored as they are used."""
+    """The weights by FSDP unit (root: embedding; head: [norm, output], none when tied; blocks).
+    Trained: fp32 masters, gradients, AdamW's moments; frozen (LoRA's base, ends too): as used."""
 
     embedding: int  # numel of the root
     head: int  # numel of the head
@@ -1232,8 +1231,7 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
         host = 4 * (w.trained + w.block_trained + max(root, head)) / s + optimizer
     elif plan.cpu_offload:
         host = 2 * pinned_shard_bytes(args, s) + optimizer
-    # With CPU offload the recorded peaks still hold a tensor of the head's size through the
-    # blocks' backward (not analysed yet), so it stays counted there.
+    # CPU offload's recorded peaks hold a head-sized tensor in the blocks' backward (unanalysed).
     in_blocks = in_use - (0.0 if plan.cpu_offload else p * w.head)
     moments = {
         "loss forward": (in_use, accumulated),
@@ -1248,10 +1246,9 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
 
 def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, float, float]:
     """sharded_state's terms for the optimizer in backward on one GPU without FSDP: every
-    param_dtype weight on the GPU; a gradient until the worker copies it to the host, at most
-    a block's worth (the head's alone is larger; a tied embedding's waits for its own). The
-    host: fp32 weights and moments, pinned staging of the largest parameter (one slot for
-    gradients, STAGING_SLOTS for weights), the worker's fp32 copy of one gradient."""
+    param_dtype weight on the GPU; a gradient until the worker copies it to the host: a block's
+    worth, or the larger head's alone (a tied embedding's waits for its own). The host: fp32
+    weights and moments, the largest parameter's pinned staging slots, the worker's fp32 copy."""
     total, block, d = args.num_params(), block_params(args), args.dim
     largest_in_block = max(args.ffn_dim * d, d * d)
     largest = max(w.embedding, largest_in_block)
@@ -1410,8 +1407,7 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
 
 
 def memory_needed(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
-    """(GPU GiB per GPU, host GiB per node) a plan needs, margins excluded. A CPU run keeps
-    the estimate's GPU part on the host too (the context constant aside)."""
+    """(GPU GiB per GPU, host GiB per node), margins excluded; a CPU run's tensors on the host."""
     on_host = est.host_total + HOST_PROCESS_GIB
     if machine.gpu_gib is None:
         on_host += est.gpu_tensors
@@ -1419,8 +1415,7 @@ def memory_needed(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
 
 
 def overshoot(est: MemoryEstimate, machine: Machine) -> tuple[float, float]:
-    """How many times what the margins leave usable a plan needs, of the GPU (0 on the
-    CPU) and of the host: a plan fits where neither is above 1."""
+    """(GPU, host): need over what the margins leave usable (GPU 0 on the CPU); fits if <= 1."""
     gpu, host = memory_needed(est, machine)
     gpu_share = 0.0 if machine.gpu_gib is None else gpu / ((1 - GPU_MARGIN) * machine.gpu_gib)
     return gpu_share, host / ((1 - HOST_MARGIN) * machine.host_gib)
@@ -1431,7 +1426,6 @@ def fits(est: MemoryEstimate, machine: Machine) -> bool:
 
 
 def memory_line(est: MemoryEstimate, machine: Machine) -> str:
-    """What a plan needs of the machine, beside what it has and the margins kept free."""
     gpu, host = memory_needed(est, machine)
     where = "on the CPU, all of it on the host"
     if machine.gpu_gib is not None:
@@ -1447,29 +1441,26 @@ def memory_line(est: MemoryEstimate, machine: Machine) -> str:
 # The planner: the fastest way to take the steps whose estimate fits the machine
 # ----------------------------------------------------------------------------------------
 
-# The share of each memory a plan may fill by its estimate. GPU: twice the estimate's worst
-# miss against the measured peaks (bench/RESULTS.md, "The block in backward, measured");
-# expandable segments (train.main's default) let the allocator give back what it holds
-# beyond its tensors. Host: the estimate is close to the measured RSS ("CPU offload at
-# scale"), to which each process adds torch, the CUDA context and the loader
-# (HOST_PROCESS_GIB; "The run plan with no memory flags").
+# The share of each memory kept free. GPU: twice the estimate's worst miss against measured
+# peaks (bench/RESULTS.md, "The block in backward, measured"); expandable segments (train.main's
+# default) let the allocator give back what it holds beyond its tensors. Host: the estimate is
+# close to the measured RSS; each process adds torch, the CUDA context and the loader.
 GPU_MARGIN = 0.10
 HOST_MARGIN = 0.05
 HOST_PROCESS_GIB = 2.0
 
-# Plans are ranked by a model of the step's time (step_seconds): its FLOPs, recomputation
-# included, at the rate measured runs sustained, plus the host time that offload leaves
-# uncovered. It orders the recorded runs as they were measured, and is within 2x of each
-# recorded step (bench/RESULTS.md, "Planner: the step time's guess against the recorded
-# steps"); tests/test_shard.py checks both.
+# Plans are ranked by step_seconds: the step's FLOPs, recomputation included, at the rate
+# measured runs sustained, plus the host time offload leaves uncovered; it orders the recorded
+# runs as measured, within 2x of each (bench/RESULTS.md, "Planner: the step time's guess
+# against the recorded steps"; tests/test_shard.py checks both).
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
 SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again
 ACTIVATION_OFFLOAD_COST = 0.01  # of the step, with checkpointing
 CPU_OFFLOAD_S_PER_PARAM = 0.75e-9  # per parameter of a rank's shard, per rank on the host
 IN_BACKWARD_S_PER_PARAM = 0.15e-9
-# What the planner chooses among where the user leaves a field open, fastest first at equal
-# cost (Planner.partial_offload adds the offload of the first N blocks).
+# The planner's options for each field left open, fastest first at equal cost
+# (Planner.partial_offload adds offloading only the first N blocks).
 CHOICES = {
     "ac": ("none", "selective", "attention", "full"),
     "mlp_tile": (0, 16384, 8192, 4096),
@@ -1480,16 +1471,14 @@ CHOICES = {
 }
 # The fields the planner chooses, in the order of the plan's flags.
 PLANNED = (*CHOICES, "micro_batch", "grad_accum")
-# The default global batch (--batch-tokens): fine-tuning's usual half-million tokens; under
-# 100M parameters (the tiny preset of the default run and the tests), 16 x 256 tokens.
+# The default --batch-tokens: fine-tuning's usual half-million; under 100M parameters, 16 x 256.
 BATCH_TOKENS = 2**19
 SMALL_MODEL_BATCH_TOKENS = 4096
 
 
 def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float:
-    """The modelled time of one step of `plan` on one rank (GPU_FLOPS above says how). Under
-    context parallelism a rank computes 1/N of each row: seq_len / N tokens through the
-    blocks, the whole row's attention for H/N heads."""
+    """The modelled seconds of a step of `plan` on one rank. Under context parallelism N a rank
+    computes seq_len / N tokens through the blocks and the whole row's attention for H/N heads."""
     layers, d, s = args.n_layers, args.dim, plan.seq_len
     checkpointed = -(-layers // plan.ac_every) / layers
     blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
@@ -1521,10 +1510,9 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
 def make_plan(
     opts: "train.Options", args: ModelArgs, machine: Machine, document_mask: bool, **fixed
 ) -> Plan:
-    """The plan of the run: what the options set, the fastest choice for the rest that fits
-    (choose_plan) and what it was made for. The step's sequences per rank (per
-    context-parallel group): --batch-tokens (or its default) in whole sequences, or
-    --micro-batch x --grad-accum when both are given. `fixed`: the data's and LoRA's fields."""
+    """The options' plan, the fastest fitting choice for the rest (choose_plan) and what it was
+    made for. Sequences per rank (per context-parallel group) and step: --batch-tokens (or its
+    default) in whole sequences, or --micro-batch x --grad-accum. `fixed`: data's, LoRA's."""
     base, wanted = options_plan(opts, machine, document_mask=document_mask, **fixed)
     cp, asked = opts.context_parallel, opts.batch_tokens
     per_sequence = opts.seq_len * machine.world_size // cp  # a group of cp ranks shares one
@@ -1560,9 +1548,8 @@ def choose_plan(
     batch_is_fixed: bool,
     grad_clip: float | None = None,
 ) -> Plan:
-    """The first plan that fits, of `sequences` per rank per step. When the batch was not
-    set (`batch_is_fixed` False) and none does, one: without accumulation, whose gradients
-    take memory, and where the optimizer in backward can run; else raises no_fit_message."""
+    """The first plan of `sequences` per rank per step that fits; if none and the batch is not
+    set, of one sequence (no accumulated gradients; the optimizer in backward can run)."""
     base = dataclasses.replace(
         base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
     )
@@ -1589,8 +1576,7 @@ class Planner:
         return overshoot(estimate_memory(self.args, plan), self.machine)
 
     def candidates(self, sequences: int) -> list[Plan]:
-        """The plans of `sequences` per rank per step that keep the wanted fields, in the order
-        they are tried. On the CPU only the micro-batch is planned: no GPU memory to save."""
+        """The plans to try, in order. On the CPU only the micro-batch: no GPU memory to save."""
         wanted, on_gpu = self.wanted, self.machine.gpu_gib is not None
         choices = {k: (wanted[k],) if k in wanted else v if on_gpu else v[:1]
                    for k, v in CHOICES.items()}  # fmt: skip
@@ -1615,8 +1601,7 @@ class Planner:
             if (p.ac != "none" or not p.activation_offload or wanted.get("ac") == "none")
             and not plan_problems(self.args, p, self.grad_clip)
         ]  # fmt: skip
-        # The optimizer in backward last, whatever its speed: it rules out gradient
-        # clipping. Partial offload after the plans without it: none was measured.
+        # Last the optimizer in backward (it rules out clipping), then partial offload (unmeasured).
         return sorted(
             plans,
             key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,
@@ -1625,8 +1610,7 @@ class Planner:
         )  # fmt: skip
 
     def partial_offload(self, plan: Plan) -> list[Plan]:
-        """`plan` with only the first N blocks offloaded, N the most whose activations the
-        host holds, where it holds some but not all."""
+        """`plan` offloading the most first blocks the host holds, if some but not all."""
 
         def host_overflows(n: int) -> bool:
             return self.overshoot(dataclasses.replace(plan, offload_blocks=n))[1] > 1
@@ -1641,9 +1625,8 @@ class Planner:
         return next((p for p in self.candidates(sequences) if max(self.overshoot(p)) <= 1), None)
 
     def no_fit_message(self, sequences: int) -> str:
-        """The closest plan (by the worse memory, then the other), what it needs and its
-        largest terms, and the first change of each kind that makes a plan of one sequence per
-        rank fit, as flags (context parallelism and LoRA together where neither alone does)."""
+        """The closest plan (worse memory first), its needs and largest terms, and as flags the
+        first change of each kind fitting one sequence per rank (or context parallelism + LoRA)."""
         m, base, wanted = self.machine, self.base, self.wanted
         closest = min(
             self.candidates(sequences), key=lambda p: sorted(self.overshoot(p), reverse=True)
