@@ -1,12 +1,11 @@
 """Spreads the model and its training state over processes and memory with FSDP2
-(`torch.distributed.fsdp.fully_shard`), and holds what that needs. In order: the processes
-and devices (the process group, the memory a plan may fill); FSDP (the device mesh, a
-meta-built model filled shard by shard, the global gradient norm); context parallelism (the
-ranks of a group share each sequence); the run directory, its DCP checkpoints of the sharded
-optimizer, and the exports gathered from the shards. Last, apart: the plan (`Plan`, each
-field a train.py flag), the memory estimate of a plan, and the planner that picks the fastest
-plan that fits. train.apply_techniques applies the techniques in the one order in which they
-compose.
+(`torch.distributed.fsdp.fully_shard`). In order: the processes and devices (the process
+group, the memory a plan may fill); FSDP (the mesh, a meta-built model filled shard by shard,
+the global gradient norm); context parallelism; the run directory, its DCP checkpoints and
+the exports gathered from the shards; the plan (`Plan`: each field a train.py flag, the rules
+of the techniques' combinations, its printouts); last, the planner (the memory estimate, the
+step time, the choice of the fastest plan that fits, the no-fit message).
+train.apply_techniques applies the techniques in the one order in which they compose.
 
 Multi-node runs need no code here: torchrun's rendezvous flags (`--nnodes`, `--node-rank`,
 `--rdzv-backend c10d --rdzv-endpoint host:port`) set the variables `init_distributed` reads.
@@ -111,9 +110,8 @@ def check_gpus() -> None:
 
 
 def init_distributed() -> World:
-    """Joins torchrun's process group, or makes a group of one for a plain `python train.py`,
-    so that `fully_shard` and the rest of this file run the same way with one process or many.
-    gloo also serves CUDA runs: the norm of the gradients that CPU offload keeps on the host."""
+    """Joins torchrun's process group, or makes one of one process so that the rest runs the
+    same either way. gloo also serves CUDA runs: the norm of CPU offload's host gradients."""
     check_gpus()
     env = os.environ
     rank = int(env.get("RANK", 0))
@@ -238,10 +236,9 @@ def shard_group_size(strategy: str, world_size: int, local_world_size: int) -> i
 
 
 def build_mesh(strategy: str, world: World) -> DeviceMesh:
-    """A 1-D mesh ("shard",) for FULL_SHARD / SHARD_GRAD_OP; a 2-D ("replicate", "shard")
-    mesh for HYBRID_SHARD (nodes x ranks per node) and NO_SHARD (world x 1): fully_shard
-    replicates over the first dim and shards over the second, so a shard dim of 1 is
-    plain data parallelism with gradients all-reduced."""
+    """("shard",) for FULL_SHARD / SHARD_GRAD_OP; ("replicate", "shard") for HYBRID_SHARD
+    (nodes x ranks per node) and NO_SHARD (world x 1): fully_shard replicates over the first
+    dim, so a shard dim of 1 is plain data parallelism with gradients all-reduced."""
     shard = shard_group_size(strategy, world.world_size, world.local_world_size)
     if world.world_size % shard:
         raise UsageError(
@@ -264,14 +261,12 @@ def apply_fsdp(
     pin_memory: bool = True,
 ) -> None:
     """Shards `model` in place, an FSDP unit (one all-gather, one reduce-scatter) for each
-    block, [norm, output] and the root (the rest: tok_embeddings, a tied model's output too).
-    Master weights, gradients and optimizer state stay fp32 and sharded (on the host with
-    `cpu_offload`, where the optimizer then steps); forward and backward run on
-    `param_dtype` copies gathered per unit.
-
-    Prefetching is left to FSDP2's defaults, the next block's all-gather issued while this
-    one computes: explicit prefetch lists help only when host syncs inside the step keep
-    the CPU from running ahead of the GPU, which the loop avoids."""
+    block, [norm, output] and the root (tok_embeddings, a tied model's output too). Master
+    weights, gradients and optimizer state stay fp32 and sharded (on the host with
+    `cpu_offload`, where the optimizer steps); forward and backward run on `param_dtype`
+    copies gathered per unit. Prefetching is FSDP2's default (the next block's all-gather
+    during this one): explicit lists help only when host syncs stall the CPU, which the loop
+    avoids."""
     policy = _strategy(strategy)
     # cast_forward_inputs=False: the blocks get RoPE's inv_freq (fp32) as an input, and
     # rounding it to bf16 would shift the angles of long positions; the activations are
@@ -285,17 +280,15 @@ def apply_fsdp(
     for block in model.layers:
         fully_shard(block, reshard_after_forward=policy.reshard_after_forward, **common)
     if model.output is not None:
-        # Not resharded after forward: backward needs them first. model.forward reads
-        # output.weight for the fused loss without calling `output`: FSDP (torch >= 2.12)
-        # completes such a partly-run group at the root's post-forward; torch 2.11 warns
-        # that `output` "did not run forward" and computes the same (bench/RESULTS.md).
+        # Not resharded after forward: backward needs them first. The fused loss reads
+        # output.weight without calling `output`: FSDP (torch >= 2.12) completes such a group
+        # at the root's post-forward; 2.11 warns it "did not run forward" (same result).
         fully_shard([model.norm, model.output], reshard_after_forward=False, **common)
     # The root is needed again right at the start of backward: keep it gathered.
     fully_shard(model, reshard_after_forward=False, **common)
-    # Gradients SUMMED over ranks (train.py divides the loss by the global count of target
-    # tokens), by a plain SUM collective, which gloo supports too (a divide factor alone
-    # would use NCCL's PREMUL_SUM). With one rank the default already sums, and a factor
-    # would cost a gradient-sized temporary.
+    # Gradients SUMMED over ranks (train.py divides the loss by the global target count), by
+    # a plain SUM that gloo supports too (a divide factor alone would use NCCL's PREMUL_SUM).
+    # One rank already sums, and a factor would cost a gradient-sized temporary.
     if mesh.size() > 1:
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -314,11 +307,10 @@ def materialize(
     lora: LoRAConfig | None = None,
     lora_adapter: str | os.PathLike | None = None,
 ) -> None:
-    """Allocates the sharded parameters of a meta-built, `apply_fsdp`-ed model (on the host
-    when `cpu_offload`, which must match apply_fsdp's) and fills them (model.fill_weights),
-    each rank keeping only its own rows. A checkpoint that does not fit the model raises the
-    same error on every rank (it is checked from config and headers) before anything is
-    read, so no rank is left waiting in a collective."""
+    """Allocates a meta-built, `apply_fsdp`-ed model's shards (on the host when `cpu_offload`,
+    as for apply_fsdp) and fills them (model.fill_weights), each rank its own rows. A
+    checkpoint that does not fit raises on every rank (from config and headers) before
+    anything is read, so no rank is left waiting in a collective."""
     model.to_empty(device="cpu" if cpu_offload else world.device)
 
     def copy_rows(param: DTensor, tensor_slice) -> None:
@@ -338,8 +330,7 @@ def materialize(
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Scales all gradients so that their global L2 norm is at most `max_norm` (only
-    computes it when max_norm <= 0) and returns that norm as a plain 0-dim tensor.
+    """Clips the gradients to global L2 norm `max_norm` if > 0; returns the norm (0-dim).
     full_tensor() reduces the ranks' partial sums of squares, so all clip by the same norm."""
     params = [p for p in model.parameters() if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
@@ -353,27 +344,21 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------
 # Context parallelism: the ranks of a group share one sequence
 # ----------------------------------------------------------------------------------------
-# Ulysses-style sequence parallelism. Each of the N ranks of a context-parallel group holds
-# S/N consecutive tokens of every row through the embedding, the norms, the projections,
-# RoPE (by the row's positions, so a packed document crossing a shard boundary just works),
-# the MLP and the loss. Around the attention kernel an all-to-all trades the sequence
-# shards for head shards: each rank then holds the whole sequence for H/N query heads (and
-# their key/value heads), runs the unchanged kernel (SDPA's cuDNN backend for causal rows,
-# the document mask for packed rows), and a second all-to-all trades back. Ring attention
-# would keep the heads and pass key/value blocks around the ring, but it needs its own
-# kernel loop, and a document mask would have to be split into blocks across ranks; here
-# both kernels stay as they are. The cost: 4 all-to-alls of S/N x d per block and forward
-# (q, k, v, out), inside a node (NVLink).
+# Ulysses-style sequence parallelism. Each of the N ranks of a group holds S/N consecutive
+# tokens of every row through everything but attention (RoPE goes by the row's positions, so a
+# packed document crossing a shard boundary just works). Around the attention kernel an
+# all-to-all trades sequence shards for head shards (the whole sequence for H/N query heads and
+# their key/value heads), the kernel runs unchanged, and a second all-to-all trades back. Ring
+# attention would keep the heads but needs its own kernel loop, and a document mask split into
+# blocks across ranks. The cost: 4 all-to-alls of S/N x d per block and forward, inside a node.
 #
-# FSDP is unaffected: it shards over all the ranks as before, and summing the gradients
-# over all ranks sums each token's contribution once, because each token lives on one rank
-# (and is counted once in the labelled tokens train.py divides the loss by).
+# FSDP is unaffected: it shards over all the ranks, and summing the gradients over them sums
+# each token's contribution once, as each token lives on one rank.
 
 
 def context_parallel_group(world: World, n: int) -> dist.ProcessGroup | None:
-    """The group of ranks that share this rank's sequences, None when n is 1: N consecutive
-    ranks, so with torchrun's numbering (a node's ranks are consecutive) a group never spans
-    nodes, and FSDP's mesh (build_mesh) shards over the same ranks."""
+    """The N consecutive ranks sharing this rank's sequences: torchrun numbers a node's ranks
+    consecutively, so a group never spans nodes, and build_mesh shards over the same ranks."""
     if n == 1:
         return None
     mesh = init_device_mesh(
@@ -383,9 +368,8 @@ def context_parallel_group(world: World, n: int) -> dist.ProcessGroup | None:
 
 
 class _AllToAll(torch.autograd.Function):
-    """Chunk j of x along scatter_dim goes to rank j; what rank i sent is chunk i of the
-    result along gather_dim; the gradient goes back the same way. all_to_all_single runs on
-    NCCL for CUDA tensors and on gloo for CPU ones, so the tests run the same code as GPUs."""
+    """Chunk j of x along scatter_dim goes to rank j, arriving as chunk i (the sender's rank)
+    along gather_dim; the gradient goes back. Runs on gloo too: the tests run GPUs' code."""
 
     @staticmethod
     def forward(ctx, x, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int):
@@ -393,8 +377,7 @@ class _AllToAll(torch.autograd.Function):
         send = torch.stack(x.chunk(group.size(), dim=scatter_dim))  # [N, ...], contiguous
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=group)
-        # The pieces joined along gather_dim: a view, not a copy, where the layout allows (the
-        # sequence of one row: q, k, v on their way to the kernel).
+        # A view, not a copy, where the layout allows (q, k, v on their way to the kernel).
         return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
     @staticmethod
@@ -423,11 +406,10 @@ def _whole_row_mask(attention_mask, group, positions: torch.Tensor, document_sta
 
 
 def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **kwargs):
-    """The model's forward under context parallelism. Training passes the positions of its
-    slice of each row [B, S/N] (data.PackedLoader's) and gets its part of the loss. A call
-    without positions brings whole rows [B, T] (model.generate's sample): each rank runs its
-    slice, padded at the end (the causal mask hides the padding from the tokens before it),
-    and every rank gets the logits of the whole rows, as one process would."""
+    """The model's forward under context parallelism. Training passes its slice's positions
+    [B, S/N] (data.PackedLoader's) and gets its part of the loss. Whole rows [B, T] without
+    positions (model.generate's): each rank runs its slice, padded at the end (the causal mask
+    hides it), and every rank gets the whole rows' logits, as one process would."""
     if positions is not None:
         return forward(tokens, labels, positions, *rest, **kwargs)
     if labels is not None:
@@ -448,9 +430,9 @@ def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **
 
 
 def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> None:
-    """Makes `model` take this rank's slice of each row (tokens, labels and positions
-    [B, S/N]), wrapping methods on the instances, as offload.apply_mlp_tiling does, so that
-    parameter names and checkpoints do not change and model.py holds no collective."""
+    """Makes `model` take this rank's slice of each row, [B, S/N], wrapping methods on the
+    instances (as offload.apply_mlp_tiling does): parameter names and checkpoints unchanged,
+    and model.py holds no collective."""
     if group is None:
         return
     for block in model.layers:
