@@ -452,15 +452,13 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
 # What a run writes into --run-dir (hidden: its lock, and exports' temporary directories).
 RUN_FILES = ("plan.json", "metrics.jsonl", "checkpoints", ".*", "trace-rank*.json",
              "memory-snapshot-rank*.pickle")  # fmt: skip
-# Names only a run writes (its lock, taken before anything else): a directory holding one is
-# a run's, whatever else is in it.
+# Names only a run writes (the lock first): a directory holding one is a run's.
 RUN_MARKERS = (".lock", "metrics.jsonl")
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """A run writes into a new or empty directory, or one a run wrote into (RUN_MARKERS):
-    never into a directory of other files, where its plan.json could replace one of the
-    user's. Exports into its subdirectories, as the command it prints suggests, are its own."""
+    """A run writes into a new or empty directory, or a run's (RUN_MARKERS), never among other
+    files, where its plan.json could replace the user's. Exports into it count as its own."""
     check_directory_path(run_dir, "--run-dir")
     held = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
     if any(p.name in RUN_MARKERS for p in held):
@@ -482,11 +480,10 @@ def _run_entry(path: Path) -> bool:
 
 
 def lock_run_dir(run_dir: Path, is_main: bool):
-    """One live run per run directory: rank 0 holds an exclusive flock on run_dir/.lock
-    for as long as the run lives (hold on to the returned file). The kernel drops it when
-    the process ends, however it ends, so a crashed or killed run leaves nothing stuck.
-    Every rank learns whether it was taken and raises alike if not. (On a filesystem shared
-    by several nodes this needs flock support: NFSv4 has it, Lustre with -o flock.)"""
+    """One live run per run directory: rank 0 holds an exclusive flock on run_dir/.lock (hold
+    on to the returned file), which the kernel drops however the process ends, so a killed
+    run leaves nothing stuck. Every rank raises alike if it was not taken. (A filesystem
+    shared by nodes needs flock support: NFSv4 has it, Lustre with -o flock.)"""
     lock, holder = None, ""
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -523,9 +520,8 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path, dict] | None:
-    """The checkpoint to resume from and its train_state, checked (`check_checkpoint`):
-    `resume` (train.py's --resume) "latest" takes the newest intact one in `root`, saying
-    which it passed over; a path takes that checkpoint."""
+    """The checkpoint to resume from (--resume: "latest", the newest intact one in `root`,
+    saying which it passed over, or a path) and its train_state, checked."""
     found = list_checkpoints(root)
     if resume is None and found:
         raise UsageError(
@@ -562,9 +558,8 @@ def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path
 
 
 def check_checkpoint(path: Path) -> dict:
-    """The train_state of the checkpoint at `path`, once its files are checked from their
-    sizes and headers alone: one UsageError naming every problem, so that a damaged
-    checkpoint is refused before anything is loaded."""
+    """The train_state at `path`, its files checked from sizes and headers alone: one
+    UsageError naming every problem, so a damaged checkpoint is refused before loading."""
     state_path = path / "train_state.json"
     if not path.is_dir():
         raise UsageError(f"checkpoint {path} does not exist")
@@ -638,9 +633,8 @@ def check_resumable(saved: dict, run: dict) -> None:
 
 
 def check_no_newer_checkpoints(root: Path, step: int, resume_from: Path) -> list[Path]:
-    """Resuming from step `step` in this run directory would save over the later checkpoints
-    of the run that wrote them: refused, unless they are damaged (then set aside, under a
-    name of their own, by `set_aside`). Returns those damaged ones."""
+    """Refuses to resume from `step` here, where saving would replace the later checkpoints,
+    unless they are damaged: returns those, for `set_aside`."""
     newer = [c for c in list_checkpoints(root) if step_of(c) > step]
     intact, damaged = [], []
     for checkpoint in newer:
@@ -674,8 +668,7 @@ SAVING = threading.Event()
 class Checkpointer:
     """Saves the run when `due`, keeping the last `keep`; `last` is the newest saved or
     resumed from. A checkpoint holds the optimizer's state (the weights with it); its
-    train_state.json also holds `record`: what the run is ("run", which check_resumable
-    compares, and "options")."""
+    train_state.json also `record` ("run", which check_resumable compares, and "options")."""
 
     root: Path
     interval: int
@@ -688,8 +681,8 @@ class Checkpointer:
         return bool(self.interval) and (step % self.interval == 0 or step == max_steps or stopping)
 
     def restore(self, path: Path, saved: dict, optimizer, loader) -> int:
-        """Loads the checkpoint at `path`, whose train_state is `saved` (find_checkpoint's),
-        into the optimizer, the loader and the random state; returns its step."""
+        """Loads the checkpoint at `path` (`saved`: its train_state) into the optimizer, the
+        loader and the random state; returns its step."""
         state = optimizer.state_dict()
         # Fills the tensors in place, resharding if the world size changed.
         try:
@@ -713,16 +706,14 @@ class Checkpointer:
                     shutil.rmtree(stale)
                 tmp.mkdir(parents=True)
             dist.barrier()
-            # Safetensors files (each rank writes its own shards, their layout as JSON in
-            # their headers), so that resuming unpickles nothing: DCP's default format keeps
-            # its metadata as a pickle.
+            # Safetensors (each rank its own shards, the layout as JSON in their headers), so
+            # resuming unpickles nothing: DCP's default format keeps its metadata as a pickle.
             state = optimizer.state_dict()
             writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
             dcp.save(state, storage_writer=writer)
             if self.world.is_main:
-                # dcp.save returns once every rank's shards are written. Their sizes and the
-                # full shape of each tensor go in, so that a truncated, missing or replaced
-                # shard is caught before resuming (check_checkpoint).
+                # dcp.save returns once every rank's shards are written. Their sizes and each
+                # tensor's shape go in, so check_checkpoint catches a truncated or lost shard.
                 flat, _ = flatten_state_dict(state)  # the tensors by their names in the shards
                 train_state = {
                     "step": step,
@@ -763,8 +754,8 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 def write_gathered(
     named: Iterator[tuple[str, torch.Tensor]], write: Callable, is_main: bool
 ) -> None:
-    """Rank 0 writes the full tensors of `named` (a generator that gathers each parameter on
-    every rank, so every rank must drain it), the other ranks only take part in gathering."""
+    """Rank 0 writes the full tensors of `named`, a generator gathering each parameter, which
+    every rank must therefore drain."""
     if is_main:
         write(named)
     else:
@@ -804,11 +795,10 @@ def export_adapter(
 
 
 class ShardedAdamW:
-    """torch.optim.AdamW over FSDP's sharded parameters (weight decay on the matrices, not
-    the norms), behind the interface the loop calls, which offload.OptimizerInBackward
-    shares: set_lr() before a step's backward, step() after it, and state_dict() /
-    load_state_dict() for checkpoints, {"model": fp32 weights, "optim": AdamW's state} by
-    parameter name in both, so either kind of run resumes from the other's checkpoints."""
+    """torch.optim.AdamW over FSDP's shards (weight decay on the matrices, not the norms),
+    behind the interface offload.OptimizerInBackward shares: set_lr() before a step's
+    backward, step() after it, and checkpoints' {"model": fp32 weights, "optim": AdamW's
+    state} by parameter name, so either kind of run resumes from the other's."""
 
     def __init__(self, model: Llama, betas, weight_decay: float, grad_clip: float, fused: bool):
         self.model = model
@@ -829,8 +819,8 @@ class ShardedAdamW:
             group["lr"] = lr
 
     def step(self) -> torch.Tensor:
-        """Clips the gradients by their global norm (--grad-clip), updates and frees them;
-        returns that norm as a 0-dim tensor, unread, so the step has no host sync."""
+        """Clips (--grad-clip), updates, frees the gradients; returns the norm unread, so the
+        step has no host sync."""
         norm = clip_grad_norm_(self.model, self.grad_clip)
         self.adamw.step()
         self.adamw.zero_grad(set_to_none=True)
