@@ -1,15 +1,13 @@
-"""What trades time for memory, in this order: activation checkpointing (`apply_ac`:
-recompute in backward what forward did not keep), MLP tiling (`apply_mlp_tiling`),
-activation offload (`activation_offload`, around each forward: the tensors forward keeps go
-to host memory while compute goes on, and come back during backward) and the optimizer step
-in backward (`OptimizerInBackward` on one GPU, `ShardedOptimizerInBackward` on FSDP's shards
-on the host: AdamW on the CPU for each parameter as soon as its gradient is complete).
-train.apply_techniques states the order in which they compose with LoRA, context
-parallelism and FSDP.
+"""What trades time for memory, in this order: activation checkpointing (`apply_ac`), MLP
+tiling (`apply_mlp_tiling`), activation offload (`activation_offload`: what forward keeps goes
+to host memory while compute goes on, and comes back in backward) and the optimizer step in
+backward (`OptimizerInBackward` on one GPU, `ShardedOptimizerInBackward` on FSDP's host
+shards: AdamW on the CPU for each parameter once its gradient is complete).
+train.apply_techniques states how they compose with LoRA, context parallelism and FSDP.
 
-`apply_ac` registers the checkpoint as hooks on each TransformerBlock (torch.distributed's
-composable `checkpoint`), so the model's structure and parameter names stay as they were, which
-HF loading and checkpoints rely on, and `fully_shard` wraps the same modules.
+`apply_ac` registers the checkpoint as hooks on each TransformerBlock (the composable
+`checkpoint`), so the module tree and parameter names, which HF loading, checkpoints and
+`fully_shard` rely on, stay as they were.
 """
 
 import collections
@@ -35,14 +33,11 @@ aten = torch.ops.aten
 
 AC_MODES = ("none", "full", "attention", "selective")
 
-# Per-op checkpointing policies, as data: the ops whose outputs are kept; everything else in
-# a block is recomputed in backward.
-# "attention" keeps only attention's output (and its softmax statistics): at long sequences
-# attention is most of a block's FLOPs while its output is one [S, d] tensor, so this costs
-# little more memory than "full" and saves recomputing the most expensive op.
-# "selective" also keeps the matmuls' outputs; the norms, RoPE and SwiGLU (elementwise, cheap
-# to redo, with outputs as large) are recomputed. (torchtitan also keeps reduce_scatter
-# outputs: those appear inside a block only with tensor parallelism, which longtune lacks.)
+# Per-op checkpointing policies: the ops whose outputs are kept; the rest of a block is
+# recomputed in backward. "attention" keeps attention's output (and softmax statistics): at
+# long sequences attention is most of a block's FLOPs and its output one [S, d] tensor, so
+# little more memory than "full" spares the most expensive recompute. "selective" also keeps
+# the matmuls'; the norms, RoPE and SwiGLU (elementwise, cheap, outputs as large) are redone.
 ATTENTION_OPS = {
     aten._scaled_dot_product_cudnn_attention.default,
     aten._scaled_dot_product_flash_attention.default,
@@ -54,11 +49,9 @@ SAVED_OPS = {"attention": ATTENTION_OPS, "selective": ATTENTION_OPS | MATMUL_OPS
 
 
 def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
-    """Activation checkpointing of the transformer blocks: "none"; "full" keeps only each
-    checkpointed block's input and recomputes the block in backward; "attention" and
-    "selective" also keep the outputs of their SAVED_OPS, and the document-masked attention's
-    (`_KeptAttention`). With every=k only blocks 0, k, 2k, ... are checkpointed (the others
-    keep everything: memory traded for less recompute)."""
+    """Checkpoints the blocks: "full" keeps only a block's input and recomputes it in backward;
+    "attention" and "selective" also keep their SAVED_OPS' outputs and the document-masked
+    attention's (`_KeptAttention`). every=k checkpoints blocks 0, k, 2k, ... only."""
     if mode not in AC_MODES:
         raise UsageError(
             f"unknown activation checkpointing mode {mode!r}; expected one of {AC_MODES}"
@@ -78,9 +71,8 @@ def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
 
 
 class _Phase:
-    """Which pass of a checkpointed block is running: its forward, its recompute in backward,
-    or neither (a block not checkpointed, or outside any block). One at a time: forward runs
-    on the main thread, the recompute on autograd's, never both at once."""
+    """Which pass of a checkpointed block runs: "forward", "recompute" or None. One at a time:
+    forward runs on the main thread, the recompute on autograd's, never both at once."""
 
     now: str | None = None
 
@@ -99,15 +91,13 @@ def _keeping_contexts(saved_ops: list) -> tuple:
     """The checkpoint's (forward, recompute) contexts: the selective policy for SAVED_OPS,
     plus the phase `_KeptAttention` reads.
 
-    The outputs the policy keeps stay on the GPU, outside activation_offload's saved-tensor
-    hooks (the planner counts them there, and only the blocks' inputs on the host:
-    shard.block_bytes): they are most of what a block keeps (under "selective" over 11 times
-    the block's input in Llama 3 8B), too much to copy out and back behind the block's
-    compute. torch up to 2.13 always leaves them so; 2.14 warns that a later release will
-    route them through the hooks unless checkpoint(..., respect_saved_tensors_hooks=False),
-    which the composable checkpoint (apply_ac) refuses; torch.utils.checkpoint hands it on
-    as this attribute of the policy's forward context, set here the same way (torch sets it
-    only on the policy's own forward context, not on `_Phase.of`'s, so it stays)."""
+    The outputs the policy keeps stay on the GPU, outside activation_offload's hooks (as
+    shard.block_bytes counts them): they are most of what a block keeps (under "selective"
+    over 11 times the block's input in Llama 3 8B), too much to move behind the block's
+    compute. torch 2.14 warns that a later release will route them through the hooks unless
+    checkpoint(..., respect_saved_tensors_hooks=False), which the composable checkpoint
+    refuses; torch.utils.checkpoint hands it on as this attribute of the policy's forward
+    context, set here the same way (on the policy's context, not `_Phase.of`'s, so it stays)."""
     forward, recompute = create_selective_checkpoint_contexts(saved_ops)
     if hasattr(forward, "respect_saved_tensors_hooks"):  # torch >= 2.14
         forward.respect_saved_tensors_hooks = False
@@ -116,14 +106,12 @@ def _keeping_contexts(saved_ops: list) -> tuple:
 
 class _KeptAttention:
     """Keeps the document-masked attention's output through a checkpointed block's recompute,
-    as the selective policy keeps SDPA's: the policy sees aten ops through a dispatch mode,
-    and compiled FlexAttention runs as Triton kernels, which none sees. In the block's
-    forward the kernel runs outside the checkpoint's saved-tensor hooks (its autograd node
-    keeps what its backward needs: q, k, v, the output and the softmax statistics, on the GPU
-    even with activation offload), and the recompute takes the output kept here instead of
-    running the kernel again. That keeps q, k and v too (1.5x the output's size with 4 query
-    heads per kv head), which SDPA's policy recomputes: flex's backward is reachable only
-    through its autograd node. SDPA's causal kernel (mask None) is left to the policy."""
+    as the policy keeps SDPA's: the policy sees aten ops through a dispatch mode, and compiled
+    FlexAttention runs as Triton kernels. In forward the kernel runs outside the checkpoint's
+    saved-tensor hooks (its autograd node keeps q, k, v, the output and the softmax statistics
+    on the GPU, even with activation offload); the recompute takes the output kept here. That
+    keeps q, k and v too (1.5x the output with 4 query heads per kv head), which SDPA's policy
+    recomputes: flex's backward is reachable only through its autograd node."""
 
     def __init__(self, attend):
         self.attend = attend
@@ -145,14 +133,11 @@ class _KeptAttention:
 
 
 def apply_mlp_tiling(model: Llama, tile_tokens: int) -> None:
-    """Runs each block's feed-forward over tiles of `tile_tokens` positions, each tile
-    checkpointed on its own, so that the [tokens, ffn_dim] intermediates (gate, up, their
-    product, and their gradients: about 6 such tensors, 2 GiB each at 128k tokens for
-    llama3.2-1b) exist for one tile at a time, in forward and in backward. The price is
-    the tiles' forward once more in backward, which a block checkpointed whole or but its
-    attention runs there anyway (_tiled_forward): one more forward of the MLP only in the
-    blocks that are not, or under selective checkpointing. The feed-forward acts on each
-    position alone, so tiling does not change its result. 0 leaves the model as it is."""
+    """Runs each block's feed-forward over tiles of `tile_tokens` positions, each checkpointed
+    on its own, so the [tokens, ffn_dim] intermediates (gate, up, their product, their
+    gradients) exist a tile at a time. The price, the tiles' forward again in backward, is
+    paid only where no block recompute runs it anyway (_tiled_forward): blocks not
+    checkpointed, or selective. The MLP acts on each position alone: the result is the same."""
     if tile_tokens == 0:
         return
     for block in model.layers:
@@ -168,12 +153,10 @@ def _tiled_forward(forward, tile_tokens: int, x: torch.Tensor) -> torch.Tensor:
     if x.shape[1] <= tile_tokens:
         return forward(x)
     tiles = x.split(tile_tokens, dim=1)  # [B, S, D] -> [B, tile, D] views
-    # Run inside backward, this is a checkpointed block's forward again, for the tensors the
-    # block saved. Of the MLP those are the tiles' inputs only: each tile's checkpoint runs
-    # its forward itself, in its backward. So the tiles are not computed here; the block's
-    # recomputation stops at the last tile's input (checkpoint's early stop) and never reads
-    # their outputs. Computing them would cost all but one tile's forward once more. The
-    # stand-in runs no op: selective checkpointing's recompute allows only its forward's ops.
+    # Inside backward this is a checkpointed block's recompute, for the tensors the block
+    # saved: of the MLP only the tiles' inputs (each tile's checkpoint reruns its forward in
+    # its backward), and checkpoint's early stop never reads the tiles' outputs, so they are
+    # not computed. The stand-in runs no op: selective's recompute allows only forward's ops.
     if torch._C._current_graph_task_id() != -1:
         forward = nn.Identity()
     return torch.cat(
@@ -187,10 +170,9 @@ def _tiled_forward(forward, tile_tokens: int, x: torch.Tensor) -> torch.Tensor:
 
 
 class _Offloaded:
-    """One saved tensor, copied to host memory in forward as the bytes of its storage
-    (`pieces`, see host_pieces), with the dtype, shape and strides to view them as it again;
-    `on_device` is its copy back (None until fetched), valid on the compute stream after
-    `ready`."""
+    """One saved tensor: its storage's bytes on the host (`pieces`), the dtype, shape and
+    strides to view them as it again, and `on_device`, its copy back (None until fetched),
+    valid on the compute stream after `ready`."""
 
     __slots__ = (
         "pieces", "dtype", "shape", "stride", "device", "block", "on_device", "ready",
@@ -198,16 +180,15 @@ class _Offloaded:
     )  # fmt: skip
 
 
-# Below this, a tensor's last bytes go into one buffer rounded up (offload.activation_offload
-# moves tensors of 1 MiB and more, so this wastes at most half of what it moves).
+# Below this, a tensor's last bytes go into one buffer (activation_offload moves tensors of 1
+# MiB and more, so this wastes at most half of what it moves).
 SMALLEST_PIECE = 2**20
 
 
 def host_pieces(nbytes: int, pin_memory: bool) -> list[torch.Tensor]:
-    """Host buffers (uint8) of `nbytes` in all, each a power of two bytes, largest first.
-    torch's pinned allocator rounds every request up to a power of two, so one buffer for
-    a block input would hold up to twice its size: enough to run a 70B QLoRA run's host out
-    of memory (bench/RESULTS.md, issue #24)."""
+    """Host buffers (uint8) of `nbytes` in all, powers of two, largest first: the pinned
+    allocator rounds each request up to a power of two, so one buffer could double a block
+    input, enough to run a 70B QLoRA run's host out of memory (bench/RESULTS.md, issue #24)."""
     whole = nbytes // SMALLEST_PIECE * SMALLEST_PIECE
     sizes = [1 << bit for bit in reversed(range(whole.bit_length())) if whole >> bit & 1]
     if nbytes > whole:
@@ -217,16 +198,14 @@ def host_pieces(nbytes: int, pin_memory: bool) -> list[torch.Tensor]:
 
 class _Offloader:
     """activation_offload's saved_tensors_hooks: the copies run on a side stream, a block's
-    tensors coming back during the backward of the block after it, so that both overlap compute.
+    tensors coming back during the backward of the block after it, so both overlap compute.
 
-    Streams: every device tensor involved is allocated on the compute stream, so the
-    caching allocator keeps one pool (tensors allocated on a side stream would go to a
-    second pool, which reserves far more than it holds). The side stream waits for the
-    compute stream before each copy; `record_stream(side)` keeps a copy's source (device to
-    host) or destination (host to device) from being reused before the copy is done; host to
-    device follows device to host on the same stream; the compute stream waits on `ready`
-    before it reads a fetched tensor. Without CUDA the "copies" are plain CPU copies without
-    streams, so the bookkeeping runs, and is tested, the same way."""
+    Every device tensor is allocated on the compute stream, so the caching allocator keeps
+    one pool (a side stream's would be a second, reserving far more than it holds). The side
+    stream waits for the compute stream before each copy; `record_stream(side)` keeps a
+    copy's device end from reuse until it is done; both directions share the side stream;
+    the compute stream waits on `ready` before reading a fetched tensor. Without CUDA the
+    copies are plain CPU copies, so the bookkeeping runs, and is tested, the same way."""
 
     def __init__(self, min_bytes: int):
         self.min_bytes = min_bytes
@@ -244,8 +223,8 @@ class _Offloader:
         self.offloaded_tensors = 0
 
     def _copy(self, flat: torch.Tensor, pieces: list[torch.Tensor], to_host: bool):
-        """Copies the device bytes `flat` to the host `pieces` laid end to end over it, or
-        back, as the class docstring says; returns the copy's event (None on the CPU)."""
+        """Copies the device bytes `flat` to the host `pieces` laid end to end, or back;
+        returns the copy's event (None on the CPU)."""
         self.stream.wait_stream(self.streams.current_stream())
         with self.streams.stream(self.stream):
             start = 0
@@ -327,17 +306,15 @@ class _Offloader:
 def activation_offload(
     model: Llama, enabled: bool = True, min_bytes: int = 2**20, blocks: int | None = None
 ) -> Iterator[_Offloader | None]:
-    """While active (around forward), tensors that the TransformerBlocks save for backward
-    go to pinned host memory: with full checkpointing the block inputs, without it every
-    saved activation (with selective, the block inputs: the kept op outputs stay on the
-    GPU). Tensors under `min_bytes` and weights stay where they are, and so does all of the
-    last block: backward needs it first, so copying it out and back would only stall.
-    `blocks` limits the offload to the first `blocks` blocks, for when host memory holds
-    less than all of them (the first ones are the last needed in backward).
+    """While active (around forward), what the TransformerBlocks save for backward goes to
+    pinned host memory: every saved activation, or under checkpointing the block inputs (the
+    kept op outputs stay on the GPU). Tensors under `min_bytes`, weights and the last block
+    stay: backward needs it first, so copying it out and back would only stall. `blocks`:
+    only the first ones (the last needed in backward), when the host holds less than all.
 
-    The copies run at the host link's speed, and a block's memory is freed only once its
-    copy is done, so offload pays when a block computes longer than it takes to move what
-    it saves: with full checkpointing (the inputs only), not without (bench/RESULTS.md)."""
+    A block's memory is freed only once its copy is done, at the host link's speed, so
+    offload pays when a block computes longer than it takes to move what it saves: with full
+    checkpointing (the inputs only), not without (bench/RESULTS.md)."""
     if not enabled:
         yield None
         return
@@ -362,9 +339,8 @@ def activation_offload(
 # Optimizer in backward
 # ----------------------------------------------------------------------------------------
 
-# Pinned host buffers for the weights' way up, each the size of the largest parameter in
-# param_dtype: with two, one can be copied while the other is filled. (The gradients' way
-# down has one: the worker copies and reads one gradient at a time.)
+# Pinned host buffers for the weights' way up, each the largest parameter in param_dtype: one
+# is copied while the other is filled. (Gradients need one: the worker takes one at a time.)
 STAGING_SLOTS = 2
 
 
@@ -377,10 +353,9 @@ def adamw_(
     betas: tuple[float, float],
     weight_decay: float,
 ) -> None:
-    """One AdamW step of the fp32 `master` in place, `state` as torch.optim.AdamW keeps it,
-    weight decay on matrices only (as shard.ShardedAdamW's param groups), by the kernel
-    AdamW(fused=True) runs: the callers own the state tensors, and the optimizer's per-call
-    bookkeeping would take a third of the time (a 58M-element tensor on 2 CPU cores)."""
+    """AdamW(fused=True)'s kernel on the fp32 `master`, weight decay on matrices only (as
+    shard.ShardedAdamW's): the callers own the state, and the optimizer's per-call bookkeeping
+    would take a third of the time (a 58M-element tensor on 2 CPU cores)."""
     state["step"] += 1
     torch._fused_adamw_(
         [master],
@@ -400,10 +375,9 @@ def adamw_(
 
 
 class _AdamWInBackward:
-    """What both optimizers in backward share: AdamW's state beside the fp32 `master` weights,
-    by parameter name, and the worker thread to which each parameter's post-accumulate-grad
-    hook (`_on_grad`) hands its gradient. The interface is shard.ShardedAdamW's (checkpoints
-    go between them); gradients need no zeroing (none is kept)."""
+    """Both optimizers in backward: AdamW's state beside the fp32 `master` weights by name, and
+    the worker to which each parameter's post-accumulate-grad hook (`_on_grad`) hands its
+    gradient. shard.ShardedAdamW's interface (checkpoints go between them), no zeroing."""
 
     def __init__(self, params: dict[str, nn.Parameter], master: dict, lr, betas, weight_decay):
         self.lr, self.betas, self.weight_decay = lr, betas, weight_decay
@@ -437,26 +411,23 @@ class _AdamWInBackward:
 class OptimizerInBackward(_AdamWInBackward):
     """AdamW applied to each parameter on the CPU as soon as its gradient is complete in
     backward. The host keeps the fp32 master weights and AdamW's two moments (12 bytes per
-    parameter, 96 GB for 8B); the GPU keeps only the param_dtype working weights, and no
-    gradient buffer exists anywhere beyond the few in flight. (AdamW offloaded after
-    backward needs 16 bytes per parameter, fp32 gradients included: 128.5 GB for 8B, more
-    than a 128 GiB host.)
+    parameter); the GPU only the param_dtype working weights and the few gradients in flight.
+    (AdamW offloaded after backward needs 16 bytes per parameter, fp32 gradients included:
+    128.5 GB for 8B, more than a 128 GiB host.)
 
     A parameter's hook fires after its last use in this backward (a tied embedding's after
     both), so its working weight may be rewritten from then on. The worker copies the
-    gradient, still on the GPU, to a pinned staging buffer on a side stream, runs AdamW on the
-    fp32 master and copies the master back in param_dtype on a second side stream (the two
-    directions use different copy engines). The hook waits only while a block's bytes of
-    gradients wait on the GPU for the worker: backward is launched ahead of the GPU, and a
-    hook that waited for each copy, or for a long update such as the output head's, held the
-    launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer in backward's
-    stalls"). Without CUDA (the tests) the same code runs on torch.cpu's streams.
+    gradient to a pinned staging buffer on a side stream, runs AdamW on the fp32 master and
+    copies it back in param_dtype on a second side stream (another copy engine). The hook
+    waits only while a block's bytes of gradients wait on the GPU: backward is launched ahead
+    of the GPU, and a hook that waited for each copy, or for a long update like the head's,
+    held the launches back until the GPU ran dry (bench/RESULTS.md, "The optimizer in
+    backward's stalls"). Without CUDA (the tests) the same code runs on torch.cpu's streams.
 
-    What updating before the step's last gradient exists rules out: clipping by the
-    global norm (known only at the end), gradient accumulation (the hooks fire on every
-    backward), FSDP (whose sharded gradients come to ShardedOptimizerInBackward instead)
-    and any check before the update: a non-finite gradient is seen after the parameters before
-    it were updated."""
+    Updating before the step's last gradient exists rules out clipping by the global norm,
+    gradient accumulation (the hooks fire on every backward), FSDP (ShardedOptimizerInBackward
+    takes its shards) and any check before the update: a non-finite gradient is seen after
+    the parameters before it were updated."""
 
     def __init__(
         self,
@@ -467,8 +438,8 @@ class OptimizerInBackward(_AdamWInBackward):
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
     ):
-        """The parameters of `model`, on the host in fp32, become the master weights (the model
-        in fp32 only once), each with a `param_dtype` copy on `device`."""
+        """`model`'s fp32 host parameters become the masters (the model in fp32 only once),
+        each with a `param_dtype` copy on `device`."""
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.streams = torch.get_device_module(self.device.type)
@@ -530,10 +501,9 @@ class OptimizerInBackward(_AdamWInBackward):
         copied: threading.Event,
         lr: float,
     ) -> None:
-        """The worker's part for one parameter: the gradient `held` is on the GPU, complete
-        once `computed` is done. It is dropped after its copy has finished, so the allocator
-        may reuse its memory at once (no record_stream), and `copied` tells the hook so
-        (also when the copy failed: the error is step()'s to raise)."""
+        """The worker's part for one parameter. The gradient `held`, complete once `computed`
+        is, is dropped after its copy, so the allocator may reuse it at once (no
+        record_stream); `copied` tells the hook so, even on failure (step() raises it)."""
         master, state = self.master[name], self.state[name]
         try:
             grad = held.pop()
@@ -564,10 +534,9 @@ class OptimizerInBackward(_AdamWInBackward):
             self.weight_copied[i] = self.h2d.record_event()
 
     def step(self) -> torch.Tensor:
-        """Ends the step whose updates backward started: waits for them (raising a worker's
-        error here) and makes the compute stream wait for their copies to the GPU. Returns
-        the global L2 norm of the step's gradients as a 0-dim tensor on the device, unread,
-        so no host sync (non-finite if a gradient was: by then every update is applied)."""
+        """Waits for the step's updates (raising a worker's error) and makes the compute stream
+        wait for their copies to the GPU. Returns the gradients' global L2 norm on the device,
+        unread: no host sync (non-finite if a gradient was, every update applied by then)."""
         updates, self.updates = self.updates, []
         self.on_gpu.clear()  # every copy is done once every update is
         self.on_gpu_bytes = 0
@@ -587,15 +556,13 @@ class OptimizerInBackward(_AdamWInBackward):
 
 
 class ShardedOptimizerInBackward(_AdamWInBackward):
-    """The optimizer in backward over FSDP with CPU offload (shard.apply_fsdp, cpu_offload),
-    on any number of processes: the fp32 shards FSDP keeps on the host are the master
-    weights, gathered to the GPU in param_dtype only while their block runs, so the GPU keeps
-    no weights between uses. FSDP calls the hook once a gradient shard is on the host, and
-    the worker updates the shard while backward goes on; at most a block's worth of updates
-    wait (`max_pending`), so about a block's gradients exist at once, never the whole set.
-    step() waits for them all, before the next forward's all-gathers read the shards. The
-    state_dict's tensors are DTensors, as shard.ShardedAdamW's. It rules out what
-    OptimizerInBackward rules out (clipping, accumulation)."""
+    """The optimizer in backward over FSDP with CPU offload, on any number of processes: the
+    fp32 host shards are the masters, gathered to the GPU in param_dtype only while their
+    block runs. FSDP calls the hook once a gradient shard is on the host, and the worker
+    updates the shard while backward goes on; at most a block's worth wait (`max_pending`),
+    never the whole set. step() waits for them all, before the next forward's all-gathers
+    read the shards. The state_dict holds DTensors, as shard.ShardedAdamW's. It rules out
+    what OptimizerInBackward does (clipping, accumulation)."""
 
     def __init__(
         self,
@@ -634,8 +601,7 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
         adamw_(self.master[name].to_local(), grad, state, lr, self.betas, self.weight_decay)
 
     def step(self) -> torch.Tensor:
-        """Waits for the updates and returns the global gradient norm as OptimizerInBackward's
-        step does, but on the host: from every rank's sum of squares (each holds its shards)."""
+        """As OptimizerInBackward's, but the norm on the host, from every rank's sum of squares."""
         while self.pending:
             self.pending.popleft().result()
         sq_norm, self.sq_norm = self.sq_norm, torch.zeros(())
