@@ -797,8 +797,8 @@ def export_adapter(
 class ShardedAdamW:
     """torch.optim.AdamW over FSDP's shards (weight decay on the matrices, not the norms),
     behind the interface offload.OptimizerInBackward shares: set_lr() before a step's
-    backward, step() after it, and checkpoints' {"model": fp32 weights, "optim": AdamW's
-    state} by parameter name, so either kind of run resumes from the other's."""
+    backward, step() after it, state_dict() / load_state_dict() as {"model": fp32 weights,
+    "optim": AdamW's state} by parameter name, so either kind of run resumes the other's."""
 
     def __init__(self, model: Llama, betas, weight_decay: float, grad_clip: float, fused: bool):
         self.model = model
