@@ -53,7 +53,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import chain, groupby
 from pathlib import Path
-from typing import Protocol
 
 import jinja2
 import jinja2.ext
@@ -249,12 +248,14 @@ def _check_role_and_content_only(messages: list[Message], chat_format: str) -> N
                 )
 
 
-class Tokenizer(Protocol):
+class Tokenizer:
     """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS.
 
     `render_chat` renders a conversation `_check_messages` accepted from its BOS on, labelling
     the assistant turns' content and end-of-turn token. `chat_prompt` renders one ending in a
-    user turn, then what opens the assistant's answer (the generation prompt).
+    user turn, then what opens the assistant's answer (the generation prompt). Here they render
+    a built-in chat format (ByteTokenizer's, Llama 3's): BOS, then per turn `_header(role)` and
+    the content followed by `_end_of_turn`; the generation prompt is the assistant's header.
     """
 
     name: str  # identifies the tokenizer and its file, recorded in meta.json
@@ -262,29 +263,44 @@ class Tokenizer(Protocol):
     bos_id: int | None  # None: the tokenizer has none (Qwen's), and documents start without one
     eos_id: int
     pad_id: int | None  # a token meant for padding only, if the tokenizer has one
+    _chat_format: str  # the built-in chat format's name, for errors
+    _strip = False  # whether a turn's content is stripped of surrounding whitespace
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
-
-    def render_chat(self, messages: list[Message]) -> Segments: ...
-
-    def chat_prompt(self, messages: list[Message]) -> list[int]: ...
 
     def hf_files(self) -> dict[str, bytes]:
         """The same tokenizer as files transformers' AutoTokenizer loads (file name ->
         contents), adding BOS as training saw it at the start of each document."""
         ...
 
+    def render_chat(self, messages: list[Message]) -> Segments:
+        _check_role_and_content_only(messages, self._chat_format)
+        segments = [([self.bos_id], False)]
+        for message in messages:
+            role, content = message["role"], message["content"]
+            content = content.strip() if self._strip else content
+            segments.append((self._header(role), False))
+            segments.append(([*self.encode(content), self._end_of_turn], role == "assistant"))
+        return segments
 
-class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255, then BOS = 256 and EOS = 257: vocab_size 258, needs no file."""
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        return [*_ids(self.render_chat(messages)), *self._header("assistant")]
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes are ids 0..255, then BOS = 256 and EOS = 257: vocab_size 258, needs no file.
+    With no special tokens but those two, a turn's header is the text "<|role|>\\n" and EOS
+    ends it."""
 
     name = "bytes"
     vocab_size = 258
     bos_id = 256
     eos_id = 257
     pad_id = None
+    _chat_format = "the bytes tokenizer's chat format"
+    _end_of_turn = eos_id
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -292,19 +308,8 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[Message]) -> Segments:
-        """The bytes have no special tokens but BOS and EOS, so a turn is the text
-        "<|role|>\n" + content followed by EOS as its end-of-turn token."""
-        _check_role_and_content_only(messages, "the bytes tokenizer's chat format")
-        segments = [([self.bos_id], False)]
-        for message in messages:
-            is_assistant = message["role"] == "assistant"
-            segments.append((self.encode(f"<|{message['role']}|>\n"), False))
-            segments.append(([*self.encode(message["content"]), self.eos_id], is_assistant))
-        return segments
-
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
-        return [*_ids(self.render_chat(messages)), *self.encode("<|assistant|>\n")]
+    def _header(self, role: str) -> list[int]:
+        return self.encode(f"<|{role}|>\n")
 
     def hf_files(self) -> dict[str, bytes]:
         byte_ranks = {bytes([b]): b for b in range(256)}
@@ -337,8 +342,14 @@ LLAMA3_SPECIALS = _LLAMA3_NAMED + [
 ]
 
 
-class TiktokenTokenizer:
-    """Llama 3: a tiktoken BPE ranks file ("base64-token rank" per line) plus 256 specials."""
+class TiktokenTokenizer(Tokenizer):
+    """Llama 3: a tiktoken BPE ranks file ("base64-token rank" per line) plus 256 specials.
+    Conversations render in Meta's Llama 3 chat format: a turn's header is
+    <|start_header_id|>role<|end_header_id|> "\n\n", <|eot_id|> ends it, and its content is
+    stripped of surrounding whitespace as Meta's ChatFormat does."""
+
+    _chat_format = "Llama 3's chat format"
+    _strip = True
 
     def __init__(self, path: Path):
         data = path.read_bytes()
@@ -365,7 +376,7 @@ class TiktokenTokenizer:
         self.vocab_size = n + len(specials)
         self.bos_id = specials["<|begin_of_text|>"]
         self.eos_id = specials["<|end_of_text|>"]
-        self._eot_id = specials["<|eot_id|>"]
+        self._end_of_turn = specials["<|eot_id|>"]
         self.pad_id = specials["<|finetune_right_pad_id|>"]
         self._encoding = tiktoken.Encoding(
             self.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
@@ -379,21 +390,6 @@ class TiktokenTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._encoding.decode(list(ids))
 
-    def render_chat(self, messages: list[Message]) -> Segments:
-        """Meta's Llama 3 chat format: <|begin_of_text|>, then per turn
-        <|start_header_id|>role<|end_header_id|> "\n\n" content <|eot_id|>, content stripped
-        of surrounding whitespace as Meta's ChatFormat does."""
-        _check_role_and_content_only(messages, "Llama 3's chat format")
-        segments = [([self.bos_id], False)]
-        for message in messages:
-            role, content = message["role"], message["content"].strip()
-            segments.append((self._header(role), False))
-            segments.append(([*self.encode(content), self._eot_id], role == "assistant"))
-        return segments
-
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
-        return [*_ids(self.render_chat(messages)), *self._header("assistant")]
-
     def _header(self, role: str) -> list[int]:
         start, end = self._specials["<|start_header_id|>"], self._specials["<|end_header_id|>"]
         return [start, *self.encode(role), end, *self.encode("\n\n")]
@@ -403,6 +399,39 @@ class TiktokenTokenizer:
         return byte_level_bpe_files(self._ranks, self._specials, LLAMA3_PATTERN, pad)
 
 
+class _TemplateTokenizer(Tokenizer):
+    """A tokenizer whose conversations render with a chat template (`chat_template`, None
+    where it has none), its text tokenized as transformers' apply_chat_template(...,
+    tokenize=True) tokenizes it (`_encode_rendered`: the ids, and the bytes of text each stands
+    for): the special tokens it writes (`_specials_pattern`) are tokens. The labels: each
+    assistant turn's tokens as the whole conversation renders it (`ChatTemplate.assistant_spans`,
+    `_labelled_runs`). With no template, `_without_template` renders the conversation."""
+
+    def use_chat_template(self, path: Path | None) -> None:
+        """Render conversations with the Jinja file `path` (None: the tokenizer directory's
+        template) from now on, and export it: given a dataset's own, the template its
+        conversations were rendered with."""
+        self.chat_template = _find_chat_template(self._path.parent, path, self._template_tokens)
+
+    def render_chat(self, messages: list[Message]) -> Segments:
+        if self.chat_template is None:
+            return self._without_template(messages)
+        text, spans = self.chat_template.assistant_spans(messages, self._specials_pattern)
+        ids, lengths = self._encode_rendered(text)
+        spans = [tuple(self._bytes_before(text, i) for i in span) for span in spans]
+        return _labelled_runs(ids, lengths, spans, self.bos_id)
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        if self.chat_template is None:
+            return _ids(self._without_template(messages))
+        ids = self._encode_rendered(self.chat_template.render(messages, True))[0].tolist()
+        return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+
+    def _bytes_before(self, text: str, i: int) -> int:
+        """Where character i of `text` falls in the bytes of its tokens."""
+        return len(text[:i].encode("utf-8", "surrogatepass"))
+
+
 # transformers' LlamaTokenizer (legacy=False) reads a tokenizer.model without its normalizer,
 # prefixing "▁" only to the text that starts the input, and only where that text starts with no
 # space (Metaspace, prepend_scheme "first"). Appended to the model proto, this NormalizerSpec
@@ -410,7 +439,7 @@ class TiktokenTokenizer:
 _SP_AS_TRANSFORMERS = b"\x1a\x06\x12\x00\x18\x00\x20\x00"
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(_TemplateTokenizer):
     """A sentencepiece model proto (binary): Llama 2's, Mistral's. Raises RuntimeError if it is
     not one. Text encodes as transformers' LlamaTokenizer (legacy=False) reads the file.
     Conversations render with the chat template beside it, the control pieces it writes
@@ -440,11 +469,7 @@ class SentencePieceTokenizer:
         tokens, _ = _hf_special_tokens(path.parent, {p: i for i, p in enumerate(pieces)})
         self._template_tokens = {"bos_token": pieces[self.bos_id]} | tokens
         self._template_tokens.setdefault("eos_token", pieces[self.eos_id])
-        self.chat_template = _find_chat_template(path.parent, chat_template, self._template_tokens)
-
-    def use_chat_template(self, path: Path) -> None:
-        """As ByteLevelBPETokenizer.use_chat_template."""
-        self.chat_template = _find_chat_template(self._path.parent, path, self._template_tokens)
+        self.use_chat_template(chat_template)
 
     def encode(self, text: str) -> list[int]:
         # As TiktokenTokenizer.encode: a control piece's name in a document stays text.
@@ -455,25 +480,8 @@ class SentencePieceTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
 
-    def render_chat(self, messages: list[Message]) -> Segments:
-        """With a chat template, its text tokenized and labelled as ByteLevelBPETokenizer's."""
-        if self.chat_template is None:
-            return self._llama2_chat(messages)
-        text, spans = self.chat_template.assistant_spans(messages, self._specials_pattern)
-        ids, lengths = self._encode_rendered(text)
-        spans = [tuple(len(text[:i].encode("utf-8", "surrogatepass")) for i in s) for s in spans]
-        return _labelled_runs(ids, lengths, spans, self.bos_id)
-
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
-        if self.chat_template is None:
-            return _ids(self._llama2_chat(messages))  # the answer follows [/INST]
-        ids = self._encode_rendered(self.chat_template.render(messages, True))[0].tolist()
-        return ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
-
     def _encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """A template's text as apply_chat_template tokenizes it (the control pieces it spells
-        are tokens, and only the text at its very start gets the "▁" prefix), with the bytes
-        of text each token stands for."""
+        # Only the text at the template's very start gets the "▁" prefix.
         parts = self._specials_pattern.split(text) if self._specials_pattern else [text]
         ids, lengths = [], []
         for k, part in enumerate(parts):
@@ -491,12 +499,12 @@ class SentencePieceTokenizer:
                 lengths[len(lengths) - len(pieces)] -= 1
         return np.array(ids, dtype=np.int64), np.array(lengths, dtype=np.int64)
 
-    def _llama2_chat(self, messages: list[Message]) -> Segments:
-        """Meta's Llama 2 chat format: "[INST] user [/INST]" then the answer and EOS, the system
-        prompt wrapped in <<SYS>> inside the first [INST]. Meta's code starts every exchange
-        with BOS; here only the first, since a BOS starts a new document for the loader. The
-        answer is encoded on its own (sentencepiece's leading "▁" stands for the space after
-        [/INST]), so the label boundary falls between tokens."""
+    def _without_template(self, messages: list[Message]) -> Segments:
+        """Meta's Llama 2 chat format: "[INST] user [/INST]" then the answer and EOS (a chat
+        prompt ends with [/INST]), the system prompt wrapped in <<SYS>> inside the first [INST].
+        Meta's code starts every exchange with BOS; here only the first, since a BOS starts a
+        new document for the loader. The answer is encoded on its own (sentencepiece's leading
+        "▁" stands for the space after [/INST]), so the label boundary falls between tokens."""
         _check_role_and_content_only(messages, "Llama 2's chat format")
         if "[INST]" in self._specials:
             raise UsageError(
@@ -547,7 +555,7 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
 
 
-class ByteLevelBPETokenizer:
+class ByteLevelBPETokenizer(_TemplateTokenizer):
     """A Hugging Face tokenizer.json holding a byte-level BPE (Llama 3's, SmolLM2's, Qwen's,
     GPT-2's), encoded by tiktoken: the `tokenizers` package is not needed. Its special tokens
     and chat template come from the files beside it.
@@ -613,7 +621,7 @@ class ByteLevelBPETokenizer:
         self._plain_added = set(added) - special
         # The added tokens as `tokenizers` finds them, the longest first where several start at
         # one place: where text is cut before it is normalized, and where a turn ends.
-        self._added_pattern = _alternatives(added)
+        self._specials_pattern = _alternatives(added)
         self._plain_added_pattern = _alternatives(self._plain_added)
         self._special_ranks = specials
         self.name = f"tokenizer.json:{_sha256(data)}"
@@ -635,12 +643,7 @@ class ByteLevelBPETokenizer:
                     f"{self.vocab_size} ids"
                 )
         self._template_tokens = tokens
-        self.chat_template = _find_chat_template(path.parent, chat_template, tokens)
-
-    def use_chat_template(self, path: Path) -> None:
-        """Render conversations with the Jinja file `path` from now on, and export it: a
-        dataset's own, the template its conversations were rendered with."""
-        self.chat_template = _find_chat_template(self._path.parent, path, self._template_tokens)
+        self.use_chat_template(chat_template)
 
     def encode(self, text: str) -> list[int]:
         # As TiktokenTokenizer.encode: a special token's name in a document stays text.
@@ -648,20 +651,6 @@ class ByteLevelBPETokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(self._bytes[i] for i in ids).decode("utf-8", errors="replace")
-
-    def render_chat(self, messages: list[Message]) -> Segments:
-        """The chat template's text of the conversation, tokenized as transformers'
-        apply_chat_template(..., tokenize=True) does (the special tokens it writes are tokens).
-        The labels: each assistant turn's tokens as the whole conversation renders it
-        (`ChatTemplate.assistant_spans`, `_labelled_runs`)."""
-        text, spans = self._template().assistant_spans(messages, self._added_pattern)
-        ids = self._encode(text, allowed_special="all")
-        spans = [tuple(self._bytes_before(text, i) for i in span) for span in spans]
-        return _labelled_runs(ids, self._lengths[ids], spans, self.bos_id)
-
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
-        ids = self._encode(self._template().render(messages, True), allowed_special="all").tolist()
-        return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id, *ids]
 
     def hf_files(self) -> dict[str, bytes]:
         """The files read, as they are, but for tokenizer_config.json: it names BOS and EOS,
@@ -713,25 +702,26 @@ class ByteLevelBPETokenizer:
     def _pieces(self, text: str, allowed_special: set[str] | str) -> list[str]:
         """`text` cut at the added tokens `_encode` finds in it: text, token, text, ..., text
         (texts at the even places, each NFC-normalized)."""
-        pattern = self._added_pattern if allowed_special == "all" else self._plain_added_pattern
+        pattern = self._specials_pattern if allowed_special == "all" else self._plain_added_pattern
         pieces = pattern.split(text) if pattern else [text]
         pieces[::2] = [unicodedata.normalize("NFC", piece) for piece in pieces[::2]]
         return pieces
 
+    def _encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids = self._encode(text, allowed_special="all")
+        return ids, self._lengths[ids]
+
     def _bytes_before(self, text: str, i: int) -> int:
-        """Where character i of `text` falls in the bytes of its tokens: NFC may join
-        characters (a decomposed accent), so those of the normalized text before it."""
+        # NFC may join characters (a decomposed accent): the bytes of the normalized text.
         before = "".join(self._pieces(text[:i], "all")) if self._nfc else text[:i]
         return len(before.encode("utf-8", "surrogatepass"))
 
-    def _template(self) -> "ChatTemplate":
-        if self.chat_template is None:
-            raise UsageError(
-                f"tokenizer {self._path} has no chat template (none in tokenizer_config.json, "
-                f"no chat_template.jinja) to render conversations with: give one with "
-                f"--chat-template FILE"
-            )
-        return self.chat_template
+    def _without_template(self, messages: list[Message]) -> Segments:
+        raise UsageError(
+            f"tokenizer {self._path} has no chat template (none in tokenizer_config.json, "
+            f"no chat_template.jinja) to render conversations with: give one with "
+            f"--chat-template FILE"
+        )
 
 
 def _labelled_runs(
