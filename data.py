@@ -21,9 +21,6 @@ A prepared dataset is a directory of three files:
                    conversations), so training can keep packed documents apart by default
 
     python data.py prepare --input docs/ chat.jsonl --output data/mine [--tokenizer DIR_OR_FILE]
-
-The loader (PackedLoader) reads samples in a seeded order through one cursor shared by all
-ranks, so a run can resume on another number of GPUs and read on where it stopped.
 """
 
 import argparse
@@ -79,7 +76,6 @@ class UsageError(ValueError):
 
 
 def read_json(path: str | os.PathLike) -> dict:
-    """The JSON object in `path`; a UsageError naming the file if it holds anything else."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path} is not a file" if path.exists() else f"{path} does not exist")
@@ -100,8 +96,8 @@ def write_json(path: Path, value: dict) -> None:
 
 
 def check_directory_path(path: Path, what: str) -> None:
-    """Refuses a path that no directory can be made at: `path` itself, or the nearest of its
-    parents that exists, is a file."""
+    """Refuses a path that no directory can be made at: it, or its nearest existing parent, is
+    a file."""
     existing = next(p for p in (path, *path.parents) if p.exists())  # "." and "/" exist
     if not existing.is_dir():
         where = "" if existing == path else f": {existing}"
@@ -118,7 +114,6 @@ def params_text(n: int) -> str:
 
 
 def first_names(names: list[str]) -> str:
-    """The first five names, for an error message."""
     return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 
@@ -154,9 +149,8 @@ class OutputDir:
             )
 
     def make_temp(self, final: str | os.PathLike) -> Path:
-        """An empty directory beside `final` to write into, renamed onto it by `swap_in`.
-        mkdtemp makes it rwx for its owner only; it gets the mode any new directory gets
-        (umask applied), so the result can be shared like the user's other files."""
+        """An empty directory beside `final` to write into, renamed onto it by `swap_in`, with
+        the mode any new directory gets (mkdtemp's is rwx for its owner only)."""
         final = Path(final).resolve()  # "." has no name to put beside; a link, its target
         self.check(final)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -176,9 +170,8 @@ class OutputDir:
 
     @contextmanager
     def writing(self, final: str | os.PathLike) -> Iterator[Path]:
-        """A temporary directory (make_temp) to write into, given its marker and put in place
-        of `final` (swap_in) once the block is done, and removed if it fails or is
-        interrupted."""
+        """A directory to write into (make_temp), given its marker and put in place of `final`
+        once the block is done."""
         tmp = self.make_temp(final)
         try:
             yield tmp
@@ -189,9 +182,8 @@ class OutputDir:
             raise
 
     def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:
-        """Puts the complete directory `tmp` in place of `final`, checked again (something
-        may have been put there meanwhile); an old `final` is removed only after the new
-        one is in place, and put back if that fails or is interrupted."""
+        """Puts `tmp` in place of `final`, checked again (something may have been put there
+        meanwhile); an old `final` is removed only once the new one is in place."""
         final = Path(final).resolve()
         self.check(final)
         old = None
@@ -441,10 +433,8 @@ _SP_AS_TRANSFORMERS = b"\x1a\x06\x12\x00\x18\x00\x20\x00"
 
 class SentencePieceTokenizer(_TemplateTokenizer):
     """A sentencepiece model proto (binary): Llama 2's, Mistral's. Raises RuntimeError if it is
-    not one. Text encodes as transformers' LlamaTokenizer (legacy=False) reads the file.
-    Conversations render with the chat template beside it, the control pieces it writes
-    (BOS, EOS, Mistral's [INST]) as tokens, as apply_chat_template does; with none, in Llama
-    2's chat format."""
+    not one. Text encodes as transformers' LlamaTokenizer (legacy=False) reads the file. The
+    special tokens a chat template writes are its control pieces (BOS, EOS, Mistral's [INST])."""
 
     def __init__(self, path: Path, chat_template: Path | None = None):
         data = path.read_bytes()
@@ -1166,22 +1156,12 @@ def byte_level_bpe_files(
     split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated"}
     split["invert"] = False
     pre_tokenizers = [split] if pattern else []
-    bos_first = [
-        {"SpecialToken": {"id": bos, "type_id": 0}},
-        {"Sequence": {"id": "A", "type_id": 0}},
-    ]
+    piece = lambda kind, id, type_id: {kind: {"id": id, "type_id": type_id}}
+    bos_first = [piece("SpecialToken", bos, 0), piece("Sequence", "A", 0)]
+    flags = dict.fromkeys(["single_word", "lstrip", "rstrip", "normalized"], False)
     tokenizer = {
         "added_tokens": [
-            {
-                "id": i,
-                "content": token,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": True,
-            }
-            for token, i in specials.items()
+            {"id": i, "content": token, **flags, "special": True} for token, i in specials.items()
         ],
         "pre_tokenizer": {
             "type": "Sequence",
@@ -1190,11 +1170,7 @@ def byte_level_bpe_files(
         "post_processor": {
             "type": "TemplateProcessing",
             "single": bos_first,
-            "pair": [
-                *bos_first,
-                {"SpecialToken": {"id": bos, "type_id": 1}},
-                {"Sequence": {"id": "B", "type_id": 1}},
-            ],
+            "pair": [*bos_first, piece("SpecialToken", bos, 1), piece("Sequence", "B", 1)],
             "special_tokens": {bos: {"id": bos, "ids": [specials[bos]], "tokens": [bos]}},
         },
         "decoder": {**byte_level, "use_regex": False},
