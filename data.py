@@ -708,9 +708,8 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
 
     def _without_template(self, messages: list[Message]) -> Segments:
         raise UsageError(
-            f"tokenizer {self._path} has no chat template (none in tokenizer_config.json, "
-            f"no chat_template.jinja) to render conversations with: give one with "
-            f"--chat-template FILE"
+            f"tokenizer {self._path} has no chat template (in tokenizer_config.json or "
+            f"chat_template.jinja) to render conversations with: give one with --chat-template FILE"
         )
 
 
@@ -929,10 +928,9 @@ class ChatTemplate:
                 f"chat template {self.name}: still rendering a conversation of "
                 f"{len(messages)} messages after {self.RENDER_SECONDS:g} s"
             ) from None
-        except jinja2.TemplateError as e:
-            raise UsageError(f"chat template {self.name}: {e}") from e
         except Exception as e:  # noqa: BLE001 - any error of the template's code is its own
-            raise UsageError(f"chat template {self.name}: {type(e).__name__}: {e}") from e
+            kind = "" if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: "
+            raise UsageError(f"chat template {self.name}: {kind}{e}") from e
 
     def assistant_spans(
         self, messages: list[Message], added_tokens: re.Pattern | None
@@ -1096,9 +1094,8 @@ def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = N
     if path is None or ranks:
         if chat_template is not None:
             raise UsageError(
-                f"a chat template renders conversations with a tokenizer.json or a "
-                f"sentencepiece model; the tokenizer {path or 'bytes'} has its built-in chat "
-                f"format"
+                f"the tokenizer {path or 'bytes'} has its built-in chat format: a chat template "
+                f"renders conversations with a tokenizer.json or a sentencepiece model"
             )
         return TiktokenTokenizer(path) if path else ByteTokenizer()
     try:
@@ -1275,7 +1272,6 @@ def prepare(
     (`_split_conversation`); meta.json counts the splits and the documents still longer.
     `chat_template`: a Jinja file that renders the conversations instead of the tokenizer
     directory's template. Output is the same for any number of workers (None: one per CPU).
-    The directory appears complete or not at all.
     """
     files = _input_files(inputs)
     output = Path(output_dir).resolve()
@@ -1329,9 +1325,8 @@ DATASET = OutputDir(
 
 
 class DatasetWriter:
-    """Writes a dataset directory beside `output_dir`, and on `finish` renames it into place,
-    replacing an earlier dataset there: it appears complete or not at all. A context manager;
-    leaving it without `finish` removes what was written."""
+    """A dataset directory written beside `output_dir` and put in place by `finish`, complete;
+    leaving the context manager without `finish` removes it."""
 
     def __init__(self, output_dir: str | Path):
         self.output_dir = Path(output_dir)
@@ -1407,7 +1402,7 @@ def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
                 if p.is_file()
                 and not any(part.startswith(".") for part in p.relative_to(item).parts)
             )
-        elif item.suffix.lower() == ".json":  # JSON lines read as one text: trained on syntax
+        elif item.suffix.lower() == ".json":
             raise UsageError(
                 f"input {item}: a .json file is not read; prepare reads .jsonl files (one JSON "
                 f"object a line: text, prompt/response or messages) and text files; rename it "
@@ -1481,9 +1476,8 @@ def _without_lone_surrogates(value):
 
 
 def _check_messages(messages: object, where: str) -> list[Message]:
-    """The conversations every chat format renders: an optional system message first, then user
-    and assistant turns alternating from a user turn, with at least one assistant turn. Each
-    message is kept whole, its other fields for a chat template (Message)."""
+    """`messages` if every chat format renders it (roles in the order the error below names, an
+    assistant turn among them), each message whole: its other fields are for a chat template."""
     if not isinstance(messages, list) or not messages:
         raise UsageError(
             f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
@@ -1626,8 +1620,7 @@ def _chunks(documents: Iterator[Document], max_bytes: int) -> Iterator[list]:
 
 @dataclass
 class _Progress:
-    """One line on stderr, redrawn at most 4 times a second: a bar over the input bytes,
-    documents, tokens, tokens/s."""
+    """One line on stderr, redrawn at most 4 times a second."""
 
     total_bytes: int
     done_bytes: int = 0
@@ -1782,8 +1775,8 @@ class TokenDataset:
 
 def document_starts(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
     """[B, S] -> per row, the offsets its documents start at: 0 (a row may begin inside a
-    document), then each later 0 among the positions. Read it off the host copy of a batch
-    (Batch has it): on a GPU tensor it waits for the GPU."""
+    document), then each later 0 among the positions. Batch has it, read on the host: the model
+    picks its attention kernels by it, and on a GPU tensor it would wait for the GPU."""
     positions = positions.cpu()
     return tuple((0, *(1 + torch.nonzero(row[1:] == 0).flatten()).tolist()) for row in positions)
 
@@ -1801,9 +1794,7 @@ class Batch:
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor
-    # Per row of the whole rows (context parallelism gives a rank a slice of each), the offsets
-    # its documents start at (document_starts), read while the batch is on the host: the
-    # model picks its attention kernels by them without waiting for the GPU.
+    # document_starts of the whole rows (context parallelism gives a rank a slice of each).
     document_starts: tuple[tuple[int, ...], ...]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
@@ -1923,16 +1914,14 @@ class PackedLoader:
         start = i * self.seq_len
         window = self.dataset.tokens[start : start + self.seq_len + 1].astype(np.int64)
         mask = self.dataset.loss_mask[start : start + self.seq_len + 1]
-        label_ok = (mask[1:] & LABEL) != 0
         tokens = window[:-1]
-        labels = np.where(label_ok, window[1:], IGNORE_INDEX)
+        labels = np.where((mask[1:] & LABEL) != 0, window[1:], IGNORE_INDEX)
         return tokens, labels, window_positions(tokens, mask[:-1], self.dataset.bos_id)
 
 
 def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -> np.ndarray:
-    """Each token's position in its document within a sample's window (its loss-mask bits
-    `mask`). The window's first token starts a span too: attention cannot see what came
-    before it, so a document cut by the window's start restarts at position 0."""
+    """Batch.positions of a sample's window, `mask` its loss-mask bits: a document cut by the
+    window's start restarts at 0 (attention cannot see what came before it)."""
     index = np.arange(len(tokens))
     is_start = (mask & STARTS_DOCUMENT) != 0
     if bos_id is not None:
@@ -1950,8 +1939,8 @@ def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -
     for i in np.linspace(0, n - 1, min(samples, n)).astype(np.int64):
         start = int(i) * seq_len
         tokens = dataset.tokens[start : start + seq_len]
-        positions = window_positions(tokens, dataset.loss_mask[start : start + seq_len],
-                                     dataset.bos_id)  # fmt: skip
+        mask = dataset.loss_mask[start : start + seq_len]
+        positions = window_positions(tokens, mask, dataset.bos_id)
         means.append(positions.mean())
     return float(np.mean(means)) + 0.5
 
@@ -1996,8 +1985,7 @@ def default_corpus(cache_dir: str | Path, max_bytes: int = 32 << 20) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# A training run's data (train.setup): its datasets and tokenizers, checked against the model
-# (its vocab_size and max_seq_len) and the run's --seq-len.
+# A training run's data (train.setup)
 
 # Where the default corpus is prepared, once: beside this file.
 CACHE = Path(__file__).resolve().parent / ".cache"
@@ -2023,11 +2011,10 @@ def open_data(
     is_main: bool,
 ) -> RunData:
     """The dataset (--data, or the default corpus, prepared once by one process), checked
-    against the model (its vocab_size and max_seq_len) and the tokenizer:
-    --tokenizer's, else the --hf-checkpoint directory's, must be the one the data was
-    prepared with. The sample's tokenizer is that one (the byte tokenizer for byte-tokenized
-    data); the export's, the checkpoint's files, else that one's, with the dataset's chat
-    template where prepare wrote one."""
+    against the model and the tokenizer: --tokenizer's, else the --hf-checkpoint directory's,
+    must be the one the data was prepared with. The sample's tokenizer is that one (the byte
+    tokenizer for byte-tokenized data); the export's, the checkpoint's files, else that one's,
+    with the dataset's chat template where prepare wrote one."""
     if data:
         dataset = TokenDataset(data)
     else:
