@@ -241,7 +241,8 @@ def _check_role_and_content_only(messages: list[Message], chat_format: str) -> N
 
 
 class Tokenizer:
-    """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS.
+    """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS, and a
+    special token's name in its text stays text: data cannot inject structure it should not.
 
     `render_chat` renders a conversation `_check_messages` accepted from its BOS on, labelling
     the assistant turns' content and end-of-turn token. `chat_prompt` renders one ending in a
@@ -375,8 +376,6 @@ class TiktokenTokenizer(Tokenizer):
         )
 
     def encode(self, text: str) -> list[int]:
-        # Documents are plain text: an "<|eot_id|>" written in one is characters, not a control
-        # token, so data cannot inject structure the model was not meant to see.
         return self._encoding.encode_ordinary(text)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -401,8 +400,7 @@ class _TemplateTokenizer(Tokenizer):
 
     def use_chat_template(self, path: Path | None) -> None:
         """Render conversations with the Jinja file `path` (None: the tokenizer directory's
-        template) from now on, and export it: given a dataset's own, the template its
-        conversations were rendered with."""
+        template) from now on, and export it."""
         self.chat_template = _find_chat_template(self._path.parent, path, self._template_tokens)
 
     def render_chat(self, messages: list[Message]) -> Segments:
@@ -462,7 +460,6 @@ class SentencePieceTokenizer(_TemplateTokenizer):
         self.use_chat_template(chat_template)
 
     def encode(self, text: str) -> list[int]:
-        # As TiktokenTokenizer.encode: a control piece's name in a document stays text.
         if text and not text.startswith((" ", "▁")):
             text = " " + text  # the "▁" transformers prefixes
         return self._encoder.encode(text)
@@ -517,11 +514,10 @@ class SentencePieceTokenizer(_TemplateTokenizer):
 
     def hf_files(self) -> dict[str, bytes]:
         # transformers builds its LlamaTokenizer from the sentencepiece model itself.
-        bos, eos = self._sp.id_to_piece(self.bos_id), self._sp.id_to_piece(self.eos_id)
         config = {
             "tokenizer_class": "LlamaTokenizer",
-            "bos_token": bos,
-            "eos_token": eos,
+            "bos_token": self._sp.id_to_piece(self.bos_id),
+            "eos_token": self._sp.id_to_piece(self.eos_id),
             "pad_token": self._sp.id_to_piece(self.eos_id if self.pad_id is None else self.pad_id),
             "add_bos_token": True,
             "add_eos_token": False,
@@ -555,9 +551,8 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
     after the single bytes, whose ranks never matter (no merge makes one). Where the file's ids
     already rise in that order (Llama 3's, GPT-2's, any file `tokenizers` trained) they are the
     ranks; otherwise a table maps tiktoken's ranks to the file's ids. Files this cannot encode
-    as `tokenizers` does (another model type, byte fallback, a normalizer but NFC, another
-    pre-tokenizer) are refused, never approximated. NFC (Qwen's) is applied as `tokenizers`
-    applies it: to the text between the added tokens it finds first, before the split.
+    as `tokenizers` does are refused (`_check_byte_level_bpe`, `_split_pattern`), never
+    approximated.
     """
 
     def __init__(self, path: Path, chat_template: Path | None = None):
@@ -636,7 +631,6 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
         self.use_chat_template(chat_template)
 
     def encode(self, text: str) -> list[int]:
-        # As TiktokenTokenizer.encode: a special token's name in a document stays text.
         return self._encode(text, allowed_special=self._plain_added).tolist()
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -690,8 +684,8 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
         return ids[ids < self.vocab_size]  # bytes the vocabulary lacks
 
     def _pieces(self, text: str, allowed_special: set[str] | str) -> list[str]:
-        """`text` cut at the added tokens `_encode` finds in it: text, token, text, ..., text
-        (texts at the even places, each NFC-normalized)."""
+        """`text` cut at the added tokens `_encode` finds in it: text, token, text, ..., text,
+        the texts NFC-normalized (Qwen's normalizer) after the cut, as `tokenizers` does."""
         pattern = self._specials_pattern if allowed_special == "all" else self._plain_added_pattern
         pieces = pattern.split(text) if pattern else [text]
         pieces[::2] = [unicodedata.normalize("NFC", piece) for piece in pieces[::2]]
@@ -1057,8 +1051,7 @@ def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = N
     """None gives the byte tokenizer; a directory (a HF checkpoint, or its tokenizer files) its
     first of TOKENIZER_FILES. A file: a HF tokenizer.json (byte-level BPE), a Llama 3 tiktoken
     ranks file, or a sentencepiece model (Llama 2's, Mistral's). `chat_template`: a Jinja file
-    that renders conversations instead of the directory's template (tokenizer.json and
-    sentencepiece only: the others have their built-in chat formats)."""
+    that renders conversations instead of the directory's template."""
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -1545,10 +1538,9 @@ def _split_conversation(
     tokenizer: Tokenizer, messages: list[Message], seq_len: int | None
 ) -> list[list[Message]]:
     """The conversation, or if it renders to more than seq_len tokens, cut between its exchanges
-    (a user turn and its answer) into pieces of at most seq_len tokens, filled greedily, each
-    led by the system prompt so every piece is a conversation the model could have seen. An
-    exchange longer than seq_len stays whole (the loader cuts it); a piece of only a trailing
-    user turn, with no answer to learn from, is dropped."""
+    (a user turn and its answer) into pieces of at most seq_len tokens, each led by the system
+    prompt so that it is a conversation the model could have seen. An exchange longer than
+    seq_len stays whole (the loader cuts it); a trailing user turn alone has nothing to learn."""
 
     def length(piece: list[Message]) -> int:
         return sum(len(ids) for ids, _ in tokenizer.render_chat(piece))
