@@ -1223,14 +1223,12 @@ class HFTokenizer:
     special_ids: dict[str, int | list[int] | None]
 
     def has_tokenizer(self) -> bool:
-        """Whether the files make a tokenizer (a checkpoint may have only its generation
-        defaults)."""
+        """Whether the files make a tokenizer: a checkpoint may have only generation_config.json."""
         return bool(set(self.files) - {"generation_config.json"})
 
 
 def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
-    """The tokenizer files a HF checkpoint directory holds, with the special token ids of
-    its config.json."""
+    """The tokenizer files of a HF checkpoint directory, and its config.json's special token ids."""
     path = Path(path)
     files = {n: (path / n).read_bytes() for n in HF_TOKENIZER_FILES if (path / n).is_file()}
     config = read_json(path / "config.json")
@@ -1501,8 +1499,7 @@ def _check_messages(messages: object, where: str) -> list[Message]:
 def _encode_document(
     tokenizer: Tokenizer, document: Document, seq_len: int | None
 ) -> tuple[list[Encoded], int]:
-    """The documents of one example (one, or several for a conversation split at seq_len), with
-    its bytes of input."""
+    """One example's documents (several for a conversation split at seq_len) and bytes of input."""
     example, n_bytes, where = document
     if isinstance(example, list):
         try:
@@ -1514,8 +1511,7 @@ def _encode_document(
     prompt, text = example
     # A prompt is no label: it is the question, not what the model should learn to write.
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    prompt_ids = tokenizer.encode(prompt) if prompt else []
-    segments = [([*bos, *prompt_ids], False)]
+    segments = [([*bos, *tokenizer.encode(prompt)], False)]
     segments.append(([*tokenizer.encode(text), tokenizer.eos_id], True))
     return [_encode_segments(segments, tokenizer.bos_id)], n_bytes
 
