@@ -265,8 +265,9 @@ class Tokenizer:
 
     def hf_files(self) -> dict[str, bytes]:
         """The same tokenizer as files transformers' AutoTokenizer loads (file name ->
-        contents), adding BOS as training saw it at the start of each document."""
-        ...
+        contents), adding BOS as training saw it at the start of each document. Here a
+        byte-level BPE: `_ranks`, `_specials` (BOS, EOS, ...), split by `_pattern`, pad `_pad`."""
+        return byte_level_bpe_files(self._ranks, self._specials, self._pattern, self._pad)
 
     def render_chat(self, messages: list[Message]) -> Segments:
         _check_role_and_content_only(messages, self._chat_format)
@@ -294,6 +295,10 @@ class ByteTokenizer(Tokenizer):
     pad_id = None
     _chat_format = "the bytes tokenizer's chat format"
     _end_of_turn = eos_id
+    _ranks = {bytes([b]): b for b in range(256)}
+    _specials = {"<bos>": bos_id, "<eos>": eos_id}
+    _pattern = None
+    _pad = "<eos>"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -303,11 +308,6 @@ class ByteTokenizer(Tokenizer):
 
     def _header(self, role: str) -> list[int]:
         return self.encode(f"<|{role}|>\n")
-
-    def hf_files(self) -> dict[str, bytes]:
-        byte_ranks = {bytes([b]): b for b in range(256)}
-        specials = {"<bos>": 256, "<eos>": 257}
-        return byte_level_bpe_files(byte_ranks, specials, pattern=None, pad="<eos>")
 
 
 # The pre-tokenizer split of Meta's Llama 3 tokenizer.py.
@@ -343,6 +343,8 @@ class TiktokenTokenizer(Tokenizer):
 
     _chat_format = "Llama 3's chat format"
     _strip = True
+    _pattern = LLAMA3_PATTERN
+    _pad = "<|finetune_right_pad_id|>"
 
     def __init__(self, path: Path):
         data = path.read_bytes()
@@ -370,9 +372,9 @@ class TiktokenTokenizer(Tokenizer):
         self.bos_id = specials["<|begin_of_text|>"]
         self.eos_id = specials["<|end_of_text|>"]
         self._end_of_turn = specials["<|eot_id|>"]
-        self.pad_id = specials["<|finetune_right_pad_id|>"]
+        self.pad_id = specials[self._pad]
         self._encoding = tiktoken.Encoding(
-            self.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+            self.name, pat_str=self._pattern, mergeable_ranks=ranks, special_tokens=specials
         )
 
     def encode(self, text: str) -> list[int]:
@@ -384,10 +386,6 @@ class TiktokenTokenizer(Tokenizer):
     def _header(self, role: str) -> list[int]:
         start, end = self._specials["<|start_header_id|>"], self._specials["<|end_header_id|>"]
         return [start, *self.encode(role), end, *self.encode("\n\n")]
-
-    def hf_files(self) -> dict[str, bytes]:
-        pad = "<|finetune_right_pad_id|>"
-        return byte_level_bpe_files(self._ranks, self._specials, LLAMA3_PATTERN, pad)
 
 
 class _TemplateTokenizer(Tokenizer):
@@ -1143,6 +1141,7 @@ def byte_level_bpe_files(
     )
     bos, eos = list(specials)[:2]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
+    byte_level["use_regex"] = False
     split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated"}
     split["invert"] = False
     pre_tokenizers = [split] if pattern else []
@@ -1153,17 +1152,14 @@ def byte_level_bpe_files(
         "added_tokens": [
             {"id": i, "content": token, **flags, "special": True} for token, i in specials.items()
         ],
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [*pre_tokenizers, {**byte_level, "use_regex": False}],
-        },
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [*pre_tokenizers, byte_level]},
         "post_processor": {
             "type": "TemplateProcessing",
             "single": bos_first,
             "pair": [*bos_first, piece("SpecialToken", bos, 1), piece("Sequence", "B", 1)],
             "special_tokens": {bos: {"id": bos, "ids": [specials[bos]], "tokens": [bos]}},
         },
-        "decoder": {**byte_level, "use_regex": False},
+        "decoder": byte_level,
         "model": {
             "type": "BPE",
             "ignore_merges": True,  # a piece that is a token is that token, as in tiktoken
