@@ -10,15 +10,14 @@ and the rest build on it.
 A prepared dataset is a directory of three files:
     tokens.bin     uint32, every document as BOS + tokens + EOS (tokens + EOS with a tokenizer
                    that has no BOS, as Qwen's), documents back to back
-    loss_mask.bin  uint8, one per token: bit 0 (LABEL) set where the token may be a label, not
-                   where it may not (the prompt of a supervised fine-tuning example, and every
-                   document's first token); bit 1 (BOS_INSIDE) set on a BOS that does not start
-                   a document (a chat template's BOS before each exchange, as Llama 2's, or
-                   each turn, as ChatML's); bit 2 (STARTS_DOCUMENT) set on the first token of
-                   a document without BOS, since no BOS marks where it starts
+    loss_mask.bin  uint8, one per token: bit 0 (LABEL) where the token may be a label (not on
+                   an SFT prompt, nor on a document's first token); bit 1 (BOS_INSIDE) on a BOS
+                   that does not start a document (a chat template's BOS before each exchange,
+                   as Llama 2's); bit 2 (STARTS_DOCUMENT) on the first token of a document
+                   without BOS, since no BOS marks where it starts
     meta.json      the tokenizer that wrote it, the counts the two files must match, and "sft":
-                   true when some documents have unlabelled prompts (prompt/response pairs,
-                   conversations), so training can keep packed documents apart by default
+                   true when some documents have unlabelled prompts, so that training keeps
+                   packed documents apart by default
 
     python data.py prepare --input docs/ chat.jsonl --output data/mine [--tokenizer DIR_OR_FILE]
 """
@@ -96,8 +95,7 @@ def write_json(path: Path, value: dict) -> None:
 
 
 def check_directory_path(path: Path, what: str) -> None:
-    """Refuses a path that no directory can be made at: it, or its nearest existing parent, is
-    a file."""
+    """Refuses a path no directory can be made at: it, or its nearest existing parent, is a file."""
     existing = next(p for p in (path, *path.parents) if p.exists())  # "." and "/" exist
     if not existing.is_dir():
         where = "" if existing == path else f": {existing}"
@@ -120,10 +118,9 @@ def first_names(names: list[str]) -> str:
 @dataclass(frozen=True)
 class OutputDir:
     """A kind of directory longtune writes whole and may later replace: `marker` is the file
-    that makes a directory one of them (`writing` writes it; a dataset's is its meta.json),
-    `names` the patterns of every file it writes. An existing directory is replaced only if
-    it is empty or holds the marker and that kind's files and no others, so a mistyped path
-    never deletes what the user keeps there, nor a checkpoint or adapter someone else wrote."""
+    that makes a directory one (`writing` writes it; a dataset's is its meta.json), `names` the
+    patterns of all its files. An existing directory is replaced only if empty or holding the
+    marker and that kind's files alone: a mistyped path never deletes what someone keeps there."""
 
     kind: str
     marker: str
@@ -170,8 +167,7 @@ class OutputDir:
 
     @contextmanager
     def writing(self, final: str | os.PathLike) -> Iterator[Path]:
-        """A directory to write into (make_temp), given its marker and put in place of `final`
-        once the block is done."""
+        """make_temp's directory, marked and swapped in for `final` when the block ends."""
         tmp = self.make_temp(final)
         try:
             yield tmp
@@ -202,8 +198,7 @@ class OutputDir:
 
 
 def give_ordinary_mode(file: Path) -> None:
-    """The mode a new file gets from open() (umask applied), for files written 0600 (as
-    safetensors writes them)."""
+    """The mode open() gives a new file (umask applied), for files written 0600 (safetensors)."""
     file.chmod(0o666 & ~_umask())
 
 
@@ -217,19 +212,17 @@ def _umask() -> int:
 # Tokenizers
 
 
-# {"role": "system" | "user" | "assistant", "content": ...}, with any other fields the data gives
-# (Qwen3's "reasoning_content", "tool_calls"): a chat template reads them as transformers passes
-# them.
+# {"role": "system" | "user" | "assistant", "content": ...} and any other fields the data gives
+# (Qwen3's "reasoning_content"), which a chat template reads as transformers passes them.
 Message = dict[str, object]
 # A rendered conversation as runs of token ids, each with whether its tokens are labels.
 Segments = list[tuple[list[int], bool]]
 
 
 def _check_role_and_content_only(messages: list[Message], chat_format: str) -> None:
-    """A built-in chat format renders role and content only: a message's other field
-    ("reasoning_content", "tool_calls") is refused, not dropped from what the model learns.
-    A null or empty one renders as nothing anyway (a table exported as JSONL gives every
-    message every key)."""
+    """A built-in chat format renders role and content only: another field ("tool_calls") is
+    refused, not dropped from what the model learns. A null or empty one renders as nothing
+    anyway (a table exported as JSONL gives every message every key)."""
     for i, message in enumerate(messages):
         for key, value in message.items():
             if key not in ("role", "content") and value not in (None, "", [], {}):
@@ -245,11 +238,10 @@ class Tokenizer:
     special token's name in its text stays text: data cannot inject structure it should not.
 
     `render_chat` renders a conversation `_check_messages` accepted from its BOS on, labelling
-    the assistant turns' content and end-of-turn token. `chat_prompt` renders one ending in a
-    user turn, then what opens the assistant's answer (the generation prompt). Here they render
-    a built-in chat format (ByteTokenizer's, Llama 3's): BOS, then per turn `_header(role)` and
-    the content followed by `_end_of_turn`; the generation prompt is the assistant's header.
-    """
+    the assistant turns' content and end-of-turn token; `chat_prompt`, one ending in a user
+    turn, then the generation prompt. Here a built-in chat format (ByteTokenizer's, Llama 3's):
+    BOS, then per turn `_header(role)`, the content and `_end_of_turn`; the generation prompt is
+    the assistant's header."""
 
     name: str  # identifies the tokenizer and its file, recorded in meta.json
     vocab_size: int
@@ -264,9 +256,8 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def hf_files(self) -> dict[str, bytes]:
-        """The same tokenizer as files transformers' AutoTokenizer loads (file name ->
-        contents), adding BOS as training saw it at the start of each document. Here a
-        byte-level BPE: `_ranks`, `_specials` (BOS, EOS, ...), split by `_pattern`, pad `_pad`."""
+        """The same tokenizer as files AutoTokenizer loads (name -> contents), adding BOS at each
+        document's start as training saw it; here from `_ranks`, `_specials`, `_pattern`, `_pad`."""
         return byte_level_bpe_files(self._ranks, self._specials, self._pattern, self._pad)
 
     def render_chat(self, messages: list[Message]) -> Segments:
@@ -284,9 +275,8 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes are ids 0..255, then BOS = 256 and EOS = 257: vocab_size 258, needs no file.
-    With no special tokens but those two, a turn's header is the text "<|role|>\\n" and EOS
-    ends it."""
+    """UTF-8 bytes are ids 0..255, then BOS and EOS. With no other special tokens, a turn's
+    header is the text "<|role|>\\n" and EOS ends it."""
 
     name = "bytes"
     vocab_size = 258
@@ -337,9 +327,7 @@ LLAMA3_SPECIALS = _LLAMA3_NAMED + [
 
 class TiktokenTokenizer(Tokenizer):
     """Llama 3: a tiktoken BPE ranks file ("base64-token rank" per line) plus 256 specials.
-    Conversations render in Meta's Llama 3 chat format: a turn's header is
-    <|start_header_id|>role<|end_header_id|> "\n\n", <|eot_id|> ends it, and its content is
-    stripped of surrounding whitespace as Meta's ChatFormat does."""
+    Conversations render in Meta's chat format, content stripped as Meta's ChatFormat does."""
 
     _chat_format = "Llama 3's chat format"
     _strip = True
@@ -389,16 +377,14 @@ class TiktokenTokenizer(Tokenizer):
 
 
 class _TemplateTokenizer(Tokenizer):
-    """A tokenizer whose conversations render with a chat template (`chat_template`, None
-    where it has none), its text tokenized as transformers' apply_chat_template(...,
-    tokenize=True) tokenizes it (`_encode_rendered`: the ids, and the bytes of text each stands
-    for): the special tokens it writes (`_specials_pattern`) are tokens. The labels: each
-    assistant turn's tokens as the whole conversation renders it (`ChatTemplate.assistant_spans`,
-    `_labelled_runs`). With no template, `_without_template` renders the conversation."""
+    """A tokenizer whose conversations render with a chat template (`chat_template`; None:
+    `_without_template` renders them), tokenized as apply_chat_template(tokenize=True) does:
+    the special tokens it writes (`_specials_pattern`) are tokens. `_encode_rendered` gives the
+    ids and the bytes of text each stands for; the labels are the tokens of each assistant
+    turn's span (`ChatTemplate.assistant_spans`, `_labelled_runs`)."""
 
     def use_chat_template(self, path: Path | None) -> None:
-        """Render conversations with the Jinja file `path` (None: the tokenizer directory's
-        template) from now on, and export it."""
+        """Renders and exports conversations with the Jinja file `path` (None: the directory's)."""
         self.chat_template = _find_chat_template(self._path.parent, path, self._template_tokens)
 
     def render_chat(self, messages: list[Message]) -> Segments:
@@ -428,8 +414,7 @@ _SP_AS_TRANSFORMERS = b"\x1a\x06\x12\x00\x18\x00\x20\x00"
 
 
 class SentencePieceTokenizer(_TemplateTokenizer):
-    """A sentencepiece model proto (binary): Llama 2's, Mistral's. Raises RuntimeError if it is
-    not one. Text encodes as transformers' LlamaTokenizer (legacy=False) reads the file. The
+    """A sentencepiece model proto (Llama 2's, Mistral's; RuntimeError if it is not one). The
     special tokens a chat template writes are its control pieces (BOS, EOS, Mistral's [INST])."""
 
     def __init__(self, path: Path, chat_template: Path | None = None):
