@@ -470,11 +470,9 @@ class SentencePieceTokenizer(_TemplateTokenizer):
         return np.array(ids, dtype=np.int64), np.array(lengths, dtype=np.int64)
 
     def _without_template(self, messages: list[Message]) -> Segments:
-        """Meta's Llama 2 chat format: "[INST] user [/INST]" then the answer and EOS (a chat
-        prompt ends with [/INST]), the system prompt wrapped in <<SYS>> inside the first [INST].
-        Meta's code starts every exchange with BOS; here only the first, since a BOS starts a
-        new document for the loader. The answer is encoded on its own (sentencepiece's leading
-        "▁" stands for the space after [/INST]), so the label boundary falls between tokens."""
+        """Meta's Llama 2 chat format, but Meta starts every exchange with BOS and here only the
+        first does: a BOS starts a new document for the loader. The answer is encoded on its own
+        (its leading "▁" stands for the space after [/INST]), so labels start at a token."""
         _check_role_and_content_only(messages, "Llama 2's chat format")
         if "[INST]" in self._specials:
             raise UsageError(
@@ -525,23 +523,21 @@ GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?!
 
 
 class ByteLevelBPETokenizer(_TemplateTokenizer):
-    """A Hugging Face tokenizer.json holding a byte-level BPE (Llama 3's, SmolLM2's, Qwen's,
-    GPT-2's), encoded by tiktoken: the `tokenizers` package is not needed. Its special tokens
-    and chat template come from the files beside it.
+    """A Hugging Face tokenizer.json holding a byte-level BPE (Llama 3's, SmolLM2's, Qwen's),
+    encoded by tiktoken without the `tokenizers` package; its special tokens and chat template
+    come from the files beside it.
 
-    tiktoken merges first the adjacent pair whose joined bytes rank lowest; HF's BPE merges first
-    the pair listed first in `merges`. So a merged token ranks by the first merge that makes it,
-    after the single bytes, whose ranks never matter (no merge makes one). Where the file's ids
-    already rise in that order (Llama 3's, GPT-2's, any file `tokenizers` trained) they are the
-    ranks; otherwise a table maps tiktoken's ranks to the file's ids. Files this cannot encode
-    as `tokenizers` does are refused (`_check_byte_level_bpe`, `_split_pattern`), never
-    approximated.
-    """
+    tiktoken merges first the adjacent pair whose joined bytes rank lowest, HF's BPE the pair
+    listed first in `merges`. So a merged token ranks by the first merge making it, after the
+    single bytes (whose ranks never matter: no merge makes one). Where the file's ids already
+    rise in that order (as in any file `tokenizers` trained) they are the ranks; otherwise a
+    table maps tiktoken's ranks to the file's ids. What this cannot encode as `tokenizers` does
+    is refused, never approximated."""
 
     def __init__(self, path: Path, chat_template: Path | None = None):
         data = path.read_bytes()
-        # The 100k and more merge lists would set off the garbage collector's passes over every
-        # object of the process, slower than the parse itself: it is off until they are freed.
+        # The 100k+ merges would set off the garbage collector's passes over every object of the
+        # process, slower than the parse itself: it is off until they are freed.
         with _gc_paused():
             try:
                 spec = json.loads(data)
@@ -563,9 +559,8 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
             added[token["content"]] = token["id"]
         self.vocab_size = 1 + max([*vocab.values(), *added.values()])
         alphabet = _bytes_as_text()
-        # A vocabulary may lack bytes its training text never held (SmolLM2's lacks 21: control
-        # characters, and bytes UTF-8 never uses). `tokenizers` drops them from the text; here
-        # they get ids past the vocabulary, which encoding drops.
+        # A vocabulary may lack bytes its training text never held (SmolLM2's): `tokenizers`
+        # drops them from the text; here they get ids past the vocabulary, which encoding drops.
         single = {bytes([b]): vocab.get(c, self.vocab_size + b) for b, c in alphabet.items()}
         merged = dict(zip(_byte_level_bytes(path, made), [vocab[t] for t in made], strict=True))
         if np.all(np.diff(list(merged.values())) > 0):
@@ -587,8 +582,7 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
         # any text as `tokenizers` does; special ones only where a chat template writes them.
         special = {t["content"] for t in spec.get("added_tokens") or [] if t.get("special")}
         self._plain_added = set(added) - special
-        # The added tokens as `tokenizers` finds them, the longest first where several start at
-        # one place: where text is cut before it is normalized, and where a turn ends.
+        # The added tokens: where text is cut before it is normalized, and where a turn ends.
         self._specials_pattern = _alternatives(added)
         self._plain_added_pattern = _alternatives(self._plain_added)
         self._special_ranks = specials
@@ -620,9 +614,8 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
         return b"".join(self._bytes[i] for i in ids).decode("utf-8", errors="replace")
 
     def hf_files(self) -> dict[str, bytes]:
-        """The files read, as they are, but for tokenizer_config.json: it names BOS and EOS,
-        and the chat template the tokenizer renders with is chat_template.jinja, the only copy
-        (so a --chat-template given to `prepare` is the one the export carries)."""
+        """The files read, but tokenizer_config.json names BOS and EOS, and the template
+        rendered with is the only copy (so a --chat-template given to `prepare` is exported)."""
         files = {"tokenizer.json": self._data}
         for name in HF_TOKENIZER_FILES:
             if name not in TOKENIZER_FILES and (self._path.parent / name).is_file():
@@ -637,10 +630,9 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
         return files
 
     def _encode(self, text: str, allowed_special: set[str] | str) -> np.ndarray:
-        """The file's ids of `text`. The added tokens in `allowed_special` ("all": every one) are
-        tokens where the text spells them; the others stay text."""
-        # As an array, not a list: the table and the drop below are then one numpy operation
-        # each, and tiktoken makes no Python int for a token.
+        """The file's ids of `text`, the added tokens in `allowed_special` ("all": all) as
+        tokens, the others as text. An array: the table and the drop below are one numpy
+        operation each, and tiktoken makes no Python int for a token."""
         try:
             if self._nfc:
                 # Each piece on its own: rejoined, a normalized text could spell an added token
@@ -667,8 +659,8 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
         return ids[ids < self.vocab_size]  # bytes the vocabulary lacks
 
     def _pieces(self, text: str, allowed_special: set[str] | str) -> list[str]:
-        """`text` cut at the added tokens `_encode` finds in it: text, token, text, ..., text,
-        the texts NFC-normalized (Qwen's normalizer) after the cut, as `tokenizers` does."""
+        """`text` cut at the added tokens `_encode` finds in it (text, token, ..., text), then the
+        texts NFC-normalized (Qwen's normalizer), as `tokenizers` does."""
         pattern = self._specials_pattern if allowed_special == "all" else self._plain_added_pattern
         pieces = pattern.split(text) if pattern else [text]
         pieces[::2] = [unicodedata.normalize("NFC", piece) for piece in pieces[::2]]
@@ -768,9 +760,8 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _split_pattern(path: Path, pre_tokenizer: dict | None) -> str:
-    """The regex whose matches (tiktoken splits text by one) are the pieces a tokenizer.json's
-    pre-tokenizer makes: the shapes the error below lists, or ByteLevel alone (no split, as
-    a byte tokenizer's export)."""
+    """tiktoken's split regex for a tokenizer.json's pre-tokenizer: the shapes the error below
+    lists, or ByteLevel alone (no split, as a byte tokenizer's export)."""
 
     def steps(step: dict) -> list[dict]:
         if step.get("type") == "Sequence":
@@ -806,11 +797,10 @@ def _split_pattern(path: Path, pre_tokenizer: dict | None) -> str:
 def _hf_special_tokens(
     directory: Path, ids: dict[str, int]
 ) -> tuple[dict[str, str], tuple[int | None, int | None, int | None]]:
-    """The special tokens of a HF tokenizer directory: their strings, for chat templates
-    ({"bos_token": "<|im_start|>", ...}), and the ids of BOS, EOS and the padding token.
-    tokenizer_config.json names them; where it does not, config.json or generation_config.json
-    give their ids (the first, where a list gives several EOS). One it names as null is none,
-    as transformers reads it (Qwen's BOS: its config.json's bos_token_id is for pretraining)."""
+    """A HF tokenizer directory's special tokens: their strings, for chat templates, and the ids
+    of BOS, EOS and pad, as tokenizer_config.json names them, else config.json's or
+    generation_config.json's (the first of a list of EOS). One named null is none, as
+    transformers reads it (Qwen's BOS: its config.json's bos_token_id is for pretraining)."""
     read = lambda name: read_json(directory / name) if (directory / name).is_file() else {}
     tokenizer_config = read("tokenizer_config.json")
     configs = [read("config.json"), read("generation_config.json")]
@@ -866,10 +856,9 @@ def _find_chat_template(
 
 
 class ChatTemplate:
-    """A Hugging Face chat template, rendered as transformers' apply_chat_template renders it
-    (the same Jinja settings, filters and globals). A template is code from a downloaded file,
-    so it runs in jinja2's immutable sandbox: it reaches no Python but what is passed in, and
-    changes none of that."""
+    """A Hugging Face chat template, rendered as transformers' apply_chat_template renders it.
+    It is code from a downloaded file, so it runs in jinja2's immutable sandbox: it reaches no
+    Python but what is passed in, and changes none of that."""
 
     def __init__(self, source: str, special_tokens: dict[str, str], name: str):
         environment = ImmutableSandboxedEnvironment(
@@ -915,15 +904,14 @@ class ChatTemplate:
         """The conversation's text, rendered once, and each assistant turn's span in it
         (character offsets): what the loss is taken on.
 
-        A turn starts where the text of the turns before it with the generation prompt ends,
-        the prompt the model is given when it writes the turn: that text must begin the whole
-        conversation's. It ends with its end-of-turn token: the last of `added_tokens` in the
-        turn as it renders when it is the last one (ChatML's "\\n" after <|im_end|> is no
-        part of it), or, if it holds none, with the end of that text. A template may render the
-        turn otherwise once later turns follow (Qwen3's drops the reasoning of every answer
-        before the last user turn): the turn is then the whole text's from its start through as
-        many end-of-turn tokens, which must be how the last-turn rendering ends, so that only
-        what the template drops from the turn's start is missing. Anything else is refused."""
+        A turn starts where the turns before it end with the generation prompt (what the model
+        is given to write the turn): that text must begin the whole conversation's. It ends with
+        the last of `added_tokens` in the turn rendered as the last one (ChatML's "\\n" after
+        <|im_end|> is no part of it), else with that text's end. A template may render a turn
+        otherwise once later turns follow (Qwen3's drops earlier answers' reasoning): the turn
+        is then the whole text's from its start through as many end-of-turn tokens, and must
+        end as the last-turn rendering does, so only what the template drops from its start is
+        missing. Anything else is refused."""
         text = self.render(messages, add_generation_prompt=False)
         spans = []
         for i, message in enumerate(messages):
@@ -967,9 +955,8 @@ class _TimeUp(BaseException):  # not an Exception: the template's own handling m
 
 @contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raises _TimeUp in the block once `seconds` have passed, by SIGALRM. The block runs
-    unbounded in a thread other than the main one (only it receives signals) and while a
-    timer of someone else's is running (there is one per process)."""
+    """Raises _TimeUp in the block after `seconds`, by SIGALRM; unbounded outside the main
+    thread (only it receives signals) or while someone else's timer (one per process) runs."""
     if threading.current_thread() is not threading.main_thread() or any(
         signal.getitimer(signal.ITIMER_REAL)
     ):
@@ -992,9 +979,8 @@ def _time_limit(seconds: float) -> Iterator[None]:
 
 
 class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`, which some templates put around what the
-    assistant writes: rendered as its body (the assistant spans are found without it, in
-    every template alike)."""
+    """`{% generation %}...{% endgeneration %}` around what the assistant writes, rendered as
+    its body: assistant spans are found without it, in every template alike."""
 
     tags = {"generation"}
 
@@ -1019,9 +1005,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.mode
 
 
 def tokenizer_file(directory: str | Path) -> Path | None:
-    """The tokenizer file of a HF checkpoint directory (or of its tokenizer files), if any:
-    tokenizer.model before a tokenizer.json converted from it (a BPE with byte fallback,
-    Llama 2's and Mistral's), which longtune does not read."""
+    """The tokenizer file of a HF checkpoint directory, if any: tokenizer.model before a
+    tokenizer.json converted from it (a BPE with byte fallback), which longtune does not read."""
     found = [Path(directory) / n for n in TOKENIZER_FILES if (Path(directory) / n).is_file()]
     if [f.name for f in found[:2]] == ["tokenizer.json", "tokenizer.model"] and re.search(
         rb'"byte_fallback":\s*true', found[0].read_bytes()
@@ -1031,10 +1016,9 @@ def tokenizer_file(directory: str | Path) -> Path | None:
 
 
 def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = None) -> Tokenizer:
-    """None gives the byte tokenizer; a directory (a HF checkpoint, or its tokenizer files) its
-    first of TOKENIZER_FILES. A file: a HF tokenizer.json (byte-level BPE), a Llama 3 tiktoken
-    ranks file, or a sentencepiece model (Llama 2's, Mistral's). `chat_template`: a Jinja file
-    that renders conversations instead of the directory's template."""
+    """None gives the byte tokenizer; a directory, its tokenizer_file. A file: a HF
+    tokenizer.json, a Llama 3 tiktoken ranks file, or a sentencepiece model. `chat_template`: a
+    Jinja file rendering conversations instead of the directory's template."""
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -1084,19 +1068,18 @@ def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = N
 
 
 def _bytes_as_text() -> dict[int, str]:
-    """GPT-2's byte-level alphabet, the one HF byte-level BPE files (Llama 3's) are written
-    in: each byte one printable character, the printable ASCII and Latin-1 ones as themselves."""
+    """GPT-2's byte-level alphabet (of HF byte-level BPE files): each byte a printable
+    character, the printable ASCII and Latin-1 ones as themselves."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     others = (b for b in range(256) if b not in printable)
     return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
 
 
 def _byte_level_bytes(path: Path, tokens: Iterable[str]) -> list[bytes]:
-    """The bytes of byte-level BPE tokens (`_bytes_as_text` undone); a UsageError names a token
-    written outside that alphabet."""
+    """`_bytes_as_text` undone; a UsageError names a token written outside that alphabet."""
     alphabet = _bytes_as_text()
-    # str.translate then latin-1, both in C: each character of the alphabet becomes the one
-    # numbered as its byte, any other below 256 becomes U+FFFD, and latin-1 refuses all above.
+    # Both in C: each character of the alphabet becomes the one numbered as its byte, any other
+    # below 256 becomes U+FFFD, and latin-1 refuses all above.
     table = {b: "\ufffd" for b in range(256)} | {ord(c): b for b, c in alphabet.items()}
     tokens = list(tokens)
     try:
@@ -1112,10 +1095,10 @@ def _byte_level_bytes(path: Path, tokens: Iterable[str]) -> list[bytes]:
 def byte_level_bpe_files(
     ranks: dict[bytes, int], specials: dict[str, int], pattern: str | None, pad: str
 ) -> dict[str, bytes]:
-    """tokenizer.json and tokenizer_config.json of a byte-level BPE with tiktoken's `ranks`, the
-    text split by `pattern` (None: not split). ByteLevelBPETokenizer's reading undone: every
-    split of a token into two tokens is a merge, listed by the rank of the token they make.
-    The first special is BOS, the second EOS; `pad` is the special that pads batches."""
+    """tokenizer.json and tokenizer_config.json of a byte-level BPE with tiktoken's `ranks`
+    (`pattern` None: text not split), ByteLevelBPETokenizer's reading undone: every split of a
+    token into two tokens is a merge, listed by the rank of the token made. The first special
+    is BOS, the second EOS."""
     alphabet = _bytes_as_text()
     text = lambda token: "".join(alphabet[b] for b in token)
     splits = sorted(
@@ -1167,8 +1150,7 @@ def _ids(segments: Segments) -> list[int]:
 
 
 def _set_chat_template(files: dict[str, bytes], template: bytes) -> None:
-    """Makes `template` the only chat template of these HF tokenizer files: chat_template.jinja,
-    and none in tokenizer_config.json (a second copy, which could differ)."""
+    """Makes chat_template.jinja the only template: one in tokenizer_config.json could differ."""
     config = json.loads(files.get("tokenizer_config.json", b"{}"))
     config.pop("chat_template", None)
     files["tokenizer_config.json"] = _json_bytes(config)
@@ -1198,18 +1180,17 @@ SPECIAL_TOKEN_KEYS = ["bos_token_id", "eos_token_id", "pad_token_id"]
 @dataclass(frozen=True)
 class HFTokenizer:
     """What an export carries besides the weights: the tokenizer's files (name -> contents)
-    and its special token ids by config key (SPECIAL_TOKEN_KEYS)."""
+    and its special token ids by SPECIAL_TOKEN_KEYS."""
 
     files: dict[str, bytes]
     special_ids: dict[str, int | list[int] | None]
 
     def has_tokenizer(self) -> bool:
-        """Whether the files make a tokenizer: a checkpoint may have only generation_config.json."""
+        # A checkpoint may have only generation_config.json.
         return bool(set(self.files) - {"generation_config.json"})
 
 
 def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
-    """The tokenizer files of a HF checkpoint directory, and its config.json's special token ids."""
     path = Path(path)
     files = {n: (path / n).read_bytes() for n in HF_TOKENIZER_FILES if (path / n).is_file()}
     config = read_json(path / "config.json")
