@@ -1201,8 +1201,7 @@ def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
 # Preparation: text and JSONL files -> tokens.bin, loss_mask.bin, meta.json
 
 
-# (prompt, text) of a text document or a prompt/response pair, or a conversation's messages
-Example = tuple[str, str] | list[Message]
+Example = tuple[str, str] | list[Message]  # (prompt, text), prompt "" for a text; or messages
 Document = tuple[Example, int, str]  # with the bytes of input it came from, and where
 Encoded = tuple[np.ndarray, np.ndarray]  # (tokens uint32, loss mask uint8)
 ROLES = ("system", "user", "assistant")
@@ -1219,13 +1218,10 @@ def prepare(
     """Tokenize `inputs` into the dataset directory `output_dir`, replacing any that is there.
 
     Each input is a text file (one document), a .jsonl file (one document per line: {"text": ...},
-    {"prompt": ..., "response": ...} whose prompt gets no loss, or {"messages": [...]}, a
-    conversation with loss on its assistant turns), or a directory standing for all its files,
-    sorted. With `seq_len`, conversations longer than seq_len tokens are split
-    (`_split_conversation`); meta.json counts the splits and the documents still longer.
-    `chat_template`: a Jinja file that renders the conversations instead of the tokenizer
-    directory's template. Output is the same for any number of workers (None: one per CPU).
-    """
+    {"prompt": ..., "response": ...} whose prompt gets no loss, or {"messages": [...]} with loss
+    on the assistant turns), or a directory standing for its files. With `seq_len`, longer
+    conversations are split (`_split_conversation`); meta.json counts the splits and the
+    documents still longer. Output is the same for any number of workers (None: one per CPU)."""
     files = _input_files(inputs)
     output = Path(output_dir).resolve()
     if inside := [str(f) for f in files if output in f.resolve().parents]:
@@ -1268,9 +1264,8 @@ def prepare(
         )
 
 
-# A dataset directory is replaced only by another (OutputDir): new, empty, or these files.
-# The chat template its conversations were rendered with travels in it: training renders its
-# sample prompt with that template, and an export carries it.
+# The chat template a dataset's conversations were rendered with travels in it: training
+# renders its sample prompt with that template, and an export carries it.
 DATASET_CHAT_TEMPLATE = "chat_template.jinja"
 DATASET = OutputDir(
     "dataset", "meta.json", ("meta.json", "tokens.bin", "loss_mask.bin", DATASET_CHAT_TEMPLATE)
@@ -1278,8 +1273,8 @@ DATASET = OutputDir(
 
 
 class DatasetWriter:
-    """A dataset directory written beside `output_dir` and put in place by `finish`, complete;
-    leaving the context manager without `finish` removes it."""
+    """A dataset directory written beside `output_dir`, put in place by `finish`; leaving the
+    context manager without `finish` removes it."""
 
     def __init__(self, output_dir: str | Path):
         self.output_dir = Path(output_dir)
@@ -1304,8 +1299,8 @@ class DatasetWriter:
     def finish(
         self, tokenizer: Tokenizer, sft: bool, files: dict[str, bytes] | None = None, **summary
     ) -> Path:
-        """Write meta.json (`summary`: what the writer's caller reports of the documents, such as
-        prepare's counts) and `files` (name: contents), and move the dataset into place."""
+        """`summary`: what the caller reports of the documents for meta.json (prepare's counts);
+        `files`: name -> contents."""
         self._close()
         for name, contents in (files or {}).items():
             (self._tmp / name).write_bytes(contents)
@@ -1337,10 +1332,9 @@ class DatasetWriter:
 
 
 def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
-    """The files `inputs` name, a directory standing for all its files (sorted, hidden ones
-    left out; in a directory every file is a text, as a code tree's .json files are). Refused:
-    a .json file named alone (JSON lines read as one text would train on their syntax) and a
-    prepared dataset (its binary files read as text would too)."""
+    """A directory stands for its files, sorted, hidden ones left out, every one a text (as a
+    code tree's .json files are). Refused: a .json file named alone (JSON lines read as one
+    text would train on their syntax) and a prepared dataset (its binary files would too)."""
     inputs, files = [Path(i) for i in inputs], []
     for item in inputs:
         if (item / DATASET.marker).is_file() and (item / "tokens.bin").is_file():
@@ -1417,8 +1411,8 @@ def _parse_jsonl_line(line: bytes, where: str) -> Example:
 
 
 def _without_lone_surrogates(value):
-    """`value` with each lone UTF-16 surrogate (JSON can escape one, no UTF-8 text holds one,
-    and no tokenizer encodes one) in its strings made U+FFFD, as tiktoken's encode does."""
+    """Each lone UTF-16 surrogate in `value`'s strings made U+FFFD, as tiktoken's encode does:
+    JSON can escape one, but no UTF-8 text holds one, and no tokenizer encodes one."""
     if isinstance(value, str):
         return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     if isinstance(value, list):
@@ -1429,8 +1423,8 @@ def _without_lone_surrogates(value):
 
 
 def _check_messages(messages: object, where: str) -> list[Message]:
-    """`messages` if every chat format renders it (roles in the order the error below names, an
-    assistant turn among them), each message whole: its other fields are for a chat template."""
+    """`messages` if every chat format renders it, each message whole: its other fields are for
+    a chat template."""
     if not isinstance(messages, list) or not messages:
         raise UsageError(
             f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
@@ -1461,7 +1455,7 @@ def _check_messages(messages: object, where: str) -> list[Message]:
 def _encode_document(
     tokenizer: Tokenizer, document: Document, seq_len: int | None
 ) -> tuple[list[Encoded], int]:
-    """One example's documents (several for a conversation split at seq_len) and bytes of input."""
+    """Several documents for a conversation split at seq_len."""
     example, n_bytes, where = document
     if isinstance(example, list):
         try:
@@ -1482,9 +1476,8 @@ def _encode_segments(segments: Segments, bos_id: int | None) -> Encoded:
     tokens = np.fromiter(chain.from_iterable(ids for ids, _ in segments), dtype=np.uint32)
     is_label = np.array([LABEL * is_label for _, is_label in segments], dtype=np.uint8)
     mask = np.repeat(is_label, [len(ids) for ids, _ in segments])
-    # A document's first token (BOS, where there is one) is never a label: predicting one
-    # document's start from an unrelated one's end teaches nothing. Without a BOS to mark
-    # where the document starts, a bit marks it.
+    # A document's first token is never a label: predicting one document's start from an
+    # unrelated one's end teaches nothing. Without a BOS to mark where it starts, a bit does.
     if bos_id is None:
         mask[0] = STARTS_DOCUMENT
     else:
@@ -1495,10 +1488,9 @@ def _encode_segments(segments: Segments, bos_id: int | None) -> Encoded:
 def _split_conversation(
     tokenizer: Tokenizer, messages: list[Message], seq_len: int | None
 ) -> list[list[Message]]:
-    """The conversation, or if it renders to more than seq_len tokens, cut between its exchanges
-    (a user turn and its answer) into pieces of at most seq_len tokens, each led by the system
-    prompt so that it is a conversation the model could have seen. An exchange longer than
-    seq_len stays whole (the loader cuts it); a trailing user turn alone has nothing to learn."""
+    """A conversation longer than seq_len tokens cut between exchanges (a user turn and its
+    answer) into pieces of at most seq_len, each led by the system prompt: one the model could
+    have seen. A longer exchange stays whole (the loader cuts it); a lone user turn is dropped."""
 
     def length(piece: list[Message]) -> int:
         return sum(len(ids) for ids, _ in tokenizer.render_chat(piece))
@@ -1540,9 +1532,8 @@ def _encode_all(
     seq_len: int | None,
     workers: int,
 ) -> Iterator[tuple[list[Encoded], int]]:
-    """Each example's documents, with its bytes of input, in input order. Chunks of about 1 MB
-    go to the pool with at most two per worker in flight: Pool.imap would read the whole corpus
-    into its queue up front. `loading`: load_tokenizer's arguments, for each worker."""
+    """In input order. At most two chunks per worker are in flight: Pool.imap would read the
+    whole corpus into its queue up front. `loading`: load_tokenizer's arguments."""
     if workers == 1:
         yield from (_encode_document(tokenizer, doc, seq_len) for doc in documents)
         return
