@@ -1602,8 +1602,7 @@ class _Progress:
 # Loading
 
 
-# What meta.json holds besides format_version, as `prepare` writes it.
-META_FIELDS = {
+META_FIELDS = {  # what meta.json holds besides format_version
     "tokenizer": str,
     "vocab_size": int,
     "bos_id": int | None,  # None: the tokenizer has no BOS
@@ -1614,7 +1613,7 @@ META_FIELDS = {
 
 
 class TokenDataset:
-    """A prepared dataset directory, memory-mapped, its files checked against meta.json."""
+    """A prepared dataset directory, memory-mapped, checked against its meta.json."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -1652,13 +1651,12 @@ class TokenDataset:
 
     @property
     def chat_template(self) -> Path | None:
-        """The template the dataset's conversations were rendered with, if prepare wrote one."""
         path = self.path / DATASET_CHAT_TEMPLATE
         return path if path.is_file() else None
 
     @property
     def is_sft(self) -> bool:
-        """meta.json's "sft"; datasets from before the field were prepared from text."""
+        # Datasets from before the field were prepared from text.
         return bool(self.meta.get("sft", False))
 
     def _map(self, name: str, dtype: type) -> np.ndarray:
@@ -1681,14 +1679,13 @@ class TokenDataset:
         return max(int(self.tokens[i : i + chunk].max()) for i in range(0, self.n_tokens, chunk))
 
     def has_labels(self) -> bool:
-        """Whether any token past the first may be a label (the first never is one)."""
         chunk = 1 << 28  # 256 MB at a time; a normal dataset answers in its first chunk
         masks = (self.loss_mask[i : i + chunk] for i in range(1, self.n_tokens, chunk))
         return any((mask & LABEL).any() for mask in masks)
 
     def check(self, vocab_size: int, seq_len: int, max_seq_len: int, use: str = "train") -> None:
-        """Raise one ValueError naming every reason this dataset cannot `use` ("train",
-        "evaluate") this model."""
+        """One error naming every reason this dataset cannot `use` ("train", "evaluate") this
+        model."""
         problems = []
         if not 1 <= seq_len <= max_seq_len:
             problems.append(
@@ -1715,22 +1712,19 @@ class TokenDataset:
 
 
 def document_starts(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
-    """[B, S] -> per row, the offsets its documents start at: 0 (a row may begin inside a
-    document), then each later 0 among the positions. Batch has it, read on the host: the model
-    picks its attention kernels by it, and on a GPU tensor it would wait for the GPU."""
+    """[B, S] -> per row, 0 (a row may begin inside a document) and each later 0's offset. On
+    the host: the model picks its attention kernels by it, which on a GPU tensor would wait."""
     positions = positions.cpu()
     return tuple((0, *(1 + torch.nonzero(row[1:] == 0).flatten()).tolist()) for row in positions)
 
 
 @dataclass
 class Batch:
-    """One rank's micro-batch; each field is int64 [micro_batch, seq_len].
+    """One rank's micro-batch; each tensor is int64 [micro_batch, seq_len].
 
-    labels are the next tokens, IGNORE_INDEX where no loss is taken (SFT prompts, and the first
-    token of a document, BOS or not, that follows an EOS). positions count from 0 at each
-    document's first token and at each sample's first token, so they stay below seq_len; a 0
-    marks where attention may start a new document.
-    """
+    labels are the next tokens, IGNORE_INDEX where no loss is taken (SFT prompts, and each
+    document's first token). positions count from 0 at each document's and each sample's first
+    token, so they stay below seq_len; a 0 marks where attention may start a new document."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
@@ -1747,17 +1741,15 @@ class Batch:
 class PackedLoader:
     """An endless iterator of Batch for one rank.
 
-    Sample i is tokens[i*seq_len : i*seq_len + seq_len + 1], so the stream is read exactly once
-    per epoch. The global order is the concatenation of one seeded permutation of the samples per
-    epoch. Each step takes the next world_size * micro_batch samples of it, rank r the r-th
-    micro_batch of them; the cursor (a position in that order, shared by all ranks) then moves
-    on. Only the product world_size * micro_batch is tied to the cursor, so state_dict() resumes
-    on any number of ranks.
+    Sample i is tokens[i*seq_len : i*seq_len + seq_len + 1], so the stream is read once per
+    epoch, in one seeded permutation of the samples per epoch. Each step takes the next
+    world_size * micro_batch samples of that order, rank r the r-th micro_batch of them, and
+    moves the cursor (shared by all ranks) past them: only that product is tied to the cursor,
+    so state_dict() resumes on any number of ranks.
 
-    With context parallelism, rank and world_size count the data-parallel groups, and each
-    of the `context_parallel` ranks of a group gets its slice of the same rows: columns
-    [context_rank * S/N, (context_rank + 1) * S/N), positions counted on the whole row.
-    """
+    With context parallelism, rank and world_size count the data-parallel groups, and each of
+    the `context_parallel` (N) ranks of a group gets columns [context_rank * S/N,
+    (context_rank + 1) * S/N) of the same rows, positions counted on the whole row."""
 
     def __init__(
         self,
@@ -1820,11 +1812,10 @@ class PackedLoader:
         return self._batch(indices)
 
     def in_order(self, max_samples: int | None = None) -> Iterator[Batch]:
-        """The first `max_samples` samples (all by default) once, in their stored order, for
-        evaluation: this rank's group takes its contiguous share, in micro-batches (the last
-        may be smaller). Every group gets as many samples, so every rank runs as many
-        forwards (FSDP's collectives pair them): the remainder past a multiple of
-        world_size is left out. The training order's cursor is not touched."""
+        """The first `max_samples` samples once, in stored order, for evaluation: this rank's
+        group takes its contiguous share, in micro-batches (the last may be smaller). Every group
+        gets as many, so every rank runs as many forwards (FSDP's collectives pair them): the
+        remainder is left out. The training order's cursor is not touched."""
         n = self.num_samples if max_samples is None else min(max_samples, self.num_samples)
         share = n // self.world_size
         first = self.rank * share
@@ -1842,8 +1833,7 @@ class PackedLoader:
         return Batch(*tensors, starts)
 
     def _sample_index(self, offset: int) -> int:
-        """The sample at `offset` past the start of the current epoch's order; a step may run
-        into the next epoch."""
+        # `offset` counts from the current epoch's start; a step may run into the next epoch.
         epoch = self.epoch + offset // self.num_samples
         if epoch not in self._orders:
             self._orders = {e: o for e, o in self._orders.items() if e >= self.epoch}
@@ -1861,8 +1851,8 @@ class PackedLoader:
 
 
 def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -> np.ndarray:
-    """Batch.positions of a sample's window, `mask` its loss-mask bits: a document cut by the
-    window's start restarts at 0 (attention cannot see what came before it)."""
+    """Batch.positions of a window: a document cut by the window's start restarts at 0
+    (attention cannot see what came before it)."""
     index = np.arange(len(tokens))
     is_start = (mask & STARTS_DOCUMENT) != 0
     if bos_id is not None:
@@ -1873,8 +1863,8 @@ def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -
 
 def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -> float:
     """The (query, key) pairs a token attends on average when documents are masked apart
-    (model.attended_pairs: its position + 1/2), over `samples` windows spread through the
-    data: the attention a step of packed rows computes, for the planner's step time."""
+    (model.attended_pairs: its position + 1/2), over `samples` windows spread through the data:
+    for the planner's step time of packed rows."""
     n = max((dataset.n_tokens - 1) // seq_len, 1)  # one window, short, in too small a dataset
     means = []
     for i in np.linspace(0, n - 1, min(samples, n)).astype(np.int64):
