@@ -1881,12 +1881,9 @@ def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -
 
 
 def default_corpus(cache_dir: str | Path, max_bytes: int = 32 << 20) -> Path:
-    """The Python standard library's own source, byte-tokenized: a corpus on every machine.
-
-    Prepared once into cache_dir/stdlib-py<version>-<fingerprint> and reused afterwards; the
-    fingerprint covers the chosen files and their sizes, so each Python gets its own directory.
-    Not safe to call from several processes at once: call it on one rank, then barrier.
-    """
+    """The Python standard library's own source, byte-tokenized: a corpus on every machine,
+    prepared once per Python (the directory's fingerprint covers the files and their sizes).
+    Not safe to call from several processes at once: call it on one rank, then barrier."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files, listing, total = [], [], 0
     for path in sorted(stdlib.rglob("*.py")):
@@ -1918,8 +1915,7 @@ def default_corpus(cache_dir: str | Path, max_bytes: int = 32 << 20) -> Path:
 # ---------------------------------------------------------------------------------------------
 # A training run's data (train.setup)
 
-# Where the default corpus is prepared, once: beside this file.
-CACHE = Path(__file__).resolve().parent / ".cache"
+CACHE = Path(__file__).resolve().parent / ".cache"  # where the default corpus is prepared
 
 
 @dataclass(frozen=True)
@@ -1941,11 +1937,9 @@ def open_data(
     seq_len: int,
     is_main: bool,
 ) -> RunData:
-    """The dataset (--data, or the default corpus, prepared once by one process), checked
-    against the model and the tokenizer: --tokenizer's, else the --hf-checkpoint directory's,
-    must be the one the data was prepared with. The sample's tokenizer is that one (the byte
-    tokenizer for byte-tokenized data); the export's, the checkpoint's files, else that one's,
-    with the dataset's chat template where prepare wrote one."""
+    """The dataset, checked against the model and the tokenizer: --tokenizer's, else the
+    --hf-checkpoint directory's, must be the one the data was prepared with. The export carries
+    the checkpoint's tokenizer files, else that one's, with the dataset's chat template."""
     if data:
         dataset = TokenDataset(data)
     else:
@@ -1990,7 +1984,7 @@ def open_data(
 def open_eval_data(
     eval_data: str, vocab_size: int, max_seq_len: int, seq_len: int, training: TokenDataset
 ) -> TokenDataset:
-    """--eval-data, checked against the model (as open_data) and the training data."""
+    """Checked against the model (as open_data) and the training data."""
     held_out = TokenDataset(eval_data)
     held_out.check(vocab_size, seq_len, max_seq_len, use="evaluate")
     if held_out.path.resolve() == training.path.resolve():
@@ -2048,7 +2042,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def summary(meta: dict, output: Path) -> str:
-    """What prepare wrote, and what happens to documents too long for the samples."""
     lines = [
         f"wrote {output}: {meta['n_documents']:,} document{'s' * (meta['n_documents'] != 1)}, "
         f"{meta['n_tokens']:,} tokens, "
