@@ -1,15 +1,13 @@
 """What a user gives and gets back as files, and the batches a training run reads from them.
 
 In order: the file rules every other file follows (`UsageError` for what the user got wrong,
-JSON read and written whole, `OutputDir` for directories written whole and never over anything
-else); tokenizers (and the tokenizer files a Hugging Face checkpoint carries); `prepare` (text
-and JSONL files into a dataset directory); the packed, resumable loader; the default corpus;
-opening a run's data. It imports nothing else of longtune's but kernels' IGNORE_INDEX: model.py
-and the rest build on it.
+JSON and directories (`OutputDir`) written whole and never over anything else); tokenizers
+(and a Hugging Face checkpoint's tokenizer files); `prepare` (text and JSONL files into a
+dataset directory); the packed, resumable loader; the default corpus; opening a run's data. It
+imports nothing of longtune's but kernels' IGNORE_INDEX: model.py and the rest build on it.
 
 A prepared dataset is a directory of three files:
-    tokens.bin     uint32, every document as BOS + tokens + EOS (tokens + EOS with a tokenizer
-                   that has no BOS, as Qwen's), documents back to back
+    tokens.bin     uint32, documents back to back, each BOS (if there is one) + tokens + EOS
     loss_mask.bin  uint8, one per token: bit 0 (LABEL) where the token may be a label (not on
                    an SFT prompt, nor on a document's first token); bit 1 (BOS_INSIDE) on a BOS
                    that does not start a document (a chat template's BOS before each exchange,
@@ -239,9 +237,7 @@ class Tokenizer:
 
     `render_chat` renders a conversation `_check_messages` accepted from its BOS on, labelling
     the assistant turns' content and end-of-turn token; `chat_prompt`, one ending in a user
-    turn, then the generation prompt. Here a built-in chat format (ByteTokenizer's, Llama 3's):
-    BOS, then per turn `_header(role)`, the content and `_end_of_turn`; the generation prompt is
-    the assistant's header."""
+    turn, then the generation prompt. Here both render a built-in chat format."""
 
     name: str  # identifies the tokenizer and its file, recorded in meta.json
     vocab_size: int
@@ -377,11 +373,10 @@ class TiktokenTokenizer(Tokenizer):
 
 
 class _TemplateTokenizer(Tokenizer):
-    """A tokenizer whose conversations render with a chat template (`chat_template`; None:
-    `_without_template` renders them), tokenized as apply_chat_template(tokenize=True) does:
-    the special tokens it writes (`_specials_pattern`) are tokens. `_encode_rendered` gives the
-    ids and the bytes of text each stands for; the labels are the tokens of each assistant
-    turn's span (`ChatTemplate.assistant_spans`, `_labelled_runs`)."""
+    """A tokenizer whose conversations render with `chat_template` (None: `_without_template`),
+    tokenized as apply_chat_template(tokenize=True) does, the special tokens it writes
+    (`_specials_pattern`) as tokens. `_encode_rendered` gives the ids and each one's bytes of
+    text; labels are the tokens of each assistant turn's span (`ChatTemplate.assistant_spans`)."""
 
     def use_chat_template(self, path: Path | None) -> None:
         """Renders and exports conversations with the Jinja file `path` (None: the directory's)."""
@@ -406,10 +401,9 @@ class _TemplateTokenizer(Tokenizer):
         return len(text[:i].encode("utf-8", "surrogatepass"))
 
 
-# transformers' LlamaTokenizer (legacy=False) reads a tokenizer.model without its normalizer,
-# prefixing "▁" only to the text that starts the input, and only where that text starts with no
-# space (Metaspace, prepend_scheme "first"). Appended to the model proto, this NormalizerSpec
-# merges into the model's: no character map, no dummy prefix, spaces kept (fields 2, 3, 4).
+# transformers' LlamaTokenizer (legacy=False) reads a tokenizer.model without its normalizer:
+# "▁" only before the input's start, if it has no space (Metaspace "first"). This NormalizerSpec
+# appended to the proto does the same (fields 2-4: no char map, no dummy prefix, spaces kept).
 _SP_AS_TRANSFORMERS = b"\x1a\x06\x12\x00\x18\x00\x20\x00"
 
 
@@ -525,14 +519,12 @@ GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?!
 class ByteLevelBPETokenizer(_TemplateTokenizer):
     """A Hugging Face tokenizer.json holding a byte-level BPE (Llama 3's, SmolLM2's, Qwen's),
     encoded by tiktoken without the `tokenizers` package; its special tokens and chat template
-    come from the files beside it.
-
-    tiktoken merges first the adjacent pair whose joined bytes rank lowest, HF's BPE the pair
-    listed first in `merges`. So a merged token ranks by the first merge making it, after the
-    single bytes (whose ranks never matter: no merge makes one). Where the file's ids already
-    rise in that order (as in any file `tokenizers` trained) they are the ranks; otherwise a
-    table maps tiktoken's ranks to the file's ids. What this cannot encode as `tokenizers` does
-    is refused, never approximated."""
+    come from the files beside it. tiktoken merges first the adjacent pair whose joined bytes
+    rank lowest, HF's BPE the pair listed first in `merges`: so a merged token ranks by the
+    first merge making it, after the single bytes (whose ranks never matter). Where the file's
+    ids already rise in that order (as in any file `tokenizers` trained) they are the ranks;
+    otherwise a table maps tiktoken's ranks to the file's ids. What this cannot encode as
+    `tokenizers` does is refused, never approximated."""
 
     def __init__(self, path: Path, chat_template: Path | None = None):
         data = path.read_bytes()
@@ -630,9 +622,8 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
         return files
 
     def _encode(self, text: str, allowed_special: set[str] | str) -> np.ndarray:
-        """The file's ids of `text`, the added tokens in `allowed_special` ("all": all) as
-        tokens, the others as text. An array: the table and the drop below are one numpy
-        operation each, and tiktoken makes no Python int for a token."""
+        """Added tokens in `allowed_special` ("all": all) are tokens, others text. As an array,
+        the table and the drop below are one numpy operation each, and no token a Python int."""
         try:
             if self._nfc:
                 # Each piece on its own: rejoined, a normalized text could spell an added token
@@ -685,9 +676,8 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
 def _labelled_runs(
     ids: np.ndarray, lengths: np.ndarray, spans: list[tuple[int, int]], bos_id: int | None
 ) -> Segments:
-    """A rendered conversation's ids (each standing for `lengths` bytes of its text) as runs,
-    labels where a token's bytes meet an assistant turn's span of bytes (a token straddling a
-    turn's start included, as transformers' assistant mask includes it)."""
+    """Runs of `ids`, labels where a token's `lengths` bytes meet an assistant turn's span (a
+    token straddling the turn's start too, as in transformers' assistant mask)."""
     ends = np.cumsum(lengths)
     starts = ends - lengths
     is_label = np.zeros(len(ids), dtype=bool)
@@ -742,8 +732,7 @@ def _merged_tokens(path: Path, merges: list, vocab: dict[str, int]) -> list[str]
 
 
 def _alternatives(tokens: Iterable[str]) -> re.Pattern | None:
-    """A regex matching any of `tokens`, the longest where several match at one place (as
-    `tokenizers` finds added tokens), as a group, so that re.split keeps them."""
+    """Any of `tokens`, longest first (as `tokenizers` finds them), grouped: re.split keeps them."""
     tokens = sorted(tokens, key=len, reverse=True)
     return re.compile("(" + "|".join(map(re.escape, tokens)) + ")") if tokens else None
 
@@ -830,8 +819,7 @@ def _hf_special_tokens(
 def _find_chat_template(
     directory: Path, given: Path | None, tokens: dict[str, str]
 ) -> "ChatTemplate | None":
-    """`given` (a Jinja file), else the directory's chat_template.jinja, else the
-    "chat_template" of its tokenizer_config.json (the one named "default" of a list)."""
+    """`given`, else chat_template.jinja, else tokenizer_config.json's ("default" of a list)."""
     if given is not None and not given.is_file():
         raise UsageError(f"chat template file {given} not found")
     path = given or directory / "chat_template.jinja"
@@ -902,16 +890,15 @@ class ChatTemplate:
         self, messages: list[Message], added_tokens: re.Pattern | None
     ) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text, rendered once, and each assistant turn's span in it
-        (character offsets): what the loss is taken on.
-
-        A turn starts where the turns before it end with the generation prompt (what the model
-        is given to write the turn): that text must begin the whole conversation's. It ends with
-        the last of `added_tokens` in the turn rendered as the last one (ChatML's "\\n" after
-        <|im_end|> is no part of it), else with that text's end. A template may render a turn
-        otherwise once later turns follow (Qwen3's drops earlier answers' reasoning): the turn
-        is then the whole text's from its start through as many end-of-turn tokens, and must
-        end as the last-turn rendering does, so only what the template drops from its start is
-        missing. Anything else is refused."""
+        (character offsets), which the loss is taken on. A turn starts where the turns before
+        it end with the generation prompt (what the model is given to write the turn): that
+        text must begin the whole conversation's. It ends with the last of `added_tokens` in
+        the turn rendered as the last one (ChatML's "\\n" after <|im_end|> is no part of it),
+        else with that text's end. A template may render a turn otherwise once later turns
+        follow (Qwen3's drops earlier answers' reasoning): the turn is then the whole text's
+        from its start through as many end-of-turn tokens, and must end as the last-turn
+        rendering does, so only what the template drops from its start is missing. Anything
+        else is refused."""
         text = self.render(messages, add_generation_prompt=False)
         spans = []
         for i, message in enumerate(messages):
@@ -1016,9 +1003,8 @@ def tokenizer_file(directory: str | Path) -> Path | None:
 
 
 def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = None) -> Tokenizer:
-    """None gives the byte tokenizer; a directory, its tokenizer_file. A file: a HF
-    tokenizer.json, a Llama 3 tiktoken ranks file, or a sentencepiece model. `chat_template`: a
-    Jinja file rendering conversations instead of the directory's template."""
+    """None: the byte tokenizer; a directory: its tokenizer_file; a file: a tokenizer.json, a
+    Llama 3 tiktoken ranks file, or a sentencepiece model; `chat_template` replaces its template."""
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -1095,10 +1081,9 @@ def _byte_level_bytes(path: Path, tokens: Iterable[str]) -> list[bytes]:
 def byte_level_bpe_files(
     ranks: dict[bytes, int], specials: dict[str, int], pattern: str | None, pad: str
 ) -> dict[str, bytes]:
-    """tokenizer.json and tokenizer_config.json of a byte-level BPE with tiktoken's `ranks`
-    (`pattern` None: text not split), ByteLevelBPETokenizer's reading undone: every split of a
-    token into two tokens is a merge, listed by the rank of the token made. The first special
-    is BOS, the second EOS."""
+    """The HF files of a byte-level BPE of tiktoken `ranks`, its first special BOS, its second
+    EOS: ByteLevelBPETokenizer's reading undone (every split of a token into two tokens is a
+    merge, listed by the rank of the token made)."""
     alphabet = _bytes_as_text()
     text = lambda token: "".join(alphabet[b] for b in token)
     splits = sorted(
@@ -1215,9 +1200,8 @@ def prepare(
     seq_len: int | None = None,
     chat_template: str | Path | None = None,
 ) -> Path:
-    """Tokenize `inputs` into the dataset directory `output_dir`, replacing any that is there.
-
-    Each input is a text file (one document), a .jsonl file (one document per line: {"text": ...},
+    """Tokenize `inputs` into the dataset directory `output_dir`, replacing any there. Each
+    input is a text file (one document), a .jsonl file (one document per line: {"text": ...},
     {"prompt": ..., "response": ...} whose prompt gets no loss, or {"messages": [...]} with loss
     on the assistant turns), or a directory standing for its files. With `seq_len`, longer
     conversations are split (`_split_conversation`); meta.json counts the splits and the
@@ -1299,8 +1283,7 @@ class DatasetWriter:
     def finish(
         self, tokenizer: Tokenizer, sft: bool, files: dict[str, bytes] | None = None, **summary
     ) -> Path:
-        """`summary`: what the caller reports of the documents for meta.json (prepare's counts);
-        `files`: name -> contents."""
+        """`summary`: the caller's counts for meta.json; `files`: name -> contents."""
         self._close()
         for name, contents in (files or {}).items():
             (self._tmp / name).write_bytes(contents)
@@ -1423,8 +1406,7 @@ def _without_lone_surrogates(value):
 
 
 def _check_messages(messages: object, where: str) -> list[Message]:
-    """`messages` if every chat format renders it, each message whole: its other fields are for
-    a chat template."""
+    """Each message kept whole: its fields beyond role and content are for a chat template."""
     if not isinstance(messages, list) or not messages:
         raise UsageError(
             f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
@@ -1684,8 +1666,7 @@ class TokenDataset:
         return any((mask & LABEL).any() for mask in masks)
 
     def check(self, vocab_size: int, seq_len: int, max_seq_len: int, use: str = "train") -> None:
-        """One error naming every reason this dataset cannot `use` ("train", "evaluate") this
-        model."""
+        """One error naming each reason this dataset cannot `use` ("train", "evaluate")."""
         problems = []
         if not 1 <= seq_len <= max_seq_len:
             problems.append(
@@ -1720,16 +1701,15 @@ def document_starts(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
 
 @dataclass
 class Batch:
-    """One rank's micro-batch; each tensor is int64 [micro_batch, seq_len].
-
-    labels are the next tokens, IGNORE_INDEX where no loss is taken (SFT prompts, and each
-    document's first token). positions count from 0 at each document's and each sample's first
-    token, so they stay below seq_len; a 0 marks where attention may start a new document."""
+    """One rank's micro-batch, each tensor int64 [micro_batch, seq_len]. labels are the next
+    tokens, IGNORE_INDEX where no loss is taken (SFT prompts, each document's first token).
+    positions count from 0 at each document's and each sample's first token, so they stay
+    below seq_len; a 0 marks where attention may start a new document."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor
-    # document_starts of the whole rows (context parallelism gives a rank a slice of each).
+    # Of the whole rows, so that the ranks sharing one (context parallelism) pick alike kernels.
     document_starts: tuple[tuple[int, ...], ...]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
@@ -1739,13 +1719,11 @@ class Batch:
 
 
 class PackedLoader:
-    """An endless iterator of Batch for one rank.
-
-    Sample i is tokens[i*seq_len : i*seq_len + seq_len + 1], so the stream is read once per
-    epoch, in one seeded permutation of the samples per epoch. Each step takes the next
-    world_size * micro_batch samples of that order, rank r the r-th micro_batch of them, and
-    moves the cursor (shared by all ranks) past them: only that product is tied to the cursor,
-    so state_dict() resumes on any number of ranks.
+    """An endless iterator of Batch for one rank. Sample i is tokens[i*S : i*S + S + 1] (S:
+    seq_len), so the stream is read once per epoch, in one seeded permutation per epoch. Each
+    step takes the next world_size * micro_batch samples of that order, rank r the r-th
+    micro_batch of them, and moves the cursor (shared by all ranks) past them: only that
+    product is tied to the cursor, so state_dict() resumes on any number of ranks.
 
     With context parallelism, rank and world_size count the data-parallel groups, and each of
     the `context_parallel` (N) ranks of a group gets columns [context_rank * S/N,
@@ -1812,10 +1790,9 @@ class PackedLoader:
         return self._batch(indices)
 
     def in_order(self, max_samples: int | None = None) -> Iterator[Batch]:
-        """The first `max_samples` samples once, in stored order, for evaluation: this rank's
-        group takes its contiguous share, in micro-batches (the last may be smaller). Every group
-        gets as many, so every rank runs as many forwards (FSDP's collectives pair them): the
-        remainder is left out. The training order's cursor is not touched."""
+        """The first `max_samples` samples once, in stored order, this rank's group taking its
+        contiguous share (the last micro-batch may be smaller). Every group gets as many (the
+        rest is left out), so every rank runs as many forwards (FSDP's collectives pair them)."""
         n = self.num_samples if max_samples is None else min(max_samples, self.num_samples)
         share = n // self.world_size
         first = self.rank * share
@@ -1825,7 +1802,6 @@ class PackedLoader:
     def _batch(self, indices: Iterable[int]) -> Batch:
         samples = [self._sample(i) for i in indices]
         rows = [np.stack(field) for field in zip(*samples, strict=True)]
-        # Of the whole rows: the ranks sharing a row (context parallelism) pick the same kernels.
         starts = document_starts(torch.from_numpy(rows[2]))
         tensors = [torch.from_numpy(np.ascontiguousarray(x[:, self.columns])) for x in rows]
         if self.pin_memory:
@@ -1862,9 +1838,8 @@ def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -
 
 
 def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -> float:
-    """The (query, key) pairs a token attends on average when documents are masked apart
-    (model.attended_pairs: its position + 1/2), over `samples` windows spread through the data:
-    for the planner's step time of packed rows."""
+    """The mean (query, key) pairs a token attends with documents masked apart (position + 1/2,
+    as model.attended_pairs) over `samples` windows: for the planner's packed step time."""
     n = max((dataset.n_tokens - 1) // seq_len, 1)  # one window, short, in too small a dataset
     means = []
     for i in np.linspace(0, n - 1, min(samples, n)).astype(np.int64):
