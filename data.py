@@ -8,14 +8,12 @@ imports nothing of longtune's but kernels' IGNORE_INDEX: model.py and the rest b
 
 A prepared dataset is a directory of three files:
     tokens.bin     uint32, documents back to back, each BOS (if there is one) + tokens + EOS
-    loss_mask.bin  uint8, one per token: bit 0 (LABEL) where the token may be a label (not on
-                   an SFT prompt, nor on a document's first token); bit 1 (BOS_INSIDE) on a BOS
-                   that does not start a document (a chat template's BOS before each exchange,
-                   as Llama 2's); bit 2 (STARTS_DOCUMENT) on the first token of a document
-                   without BOS, since no BOS marks where it starts
-    meta.json      the tokenizer that wrote it, the counts the two files must match, and "sft":
-                   true when some documents have unlabelled prompts, so that training keeps
-                   packed documents apart by default
+    loss_mask.bin  uint8, one per token: bit 0 (LABEL) where the token may be a label (not in an
+                   SFT prompt, nor a document's first token); bit 1 (BOS_INSIDE) on a BOS inside a
+                   document (a chat template's before each exchange, as Llama 2's); bit 2
+                   (STARTS_DOCUMENT) on a document's first token where no BOS marks it
+    meta.json      the tokenizer that wrote it, the counts the files must match, and "sft": true
+                   when prompts are unlabelled, so training keeps packed documents apart by default
 
     python data.py prepare --input docs/ chat.jsonl --output data/mine [--tokenizer DIR_OR_FILE]
 """
@@ -64,7 +62,6 @@ LABEL, BOS_INSIDE, STARTS_DOCUMENT = 1, 2, 4  # the bits of loss_mask.bin
 
 # ---------------------------------------------------------------------------------------------
 # Files a user gives or keeps
-# ---------------------------------------------------------------------------------------------
 
 
 class UsageError(ValueError):
@@ -144,8 +141,7 @@ class OutputDir:
             )
 
     def make_temp(self, final: str | os.PathLike) -> Path:
-        """An empty directory beside `final` to write into, renamed onto it by `swap_in`, with
-        the mode any new directory gets (mkdtemp's is rwx for its owner only)."""
+        """Beside `final`, with a new directory's mode (mkdtemp's is rwx for its owner only)."""
         final = Path(final).resolve()  # "." has no name to put beside; a link, its target
         self.check(final)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -176,8 +172,7 @@ class OutputDir:
             raise
 
     def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:
-        """Puts `tmp` in place of `final`, checked again (something may have been put there
-        meanwhile); an old `final` is removed only once the new one is in place."""
+        """Checked again (something may be there); an old `final` goes once the new one is in."""
         final = Path(final).resolve()
         self.check(final)
         old = None
@@ -219,8 +214,8 @@ Segments = list[tuple[list[int], bool]]
 
 def _check_role_and_content_only(messages: list[Message], chat_format: str) -> None:
     """A built-in chat format renders role and content only: another field ("tool_calls") is
-    refused, not dropped from what the model learns. A null or empty one renders as nothing
-    anyway (a table exported as JSONL gives every message every key)."""
+    refused, not dropped from what the model learns; a null or empty one (a JSONL table's) renders
+    as nothing."""
     for i, message in enumerate(messages):
         for key, value in message.items():
             if key not in ("role", "content") and value not in (None, "", [], {}):
@@ -234,7 +229,6 @@ def _check_role_and_content_only(messages: list[Message], chat_format: str) -> N
 class Tokenizer:
     """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS, and a
     special token's name in its text stays text: data cannot inject structure it should not.
-
     `render_chat` renders a conversation `_check_messages` accepted from its BOS on, labelling
     the assistant turns' content and end-of-turn token; `chat_prompt`, one ending in a user
     turn, then the generation prompt. Here both render a built-in chat format."""
@@ -271,8 +265,7 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes are ids 0..255, then BOS and EOS. With no other special tokens, a turn's
-    header is the text "<|role|>\\n" and EOS ends it."""
+    """Bytes 0..255, then BOS and EOS: with no other specials, a turn's header is "<|role|>\\n"."""
 
     name = "bytes"
     vocab_size = 258
@@ -373,10 +366,9 @@ class TiktokenTokenizer(Tokenizer):
 
 
 class _TemplateTokenizer(Tokenizer):
-    """A tokenizer whose conversations render with `chat_template` (None: `_without_template`),
-    tokenized as apply_chat_template(tokenize=True) does, the special tokens it writes
-    (`_specials_pattern`) as tokens. `_encode_rendered` gives the ids and each one's bytes of
-    text; labels are the tokens of each assistant turn's span (`ChatTemplate.assistant_spans`)."""
+    """Conversations render with `chat_template` (None: `_without_template`), tokenized as
+    apply_chat_template(tokenize=True) does (`_encode_rendered`: ids and each one's bytes), the
+    special tokens it writes as tokens; labels: the tokens of `ChatTemplate.assistant_spans`."""
 
     def use_chat_template(self, path: Path | None) -> None:
         """Renders and exports conversations with the Jinja file `path` (None: the directory's)."""
@@ -517,14 +509,13 @@ GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?!
 
 
 class ByteLevelBPETokenizer(_TemplateTokenizer):
-    """A Hugging Face tokenizer.json holding a byte-level BPE (Llama 3's, SmolLM2's, Qwen's),
-    encoded by tiktoken without the `tokenizers` package; its special tokens and chat template
-    come from the files beside it. tiktoken merges first the adjacent pair whose joined bytes
-    rank lowest, HF's BPE the pair listed first in `merges`: so a merged token ranks by the
-    first merge making it, after the single bytes (whose ranks never matter). Where the file's
-    ids already rise in that order (as in any file `tokenizers` trained) they are the ranks;
-    otherwise a table maps tiktoken's ranks to the file's ids. What this cannot encode as
-    `tokenizers` does is refused, never approximated."""
+    """A HF tokenizer.json of a byte-level BPE (Llama 3's, Qwen's), encoded by tiktoken without
+    `tokenizers`, its special tokens and chat template from the files beside it. tiktoken
+    merges first the adjacent pair whose joined bytes rank lowest, HF's BPE the pair listed
+    first in `merges`: so a merged token ranks by the first merge making it, after the single
+    bytes (whose ranks never matter). Where the file's ids already rise in that order (any file
+    `tokenizers` trained) they are the ranks, else a table maps ranks to ids. What this cannot
+    encode as `tokenizers` does is refused, never approximated."""
 
     def __init__(self, path: Path, chat_template: Path | None = None):
         data = path.read_bytes()
@@ -650,8 +641,7 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
         return ids[ids < self.vocab_size]  # bytes the vocabulary lacks
 
     def _pieces(self, text: str, allowed_special: set[str] | str) -> list[str]:
-        """`text` cut at the added tokens `_encode` finds in it (text, token, ..., text), then the
-        texts NFC-normalized (Qwen's normalizer), as `tokenizers` does."""
+        """Cut at `_encode`'s added tokens (text, token, ..., text), texts then NFC-normalized."""
         pattern = self._specials_pattern if allowed_special == "all" else self._plain_added_pattern
         pieces = pattern.split(text) if pattern else [text]
         pieces[::2] = [unicodedata.normalize("NFC", piece) for piece in pieces[::2]]
@@ -715,8 +705,7 @@ def _check_byte_level_bpe(path: Path, spec: dict) -> None:
 
 
 def _merged_tokens(path: Path, merges: list, vocab: dict[str, int]) -> list[str]:
-    """The tokens `merges` ([left, right], or the older "left right") make, each once, in the
-    order of the first merge making it."""
+    """The tokens `merges` ([left, right], or "left right") make, once each, by first merge."""
     pairs = [m.split(" ") for m in merges] if merges and isinstance(merges[0], str) else merges
     if set(map(len, pairs)) - {2}:
         pair = next(p for p in pairs if len(p) != 2)
@@ -844,9 +833,8 @@ def _find_chat_template(
 
 
 class ChatTemplate:
-    """A Hugging Face chat template, rendered as transformers' apply_chat_template renders it.
-    It is code from a downloaded file, so it runs in jinja2's immutable sandbox: it reaches no
-    Python but what is passed in, and changes none of that."""
+    """A HF chat template, rendered as apply_chat_template renders it. It is a downloaded file's
+    code, run in jinja2's immutable sandbox: it reaches only what is passed in, and changes none."""
 
     def __init__(self, source: str, special_tokens: dict[str, str], name: str):
         environment = ImmutableSandboxedEnvironment(
@@ -889,16 +877,14 @@ class ChatTemplate:
     def assistant_spans(
         self, messages: list[Message], added_tokens: re.Pattern | None
     ) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation's text, rendered once, and each assistant turn's span in it
-        (character offsets), which the loss is taken on. A turn starts where the turns before
-        it end with the generation prompt (what the model is given to write the turn): that
-        text must begin the whole conversation's. It ends with the last of `added_tokens` in
-        the turn rendered as the last one (ChatML's "\\n" after <|im_end|> is no part of it),
-        else with that text's end. A template may render a turn otherwise once later turns
-        follow (Qwen3's drops earlier answers' reasoning): the turn is then the whole text's
-        from its start through as many end-of-turn tokens, and must end as the last-turn
-        rendering does, so only what the template drops from its start is missing. Anything
-        else is refused."""
+        """The conversation's text, rendered once, and each assistant turn's span in it (character
+        offsets), which the loss is taken on. A turn starts where the turns before it with the
+        generation prompt end; that text must begin the whole conversation's. It ends with the last
+        of `added_tokens` in it when rendered last (ChatML's "\\n" after <|im_end|> is not in it),
+        else with that text's end. A template may render a turn otherwise once later turns follow
+        (Qwen3's drops earlier answers' reasoning): the turn then runs from its start through as
+        many end-of-turn tokens of the whole text, and must end as its last-turn rendering does
+        (only its start may be dropped). Anything else is refused."""
         text = self.render(messages, add_generation_prompt=False)
         spans = []
         for i, message in enumerate(messages):
@@ -966,8 +952,7 @@ def _time_limit(seconds: float) -> Iterator[None]:
 
 
 class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` around what the assistant writes, rendered as
-    its body: assistant spans are found without it, in every template alike."""
+    """`{% generation %}` renders as its body: assistant spans are found alike in every template."""
 
     tags = {"generation"}
 
@@ -1054,8 +1039,7 @@ def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = N
 
 
 def _bytes_as_text() -> dict[int, str]:
-    """GPT-2's byte-level alphabet (of HF byte-level BPE files): each byte a printable
-    character, the printable ASCII and Latin-1 ones as themselves."""
+    """GPT-2's byte-level alphabet: each byte a printable character, the printable ones as is."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     others = (b for b in range(256) if b not in printable)
     return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
@@ -1164,8 +1148,7 @@ SPECIAL_TOKEN_KEYS = ["bos_token_id", "eos_token_id", "pad_token_id"]
 
 @dataclass(frozen=True)
 class HFTokenizer:
-    """What an export carries besides the weights: the tokenizer's files (name -> contents)
-    and its special token ids by SPECIAL_TOKEN_KEYS."""
+    """An export's tokenizer files (name -> contents) and special ids by SPECIAL_TOKEN_KEYS."""
 
     files: dict[str, bytes]
     special_ids: dict[str, int | list[int] | None]
@@ -1257,8 +1240,7 @@ DATASET = OutputDir(
 
 
 class DatasetWriter:
-    """A dataset directory written beside `output_dir`, put in place by `finish`; leaving the
-    context manager without `finish` removes it."""
+    """Written beside `output_dir`, put in place by `finish`; leaving the block first removes it."""
 
     def __init__(self, output_dir: str | Path):
         self.output_dir = Path(output_dir)
@@ -1723,11 +1705,10 @@ class PackedLoader:
     seq_len), so the stream is read once per epoch, in one seeded permutation per epoch. Each
     step takes the next world_size * micro_batch samples of that order, rank r the r-th
     micro_batch of them, and moves the cursor (shared by all ranks) past them: only that
-    product is tied to the cursor, so state_dict() resumes on any number of ranks.
-
-    With context parallelism, rank and world_size count the data-parallel groups, and each of
-    the `context_parallel` (N) ranks of a group gets columns [context_rank * S/N,
-    (context_rank + 1) * S/N) of the same rows, positions counted on the whole row."""
+    product is tied to the cursor, so state_dict() resumes on any number of ranks. With context
+    parallelism, rank and world_size count the data-parallel groups, and each of a group's
+    `context_parallel` (N) ranks gets columns [context_rank * S/N, (context_rank + 1) * S/N) of
+    the same rows, positions counted on the whole row."""
 
     def __init__(
         self,
@@ -1827,8 +1808,7 @@ class PackedLoader:
 
 
 def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -> np.ndarray:
-    """Batch.positions of a window: a document cut by the window's start restarts at 0
-    (attention cannot see what came before it)."""
+    """Batch.positions of a window; a document it cuts restarts at 0 (nothing before is visible)."""
     index = np.arange(len(tokens))
     is_start = (mask & STARTS_DOCUMENT) != 0
     if bos_id is not None:
@@ -1856,15 +1836,13 @@ def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -
 
 
 def default_corpus(cache_dir: str | Path, max_bytes: int = 32 << 20) -> Path:
-    """The Python standard library's own source, byte-tokenized: a corpus on every machine,
-    prepared once per Python (the directory's fingerprint covers the files and their sizes).
-    Not safe to call from several processes at once: call it on one rank, then barrier."""
+    """The Python standard library's own source, byte-tokenized, prepared once per Python: a corpus
+    on every machine. Not safe from several processes at once: one rank, then barrier."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files, listing, total = [], [], 0
     for path in sorted(stdlib.rglob("*.py")):
         parts = path.relative_to(stdlib).parts
-        # Installed packages differ between machines; test suites hold deliberately odd files
-        # (other encodings, generated data) that make a poor training corpus.
+        # Installed packages differ between machines; test suites hold odd files, a poor corpus.
         if parts[0] in ("site-packages", "dist-packages") or not path.is_file():
             continue
         if any(part in ("test", "tests", "idle_test") for part in parts[:-1]):
@@ -1895,8 +1873,7 @@ CACHE = Path(__file__).resolve().parent / ".cache"  # where the default corpus i
 
 @dataclass(frozen=True)
 class RunData:
-    """What a run reads: `dataset`; `text_tokenizer`, which decodes the end-of-run sample;
-    `export_tokenizer`, the files an export carries."""
+    """`text_tokenizer` decodes the end-of-run sample; `export_tokenizer` is what exports carry."""
 
     dataset: TokenDataset
     text_tokenizer: Tokenizer | None
