@@ -214,8 +214,7 @@ Segments = list[tuple[list[int], bool]]
 
 def _check_role_and_content_only(messages: list[Message], chat_format: str) -> None:
     """A built-in chat format renders role and content only: another field ("tool_calls") is
-    refused, not dropped from what the model learns; a null or empty one (a JSONL table's) renders
-    as nothing."""
+    refused, not dropped from what is learnt, unless null or empty (JSONL tables hold every key)."""
     for i, message in enumerate(messages):
         for key, value in message.items():
             if key not in ("role", "content") and value not in (None, "", [], {}):
@@ -519,8 +518,7 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
 
     def __init__(self, path: Path, chat_template: Path | None = None):
         data = path.read_bytes()
-        # The 100k+ merges would set off the garbage collector's passes over every object of the
-        # process, slower than the parse itself: it is off until they are freed.
+        # GC off until the 100k+ merges are freed: the passes they set off outlast the parse itself.
         with _gc_paused():
             try:
                 spec = json.loads(data)
