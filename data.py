@@ -1,29 +1,21 @@
 """What a user gives and gets back as files, and the batches a training run reads from them.
 
 In order: the file rules every other file follows (`UsageError` for what the user got wrong,
-JSON read and written whole, `OutputDir` for directories written whole and never over anything
-else); tokenizers (and the tokenizer files a Hugging Face checkpoint carries); `prepare` (text
-and JSONL files into a dataset directory); the packed, resumable loader; the default corpus;
-opening a run's data. It imports nothing else of longtune's but kernels' IGNORE_INDEX: model.py
-and the rest build on it.
+JSON and directories (`OutputDir`) written whole and never over anything else); tokenizers
+(and a Hugging Face checkpoint's tokenizer files); `prepare` (text and JSONL files into a
+dataset directory); the packed, resumable loader; the default corpus; opening a run's data. It
+imports nothing of longtune's but kernels' IGNORE_INDEX: model.py and the rest build on it.
 
 A prepared dataset is a directory of three files:
-    tokens.bin     uint32, every document as BOS + tokens + EOS (tokens + EOS with a tokenizer
-                   that has no BOS, as Qwen's), documents back to back
-    loss_mask.bin  uint8, one per token: bit 0 (LABEL) set where the token may be a label, not
-                   where it may not (the prompt of a supervised fine-tuning example, and every
-                   document's first token); bit 1 (BOS_INSIDE) set on a BOS that does not start
-                   a document (a chat template's BOS before each exchange, as Llama 2's, or
-                   each turn, as ChatML's); bit 2 (STARTS_DOCUMENT) set on the first token of
-                   a document without BOS, since no BOS marks where it starts
-    meta.json      the tokenizer that wrote it, the counts the two files must match, and "sft":
-                   true when some documents have unlabelled prompts (prompt/response pairs,
-                   conversations), so training can keep packed documents apart by default
+    tokens.bin     uint32, documents back to back, each BOS (if there is one) + tokens + EOS
+    loss_mask.bin  uint8, one per token: bit 0 (LABEL) where the token may be a label (not in an
+                   SFT prompt, nor a document's first token); bit 1 (BOS_INSIDE) on a BOS inside a
+                   document (a chat template's before each exchange, as Llama 2's); bit 2
+                   (STARTS_DOCUMENT) on a document's first token where no BOS marks it
+    meta.json      the tokenizer that wrote it, the counts the files must match, and "sft": true
+                   when prompts are unlabelled, so training keeps packed documents apart by default
 
     python data.py prepare --input docs/ chat.jsonl --output data/mine [--tokenizer DIR_OR_FILE]
-
-The loader (PackedLoader) reads samples in a seeded order through one cursor shared by all
-ranks, so a run can resume on another number of GPUs and read on where it stopped.
 """
 
 import argparse
@@ -53,7 +45,6 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from itertools import chain, groupby
 from pathlib import Path
-from typing import Protocol
 
 import jinja2
 import jinja2.ext
@@ -71,7 +62,6 @@ LABEL, BOS_INSIDE, STARTS_DOCUMENT = 1, 2, 4  # the bits of loss_mask.bin
 
 # ---------------------------------------------------------------------------------------------
 # Files a user gives or keeps
-# ---------------------------------------------------------------------------------------------
 
 
 class UsageError(ValueError):
@@ -80,7 +70,6 @@ class UsageError(ValueError):
 
 
 def read_json(path: str | os.PathLike) -> dict:
-    """The JSON object in `path`; a UsageError naming the file if it holds anything else."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"{path} is not a file" if path.exists() else f"{path} does not exist")
@@ -101,8 +90,7 @@ def write_json(path: Path, value: dict) -> None:
 
 
 def check_directory_path(path: Path, what: str) -> None:
-    """Refuses a path that no directory can be made at: `path` itself, or the nearest of its
-    parents that exists, is a file."""
+    """Refuses a path no directory can be made at: it, or its nearest existing parent, is a file."""
     existing = next(p for p in (path, *path.parents) if p.exists())  # "." and "/" exist
     if not existing.is_dir():
         where = "" if existing == path else f": {existing}"
@@ -119,17 +107,15 @@ def params_text(n: int) -> str:
 
 
 def first_names(names: list[str]) -> str:
-    """The first five names, for an error message."""
     return ", ".join(names[:5]) + (" ..." if len(names) > 5 else "")
 
 
 @dataclass(frozen=True)
 class OutputDir:
     """A kind of directory longtune writes whole and may later replace: `marker` is the file
-    that makes a directory one of them (`writing` writes it; a dataset's is its meta.json),
-    `names` the patterns of every file it writes. An existing directory is replaced only if
-    it is empty or holds the marker and that kind's files and no others, so a mistyped path
-    never deletes what the user keeps there, nor a checkpoint or adapter someone else wrote."""
+    that makes a directory one (`writing` writes it; a dataset's is its meta.json), `names` the
+    patterns of all its files. An existing directory is replaced only if empty or holding the
+    marker and that kind's files alone: a mistyped path never deletes what someone keeps there."""
 
     kind: str
     marker: str
@@ -155,9 +141,7 @@ class OutputDir:
             )
 
     def make_temp(self, final: str | os.PathLike) -> Path:
-        """An empty directory beside `final` to write into, renamed onto it by `swap_in`.
-        mkdtemp makes it rwx for its owner only; it gets the mode any new directory gets
-        (umask applied), so the result can be shared like the user's other files."""
+        """Beside `final`, with a new directory's mode (mkdtemp's is rwx for its owner only)."""
         final = Path(final).resolve()  # "." has no name to put beside; a link, its target
         self.check(final)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -177,9 +161,7 @@ class OutputDir:
 
     @contextmanager
     def writing(self, final: str | os.PathLike) -> Iterator[Path]:
-        """A temporary directory (make_temp) to write into, given its marker and put in place
-        of `final` (swap_in) once the block is done, and removed if it fails or is
-        interrupted."""
+        """make_temp's directory, marked and swapped in for `final` when the block ends."""
         tmp = self.make_temp(final)
         try:
             yield tmp
@@ -190,9 +172,7 @@ class OutputDir:
             raise
 
     def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:
-        """Puts the complete directory `tmp` in place of `final`, checked again (something
-        may have been put there meanwhile); an old `final` is removed only after the new
-        one is in place, and put back if that fails or is interrupted."""
+        """Checked again (something may be there); an old `final` goes once the new one is in."""
         final = Path(final).resolve()
         self.check(final)
         old = None
@@ -211,8 +191,7 @@ class OutputDir:
 
 
 def give_ordinary_mode(file: Path) -> None:
-    """The mode a new file gets from open() (umask applied), for files written 0600 (as
-    safetensors writes them)."""
+    """The mode open() gives a new file (umask applied), for files written 0600 (safetensors)."""
     file.chmod(0o666 & ~_umask())
 
 
@@ -226,19 +205,16 @@ def _umask() -> int:
 # Tokenizers
 
 
-# {"role": "system" | "user" | "assistant", "content": ...}, with any other fields the data gives
-# (Qwen3's "reasoning_content", "tool_calls"): a chat template reads them as transformers passes
-# them.
+# {"role": "system" | "user" | "assistant", "content": ...} and any other fields the data gives
+# (Qwen3's "reasoning_content"), which a chat template reads as transformers passes them.
 Message = dict[str, object]
 # A rendered conversation as runs of token ids, each with whether its tokens are labels.
 Segments = list[tuple[list[int], bool]]
 
 
 def _check_role_and_content_only(messages: list[Message], chat_format: str) -> None:
-    """A built-in chat format renders role and content only: a message's other field
-    ("reasoning_content", "tool_calls") is refused, not dropped from what the model learns.
-    A null or empty one renders as nothing anyway (a table exported as JSONL gives every
-    message every key)."""
+    """A built-in chat format renders role and content only: another field ("tool_calls") is
+    refused, not dropped from what is learnt, unless null or empty (JSONL tables hold every key)."""
     for i, message in enumerate(messages):
         for key, value in message.items():
             if key not in ("role", "content") and value not in (None, "", [], {}):
@@ -249,42 +225,58 @@ def _check_role_and_content_only(messages: list[Message], chat_format: str) -> N
                 )
 
 
-class Tokenizer(Protocol):
-    """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS.
-
+class Tokenizer:
+    """What preparation and training need from a tokenizer. `encode` adds no BOS or EOS, and a
+    special token's name in its text stays text: data cannot inject structure it should not.
     `render_chat` renders a conversation `_check_messages` accepted from its BOS on, labelling
-    the assistant turns' content and end-of-turn token. `chat_prompt` renders one ending in a
-    user turn, then what opens the assistant's answer (the generation prompt).
-    """
+    the assistant turns' content and end-of-turn token; `chat_prompt`, one ending in a user
+    turn, then the generation prompt. Here both render a built-in chat format."""
 
     name: str  # identifies the tokenizer and its file, recorded in meta.json
     vocab_size: int
     bos_id: int | None  # None: the tokenizer has none (Qwen's), and documents start without one
     eos_id: int
     pad_id: int | None  # a token meant for padding only, if the tokenizer has one
+    _chat_format: str  # the built-in chat format's name, for errors
+    _strip = False  # whether a turn's content is stripped of surrounding whitespace
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def render_chat(self, messages: list[Message]) -> Segments: ...
-
-    def chat_prompt(self, messages: list[Message]) -> list[int]: ...
-
     def hf_files(self) -> dict[str, bytes]:
-        """The same tokenizer as files transformers' AutoTokenizer loads (file name ->
-        contents), adding BOS as training saw it at the start of each document."""
-        ...
+        """The same tokenizer as files AutoTokenizer loads (name -> contents), adding BOS at each
+        document's start as training saw it; here from `_ranks`, `_specials`, `_pattern`, `_pad`."""
+        return byte_level_bpe_files(self._ranks, self._specials, self._pattern, self._pad)
+
+    def render_chat(self, messages: list[Message]) -> Segments:
+        _check_role_and_content_only(messages, self._chat_format)
+        segments = [([self.bos_id], False)]
+        for message in messages:
+            role, content = message["role"], message["content"]
+            content = content.strip() if self._strip else content
+            segments.append((self._header(role), False))
+            segments.append(([*self.encode(content), self._end_of_turn], role == "assistant"))
+        return segments
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        return [*_ids(self.render_chat(messages)), *self._header("assistant")]
 
 
-class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255, then BOS = 256 and EOS = 257: vocab_size 258, needs no file."""
+class ByteTokenizer(Tokenizer):
+    """Bytes 0..255, then BOS and EOS: with no other specials, a turn's header is "<|role|>\\n"."""
 
     name = "bytes"
     vocab_size = 258
     bos_id = 256
     eos_id = 257
     pad_id = None
+    _chat_format = "the bytes tokenizer's chat format"
+    _end_of_turn = eos_id
+    _ranks = {bytes([b]): b for b in range(256)}
+    _specials = {"<bos>": bos_id, "<eos>": eos_id}
+    _pattern = None
+    _pad = "<eos>"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -292,24 +284,8 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[Message]) -> Segments:
-        """The bytes have no special tokens but BOS and EOS, so a turn is the text
-        "<|role|>\n" + content followed by EOS as its end-of-turn token."""
-        _check_role_and_content_only(messages, "the bytes tokenizer's chat format")
-        segments = [([self.bos_id], False)]
-        for message in messages:
-            is_assistant = message["role"] == "assistant"
-            segments.append((self.encode(f"<|{message['role']}|>\n"), False))
-            segments.append(([*self.encode(message["content"]), self.eos_id], is_assistant))
-        return segments
-
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
-        return [*_ids(self.render_chat(messages)), *self.encode("<|assistant|>\n")]
-
-    def hf_files(self) -> dict[str, bytes]:
-        byte_ranks = {bytes([b]): b for b in range(256)}
-        specials = {"<bos>": 256, "<eos>": 257}
-        return byte_level_bpe_files(byte_ranks, specials, pattern=None, pad="<eos>")
+    def _header(self, role: str) -> list[int]:
+        return self.encode(f"<|{role}|>\n")
 
 
 # The pre-tokenizer split of Meta's Llama 3 tokenizer.py.
@@ -337,8 +313,14 @@ LLAMA3_SPECIALS = _LLAMA3_NAMED + [
 ]
 
 
-class TiktokenTokenizer:
-    """Llama 3: a tiktoken BPE ranks file ("base64-token rank" per line) plus 256 specials."""
+class TiktokenTokenizer(Tokenizer):
+    """Llama 3: a tiktoken BPE ranks file ("base64-token rank" per line) plus 256 specials.
+    Conversations render in Meta's chat format, content stripped as Meta's ChatFormat does."""
+
+    _chat_format = "Llama 3's chat format"
+    _strip = True
+    _pattern = LLAMA3_PATTERN
+    _pad = "<|finetune_right_pad_id|>"
 
     def __init__(self, path: Path):
         data = path.read_bytes()
@@ -365,57 +347,60 @@ class TiktokenTokenizer:
         self.vocab_size = n + len(specials)
         self.bos_id = specials["<|begin_of_text|>"]
         self.eos_id = specials["<|end_of_text|>"]
-        self._eot_id = specials["<|eot_id|>"]
-        self.pad_id = specials["<|finetune_right_pad_id|>"]
+        self._end_of_turn = specials["<|eot_id|>"]
+        self.pad_id = specials[self._pad]
         self._encoding = tiktoken.Encoding(
-            self.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+            self.name, pat_str=self._pattern, mergeable_ranks=ranks, special_tokens=specials
         )
 
     def encode(self, text: str) -> list[int]:
-        # Documents are plain text: an "<|eot_id|>" written in one is characters, not a control
-        # token, so data cannot inject structure the model was not meant to see.
         return self._encoding.encode_ordinary(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._encoding.decode(list(ids))
 
-    def render_chat(self, messages: list[Message]) -> Segments:
-        """Meta's Llama 3 chat format: <|begin_of_text|>, then per turn
-        <|start_header_id|>role<|end_header_id|> "\n\n" content <|eot_id|>, content stripped
-        of surrounding whitespace as Meta's ChatFormat does."""
-        _check_role_and_content_only(messages, "Llama 3's chat format")
-        segments = [([self.bos_id], False)]
-        for message in messages:
-            role, content = message["role"], message["content"].strip()
-            segments.append((self._header(role), False))
-            segments.append(([*self.encode(content), self._eot_id], role == "assistant"))
-        return segments
-
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
-        return [*_ids(self.render_chat(messages)), *self._header("assistant")]
-
     def _header(self, role: str) -> list[int]:
         start, end = self._specials["<|start_header_id|>"], self._specials["<|end_header_id|>"]
         return [start, *self.encode(role), end, *self.encode("\n\n")]
 
-    def hf_files(self) -> dict[str, bytes]:
-        pad = "<|finetune_right_pad_id|>"
-        return byte_level_bpe_files(self._ranks, self._specials, LLAMA3_PATTERN, pad)
+
+class _TemplateTokenizer(Tokenizer):
+    """Conversations render with `chat_template` (None: `_without_template`), tokenized as
+    apply_chat_template(tokenize=True) does (`_encode_rendered`: ids and each one's bytes), the
+    special tokens it writes as tokens; labels: the tokens of `ChatTemplate.assistant_spans`."""
+
+    def use_chat_template(self, path: Path | None) -> None:
+        """Renders and exports conversations with the Jinja file `path` (None: the directory's)."""
+        self.chat_template = _find_chat_template(self._path.parent, path, self._template_tokens)
+
+    def render_chat(self, messages: list[Message]) -> Segments:
+        if self.chat_template is None:
+            return self._without_template(messages)
+        text, spans = self.chat_template.assistant_spans(messages, self._specials_pattern)
+        ids, lengths = self._encode_rendered(text)
+        spans = [tuple(self._bytes_before(text, i) for i in span) for span in spans]
+        return _labelled_runs(ids, lengths, spans, self.bos_id)
+
+    def chat_prompt(self, messages: list[Message]) -> list[int]:
+        if self.chat_template is None:
+            return _ids(self._without_template(messages))
+        ids = self._encode_rendered(self.chat_template.render(messages, True))[0].tolist()
+        return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id, *ids]
+
+    def _bytes_before(self, text: str, i: int) -> int:
+        """Where character i of `text` falls in the bytes of its tokens."""
+        return len(text[:i].encode("utf-8", "surrogatepass"))
 
 
-# transformers' LlamaTokenizer (legacy=False) reads a tokenizer.model without its normalizer,
-# prefixing "▁" only to the text that starts the input, and only where that text starts with no
-# space (Metaspace, prepend_scheme "first"). Appended to the model proto, this NormalizerSpec
-# merges into the model's: no character map, no dummy prefix, spaces kept (fields 2, 3, 4).
+# transformers' LlamaTokenizer (legacy=False) reads a tokenizer.model without its normalizer:
+# "▁" only before the input's start, if it has no space (Metaspace "first"). This NormalizerSpec
+# appended to the proto does the same (fields 2-4: no char map, no dummy prefix, spaces kept).
 _SP_AS_TRANSFORMERS = b"\x1a\x06\x12\x00\x18\x00\x20\x00"
 
 
-class SentencePieceTokenizer:
-    """A sentencepiece model proto (binary): Llama 2's, Mistral's. Raises RuntimeError if it is
-    not one. Text encodes as transformers' LlamaTokenizer (legacy=False) reads the file.
-    Conversations render with the chat template beside it, the control pieces it writes
-    (BOS, EOS, Mistral's [INST]) as tokens, as apply_chat_template does; with none, in Llama
-    2's chat format."""
+class SentencePieceTokenizer(_TemplateTokenizer):
+    """A sentencepiece model proto (Llama 2's, Mistral's; RuntimeError if it is not one). The
+    special tokens a chat template writes are its control pieces (BOS, EOS, Mistral's [INST])."""
 
     def __init__(self, path: Path, chat_template: Path | None = None):
         data = path.read_bytes()
@@ -440,14 +425,9 @@ class SentencePieceTokenizer:
         tokens, _ = _hf_special_tokens(path.parent, {p: i for i, p in enumerate(pieces)})
         self._template_tokens = {"bos_token": pieces[self.bos_id]} | tokens
         self._template_tokens.setdefault("eos_token", pieces[self.eos_id])
-        self.chat_template = _find_chat_template(path.parent, chat_template, self._template_tokens)
-
-    def use_chat_template(self, path: Path) -> None:
-        """As ByteLevelBPETokenizer.use_chat_template."""
-        self.chat_template = _find_chat_template(self._path.parent, path, self._template_tokens)
+        self.use_chat_template(chat_template)
 
     def encode(self, text: str) -> list[int]:
-        # As TiktokenTokenizer.encode: a control piece's name in a document stays text.
         if text and not text.startswith((" ", "▁")):
             text = " " + text  # the "▁" transformers prefixes
         return self._encoder.encode(text)
@@ -455,25 +435,8 @@ class SentencePieceTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode(list(ids))
 
-    def render_chat(self, messages: list[Message]) -> Segments:
-        """With a chat template, its text tokenized and labelled as ByteLevelBPETokenizer's."""
-        if self.chat_template is None:
-            return self._llama2_chat(messages)
-        text, spans = self.chat_template.assistant_spans(messages, self._specials_pattern)
-        ids, lengths = self._encode_rendered(text)
-        spans = [tuple(len(text[:i].encode("utf-8", "surrogatepass")) for i in s) for s in spans]
-        return _labelled_runs(ids, lengths, spans, self.bos_id)
-
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
-        if self.chat_template is None:
-            return _ids(self._llama2_chat(messages))  # the answer follows [/INST]
-        ids = self._encode_rendered(self.chat_template.render(messages, True))[0].tolist()
-        return ids if ids[:1] == [self.bos_id] else [self.bos_id, *ids]
-
     def _encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """A template's text as apply_chat_template tokenizes it (the control pieces it spells
-        are tokens, and only the text at its very start gets the "▁" prefix), with the bytes
-        of text each token stands for."""
+        # Only the text at the template's very start gets the "▁" prefix.
         parts = self._specials_pattern.split(text) if self._specials_pattern else [text]
         ids, lengths = [], []
         for k, part in enumerate(parts):
@@ -491,12 +454,10 @@ class SentencePieceTokenizer:
                 lengths[len(lengths) - len(pieces)] -= 1
         return np.array(ids, dtype=np.int64), np.array(lengths, dtype=np.int64)
 
-    def _llama2_chat(self, messages: list[Message]) -> Segments:
-        """Meta's Llama 2 chat format: "[INST] user [/INST]" then the answer and EOS, the system
-        prompt wrapped in <<SYS>> inside the first [INST]. Meta's code starts every exchange
-        with BOS; here only the first, since a BOS starts a new document for the loader. The
-        answer is encoded on its own (sentencepiece's leading "▁" stands for the space after
-        [/INST]), so the label boundary falls between tokens."""
+    def _without_template(self, messages: list[Message]) -> Segments:
+        """Meta's Llama 2 chat format, but Meta starts every exchange with BOS and here only the
+        first does: a BOS starts a new document for the loader. The answer is encoded on its own
+        (its leading "▁" stands for the space after [/INST]), so labels start at a token."""
         _check_role_and_content_only(messages, "Llama 2's chat format")
         if "[INST]" in self._specials:
             raise UsageError(
@@ -519,11 +480,10 @@ class SentencePieceTokenizer:
 
     def hf_files(self) -> dict[str, bytes]:
         # transformers builds its LlamaTokenizer from the sentencepiece model itself.
-        bos, eos = self._sp.id_to_piece(self.bos_id), self._sp.id_to_piece(self.eos_id)
         config = {
             "tokenizer_class": "LlamaTokenizer",
-            "bos_token": bos,
-            "eos_token": eos,
+            "bos_token": self._sp.id_to_piece(self.bos_id),
+            "eos_token": self._sp.id_to_piece(self.eos_id),
             "pad_token": self._sp.id_to_piece(self.eos_id if self.pad_id is None else self.pad_id),
             "add_bos_token": True,
             "add_eos_token": False,
@@ -547,25 +507,18 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
 
 
-class ByteLevelBPETokenizer:
-    """A Hugging Face tokenizer.json holding a byte-level BPE (Llama 3's, SmolLM2's, Qwen's,
-    GPT-2's), encoded by tiktoken: the `tokenizers` package is not needed. Its special tokens
-    and chat template come from the files beside it.
-
-    tiktoken merges first the adjacent pair whose joined bytes rank lowest; HF's BPE merges first
-    the pair listed first in `merges`. So a merged token ranks by the first merge that makes it,
-    after the single bytes, whose ranks never matter (no merge makes one). Where the file's ids
-    already rise in that order (Llama 3's, GPT-2's, any file `tokenizers` trained) they are the
-    ranks; otherwise a table maps tiktoken's ranks to the file's ids. Files this cannot encode
-    as `tokenizers` does (another model type, byte fallback, a normalizer but NFC, another
-    pre-tokenizer) are refused, never approximated. NFC (Qwen's) is applied as `tokenizers`
-    applies it: to the text between the added tokens it finds first, before the split.
-    """
+class ByteLevelBPETokenizer(_TemplateTokenizer):
+    """A HF tokenizer.json of a byte-level BPE (Llama 3's, Qwen's), encoded by tiktoken without
+    `tokenizers`, its special tokens and chat template from the files beside it. tiktoken
+    merges first the adjacent pair whose joined bytes rank lowest, HF's BPE the pair listed
+    first in `merges`: so a merged token ranks by the first merge making it, after the single
+    bytes (whose ranks never matter). Where the file's ids already rise in that order (any file
+    `tokenizers` trained) they are the ranks, else a table maps ranks to ids. What this cannot
+    encode as `tokenizers` does is refused, never approximated."""
 
     def __init__(self, path: Path, chat_template: Path | None = None):
         data = path.read_bytes()
-        # The 100k and more merge lists would set off the garbage collector's passes over every
-        # object of the process, slower than the parse itself: it is off until they are freed.
+        # GC off until the 100k+ merges are freed: the passes they set off outlast the parse itself.
         with _gc_paused():
             try:
                 spec = json.loads(data)
@@ -587,9 +540,8 @@ class ByteLevelBPETokenizer:
             added[token["content"]] = token["id"]
         self.vocab_size = 1 + max([*vocab.values(), *added.values()])
         alphabet = _bytes_as_text()
-        # A vocabulary may lack bytes its training text never held (SmolLM2's lacks 21: control
-        # characters, and bytes UTF-8 never uses). `tokenizers` drops them from the text; here
-        # they get ids past the vocabulary, which encoding drops.
+        # A vocabulary may lack bytes its training text never held (SmolLM2's): `tokenizers`
+        # drops them from the text; here they get ids past the vocabulary, which encoding drops.
         single = {bytes([b]): vocab.get(c, self.vocab_size + b) for b, c in alphabet.items()}
         merged = dict(zip(_byte_level_bytes(path, made), [vocab[t] for t in made], strict=True))
         if np.all(np.diff(list(merged.values())) > 0):
@@ -611,9 +563,8 @@ class ByteLevelBPETokenizer:
         # any text as `tokenizers` does; special ones only where a chat template writes them.
         special = {t["content"] for t in spec.get("added_tokens") or [] if t.get("special")}
         self._plain_added = set(added) - special
-        # The added tokens as `tokenizers` finds them, the longest first where several start at
-        # one place: where text is cut before it is normalized, and where a turn ends.
-        self._added_pattern = _alternatives(added)
+        # The added tokens: where text is cut before it is normalized, and where a turn ends.
+        self._specials_pattern = _alternatives(added)
         self._plain_added_pattern = _alternatives(self._plain_added)
         self._special_ranks = specials
         self.name = f"tokenizer.json:{_sha256(data)}"
@@ -635,38 +586,17 @@ class ByteLevelBPETokenizer:
                     f"{self.vocab_size} ids"
                 )
         self._template_tokens = tokens
-        self.chat_template = _find_chat_template(path.parent, chat_template, tokens)
-
-    def use_chat_template(self, path: Path) -> None:
-        """Render conversations with the Jinja file `path` from now on, and export it: a
-        dataset's own, the template its conversations were rendered with."""
-        self.chat_template = _find_chat_template(self._path.parent, path, self._template_tokens)
+        self.use_chat_template(chat_template)
 
     def encode(self, text: str) -> list[int]:
-        # As TiktokenTokenizer.encode: a special token's name in a document stays text.
         return self._encode(text, allowed_special=self._plain_added).tolist()
 
     def decode(self, ids: Sequence[int]) -> str:
         return b"".join(self._bytes[i] for i in ids).decode("utf-8", errors="replace")
 
-    def render_chat(self, messages: list[Message]) -> Segments:
-        """The chat template's text of the conversation, tokenized as transformers'
-        apply_chat_template(..., tokenize=True) does (the special tokens it writes are tokens).
-        The labels: each assistant turn's tokens as the whole conversation renders it
-        (`ChatTemplate.assistant_spans`, `_labelled_runs`)."""
-        text, spans = self._template().assistant_spans(messages, self._added_pattern)
-        ids = self._encode(text, allowed_special="all")
-        spans = [tuple(self._bytes_before(text, i) for i in span) for span in spans]
-        return _labelled_runs(ids, self._lengths[ids], spans, self.bos_id)
-
-    def chat_prompt(self, messages: list[Message]) -> list[int]:
-        ids = self._encode(self._template().render(messages, True), allowed_special="all").tolist()
-        return ids if self.bos_id is None or ids[:1] == [self.bos_id] else [self.bos_id, *ids]
-
     def hf_files(self) -> dict[str, bytes]:
-        """The files read, as they are, but for tokenizer_config.json: it names BOS and EOS,
-        and the chat template the tokenizer renders with is chat_template.jinja, the only copy
-        (so a --chat-template given to `prepare` is the one the export carries)."""
+        """The files read, but tokenizer_config.json names BOS and EOS, and the template
+        rendered with is the only copy (so a --chat-template given to `prepare` is exported)."""
         files = {"tokenizer.json": self._data}
         for name in HF_TOKENIZER_FILES:
             if name not in TOKENIZER_FILES and (self._path.parent / name).is_file():
@@ -681,10 +611,8 @@ class ByteLevelBPETokenizer:
         return files
 
     def _encode(self, text: str, allowed_special: set[str] | str) -> np.ndarray:
-        """The file's ids of `text`. The added tokens in `allowed_special` ("all": every one) are
-        tokens where the text spells them; the others stay text."""
-        # As an array, not a list: the table and the drop below are then one numpy operation
-        # each, and tiktoken makes no Python int for a token.
+        """Added tokens in `allowed_special` ("all": all) are tokens, others text. As an array,
+        the table and the drop below are one numpy operation each, and no token a Python int."""
         try:
             if self._nfc:
                 # Each piece on its own: rejoined, a normalized text could spell an added token
@@ -711,35 +639,33 @@ class ByteLevelBPETokenizer:
         return ids[ids < self.vocab_size]  # bytes the vocabulary lacks
 
     def _pieces(self, text: str, allowed_special: set[str] | str) -> list[str]:
-        """`text` cut at the added tokens `_encode` finds in it: text, token, text, ..., text
-        (texts at the even places, each NFC-normalized)."""
-        pattern = self._added_pattern if allowed_special == "all" else self._plain_added_pattern
+        """Cut at `_encode`'s added tokens (text, token, ..., text), texts then NFC-normalized."""
+        pattern = self._specials_pattern if allowed_special == "all" else self._plain_added_pattern
         pieces = pattern.split(text) if pattern else [text]
         pieces[::2] = [unicodedata.normalize("NFC", piece) for piece in pieces[::2]]
         return pieces
 
+    def _encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids = self._encode(text, allowed_special="all")
+        return ids, self._lengths[ids]
+
     def _bytes_before(self, text: str, i: int) -> int:
-        """Where character i of `text` falls in the bytes of its tokens: NFC may join
-        characters (a decomposed accent), so those of the normalized text before it."""
+        # NFC may join characters (a decomposed accent): the bytes of the normalized text.
         before = "".join(self._pieces(text[:i], "all")) if self._nfc else text[:i]
         return len(before.encode("utf-8", "surrogatepass"))
 
-    def _template(self) -> "ChatTemplate":
-        if self.chat_template is None:
-            raise UsageError(
-                f"tokenizer {self._path} has no chat template (none in tokenizer_config.json, "
-                f"no chat_template.jinja) to render conversations with: give one with "
-                f"--chat-template FILE"
-            )
-        return self.chat_template
+    def _without_template(self, messages: list[Message]) -> Segments:
+        raise UsageError(
+            f"tokenizer {self._path} has no chat template (in tokenizer_config.json or "
+            f"chat_template.jinja) to render conversations with: give one with --chat-template FILE"
+        )
 
 
 def _labelled_runs(
     ids: np.ndarray, lengths: np.ndarray, spans: list[tuple[int, int]], bos_id: int | None
 ) -> Segments:
-    """A rendered conversation's ids (each standing for `lengths` bytes of its text) as runs,
-    labels where a token's bytes meet an assistant turn's span of bytes (a token straddling a
-    turn's start included, as transformers' assistant mask includes it)."""
+    """Runs of `ids`, labels where a token's `lengths` bytes meet an assistant turn's span (a
+    token straddling the turn's start too, as in transformers' assistant mask)."""
     ends = np.cumsum(lengths)
     starts = ends - lengths
     is_label = np.zeros(len(ids), dtype=bool)
@@ -777,8 +703,7 @@ def _check_byte_level_bpe(path: Path, spec: dict) -> None:
 
 
 def _merged_tokens(path: Path, merges: list, vocab: dict[str, int]) -> list[str]:
-    """The tokens `merges` ([left, right], or the older "left right") make, each once, in the
-    order of the first merge making it."""
+    """The tokens `merges` ([left, right], or "left right") make, once each, by first merge."""
     pairs = [m.split(" ") for m in merges] if merges and isinstance(merges[0], str) else merges
     if set(map(len, pairs)) - {2}:
         pair = next(p for p in pairs if len(p) != 2)
@@ -794,8 +719,7 @@ def _merged_tokens(path: Path, merges: list, vocab: dict[str, int]) -> list[str]
 
 
 def _alternatives(tokens: Iterable[str]) -> re.Pattern | None:
-    """A regex matching any of `tokens`, the longest where several match at one place (as
-    `tokenizers` finds added tokens), as a group, so that re.split keeps them."""
+    """Any of `tokens`, longest first (as `tokenizers` finds them), grouped: re.split keeps them."""
     tokens = sorted(tokens, key=len, reverse=True)
     return re.compile("(" + "|".join(map(re.escape, tokens)) + ")") if tokens else None
 
@@ -812,9 +736,8 @@ def _gc_paused() -> Iterator[None]:
 
 
 def _split_pattern(path: Path, pre_tokenizer: dict | None) -> str:
-    """The regex whose matches (tiktoken splits text by one) are the pieces a tokenizer.json's
-    pre-tokenizer makes: the shapes the error below lists, or ByteLevel alone (no split, as
-    a byte tokenizer's export)."""
+    """tiktoken's split regex for a tokenizer.json's pre-tokenizer: the shapes the error below
+    lists, or ByteLevel alone (no split, as a byte tokenizer's export)."""
 
     def steps(step: dict) -> list[dict]:
         if step.get("type") == "Sequence":
@@ -850,11 +773,10 @@ def _split_pattern(path: Path, pre_tokenizer: dict | None) -> str:
 def _hf_special_tokens(
     directory: Path, ids: dict[str, int]
 ) -> tuple[dict[str, str], tuple[int | None, int | None, int | None]]:
-    """The special tokens of a HF tokenizer directory: their strings, for chat templates
-    ({"bos_token": "<|im_start|>", ...}), and the ids of BOS, EOS and the padding token.
-    tokenizer_config.json names them; where it does not, config.json or generation_config.json
-    give their ids (the first, where a list gives several EOS). One it names as null is none,
-    as transformers reads it (Qwen's BOS: its config.json's bos_token_id is for pretraining)."""
+    """A HF tokenizer directory's special tokens: their strings, for chat templates, and the ids
+    of BOS, EOS and pad, as tokenizer_config.json names them, else config.json's or
+    generation_config.json's (the first of a list of EOS). One named null is none, as
+    transformers reads it (Qwen's BOS: its config.json's bos_token_id is for pretraining)."""
     read = lambda name: read_json(directory / name) if (directory / name).is_file() else {}
     tokenizer_config = read("tokenizer_config.json")
     configs = [read("config.json"), read("generation_config.json")]
@@ -884,8 +806,7 @@ def _hf_special_tokens(
 def _find_chat_template(
     directory: Path, given: Path | None, tokens: dict[str, str]
 ) -> "ChatTemplate | None":
-    """`given` (a Jinja file), else the directory's chat_template.jinja, else the
-    "chat_template" of its tokenizer_config.json (the one named "default" of a list)."""
+    """`given`, else chat_template.jinja, else tokenizer_config.json's ("default" of a list)."""
     if given is not None and not given.is_file():
         raise UsageError(f"chat template file {given} not found")
     path = given or directory / "chat_template.jinja"
@@ -910,10 +831,8 @@ def _find_chat_template(
 
 
 class ChatTemplate:
-    """A Hugging Face chat template, rendered as transformers' apply_chat_template renders it
-    (the same Jinja settings, filters and globals). A template is code from a downloaded file,
-    so it runs in jinja2's immutable sandbox: it reaches no Python but what is passed in, and
-    changes none of that."""
+    """A HF chat template, rendered as apply_chat_template renders it. It is a downloaded file's
+    code, run in jinja2's immutable sandbox: it reaches only what is passed in, and changes none."""
 
     def __init__(self, source: str, special_tokens: dict[str, str], name: str):
         environment = ImmutableSandboxedEnvironment(
@@ -949,26 +868,21 @@ class ChatTemplate:
                 f"chat template {self.name}: still rendering a conversation of "
                 f"{len(messages)} messages after {self.RENDER_SECONDS:g} s"
             ) from None
-        except jinja2.TemplateError as e:
-            raise UsageError(f"chat template {self.name}: {e}") from e
         except Exception as e:  # noqa: BLE001 - any error of the template's code is its own
-            raise UsageError(f"chat template {self.name}: {type(e).__name__}: {e}") from e
+            kind = "" if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: "
+            raise UsageError(f"chat template {self.name}: {kind}{e}") from e
 
     def assistant_spans(
         self, messages: list[Message], added_tokens: re.Pattern | None
     ) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation's text, rendered once, and each assistant turn's span in it
-        (character offsets): what the loss is taken on.
-
-        A turn starts where the text of the turns before it with the generation prompt ends,
-        the prompt the model is given when it writes the turn: that text must begin the whole
-        conversation's. It ends with its end-of-turn token: the last of `added_tokens` in the
-        turn as it renders when it is the last one (ChatML's "\\n" after <|im_end|> is no
-        part of it), or, if it holds none, with the end of that text. A template may render the
-        turn otherwise once later turns follow (Qwen3's drops the reasoning of every answer
-        before the last user turn): the turn is then the whole text's from its start through as
-        many end-of-turn tokens, which must be how the last-turn rendering ends, so that only
-        what the template drops from the turn's start is missing. Anything else is refused."""
+        """The conversation's text, rendered once, and each assistant turn's span in it (character
+        offsets), which the loss is taken on. A turn starts where the turns before it with the
+        generation prompt end; that text must begin the whole conversation's. It ends with the last
+        of `added_tokens` in it when rendered last (ChatML's "\\n" after <|im_end|> is not in it),
+        else with that text's end. A template may render a turn otherwise once later turns follow
+        (Qwen3's drops earlier answers' reasoning): the turn then runs from its start through as
+        many end-of-turn tokens of the whole text, and must end as its last-turn rendering does
+        (only its start may be dropped). Anything else is refused."""
         text = self.render(messages, add_generation_prompt=False)
         spans = []
         for i, message in enumerate(messages):
@@ -1012,9 +926,8 @@ class _TimeUp(BaseException):  # not an Exception: the template's own handling m
 
 @contextmanager
 def _time_limit(seconds: float) -> Iterator[None]:
-    """Raises _TimeUp in the block once `seconds` have passed, by SIGALRM. The block runs
-    unbounded in a thread other than the main one (only it receives signals) and while a
-    timer of someone else's is running (there is one per process)."""
+    """Raises _TimeUp in the block after `seconds`, by SIGALRM; unbounded outside the main
+    thread (only it receives signals) or while someone else's timer (one per process) runs."""
     if threading.current_thread() is not threading.main_thread() or any(
         signal.getitimer(signal.ITIMER_REAL)
     ):
@@ -1037,9 +950,7 @@ def _time_limit(seconds: float) -> Iterator[None]:
 
 
 class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}`, which some templates put around what the
-    assistant writes: rendered as its body (the assistant spans are found without it, in
-    every template alike)."""
+    """`{% generation %}` renders as its body: assistant spans are found alike in every template."""
 
     tags = {"generation"}
 
@@ -1064,9 +975,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.mode
 
 
 def tokenizer_file(directory: str | Path) -> Path | None:
-    """The tokenizer file of a HF checkpoint directory (or of its tokenizer files), if any:
-    tokenizer.model before a tokenizer.json converted from it (a BPE with byte fallback,
-    Llama 2's and Mistral's), which longtune does not read."""
+    """The tokenizer file of a HF checkpoint directory, if any: tokenizer.model before a
+    tokenizer.json converted from it (a BPE with byte fallback), which longtune does not read."""
     found = [Path(directory) / n for n in TOKENIZER_FILES if (Path(directory) / n).is_file()]
     if [f.name for f in found[:2]] == ["tokenizer.json", "tokenizer.model"] and re.search(
         rb'"byte_fallback":\s*true', found[0].read_bytes()
@@ -1076,11 +986,8 @@ def tokenizer_file(directory: str | Path) -> Path | None:
 
 
 def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = None) -> Tokenizer:
-    """None gives the byte tokenizer; a directory (a HF checkpoint, or its tokenizer files) its
-    first of TOKENIZER_FILES. A file: a HF tokenizer.json (byte-level BPE), a Llama 3 tiktoken
-    ranks file, or a sentencepiece model (Llama 2's, Mistral's). `chat_template`: a Jinja file
-    that renders conversations instead of the directory's template (tokenizer.json and
-    sentencepiece only: the others have their built-in chat formats)."""
+    """None: the byte tokenizer; a directory: its tokenizer_file; a file: a tokenizer.json, a
+    Llama 3 tiktoken ranks file, or a sentencepiece model; `chat_template` replaces its template."""
     if path is not None:
         path = Path(path)
         if path.is_dir():
@@ -1116,9 +1023,8 @@ def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = N
     if path is None or ranks:
         if chat_template is not None:
             raise UsageError(
-                f"a chat template renders conversations with a tokenizer.json or a "
-                f"sentencepiece model; the tokenizer {path or 'bytes'} has its built-in chat "
-                f"format"
+                f"the tokenizer {path or 'bytes'} has its built-in chat format: a chat template "
+                f"renders conversations with a tokenizer.json or a sentencepiece model"
             )
         return TiktokenTokenizer(path) if path else ByteTokenizer()
     try:
@@ -1131,19 +1037,17 @@ def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = N
 
 
 def _bytes_as_text() -> dict[int, str]:
-    """GPT-2's byte-level alphabet, the one HF byte-level BPE files (Llama 3's) are written
-    in: each byte one printable character, the printable ASCII and Latin-1 ones as themselves."""
+    """GPT-2's byte-level alphabet: each byte a printable character, the printable ones as is."""
     printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     others = (b for b in range(256) if b not in printable)
     return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
 
 
 def _byte_level_bytes(path: Path, tokens: Iterable[str]) -> list[bytes]:
-    """The bytes of byte-level BPE tokens (`_bytes_as_text` undone); a UsageError names a token
-    written outside that alphabet."""
+    """`_bytes_as_text` undone; a UsageError names a token written outside that alphabet."""
     alphabet = _bytes_as_text()
-    # str.translate then latin-1, both in C: each character of the alphabet becomes the one
-    # numbered as its byte, any other below 256 becomes U+FFFD, and latin-1 refuses all above.
+    # Both in C: each character of the alphabet becomes the one numbered as its byte, any other
+    # below 256 becomes U+FFFD, and latin-1 refuses all above.
     table = {b: "\ufffd" for b in range(256)} | {ord(c): b for b, c in alphabet.items()}
     tokens = list(tokens)
     try:
@@ -1159,10 +1063,9 @@ def _byte_level_bytes(path: Path, tokens: Iterable[str]) -> list[bytes]:
 def byte_level_bpe_files(
     ranks: dict[bytes, int], specials: dict[str, int], pattern: str | None, pad: str
 ) -> dict[str, bytes]:
-    """tokenizer.json and tokenizer_config.json of a byte-level BPE with tiktoken's `ranks`, the
-    text split by `pattern` (None: not split). ByteLevelBPETokenizer's reading undone: every
-    split of a token into two tokens is a merge, listed by the rank of the token they make.
-    The first special is BOS, the second EOS; `pad` is the special that pads batches."""
+    """The HF files of a byte-level BPE of tiktoken `ranks`, its first special BOS, its second
+    EOS: ByteLevelBPETokenizer's reading undone (every split of a token into two tokens is a
+    merge, listed by the rank of the token made)."""
     alphabet = _bytes_as_text()
     text = lambda token: "".join(alphabet[b] for b in token)
     splits = sorted(
@@ -1173,41 +1076,25 @@ def byte_level_bpe_files(
     )
     bos, eos = list(specials)[:2]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
+    byte_level["use_regex"] = False
     split = {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated"}
     split["invert"] = False
     pre_tokenizers = [split] if pattern else []
-    bos_first = [
-        {"SpecialToken": {"id": bos, "type_id": 0}},
-        {"Sequence": {"id": "A", "type_id": 0}},
-    ]
+    piece = lambda kind, id, type_id: {kind: {"id": id, "type_id": type_id}}
+    bos_first = [piece("SpecialToken", bos, 0), piece("Sequence", "A", 0)]
+    flags = dict.fromkeys(["single_word", "lstrip", "rstrip", "normalized"], False)
     tokenizer = {
         "added_tokens": [
-            {
-                "id": i,
-                "content": token,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": True,
-            }
-            for token, i in specials.items()
+            {"id": i, "content": token, **flags, "special": True} for token, i in specials.items()
         ],
-        "pre_tokenizer": {
-            "type": "Sequence",
-            "pretokenizers": [*pre_tokenizers, {**byte_level, "use_regex": False}],
-        },
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [*pre_tokenizers, byte_level]},
         "post_processor": {
             "type": "TemplateProcessing",
             "single": bos_first,
-            "pair": [
-                *bos_first,
-                {"SpecialToken": {"id": bos, "type_id": 1}},
-                {"Sequence": {"id": "B", "type_id": 1}},
-            ],
+            "pair": [*bos_first, piece("SpecialToken", bos, 1), piece("Sequence", "B", 1)],
             "special_tokens": {bos: {"id": bos, "ids": [specials[bos]], "tokens": [bos]}},
         },
-        "decoder": {**byte_level, "use_regex": False},
+        "decoder": byte_level,
         "model": {
             "type": "BPE",
             "ignore_merges": True,  # a piece that is a token is that token, as in tiktoken
@@ -1230,8 +1117,7 @@ def _ids(segments: Segments) -> list[int]:
 
 
 def _set_chat_template(files: dict[str, bytes], template: bytes) -> None:
-    """Makes `template` the only chat template of these HF tokenizer files: chat_template.jinja,
-    and none in tokenizer_config.json (a second copy, which could differ)."""
+    """Makes chat_template.jinja the only template: one in tokenizer_config.json could differ."""
     config = json.loads(files.get("tokenizer_config.json", b"{}"))
     config.pop("chat_template", None)
     files["tokenizer_config.json"] = _json_bytes(config)
@@ -1260,21 +1146,17 @@ SPECIAL_TOKEN_KEYS = ["bos_token_id", "eos_token_id", "pad_token_id"]
 
 @dataclass(frozen=True)
 class HFTokenizer:
-    """What an export carries besides the weights: the tokenizer's files (name -> contents)
-    and its special token ids by config key (SPECIAL_TOKEN_KEYS)."""
+    """An export's tokenizer files (name -> contents) and special ids by SPECIAL_TOKEN_KEYS."""
 
     files: dict[str, bytes]
     special_ids: dict[str, int | list[int] | None]
 
     def has_tokenizer(self) -> bool:
-        """Whether the files make a tokenizer (a checkpoint may have only its generation
-        defaults)."""
+        # A checkpoint may have only generation_config.json.
         return bool(set(self.files) - {"generation_config.json"})
 
 
 def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
-    """The tokenizer files a HF checkpoint directory holds, with the special token ids of
-    its config.json."""
     path = Path(path)
     files = {n: (path / n).read_bytes() for n in HF_TOKENIZER_FILES if (path / n).is_file()}
     config = read_json(path / "config.json")
@@ -1285,8 +1167,7 @@ def read_hf_tokenizer(path: str | os.PathLike) -> HFTokenizer:
 # Preparation: text and JSONL files -> tokens.bin, loss_mask.bin, meta.json
 
 
-# (prompt, text) of a text document or a prompt/response pair, or a conversation's messages
-Example = tuple[str, str] | list[Message]
+Example = tuple[str, str] | list[Message]  # (prompt, text), prompt "" for a text; or messages
 Document = tuple[Example, int, str]  # with the bytes of input it came from, and where
 Encoded = tuple[np.ndarray, np.ndarray]  # (tokens uint32, loss mask uint8)
 ROLES = ("system", "user", "assistant")
@@ -1300,17 +1181,12 @@ def prepare(
     seq_len: int | None = None,
     chat_template: str | Path | None = None,
 ) -> Path:
-    """Tokenize `inputs` into the dataset directory `output_dir`, replacing any that is there.
-
-    Each input is a text file (one document), a .jsonl file (one document per line: {"text": ...},
-    {"prompt": ..., "response": ...} whose prompt gets no loss, or {"messages": [...]}, a
-    conversation with loss on its assistant turns), or a directory standing for all its files,
-    sorted. With `seq_len`, conversations longer than seq_len tokens are split
-    (`_split_conversation`); meta.json counts the splits and the documents still longer.
-    `chat_template`: a Jinja file that renders the conversations instead of the tokenizer
-    directory's template. Output is the same for any number of workers (None: one per CPU).
-    The directory appears complete or not at all.
-    """
+    """Tokenize `inputs` into the dataset directory `output_dir`, replacing any there. Each
+    input is a text file (one document), a .jsonl file (one document per line: {"text": ...},
+    {"prompt": ..., "response": ...} whose prompt gets no loss, or {"messages": [...]} with loss
+    on the assistant turns), or a directory standing for its files. With `seq_len`, longer
+    conversations are split (`_split_conversation`); meta.json counts the splits and the
+    documents still longer. Output is the same for any number of workers (None: one per CPU)."""
     files = _input_files(inputs)
     output = Path(output_dir).resolve()
     if inside := [str(f) for f in files if output in f.resolve().parents]:
@@ -1353,9 +1229,8 @@ def prepare(
         )
 
 
-# A dataset directory is replaced only by another (OutputDir): new, empty, or these files.
-# The chat template its conversations were rendered with travels in it: training renders its
-# sample prompt with that template, and an export carries it.
+# The chat template a dataset's conversations were rendered with travels in it: training
+# renders its sample prompt with that template, and an export carries it.
 DATASET_CHAT_TEMPLATE = "chat_template.jinja"
 DATASET = OutputDir(
     "dataset", "meta.json", ("meta.json", "tokens.bin", "loss_mask.bin", DATASET_CHAT_TEMPLATE)
@@ -1363,9 +1238,7 @@ DATASET = OutputDir(
 
 
 class DatasetWriter:
-    """Writes a dataset directory beside `output_dir`, and on `finish` renames it into place,
-    replacing an earlier dataset there: it appears complete or not at all. A context manager;
-    leaving it without `finish` removes what was written."""
+    """Written beside `output_dir`, put in place by `finish`; leaving the block first removes it."""
 
     def __init__(self, output_dir: str | Path):
         self.output_dir = Path(output_dir)
@@ -1390,8 +1263,7 @@ class DatasetWriter:
     def finish(
         self, tokenizer: Tokenizer, sft: bool, files: dict[str, bytes] | None = None, **summary
     ) -> Path:
-        """Write meta.json (`summary`: what the writer's caller reports of the documents, such as
-        prepare's counts) and `files` (name: contents), and move the dataset into place."""
+        """`summary`: the caller's counts for meta.json; `files`: name -> contents."""
         self._close()
         for name, contents in (files or {}).items():
             (self._tmp / name).write_bytes(contents)
@@ -1423,10 +1295,9 @@ class DatasetWriter:
 
 
 def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
-    """The files `inputs` name, a directory standing for all its files (sorted, hidden ones
-    left out; in a directory every file is a text, as a code tree's .json files are). Refused:
-    a .json file named alone (JSON lines read as one text would train on their syntax) and a
-    prepared dataset (its binary files read as text would too)."""
+    """A directory stands for its files, sorted, hidden ones left out, every one a text (as a
+    code tree's .json files are). Refused: a .json file named alone (JSON lines read as one
+    text would train on their syntax) and a prepared dataset (its binary files would too)."""
     inputs, files = [Path(i) for i in inputs], []
     for item in inputs:
         if (item / DATASET.marker).is_file() and (item / "tokens.bin").is_file():
@@ -1441,7 +1312,7 @@ def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
                 if p.is_file()
                 and not any(part.startswith(".") for part in p.relative_to(item).parts)
             )
-        elif item.suffix.lower() == ".json":  # JSON lines read as one text: trained on syntax
+        elif item.suffix.lower() == ".json":
             raise UsageError(
                 f"input {item}: a .json file is not read; prepare reads .jsonl files (one JSON "
                 f"object a line: text, prompt/response or messages) and text files; rename it "
@@ -1503,8 +1374,8 @@ def _parse_jsonl_line(line: bytes, where: str) -> Example:
 
 
 def _without_lone_surrogates(value):
-    """`value` with each lone UTF-16 surrogate (JSON can escape one, no UTF-8 text holds one,
-    and no tokenizer encodes one) in its strings made U+FFFD, as tiktoken's encode does."""
+    """Each lone UTF-16 surrogate in `value`'s strings made U+FFFD, as tiktoken's encode does:
+    JSON can escape one, but no UTF-8 text holds one, and no tokenizer encodes one."""
     if isinstance(value, str):
         return value.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     if isinstance(value, list):
@@ -1515,9 +1386,7 @@ def _without_lone_surrogates(value):
 
 
 def _check_messages(messages: object, where: str) -> list[Message]:
-    """The conversations every chat format renders: an optional system message first, then user
-    and assistant turns alternating from a user turn, with at least one assistant turn. Each
-    message is kept whole, its other fields for a chat template (Message)."""
+    """Each message kept whole: its fields beyond role and content are for a chat template."""
     if not isinstance(messages, list) or not messages:
         raise UsageError(
             f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
@@ -1548,8 +1417,7 @@ def _check_messages(messages: object, where: str) -> list[Message]:
 def _encode_document(
     tokenizer: Tokenizer, document: Document, seq_len: int | None
 ) -> tuple[list[Encoded], int]:
-    """The documents of one example (one, or several for a conversation split at seq_len), with
-    its bytes of input."""
+    """Several documents for a conversation split at seq_len."""
     example, n_bytes, where = document
     if isinstance(example, list):
         try:
@@ -1561,8 +1429,7 @@ def _encode_document(
     prompt, text = example
     # A prompt is no label: it is the question, not what the model should learn to write.
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    prompt_ids = tokenizer.encode(prompt) if prompt else []
-    segments = [([*bos, *prompt_ids], False)]
+    segments = [([*bos, *tokenizer.encode(prompt)], False)]
     segments.append(([*tokenizer.encode(text), tokenizer.eos_id], True))
     return [_encode_segments(segments, tokenizer.bos_id)], n_bytes
 
@@ -1571,9 +1438,8 @@ def _encode_segments(segments: Segments, bos_id: int | None) -> Encoded:
     tokens = np.fromiter(chain.from_iterable(ids for ids, _ in segments), dtype=np.uint32)
     is_label = np.array([LABEL * is_label for _, is_label in segments], dtype=np.uint8)
     mask = np.repeat(is_label, [len(ids) for ids, _ in segments])
-    # A document's first token (BOS, where there is one) is never a label: predicting one
-    # document's start from an unrelated one's end teaches nothing. Without a BOS to mark
-    # where the document starts, a bit marks it.
+    # A document's first token is never a label: predicting one document's start from an
+    # unrelated one's end teaches nothing. Without a BOS to mark where it starts, a bit does.
     if bos_id is None:
         mask[0] = STARTS_DOCUMENT
     else:
@@ -1584,11 +1450,9 @@ def _encode_segments(segments: Segments, bos_id: int | None) -> Encoded:
 def _split_conversation(
     tokenizer: Tokenizer, messages: list[Message], seq_len: int | None
 ) -> list[list[Message]]:
-    """The conversation, or if it renders to more than seq_len tokens, cut between its exchanges
-    (a user turn and its answer) into pieces of at most seq_len tokens, filled greedily, each
-    led by the system prompt so every piece is a conversation the model could have seen. An
-    exchange longer than seq_len stays whole (the loader cuts it); a piece of only a trailing
-    user turn, with no answer to learn from, is dropped."""
+    """A conversation longer than seq_len tokens cut between exchanges (a user turn and its
+    answer) into pieces of at most seq_len, each led by the system prompt: one the model could
+    have seen. A longer exchange stays whole (the loader cuts it); a lone user turn is dropped."""
 
     def length(piece: list[Message]) -> int:
         return sum(len(ids) for ids, _ in tokenizer.render_chat(piece))
@@ -1630,9 +1494,8 @@ def _encode_all(
     seq_len: int | None,
     workers: int,
 ) -> Iterator[tuple[list[Encoded], int]]:
-    """Each example's documents, with its bytes of input, in input order. Chunks of about 1 MB
-    go to the pool with at most two per worker in flight: Pool.imap would read the whole corpus
-    into its queue up front. `loading`: load_tokenizer's arguments, for each worker."""
+    """In input order. At most two chunks per worker are in flight: Pool.imap would read the
+    whole corpus into its queue up front. `loading`: load_tokenizer's arguments."""
     if workers == 1:
         yield from (_encode_document(tokenizer, doc, seq_len) for doc in documents)
         return
@@ -1660,8 +1523,7 @@ def _chunks(documents: Iterator[Document], max_bytes: int) -> Iterator[list]:
 
 @dataclass
 class _Progress:
-    """One line on stderr, redrawn at most 4 times a second: a bar over the input bytes,
-    documents, tokens, tokens/s."""
+    """One line on stderr, redrawn at most 4 times a second."""
 
     total_bytes: int
     done_bytes: int = 0
@@ -1702,8 +1564,7 @@ class _Progress:
 # Loading
 
 
-# What meta.json holds besides format_version, as `prepare` writes it.
-META_FIELDS = {
+META_FIELDS = {  # what meta.json holds besides format_version
     "tokenizer": str,
     "vocab_size": int,
     "bos_id": int | None,  # None: the tokenizer has no BOS
@@ -1714,7 +1575,7 @@ META_FIELDS = {
 
 
 class TokenDataset:
-    """A prepared dataset directory, memory-mapped, its files checked against meta.json."""
+    """A prepared dataset directory, memory-mapped, checked against its meta.json."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -1752,13 +1613,12 @@ class TokenDataset:
 
     @property
     def chat_template(self) -> Path | None:
-        """The template the dataset's conversations were rendered with, if prepare wrote one."""
         path = self.path / DATASET_CHAT_TEMPLATE
         return path if path.is_file() else None
 
     @property
     def is_sft(self) -> bool:
-        """meta.json's "sft"; datasets from before the field were prepared from text."""
+        # Datasets from before the field were prepared from text.
         return bool(self.meta.get("sft", False))
 
     def _map(self, name: str, dtype: type) -> np.ndarray:
@@ -1781,14 +1641,12 @@ class TokenDataset:
         return max(int(self.tokens[i : i + chunk].max()) for i in range(0, self.n_tokens, chunk))
 
     def has_labels(self) -> bool:
-        """Whether any token past the first may be a label (the first never is one)."""
         chunk = 1 << 28  # 256 MB at a time; a normal dataset answers in its first chunk
         masks = (self.loss_mask[i : i + chunk] for i in range(1, self.n_tokens, chunk))
         return any((mask & LABEL).any() for mask in masks)
 
     def check(self, vocab_size: int, seq_len: int, max_seq_len: int, use: str = "train") -> None:
-        """Raise one ValueError naming every reason this dataset cannot `use` ("train",
-        "evaluate") this model."""
+        """One error naming each reason this dataset cannot `use` ("train", "evaluate")."""
         problems = []
         if not 1 <= seq_len <= max_seq_len:
             problems.append(
@@ -1815,29 +1673,23 @@ class TokenDataset:
 
 
 def document_starts(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
-    """[B, S] -> per row, the offsets its documents start at: 0 (a row may begin inside a
-    document), then each later 0 among the positions. Read it off the host copy of a batch
-    (Batch has it): on a GPU tensor it waits for the GPU."""
+    """[B, S] -> per row, 0 (a row may begin inside a document) and each later 0's offset. On
+    the host: the model picks its attention kernels by it, which on a GPU tensor would wait."""
     positions = positions.cpu()
     return tuple((0, *(1 + torch.nonzero(row[1:] == 0).flatten()).tolist()) for row in positions)
 
 
 @dataclass
 class Batch:
-    """One rank's micro-batch; each field is int64 [micro_batch, seq_len].
-
-    labels are the next tokens, IGNORE_INDEX where no loss is taken (SFT prompts, and the first
-    token of a document, BOS or not, that follows an EOS). positions count from 0 at each
-    document's first token and at each sample's first token, so they stay below seq_len; a 0
-    marks where attention may start a new document.
-    """
+    """One rank's micro-batch, each tensor int64 [micro_batch, seq_len]. labels are the next
+    tokens, IGNORE_INDEX where no loss is taken (SFT prompts, each document's first token).
+    positions count from 0 at each document's and each sample's first token, so they stay
+    below seq_len; a 0 marks where attention may start a new document."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor
-    # Per row of the whole rows (context parallelism gives a rank a slice of each), the offsets
-    # its documents start at (document_starts), read while the batch is on the host: the
-    # model picks its attention kernels by them without waiting for the GPU.
+    # Of the whole rows, so that the ranks sharing one (context parallelism) pick alike kernels.
     document_starts: tuple[tuple[int, ...], ...]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
@@ -1847,19 +1699,14 @@ class Batch:
 
 
 class PackedLoader:
-    """An endless iterator of Batch for one rank.
-
-    Sample i is tokens[i*seq_len : i*seq_len + seq_len + 1], so the stream is read exactly once
-    per epoch. The global order is the concatenation of one seeded permutation of the samples per
-    epoch. Each step takes the next world_size * micro_batch samples of it, rank r the r-th
-    micro_batch of them; the cursor (a position in that order, shared by all ranks) then moves
-    on. Only the product world_size * micro_batch is tied to the cursor, so state_dict() resumes
-    on any number of ranks.
-
-    With context parallelism, rank and world_size count the data-parallel groups, and each
-    of the `context_parallel` ranks of a group gets its slice of the same rows: columns
-    [context_rank * S/N, (context_rank + 1) * S/N), positions counted on the whole row.
-    """
+    """An endless iterator of Batch for one rank. Sample i is tokens[i*S : i*S + S + 1] (S:
+    seq_len), so the stream is read once per epoch, in one seeded permutation per epoch. Each
+    step takes the next world_size * micro_batch samples of that order, rank r the r-th
+    micro_batch of them, and moves the cursor (shared by all ranks) past them: only that
+    product is tied to the cursor, so state_dict() resumes on any number of ranks. With context
+    parallelism, rank and world_size count the data-parallel groups, and each of a group's
+    `context_parallel` (N) ranks gets columns [context_rank * S/N, (context_rank + 1) * S/N) of
+    the same rows, positions counted on the whole row."""
 
     def __init__(
         self,
@@ -1922,11 +1769,9 @@ class PackedLoader:
         return self._batch(indices)
 
     def in_order(self, max_samples: int | None = None) -> Iterator[Batch]:
-        """The first `max_samples` samples (all by default) once, in their stored order, for
-        evaluation: this rank's group takes its contiguous share, in micro-batches (the last
-        may be smaller). Every group gets as many samples, so every rank runs as many
-        forwards (FSDP's collectives pair them): the remainder past a multiple of
-        world_size is left out. The training order's cursor is not touched."""
+        """The first `max_samples` samples once, in stored order, this rank's group taking its
+        contiguous share (the last micro-batch may be smaller). Every group gets as many (the
+        rest is left out), so every rank runs as many forwards (FSDP's collectives pair them)."""
         n = self.num_samples if max_samples is None else min(max_samples, self.num_samples)
         share = n // self.world_size
         first = self.rank * share
@@ -1936,7 +1781,6 @@ class PackedLoader:
     def _batch(self, indices: Iterable[int]) -> Batch:
         samples = [self._sample(i) for i in indices]
         rows = [np.stack(field) for field in zip(*samples, strict=True)]
-        # Of the whole rows: the ranks sharing a row (context parallelism) pick the same kernels.
         starts = document_starts(torch.from_numpy(rows[2]))
         tensors = [torch.from_numpy(np.ascontiguousarray(x[:, self.columns])) for x in rows]
         if self.pin_memory:
@@ -1944,8 +1788,7 @@ class PackedLoader:
         return Batch(*tensors, starts)
 
     def _sample_index(self, offset: int) -> int:
-        """The sample at `offset` past the start of the current epoch's order; a step may run
-        into the next epoch."""
+        # `offset` counts from the current epoch's start; a step may run into the next epoch.
         epoch = self.epoch + offset // self.num_samples
         if epoch not in self._orders:
             self._orders = {e: o for e, o in self._orders.items() if e >= self.epoch}
@@ -1957,16 +1800,13 @@ class PackedLoader:
         start = i * self.seq_len
         window = self.dataset.tokens[start : start + self.seq_len + 1].astype(np.int64)
         mask = self.dataset.loss_mask[start : start + self.seq_len + 1]
-        label_ok = (mask[1:] & LABEL) != 0
         tokens = window[:-1]
-        labels = np.where(label_ok, window[1:], IGNORE_INDEX)
+        labels = np.where((mask[1:] & LABEL) != 0, window[1:], IGNORE_INDEX)
         return tokens, labels, window_positions(tokens, mask[:-1], self.dataset.bos_id)
 
 
 def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -> np.ndarray:
-    """Each token's position in its document within a sample's window (its loss-mask bits
-    `mask`). The window's first token starts a span too: attention cannot see what came
-    before it, so a document cut by the window's start restarts at position 0."""
+    """Batch.positions of a window; a document it cuts restarts at 0 (nothing before is visible)."""
     index = np.arange(len(tokens))
     is_start = (mask & STARTS_DOCUMENT) != 0
     if bos_id is not None:
@@ -1976,16 +1816,15 @@ def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -
 
 
 def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -> float:
-    """The (query, key) pairs a token attends on average when documents are masked apart
-    (model.attended_pairs: its position + 1/2), over `samples` windows spread through the
-    data: the attention a step of packed rows computes, for the planner's step time."""
+    """The mean (query, key) pairs a token attends with documents masked apart (position + 1/2,
+    as model.attended_pairs) over `samples` windows: for the planner's packed step time."""
     n = max((dataset.n_tokens - 1) // seq_len, 1)  # one window, short, in too small a dataset
     means = []
     for i in np.linspace(0, n - 1, min(samples, n)).astype(np.int64):
         start = int(i) * seq_len
         tokens = dataset.tokens[start : start + seq_len]
-        positions = window_positions(tokens, dataset.loss_mask[start : start + seq_len],
-                                     dataset.bos_id)  # fmt: skip
+        mask = dataset.loss_mask[start : start + seq_len]
+        positions = window_positions(tokens, mask, dataset.bos_id)
         means.append(positions.mean())
     return float(np.mean(means)) + 0.5
 
@@ -1995,18 +1834,13 @@ def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -
 
 
 def default_corpus(cache_dir: str | Path, max_bytes: int = 32 << 20) -> Path:
-    """The Python standard library's own source, byte-tokenized: a corpus on every machine.
-
-    Prepared once into cache_dir/stdlib-py<version>-<fingerprint> and reused afterwards; the
-    fingerprint covers the chosen files and their sizes, so each Python gets its own directory.
-    Not safe to call from several processes at once: call it on one rank, then barrier.
-    """
+    """The Python standard library's own source, byte-tokenized, prepared once per Python: a corpus
+    on every machine. Not safe from several processes at once: one rank, then barrier."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files, listing, total = [], [], 0
     for path in sorted(stdlib.rglob("*.py")):
         parts = path.relative_to(stdlib).parts
-        # Installed packages differ between machines; test suites hold deliberately odd files
-        # (other encodings, generated data) that make a poor training corpus.
+        # Installed packages differ between machines; test suites hold odd files, a poor corpus.
         if parts[0] in ("site-packages", "dist-packages") or not path.is_file():
             continue
         if any(part in ("test", "tests", "idle_test") for part in parts[:-1]):
@@ -2030,17 +1864,14 @@ def default_corpus(cache_dir: str | Path, max_bytes: int = 32 << 20) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# A training run's data (train.setup): its datasets and tokenizers, checked against the model
-# (its vocab_size and max_seq_len) and the run's --seq-len.
+# A training run's data (train.setup)
 
-# Where the default corpus is prepared, once: beside this file.
-CACHE = Path(__file__).resolve().parent / ".cache"
+CACHE = Path(__file__).resolve().parent / ".cache"  # where the default corpus is prepared
 
 
 @dataclass(frozen=True)
 class RunData:
-    """What a run reads: `dataset`; `text_tokenizer`, which decodes the end-of-run sample;
-    `export_tokenizer`, the files an export carries."""
+    """`text_tokenizer` decodes the end-of-run sample; `export_tokenizer` is what exports carry."""
 
     dataset: TokenDataset
     text_tokenizer: Tokenizer | None
@@ -2056,12 +1887,9 @@ def open_data(
     seq_len: int,
     is_main: bool,
 ) -> RunData:
-    """The dataset (--data, or the default corpus, prepared once by one process), checked
-    against the model (its vocab_size and max_seq_len) and the tokenizer:
-    --tokenizer's, else the --hf-checkpoint directory's, must be the one the data was
-    prepared with. The sample's tokenizer is that one (the byte tokenizer for byte-tokenized
-    data); the export's, the checkpoint's files, else that one's, with the dataset's chat
-    template where prepare wrote one."""
+    """The dataset, checked against the model and the tokenizer: --tokenizer's, else the
+    --hf-checkpoint directory's, must be the one the data was prepared with. The export carries
+    the checkpoint's tokenizer files, else that one's, with the dataset's chat template."""
     if data:
         dataset = TokenDataset(data)
     else:
@@ -2106,7 +1934,7 @@ def open_data(
 def open_eval_data(
     eval_data: str, vocab_size: int, max_seq_len: int, seq_len: int, training: TokenDataset
 ) -> TokenDataset:
-    """--eval-data, checked against the model (as open_data) and the training data."""
+    """Checked against the model (as open_data) and the training data."""
     held_out = TokenDataset(eval_data)
     held_out.check(vocab_size, seq_len, max_seq_len, use="evaluate")
     if held_out.path.resolve() == training.path.resolve():
@@ -2164,7 +1992,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def summary(meta: dict, output: Path) -> str:
-    """What prepare wrote, and what happens to documents too long for the samples."""
     lines = [
         f"wrote {output}: {meta['n_documents']:,} document{'s' * (meta['n_documents'] != 1)}, "
         f"{meta['n_tokens']:,} tokens, "
