@@ -540,7 +540,7 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
             added[token["content"]] = token["id"]
         self.vocab_size = 1 + max([*vocab.values(), *added.values()])
         alphabet = _bytes_as_text()
-        # A vocabulary may lack bytes its training text never held (SmolLM2's): `tokenizers`
+        # A vocabulary may lack bytes its training text never held (21 in SmolLM2's): `tokenizers`
         # drops them from the text; here they get ids past the vocabulary, which encoding drops.
         single = {bytes([b]): vocab.get(c, self.vocab_size + b) for b, c in alphabet.items()}
         merged = dict(zip(_byte_level_bytes(path, made), [vocab[t] for t in made], strict=True))
