@@ -172,7 +172,7 @@ class OutputDir:
             raise
 
     def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:
-        """Checked again (something may be there); an old `final` goes once the new one is in."""
+        """`final` checked again (it may have changed); an old one goes once the new one is in."""
         final = Path(final).resolve()
         self.check(final)
         old = None
@@ -214,7 +214,7 @@ Segments = list[tuple[list[int], bool]]
 
 def _check_role_and_content_only(messages: list[Message], chat_format: str) -> None:
     """A built-in chat format renders role and content only: another field ("tool_calls") is
-    refused, not dropped from what is learnt, unless null or empty (JSONL tables hold every key)."""
+    refused, not dropped from training, unless null or empty (a table as JSONL has every key)."""
     for i, message in enumerate(messages):
         for key, value in message.items():
             if key not in ("role", "content") and value not in (None, "", [], {}):
@@ -540,7 +540,7 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
             added[token["content"]] = token["id"]
         self.vocab_size = 1 + max([*vocab.values(), *added.values()])
         alphabet = _bytes_as_text()
-        # A vocabulary may lack bytes its training text never held (SmolLM2's): `tokenizers`
+        # A vocabulary may lack bytes its training text never held (21 in SmolLM2's): `tokenizers`
         # drops them from the text; here they get ids past the vocabulary, which encoding drops.
         single = {bytes([b]): vocab.get(c, self.vocab_size + b) for b, c in alphabet.items()}
         merged = dict(zip(_byte_level_bytes(path, made), [vocab[t] for t in made], strict=True))
@@ -612,7 +612,7 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
 
     def _encode(self, text: str, allowed_special: set[str] | str) -> np.ndarray:
         """Added tokens in `allowed_special` ("all": all) are tokens, others text. As an array,
-        the table and the drop below are one numpy operation each, and no token a Python int."""
+        the table and the drop below are one numpy operation each, and no token is a Python int."""
         try:
             if self._nfc:
                 # Each piece on its own: rejoined, a normalized text could spell an added token
