@@ -1507,6 +1507,11 @@ def _encode_all(
                 yield from pending.popleft().get()
         while pending:
             yield from pending.popleft().get()
+        # Each worker ends on the end-of-tasks sentinel close() sends. Leaving by `with` alone
+        # terminates them, and a test once hung there for good: a worker the SIGTERM did not
+        # end waited on the task queue's lock, which Pool.terminate holds.
+        pool.close()
+        pool.join()
 
 
 def _chunks(documents: Iterator[Document], max_bytes: int) -> Iterator[list]:
