@@ -93,15 +93,23 @@ class RopeScaling:
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # "default": no scaling
 
-# Each scaling's RopeScaling fields -> HF rope keys (the same name, but the pre-training length).
-_SCALED = ("factor", "original_max_seq_len")
+# Each scaling's RopeScaling fields -> their keys in HF rope settings.
 HF_ROPE_KEYS = {
-    rope_type: {f: f.replace("max_seq_len", "max_position_embeddings") for f in fields}
-    for rope_type, fields in (
-        ("linear", ("factor",)),
-        ("llama3", (*_SCALED, "low_freq_factor", "high_freq_factor")),
-        ("yarn", (*_SCALED, "beta_fast", "beta_slow", "truncate", "attention_factor")),
-    )
+    "linear": {"factor": "factor"},
+    "llama3": {
+        "factor": "factor",
+        "original_max_seq_len": "original_max_position_embeddings",
+        "low_freq_factor": "low_freq_factor",
+        "high_freq_factor": "high_freq_factor",
+    },
+    "yarn": {
+        "factor": "factor",
+        "original_max_seq_len": "original_max_position_embeddings",
+        "beta_fast": "beta_fast",
+        "beta_slow": "beta_slow",
+        "truncate": "truncate",
+        "attention_factor": "attention_factor",
+    },
 }
 
 
@@ -309,7 +317,7 @@ def _rope_scaling(config: dict, rope: dict) -> RopeScaling | None:
     if rope_type == "default":
         return None
     keys = HF_ROPE_KEYS[rope_type]
-    needs = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k in keys]
+    needs = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k in keys.values()]
     missing = [k for k in needs if rope.get(k) is None]
     if missing:  # transformers refuses these too: it has no default for them
         raise UsageError(f"rope_type {rope_type!r} needs {missing} as well")
@@ -644,7 +652,8 @@ SDPA_BACKENDS = {"auto": list(_SDPA.values())} | {name: [b] for name, b in _SDPA
 
 # FlexAttention's tiles where they beat its defaults (bench/RESULTS.md, "FlexAttention's
 # kernel options" and "FlexAttention's backward tiles"): the forward's, queries x keys; the
-# backward's (M1/N1: dK and dV's pass, M2/N2: dQ's) only where measured, head dim 64 on Hopper.
+# backward's (M1/N1: dK and dV's pass, M2/N2: dQ's) only where measured, head dim 64 on Hopper
+# (at 128 they are slower; other GPUs have less shared memory).
 FLEX_FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64}
 FLEX_BACKWARD_TILE_HEAD_DIM_64 = {
     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
@@ -1334,7 +1343,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
     if s is not None:
         rope["rope_type"] = s.rope_type
         for field, key in HF_ROPE_KEYS[s.rope_type].items():
-            if getattr(s, field) is not None:  # attention_factor None: YaRN's formula
+            # attention_factor None: YaRN's formula; truncate None: none, written as null
+            if getattr(s, field) is not None or field == "truncate":
                 rope[key] = getattr(s, field)
     config = {
         "architectures": [FAMILIES[args.family].architecture],

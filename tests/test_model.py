@@ -22,10 +22,12 @@ from model import (
     Llama,
     ModelArgs,
     PackedRows,
+    RopeScaling,
     causal_prefix,
     check_hf_checkpoint,
     dense_document_mask,
     document_block_mask,
+    hf_config,
     hf_names,
     load_hf_checkpoint,
     packed_rows,
@@ -879,6 +881,23 @@ def test_a_rope_type_longtune_does_not_compute_is_refused_naming_those_it_does(
     with pytest.raises(ValueError, match=f"rope_type '{rope_type}' is not one longtune computes; "
                        "expected one of default, linear, llama3, yarn$"):  # fmt: skip
         ModelArgs.from_hf_config(good_checkpoint)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        RopeScaling("linear", 2.5),
+        RopeScaling("llama3", 8.0, 8192, 1.0, 4.0),
+        RopeScaling("yarn", 4.0, 64, beta_fast=16.0, beta_slow=2.0, attention_factor=1.25),
+        RopeScaling("yarn", 4.0, 64, truncate=None),  # transformers' null: no truncation
+        RopeScaling("yarn", 4.0, 64, truncate=False),
+    ],
+    ids=lambda s: f"{s.rope_type}-truncate-{s.truncate}",
+)
+def test_the_exported_config_reads_back_as_the_same_rope_scaling(tmp_path, scaling):
+    args = dataclasses.replace(PRESETS["tiny"], rope_scaling=scaling)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(args, torch.float32)))
+    assert ModelArgs.from_hf_config(tmp_path).rope_scaling == scaling
 
 
 @pytest.mark.parametrize(
