@@ -141,7 +141,8 @@ class OutputDir:
             )
 
     def make_temp(self, final: str | os.PathLike) -> Path:
-        """Beside `final`, with a new directory's mode (mkdtemp's is rwx for its owner only)."""
+        """Beside `final`, with a new directory's mode (mkdtemp's is rwx for its owner only), so
+        the result can be shared like the user's other files."""
         final = Path(final).resolve()  # "." has no name to put beside; a link, its target
         self.check(final)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -161,7 +162,8 @@ class OutputDir:
 
     @contextmanager
     def writing(self, final: str | os.PathLike) -> Iterator[Path]:
-        """make_temp's directory, marked and swapped in for `final` when the block ends."""
+        """make_temp's directory, marked and swapped in for `final` when the block ends, removed
+        if it fails or is interrupted."""
         tmp = self.make_temp(final)
         try:
             yield tmp
@@ -230,7 +232,9 @@ class Tokenizer:
     special token's name in its text stays text: data cannot inject structure it should not.
     `render_chat` renders a conversation `_check_messages` accepted from its BOS on, labelling
     the assistant turns' content and end-of-turn token; `chat_prompt`, one ending in a user
-    turn, then the generation prompt. Here both render a built-in chat format."""
+    turn, then the generation prompt. Here both render a built-in chat format, from what a
+    subclass gives: `_header(role)` (a turn's opening ids), `_end_of_turn` (the id closing
+    it) and, for `hf_files`, `_ranks`, `_specials`, `_pattern` and `_pad`."""
 
     name: str  # identifies the tokenizer and its file, recorded in meta.json
     vocab_size: int
@@ -246,7 +250,7 @@ class Tokenizer:
 
     def hf_files(self) -> dict[str, bytes]:
         """The same tokenizer as files AutoTokenizer loads (name -> contents), adding BOS at each
-        document's start as training saw it; here from `_ranks`, `_specials`, `_pattern`, `_pad`."""
+        document's start as training saw it."""
         return byte_level_bpe_files(self._ranks, self._specials, self._pattern, self._pad)
 
     def render_chat(self, messages: list[Message]) -> Segments:
@@ -1417,7 +1421,8 @@ def _check_messages(messages: object, where: str) -> list[Message]:
 def _encode_document(
     tokenizer: Tokenizer, document: Document, seq_len: int | None
 ) -> tuple[list[Encoded], int]:
-    """Several documents for a conversation split at seq_len."""
+    """The documents of one example (one, or several for a conversation split at seq_len), and
+    its bytes of input."""
     example, n_bytes, where = document
     if isinstance(example, list):
         try:

@@ -60,11 +60,12 @@ def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
         raise ValueError(f"activation checkpointing 'every' must be >= 1, got {every}")
     if mode == "none":
         return
-    saved_ops = SAVED_OPS.get(mode)  # None for "full"
-    context_fn = saved_ops and functools.partial(_keeping_contexts, list(saved_ops))
+    context_fn = None  # "full": the checkpoint's own contexts, which keep nothing
+    if mode in SAVED_OPS:
+        context_fn = functools.partial(_keeping_contexts, list(SAVED_OPS[mode]))
     for i, block in enumerate(model.layers):
         if i % every == 0:
-            if saved_ops:
+            if context_fn is not None:
                 block.attention.attend = _KeptAttention(block.attention.attend)
             # No randomness in the model (no dropout): no RNG state to save and restore.
             checkpoint(block, context_fn=context_fn, preserve_rng_state=False)

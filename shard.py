@@ -34,7 +34,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -382,6 +381,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # The same exchange the other way: each chunk goes back to the rank it came from.
         return _AllToAll.apply(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
@@ -714,14 +714,13 @@ class Checkpointer:
             if self.world.is_main:
                 # dcp.save returns once every rank's shards are written. Their sizes and each
                 # tensor's shape go in, so check_checkpoint catches a truncated or lost shard.
-                flat, _ = flatten_state_dict(state)  # the tensors by their names in the shards
                 train_state = {
                     "step": step,
                     "loader": loader.state_dict(),
                     "rng": rng_state(self.world.device),
                     **self.record,
                     "files": {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))},
-                    "tensors": {k: list(t.shape) for k, t in flat.items() if torch.is_tensor(t)},
+                    "tensors": tensor_shapes(state),
                 }
                 (tmp / "train_state.json").write_text(json.dumps(train_state))
             dist.barrier()  # every rank's shards are written before the directory is renamed
@@ -735,6 +734,18 @@ class Checkpointer:
             return final
         finally:
             SAVING.clear()
+
+
+def tensor_shapes(state: dict, prefix: str = "") -> dict[str, list[int]]:
+    """Each tensor of a nested state dict by its name in a checkpoint's shards (the keys on
+    its path joined with dots, as DCP names them), and its full shape."""
+    shapes = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            shapes |= tensor_shapes(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            shapes[f"{prefix}{key}"] = list(value.shape)
+    return shapes
 
 
 def rng_state(device: torch.device) -> dict:
@@ -979,8 +990,10 @@ def flags_of(fields: dict, negated: bool = False) -> list[str]:
     """The words of the train.py flags that set these fields; False as --no-x when `negated`."""
     words = []
     for name, value in fields.items():
-        if isinstance(value, bool):
-            words += [flag_name(name if value else f"no_{name}")] if value or negated else []
+        if value is True:
+            words.append(flag_name(name))
+        elif value is False:
+            words += [flag_name(f"no_{name}")] if negated else []
         elif value is not None:
             words += [flag_name(name), str(value)]
     return words
@@ -1521,7 +1534,8 @@ def choose_plan(
     grad_clip: float | None = None,
 ) -> Plan:
     """The first plan of `sequences` per rank per step that fits; if none and the batch is not
-    set, of one sequence (no accumulated gradients; the optimizer in backward can run)."""
+    set, of one sequence (no accumulated gradients; the optimizer in backward can run); else
+    raises UsageError(Planner.no_fit_message)."""
     base = dataclasses.replace(
         base, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node
     )
@@ -1573,7 +1587,8 @@ class Planner:
             if (p.ac != "none" or not p.activation_offload or wanted.get("ac") == "none")
             and not plan_problems(self.args, p, self.grad_clip)
         ]  # fmt: skip
-        # Last the optimizer in backward (it rules out clipping), then partial offload (unmeasured).
+        # The optimizer in backward after all others, whatever its speed (it rules out
+        # clipping); partial offload after the plans without it (unmeasured).
         return sorted(
             plans,
             key=lambda p: (p.optimizer_in_backward, p.offload_blocks is not None,

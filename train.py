@@ -3,8 +3,9 @@
     python train.py           # "tiny" from scratch on Python's stdlib, as bytes; CPU or one GPU
     python train.py --help    # the options; README.md: fine-tuning, many GPUs, the memory plan
 
-The options; `setup` (the checkpoint to resume from and what it fixes, the checks, the plan,
-the model built by `apply_techniques`, the data); the step and what the loop asks after it;
+The options; `setup` (the checkpoint to resume from and what it fixes, the checks, the data,
+the plan, the model built by `apply_techniques`, the loader, and the checkpoint's state
+restored); the step and what the loop asks after it;
 then `train`, a loop of `train_step` calls whose logging, evaluation, saving and stopping are
 each decided by the object that owns it (`MetricsLog`, `shard.Checkpointer`, `StopSignals`).
 What was given is checked before the first step: one UsageError says what is wrong and expected.
@@ -114,7 +115,8 @@ class Options:
     )
     eval_data: str | None = option(
         None,
-        "a held-out prepared dataset (the same tokenizer as --data) whose mean loss is logged",
+        "a held-out prepared dataset (the same tokenizer as --data), never trained on, whose "
+        "mean loss is logged",
         metavar="DIR",
     )
     eval_interval: int = option(100, "evaluate --eval-data every n steps (and at the end)")
@@ -132,7 +134,8 @@ class Options:
         None,
         "tokens per optimizer step over all processes, rounded to whole sequences, at least "
         f"one per process or context-parallel group (default: {shard.BATCH_TOKENS:,}; "
-        f"{shard.SMALL_MODEL_BATCH_TOKENS:,} for models under 100M parameters)",
+        f"{shard.SMALL_MODEL_BATCH_TOKENS:,} for models under 100M parameters); --micro-batch "
+        "and --grad-accum follow from it",
         group="batch and schedule",
     )
     micro_batch: int | None = option(
@@ -192,8 +195,9 @@ class Options:
     optimizer_in_backward: bool | None = option(
         None,
         "AdamW runs on the CPU for each parameter as soon as its gradient is complete in "
-        "backward: alone on one GPU, with --cpu-offload on FSDP's host shards (default: "
-        "planned, only where nothing else fits, since it cannot clip gradients)",
+        "backward; fp32 weights and AdamW's state stay on the host. Alone: one GPU; with "
+        "--cpu-offload: FSDP's host shards, any number of GPUs (default: planned, only where "
+        "nothing else fits, since it cannot clip gradients)",
     )
     param_dtype: str | None = option(
         None,
@@ -419,19 +423,26 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
 
 
 def output_clashes(opts: Options) -> list[str]:
-    """An export that would replace what the run reads or writes, or the other export."""
+    """An export that would land on what the run reads or writes: its --run-dir or the
+    checkpoints in it, the checkpoint or adapter it starts from, or the other export."""
     where = lambda path: Path(path).resolve()  # noqa: E731
     run_dir = where(opts.run_dir)
     taken = {run_dir: "the --run-dir", run_dir / "checkpoints": "the --run-dir's checkpoints"}
+    for name in ("hf_checkpoint", "lora_adapter"):
+        if path := getattr(opts, name):
+            taken[where(path)] = f"the {shard.flag_name(name)} directory"
     problems = []
-    for name in ("hf_checkpoint", "lora_adapter", "export_hf", "export_adapter"):
+    for name in ("export_hf", "export_adapter"):
         if not (given := getattr(opts, name)):
             continue
-        path, flag = where(given), shard.flag_name(name)
-        inside = run_dir / "checkpoints" in path.parents and "inside the --run-dir's checkpoints"
-        if name.startswith("export") and (clash := taken.get(path) or inside):
-            problems.append(f"{flag} {given} is {clash}: the export would replace it")
-        taken[path] = f"the {flag} directory"
+        out = where(given)
+        if clash := taken.get(out) or (
+            run_dir / "checkpoints" in out.parents and "inside the --run-dir's checkpoints"
+        ):
+            problems.append(
+                f"{shard.flag_name(name)} {given} is {clash}: the export would replace it"
+            )
+        taken[out] = f"the {shard.flag_name(name)} directory"
     return problems
 
 
@@ -1306,11 +1317,15 @@ def finish(run: Run, step: int) -> None:
     saved_now = last is not None and shard.step_of(last) == step
     if step < run.max_steps:
         stopped = f"stopped at step {step} of {run.max_steps} on a signal"
-        if last is None:
-            log(f"{stopped}; no checkpoint (--checkpoint-interval 0): nothing to resume from")
+        if saved_now:
+            log(f"{stopped}; saved {last}. Resume with:\n  {resume_command(run)}")
+        elif last:
+            log(
+                f"{stopped}; saved nothing (--checkpoint-interval 0): the last checkpoint is "
+                f"{last}. Resume from there with:\n  {resume_command(run)}"
+            )
         else:
-            saved = "saved" if saved_now else "saved nothing (--checkpoint-interval 0): the last is"
-            log(f"{stopped}; {saved} {last}. Resume with:\n  {resume_command(run)}")
+            log(f"{stopped}; no checkpoint (--checkpoint-interval 0): nothing to resume from")
         return
     if opts.export_hf:
         dtype = DTYPES[run.plan.param_dtype]
