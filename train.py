@@ -42,6 +42,7 @@ from data import (
     Batch,
     HFTokenizer,
     PackedLoader,
+    RunData,
     TokenDataset,
     Tokenizer,
     UsageError,
@@ -654,7 +655,7 @@ def resume_options(
     data_parallel: int,
     taken: dict,
     log: Callable,
-):
+) -> Options:
     """The resumed options, `taken` in them: `saved`'s global batch and schedule unless given,
     so that another number of processes (`data_parallel`: see loader_of) splits the same batch."""
     saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
@@ -747,6 +748,26 @@ def check_this_machine(opts: Options) -> None:
         )
 
 
+def open_run_data(
+    opts: Options, args: ModelArgs, is_main: bool, log: Callable
+) -> tuple[RunData, TokenDataset | None]:
+    """The training data with its tokenizers (data.open_data), and --eval-data's, if given."""
+    sizes = (args.vocab_size, args.max_seq_len)
+    run_data = open_data(
+        opts.data, opts.tokenizer, opts.hf_checkpoint, *sizes, opts.seq_len, is_main
+    )
+    export_tokenizer = run_data.export_tokenizer
+    if opts.export_hf and not (export_tokenizer and export_tokenizer.has_tokenizer()):
+        log(
+            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
+            f"prepared {run_data.dataset.path} ({run_data.dataset.meta['tokenizer']}) to "
+            f"include it"
+        )
+    if not opts.eval_data:
+        return run_data, None
+    return run_data, open_eval_data(opts.eval_data, *sizes, opts.seq_len, run_data.dataset)
+
+
 def setup(opts: Options, given: frozenset[str]) -> Run:
     """The run, ready for its first step, in the order the module docstring gives."""
     log = (lambda *a, **k: None) if other_rank() else print
@@ -764,19 +785,8 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     torch.manual_seed(opts.seed)
     lora = lora_config(opts)
     check_given(opts, args, lora, resuming=saved is not None)
-    sizes = (args.vocab_size, args.max_seq_len)
-    run_data = open_data(
-        opts.data, opts.tokenizer, opts.hf_checkpoint, *sizes, opts.seq_len, world.is_main
-    )
+    run_data, held_out = open_run_data(opts, args, world.is_main, log)
     dataset, export_tokenizer = run_data.dataset, run_data.export_tokenizer
-    if opts.export_hf and not (export_tokenizer and export_tokenizer.has_tokenizer()):
-        log(
-            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
-            f"prepared {dataset.path} ({dataset.meta['tokenizer']}) to include it"
-        )
-    held_out = None
-    if opts.eval_data:
-        held_out = open_eval_data(opts.eval_data, *sizes, opts.seq_len, dataset)
     run_record = {
         "model": dataclasses.asdict(args),
         "seq_len": opts.seq_len,
