@@ -762,16 +762,36 @@ def _split_pattern(path: Path, pre_tokenizer: dict | None) -> str:
             kinds == ["Split"]
             and not last.get("use_regex", True)
             and "Regex" in split.get("pattern", {})
-            and split.get("behavior") == "Isolated"
-            and not split.get("invert")
+            and (pattern := _split_pieces(split["pattern"]["Regex"], split))
         ):
-            return split["pattern"]["Regex"]
+            return pattern
     described = " then ".join(json.dumps(s, sort_keys=True) for s in found) or "none"
     raise UsageError(
         f"{path}: its pre-tokenizer ({described}) is not one longtune reproduces; it reads a "
-        f"Split by a regex (Isolated) then ByteLevel (as Llama 3's), ByteLevel with GPT-2's "
-        f"regex, or Digits then that (as SmolLM2's), without add_prefix_space"
+        f"Split by a regex (not Removed unless inverted) then ByteLevel (as Llama 3's), ByteLevel "
+        f"with GPT-2's regex, or Digits then that (as SmolLM2's), without add_prefix_space"
     )
+
+
+def _split_pieces(regex: str, split: dict) -> str | None:
+    """The pieces of `tokenizers`' Split by `regex` as the matches of one regex (None: none
+    does). tiktoken drops the text between its regex's matches; `tokenizers` keeps each such
+    gap (up to where `regex` next matches) as a piece, and `behavior` joins a match to the
+    piece before or after it (or runs of matches together, or drops them); `invert` swaps what
+    is a match and what a gap. Atomic gaps: once one ends, no backtracking retries it shorter."""
+    one, gap = f"(?:{regex})", rf"(?>(?:(?!{regex})[\s\S])+)"
+    behavior, invert = split.get("behavior"), bool(split.get("invert"))
+    if invert:  # gaps never touch each other, matches may: an inverted Contiguous is the same
+        swapped = {"MergedWithPrevious": "MergedWithNext", "MergedWithNext": "MergedWithPrevious"}
+        behavior = swapped.get(behavior, behavior)
+    pieces = {
+        "Isolated": f"{one}|{gap}",
+        "Contiguous": f"{one}+|{gap}",
+        "MergedWithPrevious": f"{gap}?{one}|{gap}",
+        "MergedWithNext": f"{one}{gap}?|{gap}",
+        "Removed": regex if invert else None,  # inverted, the gaps go: as tiktoken drops them
+    }
+    return pieces.get(behavior)
 
 
 def _hf_special_tokens(

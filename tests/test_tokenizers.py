@@ -726,6 +726,34 @@ def test_tokenizer_json_it_cannot_encode_faithfully_is_refused(tmp_path, make, m
         data.load_tokenizer(tmp_path)
 
 
+@pytest.mark.parametrize("invert", [False, True])
+@pytest.mark.parametrize(
+    "behavior", ["isolated", "contiguous", "merged_with_previous", "merged_with_next", "removed"]
+)
+def test_split_regex_keeps_the_text_between_matches_as_tokenizers(tmp_path, behavior, invert):
+    texts = ["aaaa! hello", "!! hello, world !!", "x  ll y!", "ll! l", "", "q"]
+    for k, regex in enumerate(["q", "l+", "!", " ", r"\s*!+"]):
+
+        def split(tok, regex=regex):
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(tokenizers.Regex(regex), behavior, invert=invert),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+
+        (tmp_path / str(k)).mkdir()
+        (tmp_path / str(k) / "config.json").write_text('{"eos_token_id": 0}')
+        path = byte_level_with(tmp_path / str(k) / "tokenizer.json", split)
+        if behavior == "removed" and not invert:  # the matches dropped: tiktoken cannot
+            with pytest.raises(ValueError, match=r"its pre-tokenizer .*Removed.* is not one"):
+                data.load_tokenizer(path)
+            continue
+        ours, theirs = data.load_tokenizer(path), tokenizers.Tokenizer.from_file(str(path))
+        for text in texts:
+            assert ours.encode(text) == theirs.encode(text).ids, (regex, text)
+
+
 def with_model_edited(path: Path, edit) -> Path:
     """A small byte-level BPE, its tokenizer.json's "model" changed by `edit` before it is read."""
     byte_level_with(path, lambda tok: None)
