@@ -868,7 +868,12 @@ class ChatTemplate:
         environment.globals["raise_exception"] = _raise_exception
         environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
         try:
-            self._template = environment.from_string(source)
+            with _time_limit(self.RENDER_SECONDS):  # compiling folds constants: 7 ** (7 ** 11)
+                self._template = environment.from_string(source)
+        except _TimeUp:
+            raise UsageError(
+                f"chat template {name}: still compiling after {self.RENDER_SECONDS:g} s"
+            ) from None
         except jinja2.TemplateSyntaxError as e:
             raise UsageError(f"chat template {name} line {e.lineno}: {e.message}") from e
         self.source, self.name, self._tokens = source, name, special_tokens
@@ -876,11 +881,15 @@ class ChatTemplate:
     # A conversation renders in milliseconds. The sandbox bounds what a template reaches, not
     # how long it runs: one that loops for longer than this is stopped and named.
     RENDER_SECONDS = 10.0
+    # Nor how much it writes: a template writes the messages' content (some twice) and a few
+    # words of its own per turn. Past this many characters per character of content, plus a
+    # million, it writes text of its own making ('x' * 10**9), which aborts tiktoken after it.
+    RENDER_CHARS_PER_CONTENT = 4
 
     def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
         try:
             with _time_limit(self.RENDER_SECONDS):
-                return self._template.render(
+                text = self._template.render(
                     messages=messages,
                     tools=None,
                     documents=None,
@@ -895,6 +904,14 @@ class ChatTemplate:
         except Exception as e:  # noqa: BLE001 - any error of the template's code is its own
             kind = "" if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: "
             raise UsageError(f"chat template {self.name}: {kind}{e}") from e
+        content = sum(len(message["content"]) for message in messages)
+        if len(text) > self.RENDER_CHARS_PER_CONTENT * content + 1_000_000:
+            raise UsageError(
+                f"chat template {self.name}: renders a conversation of {content:,} characters of "
+                f"content as {len(text):,} characters, more than "
+                f"{self.RENDER_CHARS_PER_CONTENT} per character of content + 1,000,000"
+            )
+        return text
 
     def assistant_spans(
         self, messages: list[Message], added_tokens: re.Pattern | None

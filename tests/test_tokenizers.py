@@ -870,6 +870,26 @@ def test_chat_template_that_runs_too_long_is_stopped_and_named(tmp_path, monkeyp
         signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
 
+def test_chat_template_that_compiles_too_long_is_stopped_and_named(tmp_path, monkeypatch):
+    directory, _ = template_dir(tmp_path, "chatml")
+    template = tmp_path / "folds.jinja"  # Jinja folds the constant as it compiles
+    template.write_text("{% set x = 7 ** (7 ** 11) %}")
+    monkeypatch.setattr(data.ChatTemplate, "RENDER_SECONDS", 0.5)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"folds.jinja: still compiling after 0.5 s"):
+        data.load_tokenizer(directory, chat_template=template)
+    assert time.monotonic() - started < 5
+
+
+def test_chat_template_that_writes_far_more_than_the_conversation_is_named(tmp_path):
+    directory, _ = template_dir(tmp_path, "chatml")
+    template = tmp_path / "writes.jinja"
+    template.write_text("{{ 'x' * 2000000 }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    ours = data.load_tokenizer(directory, chat_template=template)
+    with pytest.raises(ValueError, match=r"writes.jinja: renders a conversation of [\d,]+ char"):
+        ours.render_chat(CONVERSATIONS[0])
+
+
 def test_chat_template_file_not_utf8_or_config_template_not_text_is_named(tmp_path):
     directory, _ = template_dir(tmp_path, "chatml")
     (tmp_path / "latin1.jinja").write_bytes(b"{{ 'caf\xe9' }}")
