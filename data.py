@@ -1399,6 +1399,8 @@ def _parse_jsonl_line(line: bytes, where: str) -> Example:
         record = json.loads(line)
     except ValueError as e:
         raise UsageError(f"{where}: not valid UTF-8 JSON ({e})") from e
+    except RecursionError:  # json's C parser recurses once per level of nesting
+        raise UsageError(f"{where}: JSON nested too deep to read") from None
     if b"\\ud" in line.lower():  # an escaped UTF-16 surrogate, maybe a lone one
         record = _without_lone_surrogates(record)
     if isinstance(record, dict):

@@ -372,6 +372,13 @@ def test_jsonl_line_without_text_names_file_and_line(tmp_path):
     assert not (tmp_path / "ds").exists()
 
 
+def test_jsonl_line_nested_too_deep_names_file_and_line(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"text": "ok"}\n' + '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    with pytest.raises(ValueError, match=r"deep.jsonl line 2: JSON nested too deep to read"):
+        data.prepare([path], tmp_path / "ds")
+
+
 def test_missing_input_and_empty_input_are_errors(tmp_path):
     with pytest.raises(ValueError, match="missing.txt"):
         data.prepare([tmp_path / "missing.txt"], tmp_path / "ds")
