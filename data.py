@@ -542,6 +542,7 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
                     f"longtune does not reproduce"
                 )
             added[token["content"]] = token["id"]
+        _check_ids(path, vocab, added)
         self.vocab_size = 1 + max([*vocab.values(), *added.values()])
         alphabet = _bytes_as_text()
         # A vocabulary may lack bytes its training text never held (21 in SmolLM2's): `tokenizers`
@@ -704,6 +705,20 @@ def _check_byte_level_bpe(path: Path, spec: dict) -> None:
         f"BPE): pass the checkpoint's tokenizer.model (sentencepiece, or Llama 3's tiktoken "
         f"ranks) instead"
     )
+
+
+def _check_ids(path: Path, vocab: dict[str, int], added: dict[str, int]) -> None:
+    """Ids as `tokenizers` numbers them: integers below the count of tokens (so no table sized
+    by a stray 1e10), one token each (an added token may repeat its vocabulary entry)."""
+    bound, by_id = len(vocab) + len(added), {}
+    for token, i in [*vocab.items(), *added.items()]:
+        if type(i) is not int or not 0 <= i < bound:
+            raise UsageError(
+                f"{path}: the token {token!r} has the id {i!r}, expected an integer from 0 to "
+                f"{bound - 1}"
+            )
+        if by_id.setdefault(i, token) != token:
+            raise UsageError(f"{path}: the tokens {by_id[i]!r} and {token!r} both have the id {i}")
 
 
 def _merged_tokens(path: Path, merges: list, vocab: dict[str, int]) -> list[str]:

@@ -790,6 +790,27 @@ def test_tokenizer_json_with_a_bad_merge_is_refused_naming_it(tmp_path, edit, me
         data.load_tokenizer(with_model_edited(tmp_path / "tokenizer.json", edit))
 
 
+def set_id(token: str, i):
+    return lambda model: model["vocab"].update({token: i})
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (set_id("th", -3), r"the token 'th' has the id -3, expected an integer from 0 to \d+"),
+        (set_id("th", 10**10), r"the token 'th' has the id 10000000000, expected an integer"),
+        (set_id("th", 1e10), r"the token 'th' has the id 10000000000.0, expected an integer"),
+        (set_id("th", 0), r"the tokens '!' and 'th' both have the id 0"),
+    ],
+    ids=["negative", "huge", "float", "duplicated"],
+)
+def test_tokenizer_json_with_ids_out_of_range_or_repeated_is_refused_naming_them(
+    tmp_path, edit, message
+):
+    with pytest.raises(ValueError, match=message):
+        data.load_tokenizer(with_model_edited(tmp_path / "tokenizer.json", edit))
+
+
 def drop_content(model_spec_path: Path) -> None:
     spec = json.loads(model_spec_path.read_text())
     spec["added_tokens"] = [{"id": 0}]
