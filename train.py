@@ -702,6 +702,8 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resumin
     (a shared filesystem): all ranks raise the same error, and none waits on another."""
     run_dir = Path(opts.run_dir)
     shard.check_run_dir(run_dir)
+    if not opts.resume:  # refuses an earlier run's checkpoints (a resume read them in setup)
+        shard.find_checkpoint(None, run_dir / "checkpoints", log=print)
     if opts.hf_checkpoint:
         check_hf_checkpoint(args, opts.hf_checkpoint)
     if opts.lora_adapter:
@@ -771,11 +773,13 @@ def open_run_data(
 def setup(opts: Options, given: frozenset[str]) -> Run:
     """The run, ready for its first step, in the order the module docstring gives."""
     log = (lambda *a, **k: None) if other_rank() else print
-    # The checkpoint first (read from its headers alone): the checks and the plan below are of
-    # the options a resumed run takes from it, the model among them.
+    # A resumed run's checkpoint first (read from its headers alone): the checks and the plan
+    # below are of the options it takes from it, the model among them. A new run's directory
+    # is looked at after its options (check_given): a typo is told before an earlier run.
     run_dir = Path(opts.run_dir)
     checkpoints = run_dir / "checkpoints"
-    resume_from, saved = shard.find_checkpoint(opts.resume, checkpoints, log) or (None, None)
+    found = shard.find_checkpoint(opts.resume, checkpoints, log) if opts.resume else None
+    resume_from, saved = found or (None, None)
     taken = taken_on_resume(opts, given, saved) if saved else {}
     opts = dataclasses.replace(opts, **taken)
     args = model_args(opts)

@@ -130,7 +130,8 @@ def test_a_second_signal_stops_at_once_and_exits_as_stopped(monkeypatch, capsys)
     )
 
 
-def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch):
+def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the default --run-dir is the cwd's runs/default
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--max-steps", "3", "--max-tokens", "1000"])
     assert exit_info.value.code == 2
@@ -158,6 +159,19 @@ def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         train.main(["--seed", "-1"])
     assert "train.py error: --seed must be in" in capsys.readouterr().err and len(waits) == 4
+
+
+def test_a_bad_option_is_told_before_an_earlier_runs_checkpoints(capsys, monkeypatch, tmp_path):
+    """README's Train command leaves runs/default/checkpoints: a typo is still told as such."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs/default/checkpoints/step-000002").mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        train.main(["--seed", "-1"])
+    err = capsys.readouterr().err
+    assert "train.py error: --seed must be in" in err and "earlier run" not in err
+    with pytest.raises(SystemExit):
+        train.main(["--seed", "1"])
+    assert "holds checkpoints of an earlier run: pass --resume" in capsys.readouterr().err
 
 
 def test_resuming_with_other_lora_settings_is_refused_naming_them():
@@ -1519,11 +1533,11 @@ def test_readme_train_then_test(tmp_path):
     assert "export:  python train.py" in out and "--export-hf runs/default/hf" in out
     test_run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_train.py",
-         "-k", "bad_input_ends_every_process or help_lists_every_option"],
+         "-k", "bad_input_ends_every_process or help_lists_every_option or said_once"],
         cwd=copy, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert test_run.returncode == 0, test_run.stdout + test_run.stderr
-    assert "2 passed" in test_run.stdout
+    assert "3 passed" in test_run.stdout
 
 
 def test_abbreviations_are_refused_and_a_typo_is_told_the_flag(capsys):
