@@ -847,7 +847,8 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     lock = shard.lock_run_dir(run_dir, world.is_main)
     if world.is_main:
         shard.set_aside(damaged, log)
-        write_json(run_dir / "plan.json", plan.to_json())
+        if step < max_steps:  # a finished run's plan.json keeps the peaks it measured
+            write_json(run_dir / "plan.json", plan.to_json())
     return Run(
         opts, given, args, plan, world, model, optimizer, loader, run_dir, checkpointer,
         evaluate_held_out, step, max_steps, run_data.text_tokenizer, export_tokenizer, log, lock,
@@ -1282,12 +1283,16 @@ def printable(text: str) -> str:
 
 def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
     """Trains as `opts` say; `given`: the options on the command line (parse_options),
-    which resuming keeps. Returns whether the run reached its last step (False: it stopped
-    on a signal, with a checkpoint)."""
+    which resuming keeps. Returns whether the run reached its last step, or had (False: it
+    stopped on a signal, with a checkpoint)."""
     if opts.estimate_memory:
         estimate(opts)
         return True
     run = setup(opts, given)
+    if run.start_step >= run.max_steps:  # a finished run resumed: its exports, nothing to train
+        finish(run, run.start_step)
+        dist.destroy_process_group()
+        return True
     model, optimizer, plan, device = run.model, run.optimizer, run.plan, run.world.device
     offload_activations = functools.partial(
         offload.activation_offload, model, plan.activation_offload, blocks=plan.offload_blocks
@@ -1349,7 +1354,8 @@ def finish(run: Run, step: int) -> None:
         lora, base_model = run.plan.lora, opts.hf_checkpoint
         shard.export_adapter(run.model, run.args, lora, opts.export_adapter, base_model, run.world)
         log(f"exported the LoRA adapter to {opts.export_adapter}")
-    print_sample(run)
+    if step > run.start_step:  # a finished run's sample was printed when it finished
+        print_sample(run)
     log(f"metrics: {run.run_dir / 'metrics.jsonl'}")
     if step == run.start_step:
         log(

@@ -1654,6 +1654,26 @@ def test_what_a_run_says_at_its_start_and_end(dataset, reference_run, tmp_path, 
     assert "the run had finished at step 40 of 40" in out and "resume:" not in out
 
 
+@CPU_ONLY
+def test_a_finished_run_resumed_exports_keeps_its_records_and_exits_0(
+    dataset, reference_run, tmp_path, capsys
+):
+    """A run past its --max-steps has nothing to train: it exports and ends with status 0
+    (SystemExit 75, EXIT_STOPPED, would have a requeue script resubmit it forever), its
+    plan.json (with the peaks measured) and metrics.jsonl as they were, no sample again."""
+    finished = tmp_path / "finished"
+    shutil.copytree(reference_run, finished)
+    records = {name: (finished / name).read_bytes() for name in ["plan.json", "metrics.jsonl"]}
+    assert "measured" in json.loads(records["plan.json"])
+    export = tmp_path / "hf"
+    train.main(["--data", str(dataset), *SMALL, "--max-steps", "1", "--resume", "--run-dir",
+                str(finished), "--export-hf", str(export), "--sample-tokens", "8"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "the run had finished at step 40 of 1" in out and "a sample" not in out
+    assert (export / "config.json").is_file()
+    assert records == {name: (finished / name).read_bytes() for name in records}
+
+
 def write_ranks_file(path: Path) -> Path:
     """A tiny Llama 3 style ranks file: the 256 single bytes (the same ids as the bytes,
     other token names), then a few merges."""
