@@ -1322,6 +1322,8 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
             metrics.write(step, lr, loss, grad_norm, stopping)
         if saving:
             run.log(f"saved {run.checkpointer.save(step, optimizer, run.loader)}")
+            # A signal during the save stops here: the step in progress was this one.
+            stopping = stopping or stop.agreed()
     stop.restore()
     instruments.close()
     finish(run, step)

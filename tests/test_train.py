@@ -211,6 +211,24 @@ def test_sigterm_before_the_first_step_exits_as_a_stop(monkeypatch, capsys, tmp_
     assert signal.getsignal(signal.SIGTERM) == before
 
 
+def test_sigterm_during_a_save_stops_after_it(dataset, monkeypatch, tmp_path, capsys):
+    """The save in progress finishes, and the run stops there: no further step."""
+    save = shard.Checkpointer.save
+
+    def signalled_save(self, step, *args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return save(self, step, *args)
+
+    monkeypatch.setattr(shard.Checkpointer, "save", signalled_save)
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "6", "--checkpoint-interval", "2"]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*argv, "--run-dir", str(tmp_path)])
+    assert exit_info.value.code == train.EXIT_STOPPED
+    assert "stopped at step 2 of 6" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000002"]
+    assert list(losses(tmp_path)) == [1, 2]
+
+
 def test_a_sample_prints_control_characters_escaped():
     sampled = data.ByteTokenizer().decode(list(b"ok\x1b[2J\rdone\n\tend\x00") + [0xFF])
     assert train.printable(sampled) == "ok\\x1b[2J\\rdone\n\tend\\x00\ufffd"
