@@ -890,6 +890,21 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ],
             "--batch-tokens 1000 is not --micro-batch 2 x --grad-accum 2 x 1 process x",
         ),  # fmt: skip
+        "batch tokens against gradient accumulation": (
+            # --grad-accum 1000000 --batch-tokens 128 built a million micro-batches a step
+            [
+                "--data",
+                str(dataset),
+                "--batch-tokens",
+                "1024",
+                "--grad-accum",
+                "3",
+                "--max-steps",
+                "1",
+            ],
+            "--grad-accum 3 does not split --batch-tokens 1024 (4 sequences of --seq-len 256 a "
+            "rank) into micro-batches: give a --grad-accum that divides 4, or --micro-batch",
+        ),
         "machine flags without --estimate-memory": (
             ["--data", str(dataset), "--world-size", "8"],
             "--world-size and --nproc-per-node describe a machine for --estimate-memory",
@@ -968,6 +983,7 @@ CASES = [
     "offload blocks past the model",
     "host too small",
     "batch tokens against micro-batches",
+    "batch tokens against gradient accumulation",
     "machine flags without --estimate-memory",
     "eval data of another tokenizer",
     "eval data is the training data",
