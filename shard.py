@@ -1512,6 +1512,12 @@ def make_plan(
     else:
         asked = asked or (SMALL_MODEL_BATCH_TOKENS if args.num_params() < 100e6 else BATCH_TOKENS)
         sequences = max(1, round(asked / per_sequence))
+        if opts.batch_tokens and opts.grad_accum and sequences % opts.grad_accum:
+            raise UsageError(
+                f"--grad-accum {opts.grad_accum} does not split --batch-tokens {asked} "
+                f"({plural(sequences, 'sequence')} of --seq-len {opts.seq_len} a rank) into "
+                f"micro-batches: give a --grad-accum that divides {sequences}, or --micro-batch"
+            )
         batch_is_fixed = opts.batch_tokens is not None or opts.grad_accum is not None
     plan = choose_plan(args, machine, base, wanted, sequences, batch_is_fixed, opts.grad_clip)
     return dataclasses.replace(

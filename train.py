@@ -702,6 +702,8 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resumin
     (a shared filesystem): all ranks raise the same error, and none waits on another."""
     run_dir = Path(opts.run_dir)
     shard.check_run_dir(run_dir)
+    if not opts.resume:  # refuses an earlier run's checkpoints (a resume read them in setup)
+        shard.find_checkpoint(None, run_dir / "checkpoints", log=print)
     if opts.hf_checkpoint:
         check_hf_checkpoint(args, opts.hf_checkpoint)
     if opts.lora_adapter:
@@ -771,11 +773,13 @@ def open_run_data(
 def setup(opts: Options, given: frozenset[str]) -> Run:
     """The run, ready for its first step, in the order the module docstring gives."""
     log = (lambda *a, **k: None) if other_rank() else print
-    # The checkpoint first (read from its headers alone): the checks and the plan below are of
-    # the options a resumed run takes from it, the model among them.
+    # A resumed run's checkpoint first (read from its headers alone): the checks and the plan
+    # below are of the options it takes from it, the model among them. A new run's directory
+    # is looked at after its options (check_given): a typo is told before an earlier run.
     run_dir = Path(opts.run_dir)
     checkpoints = run_dir / "checkpoints"
-    resume_from, saved = shard.find_checkpoint(opts.resume, checkpoints, log) or (None, None)
+    found = shard.find_checkpoint(opts.resume, checkpoints, log) if opts.resume else None
+    resume_from, saved = found or (None, None)
     taken = taken_on_resume(opts, given, saved) if saved else {}
     opts = dataclasses.replace(opts, **taken)
     args = model_args(opts)
@@ -843,7 +847,8 @@ def setup(opts: Options, given: frozenset[str]) -> Run:
     lock = shard.lock_run_dir(run_dir, world.is_main)
     if world.is_main:
         shard.set_aside(damaged, log)
-        write_json(run_dir / "plan.json", plan.to_json())
+        if step < max_steps:  # a finished run's plan.json keeps the peaks it measured
+            write_json(run_dir / "plan.json", plan.to_json())
     return Run(
         opts, given, args, plan, world, model, optimizer, loader, run_dir, checkpointer,
         evaluate_held_out, step, max_steps, run_data.text_tokenizer, export_tokenizer, log, lock,
@@ -1278,12 +1283,16 @@ def printable(text: str) -> str:
 
 def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
     """Trains as `opts` say; `given`: the options on the command line (parse_options),
-    which resuming keeps. Returns whether the run reached its last step (False: it stopped
-    on a signal, with a checkpoint)."""
+    which resuming keeps. Returns whether the run reached its last step, or had (False: it
+    stopped on a signal, with a checkpoint)."""
     if opts.estimate_memory:
         estimate(opts)
         return True
     run = setup(opts, given)
+    if run.start_step >= run.max_steps:  # a finished run resumed: its exports, nothing to train
+        finish(run, run.start_step)
+        dist.destroy_process_group()
+        return True
     model, optimizer, plan, device = run.model, run.optimizer, run.plan, run.world.device
     offload_activations = functools.partial(
         offload.activation_offload, model, plan.activation_offload, blocks=plan.offload_blocks
@@ -1313,6 +1322,8 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
             metrics.write(step, lr, loss, grad_norm, stopping)
         if saving:
             run.log(f"saved {run.checkpointer.save(step, optimizer, run.loader)}")
+            # A signal during the save stops here: the step in progress was this one.
+            stopping = stopping or stop.agreed()
     stop.restore()
     instruments.close()
     finish(run, step)
@@ -1345,7 +1356,8 @@ def finish(run: Run, step: int) -> None:
         lora, base_model = run.plan.lora, opts.hf_checkpoint
         shard.export_adapter(run.model, run.args, lora, opts.export_adapter, base_model, run.world)
         log(f"exported the LoRA adapter to {opts.export_adapter}")
-    print_sample(run)
+    if step > run.start_step:  # a finished run's sample was printed when it finished
+        print_sample(run)
     log(f"metrics: {run.run_dir / 'metrics.jsonl'}")
     if step == run.start_step:
         log(

