@@ -77,6 +77,8 @@ def read_json(path: str | os.PathLike) -> dict:
         value = json.loads(path.read_bytes())
     except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise UsageError(f"{path} is not valid JSON: {e}") from e
+    except RecursionError:  # json recurses once per level: [[[...]]] 100k deep
+        raise UsageError(f"{path}: JSON nested too deep to read") from None
     if not isinstance(value, dict):
         raise UsageError(f"{path}: expected a JSON object, found {type(value).__name__}")
     return value

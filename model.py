@@ -147,6 +147,28 @@ HF_CONFIG_KEYS = {
 }
 # What every family's block fixes, by config.json key: from_hf_config refuses anything else.
 HF_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+# What each number or switch of config.json may be, (kind, least, most): integers within
+# [least, most], other numbers in (least, most]. Sizes stop below 2^32 (token ids are uint32);
+# layers at 1024, 8x Llama 3.1 405B's 126, since each is a module built before the planner can
+# refuse the model (10^6 took minutes; ModelArgs bounds the parameters the sizes make together).
+# An epsilon above 1 would outweigh the mean square of unit-scale activations; 1e308 is inf in
+# fp32, which makes every norm's output 0.
+_SIZE = (int, 1, 2**32 - 1)
+_POSITIVE = (float, 0, math.inf)
+HF_RANGES = {
+    **dict.fromkeys(["hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                     "intermediate_size", "max_position_embeddings", "head_dim", "sliding_window",
+                     "no_rope_layer_interval", "original_max_position_embeddings"], _SIZE),
+    "num_hidden_layers": (int, 1, 1024),
+    "max_window_layers": (int, 0, 2**32 - 1),
+    "rms_norm_eps": (float, 0, 1),
+    **dict.fromkeys(["rope_theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast",
+                     "beta_slow", "attention_factor"], _POSITIVE),
+    **dict.fromkeys(["tie_word_embeddings", "use_sliding_window"], (bool, False, True)),
+}  # fmt: skip
+# More parameters than this is a config no machine holds (20 TB of bf16 weights alone), so a
+# typo or a hostile file, refused before any module is built.
+MAX_PARAMS = 10**13
 
 
 @dataclass(frozen=True)
@@ -186,6 +208,12 @@ class ModelArgs:
         if self.head_dim % 2:
             problems.append(f"head_dim {self.head_dim} is odd; RoPE rotates pairs")
         problems += self._family_problems()
+        if self.num_params() > MAX_PARAMS:
+            problems.append(
+                f"dim {self.dim}, n_layers {self.n_layers}, ffn_dim {self.ffn_dim} and vocab_size "
+                f"{self.vocab_size} make {self.num_params():.3g} parameters, expected at most "
+                f"{MAX_PARAMS:.0e}"
+            )
         if problems:
             raise UsageError("; ".join(problems))
 
@@ -241,7 +269,7 @@ class ModelArgs:
         raw = read_json(config_path)
         try:
             family = raw.get("model_type")
-            if family not in FAMILIES:
+            if not isinstance(family, str) or family not in FAMILIES:
                 raise UsageError(
                     f"model_type is {family or 'missing'!r}; longtune reads the dense Llama "
                     f"family: {', '.join(FAMILIES)}"
@@ -373,33 +401,27 @@ def _sliding_window(
 
 
 def _check_hf_numbers(config: dict, rope: dict) -> None:
-    """Refuses sizes not integers > 0, and epsilon or RoPE numbers not > 0, in one error."""
+    """Refuses, in one error, each number or switch given outside its HF_RANGES."""
     if not isinstance(rope, dict):
         raise UsageError(f"the rope settings are {rope!r}, expected an object")
-    sizes = ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
-    sizes += ["vocab_size", "intermediate_size", "max_position_embeddings", "head_dim"]
-    sizes += ["sliding_window", "no_rope_layer_interval"]
-    sizes = {key: config[key] for key in sizes if config.get(key) is not None}
-    if "original_max_position_embeddings" in rope:
-        sizes["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
-    numbers = {"rms_norm_eps": config["rms_norm_eps"]}
-    numbers["rope_theta"] = rope.get("rope_theta", config["rope_theta"])
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
-                "attention_factor"):  # fmt: skip
-        if rope.get(key) is not None:
-            numbers[key] = rope[key]
-    problems = [
-        f"{key} is {value!r}, expected an integer > 0"
-        for key, value in sizes.items()
-        if not (type(value) is int and value > 0)
-    ]
-    problems += [
-        f"{key} is {value!r}, expected a number > 0"
-        for key, value in numbers.items()
-        if not (type(value) in (int, float) and math.isfinite(value) and value > 0)
-    ]
+    given = {key: config[key] for key in HF_RANGES if config.get(key) is not None}
+    given |= {key: rope[key] for key in HF_RANGES if rope.get(key) is not None}  # rope's wins
+    problems = [_range_problem(key, value, *HF_RANGES[key]) for key, value in given.items()]
+    problems = [problem for problem in problems if problem]
     if problems:
         raise UsageError("; ".join(problems))
+
+
+def _range_problem(key: str, value, kind: type, least, most) -> str | None:
+    if kind is bool:
+        ok, expected = type(value) is bool, "true or false"
+    elif kind is int:  # a bool is an int to Python, never to a config
+        ok = type(value) is int and least <= value <= most
+        expected = f"an integer from {least} to {most}"
+    else:
+        ok = type(value) in (int, float) and math.isfinite(value) and least < value <= most
+        expected = f"a number > {least}" + (f" and at most {most}" if most < math.inf else "")
+    return None if ok else f"{key} is {value!r}, expected {expected}"
 
 
 # What a config.json without the key means: transformers' config class defaults by model_type
@@ -1176,13 +1198,14 @@ def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(file, str) for file in weight_map.values()
-        ):
+        if not isinstance(weight_map, dict):
             raise UsageError(
                 f'{index}: expected a "weight_map" object of tensor name -> safetensors '
                 f"file name, found {type(weight_map).__name__ if weight_map else 'none'}"
             )
+        for name, file in weight_map.items():
+            if not isinstance(file, str):
+                raise UsageError(f"{index}: {name} is in {file!r}, expected a file name")
         # Inside the checkpoint (a shard may be a link, as in the HF cache: not resolved).
         outside = [f for f in weight_map.values() if Path(f).is_absolute() or ".." in Path(f).parts]
         if outside:
@@ -1204,11 +1227,13 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
 def _open_safetensors(file: Path):
+    # A device or a FIFO is never opened (/dev/zero has no end, a FIFO waits for a writer).
     if not file.is_file():
-        raise UsageError(f"safetensors file {file} (named in the index) does not exist")
+        wrong = "is not a regular file" if file.exists() else "does not exist"
+        raise UsageError(f"safetensors file {file} (named in the index) {wrong}")
     try:
         return safe_open(file, framework="pt")
-    except SafetensorError as e:
+    except (SafetensorError, OSError) as e:  # OSError: a file the kernel makes, /proc's
         raise UsageError(f"{file} is not a readable safetensors file: {e}") from e
 
 

@@ -1131,8 +1131,11 @@ class MemoryEstimate:
 def block_shapes(args: ModelArgs) -> dict[str, torch.Size]:
     """A block's parameter shapes by "module.leaf", from the meta model, not a formula."""
     with torch.device("meta"):
-        # One block: which layers skip RoPE or slide a window changes none of its parameters.
-        one = dataclasses.replace(args, n_layers=1, nope_layers=(), window_layers=())
+        # One block: which layers skip RoPE or slide a window changes none of its parameters
+        # (the window goes with its layers: ModelArgs refuses one without the other).
+        one = dataclasses.replace(
+            args, n_layers=1, nope_layers=(), window_layers=(), sliding_window=None
+        )
         block = Llama(one).layers[0]
     return {".".join(name.split(".")[-2:]): p.shape for name, p in block.named_parameters()}
 

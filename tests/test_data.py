@@ -799,6 +799,14 @@ def test_meta_json_that_is_not_json_is_named(tmp_path):
         data.TokenDataset(tmp_path / "arange")
 
 
+def test_json_nested_past_the_readers_depth_is_named(tmp_path):
+    """json recurses once per level: a file nested 100k deep is refused in one line, not a
+    RecursionError (config.json, the safetensors index and meta.json are all read here)."""
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(data.UsageError, match="deep.json: JSON nested too deep to read"):
+        data.read_json(tmp_path / "deep.json")
+
+
 def test_prepared_dataset_has_ordinary_modes(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
     ds = data.prepare([tmp_path / "a.txt"], tmp_path / "ds")

@@ -6,6 +6,8 @@ Tolerances: fp32 on CPU, max |a - b| / max |b| <= 1e-5 for logits, loss and grad
 
 import dataclasses
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -587,10 +589,57 @@ def test_config_values_of_the_wrong_kind_are_named_together(good_checkpoint):
     (good_checkpoint / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError) as error:
         load_longtune(good_checkpoint)
-    for expected in ("hidden_size is '64', expected an integer > 0",
-                     "num_attention_heads is 0, expected an integer > 0",
+    for expected in ("hidden_size is '64', expected an integer from 1 to",
+                     "num_attention_heads is 0, expected an integer from 1 to",
                      "rms_norm_eps is -1e-06, expected a number > 0"):  # fmt: skip
         assert expected in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        # Each layer is a module built before anything is planned: 10^6 took minutes.
+        ({"num_hidden_layers": 10**6}, "num_hidden_layers is 1000000, expected an integer from"),
+        ({"vocab_size": 2**40}, "vocab_size is 1099511627776, expected an integer from 1 to"),
+        ({"intermediate_size": 2**24, "hidden_size": 2**20},
+         "dim 1048576, n_layers 3, ffn_dim 16777216 and vocab_size 211 make 1.58e+14 parameters"),
+        ({"model_type": ["llama"]}, "model_type is ['llama']; longtune reads the dense Llama"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes', expected true or false"),
+        ({"num_hidden_layers": True}, "num_hidden_layers is True, expected an integer"),
+        # 1e308 is inf in fp32: every norm's output 0, and the run trained with grad norm 0.
+        ({"rms_norm_eps": 1e308}, "rms_norm_eps is 1e+308, expected a number > 0 and at most 1"),
+    ],
+)  # fmt: skip
+def test_config_sizes_past_any_machine_or_values_of_another_kind_are_named(
+    good_checkpoint, changes, message
+):
+    config = json.loads((good_checkpoint / "config.json").read_text())
+    (good_checkpoint / "config.json").write_text(json.dumps(config | changes))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelArgs.from_hf_config(good_checkpoint)
+
+
+@pytest.mark.parametrize(
+    "shard, message",
+    [
+        ("/proc/self/environ", "is not a readable safetensors file"),  # the kernel's, size 0
+        ("/dev/zero", "(named in the index) is not a regular file"),  # has no end
+        ("a FIFO", "(named in the index) is not a regular file"),  # would wait for a writer
+        (3, "model.safetensors.index.json: lm_head.weight is in 3, expected a file name"),
+    ],
+)
+def test_a_shard_that_is_not_a_safetensors_file_is_named(tmp_path, shard, message):
+    path = save_hf(make_hf_model("gqa-untied"), tmp_path / "hf", max_shard_size="40KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    if shard == 3:
+        index["weight_map"]["lm_head.weight"] = shard
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    else:
+        first = path / index["weight_map"]["lm_head.weight"]
+        first.unlink()
+        os.mkfifo(first) if shard == "a FIFO" else first.symlink_to(shard)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_longtune(path)
 
 
 def test_index_without_weight_map_is_named(tmp_path):

@@ -1933,6 +1933,35 @@ def test_a_family_checkpoint_trains_as_transformers_computes_and_over_context_pa
     assert one[0]["loss"] == pytest.approx(loss.item(), rel=1e-5)
 
 
+@CPU_ONLY
+@pytest.mark.parametrize(
+    "config_class, window",
+    [
+        ("MistralConfig", dict()),  # Mistral v0.1: sliding_window 4096 by default, every layer
+        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=128, max_window_layers=1)),
+    ],
+)
+def test_a_checkpoint_with_a_sliding_window_trains_within_it(
+    config_class, window, dataset, tmp_path
+):
+    """A config whose window is on trains sequences no longer than the window through the
+    whole of train.py, the planner included (which builds a one-layer copy of the model)."""
+    import transformers
+
+    config = getattr(transformers, config_class)(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, vocab_size=320, max_position_embeddings=512, **window,
+    )  # fmt: skip
+    assert config.sliding_window is not None
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    train.main(["--data", str(dataset), *SMALL, "--hf-checkpoint", str(tmp_path / "hf"),
+                "--lr", "1e-3", "--max-steps", "2", "--checkpoint-interval", "0",
+                "--run-dir", str(tmp_path / "run")])  # fmt: skip
+    steps = [r for r in metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in steps)
+
+
 def test_a_checkpoint_saved_before_rope_scaling_had_a_type_resumes():
     """The run record of a llama3.2-1b checkpoint saved at c52560e, before RopeScaling had a
     type and YaRN's fields: it resumes (the missing fields are Llama 3.1's defaults), and a
