@@ -125,7 +125,13 @@ class OutputDir:
         final = Path(final)
         check_directory_path(final, f"{self.kind} directory")
         held = sorted(p.name for p in final.iterdir()) if final.is_dir() else []
-        foreign = [n for n in held if not any(fnmatch.fnmatch(n, p) for p in self.names)]
+        # What the one there wrote, as its marker lists; else (written before markers listed
+        # them, or a dataset's meta.json) what its files may be named.
+        listed = read_json(final / self.marker).get("files") if self.marker in held else None
+        if isinstance(listed, list):
+            foreign = [n for n in held if n not in listed and n != self.marker]
+        else:
+            foreign = [n for n in held if not any(fnmatch.fnmatch(n, p) for p in self.names)]
         if foreign:
             raise UsageError(
                 f"{self.kind} directory {final} holds {first_names(foreign)}, which no {self.kind} "
@@ -167,7 +173,9 @@ class OutputDir:
         tmp = self.make_temp(final)
         try:
             yield tmp
-            write_json(tmp / self.marker, {"written_by": "longtune", "kind": self.kind})
+            files = sorted(p.name for p in tmp.iterdir())  # the next one replaces these alone
+            marker = {"written_by": "longtune", "kind": self.kind, "files": files}
+            write_json(tmp / self.marker, marker)
             self.swap_in(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -14,12 +14,12 @@ Multi-node runs need no code here: torchrun's rendezvous flags (`--nnodes`, `--n
 import bisect
 import dataclasses
 import fcntl
-import fnmatch
 import functools
 import itertools
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import socket
@@ -449,32 +449,43 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
 # exports (--export-hf, --export-adapter)
 # ----------------------------------------------------------------------------------------
 
-# What a run writes into --run-dir (hidden: its lock, and exports' temporary directories).
-RUN_FILES = ("plan.json", "metrics.jsonl", "checkpoints", ".*", "trace-rank*.json",
-             "memory-snapshot-rank*.pickle")  # fmt: skip
-# Names only a run writes (the lock first): a directory holding one is a run's.
-RUN_MARKERS = (".lock", "metrics.jsonl")
+# The keys of a run's plan.json (Plan.to_json): a directory holding it, or a checkpoint, is a
+# run's. A .lock, metrics.jsonl or plan.json alone is not: the run would write over someone's.
+PLAN_KEYS = {"flags", "plan", "machine", "estimate"}
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """A run writes into a new or empty directory, or a run's (RUN_MARKERS), never among other
+    """A run writes into a new or empty directory, or one a run made, never among other
     files, where its plan.json could replace the user's. Exports into it count as its own."""
     check_directory_path(run_dir, "--run-dir")
     held = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
-    if any(p.name in RUN_MARKERS for p in held):
-        return  # a run's directory: the user's files beside its own (a plot, a log) stay
-    foreign = [p.name for p in held if not _run_entry(p)]
+    if _made_by_a_run(run_dir):
+        return  # the user's files beside its own (a plot, a log) stay
+    foreign = [p.name for p in held if not _left_by_a_run(p)]
     if foreign:
         raise UsageError(
-            f"--run-dir {run_dir} holds {first_names(foreign)}, which no run writes: give a new or "
-            f"empty directory, or the run directory of an earlier run"
+            f"--run-dir {run_dir} holds {first_names(foreign)}, and no plan.json or checkpoint of "
+            f"a run: a run would write over them; give a new or empty directory, or the run "
+            f"directory of an earlier run"
         )
 
 
-def _run_entry(path: Path) -> bool:
-    """One of a run's files, an export into the run directory, or an empty directory."""
-    if any(fnmatch.fnmatch(path.name, pattern) for pattern in RUN_FILES):
-        return True
+def _made_by_a_run(run_dir: Path) -> bool:
+    """Whether `run_dir` holds what only a run writes: its plan.json, or a checkpoint."""
+    try:
+        if read_json(run_dir / "plan.json").keys() >= PLAN_KEYS:
+            return True
+    except UsageError:  # none, or not a run's
+        pass
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    return any((c / "train_state.json").is_file() for c in checkpoints)
+
+
+def _left_by_a_run(path: Path) -> bool:
+    """An export, an empty directory, or the lock of a run stopped before it wrote its plan."""
+    if path.name == ".lock" and path.is_file() and not path.is_symlink():
+        with open(path, "rb") as f:
+            return re.fullmatch(rb"(pid \d+ on \S+\n)?", f.read(300)) is not None
     markers = (HF_EXPORT.marker, PEFT_ADAPTER.marker)
     return path.is_dir() and (not any(path.iterdir()) or any((path / m).is_file() for m in markers))
 
@@ -702,8 +713,10 @@ class Checkpointer:
             final = self.root / f"step-{step:06d}"
             tmp = self.root / f".tmp-{final.name}"
             if self.world.is_main:
-                for stale in self.root.glob(".tmp-*"):  # left by a run killed while it saved
-                    shutil.rmtree(stale)
+                # Left by a run killed while it saved: its own names only, never a user's.
+                for stale in self.root.glob(".tmp-step-*"):
+                    if stale.name.removeprefix(".tmp-step-").isdigit() and stale.is_dir():
+                        shutil.rmtree(stale)
                 tmp.mkdir(parents=True)
             dist.barrier()
             # Safetensors (each rank its own shards, the layout as JSON in their headers), so

@@ -842,3 +842,15 @@ def test_hf_tokenizer_files_encode_as_ours_with_bos(tmp_path, kind):
         ids = theirs(text)["input_ids"]
         assert ids == [tok.bos_id, *tok.encode(text)], text
         assert theirs.decode(ids, skip_special_tokens=True) == text
+
+
+def test_a_second_output_refuses_a_file_the_first_did_not_write(tmp_path):
+    """A user's file added to an export, though named as an export's may be, is never
+    replaced: the marker lists what the export wrote."""
+    export = data.OutputDir("export", "marker.json", ("*.json",))
+    with export.writing(tmp_path / "out") as out:
+        (out / "config.json").write_text("{}")
+    (tmp_path / "out" / "my_eval_results.json").write_text("the user's")
+    with pytest.raises(data.UsageError, match="out holds my_eval_results.json, which no export"):
+        export.check(tmp_path / "out")
+    assert (tmp_path / "out" / "my_eval_results.json").read_text() == "the user's"

@@ -34,7 +34,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import kernels.fp8
-from data import TokenDataset, attended_per_token
+import shard
+from data import TokenDataset, UsageError, attended_per_token
 from model import Llama, LoRAConfig, ModelArgs, apply_lora, load_hf_checkpoint, save_hf_checkpoint
 from offload import AC_MODES
 from shard import (
@@ -1016,3 +1017,54 @@ def test_the_saved_activations_follow_qs_width_and_the_qk_norms():
 
     for args in variants:
         assert measured_share(args) == pytest.approx(measured_share(llama), rel=0.05), args
+
+
+PLAN = json.dumps(dict.fromkeys(["flags", "planned", "plan", "machine", "estimate"]))
+# What --run-dir holds -> whether a run may write there: only where a run made it, or where
+# nothing of the user's would be written over (issue #47).
+RUN_DIRS = {
+    "a temporary name of the user's under checkpoints": ({"checkpoints/.tmp-mine/data": ""}, False),
+    "the user's lock and notes": ({".lock": "mine", "notes.txt": ""}, False),
+    "the user's metrics, plan and notes": (
+        {"metrics.jsonl": "", "plan.json": "{}", "notes.txt": ""},
+        False,
+    ),
+    "hidden files of the user's": ({".git/HEAD": "", ".env": ""}, False),
+    "the lock of a run stopped before its plan": ({".lock": "pid 12 on node3\n"}, True),
+    "a run's plan beside the user's notes": ({"plan.json": PLAN, "notes.txt": ""}, True),
+    "a checkpoint beside the user's notes": (
+        {"checkpoints/step-000010/train_state.json": "{}", "notes.txt": ""},
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUN_DIRS))
+def test_a_run_writes_only_into_a_directory_a_run_made(case, tmp_path):
+    files, accepted = RUN_DIRS[case]
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    if accepted:
+        shard.check_run_dir(tmp_path)
+    else:
+        with pytest.raises(UsageError, match="and no plan.json or checkpoint of a run"):
+            shard.check_run_dir(tmp_path)
+
+
+# The optimizer and loader of a one-tensor run, for a Checkpointer.
+ONE_TENSOR = SimpleNamespace(state_dict=lambda: {"model": {"w": torch.ones(3)}})
+NO_DATA = SimpleNamespace(state_dict=dict)
+
+
+def test_a_save_removes_only_its_own_temporary_directories(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / ".tmp-mine").mkdir(parents=True)
+    (checkpoints / ".tmp-mine" / "data").write_text("the user's")
+    (checkpoints / ".tmp-notes.txt").write_text("the user's")
+    (checkpoints / ".tmp-step-000005").mkdir()  # a killed run's
+    checkpointer = shard.Checkpointer(checkpoints, 10, 2, init_distributed(), record={})
+    checkpointer.save(10, ONE_TENSOR, NO_DATA)
+    held = sorted(p.name for p in checkpoints.iterdir())
+    assert held == [".tmp-mine", ".tmp-notes.txt", "step-000010"]
+    assert (checkpoints / ".tmp-mine" / "data").read_text() == "the user's"

@@ -179,6 +179,7 @@ def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_file
     for name in ("metrics.jsonl", "metrics.png", "train.log"):
         (tmp_path / "run" / name).parent.mkdir(exist_ok=True)
         (tmp_path / "run" / name).write_text("")
+    (tmp_path / "run" / "plan.json").write_text(json.dumps(dict.fromkeys(shard.PLAN_KEYS)))
     shard.check_run_dir(tmp_path / "run")
     (tmp_path / "new" / "hf").mkdir(parents=True)
     shard.check_run_dir(tmp_path / "new")
@@ -680,11 +681,11 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
         ),
         "run dir of the user's files": (
             ["--data", str(dataset), "--run-dir", str(users_dir)],
-            "holds notes.txt, which no run writes",
+            "users_dir holds notes.txt, and no plan.json or checkpoint of a run",
         ),
         "run dir of the user's files, one named as a run's": (
             ["--data", str(dataset), "--run-dir", str(users_plan)],
-            "holds README.md, which no run writes",
+            "holds README.md, plan.json, and no plan.json or checkpoint of a run",
         ),
         "export over the run dir": (
             ["--data", str(dataset), "--export-hf", str(tmp / "run")],
