@@ -85,8 +85,15 @@ def read_json(path: str | os.PathLike) -> dict:
 def write_json(path: Path, value: dict) -> None:
     """Written whole or not at all: a reader never sees half a file."""
     tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    with open(tmp, "w", opener=no_follow) as f:
+        f.write(json.dumps(value, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def no_follow(path: str | os.PathLike, flags: int) -> int:
+    """open()'s opener for a file longtune writes in a directory others may write into: a
+    symbolic link put there in its place would have it write into the link's target."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o666)
 
 
 def check_directory_path(path: Path, what: str) -> None:

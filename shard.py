@@ -51,7 +51,15 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from data import UsageError, check_directory_path, first_names, params_text, plural, read_json
+from data import (
+    UsageError,
+    check_directory_path,
+    first_names,
+    no_follow,
+    params_text,
+    plural,
+    read_json,
+)
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, chunk_rows
 from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
@@ -452,6 +460,9 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
 # The keys of a run's plan.json (Plan.to_json): a directory holding it, or a checkpoint, is a
 # run's. A .lock, metrics.jsonl or plan.json alone is not: the run would write over someone's.
 PLAN_KEYS = {"flags", "plan", "machine", "estimate"}
+# The files a run writes at the top of its directory (plan.json through write_json's
+# temporary), each opened with data.no_follow.
+RUN_FILES = (".lock", "plan.json", ".tmp-plan.json", "metrics.jsonl")
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -459,6 +470,11 @@ def check_run_dir(run_dir: Path) -> None:
     files, where its plan.json could replace the user's. Exports into it count as its own."""
     check_directory_path(run_dir, "--run-dir")
     held = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
+    if links := [p.name for p in held if p.name in RUN_FILES and p.is_symlink()]:
+        raise UsageError(
+            f"--run-dir {run_dir} holds {', '.join(links)} as symbolic links, which the run would "
+            f"write through into files elsewhere: remove them"
+        )
     if _made_by_a_run(run_dir):
         return  # the user's files beside its own (a plot, a log) stay
     foreign = [p.name for p in held if not _left_by_a_run(p)]
@@ -498,7 +514,7 @@ def lock_run_dir(run_dir: Path, is_main: bool):
     lock, holder = None, ""
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        file = open(run_dir / ".lock", "a+")  # noqa: SIM115 (held open for the run)
+        file = open(run_dir / ".lock", "a+", opener=no_follow)  # noqa: SIM115 (held open for the run)
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             file.truncate(0)

@@ -854,3 +854,12 @@ def test_a_second_output_refuses_a_file_the_first_did_not_write(tmp_path):
     with pytest.raises(data.UsageError, match="out holds my_eval_results.json, which no export"):
         export.check(tmp_path / "out")
     assert (tmp_path / "out" / "my_eval_results.json").read_text() == "the user's"
+
+
+def test_a_json_file_is_never_written_through_a_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    (tmp_path / ".tmp-plan.json").symlink_to(victim)
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        data.write_json(tmp_path / "plan.json", {})
+    assert victim.read_text() == "the user's"

@@ -19,6 +19,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -1068,3 +1069,22 @@ def test_a_save_removes_only_its_own_temporary_directories(tmp_path):
     held = sorted(p.name for p in checkpoints.iterdir())
     assert held == [".tmp-mine", ".tmp-notes.txt", "step-000010"]
     assert (checkpoints / ".tmp-mine" / "data").read_text() == "the user's"
+
+
+@pytest.mark.parametrize("name", [".lock", "plan.json", ".tmp-plan.json", "metrics.jsonl"])
+def test_a_run_never_writes_through_a_link_in_its_directory(name, tmp_path):
+    """Anyone who may write into a shared run directory could point a run's file at another
+    user's: refused before anything is written, and never followed when opened."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "plan.json").write_text(PLAN)
+    (run_dir / name).unlink(missing_ok=True)
+    (run_dir / name).symlink_to(victim)
+    with pytest.raises(UsageError, match=f"holds {re.escape(name)} as symbolic links"):
+        shard.check_run_dir(run_dir)
+    if name == ".lock":
+        with pytest.raises(OSError, match="Too many levels of symbolic links"):
+            shard.lock_run_dir(run_dir, init_distributed().is_main)
+    assert victim.read_text() == "the user's"

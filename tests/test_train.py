@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -1897,3 +1898,18 @@ def test_the_results_that_the_code_cites_are_in_results():
                       for name in re.findall(r'"([^"]+)"', cite.group(1))]  # fmt: skip
     assert len(cited) > 20
     assert [(path, name) for path, name in cited if name not in results] == []
+
+
+def test_the_metrics_log_is_never_written_through_a_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").symlink_to(victim)
+    resumed = SimpleNamespace(last=tmp_path / "run" / "checkpoints" / "step-000010")
+    world = shard.World(0, 1, 1, torch.device("cpu"))
+    run = SimpleNamespace(
+        run_dir=tmp_path / "run", world=world, start_step=10, log=print, checkpointer=resumed
+    )
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        train.MetricsLog(run)
+    assert victim.read_text() == "the user's"
