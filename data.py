@@ -21,6 +21,7 @@ A prepared dataset is a directory of three files:
 import argparse
 import base64
 import binascii
+import errno
 import fnmatch
 import gc
 import glob
@@ -94,6 +95,19 @@ def no_follow(path: str | os.PathLike, flags: int) -> int:
     """open()'s opener for a file longtune writes in a directory others may write into: a
     symbolic link put there in its place would have it write into the link's target."""
     return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+
+
+# A full filesystem, or the user's quota on it: what was given to write into holds no more.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space(what: str, directory: Path) -> UsageError:
+    """The one line for an OSError in NO_SPACE, said once the partial output is removed."""
+    free = shutil.disk_usage(directory).free
+    return UsageError(
+        f"no space left to write {what} ({free:,} bytes free there): free some space, or "
+        f"write it elsewhere"
+    )
 
 
 def check_directory_path(path: Path, what: str) -> None:
@@ -184,8 +198,10 @@ class OutputDir:
             marker = {"written_by": "longtune", "kind": self.kind, "files": files}
             write_json(tmp / self.marker, marker)
             self.swap_in(tmp, final)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno in NO_SPACE:
+                raise no_space(f"the {self.kind} {final}", tmp.parent) from None
             raise
 
     def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:
@@ -1274,8 +1290,9 @@ class DatasetWriter:
 
     def add(self, tokens: np.ndarray, loss_mask: np.ndarray) -> None:
         """One document: its tokens (uint32, from BOS on) and where they may be labels (uint8)."""
-        tokens.tofile(self._tokens_file)
-        loss_mask.tofile(self._mask_file)
+        # Through the file, not ndarray.tofile: its errors carry no errno, so no NO_SPACE.
+        self._tokens_file.write(tokens)
+        self._mask_file.write(loss_mask)
         self.n_tokens += len(tokens)
         self.n_documents += 1
 
@@ -1308,9 +1325,16 @@ class DatasetWriter:
     def __enter__(self) -> "DatasetWriter":
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self._close()
-        shutil.rmtree(self._tmp, ignore_errors=True)  # gone already after `finish`
+    def __exit__(self, exc_type: object, error: BaseException | None, tb: object) -> None:
+        try:
+            self._close()
+        except OSError:  # flushing the rest onto a full disk fails again: `error` says it
+            if error is None:
+                raise
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)  # gone already after `finish`
+        if isinstance(error, OSError) and error.errno in NO_SPACE:
+            raise no_space(f"the dataset {self.output_dir}", self._tmp.parent) from None
 
 
 def _input_files(inputs: Iterable[str | Path]) -> list[Path]:

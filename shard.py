@@ -52,10 +52,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from data import (
+    NO_SPACE,
     UsageError,
     check_directory_path,
     first_names,
     no_follow,
+    no_space,
     params_text,
     plural,
     read_json,
@@ -725,9 +727,9 @@ class Checkpointer:
 
     def save(self, step: int, optimizer, loader) -> Path:
         SAVING.set()
+        final = self.root / f"step-{step:06d}"
+        tmp = self.root / f".tmp-{final.name}"
         try:
-            final = self.root / f"step-{step:06d}"
-            tmp = self.root / f".tmp-{final.name}"
             if self.world.is_main:
                 # Left by a run killed while it saved: its own names only, never a user's.
                 for stale in self.root.glob(".tmp-step-*"):
@@ -761,6 +763,13 @@ class Checkpointer:
                     shutil.rmtree(old)
             self.last = final
             return final
+        except (OSError, CheckpointException) as e:  # DCP's (a BaseException) holds each rank's
+            errors = [e] if isinstance(e, OSError) else [error for error, _ in e.failures.values()]
+            if not any(isinstance(error, OSError) and error.errno in NO_SPACE for error in errors):
+                raise
+            if self.world.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise no_space(f"checkpoint {final}", self.root) from None
         finally:
             SAVING.clear()
 

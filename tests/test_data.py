@@ -1,6 +1,7 @@
 """Tokenizers, preparation, the packed loader and its errors, on small files made in each test."""
 
 import base64
+import errno
 import io
 import json
 import os
@@ -863,3 +864,23 @@ def test_a_json_file_is_never_written_through_a_link(tmp_path):
     with pytest.raises(OSError, match="Too many levels of symbolic links"):
         data.write_json(tmp_path / "plan.json", {})
     assert victim.read_text() == "the user's"
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tmp_path):
+    """An export's or a dataset's write on a full filesystem: one line naming what could not
+    be written, and nothing left of it."""
+    export = data.OutputDir("export", "marker.json", ("*.json",))
+    with (
+        pytest.raises(data.UsageError, match=f"no space left to write the export {tmp_path}/out "),
+        export.writing(tmp_path / "out") as out,
+    ):
+        (out / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with (
+        pytest.raises(data.UsageError, match=f"no space left to write the dataset {tmp_path}/ds "),
+        data.DatasetWriter(tmp_path / "ds") as writer,
+    ):
+        writer._tokens_file.close()
+        writer._tokens_file = open("/dev/full", "wb")  # noqa: SIM115 (closed by the writer)
+        writer.add(np.zeros(100_000, np.uint32), np.ones(100_000, np.uint8))
+    assert list(tmp_path.iterdir()) == []

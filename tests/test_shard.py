@@ -15,6 +15,7 @@ the order of the sums differs: per-rank partial sums reduced over ranks):
 """
 
 import dataclasses
+import errno
 import functools
 import itertools
 import json
@@ -31,6 +32,7 @@ from types import SimpleNamespace
 import dist_worker as w
 import pytest
 import torch
+import torch.distributed.checkpoint.filesystem
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -1088,3 +1090,14 @@ def test_a_run_never_writes_through_a_link_in_its_directory(name, tmp_path):
         with pytest.raises(OSError, match="Too many levels of symbolic links"):
             shard.lock_run_dir(run_dir, init_distributed().is_main)
     assert victim.read_text() == "the user's"
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch.distributed.checkpoint.filesystem, "_write_item", full)
+    checkpointer = shard.Checkpointer(tmp_path, 10, 2, init_distributed(), record={})
+    with pytest.raises(UsageError, match=f"no space left to write checkpoint {tmp_path}/step-0"):
+        checkpointer.save(10, ONE_TENSOR, NO_DATA)
+    assert list(tmp_path.iterdir()) == []
