@@ -540,6 +540,59 @@ def lock_run_dir(run_dir: Path, is_main: bool):
 TRAIN_STATE_KEYS = ["step", "loader", "rng", "run", "options", "files", "tensors"]
 
 
+def _count(value: object, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _is(kind: type | tuple) -> Callable:
+    return lambda value: isinstance(value, kind)
+
+
+def _list_of(test: Callable, length: int | None = None) -> Callable:
+    return lambda v: isinstance(v, list) and length in (None, len(v)) and all(map(test, v))
+
+
+def _dict_of(test: Callable) -> Callable:
+    return lambda v: isinstance(v, dict) and all(map(test, v.values()))
+
+
+_byte = lambda v: _count(v) and v < 256  # noqa: E731
+_positive = functools.partial(_count, least=1)
+CPU_RNG_BYTES = len(torch.get_rng_state())
+# What each field of a train_state.json must be where it is read, since a hand edit may break
+# any: the field (dotted: within an object; absent: None) -> what is expected, and its test.
+TRAIN_STATE_FIELDS = {
+    "step": ("a count", _count),
+    **{f"loader.{k}": ("a count", _count) for k in ("epoch", "cursor", "seed", "num_samples")},
+    "rng.cpu": (f"a list of {CPU_RNG_BYTES} bytes", _list_of(_byte, CPU_RNG_BYTES)),
+    "rng.cuda": ("a list of bytes, or none", lambda v: v is None or _list_of(_byte)(v)),
+    "run.model": ("an object", _is(dict)),
+    "run.seq_len": ("a count above 0", _positive),
+    "run.tokens_per_step": ("a count above 0", _positive),
+    "run.max_steps": ("a count", _count),
+    "run.world_size": ("a count above 0", _positive),
+    "run.tokenizer": ("a string", _is(str)),
+    "run.strategy": ("a string", _is(str)),
+    "run.lora": ("an object, or none", _is((dict, type(None)))),
+    "options": ("an object", _is(dict)),
+    "files": ("an object of each shard's size in bytes", _dict_of(_count)),
+    "tensors": ("an object of each tensor's shape", _dict_of(_list_of(_count))),
+}
+
+
+def _train_state_problems(train_state: dict) -> list[str]:
+    problems = []
+    for field, (expected, test) in TRAIN_STATE_FIELDS.items():
+        value = train_state
+        for key in field.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if not test(value):
+            found = "none" if value is None else json.dumps(value)
+            found = found if len(found) <= 40 else found[:40] + "..."
+            problems.append(f"{field} is {found}, expected {expected}")
+    return problems
+
+
 def step_of(checkpoint: Path) -> int:
     return int(checkpoint.name.removeprefix("step-"))
 
@@ -598,6 +651,8 @@ def check_checkpoint(path: Path) -> dict:
     missing = [key for key in TRAIN_STATE_KEYS if key not in train_state]
     if missing:
         raise UsageError(f"{state_path}: no {', '.join(missing)}: not a longtune checkpoint")
+    if problems := _train_state_problems(train_state):
+        raise UsageError(f"{state_path}: " + "; ".join(problems))
     problems = []
     shards = {f.name: f for f in sorted(path.glob("*.safetensors"))}
     for name, size in train_state["files"].items():

@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -1101,3 +1102,48 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(tmp_path, monk
     with pytest.raises(UsageError, match=f"no space left to write checkpoint {tmp_path}/step-0"):
         checkpointer.save(10, ONE_TENSOR, NO_DATA)
     assert list(tmp_path.iterdir()) == []
+
+
+RUN = {"model": {}, "seq_len": 8, "tokens_per_step": 16, "max_steps": 1, "world_size": 1,
+       "tokenizer": "bytes", "strategy": "FULL_SHARD", "lora": None}  # fmt: skip
+LOADER = SimpleNamespace(state_dict=lambda: {"epoch": 0, "cursor": 0, "seed": 0, "num_samples": 4})
+# A hand edit of a checkpoint's train_state.json -> a piece of the one line refusing it.
+TRAIN_STATE_EDITS = {
+    "the step a string": (lambda s: s | {"step": "6"}, 'step is "6", expected a count'),
+    "rng of the wrong length": (
+        lambda s: s | {"rng": {"cpu": s["rng"]["cpu"][:-1]}},
+        f"..., expected a list of {len(torch.get_rng_state())} bytes",
+    ),
+    "an empty loader": (lambda s: s | {"loader": {}}, "loader.epoch is none, expected a count"),
+    "tensors a list": (lambda s: s | {"tensors": []}, "tensors is [], expected an object of"),
+    "no run.model": (
+        lambda s: s | {"run": {k: v for k, v in s["run"].items() if k != "model"}},
+        "run.model is none, expected an object",
+    ),
+    "no tokens per step": (
+        lambda s: s | {"run": s["run"] | {"tokens_per_step": 0}},
+        "run.tokens_per_step is 0, expected a count above 0",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
+    record = {"run": RUN, "options": {}}
+    return shard.Checkpointer(checkpoints, 1, 1, init_distributed(), record).save(
+        1, ONE_TENSOR, LOADER
+    )
+
+
+@pytest.mark.parametrize("case", sorted(TRAIN_STATE_EDITS))
+def test_a_hand_edited_train_state_is_one_line_naming_the_field(case, checkpoint, tmp_path):
+    shard.check_checkpoint(checkpoint)
+    edited = tmp_path / checkpoint.name
+    shutil.copytree(checkpoint, edited)
+    edit, expected = TRAIN_STATE_EDITS[case]
+    saved = json.loads((edited / "train_state.json").read_text())
+    (edited / "train_state.json").write_text(json.dumps(edit(saved)))
+    with pytest.raises(UsageError, match=f"^{re.escape(str(edited))}/train_state.json: ") as e:
+        shard.check_checkpoint(edited)
+    assert expected in str(e.value)
