@@ -21,6 +21,7 @@ A prepared dataset is a directory of three files:
 import argparse
 import base64
 import binascii
+import errno
 import fnmatch
 import gc
 import glob
@@ -87,8 +88,28 @@ def read_json(path: str | os.PathLike) -> dict:
 def write_json(path: Path, value: dict) -> None:
     """Written whole or not at all: a reader never sees half a file."""
     tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    with open(tmp, "w", opener=no_follow) as f:
+        f.write(json.dumps(value, indent=1) + "\n")
     os.replace(tmp, path)
+
+
+def no_follow(path: str | os.PathLike, flags: int) -> int:
+    """open()'s opener for a file longtune writes in a directory others may write into: a
+    symbolic link put there in its place would have it write into the link's target."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+
+
+# A full filesystem, or the user's quota on it: what was given to write into holds no more.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_space(what: str, directory: Path) -> UsageError:
+    """The one line for an OSError in NO_SPACE, said once the partial output is removed."""
+    free = shutil.disk_usage(directory).free
+    return UsageError(
+        f"no space left to write {what} ({free:,} bytes free there): free some space, or "
+        f"write it elsewhere"
+    )
 
 
 def check_directory_path(path: Path, what: str) -> None:
@@ -127,7 +148,13 @@ class OutputDir:
         final = Path(final)
         check_directory_path(final, f"{self.kind} directory")
         held = sorted(p.name for p in final.iterdir()) if final.is_dir() else []
-        foreign = [n for n in held if not any(fnmatch.fnmatch(n, p) for p in self.names)]
+        # What the one there wrote, as its marker lists; else (written before markers listed
+        # them, or a dataset's meta.json) what its files may be named.
+        listed = read_json(final / self.marker).get("files") if self.marker in held else None
+        if isinstance(listed, list):
+            foreign = [n for n in held if n not in listed and n != self.marker]
+        else:
+            foreign = [n for n in held if not any(fnmatch.fnmatch(n, p) for p in self.names)]
         if foreign:
             raise UsageError(
                 f"{self.kind} directory {final} holds {first_names(foreign)}, which no {self.kind} "
@@ -169,10 +196,14 @@ class OutputDir:
         tmp = self.make_temp(final)
         try:
             yield tmp
-            write_json(tmp / self.marker, {"written_by": "longtune", "kind": self.kind})
+            files = sorted(p.name for p in tmp.iterdir())  # the next one replaces these alone
+            marker = {"written_by": "longtune", "kind": self.kind, "files": files}
+            write_json(tmp / self.marker, marker)
             self.swap_in(tmp, final)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, OSError) and e.errno in NO_SPACE:
+                raise no_space(f"the {self.kind} {final}", tmp.parent) from None
             raise
 
     def swap_in(self, tmp: Path, final: str | os.PathLike) -> None:
@@ -1313,8 +1344,9 @@ class DatasetWriter:
 
     def add(self, tokens: np.ndarray, loss_mask: np.ndarray) -> None:
         """One document: its tokens (uint32, from BOS on) and where they may be labels (uint8)."""
-        tokens.tofile(self._tokens_file)
-        loss_mask.tofile(self._mask_file)
+        # Through the file, not ndarray.tofile: its errors carry no errno, so no NO_SPACE.
+        self._tokens_file.write(tokens)
+        self._mask_file.write(loss_mask)
         self.n_tokens += len(tokens)
         self.n_documents += 1
 
@@ -1347,9 +1379,16 @@ class DatasetWriter:
     def __enter__(self) -> "DatasetWriter":
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self._close()
-        shutil.rmtree(self._tmp, ignore_errors=True)  # gone already after `finish`
+    def __exit__(self, exc_type: object, error: BaseException | None, tb: object) -> None:
+        try:
+            self._close()
+        except OSError:  # flushing the rest onto a full disk fails again: `error` says it
+            if error is None:
+                raise
+        finally:
+            shutil.rmtree(self._tmp, ignore_errors=True)  # gone already after `finish`
+        if isinstance(error, OSError) and error.errno in NO_SPACE:
+            raise no_space(f"the dataset {self.output_dir}", self._tmp.parent) from None
 
 
 def _input_files(inputs: Iterable[str | Path]) -> list[Path]:

@@ -14,12 +14,12 @@ Multi-node runs need no code here: torchrun's rendezvous flags (`--nnodes`, `--n
 import bisect
 import dataclasses
 import fcntl
-import fnmatch
 import functools
 import itertools
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import socket
@@ -51,7 +51,17 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from data import UsageError, check_directory_path, first_names, params_text, plural, read_json
+from data import (
+    NO_SPACE,
+    UsageError,
+    check_directory_path,
+    first_names,
+    no_follow,
+    no_space,
+    params_text,
+    plural,
+    read_json,
+)
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, chunk_rows
 from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
@@ -449,32 +459,51 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
 # exports (--export-hf, --export-adapter)
 # ----------------------------------------------------------------------------------------
 
-# What a run writes into --run-dir (hidden: its lock, and exports' temporary directories).
-RUN_FILES = ("plan.json", "metrics.jsonl", "checkpoints", ".*", "trace-rank*.json",
-             "memory-snapshot-rank*.pickle")  # fmt: skip
-# Names only a run writes (the lock first): a directory holding one is a run's.
-RUN_MARKERS = (".lock", "metrics.jsonl")
+# The keys of a run's plan.json (Plan.to_json): a directory holding it, or a checkpoint, is a
+# run's. A .lock, metrics.jsonl or plan.json alone is not: the run would write over someone's.
+PLAN_KEYS = {"flags", "plan", "machine", "estimate"}
+# The files a run writes at the top of its directory (plan.json through write_json's
+# temporary), each opened with data.no_follow.
+RUN_FILES = (".lock", "plan.json", ".tmp-plan.json", "metrics.jsonl")
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """A run writes into a new or empty directory, or a run's (RUN_MARKERS), never among other
+    """A run writes into a new or empty directory, or one a run made, never among other
     files, where its plan.json could replace the user's. Exports into it count as its own."""
     check_directory_path(run_dir, "--run-dir")
     held = sorted(run_dir.iterdir()) if run_dir.is_dir() else []
-    if any(p.name in RUN_MARKERS for p in held):
-        return  # a run's directory: the user's files beside its own (a plot, a log) stay
-    foreign = [p.name for p in held if not _run_entry(p)]
+    if links := [p.name for p in held if p.name in RUN_FILES and p.is_symlink()]:
+        raise UsageError(
+            f"--run-dir {run_dir} holds {', '.join(links)} as symbolic links, which the run would "
+            f"write through into files elsewhere: remove them"
+        )
+    if _made_by_a_run(run_dir):
+        return  # the user's files beside its own (a plot, a log) stay
+    foreign = [p.name for p in held if not _left_by_a_run(p)]
     if foreign:
         raise UsageError(
-            f"--run-dir {run_dir} holds {first_names(foreign)}, which no run writes: give a new or "
-            f"empty directory, or the run directory of an earlier run"
+            f"--run-dir {run_dir} holds {first_names(foreign)}, and no plan.json or checkpoint of "
+            f"a run: a run would write over them; give a new or empty directory, or the run "
+            f"directory of an earlier run"
         )
 
 
-def _run_entry(path: Path) -> bool:
-    """One of a run's files, an export into the run directory, or an empty directory."""
-    if any(fnmatch.fnmatch(path.name, pattern) for pattern in RUN_FILES):
-        return True
+def _made_by_a_run(run_dir: Path) -> bool:
+    """Whether `run_dir` holds what only a run writes: its plan.json, or a checkpoint."""
+    try:
+        if read_json(run_dir / "plan.json").keys() >= PLAN_KEYS:
+            return True
+    except UsageError:  # none, or not a run's
+        pass
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    return any((c / "train_state.json").is_file() for c in checkpoints)
+
+
+def _left_by_a_run(path: Path) -> bool:
+    """An export, an empty directory, or the lock of a run stopped before it wrote its plan."""
+    if path.name == ".lock" and path.is_file() and not path.is_symlink():
+        with open(path, "rb") as f:
+            return re.fullmatch(rb"(pid \d+ on \S+\n)?", f.read(300)) is not None
     markers = (HF_EXPORT.marker, PEFT_ADAPTER.marker)
     return path.is_dir() and (not any(path.iterdir()) or any((path / m).is_file() for m in markers))
 
@@ -487,7 +516,7 @@ def lock_run_dir(run_dir: Path, is_main: bool):
     lock, holder = None, ""
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        file = open(run_dir / ".lock", "a+")  # noqa: SIM115 (held open for the run)
+        file = open(run_dir / ".lock", "a+", opener=no_follow)  # noqa: SIM115 (held open for the run)
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             file.truncate(0)
@@ -509,6 +538,59 @@ def lock_run_dir(run_dir: Path, is_main: bool):
 
 
 TRAIN_STATE_KEYS = ["step", "loader", "rng", "run", "options", "files", "tensors"]
+
+
+def _count(value: object, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _is(kind: type | tuple) -> Callable:
+    return lambda value: isinstance(value, kind)
+
+
+def _list_of(test: Callable, length: int | None = None) -> Callable:
+    return lambda v: isinstance(v, list) and length in (None, len(v)) and all(map(test, v))
+
+
+def _dict_of(test: Callable) -> Callable:
+    return lambda v: isinstance(v, dict) and all(map(test, v.values()))
+
+
+_byte = lambda v: _count(v) and v < 256  # noqa: E731
+_positive = functools.partial(_count, least=1)
+CPU_RNG_BYTES = len(torch.get_rng_state())
+# What each field of a train_state.json must be where it is read, since a hand edit may break
+# any: the field (dotted: within an object; absent: None) -> what is expected, and its test.
+TRAIN_STATE_FIELDS = {
+    "step": ("a count", _count),
+    **{f"loader.{k}": ("a count", _count) for k in ("epoch", "cursor", "seed", "num_samples")},
+    "rng.cpu": (f"a list of {CPU_RNG_BYTES} bytes", _list_of(_byte, CPU_RNG_BYTES)),
+    "rng.cuda": ("a list of bytes, or none", lambda v: v is None or _list_of(_byte)(v)),
+    "run.model": ("an object", _is(dict)),
+    "run.seq_len": ("a count above 0", _positive),
+    "run.tokens_per_step": ("a count above 0", _positive),
+    "run.max_steps": ("a count", _count),
+    "run.world_size": ("a count above 0", _positive),
+    "run.tokenizer": ("a string", _is(str)),
+    "run.strategy": ("a string", _is(str)),
+    "run.lora": ("an object, or none", _is((dict, type(None)))),
+    "options": ("an object", _is(dict)),
+    "files": ("an object of each shard's size in bytes", _dict_of(_count)),
+    "tensors": ("an object of each tensor's shape", _dict_of(_list_of(_count))),
+}
+
+
+def _train_state_problems(train_state: dict) -> list[str]:
+    problems = []
+    for field, (expected, test) in TRAIN_STATE_FIELDS.items():
+        value = train_state
+        for key in field.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if not test(value):
+            found = "none" if value is None else json.dumps(value)
+            found = found if len(found) <= 40 else found[:40] + "..."
+            problems.append(f"{field} is {found}, expected {expected}")
+    return problems
 
 
 def step_of(checkpoint: Path) -> int:
@@ -569,6 +651,8 @@ def check_checkpoint(path: Path) -> dict:
     missing = [key for key in TRAIN_STATE_KEYS if key not in train_state]
     if missing:
         raise UsageError(f"{state_path}: no {', '.join(missing)}: not a longtune checkpoint")
+    if problems := _train_state_problems(train_state):
+        raise UsageError(f"{state_path}: " + "; ".join(problems))
     problems = []
     shards = {f.name: f for f in sorted(path.glob("*.safetensors"))}
     for name, size in train_state["files"].items():
@@ -698,12 +782,14 @@ class Checkpointer:
 
     def save(self, step: int, optimizer, loader) -> Path:
         SAVING.set()
+        final = self.root / f"step-{step:06d}"
+        tmp = self.root / f".tmp-{final.name}"
         try:
-            final = self.root / f"step-{step:06d}"
-            tmp = self.root / f".tmp-{final.name}"
             if self.world.is_main:
-                for stale in self.root.glob(".tmp-*"):  # left by a run killed while it saved
-                    shutil.rmtree(stale)
+                # Left by a run killed while it saved: its own names only, never a user's.
+                for stale in self.root.glob(".tmp-step-*"):
+                    if stale.name.removeprefix(".tmp-step-").isdigit() and stale.is_dir():
+                        shutil.rmtree(stale)
                 tmp.mkdir(parents=True)
             dist.barrier()
             # Safetensors (each rank its own shards, the layout as JSON in their headers), so
@@ -732,6 +818,13 @@ class Checkpointer:
                     shutil.rmtree(old)
             self.last = final
             return final
+        except (OSError, CheckpointException) as e:  # DCP's (a BaseException) holds each rank's
+            errors = [e] if isinstance(e, OSError) else [error for error, _ in e.failures.values()]
+            if not any(isinstance(error, OSError) and error.errno in NO_SPACE for error in errors):
+                raise
+            if self.world.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise no_space(f"checkpoint {final}", self.root) from None
         finally:
             SAVING.clear()
 

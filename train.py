@@ -47,6 +47,7 @@ from data import (
     Tokenizer,
     UsageError,
     attended_per_token,
+    no_follow,
     open_data,
     open_eval_data,
     params_text,
@@ -971,7 +972,7 @@ class MetricsLog:
                     f"{self.path}: {plural(len(damaged), 'line')} not a JSON record "
                     f"(line {lines}), left as found; readers skip them"
                 )
-            with self.path.open("a") as f:
+            with open(self.path, "a", opener=no_follow) as f:
                 if cut:
                     f.write("\n")
                 if resumed_from := run.checkpointer.last:
@@ -1046,7 +1047,7 @@ class MetricsLog:
             now = time.perf_counter()
         if world.is_main:
             print(format_record(record, max_steps), flush=True)
-            with self.path.open("a") as f:
+            with open(self.path, "a", opener=no_follow) as f:
                 f.write(json.dumps(record) + "\n")
         self.logged_at, self.logged_step = now, step
 

@@ -1,6 +1,7 @@
 """Tokenizers, preparation, the packed loader and its errors, on small files made in each test."""
 
 import base64
+import errno
 import io
 import json
 import os
@@ -857,3 +858,44 @@ def test_hf_tokenizer_files_encode_as_ours_with_bos(tmp_path, kind):
         ids = theirs(text)["input_ids"]
         assert ids == [tok.bos_id, *tok.encode(text)], text
         assert theirs.decode(ids, skip_special_tokens=True) == text
+
+
+def test_a_second_output_refuses_a_file_the_first_did_not_write(tmp_path):
+    """A user's file added to an export, though named as an export's may be, is never
+    replaced: the marker lists what the export wrote."""
+    export = data.OutputDir("export", "marker.json", ("*.json",))
+    with export.writing(tmp_path / "out") as out:
+        (out / "config.json").write_text("{}")
+    (tmp_path / "out" / "my_eval_results.json").write_text("the user's")
+    with pytest.raises(data.UsageError, match="out holds my_eval_results.json, which no export"):
+        export.check(tmp_path / "out")
+    assert (tmp_path / "out" / "my_eval_results.json").read_text() == "the user's"
+
+
+def test_a_json_file_is_never_written_through_a_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    (tmp_path / ".tmp-plan.json").symlink_to(victim)
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        data.write_json(tmp_path / "plan.json", {})
+    assert victim.read_text() == "the user's"
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tmp_path):
+    """An export's or a dataset's write on a full filesystem: one line naming what could not
+    be written, and nothing left of it."""
+    export = data.OutputDir("export", "marker.json", ("*.json",))
+    with (
+        pytest.raises(data.UsageError, match=f"no space left to write the export {tmp_path}/out "),
+        export.writing(tmp_path / "out") as out,
+    ):
+        (out / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with (
+        pytest.raises(data.UsageError, match=f"no space left to write the dataset {tmp_path}/ds "),
+        data.DatasetWriter(tmp_path / "ds") as writer,
+    ):
+        writer._tokens_file.close()
+        writer._tokens_file = open("/dev/full", "wb")  # noqa: SIM115 (closed by the writer)
+        writer.add(np.zeros(100_000, np.uint32), np.ones(100_000, np.uint8))
+    assert list(tmp_path.iterdir()) == []

@@ -354,6 +354,9 @@ def test_export_replaces_previous_directory_whole(tmp_path):
     save_hf_checkpoint(ours.args, ours.named_parameters(), out)
     stale = out / "model-00002-of-00002.safetensors"  # a shard of an older, larger export
     stale.write_bytes(b"")
+    marker = json.loads((out / "longtune_export.json").read_text())
+    marker["files"].append(stale.name)
+    (out / "longtune_export.json").write_text(json.dumps(marker))
     save_hf_checkpoint(ours.args, ours.named_parameters(), out)
     assert not stale.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]  # no temp dirs left

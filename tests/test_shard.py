@@ -15,10 +15,13 @@ the order of the sums differs: per-rank partial sums reduced over ranks):
 """
 
 import dataclasses
+import errno
 import functools
 import itertools
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -30,11 +33,13 @@ from types import SimpleNamespace
 import dist_worker as w
 import pytest
 import torch
+import torch.distributed.checkpoint.filesystem
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import kernels.fp8
-from data import TokenDataset, attended_per_token
+import shard
+from data import TokenDataset, UsageError, attended_per_token
 from model import Llama, LoRAConfig, ModelArgs, apply_lora, load_hf_checkpoint, save_hf_checkpoint
 from offload import AC_MODES
 from shard import (
@@ -1021,3 +1026,129 @@ def test_the_saved_activations_follow_qs_width_and_the_qk_norms():
 
     for args in variants:
         assert measured_share(args) == pytest.approx(measured_share(llama), rel=0.05), args
+
+
+PLAN = json.dumps(dict.fromkeys(["flags", "planned", "plan", "machine", "estimate"]))
+# What --run-dir holds -> whether a run may write there: only where a run made it, or where
+# nothing of the user's would be written over (issue #47).
+RUN_DIRS = {
+    "a temporary name of the user's under checkpoints": ({"checkpoints/.tmp-mine/data": ""}, False),
+    "the user's lock and notes": ({".lock": "mine", "notes.txt": ""}, False),
+    "the user's metrics, plan and notes": (
+        {"metrics.jsonl": "", "plan.json": "{}", "notes.txt": ""},
+        False,
+    ),
+    "hidden files of the user's": ({".git/HEAD": "", ".env": ""}, False),
+    "the lock of a run stopped before its plan": ({".lock": "pid 12 on node3\n"}, True),
+    "a run's plan beside the user's notes": ({"plan.json": PLAN, "notes.txt": ""}, True),
+    "a checkpoint beside the user's notes": (
+        {"checkpoints/step-000010/train_state.json": "{}", "notes.txt": ""},
+        True,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUN_DIRS))
+def test_a_run_writes_only_into_a_directory_a_run_made(case, tmp_path):
+    files, accepted = RUN_DIRS[case]
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    if accepted:
+        shard.check_run_dir(tmp_path)
+    else:
+        with pytest.raises(UsageError, match="and no plan.json or checkpoint of a run"):
+            shard.check_run_dir(tmp_path)
+
+
+# The optimizer and loader of a one-tensor run, for a Checkpointer.
+ONE_TENSOR = SimpleNamespace(state_dict=lambda: {"model": {"w": torch.ones(3)}})
+NO_DATA = SimpleNamespace(state_dict=dict)
+
+
+def test_a_save_removes_only_its_own_temporary_directories(tmp_path):
+    checkpoints = tmp_path / "checkpoints"
+    (checkpoints / ".tmp-mine").mkdir(parents=True)
+    (checkpoints / ".tmp-mine" / "data").write_text("the user's")
+    (checkpoints / ".tmp-notes.txt").write_text("the user's")
+    (checkpoints / ".tmp-step-000005").mkdir()  # a killed run's
+    checkpointer = shard.Checkpointer(checkpoints, 10, 2, init_distributed(), record={})
+    checkpointer.save(10, ONE_TENSOR, NO_DATA)
+    held = sorted(p.name for p in checkpoints.iterdir())
+    assert held == [".tmp-mine", ".tmp-notes.txt", "step-000010"]
+    assert (checkpoints / ".tmp-mine" / "data").read_text() == "the user's"
+
+
+@pytest.mark.parametrize("name", [".lock", "plan.json", ".tmp-plan.json", "metrics.jsonl"])
+def test_a_run_never_writes_through_a_link_in_its_directory(name, tmp_path):
+    """Anyone who may write into a shared run directory could point a run's file at another
+    user's: refused before anything is written, and never followed when opened."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "plan.json").write_text(PLAN)
+    (run_dir / name).unlink(missing_ok=True)
+    (run_dir / name).symlink_to(victim)
+    with pytest.raises(UsageError, match=f"holds {re.escape(name)} as symbolic links"):
+        shard.check_run_dir(run_dir)
+    if name == ".lock":
+        with pytest.raises(OSError, match="Too many levels of symbolic links"):
+            shard.lock_run_dir(run_dir, init_distributed().is_main)
+    assert victim.read_text() == "the user's"
+
+
+def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch.distributed.checkpoint.filesystem, "_write_item", full)
+    checkpointer = shard.Checkpointer(tmp_path, 10, 2, init_distributed(), record={})
+    with pytest.raises(UsageError, match=f"no space left to write checkpoint {tmp_path}/step-0"):
+        checkpointer.save(10, ONE_TENSOR, NO_DATA)
+    assert list(tmp_path.iterdir()) == []
+
+
+RUN = {"model": {}, "seq_len": 8, "tokens_per_step": 16, "max_steps": 1, "world_size": 1,
+       "tokenizer": "bytes", "strategy": "FULL_SHARD", "lora": None}  # fmt: skip
+LOADER = SimpleNamespace(state_dict=lambda: {"epoch": 0, "cursor": 0, "seed": 0, "num_samples": 4})
+# A hand edit of a checkpoint's train_state.json -> a piece of the one line refusing it.
+TRAIN_STATE_EDITS = {
+    "the step a string": (lambda s: s | {"step": "6"}, 'step is "6", expected a count'),
+    "rng of the wrong length": (
+        lambda s: s | {"rng": {"cpu": s["rng"]["cpu"][:-1]}},
+        f"..., expected a list of {len(torch.get_rng_state())} bytes",
+    ),
+    "an empty loader": (lambda s: s | {"loader": {}}, "loader.epoch is none, expected a count"),
+    "tensors a list": (lambda s: s | {"tensors": []}, "tensors is [], expected an object of"),
+    "no run.model": (
+        lambda s: s | {"run": {k: v for k, v in s["run"].items() if k != "model"}},
+        "run.model is none, expected an object",
+    ),
+    "no tokens per step": (
+        lambda s: s | {"run": s["run"] | {"tokens_per_step": 0}},
+        "run.tokens_per_step is 0, expected a count above 0",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    checkpoints = tmp_path_factory.mktemp("checkpoints")
+    record = {"run": RUN, "options": {}}
+    return shard.Checkpointer(checkpoints, 1, 1, init_distributed(), record).save(
+        1, ONE_TENSOR, LOADER
+    )
+
+
+@pytest.mark.parametrize("case", sorted(TRAIN_STATE_EDITS))
+def test_a_hand_edited_train_state_is_one_line_naming_the_field(case, checkpoint, tmp_path):
+    shard.check_checkpoint(checkpoint)
+    edited = tmp_path / checkpoint.name
+    shutil.copytree(checkpoint, edited)
+    edit, expected = TRAIN_STATE_EDITS[case]
+    saved = json.loads((edited / "train_state.json").read_text())
+    (edited / "train_state.json").write_text(json.dumps(edit(saved)))
+    with pytest.raises(UsageError, match=f"^{re.escape(str(edited))}/train_state.json: ") as e:
+        shard.check_checkpoint(edited)
+    assert expected in str(e.value)

@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -193,6 +194,7 @@ def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_file
     for name in ("metrics.jsonl", "metrics.png", "train.log"):
         (tmp_path / "run" / name).parent.mkdir(exist_ok=True)
         (tmp_path / "run" / name).write_text("")
+    (tmp_path / "run" / "plan.json").write_text(json.dumps(dict.fromkeys(shard.PLAN_KEYS)))
     shard.check_run_dir(tmp_path / "run")
     (tmp_path / "new" / "hf").mkdir(parents=True)
     shard.check_run_dir(tmp_path / "new")
@@ -712,11 +714,11 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
         ),
         "run dir of the user's files": (
             ["--data", str(dataset), "--run-dir", str(users_dir)],
-            "holds notes.txt, which no run writes",
+            "users_dir holds notes.txt, and no plan.json or checkpoint of a run",
         ),
         "run dir of the user's files, one named as a run's": (
             ["--data", str(dataset), "--run-dir", str(users_plan)],
-            "holds README.md, which no run writes",
+            "holds README.md, plan.json, and no plan.json or checkpoint of a run",
         ),
         "export over the run dir": (
             ["--data", str(dataset), "--export-hf", str(tmp / "run")],
@@ -1993,3 +1995,18 @@ def test_the_results_that_the_code_cites_are_in_results():
                       for name in re.findall(r'"([^"]+)"', cite.group(1))]  # fmt: skip
     assert len(cited) > 20
     assert [(path, name) for path, name in cited if name not in results] == []
+
+
+def test_the_metrics_log_is_never_written_through_a_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").symlink_to(victim)
+    resumed = SimpleNamespace(last=tmp_path / "run" / "checkpoints" / "step-000010")
+    world = shard.World(0, 1, 1, torch.device("cpu"))
+    run = SimpleNamespace(
+        run_dir=tmp_path / "run", world=world, start_step=10, log=print, checkpointer=resumed
+    )
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        train.MetricsLog(run)
+    assert victim.read_text() == "the user's"
