@@ -64,6 +64,7 @@ from model import (
     ModelArgs,
     RopeScaling,
     fill_weights,
+    in_e4m3,
     merged_named_tensors,
     save_hf_checkpoint,
     save_peft_adapter,
@@ -887,6 +888,7 @@ class Plan:
     param_dtype: str = "bf16"  # of the gathered weights and the activations
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
     fp8: bool = False  # the projections in e4m3 (kernels/fp8.py): their copies in backward
+    fp8_projections: tuple[str, ...] = ()  # those of them --fp8 multiplies in e4m3 (make_plan)
     lora: LoRAConfig | None = None
     context_parallel: int = 1
     document_mask: bool = False
@@ -961,7 +963,14 @@ class Plan:
             f"{ranks} | planned: {planned}",
             self.estimate.format(on_gpu=m.gpu_gib is not None),
             f"{plural(m.world_size, 'process')}: {memory_line(self.estimate, m)}",
-        ])  # fmt: skip
+        ] + ([self.fp8_line()] if self.fp8 else []))  # fmt: skip
+
+    def fp8_line(self) -> str:
+        in_bf16 = [name for name in PROJECTIONS if name not in self.fp8_projections]
+        line = f"--fp8: {', '.join(self.fp8_projections) or 'no projection'} in e4m3"
+        if in_bf16:
+            line += f"; {', '.join(in_bf16)} in bf16, their matmuls too small for e4m3 to gain"
+        return line
 
     def format_measured(self, measured: dict) -> str:
         """The peaks reached (measured_memory) beside the estimates."""
@@ -1521,7 +1530,28 @@ def make_plan(
         planned=tuple(name for name in PLANNED if name not in wanted),
         tokens_per_step_asked=asked,
         seconds_per_step=step_seconds(args, plan, GPU_FLOPS if machine.gpu_gib else CPU_FLOPS),
+        fp8_projections=fp8_projections(args, plan) if plan.fp8 else (),
     )
+
+
+# A block's projections, in the order of its forward.
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+
+
+def fp8_projections(args: ModelArgs, plan: Plan) -> tuple[str, ...]:
+    """The projections whose matmuls at the plan's tokens are large enough for e4m3
+    (model.in_e4m3, as model.fp8_ops decides at each call); under --mlp-tile the MLP's are a
+    tile's."""
+    rows = plan.seq_len // plan.context_parallel
+    tokens, mlp_tokens = plan.tokens, plan.micro_batch * min(plan.mlp_tile or rows, rows)
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    groups = {  # the projections reading one input: (tokens, their outputs, their features)
+        ("wq", "wk", "wv"): (tokens, q + 2 * kv, args.dim),
+        ("wo",): (tokens, args.dim, q),
+        ("w1", "w3"): (mlp_tokens, 2 * args.ffn_dim, args.dim),
+        ("w2",): (mlp_tokens, args.dim, args.ffn_dim),
+    }
+    return tuple(name for names, shape in groups.items() if in_e4m3(*shape) for name in names)
 
 
 def choose_plan(
