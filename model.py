@@ -615,33 +615,15 @@ def triton_ops() -> Ops:
     )
 
 
-# The fewest multiply-adds a matmul (tokens x the outputs of the projections that read one
-# input x its features) that --fp8 multiplies in e4m3: below it the quantization's launches
-# and passes cost more time than e4m3 saves. The projections measured on either side of it:
-# bench/RESULTS.md, "--fp8 keeps the small projections in bf16".
-FP8_SMALLEST = 2**37
-
-
-def in_e4m3(tokens: int, outputs: int, features: int, smallest: int = FP8_SMALLEST) -> bool:
-    """Whether --fp8 multiplies projections of `outputs` in all, reading one input of
-    `tokens` x `features`, in e4m3."""
-    return tokens * outputs * features >= smallest
-
-
-def fp8_ops(ops: Ops, triton_kernels: bool, smallest: int = 0) -> Ops:
+def fp8_ops(ops: Ops, triton_kernels: bool) -> Ops:
     """`ops` with the projections reading one input in one fp8_linears call (--fp8), which
-    quantizes it once; a LoRA base too, not a 4-bit one. Head and embedding stay in bf16, and
-    projections whose matmul is under `smallest` multiply-adds (in_e4m3; train.py passes
-    FP8_SMALLEST, the tests 0 to quantize their small models)."""
+    quantizes it once; a LoRA base too, not a 4-bit one. Head and embedding stay in bf16."""
 
     def fp8_project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
         in_fp8 = [
             m for m in linears
             if type(m) is nn.Linear or (isinstance(m, LoRALinear) and not m.quantized)
         ]  # fmt: skip
-        width = sum(m.out_features for m in in_fp8)
-        if not in_e4m3(x.numel() // x.shape[-1], width, x.shape[-1], smallest):
-            return ops.project(x, linears)
         weights, biases = [m.weight for m in in_fp8], [m.bias for m in in_fp8]
         outputs = iter(fp8_linears(x, weights, biases, triton_kernels) if in_fp8 else ())
         projected = []

@@ -64,7 +64,6 @@ from model import (
     ModelArgs,
     RopeScaling,
     fill_weights,
-    in_e4m3,
     merged_named_tensors,
     save_hf_checkpoint,
     save_peft_adapter,
@@ -888,7 +887,7 @@ class Plan:
     param_dtype: str = "bf16"  # of the gathered weights and the activations
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
     fp8: bool = False  # the projections in e4m3 (kernels/fp8.py): their copies in backward
-    fp8_projections: tuple[str, ...] = ()  # those of them --fp8 multiplies in e4m3 (make_plan)
+    fp8_projections: tuple[str, ...] = ()  # those --fp8 multiplies in e4m3 (fp8_projections)
     lora: LoRAConfig | None = None
     context_parallel: int = 1
     document_mask: bool = False
@@ -966,11 +965,12 @@ class Plan:
         ] + ([self.fp8_line()] if self.fp8 else []))  # fmt: skip
 
     def fp8_line(self) -> str:
-        in_bf16 = [name for name in PROJECTIONS if name not in self.fp8_projections]
-        line = f"--fp8: {', '.join(self.fp8_projections) or 'no projection'} in e4m3"
-        if in_bf16:
-            line += f"; {', '.join(in_bf16)} in bf16, their matmuls too small for e4m3 to gain"
-        return line
+        if self.fp8_projections:
+            return f"--fp8: {', '.join(self.fp8_projections)} in e4m3"
+        return (
+            f"--fp8: every projection stays in bf16: at {self.tokens:,} tokens a matmul the "
+            f"blocks are too small for e4m3 to gain (fp8_projections)"
+        )
 
     def format_measured(self, measured: dict) -> str:
         """The peaks reached (measured_memory) beside the estimates."""
@@ -1536,22 +1536,24 @@ def make_plan(
 
 # A block's projections, in the order of its forward.
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+# The fewest multiply-adds of a block's projections in a forward (each matmul's tokens x its
+# weight's elements) at which --fp8 multiplies them in e4m3. Each e4m3 projection costs the
+# host several times bf16's launches, a fixed cost: in a smaller block the step waits on the
+# host longer than e4m3 saves on the GPU. Between the largest block measured slower in e4m3
+# and the smallest measured faster: bench/RESULTS.md, "--fp8 keeps small blocks in bf16".
+FP8_SMALLEST_BLOCK = 700e9
 
 
 def fp8_projections(args: ModelArgs, plan: Plan) -> tuple[str, ...]:
-    """The projections whose matmuls at the plan's tokens are large enough for e4m3
-    (model.in_e4m3, as model.fp8_ops decides at each call); under --mlp-tile the MLP's are a
-    tile's."""
+    """The projections --fp8 multiplies in e4m3: all of them where the block's are large
+    enough at the plan's tokens a matmul (FP8_SMALLEST_BLOCK), else none (model.fp8_ops is
+    not applied). Under --mlp-tile the MLP's matmuls are a tile's."""
     rows = plan.seq_len // plan.context_parallel
-    tokens, mlp_tokens = plan.tokens, plan.micro_batch * min(plan.mlp_tile or rows, rows)
+    mlp_tokens = plan.micro_batch * min(plan.mlp_tile or rows, rows)
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    groups = {  # the projections reading one input: (tokens, their outputs, their features)
-        ("wq", "wk", "wv"): (tokens, q + 2 * kv, args.dim),
-        ("wo",): (tokens, args.dim, q),
-        ("w1", "w3"): (mlp_tokens, 2 * args.ffn_dim, args.dim),
-        ("w2",): (mlp_tokens, args.dim, args.ffn_dim),
-    }
-    return tuple(name for names, shape in groups.items() if in_e4m3(*shape) for name in names)
+    attention = (2 * q + 2 * kv) * args.dim  # wq, wk, wv, wo
+    multiply_adds = plan.tokens * attention + mlp_tokens * 3 * args.dim * args.ffn_dim
+    return PROJECTIONS if multiply_adds >= FP8_SMALLEST_BLOCK else ()
 
 
 def choose_plan(

@@ -54,7 +54,6 @@ from data import (
     write_json,
 )
 from model import (
-    FP8_SMALLEST,
     HF_EXPORT,
     LONG_DOCUMENT,
     LORA_TARGETS,
@@ -856,8 +855,8 @@ def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool
     the checkpoint's weights later, but a LoRA run's frozen base here: the checkpoint lacks it."""
     with torch.device("meta"):
         ops = triton_ops() if plan.kernels else REFERENCE_OPS
-        if plan.fp8:
-            ops = fp8_ops(ops, plan.kernels, FP8_SMALLEST)
+        if plan.fp8_projections:
+            ops = fp8_ops(ops, plan.kernels)
         model = Llama(args, ops, opts.attention_backend, plan.document_mask)
     hf_path = opts.hf_checkpoint if not resumed or plan.lora else None
     adapter = opts.lora_adapter if not resumed else None
