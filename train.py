@@ -210,8 +210,9 @@ class Options:
     kernels: bool | None = option(None, "the Triton kernels (default: on with CUDA, off on CPU)")
     fp8: bool = option(
         False,
-        "the blocks' projections multiply in FP8 (e4m3, rowwise scales; kernels/fp8.py); "
-        "needs a GPU of compute capability 8.9+ (Ada, Hopper). MFU stays against bf16's peak",
+        "the blocks' projections multiply in FP8 (e4m3, rowwise scales; kernels/fp8.py), "
+        "where the blocks are large enough to gain (the plan says); needs a GPU of compute "
+        "capability 8.9+ (Ada, Hopper). MFU stays against bf16's peak",
     )
     strategy: str = option(
         "FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES), group="parallelism"
