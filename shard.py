@@ -969,7 +969,7 @@ class Plan:
             return f"--fp8: {', '.join(self.fp8_projections)} in e4m3"
         return (
             f"--fp8: every projection stays in bf16: at {self.tokens:,} tokens a matmul the "
-            f"blocks are too small for e4m3 to gain (fp8_projections)"
+            f'blocks are too small for e4m3 to gain (README, "FP8 matmuls")'
         )
 
     def format_measured(self, measured: dict) -> str:

@@ -894,7 +894,7 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {params_text(args.num_params())} "
         f"params, {flops_per_token / 1e6:.1f} MFLOP/token ({4 if frozen else 6}N + 6LSd"
         f"{'; MFU counts attention within documents' if masked else ''}"
-        f"{'; MFU against the bf16 peak, matmuls in FP8' if plan.fp8 else ''}) | "
+        f"{'; MFU against the bf16 peak, matmuls in FP8' if plan.fp8_projections else ''}) | "
         f"data {dataset.path}: {dataset.n_tokens:,} tokens ({dataset.meta['tokenizer']}"
         f"{', attention masked between documents' if masked else ''}) | "
         f"{plural(world.world_size, 'process')} x {world.device.type}, "
