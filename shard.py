@@ -980,6 +980,7 @@ class Plan:
     param_dtype: str = "bf16"  # of the gathered weights and the activations
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
     fp8: bool = False  # the projections in e4m3 (kernels/fp8.py): their copies in backward
+    fp8_projections: tuple[str, ...] = ()  # those --fp8 multiplies in e4m3 (fp8_projections)
     lora: LoRAConfig | None = None
     context_parallel: int = 1
     document_mask: bool = False
@@ -1054,7 +1055,15 @@ class Plan:
             f"{ranks} | planned: {planned}",
             self.estimate.format(on_gpu=m.gpu_gib is not None),
             f"{plural(m.world_size, 'process')}: {memory_line(self.estimate, m)}",
-        ])  # fmt: skip
+        ] + ([self.fp8_line()] if self.fp8 else []))  # fmt: skip
+
+    def fp8_line(self) -> str:
+        if self.fp8_projections:
+            return f"--fp8: {', '.join(self.fp8_projections)} in e4m3"
+        return (
+            f"--fp8: every projection stays in bf16: at {self.tokens:,} tokens a matmul the "
+            f'blocks are too small for e4m3 to gain (README, "FP8 matmuls")'
+        )
 
     def format_measured(self, measured: dict) -> str:
         """The peaks reached (measured_memory) beside the estimates."""
@@ -1623,7 +1632,30 @@ def make_plan(
         planned=tuple(name for name in PLANNED if name not in wanted),
         tokens_per_step_asked=asked,
         seconds_per_step=step_seconds(args, plan, GPU_FLOPS if machine.gpu_gib else CPU_FLOPS),
+        fp8_projections=fp8_projections(args, plan) if plan.fp8 else (),
     )
+
+
+# A block's projections, in the order of its forward.
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
+# The fewest multiply-adds of a block's projections in a forward (each matmul's tokens x its
+# weight's elements) at which --fp8 multiplies them in e4m3. Each e4m3 projection costs the
+# host several times bf16's launches, a fixed cost: in a smaller block the step waits on the
+# host longer than e4m3 saves on the GPU. Between the largest block measured slower in e4m3
+# and the smallest measured faster: bench/RESULTS.md, "--fp8 keeps small blocks in bf16".
+FP8_SMALLEST_BLOCK = 700e9
+
+
+def fp8_projections(args: ModelArgs, plan: Plan) -> tuple[str, ...]:
+    """The projections --fp8 multiplies in e4m3: all of them where the block's are large
+    enough at the plan's tokens a matmul (FP8_SMALLEST_BLOCK), else none (model.fp8_ops is
+    not applied). Under --mlp-tile the MLP's matmuls are a tile's."""
+    rows = plan.seq_len // plan.context_parallel
+    mlp_tokens = plan.micro_batch * min(plan.mlp_tile or rows, rows)
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    attention = (2 * q + 2 * kv) * args.dim  # wq, wk, wv, wo
+    multiply_adds = plan.tokens * attention + mlp_tokens * 3 * args.dim * args.ffn_dim
+    return PROJECTIONS if multiply_adds >= FP8_SMALLEST_BLOCK else ()
 
 
 def choose_plan(

@@ -211,8 +211,9 @@ class Options:
     kernels: bool | None = option(None, "the Triton kernels (default: on with CUDA, off on CPU)")
     fp8: bool = option(
         False,
-        "the blocks' projections multiply in FP8 (e4m3, rowwise scales; kernels/fp8.py); "
-        "needs a GPU of compute capability 8.9+ (Ada, Hopper). MFU stays against bf16's peak",
+        "the blocks' projections multiply in FP8 (e4m3, rowwise scales; kernels/fp8.py), "
+        "where the blocks are large enough to gain (the plan says); needs a GPU of compute "
+        "capability 8.9+ (Ada, Hopper). MFU stays against bf16's peak",
     )
     strategy: str = option(
         "FULL_SHARD", "how FSDP shards", choices=list(shard.STRATEGIES), group="parallelism"
@@ -861,7 +862,7 @@ def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool
     the checkpoint's weights later, but a LoRA run's frozen base here: the checkpoint lacks it."""
     with torch.device("meta"):
         ops = triton_ops() if plan.kernels else REFERENCE_OPS
-        if plan.fp8:
+        if plan.fp8_projections:
             ops = fp8_ops(ops, plan.kernels)
         model = Llama(args, ops, opts.attention_backend, plan.document_mask)
     hf_path = opts.hf_checkpoint if not resumed or plan.lora else None
@@ -899,7 +900,7 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {params_text(args.num_params())} "
         f"params, {flops_per_token / 1e6:.1f} MFLOP/token ({4 if frozen else 6}N + 6LSd"
         f"{'; MFU counts attention within documents' if masked else ''}"
-        f"{'; MFU against the bf16 peak, matmuls in FP8' if plan.fp8 else ''}) | "
+        f"{'; MFU against the bf16 peak, matmuls in FP8' if plan.fp8_projections else ''}) | "
         f"data {dataset.path}: {dataset.n_tokens:,} tokens ({dataset.meta['tokenizer']}"
         f"{', attention masked between documents' if masked else ''}) | "
         f"{plural(world.world_size, 'process')} x {world.device.type}, "
