@@ -1118,7 +1118,7 @@ def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = N
         return TiktokenTokenizer(path) if path else ByteTokenizer()
     try:
         return SentencePieceTokenizer(path, chat_template and Path(chat_template))
-    except RuntimeError as e:
+    except (RuntimeError, UnicodeDecodeError) as e:  # not a model proto; a piece not UTF-8
         raise UsageError(
             f"tokenizer file {path} is neither a HF tokenizer.json, a tiktoken BPE ranks file "
             f"(Llama 3: lines of 'base64-token rank') nor a sentencepiece model (Llama 2)"

@@ -726,6 +726,18 @@ def test_tokenizer_json_it_cannot_encode_faithfully_is_refused(tmp_path, make, m
         data.load_tokenizer(tmp_path)
 
 
+def test_a_sentencepiece_model_whose_piece_is_not_utf8_is_named(tmp_path):
+    """A damaged tokenizer.model: sentencepiece loads it, then a piece fails to decode."""
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(["hello world abc"] * 50), model_writer=model, vocab_size=40,
+        control_symbols=["[INST]"], hard_vocab_limit=False, minloglevel=2,
+    )  # fmt: skip
+    (tmp_path / "tokenizer.model").write_bytes(model.getvalue().replace(b"[INST]", b"\xff\xfeINST"))
+    with pytest.raises(data.UsageError, match="nor a sentencepiece model"):
+        data.load_tokenizer(tmp_path / "tokenizer.model")
+
+
 @pytest.mark.parametrize("invert", [False, True])
 @pytest.mark.parametrize(
     "behavior", ["isolated", "contiguous", "merged_with_previous", "merged_with_next", "removed"]
