@@ -609,6 +609,7 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
         self._encoding = tiktoken.Encoding(
             self.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
         )
+        _check_no_empty_match(path, self._encoding)
         self._path, self._data = path, data
         tokens, special_ids = _hf_special_tokens(path.parent, added | vocab)
         self.bos_id, self.eos_id, self.pad_id = special_ids
@@ -774,6 +775,32 @@ def _alternatives(tokens: Iterable[str]) -> re.Pattern | None:
     """Any of `tokens`, longest first (as `tokenizers` finds them), grouped: re.split keeps them."""
     tokens = sorted(tokens, key=len, reverse=True)
     return re.compile("(" + "|".join(map(re.escape, tokens)) + ")") if tokens else None
+
+
+# A character of each kind a pre-tokenizer's regex tells apart.
+EMPTY_MATCH_PROBE = "Hi, all: 12 ab\n\t  \u00fc \u6f22\u5b57 \U0001f642!? x"
+
+
+def _check_no_empty_match(path: Path, encoding: tiktoken.Encoding) -> None:
+    """tiktoken panics (a Rust panic, mid-dataset) where the Split regex matches no characters,
+    as `a*` does between two b's; `tokenizers` skips such matches. Refused here, at load, on a
+    text of each kind of character, with the panic's own report kept off stderr."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            encoding.encode_ordinary(EMPTY_MATCH_PROBE)
+    except BaseException as e:  # pyo3's PanicException derives from BaseException only
+        if type(e).__name__ != "PanicException":
+            raise
+        raise UsageError(
+            f"{path}: its pre-tokenizer's Split regex can match no characters, which "
+            f"longtune's encoder (tiktoken) cannot take: make it match at least one"
+        ) from None
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 @contextmanager

@@ -766,6 +766,25 @@ def test_split_regex_keeps_the_text_between_matches_as_tokenizers(tmp_path, beha
             assert ours.encode(text) == theirs.encode(text).ids, (regex, text)
 
 
+@pytest.mark.parametrize("regex", ["a*", "(?=l)", r"\s*"])
+def test_split_regex_that_can_match_no_characters_is_refused_at_load(tmp_path, regex, capfd):
+    """tokenizers skips such matches; tiktoken would panic mid-dataset. One line, no panic."""
+
+    def split(tok):
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(tokenizers.Regex(regex), "isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    (tmp_path / "config.json").write_text('{"eos_token_id": 0}')
+    path = byte_level_with(tmp_path / "tokenizer.json", split)
+    with pytest.raises(data.UsageError, match="Split regex can match no characters"):
+        data.load_tokenizer(path)
+    assert "panicked" not in capfd.readouterr().err
+
+
 def with_model_edited(path: Path, edit) -> Path:
     """A small byte-level BPE, its tokenizer.json's "model" changed by `edit` before it is read."""
     byte_level_with(path, lambda tok: None)
