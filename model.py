@@ -33,15 +33,8 @@ from safetensors.torch import save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from data import (
-    SPECIAL_TOKEN_KEYS,
-    HFTokenizer,
-    OutputDir,
-    UsageError,
-    document_starts,
-    give_ordinary_mode,
-    read_json,
-)
+from data import SPECIAL_TOKEN_KEYS, HFTokenizer, document_starts
+from files import OutputDir, UsageError, give_ordinary_mode, read_json
 from kernels import (
     IGNORE_INDEX,
     apply_rope_reference,
@@ -1139,7 +1132,7 @@ def generate(
 # Hugging Face checkpoints: config.json + safetensors (one file, or shards with an index)
 # ----------------------------------------------------------------------------------------
 
-# A --export-hf directory (data.OutputDir): what it may hold, and the file that marks it.
+# A --export-hf directory (files.OutputDir): what it may hold, and the file that marks it.
 HF_EXPORT = OutputDir(
     "export",
     "longtune_export.json",
@@ -1661,7 +1654,7 @@ def peft_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, str]:
     return names
 
 
-# A --export-adapter directory (data.OutputDir).
+# A --export-adapter directory (files.OutputDir).
 PEFT_ADAPTER = OutputDir(
     "adapter",
     "longtune_adapter.json",

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from data import UsageError
+from files import UsageError
 from model import Llama
 
 aten = torch.ops.aten

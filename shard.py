@@ -51,7 +51,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from data import (
+from files import (
     NO_SPACE,
     UsageError,
     check_directory_path,
@@ -463,7 +463,7 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
 # run's. A .lock, metrics.jsonl or plan.json alone is not: the run would write over someone's.
 PLAN_KEYS = {"flags", "plan", "machine", "estimate"}
 # The files a run writes at the top of its directory (plan.json through write_json's
-# temporary), each opened with data.no_follow.
+# temporary), each opened with files.no_follow.
 RUN_FILES = (".lock", "plan.json", ".tmp-plan.json", "metrics.jsonl")
 
 

@@ -45,15 +45,11 @@ from data import (
     RunData,
     TokenDataset,
     Tokenizer,
-    UsageError,
     attended_per_token,
-    no_follow,
     open_data,
     open_eval_data,
-    params_text,
-    plural,
-    write_json,
 )
+from files import UsageError, no_follow, params_text, plural, write_json
 from model import (
     HF_EXPORT,
     LONG_DOCUMENT,

@@ -28,6 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import data  # noqa: E402
+import files  # noqa: E402
 from model import Llama, ModelArgs, load_hf_checkpoint  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -204,7 +205,7 @@ def main() -> None:
     if "prepare" in args.steps:
         datasets.mkdir(parents=True, exist_ok=True)
         for path in prepare_chats(checkpoint, datasets):
-            print(data.summary(data.read_json(path / "meta.json"), path))
+            print(data.summary(files.read_json(path / "meta.json"), path))
     if "train" in args.steps:
         train(checkpoint, datasets / "train", datasets / "eval", args.out, args.train_flags,
               args.name)  # fmt: skip

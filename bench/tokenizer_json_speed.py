@@ -20,6 +20,7 @@ sys.path.insert(0, str(REPO / "bench"))
 import smollm2  # noqa: E402
 
 import data  # noqa: E402
+import files  # noqa: E402
 
 
 def corpus_jsonl(out: Path) -> Path:
@@ -83,7 +84,7 @@ def main() -> None:
             start = time.perf_counter()
             dataset = data.prepare([corpus], args.out / "ds", tokenizer, workers=args.workers)
             best = min(best, time.perf_counter() - start)
-        n_tokens = data.read_json(dataset / "meta.json")["n_tokens"]
+        n_tokens = files.read_json(dataset / "meta.json")["n_tokens"]
         results[name] = (best, n_tokens)
     reference = results["tiktoken ranks file"][0]
     print(f"{corpus.stat().st_size / 1e6:.1f} MB of text, workers={args.workers}, best of "

@@ -19,6 +19,7 @@ import sentencepiece
 import torch
 
 import data
+import files
 
 REPO = Path(__file__).resolve().parents[1]
 BYTES = data.ByteTokenizer()
@@ -804,8 +805,8 @@ def test_json_nested_past_the_readers_depth_is_named(tmp_path):
     """json recurses once per level: a file nested 100k deep is refused in one line, not a
     RecursionError (config.json, the safetensors index and meta.json are all read here)."""
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
-    with pytest.raises(data.UsageError, match="deep.json: JSON nested too deep to read"):
-        data.read_json(tmp_path / "deep.json")
+    with pytest.raises(files.UsageError, match="deep.json: JSON nested too deep to read"):
+        files.read_json(tmp_path / "deep.json")
 
 
 def test_prepared_dataset_has_ordinary_modes(tmp_path):
@@ -863,11 +864,11 @@ def test_hf_tokenizer_files_encode_as_ours_with_bos(tmp_path, kind):
 def test_a_second_output_refuses_a_file_the_first_did_not_write(tmp_path):
     """A user's file added to an export, though named as an export's may be, is never
     replaced: the marker lists what the export wrote."""
-    export = data.OutputDir("export", "marker.json", ("*.json",))
+    export = files.OutputDir("export", "marker.json", ("*.json",))
     with export.writing(tmp_path / "out") as out:
         (out / "config.json").write_text("{}")
     (tmp_path / "out" / "my_eval_results.json").write_text("the user's")
-    with pytest.raises(data.UsageError, match="out holds my_eval_results.json, which no export"):
+    with pytest.raises(files.UsageError, match="out holds my_eval_results.json, which no export"):
         export.check(tmp_path / "out")
     assert (tmp_path / "out" / "my_eval_results.json").read_text() == "the user's"
 
@@ -877,22 +878,22 @@ def test_a_json_file_is_never_written_through_a_link(tmp_path):
     victim.write_text("the user's")
     (tmp_path / ".tmp-plan.json").symlink_to(victim)
     with pytest.raises(OSError, match="Too many levels of symbolic links"):
-        data.write_json(tmp_path / "plan.json", {})
+        files.write_json(tmp_path / "plan.json", {})
     assert victim.read_text() == "the user's"
 
 
 def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tmp_path):
     """An export's or a dataset's write on a full filesystem: one line naming what could not
     be written, and nothing left of it."""
-    export = data.OutputDir("export", "marker.json", ("*.json",))
+    export = files.OutputDir("export", "marker.json", ("*.json",))
     with (
-        pytest.raises(data.UsageError, match=f"no space left to write the export {tmp_path}/out "),
+        pytest.raises(files.UsageError, match=f"no space left to write the export {tmp_path}/out "),
         export.writing(tmp_path / "out") as out,
     ):
         (out / "config.json").write_text("{}")
         raise OSError(errno.ENOSPC, "No space left on device")
     with (
-        pytest.raises(data.UsageError, match=f"no space left to write the dataset {tmp_path}/ds "),
+        pytest.raises(files.UsageError, match=f"no space left to write the dataset {tmp_path}/ds "),
         data.DatasetWriter(tmp_path / "ds") as writer,
     ):
         writer._tokens_file.close()

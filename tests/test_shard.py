@@ -39,7 +39,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import kernels.fp8
 import shard
-from data import TokenDataset, UsageError, attended_per_token
+from data import TokenDataset, attended_per_token
+from files import UsageError
 from model import Llama, LoRAConfig, ModelArgs, apply_lora, load_hf_checkpoint, save_hf_checkpoint
 from offload import AC_MODES
 from shard import (

@@ -16,6 +16,7 @@ import pytest
 import sentencepiece
 
 import data
+import files
 from model import PRESETS
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -734,7 +735,7 @@ def test_a_sentencepiece_model_whose_piece_is_not_utf8_is_named(tmp_path):
         control_symbols=["[INST]"], hard_vocab_limit=False, minloglevel=2,
     )  # fmt: skip
     (tmp_path / "tokenizer.model").write_bytes(model.getvalue().replace(b"[INST]", b"\xff\xfeINST"))
-    with pytest.raises(data.UsageError, match="nor a sentencepiece model"):
+    with pytest.raises(files.UsageError, match="nor a sentencepiece model"):
         data.load_tokenizer(tmp_path / "tokenizer.model")
 
 
@@ -780,7 +781,7 @@ def test_split_regex_that_can_match_no_characters_is_refused_at_load(tmp_path, r
 
     (tmp_path / "config.json").write_text('{"eos_token_id": 0}')
     path = byte_level_with(tmp_path / "tokenizer.json", split)
-    with pytest.raises(data.UsageError, match="Split regex can match no characters"):
+    with pytest.raises(files.UsageError, match="Split regex can match no characters"):
         data.load_tokenizer(path)
     assert "panicked" not in capfd.readouterr().err
 

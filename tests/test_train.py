@@ -29,6 +29,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import data
+import files
 import shard
 import train
 from model import PEAK_FLOPS, PRESETS, Llama, ModelArgs, generate, save_hf_checkpoint
@@ -660,9 +661,9 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
     (users_plan / "README.md").write_text("the user's")
     someone_elses = {"checkpoint": ("config.json", "model.safetensors"), "adapter": (
         "adapter_config.json", "adapter_model.safetensors")}  # fmt: skip
-    for name, files in someone_elses.items():
+    for name, names in someone_elses.items():
         (tmp / name).mkdir()
-        for file in files:
+        for file in names:
             (tmp / name / file).write_text("{}")
     a_file = tmp / "a_file"
     a_file.write_text("the user's")
@@ -1550,8 +1551,8 @@ def test_readme_train_then_test(tmp_path):
     of its model, where its files are, and the commands to resume and export."""
     copy = tmp_path / "longtune"
     copy.mkdir()
-    for name in ["train.py", "model.py", "data.py", "shard.py", "offload.py", "pyproject.toml"]:
-        shutil.copy(REPO / name, copy / name)
+    for path in [*REPO.glob("*.py"), REPO / "pyproject.toml"]:
+        shutil.copy(path, copy / path.name)
     for folder in ["kernels", "tests"]:
         shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
@@ -1977,7 +1978,7 @@ def test_a_checkpoint_saved_before_rope_scaling_had_a_type_resumes():
     now = json.loads(json.dumps(dataclasses.asdict(train.PRESETS["llama3.2-1b"])))
     shard.check_resumable({**record, "model": old_model}, {**record, "model": now})
     other = {**old_model, "rope_scaling": {**old_model["rope_scaling"], "factor": 8.0}}
-    with pytest.raises(data.UsageError, match="model rope_scaling: checkpoint"):
+    with pytest.raises(files.UsageError, match="model rope_scaling: checkpoint"):
         shard.check_resumable({**record, "model": other}, {**record, "model": now})
 
 
