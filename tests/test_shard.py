@@ -1048,7 +1048,7 @@ def test_the_saved_activations_follow_qs_width_and_the_qk_norms():
         assert measured_share(args) == pytest.approx(measured_share(llama), rel=0.05), args
 
 
-PLAN = json.dumps(dict.fromkeys(["flags", "planned", "plan", "machine", "estimate"]))
+RUN_PLAN = json.dumps(dict.fromkeys(["flags", "planned", "plan", "machine", "estimate"]))
 # What --run-dir holds -> whether a run may write there: only where a run made it, or where
 # nothing of the user's would be written over (issue #47).
 RUN_DIRS = {
@@ -1060,7 +1060,7 @@ RUN_DIRS = {
     ),
     "hidden files of the user's": ({".git/HEAD": "", ".env": ""}, False),
     "the lock of a run stopped before its plan": ({".lock": "pid 12 on node3\n"}, True),
-    "a run's plan beside the user's notes": ({"plan.json": PLAN, "notes.txt": ""}, True),
+    "a run's plan beside the user's notes": ({"plan.json": RUN_PLAN, "notes.txt": ""}, True),
     "a checkpoint beside the user's notes": (
         {"checkpoints/step-000010/train_state.json": "{}", "notes.txt": ""},
         True,
@@ -1107,7 +1107,7 @@ def test_a_run_never_writes_through_a_link_in_its_directory(name, tmp_path):
     victim.write_text("the user's")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "plan.json").write_text(PLAN)
+    (run_dir / "plan.json").write_text(RUN_PLAN)
     (run_dir / name).unlink(missing_ok=True)
     (run_dir / name).symlink_to(victim)
     with pytest.raises(UsageError, match=f"holds {re.escape(name)} as symbolic links"):

@@ -167,6 +167,8 @@ def test_a_bad_option_is_told_before_an_earlier_runs_checkpoints(capsys, monkeyp
     """README's Train command leaves runs/default/checkpoints: a typo is still told as such."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs/default/checkpoints/step-000002").mkdir(parents=True)
+    plan = dict.fromkeys(["flags", "planned", "plan", "machine", "estimate"])
+    (tmp_path / "runs/default/plan.json").write_text(json.dumps(plan))  # an earlier run's
     with pytest.raises(SystemExit):
         train.main(["--seed", "-1"])
     err = capsys.readouterr().err
