@@ -1,7 +1,7 @@
 """Spreads the model and its training state over processes and memory with FSDP2
 (`torch.distributed.fsdp.fully_shard`). In order: the processes and devices (the process
-group, the memory a plan may fill); FSDP (the mesh, a meta-built model filled shard by shard,
-the global gradient norm); context parallelism; the run directory, its DCP checkpoints and
+group, the memory a plan may fill); FSDP (the mesh, a meta-built model filled shard by shard);
+context parallelism; the run directory, its DCP checkpoints and
 the exports gathered from the shards; the plan (`Plan`: each field a train.py flag, the rules
 of the techniques' combinations, its printouts); last, the planner (the memory estimate, the
 step time, the choice of the fastest plan that fits, the no-fit message).
@@ -35,11 +35,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -78,7 +73,8 @@ from model import (
     save_hf_checkpoint,
     save_peft_adapter,
 )
-from offload import AC_MODES, STAGING_SLOTS
+from offload import AC_MODES
+from optim import STAGING_SLOTS
 
 if TYPE_CHECKING:  # the planner reads train.py's options, and train.py imports this file
     import train
@@ -336,18 +332,6 @@ def materialize(
         return [name for names in found for name in names]
 
     fill_weights(model, seed, world.device, hf_path, copy_rows, progress, lora, lora_adapter, agree)
-
-
-def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Clips the gradients to global L2 norm `max_norm` if > 0; returns the norm (0-dim).
-    full_tensor() reduces the ranks' partial sums of squares, so all clip by the same norm."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
 
 
 # ----------------------------------------------------------------------------------------
@@ -898,61 +882,6 @@ def export_adapter(
     write_gathered(adapters, write, world.is_main)
 
 
-class ShardedAdamW:
-    """torch.optim.AdamW over FSDP's shards (weight decay on the matrices, not the norms),
-    behind the interface offload.OptimizerInBackward shares: set_lr() before a step's
-    backward, step() after it, state_dict() / load_state_dict() as {"model": fp32 weights,
-    "optim": AdamW's state} by parameter name, so either kind of run resumes the other's."""
-
-    def __init__(self, model: Llama, betas, weight_decay: float, grad_clip: float, fused: bool):
-        self.model = model
-        self.grad_clip = grad_clip
-        params = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters
-        self.adamw = torch.optim.AdamW(
-            [
-                {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-            ],
-            lr=0.0,  # set_lr sets each step's
-            betas=betas,
-            fused=fused,
-        )
-
-    def set_lr(self, lr: float) -> None:
-        for group in self.adamw.param_groups:
-            group["lr"] = lr
-
-    def step(self) -> torch.Tensor:
-        """Clips (--grad-clip), updates, frees the gradients; returns the norm unread, so the
-        step has no host sync."""
-        norm = clip_grad_norm_(self.model, self.grad_clip)
-        self.adamw.step()
-        self.adamw.zero_grad(set_to_none=True)
-        return norm
-
-    def state_dict(self) -> dict:
-        # Frozen parameters (a LoRA run's base) are not saved: they come from --hf-checkpoint.
-        model_state, optim_state = get_state_dict(self.model, self.adamw, options=FROZEN_LEFT_OUT)
-        return {"model": model_state, "optim": optim_state["state"]}
-
-    def load_state_dict(self, state: dict) -> None:
-        # The hyperparameters in param_groups come from the command line, not the checkpoint.
-        _, current = get_state_dict(self.model, self.adamw, options=FROZEN_LEFT_OUT)
-        optim_state = {"state": state["optim"], "param_groups": current["param_groups"]}
-        set_state_dict(
-            self.model,
-            self.adamw,
-            model_state_dict=state["model"],
-            optim_state_dict=optim_state,
-            options=FROZEN_LEFT_OUT,
-        )
-
-
-# strict=False: the frozen parameters are missing from the state on purpose; DCP has checked
-# that the checkpoint holds every tensor of the state it filled.
-FROZEN_LEFT_OUT = StateDictOptions(ignore_frozen_params=True, strict=False)
-
-
 # ----------------------------------------------------------------------------------------
 # The plan: what a run applies (each field a train.py flag), the rules of the techniques'
 # combinations, and what a run prints and saves of it (plan.json)
@@ -1163,7 +1092,7 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
         return problems
     # Each parameter is updated during backward, before the step's last gradient exists.
     # Without CPU offload it runs without FSDP, on one GPU; with it, on FULL_SHARD's shards
-    # (offload.ShardedOptimizerInBackward), whose norm sums over all ranks.
+    # (optim.ShardedOptimizerInBackward), whose norm sums over all ranks.
     refused = {
         f"--strategy {plan.strategy} (FULL_SHARD only)": plan.strategy != "FULL_SHARD",
         f"--grad-clip {grad_clip} (the global norm is known only after the updates; pass "

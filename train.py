@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 import offload
+import optim
 import shard
 from data import (
     IGNORE_INDEX,
@@ -577,7 +578,7 @@ def apply_techniques(
     offload.apply_mlp_tiling(model, plan.mlp_tile)
     shard.apply_context_parallel(model, shard.context_parallel_group(world, plan.context_parallel))
     if plan.optimizer_in_backward and not plan.cpu_offload:
-        # One GPU, no FSDP: fp32 on the host, offload.OptimizerInBackward's master weights,
+        # One GPU, no FSDP: fp32 on the host, optim.OptimizerInBackward's master weights,
         # their initial values drawn on the GPU so that they equal shard.materialize's there.
         model.to_empty(device="cpu")
         fill_weights(model, seed, world.device, hf_path, progress=progress)
@@ -609,7 +610,7 @@ class Run:
     plan: shard.Plan
     world: shard.World
     model: Llama
-    optimizer: shard.ShardedAdamW | offload.OptimizerInBackward
+    optimizer: optim.ShardedAdamW | optim.OptimizerInBackward
     loader: PackedLoader
     run_dir: Path
     checkpointer: shard.Checkpointer
@@ -876,13 +877,13 @@ def build(opts: Options, args: ModelArgs, plan: shard.Plan, world, resumed: bool
         )
     betas, decay = (opts.beta1, opts.beta2), opts.weight_decay
     if plan.optimizer_in_backward and plan.cpu_offload:  # on FSDP's shards on the host
-        return model, offload.ShardedOptimizerInBackward(model, opts.lr, betas, decay)
+        return model, optim.ShardedOptimizerInBackward(model, opts.lr, betas, decay)
     if plan.optimizer_in_backward:
         dtype = DTYPES[plan.param_dtype]
-        return model, offload.OptimizerInBackward(model, world.device, dtype, opts.lr, betas, decay)
+        return model, optim.OptimizerInBackward(model, world.device, dtype, opts.lr, betas, decay)
     # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then.
     fused = world.device.type == "cuda" or plan.cpu_offload
-    return model, shard.ShardedAdamW(model, betas, decay, opts.grad_clip, fused)
+    return model, optim.ShardedAdamW(model, betas, decay, opts.grad_clip, fused)
 
 
 def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -> None:
@@ -922,7 +923,7 @@ class StepResult:
 
 def train_step(
     model: Llama,
-    optimizer: shard.ShardedAdamW | offload.OptimizerInBackward,
+    optimizer: optim.ShardedAdamW | optim.OptimizerInBackward,
     micro_batches: list[Batch],
     offload_activations: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> StepResult:

@@ -20,15 +20,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import REFERENCE_OPS, Llama, ModelArgs, triton_ops  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
-from shard import (  # noqa: E402
-    Plan,
-    apply_fsdp,
-    build_mesh,
-    clip_grad_norm_,
-    estimate_memory,
-    init_distributed,
-    materialize,
-)
+from optim import clip_grad_norm_  # noqa: E402
+from shard import Plan, apply_fsdp, build_mesh, estimate_memory, init_distributed, materialize  # noqa: E402
 
 GiB = 2**30
 

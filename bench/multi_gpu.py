@@ -18,13 +18,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import Llama, ModelArgs  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
-from shard import (  # noqa: E402
-    apply_fsdp,
-    build_mesh,
-    clip_grad_norm_,
-    init_distributed,
-    materialize,
-)
+from optim import clip_grad_norm_  # noqa: E402
+from shard import apply_fsdp, build_mesh, init_distributed, materialize  # noqa: E402
 
 
 def losses(world, args, strategy, cpu_offload=False, ac="none", act_offload=False,

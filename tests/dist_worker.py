@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data import Batch, document_starts  # noqa: E402
 from model import REFERENCE_OPS, Llama, LoRAConfig, ModelArgs, apply_lora, fp8_ops  # noqa: E402
-from offload import ShardedOptimizerInBackward, activation_offload, apply_ac  # noqa: E402
+from offload import activation_offload, apply_ac  # noqa: E402
+from optim import ShardedAdamW, ShardedOptimizerInBackward  # noqa: E402
 from shard import (  # noqa: E402
-    ShardedAdamW,  # noqa: E402
     apply_context_parallel,
     apply_fsdp,
     build_mesh,
@@ -169,7 +169,7 @@ def sharded_model(
 
 
 class RecordingAdamW(ShardedAdamW):
-    """shard.ShardedAdamW keeping the first step's clipped gradients, which the test compares."""
+    """optim.ShardedAdamW keeping the first step's clipped gradients, which the test compares."""
 
     def __init__(self, model):
         super().__init__(model, (0.9, 0.999), WEIGHT_DECAY, MAX_NORM, fused=True)
@@ -228,7 +228,7 @@ def train(world, out: Path, name: str) -> None:
 
 
 def in_backward(world, out: Path) -> None:
-    """The optimizer in backward on FSDP's host shards (offload.ShardedOptimizerInBackward):
+    """The optimizer in backward on FSDP's host shards (optim.ShardedOptimizerInBackward):
     STEPS steps of one micro-batch (it cannot accumulate), each rank its rows of it, no
     clipping. Also run in one process by tests/test_shard.py."""
     model = sharded_model(world, TINY, "FULL_SHARD", world.world_size, cpu_offload=True)

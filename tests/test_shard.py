@@ -148,7 +148,7 @@ def reference_steps(scenario: w.Scenario) -> dict:
     model.init_weights(w.SEED)
     trained = [p for p in model.parameters() if p.requires_grad]
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    groups = [  # weight decay on the matrices, as shard.ShardedAdamW
+    groups = [  # weight decay on the matrices, as optim.ShardedAdamW
         {"params": [p for p in trained if p.ndim >= 2], "weight_decay": w.WEIGHT_DECAY},
         {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
     ]
@@ -277,7 +277,7 @@ def in_backward_reference() -> dict:
 
 @pytest.mark.parametrize("processes", [1, 2])
 def test_optimizer_in_backward_on_host_shards_takes_adamws_steps(dist_out, tmp_path, processes):
-    """offload.ShardedOptimizerInBackward on FSDP with CPU offload, 1 process (here) and 2
+    """optim.ShardedOptimizerInBackward on FSDP with CPU offload, 1 process (here) and 2
     (dist_worker): the losses, gradient norms and weights of torch.optim.AdamW's steps,
     losses and norms within 1e-6 (fp32, measured 1e-7), weights within ADAMW_ATOL (the
     rounding of sums over 2 ranks, magnified by AdamW: measured 4e-7 with 1 process and
@@ -922,7 +922,7 @@ def test_the_options_are_refused_by_the_rules_the_planner_follows():
     refused = technique_problems(asked, tiny, 2, 2)
     for what in ["--strategy NO_SHARD", "--grad-clip 1.0", "--grad-accum 2", "not --lora-rank"]:
         assert any(what in problem for problem in refused), what
-    # More than one process only on FSDP's host shards (offload.ShardedOptimizerInBackward).
+    # More than one process only on FSDP's host shards (optim.ShardedOptimizerInBackward).
     assert not any("2 processes" in problem for problem in refused)
     alone = options(optimizer_in_backward=True, grad_clip=0.0, cpu_offload=False)
     assert technique_problems(alone, tiny, 1, 1) == []
