@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload as offload_module
+from hf import fill_weights
 from model import (
     PRESETS,
     REFERENCE_OPS,
@@ -28,7 +29,6 @@ from model import (
     FeedForward,
     Llama,
     ModelArgs,
-    fill_weights,
     fp8_ops,
     triton_ops,
 )
