@@ -57,22 +57,19 @@ from files import (
     plural,
     read_json,
 )
-from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, chunk_rows
-from kernels.nf4 import BLOCK as NF4_BLOCK
-from kernels.nf4 import stored_bytes as nf4_stored_bytes
-from model import (
+from hf import (
     FLOAT_DTYPES,
     HF_EXPORT,
     PEFT_ADAPTER,
-    Llama,
-    LoRAConfig,
-    ModelArgs,
-    RopeScaling,
     fill_weights,
     merged_named_tensors,
     save_hf_checkpoint,
     save_peft_adapter,
 )
+from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, chunk_rows
+from kernels.nf4 import BLOCK as NF4_BLOCK
+from kernels.nf4 import stored_bytes as nf4_stored_bytes
+from model import Llama, LoRAConfig, ModelArgs, RopeScaling
 from offload import AC_MODES
 from optim import STAGING_SLOTS
 
@@ -313,7 +310,7 @@ def materialize(
     lora_adapter: str | os.PathLike | None = None,
 ) -> None:
     """Allocates a meta-built, `apply_fsdp`-ed model's shards (on the host when `cpu_offload`,
-    as for apply_fsdp) and fills them (model.fill_weights), each rank its own rows. A
+    as for apply_fsdp) and fills them (hf.fill_weights), each rank its own rows. A
     checkpoint that does not fit raises on every rank (from config and headers) before
     anything is read, so no rank is left waiting in a collective."""
     model.to_empty(device="cpu" if cpu_offload else world.device)

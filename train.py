@@ -51,11 +51,17 @@ from data import (
     open_eval_data,
 )
 from files import UsageError, no_follow, params_text, plural, write_json
-from model import (
+from hf import (
     HF_EXPORT,
+    PEFT_ADAPTER,
+    args_from_hf_config,
+    check_hf_checkpoint,
+    check_peft_adapter,
+    fill_weights,
+)
+from model import (
     LONG_DOCUMENT,
     LORA_TARGETS,
-    PEFT_ADAPTER,
     PRESETS,
     REFERENCE_OPS,
     SDPA_BACKENDS,
@@ -64,9 +70,6 @@ from model import (
     ModelArgs,
     apply_lora,
     attended_pairs,
-    check_hf_checkpoint,
-    check_peft_adapter,
-    fill_weights,
     fp8_ops,
     generate,
     parse_lora_targets,
@@ -495,7 +498,7 @@ def model_args(opts: Options) -> ModelArgs:
     """The model's shape. A preset trained from scratch has no learned length (RoPE's angles
     come from positions): its max_seq_len follows --seq-len; a HF checkpoint's is its own."""
     if opts.hf_checkpoint:
-        args = ModelArgs.from_hf_config(opts.hf_checkpoint)
+        args = args_from_hf_config(opts.hf_checkpoint)
     else:
         args = ModelArgs.from_name(opts.model or "tiny")
         args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, opts.seq_len))

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data import PackedLoader, TokenDataset  # noqa: E402
-from model import PRESETS, ModelArgs, hf_config  # noqa: E402
+from hf import hf_config  # noqa: E402
+from model import PRESETS, ModelArgs  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16
 

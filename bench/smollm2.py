@@ -29,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import data  # noqa: E402
 import files  # noqa: E402
-from model import Llama, ModelArgs, load_hf_checkpoint  # noqa: E402
+from hf import args_from_hf_config, load_hf_checkpoint  # noqa: E402
+from model import Llama  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2's own tokenizer.json splits digits one by one before GPT-2's regex. The GGUF names
@@ -98,7 +99,7 @@ def check_logits(checkpoint: Path) -> float:
     tokens = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(real_text())[:511]]])
     theirs = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     with torch.device("meta"):
-        ours = Llama(ModelArgs.from_hf_config(checkpoint))
+        ours = Llama(args_from_hf_config(checkpoint))
     ours.to_empty(device="cpu")
     load_hf_checkpoint(ours, checkpoint)
     with torch.no_grad():

@@ -1,17 +1,17 @@
-"""LoRA (model.apply_lora) against PEFT's LoRA on transformers (the numerical oracle), PEFT
-adapters out and in, the merged export, and the model on a 4-bit base.
+"""LoRA (model.apply_lora) against PEFT's LoRA on transformers (the numerical oracle), and the
+model on a 4-bit base (PEFT adapters out and in, and the merged export: tests/test_hf.py).
 
 Tolerances: fp32 on CPU, max |a - b| / max |b| <= 1e-5 for logits and gradients. The model
 on an NF4 base against the same model on the dequantized base: the same weights, so the
 same 1e-5 (the matmul runs as x @ W^T in one and F.linear in the other).
 """
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from hf import args_from_hf_config, hf_names, load_hf_checkpoint, peft_names
 from model import (
     HF_LORA_TARGETS,
     LORA_TARGETS,
@@ -22,14 +22,7 @@ from model import (
     ModelArgs,
     apply_lora,
     fp8_ops,
-    hf_names,
-    load_hf_checkpoint,
-    load_peft_adapter,
-    merged_named_tensors,
     parse_lora_targets,
-    peft_names,
-    save_hf_checkpoint,
-    save_peft_adapter,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -90,7 +83,7 @@ def hf_model(path: Path):
 
 def lora_model(path: Path, config: LoRAConfig = CONFIG, seed: int = 0, ops=REFERENCE_OPS) -> Llama:
     with torch.device("meta"):
-        model = Llama(ModelArgs.from_hf_config(path), ops)
+        model = Llama(args_from_hf_config(path), ops)
     apply_lora(model, config, torch.float32)
     model.to_empty(device="cpu")
     model.init_weights(seed)  # the adapters' initial values (the base is then loaded)
@@ -165,79 +158,6 @@ def test_logits_and_adapter_gradients_match_peft(tmp_path, family):
     for ours, peft_name in peft_names(model.args, CONFIG.targets).items():
         grad = model.get_parameter(ours).grad
         assert rel_err(grad, their_params[peft_name].grad) <= FP32_RTOL, ours
-
-
-def test_saved_adapter_loads_in_peft_and_back(tmp_path):
-    path = hf_checkpoint(tmp_path / "base")
-    model = lora_model(path)
-    randomize_adapters(model)
-    out = tmp_path / "adapter"
-    save_peft_adapter(model.args, CONFIG, model.named_parameters(), out, base_model=str(path))
-    assert json.loads((out / "adapter_config.json").read_text())["r"] == CONFIG.rank
-    theirs = peft.PeftModel.from_pretrained(hf_model(path), out).eval()
-    tokens = tokens_for(model)
-    assert rel_err(model(tokens), theirs(tokens).logits) <= FP32_RTOL
-    fresh = lora_model(path)
-    load_peft_adapter(fresh, CONFIG, out)
-    loaded = adapters(fresh)
-    assert all(torch.equal(t, loaded[n]) for n, t in adapters(model).items())
-
-
-def test_an_adapter_of_another_config_is_refused_with_each_difference(tmp_path):
-    path = hf_checkpoint(tmp_path / "base")
-    model = lora_model(path)
-    save_peft_adapter(model.args, CONFIG, model.named_parameters(), tmp_path / "adapter")
-    other = LoRAConfig(rank=8, alpha=8.0, targets=("wq", "wv"))
-    with pytest.raises(ValueError) as error:
-        load_peft_adapter(lora_model(path, other), other, tmp_path / "adapter")
-    message = str(error.value)
-    for expected in ("r: adapter has 4, expected 8 (--lora-rank 8: pass --lora-rank 4)",
-                     "target_modules", "unexpected tensor"):  # fmt: skip
-        assert expected in message
-    assert "adapter shape" not in message  # each shape differs by the rank: that says it
-
-
-def test_an_adapter_with_peft_settings_longtune_lacks_is_refused(tmp_path):
-    """Per-layer ranks or scales, transposed weights, a subset of layers: each named, none
-    loaded as if it were not there."""
-    path = hf_checkpoint(tmp_path / "base")
-    model = lora_model(path)
-    save_peft_adapter(model.args, CONFIG, model.named_parameters(), tmp_path / "adapter")
-    config_file = tmp_path / "adapter/adapter_config.json"
-    config = json.loads(config_file.read_text())
-    # PEFT's defaults, as it writes them, load.
-    defaults = {"rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None}
-    config_file.write_text(json.dumps({**config, **defaults, "modules_to_save": None}))
-    load_peft_adapter(lora_model(path), CONFIG, tmp_path / "adapter")
-    changed = {
-        "alpha_pattern": {"q_proj": 64},
-        "rank_pattern": {"v_proj": 8},
-        "fan_in_fan_out": True,
-        "layers_to_transform": [0],
-        "layers_pattern": "layers",
-        "lora_bias": True,
-        "modules_to_save": ["lm_head"],
-        "init_lora_weights": "pissa_niter_4",
-    }
-    config_file.write_text(json.dumps({**config, **changed}))
-    with pytest.raises(ValueError) as error:
-        load_peft_adapter(lora_model(path), CONFIG, tmp_path / "adapter")
-    message = str(error.value)
-    assert "alpha_pattern: adapter has {'q_proj': 64}, which longtune does not" in message
-    for key in changed:
-        assert f"adapter_config.json {key}: adapter has {changed[key]!r}" in message
-
-
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_merged_export_loads_in_transformers(tmp_path, family):
-    path = hf_checkpoint(tmp_path / "base", family)
-    model = lora_model(path)
-    randomize_adapters(model)
-    out = tmp_path / "merged"
-    named = merged_named_tensors(model, lambda p: p.detach())
-    save_hf_checkpoint(model.args, named, out, dtype=torch.float32)
-    tokens = tokens_for(model)
-    assert rel_err(hf_model(out)(tokens).logits, model(tokens)) <= FP32_RTOL
 
 
 def test_targets_accept_hf_names_and_refuse_unknown_ones():

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import optim
-from model import PRESETS, Llama, ModelArgs, fill_weights
+from hf import fill_weights
+from model import PRESETS, Llama, ModelArgs
 from optim import OptimizerInBackward
 
 ARGS = ModelArgs.from_name("tiny")

@@ -41,7 +41,8 @@ import kernels.fp8
 import shard
 from data import TokenDataset, attended_per_token
 from files import UsageError
-from model import Llama, LoRAConfig, ModelArgs, apply_lora, load_hf_checkpoint, save_hf_checkpoint
+from hf import load_hf_checkpoint, save_hf_checkpoint
+from model import Llama, LoRAConfig, ModelArgs, apply_lora
 from offload import AC_MODES
 from shard import (
     CPU_FLOPS,

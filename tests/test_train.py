@@ -32,7 +32,8 @@ import data
 import files
 import shard
 import train
-from model import PEAK_FLOPS, PRESETS, Llama, ModelArgs, generate, save_hf_checkpoint
+from hf import args_from_hf_config, save_hf_checkpoint
+from model import PEAK_FLOPS, PRESETS, Llama, ModelArgs, generate
 
 REPO = Path(__file__).resolve().parent.parent
 # Tests that pin CPU numbers (fp32, reference ops, no MFU) or start 2 processes on one device;
@@ -525,10 +526,10 @@ def test_export_loads_in_transformers_with_the_same_logits(dataset, reference_ru
     )
     assert len(losses(reference_run)) == 40
 
-    args = ModelArgs.from_hf_config(export)
+    args = args_from_hf_config(export)
     assert args == ModelArgs.from_name("tiny")
     ours = Llama(args)
-    from model import load_hf_checkpoint
+    from hf import load_hf_checkpoint
 
     load_hf_checkpoint(ours, export)
     init = ours.initial_value("layers.0.attention.wq.weight", 0, torch.device("cpu"))
@@ -1205,7 +1206,7 @@ def test_max_seq_len_extends_the_context_and_is_exported(dataset, tmp_path):
             "--sample-tokens", "0", "--max-steps", "1", "--checkpoint-interval", "0",
             "--max-seq-len", "4096", "--export-hf", str(out)]  # fmt: skip
     train.main([*argv, "--run-dir", str(tmp_path / "run")])
-    assert ModelArgs.from_hf_config(out).max_seq_len == 4096
+    assert args_from_hf_config(out).max_seq_len == 4096
 
 
 def test_sft_data_masks_documents_unless_told_not_to(tmp_path, capsys):
