@@ -18,7 +18,7 @@ import pickle
 import re
 
 GiB = 2**30
-OUR_FILES = ("/model.py", "/offload.py", "/shard.py", "/train.py")
+OUR_FILES = ("/model.py", "/hf.py", "/offload.py", "/optim.py", "/shard.py", "/train.py")
 OUR_KERNELS = "/kernels/"
 
 
