@@ -1720,6 +1720,19 @@ class PackedLoader:
         self.cursor %= self.num_samples
         return self._batch(indices)
 
+    def labels_ahead(self, micro_batches: int) -> int:
+        """This rank's labelled tokens in its next `micro_batches` batches, read from the loss
+        mask alone, the cursor left where it is: a step divides its loss by the count before
+        its first backward, then makes its micro-batches one at a time."""
+        count = 0
+        for m in range(micro_batches):
+            first = self.cursor + (m * self.world_size + self.rank) * self.micro_batch
+            for k in range(self.micro_batch):
+                start = self._sample_index(first + k) * self.seq_len
+                mask = self.dataset.loss_mask[start + 1 : start + self.seq_len + 1]
+                count += int(np.count_nonzero(_labelled(mask[self.columns])))
+        return count
+
     def in_order(self, max_samples: int | None = None) -> Iterator[Batch]:
         """The first `max_samples` samples once, in stored order, this rank's group taking its
         contiguous share (the last micro-batch may be smaller). Every group gets as many (the
@@ -1753,8 +1766,13 @@ class PackedLoader:
         window = self.dataset.tokens[start : start + self.seq_len + 1].astype(np.int64)
         mask = self.dataset.loss_mask[start : start + self.seq_len + 1]
         tokens = window[:-1]
-        labels = np.where((mask[1:] & LABEL) != 0, window[1:], IGNORE_INDEX)
+        labels = np.where(_labelled(mask[1:]), window[1:], IGNORE_INDEX)
         return tokens, labels, window_positions(tokens, mask[:-1], self.dataset.bos_id)
+
+
+def _labelled(mask: np.ndarray) -> np.ndarray:
+    """Where a loss_mask.bin slice makes its tokens labels."""
+    return (mask & LABEL) != 0
 
 
 def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -> np.ndarray:

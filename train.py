@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -927,18 +927,22 @@ class StepResult:
 def train_step(
     model: Llama,
     optimizer: optim.ShardedAdamW | optim.OptimizerInBackward,
-    micro_batches: list[Batch],
+    micro_batches: Iterable[Batch],
+    n_micro_batches: int,
+    n_labels: torch.Tensor,
     offload_activations: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> StepResult:
-    """One optimizer step. The loss is the mean over the step's labelled tokens on all ranks,
-    not of per-micro-batch means: micro-batches hold different numbers of labelled tokens."""
-    n_labels = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches)
+    """One optimizer step over `n_micro_batches` micro-batches, taken one at a time (a step of
+    many never holds them all). The loss is the mean over the step's labelled tokens on all
+    ranks, not of per-micro-batch means: micro-batches hold different numbers of labelled
+    tokens. `n_labels`: this rank's labelled tokens in the step, counted before it
+    (PackedLoader.labels_ahead)."""
     dist.all_reduce(n_labels)
     n_labels = n_labels.clamp(min=1)
     loss_sum = torch.zeros((), device=n_labels.device)
     for i, b in enumerate(micro_batches):
-        if len(micro_batches) > 1:  # FSDP reduces the gradients in the last backward only
-            model.set_requires_gradient_sync(i == len(micro_batches) - 1)
+        if n_micro_batches > 1:  # FSDP reduces the gradients in the last backward only
+            model.set_requires_gradient_sync(i == n_micro_batches - 1)
         with offload_activations():
             loss = model(b.tokens, b.labels, b.positions, "sum", b.document_starts)
         # shard.apply_fsdp makes FSDP sum gradients over ranks (divide factor 1), so dividing
@@ -980,14 +984,18 @@ class MetricsLog:
                     f.write(json.dumps({"resumed_from": str(resumed_from), "step": run.start_step}))
                     f.write("\n")
 
-    def add(self, result: StepResult, micro_batches: list[Batch]) -> None:
-        self.last = result
+    def counting(self, micro_batches: Iterator[Batch]) -> Iterator[Batch]:
+        """The micro-batches, each counted into the pairs attention attended (MFU)."""
         plan = self.run.plan
+        for b in micro_batches:
+            self.attended += attended_pairs(b.positions, plan.document_mask, plan.seq_len)
+            yield b
+
+    def add(self, result: StepResult) -> None:
+        self.last = result
         norm = result.grad_norm.to(self.run.world.device, non_blocking=True)  # no host sync
         finite = result.loss_sum.isfinite() & norm.isfinite()
         self.nonfinite += ~finite
-        for b in micro_batches:
-            self.attended += attended_pairs(b.positions, plan.document_mask, plan.seq_len)
 
     def evaluating(self, step: int, stopping: bool) -> bool:
         due = step % self.run.opts.eval_interval == 0 or step == self.run.max_steps
@@ -1307,12 +1315,16 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
     while step < run.max_steps and not stopping:
         lr = lr_at(step, run.opts, run.max_steps)
         optimizer.set_lr(lr)  # before backward, where the optimizer in backward updates
-        micro_batches = [
+        n_labels = torch.tensor(run.loader.labels_ahead(plan.grad_accum))
+        micro_batches = (
             next(batches).to(device, non_blocking=True) for _ in range(plan.grad_accum)
-        ]
-        result = train_step(model, optimizer, micro_batches, offload_activations)
+        )
+        result = train_step(
+            model, optimizer, metrics.counting(micro_batches), plan.grad_accum,
+            n_labels.to(device, non_blocking=True), offload_activations,
+        )  # fmt: skip
         step += 1
-        metrics.add(result, micro_batches)
+        metrics.add(result)
         instruments.after(step)
 
         stopping = stop.agreed()

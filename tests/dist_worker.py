@@ -22,6 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data import Batch, document_starts  # noqa: E402
+from kernels import IGNORE_INDEX  # noqa: E402
 from model import REFERENCE_OPS, Llama, LoRAConfig, ModelArgs, apply_lora, fp8_ops  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
 from optim import ShardedAdamW, ShardedOptimizerInBackward  # noqa: E402
@@ -214,7 +215,8 @@ def train(world, out: Path, name: str) -> None:
             )
             for mb in range(MICRO_BATCHES)
         ]
-        result = train_step(model, optimizer, micro_batches, offloaded)
+        n_labels = sum((b.labels != IGNORE_INDEX).sum() for b in micro_batches)
+        result = train_step(model, optimizer, micro_batches, MICRO_BATCHES, n_labels, offloaded)
         dist.all_reduce(result.loss_sum)
         losses.append((result.loss_sum / result.n_labels).item())
         norms.append(result.grad_norm.item())
@@ -238,7 +240,8 @@ def in_backward(world, out: Path) -> None:
     losses, norms = [], []
     for step in range(STEPS):
         mine = [t[step, 0][rows] for t in (tokens, labels, positions)]
-        result = train_step(model, optimizer, [Batch(*mine, document_starts(mine[2]))])
+        n_labels = (mine[1] != IGNORE_INDEX).sum()
+        result = train_step(model, optimizer, [Batch(*mine, document_starts(mine[2]))], 1, n_labels)
         dist.all_reduce(result.loss_sum)
         losses.append((result.loss_sum / result.n_labels).item())
         norms.append(result.grad_norm.item())

@@ -20,6 +20,7 @@ import torch
 
 import data
 import files
+from kernels import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
 BYTES = data.ByteTokenizer()
@@ -664,6 +665,22 @@ def test_context_parallel_ranks_read_their_halves_of_the_same_rows(tmp_path):
     assert half_alone_differs > 0
     with pytest.raises(ValueError, match="divide seq_len 12"):
         data.PackedLoader(ds, 12, 1, context_parallel=5)
+
+
+def test_labels_ahead_counts_the_next_batches_labels_and_leaves_the_cursor(tmp_path):
+    # 103 samples of 9: steps of 2 ranks x 4 micro-batches x 3 rows run across epochs.
+    rng = np.random.default_rng(0)
+    mask = rng.integers(0, 8, 928, dtype=np.uint8)  # every bit set somewhere, LABEL on half
+    ds = write_dataset(tmp_path / "masked", np.arange(928), mask)
+    for columns in ({}, {"context_rank": 1, "context_parallel": 3}):
+        loader = data.PackedLoader(ds, 9, 3, rank=1, world_size=2, seed=2, **columns)
+        for _ in range(12):
+            state = loader.state_dict()
+            counted = loader.labels_ahead(4)
+            assert loader.state_dict() == state
+            labels = torch.cat([next(loader).labels for _ in range(4)])
+            assert counted == (labels != IGNORE_INDEX).sum().item() > 0
+        assert loader.epoch > 0
 
 
 def test_in_order_gives_each_group_an_equal_contiguous_share_once(tmp_path):

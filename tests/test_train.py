@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import dist_worker as w
 import numpy as np
 import pytest
 import torch
@@ -2014,3 +2015,22 @@ def test_the_metrics_log_is_never_written_through_a_link(tmp_path):
     with pytest.raises(OSError, match="Too many levels of symbolic links"):
         train.MetricsLog(run)
     assert victim.read_text() == "the user's"
+
+
+def test_a_step_makes_its_micro_batches_one_at_a_time():
+    """train_step takes the next micro-batch only after the last one's forward and backward: a
+    step of many micro-batches holds one (a million of them, made up front, filled the host)."""
+    model = w.sharded_model(shard.init_distributed(), w.TINY, "FULL_SHARD", 1, cpu_offload=False)
+    optimizer = w.RecordingAdamW(model)
+    tokens, labels, positions = (t[0] for t in w.batches(w.TINY, 1))
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(len(forwards)))
+
+    def micro_batches():
+        for i in range(w.MICRO_BATCHES):
+            assert len(forwards) == i  # the micro-batches before it have been through the model
+            yield data.Batch(tokens[i], labels[i], positions[i], data.document_starts(positions[i]))
+
+    n_labels = (labels != data.IGNORE_INDEX).sum()
+    result = train.train_step(model, optimizer, micro_batches(), w.MICRO_BATCHES, n_labels)
+    assert len(forwards) == w.MICRO_BATCHES > 1 and result.loss_sum.isfinite()
