@@ -765,38 +765,43 @@ class Checkpointer:
         SAVING.set()
         final = self.root / f"step-{step:06d}"
         tmp = self.root / f".tmp-{final.name}"
+
+        def make_tmp() -> None:
+            # Left by a run killed while it saved: its own names only, never a user's.
+            for stale in self.root.glob(".tmp-step-*"):
+                if stale.name.removeprefix(".tmp-step-").isdigit() and stale.is_dir():
+                    shutil.rmtree(stale)
+            tmp.mkdir(parents=True)
+
+        def write_train_state() -> None:
+            # dcp.save returns once every rank's shards are written. Their sizes and each
+            # tensor's shape go in, so check_checkpoint catches a truncated or lost shard.
+            train_state = {
+                "step": step,
+                "loader": loader.state_dict(),
+                "rng": rng_state(self.world.device),
+                **self.record,
+                "files": {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))},
+                "tensors": tensor_shapes(state),
+            }
+            (tmp / "train_state.json").write_text(json.dumps(train_state))
+
+        def rename() -> None:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            for old in list_checkpoints(self.root)[: -self.keep]:
+                shutil.rmtree(old)
+
         try:
-            if self.world.is_main:
-                # Left by a run killed while it saved: its own names only, never a user's.
-                for stale in self.root.glob(".tmp-step-*"):
-                    if stale.name.removeprefix(".tmp-step-").isdigit() and stale.is_dir():
-                        shutil.rmtree(stale)
-                tmp.mkdir(parents=True)
-            dist.barrier()
+            self._on_main(make_tmp)
             # Safetensors (each rank its own shards, the layout as JSON in their headers), so
             # resuming unpickles nothing: DCP's default format keeps its metadata as a pickle.
             state = optimizer.state_dict()
             writer = dcp.HuggingFaceStorageWriter(str(tmp), save_distributed=True)
             dcp.save(state, storage_writer=writer)
-            if self.world.is_main:
-                # dcp.save returns once every rank's shards are written. Their sizes and each
-                # tensor's shape go in, so check_checkpoint catches a truncated or lost shard.
-                train_state = {
-                    "step": step,
-                    "loader": loader.state_dict(),
-                    "rng": rng_state(self.world.device),
-                    **self.record,
-                    "files": {f.name: f.stat().st_size for f in sorted(tmp.glob("*.safetensors"))},
-                    "tensors": tensor_shapes(state),
-                }
-                (tmp / "train_state.json").write_text(json.dumps(train_state))
-            dist.barrier()  # every rank's shards are written before the directory is renamed
-            if self.world.is_main:
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-                for old in list_checkpoints(self.root)[: -self.keep]:
-                    shutil.rmtree(old)
+            self._on_main(write_train_state)  # after every rank's shards: then the rename
+            self._on_main(rename)
             self.last = final
             return final
         except (OSError, CheckpointException) as e:  # DCP's (a BaseException) holds each rank's
@@ -808,6 +813,23 @@ class Checkpointer:
             raise no_space(f"checkpoint {final}", self.root) from None
         finally:
             SAVING.clear()
+
+    def _on_main(self, work: Callable[[], None]) -> None:
+        """Runs `work` on the main rank, every rank waiting for it; an OSError there is raised
+        on every rank, which would otherwise wait for the main one in their next collective."""
+        errno = [None]
+        if self.world.is_main:
+            try:
+                work()
+            except OSError as e:
+                errno[0] = e.errno
+                raise
+            finally:
+                dist.broadcast_object_list(errno, src=0)
+        else:
+            dist.broadcast_object_list(errno, src=0)
+            if errno[0] is not None:
+                raise OSError(errno[0], f"{os.strerror(errno[0])} (on the main rank)")
 
 
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, list[int]]:

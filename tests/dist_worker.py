@@ -9,12 +9,16 @@ scenario is meant to raise are written per rank to OUT_DIR/<scenario>.rank<r>.tx
 """
 
 import dataclasses
+import errno
 import functools
 import json
 import os
 import sys
+import unittest.mock
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,11 +26,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data import Batch, document_starts  # noqa: E402
+from files import UsageError  # noqa: E402
 from kernels import IGNORE_INDEX  # noqa: E402
 from model import REFERENCE_OPS, Llama, LoRAConfig, ModelArgs, apply_lora, fp8_ops  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
 from optim import ShardedAdamW, ShardedOptimizerInBackward  # noqa: E402
 from shard import (  # noqa: E402
+    Checkpointer,
     apply_context_parallel,
     apply_fsdp,
     build_mesh,
@@ -297,6 +303,31 @@ def context_parallel_whole_rows(world, out: Path) -> None:
     (out / f"cp_without_positions.rank{world.rank}.txt").write_text(message)
 
 
+def full_disk_on_main(world, out: Path) -> None:
+    """A checkpoint whose train_state.json finds the main rank's disk full: every rank says
+    it in one line, none waits for the main one in a collective."""
+    checkpointer = Checkpointer(out / "full_disk", 10, 2, world, record={})
+    model = sharded_model(world, TINY, "FULL_SHARD", 2, False)
+    optimizer = ShardedAdamW(model, (0.9, 0.95), 0.0, None, fused=False)
+    loader = SimpleNamespace(state_dict=dict)
+    write_text = Path.write_text
+
+    def full(path, *args, **kwargs):
+        if path.name == "train_state.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(path, *args, **kwargs)
+
+    full_on_main = unittest.mock.patch.object(Path, "write_text", full)
+    try:
+        with full_on_main if world.is_main else nullcontext():
+            checkpointer.save(10, optimizer, loader)
+        message = "no error"
+    except UsageError as e:
+        message = str(e)
+    (out / f"full_disk.rank{world.rank}.txt").write_text(message)
+    dist.barrier()  # both ranks got here
+
+
 def nodes(world, out: Path) -> None:
     """Each rank's node and the ranks of its groups: HYBRID_SHARD's shard and replicate
     groups, and the context-parallel group (2 ranks)."""
@@ -323,6 +354,7 @@ def main() -> None:
     hf_load(world, out)
     context_parallel_whole_rows(world, out)
     in_backward(world, out)
+    full_disk_on_main(world, out)
     for name in TRAIN_SCENARIOS:
         train(world, out, name)
     dist.destroy_process_group()

@@ -366,6 +366,15 @@ def test_sharded_hf_load_equals_unsharded_load(dist_out, strategy):
         assert torch.equal(got[name], param.detach()), name
 
 
+def test_a_full_disk_on_the_main_rank_is_said_on_every_rank(dist_out):
+    """The main rank alone writes train_state.json: its error reaches the other rank, which
+    would otherwise wait for it at the next collective (the worker would hang)."""
+    messages = [(dist_out / f"full_disk.rank{r}.txt").read_text() for r in range(2)]
+    for message in messages:
+        assert message.startswith(f"no space left to write checkpoint {dist_out}/full_disk/step-0")
+    assert not list((dist_out / "full_disk").iterdir())
+
+
 def test_mismatched_checkpoint_fails_on_every_rank_alike(dist_out):
     messages = [(dist_out / f"hf_mismatch.rank{r}.txt").read_text() for r in range(2)]
     assert messages[0] == messages[1]
