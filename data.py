@@ -1597,13 +1597,10 @@ class TokenDataset:
         masks = (self.loss_mask[i : i + chunk] for i in range(1, self.n_tokens, chunk))
         return any((mask & LABEL).any() for mask in masks)
 
-    def check(self, vocab_size: int, seq_len: int, max_seq_len: int, use: str = "train") -> None:
-        """One error naming each reason this dataset cannot `use` ("train", "evaluate")."""
+    def check(self, vocab_size: int, seq_len: int, use: str = "train") -> None:
+        """One error naming each reason this dataset cannot `use` ("train", "evaluate") with
+        rows of `seq_len` (options.model_args holds it within the model's length)."""
         problems = []
-        if not 1 <= seq_len <= max_seq_len:
-            problems.append(
-                f"seq_len {seq_len} must be from 1 to the model's max_seq_len {max_seq_len}"
-            )
         if self.n_tokens < seq_len + 1:
             problems.append(
                 f"the dataset has {self.n_tokens:,} tokens, one sample of seq_len {seq_len} "
@@ -1672,11 +1669,6 @@ class PackedLoader:
         context_rank: int = 0,
         context_parallel: int = 1,
     ):
-        if context_parallel < 1 or seq_len % context_parallel:
-            raise ValueError(
-                f"context_parallel must be >= 1 and divide seq_len {seq_len}, got "
-                f"{context_parallel}"
-            )
         self.num_samples = (dataset.n_tokens - 1) // seq_len
         if self.num_samples < 1:
             raise ValueError(
@@ -1853,7 +1845,6 @@ def open_data(
     tokenizer: str | None,
     hf_checkpoint: str | None,
     vocab_size: int,
-    max_seq_len: int,
     seq_len: int,
     is_main: bool,
 ) -> RunData:
@@ -1867,7 +1858,7 @@ def open_data(
             default_corpus(CACHE)
         dist.barrier()
         dataset = TokenDataset(default_corpus(CACHE))
-    dataset.check(vocab_size, seq_len, max_seq_len)
+    dataset.check(vocab_size, seq_len)
     prepared_with = dataset.meta["tokenizer"]
     source = tokenizer or (hf_checkpoint and tokenizer_file(hf_checkpoint))
     text_tokenizer = load_tokenizer(source) if source else None
@@ -1902,11 +1893,11 @@ def open_data(
 
 
 def open_eval_data(
-    eval_data: str, vocab_size: int, max_seq_len: int, seq_len: int, training: TokenDataset
+    eval_data: str, vocab_size: int, seq_len: int, training: TokenDataset
 ) -> TokenDataset:
     """Checked against the model (as open_data) and the training data."""
     held_out = TokenDataset(eval_data)
-    held_out.check(vocab_size, seq_len, max_seq_len, use="evaluate")
+    held_out.check(vocab_size, seq_len, use="evaluate")
     if held_out.path.resolve() == training.path.resolve():
         raise UsageError(f"--eval-data {held_out.path} is the training data: nothing is held out")
     if held_out.meta["tokenizer"] != training.meta["tokenizer"]:

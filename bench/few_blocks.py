@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import options  # noqa: E402
 import train  # noqa: E402
 
 
@@ -28,8 +29,8 @@ def first_blocks(args, blocks: int):
 
 def main() -> None:
     blocks, argv = int(sys.argv[1]), sys.argv[2:]
-    whole_model = train.model_args
-    train.model_args = lambda opts: first_blocks(whole_model(opts), blocks)
+    whole_model = options.model_args
+    options.model_args = lambda opts: first_blocks(whole_model(opts), blocks)
     train.main(argv)
 
 

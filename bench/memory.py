@@ -1,4 +1,4 @@
-"""shard.estimate_memory against measured peaks, activation offload's cost in step time, and
+"""plan.estimate_memory against measured peaks, activation offload's cost in step time, and
 the CPU AdamW step that CPU offload runs. One GPU, one process (a group of one).
 
     python bench/memory.py                 # both parts
@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model import REFERENCE_OPS, Llama, ModelArgs, triton_ops  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
 from optim import clip_grad_norm_  # noqa: E402
-from shard import Plan, apply_fsdp, build_mesh, estimate_memory, init_distributed, materialize  # noqa: E402
+from plan import Plan, estimate_memory  # noqa: E402
+from shard import apply_fsdp, build_mesh, init_distributed, materialize  # noqa: E402
 
 GiB = 2**30
 

@@ -589,7 +589,10 @@ def test_default_corpus_is_prepared_once_and_reused(tmp_path):
     mtime = (path / "tokens.bin").stat().st_mtime_ns
     assert data.default_corpus(tmp_path, max_bytes=200_000) == path
     assert (path / "tokens.bin").stat().st_mtime_ns == mtime
-    ds.check(vocab_size=258, seq_len=128, max_seq_len=128)
+    ds.check(
+        vocab_size=258,
+        seq_len=128,
+    )
 
 
 # Loader order
@@ -663,8 +666,6 @@ def test_context_parallel_ranks_read_their_halves_of_the_same_rows(tmp_path):
             data.document_starts(part.positions) != row.document_starts for part in parts
         )
     assert half_alone_differs > 0
-    with pytest.raises(ValueError, match="divide seq_len 12"):
-        data.PackedLoader(ds, 12, 1, context_parallel=5)
 
 
 def test_labels_ahead_counts_the_next_batches_labels_and_leaves_the_cursor(tmp_path):
@@ -763,14 +764,23 @@ def test_truncated_token_file_names_both_sizes(tmp_path):
 def test_token_id_beyond_the_vocab_is_named(tmp_path):
     ds = arange_dataset(tmp_path)
     with pytest.raises(ValueError, match=r"token id 1,000 .* vocab_size 500"):
-        ds.check(vocab_size=500, seq_len=10, max_seq_len=10)
-    ds.check(vocab_size=1001, seq_len=10, max_seq_len=10)
+        ds.check(
+            vocab_size=500,
+            seq_len=10,
+        )
+    ds.check(
+        vocab_size=1001,
+        seq_len=10,
+    )
 
 
 def test_too_few_tokens_for_one_sample(tmp_path):
     ds = write_dataset(tmp_path / "small", [256, 1, 2, 257])
     with pytest.raises(ValueError, match=r"4 tokens, one sample of seq_len 8 needs 9"):
-        ds.check(vocab_size=258, seq_len=8, max_seq_len=16)
+        ds.check(
+            vocab_size=258,
+            seq_len=8,
+        )
     with pytest.raises(ValueError, match="needs 9"):
         data.PackedLoader(ds, seq_len=8, micro_batch=1)
 
@@ -778,20 +788,25 @@ def test_too_few_tokens_for_one_sample(tmp_path):
 def test_empty_dataset(tmp_path):
     ds = write_dataset(tmp_path / "empty", [])
     with pytest.raises(ValueError, match="has 0 tokens"):
-        ds.check(vocab_size=258, seq_len=8, max_seq_len=16)
+        ds.check(
+            vocab_size=258,
+            seq_len=8,
+        )
 
 
-def test_seq_len_beyond_the_model_is_reported_with_every_other_problem(tmp_path):
+def test_every_problem_of_a_dataset_is_reported_together(tmp_path):
     ds = arange_dataset(tmp_path)
-    with pytest.raises(ValueError, match=r"max_seq_len 1024.*token id 1,000") as error:
-        ds.check(vocab_size=258, seq_len=2048, max_seq_len=1024)
-    assert "2,049" in str(error.value)
+    with pytest.raises(ValueError, match=r"one sample of seq_len 2048 needs 2,049.*token id 1,000"):
+        ds.check(vocab_size=258, seq_len=2048)
 
 
 def test_all_masked_dataset_is_refused(tmp_path):
     ds = write_dataset(tmp_path / "masked", [256, 1, 2, 3, 257] * 10, mask=[0] * 50)
     with pytest.raises(ValueError, match="loss_mask.bin is all 0: no token is a label"):
-        ds.check(vocab_size=258, seq_len=8, max_seq_len=16)
+        ds.check(
+            vocab_size=258,
+            seq_len=8,
+        )
 
 
 @pytest.mark.parametrize(

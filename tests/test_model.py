@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import options
 from data import document_starts
 from hf import args_from_hf_config, hf_names, load_hf_checkpoint, save_hf_checkpoint
 from model import (
@@ -588,7 +589,6 @@ def test_a_sliding_window_is_refused_past_it_and_plain_causal_within(
     """longtune has no sliding window: a run whose sequences are longer is refused, naming
     the window and the sequence length; one within it is plain causal attention, which the
     windowed model computes too, and its export keeps the window."""
-    import train
 
     hf = make_family_model(variant)
     save_hf(hf, tmp_path / "in")
@@ -604,10 +604,10 @@ def test_a_sliding_window_is_refused_past_it_and_plain_causal_within(
                        f"must be at most {window}"):  # fmt: skip
         args.check_sequence_length(window + 1)
     args.check_sequence_length(window)
-    opts = train.Options(hf_checkpoint=str(tmp_path / "in"), seq_len=window + 1)
+    opts = options.Options(hf_checkpoint=str(tmp_path / "in"), seq_len=window + 1)
     with pytest.raises(ValueError, match=f"--seq-len {window + 1} must be at most {window}"):
-        train.model_args(opts)
-    assert train.model_args(dataclasses.replace(opts, seq_len=window)) == args
+        options.model_args(opts)
+    assert options.model_args(dataclasses.replace(opts, seq_len=window)) == args
     windowed = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "in").float()
     ours = load_longtune(tmp_path / "in")
     tokens, _ = sample_batch(args.vocab_size)

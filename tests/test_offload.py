@@ -235,7 +235,7 @@ def test_document_masked_attention_keeps_gradients(
 @pytest.mark.parametrize("positions", [None, PACKED], ids=["causal", "documents"])
 def test_offload_leaves_what_the_checkpoint_keeps_on_the_device(ac, positions):
     """Activation offload moves a checkpointed block's input, not the op outputs the policy
-    keeps (the planner counts those on the GPU: shard.block_bytes), so it moves as much as
+    keeps (the planner counts those on the GPU: plan.block_bytes), so it moves as much as
     under full checkpointing; and torch (2.14 on) is told so, so it does not warn that a
     later release would route them through offload's hooks."""
     offloaded = {}

@@ -44,7 +44,8 @@ from files import UsageError
 from hf import load_hf_checkpoint, save_hf_checkpoint
 from model import Llama, LoRAConfig, ModelArgs, apply_lora
 from offload import AC_MODES
-from shard import (
+from options import plan_of, technique_problems
+from plan import (
     CPU_FLOPS,
     GPU_FLOPS,
     GPU_MARGIN,
@@ -61,14 +62,12 @@ from shard import (
     count_weights,
     estimate_memory,
     fits,
-    init_distributed,
-    make_plan,
     memory_needed,
     pinned_shard_bytes,
     plan_problems,
     step_seconds,
-    technique_problems,
 )
+from shard import init_distributed
 
 FP32_RTOL = 1e-5
 # --fp8's losses and norms after a step: e4m3 rounds an element the other way where the ranks'
@@ -911,7 +910,7 @@ def test_fp8_adds_its_e4m3_copies_to_the_block_backward_as_measured():
 
 
 def options(**changes) -> SimpleNamespace:
-    """train.Options' fields that the planner reads, at their defaults (shard imports
+    """Options' fields that the planner reads, at their defaults (shard imports
     nothing of train.py; test_train.py goes through train.main)."""
     defaults = dict(seq_len=256, batch_tokens=None, strategy="FULL_SHARD", ac_every=1,
                     param_dtype=None, kernels=None, offload_blocks=None, context_parallel=1,
@@ -969,7 +968,7 @@ def test_fp8_keeps_blocks_too_small_to_gain_in_bf16(preset, micro_batch, in_e4m3
     args = ModelArgs.from_name(preset)
     machine = Machine(world_size=4, nproc_per_node=4, gpu_gib=139.0, host_gib=500.0)
     fixed = options(seq_len=8192, fp8=True, micro_batch=micro_batch, grad_accum=1, mlp_tile=0)
-    plan = make_plan(fixed, args, machine, document_mask=False)
+    plan = plan_of(fixed, args, machine, document_mask=False)
     assert plan.fp8_projections == in_e4m3
     said = f"{', '.join(in_e4m3)} in e4m3" if in_e4m3 else "every projection stays in bf16"
     assert plan.format().splitlines()[-1].startswith(f"--fp8: {said}")
@@ -1001,7 +1000,7 @@ def test_the_plan_is_one_object_printed_and_saved_as_it_is():
     cpu = Machine(world_size=1, nproc_per_node=1, gpu_gib=None, host_gib=20.0)
     tiny = ModelArgs.from_name("tiny")
     start = time.perf_counter()
-    plan = make_plan(options(seq_len=131072), tiny, cpu, document_mask=False)
+    plan = plan_of(options(seq_len=131072), tiny, cpu, document_mask=False)
     assert time.perf_counter() - start < 2
     assert plan.tokens_per_step == 131072 and plan.estimate == estimate_memory(tiny, plan)
     text = plan.format()
@@ -1015,7 +1014,7 @@ def test_the_plan_is_one_object_printed_and_saved_as_it_is():
     assert saved["plan"]["seq_len"] == 131072 and "estimate" not in saved["plan"]
     assert saved["planned"] == list(PLANNED) and saved["tokens_per_step_asked"] == 4096
     pair = Machine(world_size=2, nproc_per_node=2, gpu_gib=80.0, host_gib=100.0)
-    shared = make_plan(options(context_parallel=2), tiny, pair, document_mask=False)
+    shared = plan_of(options(context_parallel=2), tiny, pair, document_mask=False)
     assert "x 1 group of 2 context-parallel ranks" in shared.format()
 
 

@@ -17,7 +17,6 @@ import sentencepiece
 
 import data
 import files
-from model import PRESETS
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
@@ -337,15 +336,15 @@ def test_the_template_prepare_was_given_renders_the_sample_and_goes_into_the_exp
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
     prepared = data.prepare([chat], tmp_path / "ds", directory, workers=1, chat_template=other)
-    vocab_size, max_seq_len = 4096, PRESETS["tiny"].max_seq_len
-    opened = data.open_data(str(prepared), str(directory), None, vocab_size, max_seq_len, 8, True)
+    vocab_size = 4096
+    opened = data.open_data(str(prepared), str(directory), None, vocab_size, 8, True)
     text_tokenizer, export_tokenizer = opened.text_tokenizer, opened.export_tokenizer
     prompt = text_tokenizer.decode(text_tokenizer.chat_prompt(CONVERSATIONS[0][:1]))
     assert prompt.startswith("<|im_start|><|start_header_id|>system"), prompt
     assert export_tokenizer.files["chat_template.jinja"] == LLAMA31_TEMPLATE.encode()
     # From a HF checkpoint: its own tokenizer files and ids, with the dataset's template.
     (directory / "config.json").write_text('{"eos_token_id": [1, 2]}')
-    opened = data.open_data(str(prepared), None, str(directory), vocab_size, max_seq_len, 8, True)
+    opened = data.open_data(str(prepared), None, str(directory), vocab_size, 8, True)
     export_tokenizer = opened.export_tokenizer
     assert export_tokenizer.special_ids["eos_token_id"] == [1, 2]
     assert export_tokenizer.files["chat_template.jinja"] == LLAMA31_TEMPLATE.encode()

@@ -31,10 +31,12 @@ from safetensors.torch import save_file
 
 import data
 import files
+import options
 import shard
 import train
 from hf import args_from_hf_config, save_hf_checkpoint
 from model import PEAK_FLOPS, PRESETS, Llama, ModelArgs, generate
+from plan import Plan
 
 REPO = Path(__file__).resolve().parent.parent
 # Tests that pin CPU numbers (fp32, reference ops, no MFU) or start 2 processes on one device;
@@ -192,8 +194,8 @@ def test_resuming_with_other_lora_settings_is_refused_naming_them():
 def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_files(tmp_path):
     saved = {"run": {"tokens_per_step": 1024, "max_steps": 10}, "options": {
         "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "seed": 7}}  # fmt: skip
-    opts = train.Options(lr=1e-4, seq_len=128)
-    assert train.taken_on_resume(opts, frozenset({"lr"}), saved) == {"warmup_steps": 5, "seed": 7}
+    opts = options.Options(lr=1e-4, seq_len=128)
+    assert options.taken_on_resume(opts, frozenset({"lr"}), saved) == {"warmup_steps": 5, "seed": 7}
     # A run's directory with a plot and a log beside its files, and a new one with an empty
     # subdirectory made for an export, are run directories.
     for name in ("metrics.jsonl", "metrics.png", "train.log"):
@@ -242,7 +244,7 @@ def test_a_sample_prints_control_characters_escaped():
 
 
 def test_lr_warms_up_linearly_then_decays_to_min_lr():
-    opts = train.Options(lr=1.0, min_lr=0.1, warmup_steps=4, decay="linear")
+    opts = options.Options(lr=1.0, min_lr=0.1, warmup_steps=4, decay="linear")
     assert [train.lr_at(s, opts, 10) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     opts.warmup_steps = 3
     # Steps 3..9 decay: step 9, the last of 10, is at min_lr.
@@ -1129,14 +1131,14 @@ def test_estimate_memory_refuses_what_the_run_would(tmp_path, capsys):
 
 def test_lr_follows_the_model_size_and_is_required_for_a_hf_checkpoint(dataset, tmp_path, capsys):
     tiny, eight_b = ModelArgs.from_name("tiny"), ModelArgs.from_name("llama3.1-8b")
-    assert (train.default_lr(tiny), train.default_lr(eight_b)) == (3e-3, 3e-4)
-    plan = shard.Plan(256)
-    settled = train.settle_options(train.Options(), eight_b, plan)
+    assert (options.default_lr(tiny), options.default_lr(eight_b)) == (3e-3, 3e-4)
+    plan = Plan(256)
+    settled = options.settle_options(options.Options(), eight_b, plan)
     assert (settled.lr, settled.min_lr, settled.grad_clip) == (3e-4, pytest.approx(3e-5), 1.0)
-    settled = train.settle_options(train.Options(lr=1e-5), eight_b, plan)
+    settled = options.settle_options(options.Options(lr=1e-5), eight_b, plan)
     assert settled.min_lr == pytest.approx(1e-6)  # follows --lr unless set
     in_backward = dataclasses.replace(plan, optimizer_in_backward=True)
-    assert train.settle_options(train.Options(), tiny, in_backward).grad_clip == 0
+    assert options.settle_options(options.Options(), tiny, in_backward).grad_clip == 0
 
     hf = tmp_path / "hf"
     model = Llama(tiny)
@@ -1231,7 +1233,7 @@ def test_sft_data_masks_documents_unless_told_not_to(tmp_path, capsys):
     starts = torch.nonzero(rows.positions.flatten() == 0).flatten().tolist()
     lengths = torch.tensor(starts[1:] + [rows.positions.numel()]) - torch.tensor(starts)
     assert len(starts) > 8 and lengths.max() < 128  # several documents a row
-    args = train.model_args(train.Options())
+    args = options.model_args(options.Options())
     pairs = (lengths.double() ** 2 / 2).sum().item()
     assert flops_per_token("a") == pytest.approx(args.training_flops(1024, pairs) / 1024, rel=1e-9)
     assert flops_per_token("b") == pytest.approx(args.flops_per_token(128), rel=1e-9)
@@ -1497,11 +1499,11 @@ def test_resume_takes_what_the_checkpoint_fixes_unless_given_with_its_partner():
     saved = {"options": {"model": None, "hf_checkpoint": "base", "max_seq_len": 8192,
                          "seq_len": 4096, "data": "data/a", "tokenizer": "a.model",
                          "lora_rank": 8, "strategy": "FULL_SHARD"}}  # fmt: skip
-    assert train.taken_on_resume(train.Options(), frozenset(), saved) == {
+    assert options.taken_on_resume(options.Options(), frozenset(), saved) == {
         "hf_checkpoint": "base", "max_seq_len": 8192, "seq_len": 4096, "lora_rank": 8,
         "data": "data/a", "tokenizer": "a.model"}  # fmt: skip
-    given = train.Options(model="tiny", data="data/b")
-    taken = train.taken_on_resume(given, frozenset({"model", "data"}), saved)
+    given = options.Options(model="tiny", data="data/b")
+    taken = options.taken_on_resume(given, frozenset({"model", "data"}), saved)
     assert taken == {"max_seq_len": 8192, "seq_len": 4096, "lora_rank": 8}
 
 
@@ -1533,7 +1535,7 @@ def test_a_bare_resume_goes_on_with_the_checkpoints_model_preset(
     monkeypatch.setitem(PRESETS, "tiny-2", dataclasses.replace(PRESETS["tiny"], n_layers=2))
     run_dir = tmp_path / "run"
     argv = ["--data", str(dataset), *SMALL, "--max-steps", "1", "--run-dir", str(run_dir)]
-    opts, given = train.parse_options(argv)
+    opts, given = options.parse_options(argv)
     train.train(dataclasses.replace(opts, model="tiny-2"), given | {"model"})
     capsys.readouterr()
     with pytest.raises(SystemExit):
@@ -1591,7 +1593,7 @@ def test_abbreviations_are_refused_and_a_typo_is_told_the_flag(capsys):
     ).stdout
     for group in ["model and data:", "batch and schedule:", "memory plan", "LoRA and QLoRA:"]:
         assert group in help_text
-    assert help_text.count("(default:") >= len(dataclasses.fields(train.Options))
+    assert help_text.count("(default:") >= len(dataclasses.fields(options.Options))
 
 
 def test_more_processes_than_gpus_is_one_line(monkeypatch):

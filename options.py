@@ -1,0 +1,756 @@
+"""The command line, resolved once into what a run uses. In order: the options (one `Options`
+dataclass, each field the flag of its name) and their parser; the checks of the options against
+each other, the model and this machine; what a resumed run takes from its checkpoint; last,
+`resolve`, which turns the command line (and a checkpoint's recorded options) into the final
+options, the model's numbers and the plan, every check passed before anything is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+import shard
+from data import RunData, TokenDataset, attended_per_token, open_data, open_eval_data
+from files import UsageError, params_text
+from hf import HF_EXPORT, PEFT_ADAPTER, args_from_hf_config, check_hf_checkpoint, check_peft_adapter
+from model import (
+    LONG_DOCUMENT,
+    LORA_TARGETS,
+    PRESETS,
+    SDPA_BACKENDS,
+    LoRAConfig,
+    ModelArgs,
+    parse_lora_targets,
+)
+from offload import AC_MODES
+from plan import (
+    BATCH_TOKENS,
+    PLANNED,
+    SMALL_MODEL_BATCH_TOKENS,
+    STRATEGIES,
+    Machine,
+    Plan,
+    flag_name,
+    flags_of,
+    machine_to_estimate,
+    make_plan,
+    plan_problems,
+)
+
+REPO = Path(__file__).resolve().parent
+
+
+def option(default, help: str, **argparse_kwargs):
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass
+class Options:
+    """`group`: the --help group that starts at the field."""
+
+    model: str | None = option(
+        None,
+        "model preset (default: tiny, unless --hf-checkpoint)",
+        choices=sorted(PRESETS),
+        group="model and data",
+    )
+    hf_checkpoint: str | None = option(
+        None, "start from this HF Llama directory (config + weights)", metavar="DIR"
+    )
+    data: str | None = option(
+        None,
+        "prepared dataset directory (python data.py prepare) (default: the Python stdlib "
+        "sources, byte-tokenized, prepared once into .cache/)",
+        metavar="DIR",
+    )
+    tokenizer: str | None = option(
+        None, "tokenizer file the data must have been prepared with", metavar="FILE"
+    )
+    eval_data: str | None = option(
+        None,
+        "a held-out prepared dataset (the same tokenizer as --data), never trained on, whose "
+        "mean loss is logged",
+        metavar="DIR",
+    )
+    eval_interval: int = option(100, "evaluate --eval-data every n steps (and at the end)")
+    eval_tokens: int | None = option(
+        None, "evaluate the first n tokens of --eval-data (default: all of it)", metavar="N"
+    )
+    seq_len: int = option(256, "tokens per sequence")
+    max_seq_len: int | None = option(
+        None, "raise a HF checkpoint's maximum sequence length (context extension)", metavar="N"
+    )
+    document_mask: bool | None = option(
+        None, "no attention across the documents packed in a sequence (default: on for SFT data)"
+    )
+    batch_tokens: int | None = option(
+        None,
+        "tokens per optimizer step over all processes, rounded to whole sequences, at least "
+        f"one per process or context-parallel group (default: {BATCH_TOKENS:,}; "
+        f"{SMALL_MODEL_BATCH_TOKENS:,} for models under 100M parameters); --micro-batch "
+        "and --grad-accum follow from it",
+        group="batch and schedule",
+    )
+    micro_batch: int | None = option(
+        None,
+        "sequences per process (per context-parallel group) per micro-batch (default: planned)",
+    )
+    grad_accum: int | None = option(
+        None, "micro-batches per optimizer step (default: --batch-tokens / the micro-batches)"
+    )
+    max_steps: int = option(1000, "optimizer steps to train for")
+    max_tokens: int | None = option(None, "train for this many tokens instead (sets max steps)")
+    lr: float | None = option(
+        None,
+        "peak learning rate, after the warmup (default, from scratch: 3e-3 under 100M "
+        "parameters, 3e-4 up to 10B, 1.5e-4 above; required with --hf-checkpoint, unless "
+        "resuming from a checkpoint)",
+    )
+    min_lr: float | None = option(None, "learning rate at the last step (default: --lr / 10)")
+    warmup_steps: int = option(20, "steps of linear warmup from 0")
+    decay: str = option(
+        "cosine", "decay from lr to min-lr after the warmup", choices=["cosine", "linear"]
+    )
+    weight_decay: float = option(0.1, "AdamW weight decay of the matrices (not norms)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.95, "AdamW beta2")
+    grad_clip: float | None = option(
+        None,
+        "clip the gradient's global norm to this, 0: no clipping (default: 1.0; 0 with the "
+        "optimizer in backward, which cannot clip)",
+    )
+    seed: int = option(0, "seed of the initialization and the data order")
+    ac: str | None = option(
+        None,
+        "activation checkpointing: recompute in backward each whole block (full), all of it "
+        "but attention (attention), all but the matmuls and attention (selective), or not "
+        "(none) (default: planned)",
+        choices=list(AC_MODES),
+        group="memory plan (planned to fit when not given)",
+    )
+    ac_every: int = option(1, "checkpoint every n-th block")
+    mlp_tile: int | None = option(
+        None,
+        "run each feed-forward over tiles of this many positions, to bound its memory at "
+        "long sequences (0: the whole sequence at once) (default: planned)",
+    )
+    activation_offload: bool | None = option(
+        None, "keep saved activations in host memory (default: planned)"
+    )
+    offload_blocks: int | None = option(
+        None,
+        "with --activation-offload, offload only the first N blocks, for when host memory "
+        "holds less than all (default: all but the last)",
+    )
+    cpu_offload: bool | None = option(
+        None, "keep parameters, gradients, optimizer state on the CPU (default: planned)"
+    )
+    optimizer_in_backward: bool | None = option(
+        None,
+        "AdamW runs on the CPU for each parameter as soon as its gradient is complete in "
+        "backward; fp32 weights and AdamW's state stay on the host. Alone: one GPU; with "
+        "--cpu-offload: FSDP's host shards, any number of GPUs (default: planned, only where "
+        "nothing else fits, since it cannot clip gradients)",
+    )
+    param_dtype: str | None = option(
+        None,
+        "compute dtype of parameters (default: bf16 on GPU, fp32 on CPU); master "
+        "weights and gradient reduction stay fp32",
+        choices=["bf16", "fp32"],
+    )
+    attention_backend: str = option("auto", "SDPA backend", choices=sorted(SDPA_BACKENDS))
+    kernels: bool | None = option(None, "the Triton kernels (default: on with CUDA, off on CPU)")
+    fp8: bool = option(
+        False,
+        "the blocks' projections multiply in FP8 (e4m3, rowwise scales; kernels/fp8.py), "
+        "where the blocks are large enough to gain (the plan says); needs a GPU of compute "
+        "capability 8.9+ (Ada, Hopper). MFU stays against bf16's peak",
+    )
+    strategy: str = option(
+        "FULL_SHARD", "how FSDP shards", choices=list(STRATEGIES), group="parallelism"
+    )
+    context_parallel: int = option(
+        1,
+        "ranks that share each sequence, each holding seq-len / N of its tokens (attention "
+        "by an all-to-all over heads; N divides the ranks per node and the heads)",
+    )
+    lora_rank: int = option(
+        0,
+        "train LoRA adapters of this rank on a frozen base (0: full fine-tuning)",
+        group="LoRA and QLoRA",
+    )
+    lora_alpha: float = option(16.0, "LoRA's alpha: the adapters' output is scaled by alpha / rank")
+    lora_dropout: float = option(0.0, "dropout on the adapters' input")
+    lora_targets: str = option(
+        "all",
+        "the projections that get adapters: all, or a comma list of wq,wk,wv,wo,w1,w2,w3 or "
+        "their HF names q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,up_proj",
+    )
+    quantize_base: str | None = option(
+        None, "store the frozen base's adapted projections in 4 bits (QLoRA)", choices=["nf4"]
+    )
+    lora_adapter: str | None = option(
+        None, "start the adapters from this PEFT adapter directory", metavar="DIR"
+    )
+    run_dir: str = option(
+        "runs/default",
+        "metrics.jsonl, checkpoints/, traces",
+        metavar="DIR",
+        group="checkpoints and export",
+    )
+    checkpoint_interval: int = option(
+        100, "save a checkpoint every n steps and at the end (0: never, e.g. for benchmarks)"
+    )
+    keep_checkpoints: int = option(2, "keep the last k checkpoints")
+    resume: str | None = option(
+        None,
+        "continue from the latest checkpoint in --run-dir (a fresh start if none), or "
+        "from the checkpoint directory given",
+        nargs="?",
+        const="latest",
+        metavar="PATH",
+    )
+    export_hf: str | None = option(
+        None, "at the end, write the model as HF safetensors here", metavar="DIR"
+    )
+    export_adapter: str | None = option(
+        None, "at the end, write the LoRA adapters in PEFT's format here", metavar="DIR"
+    )
+    log_interval: int = option(10, "log every n steps", group="logging")
+    sample_tokens: int = option(
+        200, "at the end, print this many tokens generated by the trained model (0: none)"
+    )
+    profile: int = option(
+        0,
+        "trace this many steps (after 2 warm ones) with torch.profiler; their logged tokens/s "
+        "include the tracing and the writing of the trace (bench/profile_summary.py reads it)",
+    )
+    memory_snapshot: bool = option(False, "dump a CUDA memory snapshot of the first 3 steps")
+    estimate_memory: bool = option(
+        False,
+        "print the plan for the machine below and its memory estimate, and exit",
+        group="the machine to plan for",
+    )
+    gpu_memory: float | None = option(
+        None,
+        "GiB of each GPU to plan within (default: its free memory; for --estimate-memory "
+        "without a GPU here, 80)",
+        metavar="GIB",
+    )
+    host_memory: float | None = option(
+        None,
+        "GiB of each node's host memory to plan within (default: its available memory)",
+        metavar="GIB",
+    )
+    world_size: int | None = option(
+        None, "processes (GPUs) in all, for --estimate-memory (a run takes torchrun's)"
+    )
+    nproc_per_node: int | None = option(
+        None, "processes per node, for --estimate-memory (default: up to 8 of --world-size)"
+    )
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that suggests a flag for a mistyped one, and takes no abbreviation (--max-step)."""
+
+    def parse_args(self, argv=None, namespace=None):
+        argv = sys.argv[1:] if argv is None else argv
+        known = [s for action in self._actions for s in action.option_strings]
+        for word in argv:
+            name = word.split("=")[0]
+            if name.startswith("--") and name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                self.error(
+                    f"unknown option {name}" + (f": did you mean {close[0]}?" if close else "")
+                )
+        return super().parse_args(argv, namespace)
+
+    def error(self, message):
+        # Under torchrun every process parses the same command line: rank 0 says it once.
+        if other_rank():
+            exit_after_rank_0(2)
+        # One line, as every other error here (argparse would print its usage block first).
+        self.exit(2, f"train.py error: {message} (--help lists the options)\n")
+
+
+def other_rank() -> bool:
+    """A torchrun process other than rank 0 (not a single process with a stray RANK)."""
+    return shard.torchrun_processes()[0] > 1 and os.environ.get("RANK", "0") != "0"
+
+
+def exit_after_rank_0(status: int) -> NoReturn:
+    """Exits silently after a moment, for rank 0 to say why before torchrun stops every process."""
+    time.sleep(2)
+    sys.exit(status)
+
+
+def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
+    """The options, and the names of those on the command line, which resuming keeps."""
+    parser = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    types = {"int": int, "float": float, "str": str}
+    group = parser
+    for f in dataclasses.fields(Options):
+        kwargs = dict(f.metadata, default=f.default)
+        if "group" in kwargs:
+            group = parser.add_argument_group(kwargs.pop("group"))
+        if "default:" not in kwargs["help"]:
+            shown = f.default  # 0 and 1 are equal to False and True: not looked up
+            if f.default is None or isinstance(f.default, bool):
+                shown = {None: "none", False: "off", True: "on"}[f.default]
+            kwargs["help"] += f" (default: {shown})"
+        base = f.type.removesuffix(" | None")  # a string: this module has postponed annotations
+        if base == "bool":  # --x, and --no-x where the default (None) depends on the device
+            action = argparse.BooleanOptionalAction if f.default is None else "store_true"
+            group.add_argument(flag_name(f.name), action=action, **kwargs)
+        else:
+            kwargs.setdefault("metavar", "N" if base == "int" else None)
+            group.add_argument(flag_name(f.name), type=types[base], **kwargs)
+    opts = Options(**vars(parser.parse_args(argv)))
+    # Parsed again with every default a marker: what remains unmarked was on the command line.
+    not_given = object()
+    parser.set_defaults(**{f.name: not_given for f in dataclasses.fields(Options)})
+    given = {name for name, v in vars(parser.parse_args(argv)).items() if v is not not_given}
+    if {"max_steps", "max_tokens"} <= given:
+        parser.error("--max-tokens sets the number of steps: give it or --max-steps, not both")
+    return opts, frozenset(given)
+
+
+def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int) -> None:
+    """The options against each other and the model's shape, before anything is read or joined,
+    every problem in one error. `world_size`, `per_node`: torchrun's, or the machine estimated."""
+    problems = []
+    if opts.model and opts.hf_checkpoint:
+        problems.append("give --model or --hf-checkpoint, not both")
+    at_least = {
+        1: "seq_len max_steps ac_every log_interval keep_checkpoints max_tokens batch_tokens "
+        "micro_batch grad_accum world_size nproc_per_node context_parallel eval_interval "
+        "eval_tokens max_seq_len",
+        0: "warmup_steps profile checkpoint_interval mlp_tile sample_tokens lora_rank",
+    }
+    for least, names in at_least.items():
+        for name in names.split():
+            if (value := getattr(opts, name)) is not None and value < least:
+                problems.append(f"{flag_name(name)} must be >= {least}, got {value}")
+    largest = torch.finfo(torch.float32).max  # AdamW keeps lr and its products in fp32
+    for name in ["lr", "min_lr", "grad_clip", "weight_decay"]:
+        value = getattr(opts, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            problems.append(f"{flag_name(name)} must be a number >= 0, got {value}")
+        elif value is not None and value > largest:
+            problems.append(f"{flag_name(name)} must be at most {largest:.3g}, got {value}")
+    for name in ["gpu_memory", "host_memory"]:
+        value = getattr(opts, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            problems.append(f"{flag_name(name)} must be a number of GiB > 0, got {value}")
+    for name in ["beta1", "beta2"]:
+        if not 0 <= getattr(opts, name) < 1:  # also refuses nan
+            problems.append(f"--{name} must be in [0, 1), got {getattr(opts, name)}")
+    if not 0 <= opts.seed < 2**63:  # numpy's and torch's generators take no other
+        problems.append(f"--seed must be in [0, 2**63), got {opts.seed}")
+    if opts.lora_rank and not (math.isfinite(opts.lora_alpha) and opts.lora_alpha > 0):
+        problems.append(f"--lora-alpha must be a number > 0, got {opts.lora_alpha}")
+    problems += output_clashes(opts)
+    if not opts.estimate_memory and (opts.world_size or opts.nproc_per_node):
+        problems.append(
+            "--world-size and --nproc-per-node describe a machine for --estimate-memory; "
+            "a run takes them from torchrun"
+        )
+    if not opts.lora_rank:
+        problems += [
+            f"{flag_name(name)} needs --lora-rank > 0"
+            for name in ("quantize_base", "lora_adapter", "export_adapter")
+            if getattr(opts, name)
+        ]
+    try:
+        lora = lora_config(opts)
+    except ValueError as e:
+        problems.append(str(e))
+    else:  # fp8_ops leaves a 4-bit projection as it is
+        if opts.fp8 and lora and lora.quantize_base and set(lora.targets) == set(LORA_TARGETS):
+            problems.append(
+                "--fp8 multiplies the bf16 projections in e4m3, and --quantize-base nf4 on "
+                "--lora-targets all leaves none: drop --fp8, or adapt fewer projections"
+            )
+    problems += technique_problems(opts, args, world_size, per_node)
+    if problems:
+        raise UsageError("; ".join(problems))
+
+
+def output_clashes(opts: Options) -> list[str]:
+    """An export that would land on what the run reads or writes: its --run-dir or the
+    checkpoints in it, the checkpoint or adapter it starts from, or the other export."""
+    where = lambda path: Path(path).resolve()  # noqa: E731
+    run_dir = where(opts.run_dir)
+    taken = {run_dir: "the --run-dir", run_dir / "checkpoints": "the --run-dir's checkpoints"}
+    for name in ("hf_checkpoint", "lora_adapter"):
+        if path := getattr(opts, name):
+            taken[where(path)] = f"the {flag_name(name)} directory"
+    problems = []
+    for name in ("export_hf", "export_adapter"):
+        if not (given := getattr(opts, name)):
+            continue
+        out = where(given)
+        if clash := taken.get(out) or (
+            run_dir / "checkpoints" in out.parents and "inside the --run-dir's checkpoints"
+        ):
+            problems.append(f"{flag_name(name)} {given} is {clash}: the export would replace it")
+        taken[out] = f"the {flag_name(name)} directory"
+    return problems
+
+
+def lora_config(opts: Options) -> LoRAConfig | None:
+    if opts.lora_rank <= 0:
+        return None
+    return LoRAConfig(
+        rank=opts.lora_rank,
+        alpha=opts.lora_alpha,
+        dropout=opts.lora_dropout,
+        targets=parse_lora_targets(opts.lora_targets),
+        quantize_base=opts.quantize_base,
+    )
+
+
+def command_line(opts: Options, given: frozenset[str], **changes) -> str:
+    """This run's command (the options it was given) with `changes`, runnable from here."""
+    opts = dataclasses.replace(opts, **changes)
+    world_size, per_node = shard.torchrun_processes()
+    script = os.path.relpath(REPO / "train.py")
+    words = ["python", script]
+    if world_size > 1:
+        words = ["torchrun", f"--nproc-per-node={per_node}", script]
+        if world_size > per_node:
+            words[1:1] = [f"--nnodes={world_size // per_node}"]
+    named = given | changes.keys()
+    fields = {f.name: getattr(opts, f.name) for f in dataclasses.fields(Options) if f.name in named}
+    if fields.get("resume") == "latest":  # the bare flag
+        fields["resume"] = True
+    # False where the flag's default depends on the device: --no-kernels
+    return shlex.join(words + flags_of(fields, negated=True))
+
+
+def model_args(opts: Options) -> ModelArgs:
+    """The model's shape. A preset trained from scratch has no learned length (RoPE's angles
+    come from positions): its max_seq_len follows --seq-len; a HF checkpoint's is its own."""
+    if opts.hf_checkpoint:
+        args = args_from_hf_config(opts.hf_checkpoint)
+    else:
+        args = ModelArgs.from_name(opts.model or "tiny")
+        args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, opts.seq_len))
+    if opts.max_seq_len:
+        args = dataclasses.replace(args, max_seq_len=opts.max_seq_len)
+    if opts.seq_len > args.max_seq_len and opts.max_seq_len:
+        raise UsageError(f"--seq-len {opts.seq_len} is past --max-seq-len {opts.max_seq_len}")
+    if opts.seq_len > args.max_seq_len:
+        raise UsageError(
+            f"--seq-len {opts.seq_len} is past the {args.max_seq_len} positions "
+            f"{opts.hf_checkpoint} was trained on: pass --max-seq-len {opts.seq_len} to extend "
+            f"its context"
+        )
+    args.check_sequence_length(opts.seq_len)
+    return args
+
+
+def default_lr(args: ModelArgs) -> float:
+    """Llama 2 and 3's peak pre-training rates by size; models under 100M train stably at 10x."""
+    n = args.num_params()
+    return 3e-3 if n < 100e6 else 3e-4 if n <= 10e9 else 1.5e-4
+
+
+def settle_options(opts: Options, args: ModelArgs, plan: Plan) -> Options:
+    """The options with lr, min_lr and grad_clip decided (the planned ones: read the plan)."""
+    lr = default_lr(args) if opts.lr is None else opts.lr
+    min_lr = lr / 10 if opts.min_lr is None else opts.min_lr
+    if not 0 <= min_lr <= lr:
+        raise UsageError(f"need 0 <= --min-lr <= --lr, got {min_lr} and {lr}")
+    check_adamw_range(lr, opts.beta1, opts.weight_decay)
+    grad_clip = opts.grad_clip
+    if grad_clip is None:
+        grad_clip = 0.0 if plan.optimizer_in_backward else 1.0
+    return dataclasses.replace(opts, lr=lr, min_lr=min_lr, grad_clip=grad_clip)
+
+
+def check_adamw_range(lr: float, beta1: float, weight_decay: float) -> None:
+    """AdamW computes these products as float32 scalars: past its range, the first step overflows.
+    lr and beta1 are the run's final ones: a resumed run may take its checkpoint's."""
+    largest = torch.finfo(torch.float32).max
+    problems = []
+    if lr / (1 - beta1) > largest:
+        problems.append(
+            f"lr / (1 - beta1), AdamW's first step size, is {lr / (1 - beta1):.3g}: --lr is "
+            f"at most {largest * (1 - beta1):.3g} with --beta1 {beta1}"
+        )
+    if lr * weight_decay > largest:
+        problems.append(
+            f"lr * weight_decay is {lr * weight_decay:.3g}: --lr is at most "
+            f"{largest / weight_decay:.3g} with --weight-decay {weight_decay}"
+        )
+    if problems:
+        raise UsageError(
+            f"--lr {lr:g} overflows AdamW's float32 arithmetic: " + "; ".join(problems)
+        )
+
+
+# The options that name what a checkpoint was made for (the data too: the loader's cursor
+# counts its samples); another value given is refused (check_resumable, or the loader).
+FIXED_BY_CHECKPOINT = ("model", "hf_checkpoint", "max_seq_len", "seq_len", "strategy",
+                       "lora_rank", "lora_alpha", "lora_targets", "data", "tokenizer")  # fmt: skip
+
+
+# The options of the run's course, which may change when given again.
+KEPT_ON_RESUME = ("lr", "min_lr", "warmup_steps", "decay", "weight_decay", "beta1", "beta2",
+                  "seed", "document_mask", "lora_dropout", "quantize_base")  # fmt: skip
+
+
+# An option given keeps its partner from being taken: --model and --hf-checkpoint are one
+# choice, a --tokenizer file belongs to its --data, and the saved min_lr may be the saved lr / 10.
+GIVEN_WITH = {"model": "hf_checkpoint", "hf_checkpoint": "model", "data": "tokenizer",
+              "lr": "min_lr"}  # fmt: skip
+
+
+def taken_on_resume(opts: Options, given: frozenset[str], saved: dict) -> dict:
+    """The options a resumed run takes from `saved` where they differ: a bare --resume goes on."""
+    options = saved["options"]
+    not_taken = given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
+    return {
+        name: options[name]
+        for name in FIXED_BY_CHECKPOINT + KEPT_ON_RESUME
+        if name not in not_taken and name in options and options[name] != getattr(opts, name)
+    }
+
+
+def resume_options(
+    opts: Options,
+    given: frozenset[str],
+    saved: dict,
+    data_parallel: int,
+    taken: dict,
+    log: Callable,
+) -> Options:
+    """The resumed options, `taken` in them: `saved`'s global batch and schedule unless given,
+    so that another number of processes (`data_parallel`: see loader_of) splits the same batch."""
+    saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
+    said = []
+    if taken:
+        said.append(
+            "the checkpoint's " + ", ".join(f"{flag_name(k)} {v}" for k, v in taken.items())
+        )
+    if given & {"batch_tokens", "micro_batch", "grad_accum"}:
+        said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
+    else:
+        if saved_tokens % (data_parallel * opts.seq_len):
+            raise UsageError(
+                f"the checkpoint's global batch of {saved_tokens:,} tokens does not split into "
+                f"rows of {opts.seq_len} over {data_parallel} data-parallel ranks: pass "
+                f"--batch-tokens to choose another"
+            )
+        opts = dataclasses.replace(opts, batch_tokens=saved_tokens)
+        said.append(f"global batch of {saved_tokens:,} tokens/step kept")
+    if given & {"max_steps", "max_tokens"}:
+        steps = f"--max-tokens {opts.max_tokens}" if opts.max_tokens else opts.max_steps
+        said.append(f"schedule {saved_steps} -> {steps} steps as given")
+    else:
+        opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
+        said.append(f"schedule of {saved_steps} steps kept")
+    log("resuming: " + "; ".join(said) + " (--batch-tokens, --max-steps change them)")
+    return opts
+
+
+def estimate(opts: Options) -> None:
+    """--estimate-memory: the plan, and its memory, for the machine the flags describe (a
+    GPU machine: the GPU defaults of --kernels and --param-dtype), checked as a run is."""
+    args = model_args(opts)
+    machine = machine_to_estimate(
+        opts.world_size, opts.nproc_per_node, opts.gpu_memory, opts.host_memory
+    )
+    check_options(opts, args, machine.world_size, machine.nproc_per_node)
+    plan = plan_of(
+        opts, args, machine, document_mask=bool(opts.document_mask), lora=lora_config(opts)
+    )
+    print(plan.format())
+
+
+def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resuming: bool) -> None:
+    """Everything given, checked before anything is written, in files every rank sees alike
+    (a shared filesystem): all ranks raise the same error, and none waits on another."""
+    run_dir = Path(opts.run_dir)
+    shard.check_run_dir(run_dir)
+    if not opts.resume:  # refuses an earlier run's checkpoints (a resume read them in setup)
+        shard.find_checkpoint(None, run_dir / "checkpoints", log=print)
+    if opts.hf_checkpoint:
+        check_hf_checkpoint(args, opts.hf_checkpoint)
+    if opts.lora_adapter:
+        check_peft_adapter(args, lora, opts.lora_adapter)
+    if opts.export_hf:
+        HF_EXPORT.check(opts.export_hf)
+    if opts.export_adapter:
+        PEFT_ADAPTER.check(opts.export_adapter)
+    exports = [flag_name(n) for n in ("export_hf", "export_adapter") if getattr(opts, n)]
+    if opts.resume and not resuming and exports:
+        # A requeued run may start afresh, but an export asked of a resume means that run's.
+        raise UsageError(
+            f"--resume found no checkpoint in {run_dir / 'checkpoints'}, so "
+            f"{' and '.join(exports)} would export weights trained from the start: give the "
+            f"--run-dir whose checkpoints to continue, or leave out --resume"
+        )
+    if opts.hf_checkpoint and opts.lr is None:  # a resumed run has taken its checkpoint's
+        raise UsageError(
+            f"--lr is required with --hf-checkpoint: a fine-tune's rate depends on its data and "
+            f"length (full fine-tunes of 7-8B models use 5e-6 to 2e-5; this model has "
+            f"{params_text(args.num_params())} parameters)"
+        )
+
+
+def check_this_machine(opts: Options) -> None:
+    """The options that need a GPU, where there is none (shard.init_distributed takes any)."""
+    if torch.cuda.is_available():
+        if opts.fp8 and torch.cuda.get_device_capability() < (8, 9):
+            raise UsageError(
+                f"--fp8 needs FP8 matmuls (compute capability 8.9+: Ada, Hopper); this "
+                f"{torch.cuda.get_device_name()} has {torch.cuda.get_device_capability()}"
+            )
+        return
+    if opts.fp8:
+        raise UsageError("--fp8 needs a GPU with FP8 matmuls (Ada, Hopper); this run has none")
+    if opts.kernels and os.environ.get("TRITON_INTERPRET") != "1":
+        raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
+    if opts.memory_snapshot:
+        raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
+    if opts.gpu_memory is not None:
+        raise UsageError(
+            "--gpu-memory sets how much of the GPU a run plans within; this run has no GPU "
+            "(--estimate-memory plans for a machine you are not on)"
+        )
+
+
+def open_run_data(
+    opts: Options, args: ModelArgs, is_main: bool, log: Callable
+) -> tuple[RunData, TokenDataset | None]:
+    """The training data with its tokenizers (data.open_data), and --eval-data's, if given."""
+    vocab = args.vocab_size
+    run_data = open_data(
+        opts.data, opts.tokenizer, opts.hf_checkpoint, vocab, opts.seq_len, is_main
+    )
+    export_tokenizer = run_data.export_tokenizer
+    if opts.export_hf and not (export_tokenizer and export_tokenizer.has_tokenizer()):
+        log(
+            f"note: the export will have no tokenizer: pass --tokenizer with the file that "
+            f"prepared {run_data.dataset.path} ({run_data.dataset.meta['tokenizer']}) to "
+            f"include it"
+        )
+    if not opts.eval_data:
+        return run_data, None
+    return run_data, open_eval_data(opts.eval_data, vocab, opts.seq_len, run_data.dataset)
+
+
+def options_plan(opts: Options, machine: Machine, **fixed) -> tuple[Plan, dict]:
+    """What the options fix of the plan, with `fixed` (the data's and LoRA's fields), and
+    the planned fields they set (`wanted`: the planner keeps them)."""
+    on_gpu = machine.gpu_gib is not None
+    base = Plan(
+        opts.seq_len, world_size=machine.world_size, nproc_per_node=machine.nproc_per_node,
+        strategy=opts.strategy, ac_every=opts.ac_every, context_parallel=opts.context_parallel,
+        param_dtype=opts.param_dtype or ("bf16" if on_gpu else "fp32"),
+        kernels=on_gpu if opts.kernels is None else opts.kernels, fp8=opts.fp8, **fixed,
+    )  # fmt: skip
+    return base, {k: getattr(opts, k) for k in PLANNED if getattr(opts, k) is not None}
+
+
+def technique_problems(
+    opts: Options, args: ModelArgs, world_size: int, nproc_per_node: int
+) -> list[str]:
+    """plan_problems of the plan the options ask for on `world_size` processes,
+    `nproc_per_node` a node. (Whether LoRA is on matters, not how: train.py checks that.)"""
+    lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
+    machine = Machine(world_size, nproc_per_node, gpu_gib=None, host_gib=0.0)
+    base, wanted = options_plan(opts, machine, lora=lora)
+    return plan_problems(args, dataclasses.replace(base, **wanted), opts.grad_clip)
+
+
+def plan_of(opts: Options, args: ModelArgs, machine: Machine, **fixed) -> Plan:
+    """The options' plan on `machine` (plan.make_plan); `fixed`: the data's and LoRA's fields."""
+    base, wanted = options_plan(opts, machine, **fixed)
+    return make_plan(args, machine, base, wanted, opts.batch_tokens, opts.grad_clip)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What the command line (and a resumed run's checkpoint) come to, every check passed."""
+
+    opts: Options  # final: the checkpoint's where taken, lr, min_lr and grad_clip decided
+    given: frozenset[str]
+    args: ModelArgs
+    plan: Plan
+    world: shard.World
+    run_data: RunData
+    held_out: TokenDataset | None  # --eval-data's
+    max_steps: int
+    run_record: dict  # what a checkpoint records of the run (shard.check_resumable compares it)
+    resume_from: Path | None
+    saved: dict | None  # resume_from's train_state
+    damaged: list[Path]  # checkpoints newer than resume_from, which failed their check
+
+
+def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
+    """The options as the run uses them, resolved in one place before anything is built. A
+    resumed run's checkpoint first (read from its headers alone): the checks and the plan are
+    of the options it takes from it, the model among them. A new run's directory is looked at
+    after its options (check_given): a typo is told before an earlier run. Then the process
+    group, the data, and the plan: a run that cannot fit stops here, saying what would."""
+    checkpoints = Path(asked.run_dir) / "checkpoints"
+    found = shard.find_checkpoint(asked.resume, checkpoints, log) if asked.resume else None
+    resume_from, saved = found or (None, None)
+    taken = taken_on_resume(asked, given, saved) if saved else {}
+    chosen = dataclasses.replace(asked, **taken)
+    args = model_args(chosen)
+    check_options(chosen, args, *shard.torchrun_processes())
+    check_this_machine(chosen)
+    world = shard.init_distributed()
+    lora = lora_config(chosen)
+    check_given(chosen, args, lora, resuming=saved is not None)
+    run_data, held_out = open_run_data(chosen, args, world.is_main, log)
+    dataset = run_data.dataset
+    run_record = {
+        "model": dataclasses.asdict(args),
+        "seq_len": chosen.seq_len,
+        "tokenizer": dataset.meta["tokenizer"],
+        "strategy": chosen.strategy,
+        "world_size": world.world_size,
+        "lora": dataclasses.asdict(lora) if lora else None,
+        "context_parallel": chosen.context_parallel,
+    }
+    planned, damaged = chosen, []
+    if saved:
+        shard.check_resumable(saved["run"], json.loads(json.dumps(run_record)))
+        damaged = shard.check_no_newer_checkpoints(checkpoints, saved["step"], resume_from)
+        data_parallel = world.world_size // chosen.context_parallel
+        planned = resume_options(chosen, given, saved, data_parallel, taken, log)
+    mask_documents = dataset.is_sft if planned.document_mask is None else planned.document_mask
+    longest = dataset.meta.get("longest_document", planned.seq_len)
+    machine = shard.this_machine(planned.gpu_memory, planned.host_memory, world)
+    attended = attended_per_token(dataset, planned.seq_len) if mask_documents else None
+    plan = plan_of(
+        planned, args, machine, document_mask=mask_documents, lora=lora,
+        long_documents=longest >= LONG_DOCUMENT, attended_per_token=attended,
+    )  # fmt: skip
+    opts = settle_options(planned, args, plan)
+    max_steps = (
+        math.ceil(opts.max_tokens / plan.tokens_per_step) if opts.max_tokens else opts.max_steps
+    )
+    return Resolved(
+        opts, given, args, plan, world, run_data, held_out, max_steps, run_record, resume_from,
+        saved, damaged,
+    )  # fmt: skip
