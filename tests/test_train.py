@@ -1981,7 +1981,7 @@ def test_a_checkpoint_saved_before_rope_scaling_had_a_type_resumes():
                  "high_freq_factor": 4.0, "original_max_seq_len": 8192},
                  "max_seq_len": 131072, "tie_embeddings": True}  # fmt: skip
     record = {"seq_len": 4096, "tokenizer": "bytes", "strategy": "FULL_SHARD", "lora": None}
-    now = json.loads(json.dumps(dataclasses.asdict(train.PRESETS["llama3.2-1b"])))
+    now = json.loads(json.dumps(dataclasses.asdict(PRESETS["llama3.2-1b"])))
     shard.check_resumable({**record, "model": old_model}, {**record, "model": now})
     other = {**old_model, "rope_scaling": {**old_model["rope_scaling"], "factor": 8.0}}
     with pytest.raises(files.UsageError, match="model rope_scaling: checkpoint"):
