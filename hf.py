@@ -18,7 +18,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from data import SPECIAL_TOKEN_KEYS, HFTokenizer
 from files import OutputDir, UsageError, give_ordinary_mode, read_json
 from model import (
     FAMILIES,
@@ -37,6 +36,7 @@ from model import (
     lora_module_paths,
     yarn_mscale,
 )
+from tokenizer import SPECIAL_TOKEN_KEYS, HFTokenizer
 
 # ----------------------------------------------------------------------------------------
 # Hugging Face checkpoints: config.json + safetensors (one file, or shards with an index)
