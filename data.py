@@ -311,7 +311,7 @@ def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -
 
 
 # ---------------------------------------------------------------------------------------------
-# A training run's data (train.setup)
+# A training run's data (options.resolve)
 
 CACHE = Path(__file__).resolve().parent / ".cache"  # where the default corpus is prepared
 
