@@ -4,7 +4,7 @@ and exported, and LoRA's adapters as PEFT's files. Joined to the model by data, 
 state_dict_adapter is: tables of parameter names, config keys and their defaults.
 
 In order: config.json (`args_from_hf_config`), HF checkpoints, then PEFT adapters. It imports
-model.py, data.py's tokenizer (an export carries its files and ids) and files.py's rules.
+model.py, tokenizer.py's files (an export carries its files and ids) and files.py's rules.
 """
 
 import dataclasses
