@@ -30,6 +30,7 @@ import numpy as np
 
 from files import NO_SPACE, OutputDir, UsageError, no_space, read_json
 from tokenizer import (
+    ByteTokenizer,
     Message,
     Segments,
     Tokenizer,
@@ -369,6 +370,13 @@ def _encode_chunk(chunk: list[Document], seq_len: int | None) -> list[tuple[list
     return [_encode_document(_worker_tokenizer, doc, seq_len) for doc in chunk]
 
 
+# The longest a chunk of CHUNK_BYTES may take to encode. A tokenizer encodes one in about a
+# second; a pre-tokenizer's Split regex may backtrack quadratically in a run of characters
+# (tiktoken's Rust engine checks no signal), which would take hours where this says so.
+CHUNK_BYTES = 1 << 20
+CHUNK_SECONDS = 300.0
+
+
 def _encode_all(
     documents: Iterator[Document],
     tokenizer: Tokenizer,
@@ -377,18 +385,31 @@ def _encode_all(
     workers: int,
 ) -> Iterator[tuple[list[Encoded], int]]:
     """In input order. At most two chunks per worker are in flight: Pool.imap would read the
-    whole corpus into its queue up front. `loading`: load_tokenizer's arguments."""
-    if workers == 1:
+    whole corpus into its queue up front. `loading`: load_tokenizer's arguments. Only bytes,
+    which run no regex, are encoded in this process (default_corpus's, once CUDA is up): a
+    worker can be stopped when a chunk takes past CHUNK_SECONDS."""
+    if isinstance(tokenizer, ByteTokenizer):
         yield from (_encode_document(tokenizer, doc, seq_len) for doc in documents)
         return
     with multiprocessing.Pool(workers, _init_worker, (loading,)) as pool:
         pending = deque()
-        for chunk in _chunks(documents, max_bytes=1 << 20):
+
+        def oldest() -> list[tuple[list[Encoded], int]]:
+            try:  # it started at the latest when the chunk before it finished
+                return pending.popleft().get(timeout=CHUNK_SECONDS)
+            except multiprocessing.TimeoutError:
+                raise UsageError(
+                    f"encoding {CHUNK_BYTES >> 20} MB of the input took over {CHUNK_SECONDS:g} s "
+                    f"with the tokenizer {loading[0]}: its pre-tokenizer's Split regex may "
+                    f"backtrack without bound on a long run of characters"
+                ) from None  # leaving the `with` terminates the workers
+
+        for chunk in _chunks(documents, max_bytes=CHUNK_BYTES):
             pending.append(pool.apply_async(_encode_chunk, (chunk, seq_len)))
             if len(pending) >= 2 * workers:
-                yield from pending.popleft().get()
+                yield from oldest()
         while pending:
-            yield from pending.popleft().get()
+            yield from oldest()
         # Each worker ends on the end-of-tasks sentinel close() sends. Leaving by `with` alone
         # terminates them, and a test once hung there for good: a worker the SIGTERM did not
         # end waited on the task queue's lock, which Pool.terminate holds.

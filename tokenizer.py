@@ -465,6 +465,12 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
             # Lone surrogates cannot reach tiktoken's Rust (a chat prompt given in code may
             # hold them; data has them replaced when read).
             return self._encode(without_lone_surrogates(text), allowed_special)
+        except ValueError as e:  # its regex engine gives up past a count of backtracking steps
+            raise UsageError(
+                f"{self._path}: its pre-tokenizer's Split regex failed on a text of "
+                f"{len(text):,} characters ({e}); expected a regex that does not backtrack "
+                f"without bound"
+            ) from None
         if self._table is not None:
             ids = self._table[ids]
         return ids[ids < self.vocab_size]  # bytes the vocabulary lacks

@@ -787,6 +787,39 @@ def test_split_regex_that_can_match_no_characters_is_refused_at_load(tmp_path, r
     assert "panicked" not in capfd.readouterr().err
 
 
+def split_by(regex: str, directory: Path) -> Path:
+    """A small byte-level BPE whose pre-tokenizer splits by `regex`, in `directory`."""
+
+    def split(tok):
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(tokenizers.Regex(regex), "isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    directory.mkdir()
+    (directory / "config.json").write_text('{"eos_token_id": 0}')
+    return byte_level_with(directory / "tokenizer.json", split)
+
+
+def test_a_split_regex_that_backtracks_is_stopped_with_one_line(tmp_path, monkeypatch):
+    """A lookahead after a run makes tiktoken's regex engine quadratic in the run's length
+    (20,000 a's: 9 s here), and it checks no signal: a chunk past CHUNK_SECONDS stops prepare.
+    Past its count of backtracking steps the engine gives up: one line too, not a traceback."""
+    (tmp_path / "run.txt").write_text("a" * 20_000 + "x")
+    monkeypatch.setattr(prepare, "CHUNK_SECONDS", 1.0)
+    slow = split_by(r"a+(?=b)|.", tmp_path / "slow")
+    started = time.perf_counter()
+    with pytest.raises(files.UsageError, match=r"took over 1 s with the tokenizer .*slow"):
+        prepare.prepare([tmp_path / "run.txt"], tmp_path / "ds", slow, workers=1)
+    assert time.perf_counter() - started < 8
+    assert not (tmp_path / "ds").exists()
+    hopeless = tokenizer.load_tokenizer(split_by(r"(a|aa)+(?=b)|.", tmp_path / "hopeless"))
+    with pytest.raises(files.UsageError, match=r"Split regex failed on a text of 8,001 char"):
+        hopeless.encode("a" * 8000 + "x")
+
+
 def with_model_edited(path: Path, edit) -> Path:
     """A small byte-level BPE, its tokenizer.json's "model" changed by `edit` before it is read."""
     byte_level_with(path, lambda tok: None)
