@@ -4,7 +4,7 @@ and exported, and LoRA's adapters as PEFT's files. Joined to the model by data, 
 state_dict_adapter is: tables of parameter names, config keys and their defaults.
 
 In order: config.json (`args_from_hf_config`), HF checkpoints, then PEFT adapters. It imports
-model.py, data.py's tokenizer (an export carries its files and ids) and files.py's rules.
+model.py, tokenizer.py's files (an export carries its files and ids) and files.py's rules.
 """
 
 import dataclasses
@@ -18,7 +18,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from data import SPECIAL_TOKEN_KEYS, HFTokenizer
 from files import OutputDir, UsageError, give_ordinary_mode, read_json
 from model import (
     FAMILIES,
@@ -37,6 +36,7 @@ from model import (
     lora_module_paths,
     yarn_mscale,
 )
+from tokenizer import SPECIAL_TOKEN_KEYS, HFTokenizer
 
 # ----------------------------------------------------------------------------------------
 # Hugging Face checkpoints: config.json + safetensors (one file, or shards with an index)

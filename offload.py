@@ -87,7 +87,7 @@ def _keeping_contexts(saved_ops: list) -> tuple:
     plus the phase `_KeptAttention` reads.
 
     The outputs the policy keeps stay on the GPU, outside activation_offload's hooks (as
-    shard.block_bytes counts them): they are most of what a block keeps (under "selective"
+    plan.block_bytes counts them): they are most of what a block keeps (under "selective"
     over 11 times the block's input in Llama 3 8B), too much to move behind the block's
     compute. torch 2.14 warns that a later release will route them through the hooks unless
     checkpoint(..., respect_saved_tensors_hooks=False), which the composable checkpoint

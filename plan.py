@@ -253,7 +253,7 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
     (technique_problems) and the planner's plans. `grad_clip`: the user's (None: the
     default, which follows the plan)."""
     problems, cp, blocks = [], plan.context_parallel, plan.offload_blocks
-    if cp >= 1:  # train.check_options refuses the rest
+    if cp >= 1:  # options.check_options refuses the rest
         if plan.seq_len % cp:
             problems.append(f"--context-parallel {cp} must divide --seq-len {plan.seq_len}")
         per_node = plan.nproc_per_node or plan.world_size

@@ -36,18 +36,12 @@ import offload
 import optim
 import options
 import shard
-from data import (
-    IGNORE_INDEX,
-    Batch,
-    HFTokenizer,
-    PackedLoader,
-    TokenDataset,
-    Tokenizer,
-)
+from data import Batch, PackedLoader, TokenDataset
 from files import UsageError, no_follow, params_text, plural, write_json
 from hf import (
     fill_weights,
 )
+from kernels import IGNORE_INDEX
 from model import (
     REFERENCE_OPS,
     Llama,
@@ -61,6 +55,7 @@ from model import (
 )
 from options import Options, command_line, exit_after_rank_0, other_rank, parse_options
 from plan import Plan
+from tokenizer import HFTokenizer, Tokenizer
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # The exit status of a run stopped by SIGTERM or Ctrl-C after saving a checkpoint (EX_TEMPFAIL:

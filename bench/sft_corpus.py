@@ -1,5 +1,5 @@
 """A packed SFT corpus of realistic conversation lengths for the document-masking benchmark,
-written as a prepared dataset (data.DatasetWriter) in Llama 3's vocabulary, with no tokenizer
+written as a prepared dataset (prepare.DatasetWriter) in Llama 3's vocabulary, with no tokenizer
 file: its token ids are random, since only the document lengths shape the attention's cost.
 
     python bench/sft_corpus.py --out /tmp/sft --tokens 50000000 [--seed 0] [--corpus long-tail]
@@ -29,7 +29,9 @@ from types import SimpleNamespace
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data import LLAMA3_SPECIALS, DatasetWriter, TokenDataset  # noqa: E402
+from data import TokenDataset  # noqa: E402
+from prepare import DatasetWriter  # noqa: E402
+from tokenizer import LLAMA3_SPECIALS  # noqa: E402
 
 LLAMA3_RANKS = 128_000  # BPE ranks of Meta's Llama 3 tokenizer; its specials are numbered after
 LLAMA3 = SimpleNamespace(

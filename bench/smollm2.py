@@ -29,8 +29,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 import data  # noqa: E402
 import files  # noqa: E402
+import prepare  # noqa: E402
 from hf import args_from_hf_config, load_hf_checkpoint  # noqa: E402
 from model import Llama  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # SmolLM2's own tokenizer.json splits digits one by one before GPT-2's regex. The GGUF names
@@ -95,7 +97,7 @@ def check_logits(checkpoint: Path) -> float:
     tokenized by longtune from the checkpoint's tokenizer.json."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = data.load_tokenizer(checkpoint)
+    tokenizer = load_tokenizer(checkpoint)
     tokens = torch.tensor([[tokenizer.bos_id, *tokenizer.encode(real_text())[:511]]])
     theirs = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     with torch.device("meta"):
@@ -136,7 +138,7 @@ def prepare_chats(checkpoint: Path, out: Path) -> tuple[Path, Path]:
     """Both datasets prepared with the checkpoint's tokenizer and ChatML template."""
     train, held_out = write_chats(out)
     return tuple(
-        data.prepare([jsonl], out / jsonl.stem, tokenizer_path=checkpoint, workers=1)
+        prepare.prepare([jsonl], out / jsonl.stem, tokenizer_path=checkpoint, workers=1)
         for jsonl in (train, held_out)
     )
 

@@ -21,13 +21,15 @@ import smollm2  # noqa: E402
 
 import data  # noqa: E402
 import files  # noqa: E402
+import prepare  # noqa: E402
+import tokenizer  # noqa: E402
 
 
 def corpus_jsonl(out: Path) -> Path:
     """The default corpus's documents (its byte-tokenized dataset, decoded) as one JSONL file."""
-    dataset = data.TokenDataset(data.default_corpus(REPO / ".cache"))
+    dataset = data.TokenDataset(prepare.default_corpus(REPO / ".cache"))
     tokens = dataset.tokens
-    starts = [i for i in range(len(tokens)) if tokens[i] == data.ByteTokenizer.bos_id]
+    starts = [i for i in range(len(tokens)) if tokens[i] == tokenizer.ByteTokenizer.bos_id]
     ends = [*starts[1:], len(tokens)]
     path = out / "corpus.jsonl"
     with open(path, "w") as f:
@@ -41,19 +43,21 @@ def vocabularies(out: Path) -> dict[str, Path]:
     """SmolLM2's BPE as: a tiktoken ranks file; the tokenizer.json longtune exports of it (ids
     in merge order); that file with its ids shuffled (the table path); SmolLM2's own file."""
     own = smollm2.write_tokenizer(out / "smollm2")
-    encoding = data.load_tokenizer(own)._encoding
+    encoding = tokenizer.load_tokenizer(own)._encoding
     ranks = sorted(encoding._mergeable_ranks.items(), key=lambda item: item[1])
     dense = {token: rank for rank, (token, _) in enumerate(ranks)}
     ranks_file = out / "tiktoken" / "tokenizer.model"
     ranks_file.parent.mkdir(parents=True, exist_ok=True)
     lines = (f"{base64.b64encode(token).decode()} {rank}\n" for token, rank in dense.items())
     ranks_file.write_text("".join(lines))
-    specials = {token: len(dense) + i for i, token in enumerate(data.LLAMA3_SPECIALS)}
+    specials = {token: len(dense) + i for i, token in enumerate(tokenizer.LLAMA3_SPECIALS)}
     in_order = out / "tokenizer-json"
     shuffled = out / "tokenizer-json-shuffled"
     for directory in (in_order, shuffled):
         directory.mkdir(exist_ok=True)
-        files = data.byte_level_bpe_files(dense, specials, data.LLAMA3_PATTERN, "<|eot_id|>")
+        files = tokenizer.byte_level_bpe_files(
+            dense, specials, tokenizer.LLAMA3_PATTERN, "<|eot_id|>"
+        )
         for name, contents in files.items():
             (directory / name).write_bytes(contents)
     spec = json.loads((shuffled / "tokenizer.json").read_text())
@@ -78,11 +82,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     corpus = corpus_jsonl(args.out)
     results = {}
-    for name, tokenizer in vocabularies(args.out).items():
+    for name, path in vocabularies(args.out).items():
         best = float("inf")
         for _ in range(args.repeats):
             start = time.perf_counter()
-            dataset = data.prepare([corpus], args.out / "ds", tokenizer, workers=args.workers)
+            dataset = prepare.prepare([corpus], args.out / "ds", path, workers=args.workers)
             best = min(best, time.perf_counter() - start)
         n_tokens = files.read_json(dataset / "meta.json")["n_tokens"]
         results[name] = (best, n_tokens)

@@ -20,10 +20,12 @@ import torch
 
 import data
 import files
+import prepare
+import tokenizer
 from kernels import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
-BYTES = data.ByteTokenizer()
+BYTES = tokenizer.ByteTokenizer()
 WORDS = ["the", "thing", "fox", "lazy", "dog", "data", "token", "model", "seed", "rank"]
 
 
@@ -64,7 +66,7 @@ def write_dataset(path, tokens, mask=None, bos_id=256, eos_id=257):
     tokens.tofile(path / "tokens.bin")
     mask.tofile(path / "loss_mask.bin")
     meta = {
-        "format_version": data.FORMAT_VERSION,
+        "format_version": prepare.FORMAT_VERSION,
         "tokenizer": "test",
         "vocab_size": 1 << 20,
         "bos_id": bos_id,
@@ -98,12 +100,12 @@ def test_byte_tokenizer_round_trips_utf8():
     assert ids == list(text.encode("utf-8"))
     assert BYTES.decode([BYTES.bos_id, *ids, BYTES.eos_id]) == text
     assert (BYTES.vocab_size, BYTES.bos_id, BYTES.eos_id) == (258, 256, 257)
-    assert data.load_tokenizer(None).name == "bytes"
+    assert tokenizer.load_tokenizer(None).name == "bytes"
 
 
 def test_tiktoken_ranks_file_loads_with_llama3_specials(tmp_path):
-    tok = data.load_tokenizer(write_ranks_file(tmp_path / "tokenizer.model"))
-    assert isinstance(tok, data.TiktokenTokenizer)
+    tok = tokenizer.load_tokenizer(write_ranks_file(tmp_path / "tokenizer.model"))
+    assert isinstance(tok, tokenizer.TiktokenTokenizer)
     assert tok.name.startswith("tiktoken:") and len(tok.name) == len("tiktoken:") + 12
     n = 256 + 7
     assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (n + 256, n, n + 1)
@@ -115,8 +117,8 @@ def test_tiktoken_ranks_file_loads_with_llama3_specials(tmp_path):
 
 
 def test_sentencepiece_model_loads_and_round_trips(tmp_path):
-    tok = data.load_tokenizer(write_sentencepiece_model(tmp_path / "tokenizer.model"))
-    assert isinstance(tok, data.SentencePieceTokenizer)
+    tok = tokenizer.load_tokenizer(write_sentencepiece_model(tmp_path / "tokenizer.model"))
+    assert isinstance(tok, tokenizer.SentencePieceTokenizer)
     assert tok.name.startswith("sentencepiece:")
     assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (320, 1, 2)
     text = "the lazy fox, trained! émoji 🙂"
@@ -127,21 +129,21 @@ def test_sentencepiece_model_loads_and_round_trips(tmp_path):
 
 def test_missing_tokenizer_file_names_the_path(tmp_path):
     with pytest.raises(ValueError, match="nope.model"):
-        data.load_tokenizer(tmp_path / "nope.model")
+        tokenizer.load_tokenizer(tmp_path / "nope.model")
 
 
 def test_garbage_tokenizer_file_names_expected_formats(tmp_path):
     path = tmp_path / "tokenizer.model"
     path.write_bytes(b"\x00\x01 this is not a tokenizer \xff" * 10)
     with pytest.raises(ValueError, match="tiktoken.*sentencepiece"):
-        data.load_tokenizer(path)
+        tokenizer.load_tokenizer(path)
 
 
 def test_ranks_file_with_a_gap_is_rejected(tmp_path):
     path = tmp_path / "tokenizer.model"
     path.write_text("YQ== 0\nYg== 2\n")
     with pytest.raises(ValueError, match="ranks must be 0..1"):
-        data.load_tokenizer(path)
+        tokenizer.load_tokenizer(path)
 
 
 # Preparation
@@ -150,7 +152,7 @@ def test_ranks_file_with_a_gap_is_rejected(tmp_path):
 def test_prepare_writes_bos_doc_eos_back_to_back(tmp_path):
     (tmp_path / "a.txt").write_text("ab")
     (tmp_path / "b.py").write_text("x = 1\n")
-    out = data.prepare([tmp_path / "a.txt", tmp_path / "b.py"], tmp_path / "ds", workers=1)
+    out = prepare.prepare([tmp_path / "a.txt", tmp_path / "b.py"], tmp_path / "ds", workers=1)
     ds = data.TokenDataset(out)
     expected = [256, *b"ab", 257, 256, *b"x = 1\n", 257]
     assert ds.tokens.tolist() == expected
@@ -163,7 +165,9 @@ def test_prepare_writes_bos_doc_eos_back_to_back(tmp_path):
 def test_labels_skip_bos_and_positions_restart_at_each_document(tmp_path):
     (tmp_path / "a.txt").write_text("abc")
     (tmp_path / "b.txt").write_text("de")
-    ds = data.TokenDataset(data.prepare([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "ds"))
+    ds = data.TokenDataset(
+        prepare.prepare([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "ds")
+    )
     # stream: BOS a b c EOS BOS d e EOS (9 tokens) -> one sample of seq_len 8
     batch = next(data.PackedLoader(ds, seq_len=8, micro_batch=1))
     bos, eos, a, b, c, d, e = 256, 257, *b"abcde"
@@ -175,7 +179,7 @@ def test_labels_skip_bos_and_positions_restart_at_each_document(tmp_path):
 
 def test_positions_restart_where_a_sample_cuts_a_document(tmp_path):
     (tmp_path / "a.txt").write_text("abcdefg")
-    ds = data.TokenDataset(data.prepare([tmp_path / "a.txt"], tmp_path / "ds"))
+    ds = data.TokenDataset(prepare.prepare([tmp_path / "a.txt"], tmp_path / "ds"))
     loader = data.PackedLoader(ds, seq_len=4, micro_batch=2, seed=0)
     batch = next(loader)
     assert batch.positions.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
@@ -185,7 +189,7 @@ def test_jsonl_text_and_prompt_response_mask_the_prompt(tmp_path):
     lines = [{"text": "hi"}, {"prompt": "Q?", "response": "A."}]
     path = tmp_path / "sft.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
-    ds = data.TokenDataset(data.prepare([path], tmp_path / "ds"))
+    ds = data.TokenDataset(prepare.prepare([path], tmp_path / "ds"))
     bos, eos = 256, 257
     assert ds.tokens.tolist() == [bos, *b"hi", eos, bos, *b"Q?", *b"A.", eos]
     assert ds.loss_mask.tolist() == [0, 1, 1, 1, 0, 0, 0, 1, 1, 1]
@@ -217,7 +221,7 @@ def labelled(ds):
 def test_llama3_chat_tokens_are_pinned_and_only_assistant_turns_are_labels(tmp_path):
     ranks = write_ranks_file(tmp_path / "tokenizer.model")  # 263 BPE ranks: byte b is id b
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
-    ds = data.TokenDataset(data.prepare([chat], tmp_path / "ds", tokenizer_path=ranks))
+    ds = data.TokenDataset(prepare.prepare([chat], tmp_path / "ds", tokenizer_path=ranks))
     # <|begin_of_text|>, <|start_header_id|>, <|end_header_id|>, <|eot_id|> of Llama 3
     # (128000, 128006, 128007, 128009 in Meta's tokenizer: 128000 ranks there, 263 here)
     bot, start, end, eot = 263, 263 + 6, 263 + 7, 263 + 9
@@ -233,7 +237,7 @@ def test_llama3_chat_tokens_are_pinned_and_only_assistant_turns_are_labels(tmp_p
     assert ds.tokens.tolist() == expected
     assert labelled(ds) == [*b"Hello!", eot, *b"Ciao", eot]
     assert ds.meta["sft"] and ds.is_sft and ds.meta["n_documents"] == 1
-    tok = data.load_tokenizer(ranks)
+    tok = tokenizer.load_tokenizer(ranks)
     assert tok.decode(labelled(ds)) == "Hello!<|eot_id|>Ciao<|eot_id|>"
     batch = next(data.PackedLoader(ds, seq_len=len(expected) - 1, micro_batch=1))
     kept = batch.labels[0][batch.labels[0] != -100].tolist()
@@ -241,7 +245,7 @@ def test_llama3_chat_tokens_are_pinned_and_only_assistant_turns_are_labels(tmp_p
 
 
 def test_special_token_text_in_a_message_stays_text(tmp_path):
-    tok = data.load_tokenizer(write_ranks_file(tmp_path / "tokenizer.model"))
+    tok = tokenizer.load_tokenizer(write_ranks_file(tmp_path / "tokenizer.model"))
     messages = [{"role": "user", "content": "<|eot_id|>"}, {"role": "assistant", "content": "x"}]
     ids = [i for ids, _ in tok.render_chat(messages) for i in ids]
     assert ids.count(263 + 9) == 2, "only the two real ends of turns are <|eot_id|>"
@@ -250,8 +254,8 @@ def test_special_token_text_in_a_message_stays_text(tmp_path):
 def test_llama2_chat_format_with_system_prompt(tmp_path):
     sp = write_sentencepiece_model(tmp_path / "tokenizer.model")
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}])
-    ds = data.TokenDataset(data.prepare([chat], tmp_path / "ds", tokenizer_path=sp))
-    tok = data.load_tokenizer(sp)
+    ds = data.TokenDataset(prepare.prepare([chat], tmp_path / "ds", tokenizer_path=sp))
+    tok = tokenizer.load_tokenizer(sp)
     bos, eos = tok.bos_id, tok.eos_id
     first = tok.encode("[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]")
     second = tok.encode("[INST] Bye [/INST]")
@@ -272,13 +276,13 @@ def test_built_in_chat_formats_refuse_a_field_they_cannot_render(tmp_path, token
     path = writers[tokenizer](tmp_path / "tokenizer.model") if tokenizer in writers else None
     answer = {"role": "assistant", "content": "4", "reasoning_content": None, "tool_calls": []}
     plain = write_jsonl(tmp_path / "plain.jsonl", [{"messages": [CONVERSATION[1], answer]}])
-    data.prepare([plain], tmp_path / "ds", tokenizer_path=path)
+    prepare.prepare([plain], tmp_path / "ds", tokenizer_path=path)
     answer["reasoning_content"] = "2 + 2 = 4"
     chat = write_jsonl(
         tmp_path / "chat.jsonl", [{"text": "ok"}, {"messages": [CONVERSATION[1], answer]}]
     )
     with pytest.raises(ValueError) as error:
-        data.prepare([chat], tmp_path / "ds", tokenizer_path=path)
+        prepare.prepare([chat], tmp_path / "ds", tokenizer_path=path)
     assert re.fullmatch(
         r"\S*chat.jsonl line 2: messages\[1\].reasoning_content: (the bytes tokenizer's|Llama 3's|"
         r"Llama 2's) chat format renders a message's role and content only; remove the field, or "
@@ -290,7 +294,7 @@ def test_built_in_chat_formats_refuse_a_field_they_cannot_render(tmp_path, token
 def test_byte_chat_format_ends_turns_with_eos(tmp_path):
     messages = CONVERSATION[1:3]
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}, {"text": "ok"}])
-    ds = data.TokenDataset(data.prepare([chat], tmp_path / "ds"))
+    ds = data.TokenDataset(prepare.prepare([chat], tmp_path / "ds"))
     bos, eos = 256, 257
     conversation = [bos, *b"<|user|>\nHi", eos, *b"<|assistant|>\n Hello! ", eos]
     assert ds.tokens.tolist() == [*conversation, bos, *b"ok", eos]
@@ -300,9 +304,9 @@ def test_byte_chat_format_ends_turns_with_eos(tmp_path):
 
 def test_text_data_is_not_sft_and_prompt_response_is(tmp_path):
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": "hello"}])
-    assert not data.TokenDataset(data.prepare([text], tmp_path / "a")).is_sft
+    assert not data.TokenDataset(prepare.prepare([text], tmp_path / "a")).is_sft
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q", "response": "A"}])
-    assert data.TokenDataset(data.prepare([pairs], tmp_path / "b")).is_sft
+    assert data.TokenDataset(prepare.prepare([pairs], tmp_path / "b")).is_sft
     assert not write_dataset(tmp_path / "old", [256, 1, 257]).is_sft, "no field: text"
 
 
@@ -363,7 +367,7 @@ def test_bad_conversation_names_file_line_and_field(tmp_path, messages, error):
     good = {"messages": CONVERSATION}
     path = write_jsonl(tmp_path / "bad.jsonl", [good, {"messages": messages}])
     with pytest.raises(ValueError, match=r"bad.jsonl line 2: " + error):
-        data.prepare([path], tmp_path / "ds")
+        prepare.prepare([path], tmp_path / "ds")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"], "nothing left behind"
 
 
@@ -371,7 +375,7 @@ def test_jsonl_line_without_text_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"prompt": "no response"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl line 2.*prompt"):
-        data.prepare([path], tmp_path / "ds")
+        prepare.prepare([path], tmp_path / "ds")
     assert not (tmp_path / "ds").exists()
 
 
@@ -379,15 +383,15 @@ def test_jsonl_line_nested_too_deep_names_file_and_line(tmp_path):
     path = tmp_path / "deep.jsonl"
     path.write_text('{"text": "ok"}\n' + '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
     with pytest.raises(ValueError, match=r"deep.jsonl line 2: JSON nested too deep to read"):
-        data.prepare([path], tmp_path / "ds")
+        prepare.prepare([path], tmp_path / "ds")
 
 
 def test_missing_input_and_empty_input_are_errors(tmp_path):
     with pytest.raises(ValueError, match="missing.txt"):
-        data.prepare([tmp_path / "missing.txt"], tmp_path / "ds")
+        prepare.prepare([tmp_path / "missing.txt"], tmp_path / "ds")
     (tmp_path / "empty.txt").write_text("")
     with pytest.raises(ValueError, match="no documents"):
-        data.prepare([tmp_path / "empty.txt"], tmp_path / "ds")
+        prepare.prepare([tmp_path / "empty.txt"], tmp_path / "ds")
 
 
 def test_inputs_that_would_train_on_file_syntax_are_refused(tmp_path):
@@ -397,19 +401,21 @@ def test_inputs_that_would_train_on_file_syntax_are_refused(tmp_path):
     folder.mkdir()
     (folder / "d.json").write_text('[{"text": "hello"}]')
     with pytest.raises(ValueError, match=r"d.json: a .json file is not read"):
-        data.prepare([folder / "d.json"], tmp_path / "ds")
+        prepare.prepare([folder / "d.json"], tmp_path / "ds")
     (folder / "d.json").unlink()  # in a directory, a text as any other (a code tree's)
     (folder / "d.txt").write_bytes(b"text\0more")
     with pytest.raises(ValueError, match=r"d.txt holds NUL bytes \(at offset 4\)"):
-        data.prepare([folder], tmp_path / "ds")
+        prepare.prepare([folder], tmp_path / "ds")
     with pytest.raises(ValueError, match=r"no files in the inputs \['.*empty'\]"):
         (tmp_path / "empty").mkdir()
-        data.prepare([tmp_path / "empty"], tmp_path / "ds")
+        prepare.prepare([tmp_path / "empty"], tmp_path / "ds")
     upper = write_jsonl(tmp_path / "upper.JSONL", [{"text": "plain words"}])
-    prepared = data.prepare([upper], tmp_path / "ds")
-    assert data.ByteTokenizer().decode(data.TokenDataset(prepared).tokens[1:-1]) == "plain words"
+    prepared = prepare.prepare([upper], tmp_path / "ds")
+    assert (
+        tokenizer.ByteTokenizer().decode(data.TokenDataset(prepared).tokens[1:-1]) == "plain words"
+    )
     with pytest.raises(ValueError, match=r"input .*ds is a prepared dataset"):
-        data.prepare([prepared], tmp_path / "ds2")
+        prepare.prepare([prepared], tmp_path / "ds2")
     assert not (tmp_path / "ds2").exists()
 
 
@@ -417,7 +423,7 @@ def test_lone_surrogates_in_json_lines_become_the_replacement_character(tmp_path
     """JSON may escape a lone surrogate, which no tokenizer encodes: U+FFFD for every one."""
     path = tmp_path / "s.jsonl"
     path.write_text('{"text": "a\\ud800b"}\n{"text": "a\\ud83d\\ude00b"}\n')
-    ds = data.TokenDataset(data.prepare([path], tmp_path / "ds", workers=1))
+    ds = data.TokenDataset(prepare.prepare([path], tmp_path / "ds", workers=1))
     assert BYTES.decode(ds.tokens.tolist()) == "a\ufffdb" + "a\U0001f600b"
 
 
@@ -426,7 +432,7 @@ def test_tiktoken_file_without_every_single_byte_is_refused(tmp_path):
     ranks.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {i}\n" for i, b in
                              enumerate(b"abc ")))  # fmt: skip
     with pytest.raises(ValueError, match=r"no rank for 252 of the 256 single bytes"):
-        data.load_tokenizer(ranks)
+        tokenizer.load_tokenizer(ranks)
 
 
 def test_output_is_identical_with_one_and_two_workers(tmp_path):
@@ -440,8 +446,8 @@ def test_output_is_identical_with_one_and_two_workers(tmp_path):
         [{"prompt": "the", "response": "thing"}, {"messages": conversation}],
     )
     ranks = write_ranks_file(tmp_path / "tokenizer.model")
-    one = data.prepare([corpus], tmp_path / "one", ranks, workers=1, seq_len=64)
-    two = data.prepare([corpus], tmp_path / "two", ranks, workers=2, seq_len=64)
+    one = prepare.prepare([corpus], tmp_path / "one", ranks, workers=1, seq_len=64)
+    two = prepare.prepare([corpus], tmp_path / "two", ranks, workers=2, seq_len=64)
     for name in ("tokens.bin", "loss_mask.bin", "meta.json"):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
     assert json.loads((one / "meta.json").read_text())["n_documents"] == 27
@@ -449,9 +455,9 @@ def test_output_is_identical_with_one_and_two_workers(tmp_path):
 
 def test_prepare_replaces_an_existing_dataset(tmp_path):
     (tmp_path / "a.txt").write_text("first")
-    data.prepare([tmp_path / "a.txt"], tmp_path / "ds")
+    prepare.prepare([tmp_path / "a.txt"], tmp_path / "ds")
     (tmp_path / "a.txt").write_text("second!")
-    ds = data.TokenDataset(data.prepare([tmp_path / "a.txt"], tmp_path / "ds"))
+    ds = data.TokenDataset(prepare.prepare([tmp_path / "a.txt"], tmp_path / "ds"))
     assert BYTES.decode(ds.tokens.tolist()) == "second!"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "ds"]
 
@@ -469,11 +475,11 @@ def test_prepare_never_deletes_what_it_did_not_write(tmp_path, capsys):
     assert "inside the output directory" in capsys.readouterr().err
     (tmp_path / "a.txt").write_text("hello")
     with pytest.raises(ValueError, match="mydata holds corpus.jsonl, which no dataset writes"):
-        data.prepare([tmp_path / "a.txt"], mydata)
-    data.prepare([tmp_path / "a.txt"], tmp_path / "ds")
+        prepare.prepare([tmp_path / "a.txt"], mydata)
+    prepare.prepare([tmp_path / "a.txt"], tmp_path / "ds")
     (tmp_path / "ds" / "notes.txt").write_text("the user's")  # a dataset with a file added
     with pytest.raises(ValueError, match="ds holds notes.txt"):
-        data.prepare([tmp_path / "a.txt"], tmp_path / "ds")
+        prepare.prepare([tmp_path / "a.txt"], tmp_path / "ds")
     assert (mydata / "corpus.jsonl").read_text() == '{"text": "hello"}\n'
     assert (tmp_path / "ds" / "notes.txt").read_text() == "the user's"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "ds", "mydata"]
@@ -485,17 +491,17 @@ def test_replacing_a_dataset_keeps_a_link_to_it_and_survives_leftovers(tmp_path,
     a replacement that fails leaves the earlier dataset where it was."""
     (tmp_path / "a.txt").write_text("first")
     (tmp_path / "b.txt").write_text("second")
-    target = data.prepare([tmp_path / "a.txt"], tmp_path / "target")
+    target = prepare.prepare([tmp_path / "a.txt"], tmp_path / "target")
     (tmp_path / "link").symlink_to(target)
     (tmp_path / ".link.old").mkdir()  # left by an earlier version's interrupted replacement
     (tmp_path / ".link.old" / "x").write_text("")
-    data.prepare([tmp_path / "b.txt"], tmp_path / "link")
+    prepare.prepare([tmp_path / "b.txt"], tmp_path / "link")
     assert (tmp_path / "link").is_symlink()
     assert BYTES.decode(data.TokenDataset(target).tokens.tolist()) == "second"
     here = tmp_path / "here"
     here.mkdir()
     monkeypatch.chdir(here)
-    data.prepare([tmp_path / "a.txt"], ".")
+    prepare.prepare([tmp_path / "a.txt"], ".")
     assert BYTES.decode(data.TokenDataset(here).tokens.tolist()) == "first"
     real_replace = os.replace
 
@@ -506,7 +512,7 @@ def test_replacing_a_dataset_keeps_a_link_to_it_and_survives_leftovers(tmp_path,
 
     monkeypatch.setattr(os, "replace", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        data.prepare([tmp_path / "a.txt"], target)
+        prepare.prepare([tmp_path / "a.txt"], target)
     assert BYTES.decode(data.TokenDataset(target).tokens.tolist()) == "second"
     hidden = [p.name for p in tmp_path.iterdir() if p.name.startswith(".target")]
     assert hidden == [], hidden
@@ -519,12 +525,12 @@ def test_a_killed_prepares_directory_is_told_and_kept(tmp_path, capsys):
     (tmp_path / ".d[s].old-12345678").mkdir()
     (tmp_path / ".d[s].tmp-2.tmp-abcd1234").mkdir()  # an output named "d[s].tmp-2"'s
     (tmp_path / ".other.tmp-12345678").mkdir()
-    data.prepare([tmp_path / "a.txt"], tmp_path / "d[s]")
+    prepare.prepare([tmp_path / "a.txt"], tmp_path / "d[s]")
     err = capsys.readouterr().err
     left = f"{tmp_path / '.d[s].old-12345678'}, {left}"
     assert f"note: {left}: unfinished dataset directories (their writer was killed" in err
     assert ".other" not in err and "tmp-2" not in err and (tmp_path / ".d[s].tmp-k1lled_8").is_dir()
-    data.prepare([tmp_path / "a.txt"], tmp_path / "fresh")
+    prepare.prepare([tmp_path / "a.txt"], tmp_path / "fresh")
     assert "note:" not in capsys.readouterr().err
 
 
@@ -572,7 +578,7 @@ def test_a_pool_worker_ends_on_sigterm_whatever_it_was_forked_with(monkeypatch):
     monkeypatch.setattr(data, "_worker_tokenizer", None, raising=False)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        data._init_worker((None, None))
+        prepare._init_worker((None, None))
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # the parent stops them
     finally:
@@ -581,13 +587,13 @@ def test_a_pool_worker_ends_on_sigterm_whatever_it_was_forked_with(monkeypatch):
 
 
 def test_default_corpus_is_prepared_once_and_reused(tmp_path):
-    path = data.default_corpus(tmp_path, max_bytes=200_000)
+    path = prepare.default_corpus(tmp_path, max_bytes=200_000)
     ds = data.TokenDataset(path)
     assert (
         ds.meta["tokenizer"] == "bytes" and 0 < ds.n_tokens <= 200_000 + 2 * ds.meta["n_documents"]
     )
     mtime = (path / "tokens.bin").stat().st_mtime_ns
-    assert data.default_corpus(tmp_path, max_bytes=200_000) == path
+    assert prepare.default_corpus(tmp_path, max_bytes=200_000) == path
     assert (path / "tokens.bin").stat().st_mtime_ns == mtime
     ds.check(
         vocab_size=258,
@@ -843,7 +849,7 @@ def test_json_nested_past_the_readers_depth_is_named(tmp_path):
 
 def test_prepared_dataset_has_ordinary_modes(tmp_path):
     (tmp_path / "a.txt").write_text("hello")
-    ds = data.prepare([tmp_path / "a.txt"], tmp_path / "ds")
+    ds = prepare.prepare([tmp_path / "a.txt"], tmp_path / "ds")
     umask = os.umask(0)
     os.umask(umask)
     assert ds.stat().st_mode & 0o777 == 0o777 & ~umask  # mkdtemp alone gives 0700
@@ -880,7 +886,7 @@ def test_hf_tokenizer_files_encode_as_ours_with_bos(tmp_path, kind):
     transformers = pytest.importorskip("transformers")
     tok = BYTES
     if kind == "tiktoken":
-        tok = data.load_tokenizer(write_ranks_file(tmp_path / "tokenizer.model"))
+        tok = tokenizer.load_tokenizer(write_ranks_file(tmp_path / "tokenizer.model"))
     out = tmp_path / "hf"
     out.mkdir()
     for name, contents in tok.hf_files().items():
@@ -926,7 +932,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tmp_path):
         raise OSError(errno.ENOSPC, "No space left on device")
     with (
         pytest.raises(files.UsageError, match=f"no space left to write the dataset {tmp_path}/ds "),
-        data.DatasetWriter(tmp_path / "ds") as writer,
+        prepare.DatasetWriter(tmp_path / "ds") as writer,
     ):
         writer._tokens_file.close()
         writer._tokens_file = open("/dev/full", "wb")  # noqa: SIM115 (closed by the writer)

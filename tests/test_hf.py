@@ -36,7 +36,6 @@ from test_model import (
     save_hf,
 )
 
-from data import read_hf_tokenizer
 from hf import (
     HF_CONFIG_DEFAULTS,
     args_from_hf_config,
@@ -48,6 +47,7 @@ from hf import (
     save_peft_adapter,
 )
 from model import PRESETS, LoRAConfig, RopeScaling
+from tokenizer import ByteTokenizer, read_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -334,9 +334,8 @@ def test_index_without_weight_map_is_named(tmp_path):
 def test_export_carries_the_hf_checkpoints_tokenizer_and_ids(good_checkpoint, tmp_path):
     """An export of a model that came from a HF checkpoint carries that checkpoint's
     tokenizer files and generation_config.json as they were, and its special token ids."""
-    import data
 
-    for name, contents in data.ByteTokenizer().hf_files().items():
+    for name, contents in ByteTokenizer().hf_files().items():
         (good_checkpoint / name).write_bytes(contents)
     (good_checkpoint / "generation_config.json").write_text('{"temperature": 0.6}')
     config = json.loads((good_checkpoint / "config.json").read_text())

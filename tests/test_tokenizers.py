@@ -17,6 +17,8 @@ import sentencepiece
 
 import data
 import files
+import prepare
+import tokenizer
 
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
@@ -30,7 +32,7 @@ THINK = "<think>"  # an added token that is not special: vocabulary, matched in 
 PRE_TOKENIZERS = {
     "llama3 split": lambda: pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(tokenizers.Regex(data.LLAMA3_PATTERN), "isolated"),
+            pre_tokenizers.Split(tokenizers.Regex(tokenizer.LLAMA3_PATTERN), "isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     ),
@@ -114,8 +116,8 @@ def build_tokenizer_json(tmp_path: Path, kind: str, shuffle_ids: bool = False) -
 )
 def test_ids_equal_tokenizers_and_decoding_round_trips(tmp_path, kind, shuffle_ids):
     path = build_tokenizer_json(tmp_path, kind, shuffle_ids)
-    ours = data.load_tokenizer(path.parent)
-    assert isinstance(ours, data.ByteLevelBPETokenizer)
+    ours = tokenizer.load_tokenizer(path.parent)
+    assert isinstance(ours, tokenizer.ByteLevelBPETokenizer)
     assert (ours._table is None) != shuffle_ids, "the table only where ids are out of order"
     theirs = tokenizers.Tokenizer.from_file(str(path))
     theirs.encode_special_tokens = True  # specials spelled in a document stay text, as ours
@@ -273,7 +275,7 @@ def test_chat_template_ids_equal_apply_chat_template_and_only_assistant_turns_ar
     tmp_path, name
 ):
     directory, theirs = template_dir(tmp_path, name)
-    ours = data.load_tokenizer(directory)
+    ours = tokenizer.load_tokenizer(directory)
     for messages in CONVERSATIONS:
         segments = ours.render_chat(messages)
         assert [i for ids, _ in segments for i in ids] == rendered(theirs, messages)
@@ -292,7 +294,7 @@ def test_prepare_with_a_template_writing_bos_per_exchange_keeps_one_document(tmp
     directory, theirs = template_dir(tmp_path, "llama2")
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": CONVERSATIONS[1]}) + "\n")
-    ds = data.TokenDataset(data.prepare([chat], tmp_path / "ds", tokenizer_path=directory))
+    ds = data.TokenDataset(prepare.prepare([chat], tmp_path / "ds", tokenizer_path=directory))
     tokens = ds.tokens.tolist()
     assert tokens == rendered(theirs, CONVERSATIONS[1])
     assert tokens.count(theirs.bos_token_id) == 3 and ds.meta["chat_template"]
@@ -306,7 +308,7 @@ def test_prepare_with_a_template_writing_bos_per_exchange_keeps_one_document(tmp
 
 def test_export_files_load_in_transformers_with_the_template(tmp_path):
     directory, theirs = template_dir(tmp_path, "chatml")
-    ours = data.load_tokenizer(directory)
+    ours = tokenizer.load_tokenizer(directory)
     out = tmp_path / "export"
     out.mkdir()
     for name, contents in ours.hf_files().items():
@@ -320,7 +322,7 @@ def test_chat_template_option_replaces_the_directorys(tmp_path):
     directory, _ = template_dir(tmp_path, "chatml")
     other = tmp_path / "llama3.jinja"
     other.write_text(LLAMA31_TEMPLATE)
-    ours = data.load_tokenizer(directory, chat_template=other)
+    ours = tokenizer.load_tokenizer(directory, chat_template=other)
     ids = [i for ids, _ in ours.render_chat(CONVERSATIONS[0]) for i in ids]
     # The directory's BOS, in the other template's place for it.
     assert ours.decode(ids).startswith("<|im_start|><|start_header_id|>system")
@@ -335,7 +337,7 @@ def test_the_template_prepare_was_given_renders_the_sample_and_goes_into_the_exp
     other.write_text(LLAMA31_TEMPLATE)
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
-    prepared = data.prepare([chat], tmp_path / "ds", directory, workers=1, chat_template=other)
+    prepared = prepare.prepare([chat], tmp_path / "ds", directory, workers=1, chat_template=other)
     vocab_size = 4096
     opened = data.open_data(str(prepared), str(directory), None, vocab_size, 8, True)
     text_tokenizer, export_tokenizer = opened.text_tokenizer, opened.export_tokenizer
@@ -356,7 +358,7 @@ def test_special_ids_come_from_config_json_where_tokenizer_config_names_none(tmp
     (path.parent / "tokenizer_config.json").write_text("{}")
     config = {"bos_token_id": 2, "eos_token_id": [3, 4]}  # Llama 3.1 Instruct lists three EOS
     (path.parent / "config.json").write_text(json.dumps(config))
-    ours = data.load_tokenizer(path)
+    ours = tokenizer.load_tokenizer(path)
     assert (ours.bos_id, ours.eos_id, ours.pad_id) == (2, 3, None)
 
 
@@ -498,7 +500,7 @@ def qwen_dir(tmp_path: Path, template: str = QWEN_CHATML) -> Path:
 
 def test_qwen_tokenizer_json_ids_equal_tokenizers_after_nfc_and_it_has_no_bos(tmp_path):
     directory = qwen_dir(tmp_path)
-    ours = data.load_tokenizer(directory)
+    ours = tokenizer.load_tokenizer(directory)
     theirs = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     theirs.encode_special_tokens = True  # specials spelled in a document stay text, as ours
     decomposed = [
@@ -530,7 +532,7 @@ def test_qwen_chat_ids_equal_apply_chat_template_and_labels_equal_its_assistant_
     """Each answer is labelled as the whole conversation renders it (Qwen3's drops the
     reasoning of answers before the last user turn): the tokens transformers' assistant mask
     gives for the same template with {% generation %} around each answer."""
-    ours = data.load_tokenizer(qwen_dir(tmp_path, QWEN_TEMPLATES[name]))
+    ours = tokenizer.load_tokenizer(qwen_dir(tmp_path, QWEN_TEMPLATES[name]))
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "qwen")
     marked = GENERATION_MARKED[name]
     for messages in QWEN_CONVERSATIONS:
@@ -554,18 +556,18 @@ def test_qwen_documents_have_no_bos_and_start_where_their_bit_says(tmp_path):
     """Without a BOS a document is its tokens + EOS; its first token is no label, and the loader
     restarts positions there (loss_mask.bin's STARTS_DOCUMENT), as at a BOS."""
     directory = qwen_dir(tmp_path, QWEN_TEMPLATES["qwen3"])
-    ours = data.load_tokenizer(directory)
+    ours = tokenizer.load_tokenizer(directory)
     inputs = tmp_path / "docs.jsonl"
     lines = [{"text": "first document"}, {"messages": QWEN_CONVERSATIONS[-1]}, {"text": "third"}]
     inputs.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    ds = data.TokenDataset(data.prepare([inputs], tmp_path / "ds", directory, workers=1))
+    ds = data.TokenDataset(prepare.prepare([inputs], tmp_path / "ds", directory, workers=1))
     first, third = ours.encode("first document"), ours.encode("third")
     chat = [i for ids, _ in ours.render_chat(QWEN_CONVERSATIONS[-1]) for i in ids]
     assert ds.tokens.tolist() == [*first, ours.eos_id, *chat, *third, ours.eos_id]
     assert ds.meta["bos_id"] is None and ds.meta["sft"]
     starts = [0, len(first) + 1, len(first) + 1 + len(chat)]
-    assert np.flatnonzero(ds.loss_mask & data.STARTS_DOCUMENT).tolist() == starts
-    assert not (ds.loss_mask[starts] & data.LABEL).any()
+    assert np.flatnonzero(ds.loss_mask & prepare.STARTS_DOCUMENT).tolist() == starts
+    assert not (ds.loss_mask[starts] & prepare.LABEL).any()
     loader = data.PackedLoader(ds, seq_len=ds.n_tokens - 1, micro_batch=1)
     positions = next(loader).positions[0].tolist()
     assert [i for i, p in enumerate(positions) if p == 0] == starts
@@ -638,8 +640,8 @@ def test_mistral_tokenizer_model_encodes_and_chats_as_transformers_reads_it(tmp_
     tokenizer.json (byte fallback, converted from the model) is passed over for the model."""
     directory, theirs = mistral_dir(tmp_path)
     assert '"byte_fallback": true' in (directory / "tokenizer.json").read_text()
-    ours = data.load_tokenizer(directory)
-    assert isinstance(ours, data.SentencePieceTokenizer)
+    ours = tokenizer.load_tokenizer(directory)
+    assert isinstance(ours, tokenizer.SentencePieceTokenizer)
     assert (ours.bos_id, ours.eos_id) == (theirs.bos_token_id, theirs.eos_token_id)
     texts = stdlib_text(50_000) + odd_texts()[:100] + odd_texts()[-6:]
     texts += [" leading", "  two", "\tx", "▁x", "[INST]x [/INST] y <think> z<think>", ""]
@@ -675,7 +677,7 @@ def test_mistral_tokenizer_model_encodes_and_chats_as_transformers_reads_it(tmp_
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare/tokenizer.model").write_bytes((directory / "tokenizer.model").read_bytes())
     with pytest.raises(ValueError, match=r"has \[INST\] as a control token \(Mistral's\)"):
-        data.load_tokenizer(tmp_path / "bare").render_chat(CONVERSATIONS[0])
+        tokenizer.load_tokenizer(tmp_path / "bare").render_chat(CONVERSATIONS[0])
 
 
 # Refusals
@@ -723,7 +725,7 @@ def set_attribute(name: str, value):
 def test_tokenizer_json_it_cannot_encode_faithfully_is_refused(tmp_path, make, message):
     make(tmp_path / "tokenizer.json")
     with pytest.raises(ValueError, match=message):
-        data.load_tokenizer(tmp_path)
+        tokenizer.load_tokenizer(tmp_path)
 
 
 def test_a_sentencepiece_model_whose_piece_is_not_utf8_is_named(tmp_path):
@@ -735,7 +737,7 @@ def test_a_sentencepiece_model_whose_piece_is_not_utf8_is_named(tmp_path):
     )  # fmt: skip
     (tmp_path / "tokenizer.model").write_bytes(model.getvalue().replace(b"[INST]", b"\xff\xfeINST"))
     with pytest.raises(files.UsageError, match="nor a sentencepiece model"):
-        data.load_tokenizer(tmp_path / "tokenizer.model")
+        tokenizer.load_tokenizer(tmp_path / "tokenizer.model")
 
 
 @pytest.mark.parametrize("invert", [False, True])
@@ -759,9 +761,9 @@ def test_split_regex_keeps_the_text_between_matches_as_tokenizers(tmp_path, beha
         path = byte_level_with(tmp_path / str(k) / "tokenizer.json", split)
         if behavior == "removed" and not invert:  # the matches dropped: tiktoken cannot
             with pytest.raises(ValueError, match=r"its pre-tokenizer .*Removed.* is not one"):
-                data.load_tokenizer(path)
+                tokenizer.load_tokenizer(path)
             continue
-        ours, theirs = data.load_tokenizer(path), tokenizers.Tokenizer.from_file(str(path))
+        ours, theirs = tokenizer.load_tokenizer(path), tokenizers.Tokenizer.from_file(str(path))
         for text in texts:
             assert ours.encode(text) == theirs.encode(text).ids, (regex, text)
 
@@ -781,8 +783,41 @@ def test_split_regex_that_can_match_no_characters_is_refused_at_load(tmp_path, r
     (tmp_path / "config.json").write_text('{"eos_token_id": 0}')
     path = byte_level_with(tmp_path / "tokenizer.json", split)
     with pytest.raises(files.UsageError, match="Split regex can match no characters"):
-        data.load_tokenizer(path)
+        tokenizer.load_tokenizer(path)
     assert "panicked" not in capfd.readouterr().err
+
+
+def split_by(regex: str, directory: Path) -> Path:
+    """A small byte-level BPE whose pre-tokenizer splits by `regex`, in `directory`."""
+
+    def split(tok):
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(tokenizers.Regex(regex), "isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+
+    directory.mkdir()
+    (directory / "config.json").write_text('{"eos_token_id": 0}')
+    return byte_level_with(directory / "tokenizer.json", split)
+
+
+def test_a_split_regex_that_backtracks_is_stopped_with_one_line(tmp_path, monkeypatch):
+    """A lookahead after a run makes tiktoken's regex engine quadratic in the run's length
+    (20,000 a's: 9 s here), and it checks no signal: a chunk past CHUNK_SECONDS stops prepare.
+    Past its count of backtracking steps the engine gives up: one line too, not a traceback."""
+    (tmp_path / "run.txt").write_text("a" * 20_000 + "x")
+    monkeypatch.setattr(prepare, "CHUNK_SECONDS", 1.0)
+    slow = split_by(r"a+(?=b)|.", tmp_path / "slow")
+    started = time.perf_counter()
+    with pytest.raises(files.UsageError, match=r"took over 1 s with the tokenizer .*slow"):
+        prepare.prepare([tmp_path / "run.txt"], tmp_path / "ds", slow, workers=1)
+    assert time.perf_counter() - started < 8
+    assert not (tmp_path / "ds").exists()
+    hopeless = tokenizer.load_tokenizer(split_by(r"(a|aa)+(?=b)|.", tmp_path / "hopeless"))
+    with pytest.raises(files.UsageError, match=r"Split regex failed on a text of 8,001 char"):
+        hopeless.encode("a" * 8000 + "x")
 
 
 def with_model_edited(path: Path, edit) -> Path:
@@ -818,7 +853,7 @@ def add_merge(left: str, right: str, in_vocab: bool):
 )
 def test_tokenizer_json_with_a_bad_merge_is_refused_naming_it(tmp_path, edit, message):
     with pytest.raises(ValueError, match=message):
-        data.load_tokenizer(with_model_edited(tmp_path / "tokenizer.json", edit))
+        tokenizer.load_tokenizer(with_model_edited(tmp_path / "tokenizer.json", edit))
 
 
 def set_id(token: str, i):
@@ -839,7 +874,7 @@ def test_tokenizer_json_with_ids_out_of_range_or_repeated_is_refused_naming_them
     tmp_path, edit, message
 ):
     with pytest.raises(ValueError, match=message):
-        data.load_tokenizer(with_model_edited(tmp_path / "tokenizer.json", edit))
+        tokenizer.load_tokenizer(with_model_edited(tmp_path / "tokenizer.json", edit))
 
 
 def drop_content(model_spec_path: Path) -> None:
@@ -861,18 +896,18 @@ def test_tokenizer_json_with_fields_missing_or_mistyped_is_refused_naming_it(tmp
     path = tmp_path / "tokenizer.json"
     edit(path)
     with pytest.raises(ValueError, match=r"tokenizer.json is not a tokenizer.json as `tokeniz"):
-        data.load_tokenizer(path)
+        tokenizer.load_tokenizer(path)
 
 
 def test_empty_tokenizer_file_and_special_ids_outside_the_vocabulary_are_named(tmp_path):
     (tmp_path / "empty.model").write_bytes(b"")
     with pytest.raises(ValueError, match=r"tokenizer file .*empty.model is empty"):
-        data.load_tokenizer(tmp_path / "empty.model")
+        tokenizer.load_tokenizer(tmp_path / "empty.model")
     path = build_tokenizer_json(tmp_path, "gpt2 byte level")
     (path.parent / "tokenizer_config.json").write_text("{}")
     (path.parent / "config.json").write_text('{"bos_token_id": 5000, "eos_token_id": 1}')
     with pytest.raises(ValueError, match=r"the BOS id 5000 is not in the vocabulary of"):
-        data.load_tokenizer(path)
+        tokenizer.load_tokenizer(path)
 
 
 @pytest.mark.parametrize(
@@ -887,7 +922,7 @@ def test_chat_template_that_fails_as_it_runs_is_named(tmp_path, source, message)
     directory, _ = template_dir(tmp_path, "chatml")
     template = tmp_path / "bad.jinja"
     template.write_text(source)
-    ours = data.load_tokenizer(directory, chat_template=template)
+    ours = tokenizer.load_tokenizer(directory, chat_template=template)
     with pytest.raises(ValueError, match=r"chat template .*bad.jinja: " + message):
         ours.render_chat(CONVERSATIONS[0])
 
@@ -897,8 +932,8 @@ def test_chat_template_that_runs_too_long_is_stopped_and_named(tmp_path, monkeyp
     template = tmp_path / "loops.jinja"  # 10^10 turns of its loops
     template.write_text("{% for i in range(100000) %}{% for j in range(100000) %}"
                         "{% endfor %}{% endfor %}")  # fmt: skip
-    ours = data.load_tokenizer(directory, chat_template=template)
-    monkeypatch.setattr(data.ChatTemplate, "RENDER_SECONDS", 0.5)
+    ours = tokenizer.load_tokenizer(directory, chat_template=template)
+    monkeypatch.setattr(tokenizer.ChatTemplate, "RENDER_SECONDS", 0.5)
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"loops.jinja: still rendering a conversation of 2 "):
         ours.render_chat(CONVERSATIONS[0])
@@ -913,7 +948,7 @@ def test_chat_template_that_runs_too_long_is_stopped_and_named(tmp_path, monkeyp
     signal.signal(signal.SIGALRM, theirs)
     signal.setitimer(signal.ITIMER_REAL, 100)
     try:
-        chatml = data.load_tokenizer(directory)
+        chatml = tokenizer.load_tokenizer(directory)
         chatml.render_chat(CONVERSATIONS[0])
         assert signal.getsignal(signal.SIGALRM) is theirs
         assert 90 < signal.getitimer(signal.ITIMER_REAL)[0] <= 100
@@ -926,10 +961,10 @@ def test_chat_template_that_compiles_too_long_is_stopped_and_named(tmp_path, mon
     directory, _ = template_dir(tmp_path, "chatml")
     template = tmp_path / "folds.jinja"  # Jinja folds the constant as it compiles
     template.write_text("{% set x = 7 ** (7 ** 11) %}")
-    monkeypatch.setattr(data.ChatTemplate, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(tokenizer.ChatTemplate, "RENDER_SECONDS", 0.5)
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"folds.jinja: still compiling after 0.5 s"):
-        data.load_tokenizer(directory, chat_template=template)
+        tokenizer.load_tokenizer(directory, chat_template=template)
     assert time.monotonic() - started < 5
 
 
@@ -937,7 +972,7 @@ def test_chat_template_that_writes_far_more_than_the_conversation_is_named(tmp_p
     directory, _ = template_dir(tmp_path, "chatml")
     template = tmp_path / "writes.jinja"
     template.write_text("{{ 'x' * 2000000 }}{% for m in messages %}{{ m.content }}{% endfor %}")
-    ours = data.load_tokenizer(directory, chat_template=template)
+    ours = tokenizer.load_tokenizer(directory, chat_template=template)
     with pytest.raises(ValueError, match=r"writes.jinja: renders a conversation of [\d,]+ char"):
         ours.render_chat(CONVERSATIONS[0])
 
@@ -946,22 +981,22 @@ def test_chat_template_file_not_utf8_or_config_template_not_text_is_named(tmp_pa
     directory, _ = template_dir(tmp_path, "chatml")
     (tmp_path / "latin1.jinja").write_bytes(b"{{ 'caf\xe9' }}")
     with pytest.raises(ValueError, match=r"chat template .*latin1.jinja is not UTF-8 text"):
-        data.load_tokenizer(directory, chat_template=tmp_path / "latin1.jinja")
+        tokenizer.load_tokenizer(directory, chat_template=tmp_path / "latin1.jinja")
     (directory / "chat_template.jinja").unlink(missing_ok=True)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config["chat_template"] = {"template": "x"}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"chat_template is dict, expected a template"):
-        data.load_tokenizer(directory)
+        tokenizer.load_tokenizer(directory)
 
 
 def test_merges_in_the_older_string_form_give_the_same_ranks_and_ids(tmp_path):
     path = build_tokenizer_json(tmp_path, "gpt2 byte level")
-    pairs = data.load_tokenizer(path)
+    pairs = tokenizer.load_tokenizer(path)
     spec = json.loads(path.read_text())
     spec["model"]["merges"] = [" ".join(pair) for pair in spec["model"]["merges"]]
     path.write_text(json.dumps(spec))
-    strings = data.load_tokenizer(path)
+    strings = tokenizer.load_tokenizer(path)
     assert strings._encoding._mergeable_ranks == pairs._encoding._mergeable_ranks
     text = stdlib_text(20_000)[0]
     assert strings.encode(text) == pairs.encode(text)
@@ -970,7 +1005,9 @@ def test_merges_in_the_older_string_form_give_the_same_ranks_and_ids(tmp_path):
 def test_lone_surrogates_are_encoded_as_the_replacement_character(tmp_path):
     """JSON text can hold lone surrogates, which tiktoken's Rust cannot take: replaced by U+FFFD
     as tiktoken's own encode does (on the table path too)."""
-    ours = data.load_tokenizer(build_tokenizer_json(tmp_path, "llama3 split", shuffle_ids=True))
+    ours = tokenizer.load_tokenizer(
+        build_tokenizer_json(tmp_path, "llama3 split", shuffle_ids=True)
+    )
     assert ours.encode("a\ud800b \udfff") == ours.encode("a\ufffdb \ufffd")
 
 
@@ -980,7 +1017,7 @@ def test_loading_a_tokenizer_json_leaves_the_garbage_collector_as_it_was(tmp_pat
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()
     try:
-        data.load_tokenizer(path)
+        tokenizer.load_tokenizer(path)
         assert gc.isenabled() == enabled
     finally:
         (gc.enable if was else gc.disable)()
@@ -989,7 +1026,7 @@ def test_loading_a_tokenizer_json_leaves_the_garbage_collector_as_it_was(tmp_pat
 def test_directory_without_a_tokenizer_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=f"tokenizer directory {tmp_path} holds no"):
-        data.load_tokenizer(tmp_path)
+        tokenizer.load_tokenizer(tmp_path)
 
 
 def test_template_whose_prefixes_do_not_line_up_is_refused_naming_the_conversation(tmp_path):
@@ -1003,7 +1040,7 @@ def test_template_whose_prefixes_do_not_line_up_is_refused_naming_the_conversati
     lines = [{"text": "fine"}, {"messages": CONVERSATIONS[0]}]
     chat.write_text("".join(json.dumps(line) + "\n" for line in lines))
     with pytest.raises(ValueError, match=r"chat.jsonl line 2: the chat template .*shifty.jinja"):
-        data.prepare([chat], tmp_path / "ds", directory, workers=1, chat_template=shifty)
+        prepare.prepare([chat], tmp_path / "ds", directory, workers=1, chat_template=shifty)
     assert not (tmp_path / "ds").exists()
 
 
@@ -1011,7 +1048,7 @@ def test_template_runs_sandboxed(tmp_path):
     directory, _ = template_dir(tmp_path, "chatml")
     escape = tmp_path / "escape.jinja"
     escape.write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
-    ours = data.load_tokenizer(directory, chat_template=escape)
+    ours = tokenizer.load_tokenizer(directory, chat_template=escape)
     with pytest.raises(ValueError, match="chat template .*escape.jinja"):
         ours.render_chat(CONVERSATIONS[0])
 
@@ -1020,7 +1057,7 @@ def test_chat_template_for_a_tokenizer_with_a_built_in_format_is_refused(tmp_pat
     template = tmp_path / "t.jinja"
     template.write_text(CHATML_TEMPLATE)
     with pytest.raises(ValueError, match="bytes has its built-in chat format"):
-        data.load_tokenizer(None, chat_template=template)
+        tokenizer.load_tokenizer(None, chat_template=template)
 
 
 def test_mask_bits_label_and_bos_inside(tmp_path):
@@ -1028,9 +1065,9 @@ def test_mask_bits_label_and_bos_inside(tmp_path):
     as before) and adds BOS_INSIDE only where a template writes one."""
     bos, eos = 256, 257
     segments = [([bos, 1, 2], False), ([3, eos], True), ([bos, 4], False), ([5, eos], True)]
-    tokens, mask = data._encode_segments(segments, bos)
+    tokens, mask = prepare._encode_segments(segments, bos)
     assert tokens.tolist() == [bos, 1, 2, 3, eos, bos, 4, 5, eos]
-    assert mask.tolist() == [0, 0, 0, 1, 1, data.BOS_INSIDE, 0, 1, 1]
+    assert mask.tolist() == [0, 0, 0, 1, 1, prepare.BOS_INSIDE, 0, 1, 1]
     assert mask.dtype == np.uint8
 
 
@@ -1047,7 +1084,7 @@ def test_smollm2_tokenizer_json_and_template_equal_tokenizers_and_transformers(t
     smollm2 = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(smollm2)
     directory = smollm2.write_tokenizer(tmp_path / "smollm2")
-    ours = data.load_tokenizer(directory)
+    ours = tokenizer.load_tokenizer(directory)
     theirs = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
     theirs.encode_special_tokens = True
     for text in stdlib_text(200_000) + odd_texts()[-6:]:

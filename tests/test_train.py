@@ -32,7 +32,9 @@ from safetensors.torch import save_file
 import data
 import files
 import options
+import prepare
 import shard
+import tokenizer
 import train
 from hf import args_from_hf_config, save_hf_checkpoint
 from model import PEAK_FLOPS, PRESETS, Llama, ModelArgs, generate
@@ -53,7 +55,7 @@ def dataset(tmp_path_factory) -> Path:
     """280k tokens: three stdlib modules through the byte tokenizer."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     files = [stdlib / name for name in ["argparse.py", "dataclasses.py", "inspect.py"]]
-    return data.prepare(files, tmp_path_factory.mktemp("data") / "stdlib", workers=1)
+    return prepare.prepare(files, tmp_path_factory.mktemp("data") / "stdlib", workers=1)
 
 
 def run_subprocess(*argv: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
@@ -239,7 +241,7 @@ def test_sigterm_during_a_save_stops_after_it(dataset, monkeypatch, tmp_path, ca
 
 
 def test_a_sample_prints_control_characters_escaped():
-    sampled = data.ByteTokenizer().decode(list(b"ok\x1b[2J\rdone\n\tend\x00") + [0xFF])
+    sampled = tokenizer.ByteTokenizer().decode(list(b"ok\x1b[2J\rdone\n\tend\x00") + [0xFF])
     assert train.printable(sampled) == "ok\\x1b[2J\\rdone\n\tend\\x00\ufffd"
 
 
@@ -437,7 +439,7 @@ def test_context_parallel_equals_data_parallel_and_resumes_on_another_layout(dat
     through whole rows. The held-out loss (every 3 steps, 20 sequences split over the
     data-parallel groups) is the same in all three."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    held_out = data.prepare([stdlib / "textwrap.py"], tmp_path / "held_out", workers=1)
+    held_out = prepare.prepare([stdlib / "textwrap.py"], tmp_path / "held_out", workers=1)
     argv = ["--data", str(dataset), *SMALL, "--micro-batch", "2", "--grad-accum", "2",
             "--document-mask", "--ac", "attention", "--max-steps", "6",
             "--checkpoint-interval", "3", "--keep-checkpoints", "2", "--eval-data",
@@ -637,7 +639,7 @@ def write_dataset(path: Path, tokens, tokenizer: str = "bytes") -> Path:
     np.asarray(tokens, np.uint32).tofile(path / "tokens.bin")
     np.ones(len(tokens), np.uint8).tofile(path / "loss_mask.bin")
     meta = {
-        "format_version": data.FORMAT_VERSION,
+        "format_version": prepare.FORMAT_VERSION,
         "tokenizer": tokenizer,
         "vocab_size": 258,
         "bos_id": 256,
@@ -1048,7 +1050,7 @@ def test_bad_input_ends_every_process(dataset, tmp_path):
     assert "is not a prepared dataset" in result.stderr
     # Found only once the data-parallel groups are known: still before any step, said once.
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    held_out = data.prepare([stdlib / "textwrap.py"], tmp_path / "held_out", workers=1)
+    held_out = prepare.prepare([stdlib / "textwrap.py"], tmp_path / "held_out", workers=1)
     argv = ["--data", str(dataset), *SMALL, "--eval-data", str(held_out), "--eval-tokens",
             "100", "--run-dir", str(tmp_path / "run")]  # fmt: skip
     result = run_subprocess(*argv, nproc=2, check=False)
@@ -1216,7 +1218,7 @@ def test_sft_data_masks_documents_unless_told_not_to(tmp_path, capsys):
     pairs = tmp_path / "pairs.jsonl"
     lines = [{"prompt": f"question {i}? " * 3, "response": f"answer {i}. " * 4} for i in range(60)]
     pairs.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    sft = data.prepare([pairs], tmp_path / "sft", workers=1)
+    sft = prepare.prepare([pairs], tmp_path / "sft", workers=1)
     argv = ["--data", str(sft), *SMALL, "--max-steps", "1", "--checkpoint-interval", "0"]
     train.main([*argv, "--run-dir", str(tmp_path / "a")])
     assert "attention masked between documents" in capsys.readouterr().out
@@ -1247,7 +1249,7 @@ def test_eval_loss_is_the_held_out_loss_that_transformers_computes(dataset, tmp_
     from transformers import LlamaForCausalLM
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    held_out = data.prepare([stdlib / "textwrap.py"], tmp_path / "held_out", workers=1)
+    held_out = prepare.prepare([stdlib / "textwrap.py"], tmp_path / "held_out", workers=1)
     argv = ["--data", str(dataset), *SMALL, "--max-steps", "5", "--checkpoint-interval", "0"]
     evaluated = ["--eval-data", str(held_out), "--eval-interval", "2", "--eval-tokens", "2000"]
     train.main([*argv, *evaluated, "--export-hf", str(tmp_path / "hf"), "--run-dir",
@@ -1288,7 +1290,7 @@ def test_the_plan_counts_long_documents_prefixes_only_where_the_data_has_them(tm
     for i in range(20):
         files.append(tmp_path / f"doc{i}.py")
         files[-1].write_text(text)
-    dataset = data.prepare(files, tmp_path / "data", workers=1)
+    dataset = prepare.prepare(files, tmp_path / "data", workers=1)
     run_dir = tmp_path / "run"
     argv = ["--data", str(dataset), "--model", "tiny", "--seq-len", "256", "--max-steps", "1",
             "--checkpoint-interval", "0", "--document-mask", "--run-dir", str(run_dir)]  # fmt: skip
@@ -1744,7 +1746,7 @@ def test_the_checkpoints_tokenizer_checks_the_data_decodes_the_sample_and_is_exp
     assert f"was prepared with tokenizer bytes, but the checkpoint's tokenizer {ranks}" in err
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the theme of the thing " * 400)
-    mine = data.prepare([corpus], tmp_path / "mine", ranks, workers=1)
+    mine = prepare.prepare([corpus], tmp_path / "mine", ranks, workers=1)
     argv += ["--data", str(mine), "--run-dir", str(tmp_path / "b"), "--sample-tokens", "5"]
     train.main([*argv, "--export-hf", str(tmp_path / "hf")])
     assert "a sample of the trained model (after BOS" in capsys.readouterr().out
@@ -1752,7 +1754,7 @@ def test_the_checkpoints_tokenizer_checks_the_data_decodes_the_sample_and_is_exp
     from transformers import AutoTokenizer
 
     loaded = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    assert loaded.encode("the thing", add_special_tokens=False) == data.load_tokenizer(
+    assert loaded.encode("the thing", add_special_tokens=False) == tokenizer.load_tokenizer(
         ranks
     ).encode("the thing")
 
@@ -1764,7 +1766,7 @@ def test_sft_data_samples_after_a_user_turn(tmp_path, capsys):
         "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     }
     chat.write_text((json.dumps(turn) + "\n") * 200)
-    sft = data.prepare([chat], tmp_path / "sft", workers=1)
+    sft = prepare.prepare([chat], tmp_path / "sft", workers=1)
     train.main(["--data", str(sft), "--seq-len", "64", "--batch-tokens", "256", "--max-steps", "1",
                 "--sample-tokens", "4", "--run-dir", str(tmp_path / "run")])  # fmt: skip
     out = capsys.readouterr().out
