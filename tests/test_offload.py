@@ -156,33 +156,48 @@ def test_mlp_tiles_run_in_forward_and_once_in_their_backward(monkeypatch, ac):
     assert runs == 2 * 3 * ARGS.n_layers
 
 
+@pytest.fixture(scope="module")
+def triton_gradients():
+    """The plain model's gradients on the Triton kernels (interpreted: computed once)."""
+    return gradients(build(ops=triton_ops()))[0]
+
+
+@pytest.fixture(scope="module")
+def fp8_gradients():
+    """The plain FP8 model's (model.fp8_ops; on the CPU the e4m3 values dequantized, then
+    multiplied), scaled by the quantizers' references: what is tested here is what
+    checkpointing does with them (tests/test_kernels.py tests the Triton ones)."""
+    return gradients(build(ops=fp8_ops(triton_ops(), triton_kernels=False)))[0]
+
+
 @pytest.mark.parametrize(
     "ac, tile", [("none", 0), ("full", 0), ("selective", 0), ("attention", 0), ("full", 16)]
 )
-def test_triton_kernels_keep_gradients_under_checkpointing_and_offload(ac, tile):
+def test_triton_kernels_keep_gradients_under_checkpointing_and_offload(triton_gradients, ac, tile):
     """The SwiGLU kernel's backward writes its gradients over the gate and up it saved;
     under each way of keeping or rebuilding them, the gradients stay those of the plain
     model on the same kernels."""
-    want, _ = gradients(build(ops=triton_ops()))
     model = build(ac, ops=triton_ops())
     apply_mlp_tiling(model, tile_tokens=tile)
     grads, _ = gradients(model, offload=True)
-    assert_grads_close(grads, want)
+    assert_grads_close(grads, triton_gradients)
 
 
 @pytest.mark.parametrize("ac", ["none", "full", "attention", "selective"])
-def test_fp8_projections_keep_gradients_under_checkpointing_and_offload(ac):
-    """--fp8's projections (model.fp8_ops; on the CPU the e4m3 values dequantized, then
-    multiplied): recomputation quantizes the same inputs again, and selective checkpointing
-    keeps the e4m3 matmuls' outputs, so each mode gives the gradients of the plain FP8 model.
-    Those are within FP8's error of the unquantized model's, and not equal to them."""
-    ops = fp8_ops(triton_ops(), triton_kernels=True)
-    want, _ = gradients(build(ops=ops))
+def test_fp8_projections_keep_gradients_under_checkpointing_and_offload(fp8_gradients, ac):
+    """--fp8's projections: recomputation quantizes the same inputs again, and selective
+    checkpointing keeps the e4m3 matmuls' outputs, so each mode gives the gradients of the
+    plain FP8 model."""
+    ops = fp8_ops(triton_ops(), triton_kernels=False)
     grads, _ = gradients(build(ac, ops=ops), offload=True)
-    assert_grads_close(grads, want)
-    unquantized, _ = gradients(build(ops=triton_ops()))
-    for name, ref in unquantized.items():
-        error = ((want[name] - ref).norm() / ref.norm()).item()
+    assert_grads_close(grads, fp8_gradients)
+
+
+def test_fp8_gradients_are_within_fp8s_error_of_the_unquantized_ones(
+    fp8_gradients, triton_gradients
+):
+    for name, ref in triton_gradients.items():
+        error = ((fp8_gradients[name] - ref).norm() / ref.norm()).item()
         assert error <= FP8_TOLERANCE, f"{name}: norm-wise error {error:.2e}"
         if name.endswith(("wq.weight", "w2.weight")):
             assert error > 0, f"{name}: not computed in e4m3"
