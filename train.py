@@ -42,11 +42,11 @@ from hf import (
     fill_weights,
 )
 from kernels import IGNORE_INDEX
+from lora import apply_lora
 from model import (
     REFERENCE_OPS,
     Llama,
     ModelArgs,
-    apply_lora,
     attended_pairs,
     fp8_ops,
     generate,
@@ -94,7 +94,7 @@ def apply_techniques(
 ) -> None:
     """Makes the meta-built model the one the plan describes, in the one order in which the
     techniques compose (every other docstring points here):
-      0. LoRA (model.apply_lora) swaps in the adapted projections and freezes the rest, so
+      0. LoRA (lora.apply_lora) swaps in the adapted projections and freezes the rest, so
          that the next steps wrap, shard and fill the final modules;
       1. activation checkpointing (offload.apply_ac) and 2. MLP tiling (a checkpoint per tile)
          precede sharding: the forward recomputed in backward re-gathers through FSDP's hooks;

@@ -46,7 +46,8 @@ from hf import (
     save_hf_checkpoint,
     save_peft_adapter,
 )
-from model import PRESETS, LoRAConfig, RopeScaling
+from lora import LoRAConfig
+from model import PRESETS, RopeScaling
 from tokenizer import ByteTokenizer, read_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
