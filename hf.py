@@ -70,8 +70,7 @@ HF_CONFIG_KEYS = {
     "tie_embeddings": "tie_word_embeddings",
 }
 # What every family's block fixes, by config.json key: args_from_hf_config refuses anything else.
-HF_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
-            "router_jitter_noise": 0.0}  # fmt: skip
+HF_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 # What each number or switch of config.json may be, (kind, least, most): integers within
 # [least, most], other numbers in (least, most]. Sizes stop below 2^32 (token ids are uint32);
 # layers at 1024, 8x Llama 3.1 405B's 126, since each is a module built before the planner can
@@ -117,6 +116,8 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
         # derives it; a null sliding_window is none; another null is the default.
         derived = {k for k in ("num_key_value_heads", "head_dim") if raw.get(k, 0) is None}
         given = {k: v for k, v in raw.items() if v is not None or k == "sliding_window"}
+        if family == "qwen3_moe" and "num_local_experts" in given:  # transformers 5 saves it so
+            given.setdefault("num_experts", given.pop("num_local_experts"))
         config = {**HF_CONFIG_DEFAULTS[family], **given}
         config = {k: v for k, v in config.items() if k not in derived}
         for key, expected in HF_FIXED.items():
@@ -218,15 +219,20 @@ def _experts(config: dict, family: str, n_layers: int) -> dict:
     weights renormalized; Qwen3-MoE's on each decoder_sparse_step-th layer not in
     mlp_only_layers, its own intermediate size, renormalized as norm_topk_prob says."""
     fields = {
-        "n_experts": config.get("num_experts", config["num_local_experts"]),
+        "n_experts": config["num_experts" if family == "qwen3_moe" else "num_local_experts"],
         "experts_per_token": config["num_experts_per_tok"],
         "router_aux_loss": config["output_router_logits"],
         "router_aux_loss_coef": float(config["router_aux_loss_coef"]),
     }
     if family == "mixtral":
+        if config["router_jitter_noise"] != 0:
+            raise UsageError(
+                f"router_jitter_noise is {config['router_jitter_noise']!r}, expected 0 (no noise "
+                f"on the router's input)"
+            )
         experts = {"expert_ffn_dim": config["intermediate_size"], "norm_topk_prob": True}
         return fields | experts | {"moe_layers": tuple(range(n_layers))}
-    dense = config["mlp_only_layers"]
+    dense = config["mlp_only_layers"] or []
     if not isinstance(dense, list) or not all(type(i) is int for i in dense):
         raise UsageError(f"mlp_only_layers is {dense!r}, expected a list of layer numbers")
     step = config["decoder_sparse_step"]
@@ -312,19 +318,19 @@ HF_CONFIG_DEFAULTS = {
         "no_rope_layer_interval": 4,
     },
     "qwen3_moe": {
-        **_QWEN2_DEFAULTS,
+        **{k: v for k, v in _QWEN2_DEFAULTS.items() if k != "max_window_layers"},
         "hidden_size": 2048,
         "intermediate_size": 6144,
         "num_hidden_layers": 24,
         "num_key_value_heads": 4,
         "rms_norm_eps": 1e-6,
         "attention_bias": False,
-        "num_local_experts": 128,  # num_experts on the hub: transformers maps one to the other
+        "num_experts": 128,
         "num_experts_per_tok": 8,
         "moe_intermediate_size": 768,
         "norm_topk_prob": False,
         "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
+        "mlp_only_layers": None,  # none dense
         **_ROUTER_DEFAULTS,
     },
     "mixtral": {
@@ -625,7 +631,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
             "router_aux_loss_coef": args.router_aux_loss_coef,
         }
     if args.family == "mixtral":
-        config["intermediate_size"] = args.expert_ffn_dim
+        config |= {"intermediate_size": args.expert_ffn_dim, "router_jitter_noise": 0.0}
     if args.family == "qwen3_moe":
         config |= {
             "moe_intermediate_size": args.expert_ffn_dim,

@@ -638,9 +638,6 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
     """Trains as `opts` say; `given`: the options on the command line (parse_options),
     which resuming keeps. Returns whether the run reached its last step, or had (False: it
     stopped on a signal, with a checkpoint)."""
-    if opts.estimate_memory:
-        options.estimate(opts)
-        return True
     run = setup(opts, given)
     if run.start_step >= run.max_steps:  # a finished run resumed: its exports, nothing to train
         finish(run, run.start_step)
@@ -777,7 +774,11 @@ def main(argv: list[str] | None = None) -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's
         stop_when_launcher_dies()
     try:
-        finished = train(opts, given)
+        finished = True
+        if opts.estimate_memory:  # the plan and its memory, nothing trained
+            options.estimate(opts)
+        else:
+            finished = train(opts, given)
     except KeyboardInterrupt:
         if not other_rank():  # Ctrl-C under torchrun reaches every rank
             # Before the first step the command as given starts again; after the last, --resume.
