@@ -19,23 +19,18 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from files import OutputDir, UsageError, give_ordinary_mode, read_json
-from model import (
-    FAMILIES,
+from lora import (
     HF_LAYER_NAMES,
     HF_LORA_TARGETS,
     NF4_SUFFIX,
-    ROPE_TYPES,
-    Llama,
     LoRAConfig,
     LoRALinear,
-    ModelArgs,
-    RopeScaling,
     apply_lora,
     copy_into,
     copy_whole_tensor,
     lora_module_paths,
-    yarn_mscale,
 )
+from model import FAMILIES, ROPE_TYPES, Llama, ModelArgs, RopeScaling, yarn_mscale
 from tokenizer import SPECIAL_TOKEN_KEYS, HFTokenizer
 
 # ----------------------------------------------------------------------------------------
@@ -89,11 +84,15 @@ HF_RANGES = {
                      "intermediate_size", "max_position_embeddings", "head_dim", "sliding_window",
                      "no_rope_layer_interval", "original_max_position_embeddings"], _SIZE),
     "num_hidden_layers": (int, 1, 1024),
+    **dict.fromkeys(["num_experts", "num_local_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "decoder_sparse_step"], _SIZE),
+    "router_aux_loss_coef": (float, -math.inf, math.inf),
     "max_window_layers": (int, 0, 2**32 - 1),
     "rms_norm_eps": (float, 0, 1),
     **dict.fromkeys(["rope_theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast",
                      "beta_slow", "attention_factor"], _POSITIVE),
-    **dict.fromkeys(["tie_word_embeddings", "use_sliding_window"], (bool, False, True)),
+    **dict.fromkeys(["tie_word_embeddings", "use_sliding_window", "norm_topk_prob",
+                     "output_router_logits"], (bool, False, True)),
 }  # fmt: skip
 
 
@@ -111,12 +110,14 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
         if not isinstance(family, str) or family not in FAMILIES:
             raise UsageError(
                 f"model_type is {family or 'missing'!r}; longtune reads the dense Llama "
-                f"family: {', '.join(FAMILIES)}"
+                f"family and its mixture-of-experts kin: {', '.join(FAMILIES)}"
             )
         # A null num_key_value_heads or head_dim is derived from the heads, as transformers
         # derives it; a null sliding_window is none; another null is the default.
         derived = {k for k in ("num_key_value_heads", "head_dim") if raw.get(k, 0) is None}
         given = {k: v for k, v in raw.items() if v is not None or k == "sliding_window"}
+        if family == "qwen3_moe" and "num_local_experts" in given:  # transformers 5 saves it so
+            given.setdefault("num_experts", given.pop("num_local_experts"))
         config = {**HF_CONFIG_DEFAULTS[family], **given}
         config = {k: v for k, v in config.items() if k not in derived}
         for key, expected in HF_FIXED.items():
@@ -129,6 +130,8 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
         nope_layers = _nope_layers(config, n_layers) if family == "smollm3" else ()
         window, window_layers = _sliding_window(config, family, n_layers, nope_layers)
         fields = {field: config[key] for field, key in HF_CONFIG_KEYS.items() if key in config}
+        if FAMILIES[family].moe != "none":
+            fields |= _experts(config, family, n_layers)
         fields.setdefault("n_kv_heads", fields["n_heads"])  # head_dim: ModelArgs derives it
         return ModelArgs(
             **fields,
@@ -196,10 +199,12 @@ def _sliding_window(
     window = config.get("sliding_window")
     if family == "llama" or window is None:
         return None, ()
-    if family == "mistral":
+    if family in ("mistral", "mixtral"):
         return window, tuple(range(n_layers))
     if not config["use_sliding_window"]:
         return None, ()
+    if family == "qwen3_moe":  # on every layer
+        return window, tuple(range(n_layers))
     types = config.get("layer_types")
     if not isinstance(types, list) or len(types) < n_layers:
         first = config["max_window_layers"] if family != "smollm3" else n_layers
@@ -207,6 +212,33 @@ def _sliding_window(
                  for i in range(n_layers)]  # fmt: skip
     layers = tuple(i for i in range(n_layers) if types[i] == "sliding_attention")
     return (window, layers) if layers else (None, ())
+
+
+def _experts(config: dict, family: str, n_layers: int) -> dict:
+    """The MoE fields as transformers reads them: Mixtral's experts on every layer, their
+    weights renormalized; Qwen3-MoE's on each decoder_sparse_step-th layer not in
+    mlp_only_layers, its own intermediate size, renormalized as norm_topk_prob says."""
+    fields = {
+        "n_experts": config["num_experts" if family == "qwen3_moe" else "num_local_experts"],
+        "experts_per_token": config["num_experts_per_tok"],
+        "router_aux_loss": config["output_router_logits"],
+        "router_aux_loss_coef": float(config["router_aux_loss_coef"]),
+    }
+    if family == "mixtral":
+        if config["router_jitter_noise"] != 0:
+            raise UsageError(
+                f"router_jitter_noise is {config['router_jitter_noise']!r}, expected 0 (no noise "
+                f"on the router's input)"
+            )
+        experts = {"expert_ffn_dim": config["intermediate_size"], "norm_topk_prob": True}
+        return fields | experts | {"moe_layers": tuple(range(n_layers))}
+    dense = config["mlp_only_layers"] or []
+    if not isinstance(dense, list) or not all(type(i) is int for i in dense):
+        raise UsageError(f"mlp_only_layers is {dense!r}, expected a list of layer numbers")
+    step = config["decoder_sparse_step"]
+    layers = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
+    experts = {"expert_ffn_dim": config["moe_intermediate_size"], "moe_layers": layers}
+    return fields | experts | {"norm_topk_prob": config["norm_topk_prob"]}
 
 
 def _check_hf_numbers(config: dict, rope: dict) -> None:
@@ -259,6 +291,7 @@ _QWEN2_DEFAULTS = {
     "sliding_window": 4096,
     "max_window_layers": 28,
 }
+_ROUTER_DEFAULTS = {"output_router_logits": False, "router_aux_loss_coef": 0.001}
 HF_CONFIG_DEFAULTS = {
     "llama": _LLAMA_DEFAULTS,
     "mistral": {
@@ -284,6 +317,35 @@ HF_CONFIG_DEFAULTS = {
         "sliding_window": None,
         "no_rope_layer_interval": 4,
     },
+    "qwen3_moe": {
+        **{k: v for k, v in _QWEN2_DEFAULTS.items() if k != "max_window_layers"},
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": None,  # none dense
+        **_ROUTER_DEFAULTS,
+    },
+    "mixtral": {
+        **_WITHOUT_BIASES,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6,
+        "sliding_window": None,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "router_jitter_noise": 0.0,
+        **_ROUTER_DEFAULTS,
+    },
 }
 
 
@@ -298,8 +360,9 @@ HF_EXPORT = OutputDir(
 # interleaved pairs), the layout of HF checkpoints' q_proj/k_proj rows: no permutation on load.
 
 
-def hf_names(args: ModelArgs) -> dict[str, str]:
-    """longtune parameter name -> HF tensor name (a tied output has no entry of its own)."""
+def hf_names(args: ModelArgs) -> dict[str, str | tuple[str, ...]]:
+    """longtune parameter name -> HF tensor name (a tied output has no entry of its own); an
+    MoE layer's [E, out, in] expert tensor -> the hub's E tensors, one per expert."""
     names = {
         "tok_embeddings.weight": "model.embed_tokens.weight",
         "norm.weight": "model.norm.weight",
@@ -313,8 +376,24 @@ def hf_names(args: ModelArgs) -> dict[str, str]:
         layer |= {f"attention.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"}
     for i in range(args.n_layers):
         for ours, theirs in layer.items():
-            names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+            if i not in args.moe_layers or not ours.startswith("feed_forward."):
+                names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+        if i in args.moe_layers:
+            moe, experts = HF_MOE_NAMES[args.family]
+            names[f"layers.{i}.feed_forward.router.weight"] = f"model.layers.{i}.{moe}.gate.weight"
+            for ours, theirs in experts.items():
+                names[f"layers.{i}.feed_forward.{ours}"] = tuple(
+                    f"model.layers.{i}.{moe}.experts.{e}.{theirs}.weight"
+                    for e in range(args.n_experts)
+                )
     return names
+
+
+# Each family's MoE module, and its experts' projections by longtune's names.
+HF_MOE_NAMES = {
+    "qwen3_moe": ("mlp", {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"w1": "w1", "w3": "w3", "w2": "w2"}),
+}
 
 
 def _checkpoint_is_a_directory(path: Path) -> UsageError:
@@ -386,7 +465,12 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
     files = hf_tensor_files(path)
     with torch.device("meta"):
         params = dict(Llama(args).named_parameters())
-    expected = {hf: tuple(params[ours].shape) for ours, hf in hf_names(args).items()}
+    expected = {}
+    for ours, theirs in hf_names(args).items():
+        if isinstance(theirs, tuple):  # one tensor per expert
+            expected |= dict.fromkeys(theirs, tuple(params[ours].shape[1:]))
+        else:
+            expected[theirs] = tuple(params[ours].shape)
     shapes, dtypes = {}, {}
     for file in sorted(set(files.values())):
         with _open_safetensors(file) as f:
@@ -453,7 +537,8 @@ def load_hf_checkpoint(
     names = hf_names(model.args)
     by_file: dict[Path, list[tuple[str, str]]] = {}
     for ours, theirs in names.items():
-        by_file.setdefault(files[theirs], []).append((ours, theirs))
+        if isinstance(theirs, str):
+            by_file.setdefault(files[theirs], []).append((ours, theirs))
     done = 0
     for file, file_names in sorted(by_file.items()):
         with _open_safetensors(file) as f:
@@ -462,7 +547,28 @@ def load_hf_checkpoint(
                 done += 1
                 if progress is not None:
                     progress(done, len(names))
+    for ours, theirs in names.items():
+        if isinstance(theirs, tuple):
+            copy(model.get_parameter(ours), ExpertSlices(theirs, files, found))
+            done += 1
+            if progress is not None:
+                progress(done, len(names))
     refuse_nonfinite(path, agree(found))
+
+
+class ExpertSlices:
+    """The hub's per-expert tensors read as one [E, out, in] tensor: `[a:b]` (a rank's experts,
+    or all) reads experts a to b - 1 alone, each checked as CheckedSlice checks."""
+
+    def __init__(self, names: tuple[str, ...], files: dict[str, Path], nonfinite: list[str]):
+        self.names, self.files, self.nonfinite = names, files, nonfinite
+
+    def __getitem__(self, index: slice) -> torch.Tensor:
+        tensors = []
+        for name in self.names[index]:
+            with _open_safetensors(self.files[name]) as f:
+                tensors.append(CheckedSlice(f.get_slice(name), name, self.nonfinite)[:])
+        return torch.stack(tensors)
 
 
 @torch.no_grad()
@@ -513,8 +619,26 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
         "rope_scaling": rope if s is not None else None,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if args.family == "mistral":
+    if args.family in ("mistral", "mixtral", "qwen3_moe"):
         config["sliding_window"] = args.sliding_window
+    if args.family == "qwen3_moe":
+        config["use_sliding_window"] = args.sliding_window is not None
+    if FAMILIES[args.family].moe != "none":
+        config |= {
+            "num_experts" if args.family == "qwen3_moe" else "num_local_experts": args.n_experts,
+            "num_experts_per_tok": args.experts_per_token,
+            "output_router_logits": args.router_aux_loss,
+            "router_aux_loss_coef": args.router_aux_loss_coef,
+        }
+    if args.family == "mixtral":
+        config |= {"intermediate_size": args.expert_ffn_dim, "router_jitter_noise": 0.0}
+    if args.family == "qwen3_moe":
+        config |= {
+            "moe_intermediate_size": args.expert_ffn_dim,
+            "norm_topk_prob": args.norm_topk_prob,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(args.n_layers) if i not in args.moe_layers],
+        }
     if args.family == "smollm3":
         nope = set(args.nope_layers)
         config["no_rope_layers"] = [int(i not in nope) for i in range(args.n_layers)]
@@ -563,7 +687,11 @@ def save_hf_checkpoint(
             tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
             if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_bytes:
                 flush()
-            shard[names[ours]] = tensor
+            theirs = names[ours]
+            if isinstance(theirs, tuple):  # an expert tensor: the hub's one per expert
+                shard |= {name: t.contiguous() for name, t in zip(theirs, tensor, strict=True)}
+            else:
+                shard[theirs] = tensor
             total_bytes += tensor.nbytes
         flush()
         weight_map = {}
@@ -572,7 +700,8 @@ def save_hf_checkpoint(
             os.replace(tmp / f"part-{k}.safetensors", tmp / final)
             give_ordinary_mode(tmp / final)
             weight_map |= dict.fromkeys(held, final)
-        missing = set(names.values()) - set(weight_map)
+        expected = {n for v in names.values() for n in ((v,) if isinstance(v, str) else v)}
+        missing = expected - set(weight_map)
         if missing:
             raise ValueError(f"cannot export: no tensor given for {sorted(missing)[:5]}")
         index = {
@@ -596,7 +725,7 @@ def save_hf_checkpoint(
 
 
 # ----------------------------------------------------------------------------------------
-# PEFT adapters: LoRA's adapters (model.LoRALinear) as PEFT's adapter_config.json and
+# PEFT adapters: LoRA's adapters (lora.LoRALinear) as PEFT's adapter_config.json and
 # adapter_model.safetensors, and the adapted model merged into a plain HF checkpoint
 # ----------------------------------------------------------------------------------------
 
@@ -606,7 +735,7 @@ def peft_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, str]:
     lora_A.weight`)."""
     hf = hf_names(args)
     names = {}
-    for path in lora_module_paths(args, targets):
+    for path in lora_module_paths(args.n_layers, targets, args.moe_layers):
         module = "base_model.model." + hf[f"{path}.weight"].removesuffix(".weight")
         for ab in ("lora_A", "lora_B"):
             names[f"{path}.{ab}"] = f"{module}.{ab}.weight"

@@ -1,9 +1,10 @@
 """The Llama model longtune trains (Llama 2 to 3.2; Mistral, Qwen2/2.5, Qwen3, SmolLM3 share
-its block) and its LoRA adapters; hf.py reads and writes them as HF checkpoints and PEFT adapters.
+its block; Qwen3-MoE and Mixtral replace its feed-forward by experts, moe.py); hf.py reads and
+writes it as HF checkpoints, lora.py adapts it.
 
 In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
-(`Ops`), attention over packed documents, LoRA's layer, then the network. It imports kernels/,
-files.py's `UsageError` and data.py's `document_starts`.
+(`Ops`), attention over packed documents, then the network. It imports kernels/, lora.py's
+layer, moe.py's, files.py's `UsageError` and data.py's `document_starts`.
 
 The model knows nothing of sharding, checkpointing or offload: shard.py and offload.py apply
 them from outside, in train.apply_techniques' order. Build it on the meta device and
@@ -33,16 +34,13 @@ from files import UsageError
 from kernels import (
     IGNORE_INDEX,
     apply_rope_reference,
-    dequantize_nf4,
-    dequantize_nf4_reference,
     fp8_linears,
     linear_cross_entropy_reference,
-    nf4_linear,
-    quantize_nf4,
     rms_norm_reference,
     swiglu_reference,
 )
-from kernels.nf4 import check_quantizable, row_bytes, scale_count
+from lora import NF4_SUFFIX, LoRALinear, copy_into, copy_whole_tensor
+from moe import MoE, load_balancing_loss
 
 # ----------------------------------------------------------------------------------------
 # The model's numbers
@@ -91,6 +89,7 @@ class Family:
     qk_norm: bool = False
     nope: bool = False  # has layers without RoPE (SmolLM3's no_rope_layers)
     window: str = "none"  # which layers a sliding window may cover: "none", "all", "some"
+    moe: str = "none"  # which layers are mixture-of-experts: "none", "all", "some"
 
 
 FAMILIES = {
@@ -99,6 +98,8 @@ FAMILIES = {
     "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, window="some"),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, window="some"),
     "smollm3": Family("SmolLM3ForCausalLM", nope=True, window="some"),
+    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, window="all", moe="some"),
+    "mixtral": Family("MixtralForCausalLM", window="all", moe="all"),
 }
 
 # More parameters than this is a config no machine holds (20 TB of bf16 weights alone), so a
@@ -129,6 +130,14 @@ class ModelArgs:
     # sequences inside it: plain causal attention); kept so an export is the model it came from.
     sliding_window: int | None = None
     window_layers: tuple[int, ...] = ()
+    # Mixture-of-experts feed-forwards (moe.py) on `moe_layers`, the others dense (ffn_dim).
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_dim: int = 0
+    norm_topk_prob: bool = False  # the chosen experts' weights renormalized to sum to 1
+    moe_layers: tuple[int, ...] = ()
+    router_aux_loss: bool = False  # the load-balancing loss added (HF's output_router_logits)
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
         problems = []
@@ -166,8 +175,11 @@ class ModelArgs:
         layers = range(self.n_layers)
         if self.nope_layers and not family.nope:
             problems.append(f"nope_layers {self.nope_layers}: family {self.family!r} has none")
-        if not set(self.nope_layers) <= set(layers) or not set(self.window_layers) <= set(layers):
-            problems.append(f"nope_layers and window_layers are layers 0..{self.n_layers - 1}")
+        named = (*self.nope_layers, *self.window_layers, *self.moe_layers)
+        if not set(named) <= set(layers):
+            problems.append(
+                f"nope_layers, window_layers and moe_layers are layers 0..{self.n_layers - 1}"
+            )
         if (self.sliding_window is None) != (not self.window_layers):
             problems.append("a sliding_window needs window_layers, and window_layers a window")
         if self.window_layers and family.window == "none":
@@ -175,6 +187,21 @@ class ModelArgs:
         every_layer = len(self.window_layers) == self.n_layers
         if self.window_layers and family.window == "all" and not every_layer:
             problems.append(f"family {self.family!r} has its sliding window on every layer")
+        return problems + self._moe_problems(family)
+
+    def _moe_problems(self, family: Family) -> list[str]:
+        if family.moe == "none":
+            return [f"family {self.family!r} has no experts"] if self.moe_layers else []
+        problems = []
+        if not 1 <= self.experts_per_token <= self.n_experts or self.expert_ffn_dim < 1:
+            problems.append(
+                f"experts_per_token {self.experts_per_token} must be from 1 to n_experts "
+                f"{self.n_experts}, and expert_ffn_dim {self.expert_ffn_dim} at least 1"
+            )
+        if family.moe == "all" and len(self.moe_layers) != self.n_layers:
+            problems.append(f"family {self.family!r} has experts on every layer")
+        if family.moe == "all" and not self.norm_topk_prob:
+            problems.append(f"family {self.family!r} renormalizes its top-k weights")
         return problems
 
     def check_sequence_length(self, seq_len: int) -> None:
@@ -192,25 +219,34 @@ class ModelArgs:
             raise UsageError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
         return PRESETS[name]
 
-    def _block_params(self) -> tuple[int, int]:
-        """A block's (matmul weights, other parameters: norms and biases)."""
+    def _block_params(self, layer: int = 0, active: bool = False) -> tuple[int, int]:
+        """Block `layer`'s (matmul weights, other parameters: norms and biases); of an MoE
+        block's experts all, or the `active` ones a token passes through."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        matmul = self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.ffn_dim  # wq wk wv wo w1 w2 w3
+        matmul = self.dim * (2 * q + 2 * kv)  # wq wk wv wo
+        if layer in self.moe_layers:  # the router, and each expert's w1 w2 w3
+            experts = self.experts_per_token if active else self.n_experts
+            matmul += self.dim * self.n_experts + experts * 3 * self.dim * self.expert_ffn_dim
+        else:
+            matmul += 3 * self.dim * self.ffn_dim  # w1 w2 w3
         other = 2 * self.dim  # the two norms
         other += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         return matmul, other
 
     def num_params(self) -> int:
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * sum(self._block_params()) + embeddings + self.dim
+        blocks = sum(sum(self._block_params(i)) for i in range(self.n_layers))
+        return blocks + embeddings + self.dim
 
     def training_flops(self, tokens: float, attended_pairs: float, frozen: bool = False) -> float:
         """Training FLOPs of `tokens` tokens attending `attended_pairs` (query, key) pairs: 6 per
         matmul weight per token (forward 2, backward 4; 4 if `frozen`: LoRA's base, no weight
-        gradient, adapters not counted), plus 12*L*H*Dh per pair (QK^T and AV, 2*H*Dh each, x3)."""
+        gradient, adapters not counted), plus 12*L*H*Dh per pair (QK^T and AV, 2*H*Dh each, x3).
+        An MoE block counts the experts a token passes through."""
         # The embedding lookup is not a matmul; a tied embedding still is the output matmul.
         output = self.vocab_size * self.dim
-        matmul_params = self.n_layers * self._block_params()[0] + output
+        blocks = (self._block_params(i, active=True)[0] for i in range(self.n_layers))
+        matmul_params = sum(blocks) + output
         per_pair = 12 * self.n_layers * self.n_heads * self.head_dim
         return (4 if frozen else 6) * matmul_params * tokens + per_pair * attended_pairs
 
@@ -265,6 +301,35 @@ PRESETS: dict[str, ModelArgs] = {
         max_seq_len=40960,
         head_dim=128,
         qk_norm=True,
+    ),
+    # Mixture-of-experts: numerics and checkpoints (moe.py); train.py refuses them for now.
+    "qwen3-30b-a3b": ModelArgs(
+        family="qwen3_moe",
+        dim=2048,
+        n_layers=48,
+        n_kv_heads=4,
+        vocab_size=151936,
+        ffn_dim=6144,
+        **_QWEN,
+        max_seq_len=40960,
+        head_dim=128,
+        qk_norm=True,
+        n_experts=128,
+        experts_per_token=8,
+        expert_ffn_dim=768,
+        norm_topk_prob=True,
+        moe_layers=tuple(range(48)),
+    ),
+    "mixtral-8x7b": ModelArgs(
+        family="mixtral",
+        vocab_size=32000,
+        rope_theta=1e6,
+        max_seq_len=32768,
+        n_experts=8,
+        experts_per_token=2,
+        expert_ffn_dim=14336,
+        norm_topk_prob=True,
+        moe_layers=tuple(range(32)),
     ),
     # For tests and CPU runs: odd sizes on purpose, a vocabulary that fits the byte tokenizer.
     "tiny": ModelArgs(
@@ -638,207 +703,6 @@ class _JoinPrefixes(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------
-# LoRA: low-rank adapters on the blocks' linear layers over a frozen base, which may be
-# stored in 4-bit NormalFloat (QLoRA), saved as PEFT's files (hf.py). Applied from outside:
-#
-#     with torch.device("meta"):
-#         model = Llama(args)
-#     apply_lora(model, LoRAConfig(rank=16, alpha=32, quantize_base="nf4"), torch.bfloat16)
-# ----------------------------------------------------------------------------------------
-
-LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-HF_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-# The same projections by their HF / PEFT module names (adapter_config.json's target_modules).
-HF_LORA_TARGETS = {
-    ours.split(".")[1]: theirs.split(".")[1]
-    for ours, theirs in HF_LAYER_NAMES.items()
-    if not ours.endswith("norm.weight")
-}
-NF4_SUFFIX = "_nf4"  # `wq.weight_nf4`: the 4-bit storage of `wq.weight`
-
-
-@dataclass(frozen=True)
-class LoRAConfig:
-    rank: int
-    alpha: float
-    dropout: float = 0.0
-    targets: tuple[str, ...] = LORA_TARGETS
-    quantize_base: str | None = None  # None (the base in the compute dtype) or "nf4"
-
-    def __post_init__(self):
-        problems = []
-        if self.rank < 1:
-            problems.append(f"rank must be >= 1, got {self.rank}")
-        if not 0 <= self.dropout < 1:
-            problems.append(f"dropout must be in [0, 1), got {self.dropout}")
-        unknown = [t for t in self.targets if t not in LORA_TARGETS]
-        if unknown or not self.targets:
-            problems.append(f"targets {list(self.targets)}: expected some of {LORA_TARGETS}")
-        if self.quantize_base not in (None, "nf4"):
-            problems.append(f"quantize_base {self.quantize_base!r}: expected None or 'nf4'")
-        if problems:
-            raise UsageError("LoRA: " + "; ".join(problems))
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
-
-
-def parse_lora_targets(text: str) -> tuple[str, ...]:
-    """ "all" or comma-separated longtune or HF names (HF_LORA_TARGETS), in LORA_TARGETS order."""
-    if text == "all":
-        return LORA_TARGETS
-    by_hf = {hf: ours for ours, hf in HF_LORA_TARGETS.items()}
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in LORA_TARGETS and n not in by_hf]
-    if unknown or not names:
-        raise UsageError(
-            f"LoRA targets {text!r}: unknown {unknown}; expected 'all' or names from "
-            f"{list(LORA_TARGETS)} or their HF names {list(HF_LORA_TARGETS.values())}"
-        )
-    chosen = {by_hf.get(n, n) for n in names}
-    return tuple(t for t in LORA_TARGETS if t in chosen)
-
-
-class LoRALinear(nn.Module):
-    """y = x W^T (+ b) + scale * dropout(x) A^T B^T (PEFT's LoRA layer; A [rank, in], B [out,
-    rank]), W (`weight`) and b frozen in `base_dtype`. In NF4 (kernels/nf4.py) W is
-    `weight_nf4`, packed rows viewed as `base_dtype`, which must be the compute dtype FSDP
-    gathers in (so its mixed precision policy has nothing to cast), and two small second-level
-    tensors kept whole as buffers (not in checkpoints: the base is re-read from the HF one)."""
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        config: LoRAConfig,
-        base_dtype: torch.dtype,
-        dequantize: Callable,
-        bias: bool = False,
-        device: torch.device | None = None,
-    ):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.scale, self.dropout = config.scale, config.dropout
-        self.dequantize = dequantize
-        self.quantized = config.quantize_base == "nf4"
-
-        def frozen(*shape: int) -> nn.Parameter:
-            empty = torch.empty(shape, dtype=base_dtype, device=device)
-            return nn.Parameter(empty, requires_grad=False)
-
-        if self.quantized:
-            self.weight_nf4 = frozen(out_features, row_bytes(in_features) // base_dtype.itemsize)
-            n_scales = scale_count(out_features * in_features)
-            self.register_buffer("absmax2", torch.empty(n_scales, device=device), persistent=False)
-            self.register_buffer("offset", torch.empty((), device=device), persistent=False)
-        else:
-            self.weight = frozen(out_features, in_features)
-        self.bias = frozen(out_features) if bias else None
-        self.lora_A = nn.Parameter(torch.empty(config.rank, in_features, device=device))
-        self.lora_B = nn.Parameter(torch.empty(out_features, config.rank, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized:
-            # With FSDP's CPU offload the buffers stay on the host; they are a few KB.
-            absmax2 = self.absmax2.to(x.device, non_blocking=True)
-            offset = self.offset.to(x.device, non_blocking=True)
-            base = nf4_linear(
-                x, self.weight_nf4, absmax2, offset, self.in_features, self.dequantize
-            )
-        else:
-            base = F.linear(x, self.weight)
-        if self.bias is not None:
-            base = base + self.bias
-        return base + self.adapter(x)
-
-    def adapter(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dropout and self.training:
-            x = F.dropout(x, self.dropout)
-        return F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
-
-    @torch.no_grad()
-    def load_weight(self, tensor_slice, copy: Callable[[torch.Tensor, object], None]) -> None:
-        """Sets W from the whole weight (a safetensors slice or a tensor); in NF4 quantized on
-        the buffers' device (the rank's GPU) before `copy`, which may keep this rank's rows."""
-        if not self.quantized:
-            copy(self.weight, tensor_slice)
-            return
-        quantized = quantize_nf4(tensor_slice[:].to(self.absmax2.device))
-        copy(self.weight_nf4, quantized.rows.view(self.weight_nf4.dtype))
-        self.absmax2.copy_(quantized.absmax2)
-        self.offset.copy_(quantized.offset)
-
-    def base_weight(self, stored: torch.Tensor) -> torch.Tensor:
-        """W in fp32 from `stored`, its whole (gathered) `weight` or `weight_nf4`."""
-        if not self.quantized:
-            return stored.float()
-        return dequantize_nf4_reference(
-            stored, self.absmax2.to(stored.device), self.offset.to(stored.device),
-            self.in_features, torch.float32,
-        )  # fmt: skip
-
-
-def lora_module_paths(args: ModelArgs, targets: tuple[str, ...]) -> list[str]:
-    """`layers.{i}.attention.wq` and the like, in layer then target order."""
-    where = {ours.split(".")[1]: ours.split(".")[0] for ours in HF_LAYER_NAMES}
-    return [f"layers.{i}.{where[t]}.{t}" for i in range(args.n_layers) for t in targets]
-
-
-def apply_lora(
-    model: "Llama", config: LoRAConfig, base_dtype: torch.dtype, kernels: bool = False
-) -> None:
-    """Replaces every block's target projections with LoRALinear and freezes the rest, stored
-    in `base_dtype` (the compute dtype: no fp32 master copy of what is not trained). Applied
-    first, to the meta-built model (train.apply_techniques)."""
-    dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
-    for path in lora_module_paths(model.args, config.targets):
-        parent_path, _, attr = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        linear = getattr(parent, attr)
-        if config.quantize_base:
-            try:  # the kernel's own check, about a model the user chose
-                check_quantizable(f"{path}.weight", tuple(linear.weight.shape))
-            except ValueError as e:
-                raise UsageError(str(e)) from None
-        lora = LoRALinear(
-            linear.in_features, linear.out_features, config, base_dtype, dequantize,
-            bias=linear.bias is not None, device=linear.weight.device,
-        )  # fmt: skip
-        setattr(parent, attr, lora)
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            continue
-        for name, param in list(module.named_parameters(recurse=False)):
-            frozen = torch.empty_like(param, dtype=base_dtype)
-            setattr(module, name, nn.Parameter(frozen, requires_grad=False))
-
-
-def copy_whole_tensor(param: torch.Tensor, tensor_slice) -> None:
-    param.copy_(tensor_slice[:])
-
-
-def copy_into(model: "Llama", name: str, tensor_slice, copy: Callable) -> None:
-    """`copy(param, tensor_slice)` for `name`; a 4-bit base is quantized on the way in."""
-    owner_path, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(owner_path)
-    if isinstance(owner, LoRALinear) and leaf == "weight":
-        owner.load_weight(tensor_slice, copy)
-    else:
-        copy(model.get_parameter(name), tensor_slice)
-
-
-# ----------------------------------------------------------------------------------------
 # The network
 # ----------------------------------------------------------------------------------------
 
@@ -932,14 +796,17 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(
-        self, args: ModelArgs, ops: Ops, sdpa_backends: list[SDPBackend], use_rope: bool = True
-    ):
+    def __init__(self, args: ModelArgs, ops: Ops, sdpa_backends: list[SDPBackend], layer: int):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops)
-        self.attention = Attention(args, ops, sdpa_backends, use_rope)
+        self.attention = Attention(args, ops, sdpa_backends, layer not in args.nope_layers)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim, ops)
+        if layer in args.moe_layers:
+            self.feed_forward = MoE(
+                args.dim, args.expert_ffn_dim, args.n_experts, args.experts_per_token,
+                args.norm_topk_prob, ops,
+            )  # fmt: skip
 
     def forward(
         self,
@@ -974,8 +841,7 @@ class Llama(nn.Module):
         backends = SDPA_BACKENDS[attention_backend]
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(
-            TransformerBlock(args, ops, backends, use_rope=i not in args.nope_layers)
-            for i in range(args.n_layers)
+            TransformerBlock(args, ops, backends, i) for i in range(args.n_layers)
         )
         self.norm = RMSNorm(args.dim, args.norm_eps, ops)
         # A tied model has no output module but reuses the embedding: one Parameter shared by
@@ -1018,9 +884,17 @@ class Llama(nn.Module):
         output_weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if labels is None:
             return F.linear(h, output_weight)
-        return self.ops.linear_cross_entropy(
+        loss = self.ops.linear_cross_entropy(
             h.flatten(0, 1), output_weight, labels.flatten(), IGNORE_INDEX, reduction
         )
+        if not self.args.router_aux_loss:
+            return loss
+        # transformers adds coef x the load-balancing loss to the mean; to a sum, the same per
+        # labelled token, so that train_step's division by the step's count gives that mean.
+        routed = [self.layers[i].feed_forward.routed for i in self.args.moe_layers]
+        aux = load_balancing_loss(routed)
+        per_label = 1 if reduction == "mean" else (labels != IGNORE_INDEX).sum()
+        return loss + self.args.router_aux_loss_coef * aux * per_label
 
     def initial_value(self, name: str, seed: int, device: torch.device) -> torch.Tensor:
         """The full initial tensor of parameter `name` (fp32), one per (seed, name) whatever the
@@ -1042,7 +916,7 @@ class Llama(nn.Module):
             bound = 1 / math.sqrt(shape[1])
             return (torch.rand(shape, generator=generator, device=device) * 2 - 1) * bound
         std = 0.02
-        if name.endswith(("wo.weight", "w2.weight")):
+        if name.endswith(("wo.weight", "w2.weight", "feed_forward.w2")):
             std /= math.sqrt(2 * self.args.n_layers)
         return torch.randn(shape, generator=generator, device=device) * std
 

@@ -27,15 +27,8 @@ import shard
 from data import RunData, TokenDataset, attended_per_token, open_data, open_eval_data
 from files import UsageError, params_text
 from hf import HF_EXPORT, PEFT_ADAPTER, args_from_hf_config, check_hf_checkpoint, check_peft_adapter
-from model import (
-    LONG_DOCUMENT,
-    LORA_TARGETS,
-    PRESETS,
-    SDPA_BACKENDS,
-    LoRAConfig,
-    ModelArgs,
-    parse_lora_targets,
-)
+from lora import LORA_TARGETS, LoRAConfig, parse_lora_targets
+from model import LONG_DOCUMENT, PRESETS, SDPA_BACKENDS, ModelArgs
 from offload import AC_MODES
 from plan import (
     BATCH_TOKENS,
@@ -461,6 +454,12 @@ def model_args(opts: Options) -> ModelArgs:
             f"its context"
         )
     args.check_sequence_length(opts.seq_len)
+    if args.moe_layers:
+        raise UsageError(
+            f"{opts.hf_checkpoint or opts.model} is a mixture-of-experts model ({args.family}): "
+            f"longtune reads, runs and exports it (moe.py), but its plan and training do not "
+            f"take experts yet"
+        )
     return args
 
 

@@ -19,7 +19,8 @@ from files import UsageError, params_text, plural
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, chunk_rows
 from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
-from model import Llama, LoRAConfig, ModelArgs
+from lora import LoRAConfig
+from model import Llama, ModelArgs
 from offload import AC_MODES
 from optim import STAGING_SLOTS
 

@@ -60,7 +60,8 @@ from hf import (
     save_hf_checkpoint,
     save_peft_adapter,
 )
-from model import Llama, LoRAConfig, ModelArgs, RopeScaling
+from lora import LoRAConfig
+from model import Llama, ModelArgs, RopeScaling
 from plan import GiB, Machine, host_memory_gib, shard_group_size, strategy_of
 
 # ----------------------------------------------------------------------------------------

@@ -42,11 +42,11 @@ from hf import (
     fill_weights,
 )
 from kernels import IGNORE_INDEX
+from lora import apply_lora
 from model import (
     REFERENCE_OPS,
     Llama,
     ModelArgs,
-    apply_lora,
     attended_pairs,
     fp8_ops,
     generate,
@@ -94,7 +94,7 @@ def apply_techniques(
 ) -> None:
     """Makes the meta-built model the one the plan describes, in the one order in which the
     techniques compose (every other docstring points here):
-      0. LoRA (model.apply_lora) swaps in the adapted projections and freezes the rest, so
+      0. LoRA (lora.apply_lora) swaps in the adapted projections and freezes the rest, so
          that the next steps wrap, shard and fill the final modules;
       1. activation checkpointing (offload.apply_ac) and 2. MLP tiling (a checkpoint per tile)
          precede sharding: the forward recomputed in backward re-gathers through FSDP's hooks;
@@ -638,9 +638,6 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
     """Trains as `opts` say; `given`: the options on the command line (parse_options),
     which resuming keeps. Returns whether the run reached its last step, or had (False: it
     stopped on a signal, with a checkpoint)."""
-    if opts.estimate_memory:
-        options.estimate(opts)
-        return True
     run = setup(opts, given)
     if run.start_step >= run.max_steps:  # a finished run resumed: its exports, nothing to train
         finish(run, run.start_step)
@@ -777,7 +774,11 @@ def main(argv: list[str] | None = None) -> None:
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a worker of torchrun's
         stop_when_launcher_dies()
     try:
-        finished = train(opts, given)
+        finished = True
+        if opts.estimate_memory:  # the plan and its memory, nothing trained
+            options.estimate(opts)
+        else:
+            finished = train(opts, given)
     except KeyboardInterrupt:
         if not other_rank():  # Ctrl-C under torchrun reaches every rank
             # Before the first step the command as given starts again; after the last, --resume.

@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data import Batch, document_starts  # noqa: E402
 from files import UsageError  # noqa: E402
 from kernels import IGNORE_INDEX  # noqa: E402
-from model import REFERENCE_OPS, Llama, LoRAConfig, ModelArgs, apply_lora, fp8_ops  # noqa: E402
+from lora import LoRAConfig, apply_lora
+from model import REFERENCE_OPS, Llama, ModelArgs, fp8_ops  # noqa: E402
 from offload import activation_offload, apply_ac  # noqa: E402
 from optim import ShardedAdamW, ShardedOptimizerInBackward  # noqa: E402
 from shard import (  # noqa: E402
@@ -65,7 +66,7 @@ class Scenario:
     activation_offload: bool = False
     context_parallel: int = 1  # ranks sharing each row (shard.apply_context_parallel)
     document_mask: bool = False  # packed documents, one crossing the ranks' row halves
-    lora: LoRAConfig | None = None  # adapters on a frozen base (model.apply_lora)
+    lora: LoRAConfig | None = None  # adapters on a frozen base (lora.apply_lora)
     fp8: bool = False  # the projections in e4m3 (model.fp8_ops; the CPU dequantizes them)
 
     def ops(self):

@@ -46,7 +46,8 @@ from hf import (
     save_hf_checkpoint,
     save_peft_adapter,
 )
-from model import PRESETS, LoRAConfig, RopeScaling
+from lora import LoRAConfig
+from model import PRESETS, RopeScaling
 from tokenizer import ByteTokenizer, read_hf_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -201,11 +202,12 @@ def test_shard_named_in_index_but_absent_is_named(tmp_path):
 
 def test_config_of_another_architecture_is_refused(good_checkpoint):
     config = json.loads((good_checkpoint / "config.json").read_text())
-    for other in ("gemma", "qwen3_moe", "mixtral"):
+    for other in ("gemma", "qwen2_moe", "deepseek_v3"):
         config["model_type"] = other
         (good_checkpoint / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=f"model_type is '{other}'; longtune reads the dense "
-                           "Llama family: llama, mistral, qwen2, qwen3, smollm3$"):  # fmt: skip
+                           "Llama family and its mixture-of-experts kin: llama, mistral, qwen2, "
+                           "qwen3, smollm3, qwen3_moe, mixtral$"):  # fmt: skip
             load_longtune(good_checkpoint)
 
 
@@ -386,7 +388,8 @@ def test_config_defaults_are_each_transformers_class_defaults():
     import dataclasses as dc
 
     classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
-               "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config"}  # fmt: skip
+               "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config",
+               "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}  # fmt: skip
     assert set(classes) == set(HF_CONFIG_DEFAULTS)
     for family, defaults in HF_CONFIG_DEFAULTS.items():
         config_class = getattr(transformers, classes[family])

@@ -1,4 +1,4 @@
-"""LoRA (model.apply_lora) against PEFT's LoRA on transformers (the numerical oracle), and the
+"""LoRA (lora.apply_lora) against PEFT's LoRA on transformers (the numerical oracle), and the
 model on a 4-bit base (PEFT adapters out and in, and the merged export: tests/test_hf.py).
 
 Tolerances: fp32 on CPU, max |a - b| / max |b| <= 1e-5 for logits and gradients. The model
@@ -12,18 +12,15 @@ import pytest
 import torch
 
 from hf import args_from_hf_config, hf_names, load_hf_checkpoint, peft_names
-from model import (
+from lora import (
     HF_LORA_TARGETS,
     LORA_TARGETS,
-    REFERENCE_OPS,
-    Llama,
     LoRAConfig,
     LoRALinear,
-    ModelArgs,
     apply_lora,
-    fp8_ops,
     parse_lora_targets,
 )
+from model import REFERENCE_OPS, Llama, ModelArgs, fp8_ops
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

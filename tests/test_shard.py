@@ -42,7 +42,8 @@ import shard
 from data import TokenDataset, attended_per_token
 from files import UsageError
 from hf import load_hf_checkpoint, save_hf_checkpoint
-from model import Llama, LoRAConfig, ModelArgs, apply_lora
+from lora import LoRAConfig, apply_lora
+from model import Llama, ModelArgs
 from offload import AC_MODES
 from options import plan_of, technique_problems
 from plan import (

@@ -1,0 +1,185 @@
+"""Mixture-of-experts blocks (moe.py) against transformers' Qwen3MoeForCausalLM and
+MixtralForCausalLM on tiny checkpoints saved here: logits, the loss with and without the
+load-balancing loss, every gradient (the router's too), and the export loaded back; the expert
+computation on odd routings; what is refused."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import options
+from files import UsageError
+from hf import args_from_hf_config, load_hf_checkpoint, save_hf_checkpoint
+from model import Llama, ModelArgs
+from moe import experts_reference, load_balancing_loss
+
+SIZES = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, num_experts_per_tok=2)  # fmt: skip
+CONFIGS = {
+    # Layer 1 dense (mlp_only_layers), the top-k weights as the router gives them.
+    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
+        **SIZES, head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=5,
+        mlp_only_layers=[1], norm_topk_prob=False, **kw,
+    ),
+    "qwen3_moe_sparse_step": lambda **kw: transformers.Qwen3MoeConfig(
+        **SIZES, head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=5,
+        decoder_sparse_step=2, norm_topk_prob=True, **kw,
+    ),
+    "mixtral": lambda **kw: transformers.MixtralConfig(
+        **SIZES, intermediate_size=24, num_local_experts=5, **kw
+    ),
+}  # fmt: skip
+FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def checkpoint(tmp_path, name: str, aux: bool):
+    """transformers' model of CONFIGS[name], random weights, saved as the hub stores it."""
+    torch.manual_seed(0)
+    config = CONFIGS[name](output_router_logits=aux, router_aux_loss_coef=0.05)
+    theirs = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # experts' weights are zeros until initialized by from_pretrained
+        for p in theirs.parameters():
+            p.normal_(0, 0.2)
+    theirs.save_pretrained(tmp_path / name)
+    return theirs, tmp_path / name
+
+
+def ours_from(path) -> Llama:
+    model = Llama(args_from_hf_config(path))
+    load_hf_checkpoint(model, path)
+    return model
+
+
+def expert_grads(theirs, i: int) -> dict[str, torch.Tensor]:
+    """transformers' gradients of layer i's experts and router, by longtune's names."""
+    block = theirs.model.layers[i].mlp
+    experts = block.experts
+    ffn = experts.down_proj.shape[-1]
+    gate_up = experts.gate_up_proj.grad
+    return {
+        f"layers.{i}.feed_forward.w1": gate_up[:, :ffn],
+        f"layers.{i}.feed_forward.w3": gate_up[:, ffn:],
+        f"layers.{i}.feed_forward.w2": experts.down_proj.grad,
+        f"layers.{i}.feed_forward.router.weight": block.gate.weight.grad,
+    }
+
+
+@pytest.mark.parametrize("aux", [False, True], ids=["ce", "with_aux_loss"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_logits_loss_and_gradients_equal_transformers(tmp_path, name, aux):
+    theirs, path = checkpoint(tmp_path, name, aux)
+    ours = ours_from(path)
+    args = ours.args
+    assert args.router_aux_loss == aux and args.n_experts == 5
+    expected_layers = {"qwen3_moe": (0, 2), "qwen3_moe_sparse_step": (1,), "mixtral": (0, 1, 2)}
+    assert args.moe_layers == expected_layers[name]
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 97, (2, 11), generator=g)
+    labels = torch.randint(0, 97, (2, 11), generator=g)
+    labels[0, :3] = -100
+    out = theirs(input_ids=tokens, labels=labels, output_router_logits=aux)
+    # transformers shifts labels inside; longtune's labels are the next tokens already.
+    shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    torch.testing.assert_close(ours(tokens), out.logits, **FP32)
+    loss = ours(tokens, shifted)
+    torch.testing.assert_close(loss, out.loss, **FP32)
+    if aux:  # the same term, and not a negligible one
+        assert out.aux_loss * 0.05 > 1e-3
+    out.loss.backward()
+    loss.backward()
+    grads = {n: p.grad for n, p in ours.named_parameters()}
+    for i in args.moe_layers:
+        for n, want in expert_grads(theirs, i).items():
+            torch.testing.assert_close(grads[n], want, **FP32, msg=n)
+    torch.testing.assert_close(
+        grads["layers.0.attention.wq.weight"],
+        theirs.model.layers[0].self_attn.q_proj.weight.grad,
+        **FP32,
+    )
+
+
+def test_a_sum_loss_carries_the_aux_term_per_labelled_token(tmp_path):
+    """train_step divides a "sum" loss by the step's labelled tokens: the aux term then counts
+    as it does in transformers' mean loss."""
+    _, path = checkpoint(tmp_path, "mixtral", aux=True)
+    ours = ours_from(path)
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    labels = tokens.roll(-1, 1)
+    labels[:, -3:] = -100
+    mean, total = ours(tokens, labels), ours(tokens, labels, reduction="sum")
+    torch.testing.assert_close(total / (labels != -100).sum(), mean, **FP32)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_export_loads_in_transformers_with_the_same_logits(tmp_path, name):
+    _, path = checkpoint(tmp_path, name, aux=False)
+    ours = ours_from(path)
+    save_hf_checkpoint(ours.args, ours.named_parameters(), tmp_path / "out", torch.float32)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert (
+        type(again).__name__
+        == {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[name]
+    )
+    tokens = torch.randint(0, 97, (1, 13), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(ours(tokens), again(tokens).logits, **FP32)
+    assert args_from_hf_config(tmp_path / "out") == ours.args
+
+
+def naive_experts(x, experts, weights, w1, w3, w2):
+    """Token by token, choice by choice."""
+    y = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(experts.shape[1]):
+            e = experts[t, j]
+            h = torch.nn.functional.silu(w1[e] @ x[t]) * (w3[e] @ x[t])
+            y[t] += weights[t, j] * (w2[e] @ h)
+    return y
+
+
+@pytest.mark.parametrize("routing", ["one_expert_empty", "all_on_one_expert", "random"])
+def test_the_experts_reference_on_odd_routings(routing):
+    g = torch.Generator().manual_seed(4)
+    n_tokens, dim, ffn, n_experts = 13, 6, 5, 4
+    x = torch.randn(n_tokens, dim, generator=g, dtype=torch.float64)
+    w1, w3 = (torch.randn(n_experts, ffn, dim, generator=g, dtype=torch.float64) for _ in "ab")
+    w2 = torch.randn(n_experts, dim, ffn, generator=g, dtype=torch.float64)
+    if routing == "all_on_one_expert":
+        experts = torch.full((n_tokens, 1), 2)
+    else:
+        scores = torch.rand(n_tokens, n_experts, generator=g)
+        if routing == "one_expert_empty":
+            scores[:, 3] = -1
+        experts = scores.topk(2, dim=-1).indices
+    weights = torch.rand(experts.shape, generator=g, dtype=torch.float64)
+    got = experts_reference(
+        x, experts, weights, w1, w3, w2, lambda a, b: torch.nn.functional.silu(a) * b
+    )
+    torch.testing.assert_close(got, naive_experts(x, experts, weights, w1, w3, w2))
+
+
+def test_the_load_balancing_loss_is_one_for_an_even_router():
+    probs = torch.full((8, 4), 0.25)
+    experts = torch.tensor([[0, 1], [2, 3]] * 4)
+    assert load_balancing_loss([(probs, experts)] * 3).item() == pytest.approx(0.5 * 4 * 0.25 * 4)
+
+
+def test_other_moe_types_are_refused_in_one_line(tmp_path):
+    config = {"model_type": "qwen2_moe", "hidden_size": 32, "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="model_type is 'qwen2_moe'; .*qwen3_moe, mixtral$"):
+        args_from_hf_config(tmp_path)
+
+
+def test_training_an_moe_model_is_refused_before_anything_is_built():
+    with pytest.raises(UsageError, match="qwen3-30b-a3b is a mixture-of-experts model"):
+        options.model_args(options.Options(model="qwen3-30b-a3b"))
+
+
+def test_the_presets_count_all_experts_and_train_the_active_ones():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active (its model card's, rounded), within 2%."""
+    args = ModelArgs.from_name("qwen3-30b-a3b")
+    assert args.num_params() == pytest.approx(30.5e9, rel=0.01)
+    active = args.training_flops(1, 0) / 6 + args.vocab_size * args.dim  # + the embedding
+    assert active == pytest.approx(3.3e9, rel=0.02)
