@@ -575,7 +575,7 @@ def test_prepare_stopped_by_sigterm_leaves_nothing_and_says_so(tmp_path):
 def test_a_pool_worker_ends_on_sigterm_whatever_it_was_forked_with(monkeypatch):
     """Pool.terminate ends the workers by SIGTERM: one forked from `main`, where SIGTERM raises
     KeyboardInterrupt, would not end, and terminate would wait for it for ever."""
-    monkeypatch.setattr(data, "_worker_tokenizer", None, raising=False)
+    monkeypatch.setattr(prepare, "_worker_tokenizer", None)
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         prepare._init_worker((None, None))
