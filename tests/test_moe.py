@@ -13,7 +13,7 @@ import options
 from files import UsageError
 from hf import args_from_hf_config, load_hf_checkpoint, save_hf_checkpoint
 from model import Llama, ModelArgs
-from moe import experts_reference, load_balancing_loss
+from moe import Routed, expert_counts, expert_load, experts_reference, load_balancing_loss
 
 SIZES = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, num_experts_per_tok=2)  # fmt: skip
@@ -86,6 +86,7 @@ def test_logits_loss_and_gradients_equal_transformers(tmp_path, name, aux):
     loss = ours(tokens, shifted)
     torch.testing.assert_close(loss, out.loss, **FP32)
     if aux:  # the same term, and not a negligible one
+        torch.testing.assert_close(load_balancing_loss(ours.routed()), out.aux_loss, **FP32)
         assert out.aux_loss * 0.05 > 1e-3
     out.loss.backward()
     loss.backward()
@@ -159,10 +160,28 @@ def test_the_experts_reference_on_odd_routings(routing):
     torch.testing.assert_close(got, naive_experts(x, experts, weights, w1, w3, w2))
 
 
-def test_the_load_balancing_loss_is_one_for_an_even_router():
-    probs = torch.full((8, 4), 0.25)
-    experts = torch.tensor([[0, 1], [2, 3]] * 4)
-    assert load_balancing_loss([(probs, experts)] * 3).item() == pytest.approx(0.5 * 4 * 0.25 * 4)
+def routed(experts: torch.Tensor, probs: torch.Tensor) -> Routed:
+    return Routed(expert_counts(experts, probs.shape[-1]), probs.sum(dim=0), probs.shape[0])
+
+
+def test_the_load_balancing_loss_is_k_for_an_even_router_and_counts_every_layer():
+    """Even: f_e = k / E, P_e = 1 / E, so E * sum f_e P_e = k. Layers are counted together,
+    not averaged: a collapsed layer and an even one give transformers' pooled value."""
+    even = routed(torch.tensor([[0, 1], [2, 3]] * 4), torch.full((8, 4), 0.25))
+    assert load_balancing_loss([even] * 3).item() == pytest.approx(2)
+    probs = torch.tensor([[0.7, 0.1, 0.1, 0.1]] * 8)
+    collapsed = routed(torch.tensor([[0, 1]] * 8), probs)
+    # f = (4 + 8, 4 + 8, 4, 4) / 16, P = (0.25 + 0.7, 0.25 + 0.1, ...) / 2
+    pooled = 4 * (12 / 16 * 0.475 + 12 / 16 * 0.175 + 2 * 4 / 16 * 0.175)
+    assert load_balancing_loss([even, collapsed]).item() == pytest.approx(pooled)
+
+
+def test_the_expert_load_is_the_busiest_experts_share_against_the_mean():
+    probs = torch.full((6, 3), 1 / 3)
+    even = routed(torch.tensor([[0], [1], [2]] * 2), probs)
+    one = routed(torch.zeros(6, 1, dtype=torch.int64), probs)
+    skewed = routed(torch.tensor([[0], [0], [0], [0], [1], [2]]), probs)
+    assert expert_load([even, one, skewed]).tolist() == pytest.approx([1, 3, 2])
 
 
 def test_other_moe_types_are_refused_in_one_line(tmp_path):
