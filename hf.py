@@ -360,9 +360,21 @@ HF_EXPORT = OutputDir(
 # interleaved pairs), the layout of HF checkpoints' q_proj/k_proj rows: no permutation on load.
 
 
-def hf_names(args: ModelArgs) -> dict[str, str | tuple[str, ...]]:
+@dataclasses.dataclass(frozen=True)
+class FusedRows:
+    """Rows `rows` of each expert in HF tensor `name`: w1's or w3's half of the [E, 2F, D]
+    gate_up_proj transformers 5 holds in memory and writes with save_original_format=False."""
+
+    name: str
+    rows: slice
+
+
+def hf_names(
+    args: ModelArgs, fused_experts: bool = False
+) -> dict[str, str | tuple[str, ...] | FusedRows]:
     """longtune parameter name -> HF tensor name (a tied output has no entry of its own); an
-    MoE layer's [E, out, in] expert tensor -> the hub's E tensors, one per expert."""
+    MoE layer's [E, out, in] expert tensor -> the hub's E tensors, one per expert, or with
+    `fused_experts` transformers 5's [E, out, in] tensors (w1 and w3 halves of one)."""
     names = {
         "tok_embeddings.weight": "model.embed_tokens.weight",
         "norm.weight": "model.norm.weight",
@@ -379,13 +391,29 @@ def hf_names(args: ModelArgs) -> dict[str, str | tuple[str, ...]]:
             if i not in args.moe_layers or not ours.startswith("feed_forward."):
                 names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
         if i in args.moe_layers:
-            moe, experts = HF_MOE_NAMES[args.family]
-            names[f"layers.{i}.feed_forward.router.weight"] = f"model.layers.{i}.{moe}.gate.weight"
-            for ours, theirs in experts.items():
-                names[f"layers.{i}.feed_forward.{ours}"] = tuple(
-                    f"model.layers.{i}.{moe}.experts.{e}.{theirs}.weight"
-                    for e in range(args.n_experts)
-                )
+            names |= _expert_names(args, i, fused_experts)
+    return names
+
+
+def _expert_names(args: ModelArgs, i: int, fused: bool) -> dict[str, str | tuple | FusedRows]:
+    """MoE layer i's router and experts. transformers 5 calls Mixtral's block_sparse_moe mlp
+    too, and its experts' w1 and w3 the gate and up halves of one tensor."""
+    ours = f"layers.{i}.feed_forward"
+    if fused:
+        theirs, ffn = f"model.layers.{i}.mlp", args.expert_ffn_dim
+        return {
+            f"{ours}.router.weight": f"{theirs}.gate.weight",
+            f"{ours}.w1": FusedRows(f"{theirs}.experts.gate_up_proj", slice(0, ffn)),
+            f"{ours}.w3": FusedRows(f"{theirs}.experts.gate_up_proj", slice(ffn, 2 * ffn)),
+            f"{ours}.w2": f"{theirs}.experts.down_proj",
+        }
+    moe, experts = HF_MOE_NAMES[args.family]
+    theirs = f"model.layers.{i}.{moe}"
+    names = {f"{ours}.router.weight": f"{theirs}.gate.weight"}
+    for w, proj in experts.items():
+        names[f"{ours}.{w}"] = tuple(
+            f"{theirs}.experts.{e}.{proj}.weight" for e in range(args.n_experts)
+        )
     return names
 
 
@@ -452,6 +480,11 @@ def _open_safetensors(file: Path):
         raise UsageError(f"{file} is not a readable safetensors file: {e}") from e
 
 
+def has_fused_experts(files: dict[str, Path]) -> bool:
+    """Whether a checkpoint holds transformers 5's fused experts (FusedRows), not the hub's."""
+    return any(name.endswith(".experts.gate_up_proj") for name in files)
+
+
 def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, Path]:
     """Refuses a checkpoint that does not fit `args` with one error listing every difference,
     reading only config and headers. Returns HF tensor name -> file."""
@@ -466,11 +499,14 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
     with torch.device("meta"):
         params = dict(Llama(args).named_parameters())
     expected = {}
-    for ours, theirs in hf_names(args).items():
+    for ours, theirs in hf_names(args, has_fused_experts(files)).items():
+        shape = tuple(params[ours].shape)
         if isinstance(theirs, tuple):  # one tensor per expert
-            expected |= dict.fromkeys(theirs, tuple(params[ours].shape[1:]))
+            expected |= dict.fromkeys(theirs, shape[1:])
+        elif isinstance(theirs, FusedRows):  # w1 and w3 together
+            expected[theirs.name] = (shape[0], 2 * shape[1], shape[2])
         else:
-            expected[theirs] = tuple(params[ours].shape)
+            expected[theirs] = shape
     shapes, dtypes = {}, {}
     for file in sorted(set(files.values())):
         with _open_safetensors(file) as f:
@@ -500,13 +536,14 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
 class CheckedSlice:
     """A safetensors slice whose reads are checked for NaN and inf by one aminmax pass
     (allocating nothing of their size): a tensor holding one is named in `nonfinite`, so that a
-    damaged checkpoint is refused before training, not blamed on a NaN loss later."""
+    damaged checkpoint is refused before training, not blamed on a NaN loss later. `rows`:
+    of each expert, these rows alone (FusedRows)."""
 
-    def __init__(self, piece, name: str, nonfinite: list[str]):
-        self.piece, self.name, self.nonfinite = piece, name, nonfinite
+    def __init__(self, piece, name: str, nonfinite: list[str], rows: slice | None = None):
+        self.piece, self.name, self.nonfinite, self.rows = piece, name, nonfinite, rows
 
     def __getitem__(self, index) -> torch.Tensor:
-        tensor = self.piece[index]
+        tensor = self.piece[index] if self.rows is None else self.piece[index, self.rows]
         if tensor.numel() and not all(v.isfinite() for v in torch.aminmax(tensor)):
             self.nonfinite.append(self.name)
         return tensor
@@ -534,16 +571,20 @@ def load_hf_checkpoint(
     `agree` has gathered what each rank found."""
     found = []
     files = check_hf_checkpoint(model.args, path)
-    names = hf_names(model.args)
-    by_file: dict[Path, list[tuple[str, str]]] = {}
+    names = hf_names(model.args, has_fused_experts(files))
+    by_file: dict[Path, list[tuple[str, str, slice | None]]] = {}
     for ours, theirs in names.items():
-        if isinstance(theirs, str):
-            by_file.setdefault(files[theirs], []).append((ours, theirs))
+        if not isinstance(theirs, tuple):
+            name, rows = (
+                (theirs.name, theirs.rows) if isinstance(theirs, FusedRows) else (theirs, None)
+            )
+            by_file.setdefault(files[name], []).append((ours, name, rows))
     done = 0
     for file, file_names in sorted(by_file.items()):
         with _open_safetensors(file) as f:
-            for ours, theirs in file_names:
-                copy_into(model, ours, CheckedSlice(f.get_slice(theirs), theirs, found), copy)
+            for ours, name, rows in file_names:
+                piece = CheckedSlice(f.get_slice(name), name, found, rows)
+                copy_into(model, ours, piece, copy)
                 done += 1
                 if progress is not None:
                     progress(done, len(names))

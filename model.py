@@ -40,7 +40,7 @@ from kernels import (
     swiglu_reference,
 )
 from lora import NF4_SUFFIX, LoRALinear, copy_into, copy_whole_tensor
-from moe import MoE, load_balancing_loss
+from moe import MoE, Routed, load_balancing_loss
 
 # ----------------------------------------------------------------------------------------
 # The model's numbers
@@ -801,12 +801,13 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops)
         self.attention = Attention(args, ops, sdpa_backends, layer not in args.nope_layers)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim, ops)
         if layer in args.moe_layers:
             self.feed_forward = MoE(
                 args.dim, args.expert_ffn_dim, args.n_experts, args.experts_per_token,
                 args.norm_topk_prob, ops,
             )  # fmt: skip
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim, ops)
 
     def forward(
         self,
@@ -891,10 +892,14 @@ class Llama(nn.Module):
             return loss
         # transformers adds coef x the load-balancing loss to the mean; to a sum, the same per
         # labelled token, so that train_step's division by the step's count gives that mean.
-        routed = [self.layers[i].feed_forward.routed for i in self.args.moe_layers]
-        aux = load_balancing_loss(routed)
+        aux = load_balancing_loss(self.routed())
         per_label = 1 if reduction == "mean" else (labels != IGNORE_INDEX).sum()
         return loss + self.args.router_aux_loss_coef * aux * per_label
+
+    def routed(self) -> list[Routed]:
+        """The last forward's routing on each MoE layer: for the loss, and for the metrics log's
+        moe.load_balancing_loss and moe.expert_load, read on the device."""
+        return [self.layers[i].feed_forward.routed for i in self.args.moe_layers]
 
     def initial_value(self, name: str, seed: int, device: torch.device) -> torch.Tensor:
         """The full initial tensor of parameter `name` (fp32), one per (seed, name) whatever the

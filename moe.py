@@ -3,11 +3,13 @@ for each token, each expert a SwiGLU of its own, and the layer adds the chosen e
 weighted by the router. model.py's block takes it in place of its dense FeedForward on the
 layers ModelArgs.moe_layers names.
 
-In order: the experts' computation (plain PyTorch, a loop over experts), the layer, and the
-load-balancing loss transformers adds to an MoE model's loss.
+In order: the experts' computation (plain PyTorch, a loop over experts), what a layer's
+routing leaves for the loss and the metrics (`Routed`), the layer, then the load-balancing loss
+transformers adds to an MoE model's loss and the experts' load the metrics log shows.
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -40,6 +42,25 @@ def experts_reference(
     return torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))
 
 
+@dataclass
+class Routed:
+    """An MoE layer's last forward, summed over its tokens: all that the load-balancing loss and
+    the experts' load read, [E] tensors on the device, so that no [T, E] tensor outlives the
+    forward (Qwen3-30B-A3B's router probabilities are 64 MiB a layer at 131072 tokens)."""
+
+    chosen: torch.Tensor  # int64 [E]: the (token, choice) pairs each expert was given
+    probs: torch.Tensor  # fp32 [E]: the router's probabilities summed over the tokens (with grad)
+    tokens: int
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """The (token, choice) pairs each expert was given, int64 [E]: scatter_add, as bincount
+    would read its output's size on the host; integers, exact and in any order the same."""
+    flat = experts.flatten()
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=experts.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
 class MoE(nn.Module):
     """The router (a linear layer to E logits), softmax in fp32, the top k, renormalized to sum
     to 1 when `norm_topk_prob` (Mixtral always; Qwen3-MoE as its config says), then the experts.
@@ -55,9 +76,9 @@ class MoE(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.top_k, self.norm_topk_prob, self.ops = top_k, norm_topk_prob, ops
-        # The last forward's router probabilities [T, E] and choices [T, k], which the
-        # model's loss reads (load_balancing_loss): kept here, the block returns one tensor.
-        self.routed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The last forward's routing, which the model's loss and the metrics read: kept here,
+        # the block returns one tensor.
+        self.routed: Routed | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -66,25 +87,28 @@ class MoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        self.routed = probs, experts
+        self.routed = Routed(
+            expert_counts(experts, probs.shape[-1]), probs.sum(dim=0), probs.shape[0]
+        )
         y = experts_reference(
             x, experts, weights.to(x.dtype), self.w1, self.w3, self.w2, self.ops.swiglu
         )
         return y.view(shape)
 
 
-def load_balancing_loss(routed: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def load_balancing_loss(routed: Sequence[Routed]) -> torch.Tensor:
     """transformers' load_balancing_loss_func (Switch Transformer's), over all MoE layers
     together: E * sum over experts e of f_e * P_e, f_e the share of the tokens' k choices that
     went to e and P_e its mean router probability, both counted over every layer's tokens. Only
-    P_e carries a gradient. The counts stay on the device (scatter_add, not bincount)."""
-    n_experts = routed[0][0].shape[-1]
-    chosen = torch.zeros(n_experts, device=routed[0][0].device)
-    probs_sum = torch.zeros_like(chosen)
-    rows = 0
-    for probs, experts in routed:
-        ones = torch.ones(experts.numel(), device=chosen.device)
-        chosen = chosen.scatter_add(0, experts.flatten(), ones)
-        probs_sum = probs_sum + probs.sum(dim=0)
-        rows += probs.shape[0]
-    return n_experts * torch.sum((chosen / rows) * (probs_sum / rows))
+    P_e carries a gradient."""
+    tokens = sum(r.tokens for r in routed)
+    f = sum(r.chosen for r in routed) / tokens
+    p = sum(r.probs for r in routed) / tokens
+    return f.numel() * torch.sum(f * p)
+
+
+def expert_load(routed: Sequence[Routed]) -> torch.Tensor:
+    """Each MoE layer's busiest expert's share of the (token, choice) pairs against the mean
+    share 1/E, [L] on the device: 1 when even, E / k when each token's k choices are the same k
+    experts. What MoE users watch for a collapsing router."""
+    return torch.stack([r.chosen.max() / r.chosen.float().mean() for r in routed])

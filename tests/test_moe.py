@@ -1,7 +1,8 @@
 """Mixture-of-experts blocks (moe.py) against transformers' Qwen3MoeForCausalLM and
 MixtralForCausalLM on tiny checkpoints saved here: logits, the loss with and without the
 load-balancing loss, every gradient (the router's too), and the export loaded back; the expert
-computation on odd routings; what is refused."""
+computation on odd routings, a collapsed router; transformers 5's fused expert tensors; what is
+refused."""
 
 import json
 
@@ -11,38 +12,47 @@ import transformers
 
 import options
 from files import UsageError
-from hf import args_from_hf_config, load_hf_checkpoint, save_hf_checkpoint
+from hf import (
+    FusedRows,
+    args_from_hf_config,
+    has_fused_experts,
+    hf_names,
+    hf_tensor_files,
+    load_hf_checkpoint,
+    save_hf_checkpoint,
+)
 from model import Llama, ModelArgs
-from moe import experts_reference, load_balancing_loss
+from moe import Routed, expert_counts, expert_load, experts_reference, load_balancing_loss
 
 SIZES = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, num_experts_per_tok=2)  # fmt: skip
 CONFIGS = {
     # Layer 1 dense (mlp_only_layers), the top-k weights as the router gives them.
     "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
-        **SIZES, head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=5,
-        mlp_only_layers=[1], norm_topk_prob=False, **kw,
+        **(SIZES | kw), head_dim=8, intermediate_size=40, moe_intermediate_size=24,
+        num_experts=5, mlp_only_layers=[1], norm_topk_prob=False,
     ),
     "qwen3_moe_sparse_step": lambda **kw: transformers.Qwen3MoeConfig(
-        **SIZES, head_dim=8, intermediate_size=40, moe_intermediate_size=24, num_experts=5,
-        decoder_sparse_step=2, norm_topk_prob=True, **kw,
+        **(SIZES | kw), head_dim=8, intermediate_size=40, moe_intermediate_size=24,
+        num_experts=5, decoder_sparse_step=2, norm_topk_prob=True,
     ),
     "mixtral": lambda **kw: transformers.MixtralConfig(
-        **SIZES, intermediate_size=24, num_local_experts=5, **kw
+        **(SIZES | kw), intermediate_size=24, num_local_experts=5
     ),
 }  # fmt: skip
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
 
-def checkpoint(tmp_path, name: str, aux: bool):
-    """transformers' model of CONFIGS[name], random weights, saved as the hub stores it."""
+def checkpoint(tmp_path, name: str, aux: bool, fused=False, router=0.2, **config):
+    """transformers' model of CONFIGS[name], random weights (the router's of std `router`),
+    saved as the hub stores it or, `fused`, as transformers 5 holds it (FusedRows)."""
     torch.manual_seed(0)
-    config = CONFIGS[name](output_router_logits=aux, router_aux_loss_coef=0.05)
+    config = CONFIGS[name](output_router_logits=aux, router_aux_loss_coef=0.05, **config)
     theirs = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # experts' weights are zeros until initialized by from_pretrained
-        for p in theirs.parameters():
-            p.normal_(0, 0.2)
-    theirs.save_pretrained(tmp_path / name)
+        for n, p in theirs.named_parameters():
+            p.normal_(0, router if n.endswith("mlp.gate.weight") else 0.2)
+    theirs.save_pretrained(tmp_path / name, save_original_format=not fused)
     return theirs, tmp_path / name
 
 
@@ -52,18 +62,37 @@ def ours_from(path) -> Llama:
     return model
 
 
-def expert_grads(theirs, i: int) -> dict[str, torch.Tensor]:
-    """transformers' gradients of layer i's experts and router, by longtune's names."""
-    block = theirs.model.layers[i].mlp
-    experts = block.experts
-    ffn = experts.down_proj.shape[-1]
-    gate_up = experts.gate_up_proj.grad
-    return {
-        f"layers.{i}.feed_forward.w1": gate_up[:, :ffn],
-        f"layers.{i}.feed_forward.w3": gate_up[:, ffn:],
-        f"layers.{i}.feed_forward.w2": experts.down_proj.grad,
-        f"layers.{i}.feed_forward.router.weight": block.gate.weight.grad,
-    }
+def their_grads(theirs, args: ModelArgs) -> dict[str, torch.Tensor]:
+    """transformers' gradients by longtune's names: its modules hold the experts fused."""
+    params = dict(theirs.named_parameters())
+    grads = {}
+    for ours, name in hf_names(args, fused_experts=True).items():
+        if isinstance(name, FusedRows):
+            grads[ours] = params[name.name].grad[:, name.rows]
+        else:
+            grads[ours] = params[name].grad
+    return grads
+
+
+def assert_same_as_transformers(ours: Llama, theirs, aux: bool) -> None:
+    """Logits, the loss (with the aux term when `aux`), the aux term alone, every gradient."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 97, (2, 11), generator=g)
+    labels = torch.randint(0, 97, (2, 11), generator=g)
+    labels[0, :3] = -100
+    out = theirs(input_ids=tokens, labels=labels, output_router_logits=aux)
+    # transformers shifts labels inside; longtune's labels are the next tokens already.
+    shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    torch.testing.assert_close(ours(tokens), out.logits, **FP32)
+    loss = ours(tokens, shifted)
+    torch.testing.assert_close(loss, out.loss, **FP32)
+    if aux:
+        torch.testing.assert_close(load_balancing_loss(ours.routed()), out.aux_loss, **FP32)
+    out.loss.backward()
+    loss.backward()
+    want = their_grads(theirs, ours.args)
+    for n, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], **FP32, msg=n)
 
 
 @pytest.mark.parametrize("aux", [False, True], ids=["ce", "with_aux_loss"])
@@ -75,29 +104,50 @@ def test_logits_loss_and_gradients_equal_transformers(tmp_path, name, aux):
     assert args.router_aux_loss == aux and args.n_experts == 5
     expected_layers = {"qwen3_moe": (0, 2), "qwen3_moe_sparse_step": (1,), "mixtral": (0, 1, 2)}
     assert args.moe_layers == expected_layers[name]
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 97, (2, 11), generator=g)
-    labels = torch.randint(0, 97, (2, 11), generator=g)
-    labels[0, :3] = -100
-    out = theirs(input_ids=tokens, labels=labels, output_router_logits=aux)
-    # transformers shifts labels inside; longtune's labels are the next tokens already.
-    shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
-    torch.testing.assert_close(ours(tokens), out.logits, **FP32)
-    loss = ours(tokens, shifted)
-    torch.testing.assert_close(loss, out.loss, **FP32)
-    if aux:  # the same term, and not a negligible one
-        assert out.aux_loss * 0.05 > 1e-3
-    out.loss.backward()
-    loss.backward()
-    grads = {n: p.grad for n, p in ours.named_parameters()}
-    for i in args.moe_layers:
-        for n, want in expert_grads(theirs, i).items():
-            torch.testing.assert_close(grads[n], want, **FP32, msg=n)
-    torch.testing.assert_close(
-        grads["layers.0.attention.wq.weight"],
-        theirs.model.layers[0].self_attn.q_proj.weight.grad,
-        **FP32,
-    )
+    assert_same_as_transformers(ours, theirs, aux)
+    if aux:  # not a negligible term
+        assert load_balancing_loss(ours.routed()) * 0.05 > 1e-3
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_a_collapsed_router_leaves_experts_empty_as_transformers_does(tmp_path, name, k):
+    """A zero router: every probability 1/E, so every token goes to the same k experts
+    (torch.topk's ties, broken alike in both) and the others are given none."""
+    theirs, path = checkpoint(tmp_path, name, aux=True, router=0, num_experts_per_tok=k)
+    ours = ours_from(path)
+    assert_same_as_transformers(ours, theirs, aux=True)
+    for routed in ours.routed():
+        assert (routed.chosen == 0).sum() == 5 - k
+    assert expert_load(ours.routed()).tolist() == [5 / k] * len(ours.args.moe_layers)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_transformers_5s_fused_experts_load_as_the_hubs_do(tmp_path, name):
+    theirs, path = checkpoint(tmp_path, name, aux=False, fused=True)
+    assert has_fused_experts(hf_tensor_files(path))
+    tokens = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(ours_from(path)(tokens), theirs(tokens).logits, **FP32)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per_expert", "fused"])
+def test_a_ranks_experts_are_read_alone_from_either_layout(tmp_path, fused):
+    """shard.py's copy reads its rows of dim 0: of an expert tensor, its experts alone."""
+    _, path = checkpoint(tmp_path, "mixtral", aux=False, fused=fused)
+    whole = ours_from(path)
+    read = {}
+
+    def experts_1_and_2(param, tensor_slice):
+        if param.dim() == 3:
+            read[param] = tensor_slice[1:3]
+
+    part = Llama(whole.args)
+    load_hf_checkpoint(part, path, experts_1_and_2)
+    params = dict(part.named_parameters())
+    assert len(read) == 3 * len(whole.args.moe_layers)
+    for n, p in whole.named_parameters():
+        if p.dim() == 3:
+            torch.testing.assert_close(read[params[n]], p.detach()[1:3], rtol=0, atol=0)
 
 
 def test_a_sum_loss_carries_the_aux_term_per_labelled_token(tmp_path):
@@ -159,10 +209,28 @@ def test_the_experts_reference_on_odd_routings(routing):
     torch.testing.assert_close(got, naive_experts(x, experts, weights, w1, w3, w2))
 
 
-def test_the_load_balancing_loss_is_one_for_an_even_router():
-    probs = torch.full((8, 4), 0.25)
-    experts = torch.tensor([[0, 1], [2, 3]] * 4)
-    assert load_balancing_loss([(probs, experts)] * 3).item() == pytest.approx(0.5 * 4 * 0.25 * 4)
+def routed(experts: torch.Tensor, probs: torch.Tensor) -> Routed:
+    return Routed(expert_counts(experts, probs.shape[-1]), probs.sum(dim=0), probs.shape[0])
+
+
+def test_the_load_balancing_loss_is_k_for_an_even_router_and_counts_every_layer():
+    """Even: f_e = k / E, P_e = 1 / E, so E * sum f_e P_e = k. Layers are counted together,
+    not averaged: a collapsed layer and an even one give transformers' pooled value."""
+    even = routed(torch.tensor([[0, 1], [2, 3]] * 4), torch.full((8, 4), 0.25))
+    assert load_balancing_loss([even] * 3).item() == pytest.approx(2)
+    probs = torch.tensor([[0.7, 0.1, 0.1, 0.1]] * 8)
+    collapsed = routed(torch.tensor([[0, 1]] * 8), probs)
+    # f = (4 + 8, 4 + 8, 4, 4) / 16, P = (0.25 + 0.7, 0.25 + 0.1, ...) / 2
+    pooled = 4 * (12 / 16 * 0.475 + 12 / 16 * 0.175 + 2 * 4 / 16 * 0.175)
+    assert load_balancing_loss([even, collapsed]).item() == pytest.approx(pooled)
+
+
+def test_the_expert_load_is_the_busiest_experts_share_against_the_mean():
+    probs = torch.full((6, 3), 1 / 3)
+    even = routed(torch.tensor([[0], [1], [2]] * 2), probs)
+    one = routed(torch.zeros(6, 1, dtype=torch.int64), probs)
+    skewed = routed(torch.tensor([[0], [0], [0], [0], [1], [2]]), probs)
+    assert expert_load([even, one, skewed]).tolist() == pytest.approx([1, 3, 2])
 
 
 def test_other_moe_types_are_refused_in_one_line(tmp_path):
