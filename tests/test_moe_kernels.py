@@ -236,3 +236,28 @@ def test_moe_experts_bf16_matches_fp32_reference_at_qwen3_30b_a3b_widths():
     )  # fmt: skip
     for name, out, ref in pairs:
         assert_close_on_gpu(out, ref, GPU_BF16_TOLERANCE, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moe_experts_never_waits_for_the_gpu():
+    """Forward and backward under torch's sync check, which raises at a read of a value on the
+    host (.item(), .tolist(), nonzero, bincount): the reference's nonzero does."""
+    torch.manual_seed(0)
+    x, w1, w3, w2 = layer_inputs(512, 256, 96, 16, torch.bfloat16, device="cuda")
+    weights = router_weights(512, 4, torch.float32, device="cuda")
+    inputs = [t.requires_grad_() for t in (x, weights, w1, w3, w2)]
+    experts = routing(512, 16, 4, device="cuda")
+
+    def step(experts_fn):
+        x, weights, *ws = inputs
+        experts_fn(x, experts, weights, *ws).backward(torch.ones_like(x))
+
+    step(moe_experts)  # compiles the kernels
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(moe_experts)
+        with pytest.raises(RuntimeError, match="synchronizing"):
+            step(moe_experts_reference)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
