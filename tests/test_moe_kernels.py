@@ -12,8 +12,9 @@ same inputs, with these tolerances:
         after it; and Triton's CPU interpreter truncates fp32 to bf16 (an error of up to
         2^-7 = 7.8e-3, always toward zero, so the errors add up rather than cancel) where the
         GPU rounds to nearest (2^-8).
-The `gpu` test runs the path compiled at Qwen3-30B-A3B's widths, in bf16, against the fp32
-reference: norm-wise error <= 1e-2, printed under `pytest -s`.
+The `gpu` tests run the path compiled: at Qwen3-30B-A3B's widths, in bf16, against the fp32
+reference (norm-wise error <= 1e-2, printed under `pytest -s`), and under torch's check that
+nothing waits for the GPU.
 """
 
 import pytest
