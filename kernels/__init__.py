@@ -9,6 +9,7 @@ from kernels.cross_entropy import (
     linear_cross_entropy_reference,
 )
 from kernels.fp8 import fp8_linears
+from kernels.moe import moe_experts, moe_experts_reference
 from kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, nf4_linear, quantize_nf4
 from kernels.rmsnorm import rms_norm, rms_norm_reference
 from kernels.rope import apply_rope, apply_rope_reference
@@ -23,6 +24,8 @@ __all__ = [
     "fp8_linears",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "moe_experts",
+    "moe_experts_reference",
     "nf4_linear",
     "quantize_nf4",
     "rms_norm",
