@@ -36,6 +36,7 @@ from kernels import (
     apply_rope_reference,
     fp8_linears,
     linear_cross_entropy_reference,
+    moe_experts_reference,
     rms_norm_reference,
     swiglu_reference,
 )
@@ -418,6 +419,7 @@ class Ops:
     swiglu: Callable  # (gate, up) -> silu(gate) * up
     linear_cross_entropy: Callable  # (hidden [N,D], weight [V,D], labels [N], ignore, reduction)
     project: Callable  # (x, linears) -> [linear(x) for each], the projections reading one x
+    moe_experts: Callable  # (x [T,D], experts [T,k], weights [T,k], w1, w3, w2) -> [T,D]
 
 
 def project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
@@ -430,6 +432,7 @@ REFERENCE_OPS = Ops(
     swiglu=swiglu_reference,
     linear_cross_entropy=linear_cross_entropy_reference,
     project=project,
+    moe_experts=moe_experts_reference,
 )
 
 
@@ -445,6 +448,7 @@ def triton_ops() -> Ops:
         # backward may write its gradients over them (kernels.swiglu).
         swiglu=functools.partial(kernels.swiglu, overwrite=True),
         linear_cross_entropy=kernels.linear_cross_entropy,
+        moe_experts=kernels.moe_experts,
     )
 
 

@@ -3,43 +3,19 @@ for each token, each expert a SwiGLU of its own, and the layer adds the chosen e
 weighted by the router. model.py's block takes it in place of its dense FeedForward on the
 layers ModelArgs.moe_layers names.
 
-In order: the experts' computation (plain PyTorch, a loop over experts), what a layer's
-routing leaves for the loss and the metrics (`Routed`), the layer, then the load-balancing loss
-transformers adds to an MoE model's loss and the experts' load the metrics log shows.
+The experts' computation is `Ops.moe_experts`: kernels/moe.py's Triton path (sort by expert,
+grouped matrix products, combine; no host sync) or its plain-PyTorch reference. In order: what
+a layer's routing leaves for the loss and the metrics (`Routed`), the layer, then the
+load-balancing loss transformers adds to an MoE model's loss and the experts' load the metrics
+log shows.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-
-def experts_reference(
-    x: torch.Tensor,
-    experts: torch.Tensor,
-    weights: torch.Tensor,
-    w1: torch.Tensor,
-    w3: torch.Tensor,
-    w2: torch.Tensor,
-    swiglu: Callable,
-) -> torch.Tensor:
-    """y[t] = sum over j of weights[t, j] * w2[e] @ swiglu(w1[e] @ x[t], w3[e] @ x[t]), e =
-    experts[t, j]. x [T, D]; experts and weights [T, k]; w1, w3 [E, F, D]; w2 [E, D, F]. The
-    (token, choice) pairs sorted by expert, each expert's rows multiplied at once. It reads the
-    experts' counts on the host, a wait for the GPU per layer."""
-    n_tokens, k = experts.shape
-    order = experts.flatten().argsort(stable=True)
-    token = order // k
-    counts = torch.bincount(experts.flatten(), minlength=w1.shape[0]).tolist()
-    outputs = []
-    for e, rows in enumerate(x[token].split(counts)):
-        gate, up = rows @ w1[e].t(), rows @ w3[e].t()
-        outputs.append(swiglu(gate, up) @ w2[e].t())
-    weighted = torch.cat(outputs) * weights.flatten()[order, None]
-    # In expert order per token, as transformers adds them: the same sums in fp32.
-    return torch.zeros_like(x).index_add_(0, token, weighted.to(x.dtype))
 
 
 @dataclass
@@ -90,9 +66,7 @@ class MoE(nn.Module):
         self.routed = Routed(
             expert_counts(experts, probs.shape[-1]), probs.sum(dim=0), probs.shape[0]
         )
-        y = experts_reference(
-            x, experts, weights.to(x.dtype), self.w1, self.w3, self.w2, self.ops.swiglu
-        )
+        y = self.ops.moe_experts(x, experts, weights.to(x.dtype), self.w1, self.w3, self.w2)
         return y.view(shape)
 
 

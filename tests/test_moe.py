@@ -2,7 +2,7 @@
 MixtralForCausalLM on tiny checkpoints saved here: logits, the loss with and without the
 load-balancing loss, every gradient (the router's too), and the export loaded back; the expert
 computation on odd routings, a collapsed router; transformers 5's fused expert tensors; what is
-refused."""
+refused; the experts' odd routings are tests/test_moe_kernels.py's."""
 
 import json
 
@@ -21,8 +21,8 @@ from hf import (
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
-from model import Llama, ModelArgs
-from moe import Routed, expert_counts, expert_load, experts_reference, load_balancing_loss
+from model import Llama, ModelArgs, triton_ops
+from moe import Routed, expert_counts, expert_load, load_balancing_loss
 
 SIZES = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, num_experts_per_tok=2)  # fmt: skip
@@ -56,8 +56,8 @@ def checkpoint(tmp_path, name: str, aux: bool, fused=False, router=0.2, **config
     return theirs, tmp_path / name
 
 
-def ours_from(path) -> Llama:
-    model = Llama(args_from_hf_config(path))
+def ours_from(path, ops=None) -> Llama:
+    model = Llama(args_from_hf_config(path), *([ops] if ops else []))
     load_hf_checkpoint(model, path)
     return model
 
@@ -107,6 +107,14 @@ def test_logits_loss_and_gradients_equal_transformers(tmp_path, name, aux):
     assert_same_as_transformers(ours, theirs, aux)
     if aux:  # not a negligible term
         assert load_balancing_loss(ours.routed()) * 0.05 > 1e-3
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_triton_experts_equal_transformers_too(tmp_path, name):
+    """Ops.moe_experts by kernels/moe.py (sort, grouped products, combine; the interpreter
+    here), with the other Triton kernels, the aux loss on."""
+    theirs, path = checkpoint(tmp_path, name, aux=True)
+    assert_same_as_transformers(ours_from(path, triton_ops()), theirs, aux=True)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -175,38 +183,6 @@ def test_the_export_loads_in_transformers_with_the_same_logits(tmp_path, name):
     tokens = torch.randint(0, 97, (1, 13), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(ours(tokens), again(tokens).logits, **FP32)
     assert args_from_hf_config(tmp_path / "out") == ours.args
-
-
-def naive_experts(x, experts, weights, w1, w3, w2):
-    """Token by token, choice by choice."""
-    y = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(experts.shape[1]):
-            e = experts[t, j]
-            h = torch.nn.functional.silu(w1[e] @ x[t]) * (w3[e] @ x[t])
-            y[t] += weights[t, j] * (w2[e] @ h)
-    return y
-
-
-@pytest.mark.parametrize("routing", ["one_expert_empty", "all_on_one_expert", "random"])
-def test_the_experts_reference_on_odd_routings(routing):
-    g = torch.Generator().manual_seed(4)
-    n_tokens, dim, ffn, n_experts = 13, 6, 5, 4
-    x = torch.randn(n_tokens, dim, generator=g, dtype=torch.float64)
-    w1, w3 = (torch.randn(n_experts, ffn, dim, generator=g, dtype=torch.float64) for _ in "ab")
-    w2 = torch.randn(n_experts, dim, ffn, generator=g, dtype=torch.float64)
-    if routing == "all_on_one_expert":
-        experts = torch.full((n_tokens, 1), 2)
-    else:
-        scores = torch.rand(n_tokens, n_experts, generator=g)
-        if routing == "one_expert_empty":
-            scores[:, 3] = -1
-        experts = scores.topk(2, dim=-1).indices
-    weights = torch.rand(experts.shape, generator=g, dtype=torch.float64)
-    got = experts_reference(
-        x, experts, weights, w1, w3, w2, lambda a, b: torch.nn.functional.silu(a) * b
-    )
-    torch.testing.assert_close(got, naive_experts(x, experts, weights, w1, w3, w2))
 
 
 def routed(experts: torch.Tensor, probs: torch.Tensor) -> Routed:
