@@ -1,0 +1,73 @@
+"""The mixture-of-experts experts alone (kernels/moe.py) at Qwen3-30B-A3B's widths, forward and
+backward, bf16: the Triton path (moe_experts) against the plain-PyTorch reference (a loop over
+experts), and the share of the bf16 matmul ceiling the experts' matmuls reach over the whole
+time. The router is random, so each expert gets about T * k / E rows.
+
+    python bench/moe_layer.py --tokens 16384 65536
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.moe import moe_experts, moe_experts_reference  # noqa: E402
+
+BF16_CEILING = 790e12  # H100/H200 dense bf16 matmuls, the brief's measured ceiling
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # compiles, warms the allocator
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536])
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=768)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    a = parser.parse_args()
+    g = torch.Generator("cuda").manual_seed(0)
+    for n in a.tokens:
+        one_size(n, a, g)
+
+
+def one_size(n: int, a: argparse.Namespace, g: torch.Generator) -> None:
+    x = torch.randn(n, a.dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    x.requires_grad_()
+    shape = (a.experts, a.ffn, a.dim)
+    w1, w3 = (torch.randn(shape, device="cuda", generator=g).mul_(0.02).bfloat16() for _ in "ab")
+    w2 = torch.randn(a.experts, a.dim, a.ffn, device="cuda", generator=g).mul_(0.02).bfloat16()
+    for w in (w1, w3, w2):
+        w.requires_grad_()
+    scores = torch.rand(n, a.experts, device="cuda", generator=g)
+    weights, experts = scores.softmax(-1).topk(a.top_k, dim=-1)
+    weights = weights.bfloat16().requires_grad_()
+    # Forward 2 and backward 4 FLOPs per weight element per (token, choice) pair.
+    flops = 6 * n * a.top_k * 3 * a.dim * a.ffn
+    row = {}
+    for name, f in (("triton", moe_experts), ("reference", moe_experts_reference)):
+        step = lambda f=f: f(x, experts, weights, w1, w3, w2).sum().backward()  # noqa: E731
+        seconds = timed(step, a.repeats)
+        row[name] = seconds
+        print(f"tokens {n:,} {name}: {seconds * 1e3:.1f} ms forward+backward, "
+              f"{flops / seconds / 1e12:.0f} TFLOP/s, {flops / seconds / BF16_CEILING:.1%} "
+              f"of the bf16 ceiling", flush=True)  # fmt: skip
+    print(f"tokens {n:,}: triton {row['reference'] / row['triton']:.2f}x the reference")
+
+
+if __name__ == "__main__":
+    main()
