@@ -7,6 +7,7 @@ In order: config.json (`args_from_hf_config`), HF checkpoints, then PEFT adapter
 model.py, tokenizer.py's files (an export carries its files and ids) and files.py's rules.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -572,26 +573,21 @@ def load_hf_checkpoint(
     found = []
     files = check_hf_checkpoint(model.args, path)
     names = hf_names(model.args, has_fused_experts(files))
-    by_file: dict[Path, list[tuple[str, str, slice | None]]] = {}
-    for ours, theirs in names.items():
-        if not isinstance(theirs, tuple):
-            name, rows = (
-                (theirs.name, theirs.rows) if isinstance(theirs, FusedRows) else (theirs, None)
-            )
-            by_file.setdefault(files[name], []).append((ours, name, rows))
-    done = 0
-    for file, file_names in sorted(by_file.items()):
-        with _open_safetensors(file) as f:
-            for ours, name, rows in file_names:
-                piece = CheckedSlice(f.get_slice(name), name, found, rows)
-                copy_into(model, ours, piece, copy)
-                done += 1
-                if progress is not None:
-                    progress(done, len(names))
-    for ours, theirs in names.items():
-        if isinstance(theirs, tuple):
-            copy(model.get_parameter(ours), ExpertSlices(theirs, files, found))
-            done += 1
+    # Each file opened once for the whole load: an expert tensor's E pieces may span files.
+    with contextlib.ExitStack() as stack:
+        opened = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
+
+        def read(name: str, rows: slice | None = None) -> CheckedSlice:
+            return CheckedSlice(opened[files[name]].get_slice(name), name, found, rows)
+
+        for done, (ours, theirs) in enumerate(names.items(), 1):
+            if isinstance(theirs, tuple):
+                param = model.get_parameter(ours)
+                copy(param, ExpertSlices([read(name) for name in theirs], param.shape[1:]))
+            elif isinstance(theirs, FusedRows):
+                copy(model.get_parameter(ours), read(theirs.name, theirs.rows))
+            else:
+                copy_into(model, ours, read(theirs), copy)
             if progress is not None:
                 progress(done, len(names))
     refuse_nonfinite(path, agree(found))
@@ -599,17 +595,15 @@ def load_hf_checkpoint(
 
 class ExpertSlices:
     """The hub's per-expert tensors read as one [E, out, in] tensor: `[a:b]` (a rank's experts,
-    or all) reads experts a to b - 1 alone, each checked as CheckedSlice checks."""
+    all, or none: FSDP leaves the last ranks of a small tensor no rows) reads experts a to b - 1
+    alone."""
 
-    def __init__(self, names: tuple[str, ...], files: dict[str, Path], nonfinite: list[str]):
-        self.names, self.files, self.nonfinite = names, files, nonfinite
+    def __init__(self, slices: list[CheckedSlice], shape: torch.Size):
+        self.slices, self.shape = slices, shape
 
     def __getitem__(self, index: slice) -> torch.Tensor:
-        tensors = []
-        for name in self.names[index]:
-            with _open_safetensors(self.files[name]) as f:
-                tensors.append(CheckedSlice(f.get_slice(name), name, self.nonfinite)[:])
-        return torch.stack(tensors)
+        tensors = [piece[:] for piece in self.slices[index]]
+        return torch.stack(tensors) if tensors else torch.empty(0, *self.shape)
 
 
 @torch.no_grad()
