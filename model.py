@@ -91,6 +91,9 @@ class Family:
     nope: bool = False  # has layers without RoPE (SmolLM3's no_rope_layers)
     window: str = "none"  # which layers a sliding window may cover: "none", "all", "some"
     moe: str = "none"  # which layers are mixture-of-experts: "none", "all", "some"
+    # The router's top-k weights cast to the activations' dtype before they scale the experts'
+    # outputs (Qwen3-MoE's), or kept in fp32 (Mixtral's).
+    rounds_router_weights: bool = False
 
 
 FAMILIES = {
@@ -99,7 +102,9 @@ FAMILIES = {
     "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, window="some"),
     "qwen3": Family("Qwen3ForCausalLM", qk_norm=True, window="some"),
     "smollm3": Family("SmolLM3ForCausalLM", nope=True, window="some"),
-    "qwen3_moe": Family("Qwen3MoeForCausalLM", qk_norm=True, window="all", moe="some"),
+    "qwen3_moe": Family(
+        "Qwen3MoeForCausalLM", qk_norm=True, window="all", moe="some", rounds_router_weights=True
+    ),
     "mixtral": Family("MixtralForCausalLM", window="all", moe="all"),
 }
 
@@ -808,7 +813,7 @@ class TransformerBlock(nn.Module):
         if layer in args.moe_layers:
             self.feed_forward = MoE(
                 args.dim, args.expert_ffn_dim, args.n_experts, args.experts_per_token,
-                args.norm_topk_prob, ops,
+                args.norm_topk_prob, FAMILIES[args.family].rounds_router_weights, ops,
             )  # fmt: skip
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim, ops)

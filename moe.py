@@ -39,12 +39,20 @@ def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
 
 class MoE(nn.Module):
     """The router (a linear layer to E logits), softmax in fp32, the top k, renormalized to sum
-    to 1 when `norm_topk_prob` (Mixtral always; Qwen3-MoE as its config says), then the experts.
+    to 1 when `norm_topk_prob` (Mixtral always; Qwen3-MoE as its config says), cast to the
+    activations' dtype when `rounds_weights` (Qwen3-MoE), then the experts (`Ops.moe_experts`).
     Each expert's projections are stored together as [E, out, in] tensors, named as the dense
     FeedForward's: w1 (gate), w3 (up), w2 (down)."""
 
     def __init__(
-        self, dim: int, ffn_dim: int, n_experts: int, top_k: int, norm_topk_prob: bool, ops
+        self,
+        dim: int,
+        ffn_dim: int,
+        n_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        rounds_weights: bool,
+        ops,
     ):
         super().__init__()
         self.router = nn.Linear(dim, n_experts, bias=False)
@@ -52,6 +60,7 @@ class MoE(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.top_k, self.norm_topk_prob, self.ops = top_k, norm_topk_prob, ops
+        self.rounds_weights = rounds_weights
         # The last forward's routing, which the model's loss and the metrics read: kept here,
         # the block returns one tensor.
         self.routed: Routed | None = None
@@ -66,7 +75,9 @@ class MoE(nn.Module):
         self.routed = Routed(
             expert_counts(experts, probs.shape[-1]), probs.sum(dim=0), probs.shape[0]
         )
-        y = self.ops.moe_experts(x, experts, weights.to(x.dtype), self.w1, self.w3, self.w2)
+        if self.rounds_weights:  # Qwen3-MoE's; Mixtral's scale the experts' outputs in fp32
+            weights = weights.to(x.dtype)
+        y = self.ops.moe_experts(x, experts, weights, self.w1, self.w3, self.w2)
         return y.view(shape)
 
 

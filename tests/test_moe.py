@@ -4,6 +4,7 @@ load-balancing loss, every gradient (the router's too), and the export loaded ba
 computation on odd routings, a collapsed router; transformers 5's fused expert tensors; what is
 refused; the experts' odd routings are tests/test_moe_kernels.py's."""
 
+import dataclasses
 import json
 
 import pytest
@@ -21,7 +22,8 @@ from hf import (
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
-from model import Llama, ModelArgs, triton_ops
+from kernels import moe_experts_reference
+from model import REFERENCE_OPS, Llama, ModelArgs, triton_ops
 from moe import Routed, expert_counts, expert_load, load_balancing_loss
 
 SIZES = dict(vocab_size=97, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -115,6 +117,25 @@ def test_the_triton_experts_equal_transformers_too(tmp_path, name):
     here), with the other Triton kernels, the aux loss on."""
     theirs, path = checkpoint(tmp_path, name, aux=True)
     assert_same_as_transformers(ours_from(path, triton_ops()), theirs, aux=True)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_experts_take_the_router_weights_in_transformers_dtype(tmp_path, name):
+    """In bf16, through Ops.moe_experts: Qwen3-MoE's top-k weights cast to the activations'
+    dtype, Mixtral's kept in fp32, as their routers in transformers return them."""
+    theirs, path = checkpoint(tmp_path, name, aux=False)
+    seen = []
+
+    def spy(x, experts, weights, w1, w3, w2):
+        seen.append((x.dtype, weights.dtype))
+        return moe_experts_reference(x, experts, weights, w1, w3, w2)
+
+    ours = ours_from(path, dataclasses.replace(REFERENCE_OPS, moe_experts=spy))
+    ours.to(torch.bfloat16)(torch.randint(0, 97, (1, 7)))
+    router = theirs.to(torch.bfloat16).model.layers[0].mlp.gate
+    _, their_weights, _ = router(torch.randn(3, 32, dtype=torch.bfloat16))
+    assert their_weights.dtype == {"qwen3_moe": torch.bfloat16, "mixtral": torch.float32}[name]
+    assert seen == [(torch.bfloat16, their_weights.dtype)] * len(ours.args.moe_layers)
 
 
 @pytest.mark.parametrize("k", [1, 2])
