@@ -208,6 +208,8 @@ class ModelArgs:
             problems.append(f"family {self.family!r} has experts on every layer")
         if family.moe == "all" and not self.norm_topk_prob:
             problems.append(f"family {self.family!r} renormalizes its top-k weights")
+        if not self.router_aux_loss_coef >= 0:  # a negative one rewards a collapsed router
+            problems.append(f"router_aux_loss_coef {self.router_aux_loss_coef} must be >= 0")
         return problems
 
     def check_sequence_length(self, seq_len: int) -> None:

@@ -232,6 +232,14 @@ def test_the_expert_load_is_the_busiest_experts_share_against_the_mean():
     assert expert_load([even, one, skewed]).tolist() == pytest.approx([1, 3, 2])
 
 
+def test_a_negative_aux_loss_coefficient_is_refused(tmp_path):
+    _, path = checkpoint(tmp_path, "mixtral", aux=True)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"router_aux_loss_coef": -0.01}))
+    with pytest.raises(UsageError, match=r"router_aux_loss_coef -0\.01 must be >= 0$"):
+        args_from_hf_config(path)
+
+
 def test_other_moe_types_are_refused_in_one_line(tmp_path):
     config = {"model_type": "qwen2_moe", "hidden_size": 32, "num_hidden_layers": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))
