@@ -307,7 +307,6 @@ class MetricsLog:
     def __init__(self, run: Run):
         self.run = run
         self.path = run.run_dir / "metrics.jsonl"
-        self.peak = peak_flops(run.world.device)
         self.nonfinite = torch.zeros((), dtype=torch.int32, device=run.world.device)
         self.attended = torch.zeros((), dtype=torch.float64, device=run.world.device)
         self.checked_step = self.logged_step = run.start_step
@@ -375,6 +374,7 @@ class MetricsLog:
         )
         self.attended.zero_()
         flops_per_device = flops / (now - self.logged_at) / world.world_size
+        peak = peak_flops(world.device)
         on_gpu = world.device.type == "cuda"
         record = {
             "step": step,
@@ -386,7 +386,7 @@ class MetricsLog:
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / world.world_size,
             "model_tflops_per_device": flops_per_device / 1e12,
-            "mfu": flops_per_device / self.peak if self.peak else None,
+            "mfu": flops_per_device / peak if peak else None,
             "peak_gpu_mem_gib": (
                 torch.cuda.max_memory_allocated(world.device) / 2**30 if on_gpu else None
             ),
