@@ -1532,7 +1532,8 @@ def test_readme_train_then_test(tmp_path):
     assert "export:  python train.py" in out and "--export-hf runs/default/hf" in out
     test_run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_train.py",
-         "-k", "bad_input_ends_every_process or help_lists_every_option or said_once"],
+         "tests/test_options.py", "-k",
+         "bad_input_ends_every_process or help_lists_every_option or said_once"],
         cwd=copy, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert test_run.returncode == 0, test_run.stdout + test_run.stderr
