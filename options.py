@@ -711,7 +711,7 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     group, the data, and the plan: a run that cannot fit stops here, saying what would."""
     checkpoints = Path(asked.run_dir) / "checkpoints"
     found = shard.find_checkpoint(asked.resume, checkpoints, log) if asked.resume else None
-    resume_from, saved = found or (None, None)
+    resume_from, saved, damaged = found or (None, None, [])
     taken = taken_on_resume(asked, given, saved) if saved else {}
     chosen = dataclasses.replace(asked, **taken)
     args = model_args(chosen)
@@ -731,10 +731,9 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
         "lora": dataclasses.asdict(lora) if lora else None,
         "context_parallel": chosen.context_parallel,
     }
-    planned, damaged = chosen, []
+    planned = chosen
     if saved:
         shard.check_resumable(saved["run"], json.loads(json.dumps(run_record)))
-        damaged = shard.check_no_newer_checkpoints(checkpoints, saved["step"], resume_from)
         data_parallel = world.world_size // chosen.context_parallel
         planned = resume_options(chosen, given, saved, data_parallel, taken, log)
     mask_documents = dataset.is_sft if planned.document_mask is None else planned.document_mask

@@ -666,7 +666,7 @@ HOST_PROCESS_GIB = 2.0
 # Plans are ranked by step_seconds: the step's FLOPs, recomputation included, at the rate
 # measured runs sustained, plus the host time offload leaves uncovered; it orders the recorded
 # runs as measured, within 2x of each (bench/RESULTS.md, "Planner: the step time's guess
-# against the recorded steps"; tests/test_shard.py checks both).
+# against the recorded steps"; tests/test_plan.py checks both).
 GPU_FLOPS = 4e14  # bf16 on an H100, at the MFU of those runs
 CPU_FLOPS = 1e11  # fp32 on 2 cores, counted as ModelArgs.training_flops ("Planner: CPU rate")
 SELECTIVE_RECOMPUTE = 0.013  # of the step's FLOPs: norms, RoPE, SwiGLU again

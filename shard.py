@@ -499,9 +499,12 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted((p for p in root.glob("step-*") if p.name[5:].isdigit()), key=step_of)
 
 
-def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path, dict] | None:
+def find_checkpoint(
+    resume: str | None, root: Path, log: Callable
+) -> tuple[Path, dict, list[Path]] | None:
     """The checkpoint to resume from (--resume: "latest", the newest intact one in `root`,
-    saying which it passed over, or a path) and its train_state, checked."""
+    saying which it passed over, or a path), its train_state, checked, and the damaged
+    checkpoints after it in `root`, for `set_aside`."""
     found = list_checkpoints(root)
     if resume is None and found:
         raise UsageError(
@@ -522,16 +525,19 @@ def find_checkpoint(resume: str | None, root: Path, log: Callable) -> tuple[Path
                 f"{root} holds checkpoints of another run ({theirs[-1].name}), and {resume} is "
                 f"not one of them: give a new --run-dir to continue {resume} in"
             )
-        return resume, check_checkpoint(resume)
+        train_state = check_checkpoint(resume)
+        return resume, train_state, check_no_newer_checkpoints(root, train_state["step"], resume)
+    damaged = []
     for checkpoint in reversed(found):  # none without --resume
         try:
             train_state = check_checkpoint(checkpoint)
         except UsageError as e:
             log(f"passing over a damaged checkpoint: {e}")
+            damaged.append(checkpoint)
             continue
         if checkpoint != found[-1]:
             log(f"resuming from {checkpoint}, the newest intact checkpoint")
-        return checkpoint, train_state
+        return checkpoint, train_state, damaged
     if found:
         raise UsageError(f"no intact checkpoint in {root}: each one above is damaged")
     return None
@@ -776,7 +782,7 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 
 def write_gathered(
-    named: Iterator[tuple[str, torch.Tensor]], write: Callable, is_main: bool
+    write: Callable, named: Iterator[tuple[str, torch.Tensor]], is_main: bool
 ) -> None:
     """Rank 0 writes the full tensors of `named`, a generator gathering each parameter, which
     every rank must therefore drain."""
@@ -799,8 +805,11 @@ def export_hf(
 ) -> None:
     """The weights as a HF checkpoint, LoRA adapters merged, each parameter gathered in turn."""
     gather = functools.partial(full_tensor, device=world.device)
-    write = lambda named: save_hf_checkpoint(args, named, out_dir, dtype, tokenizer=tokenizer)
-    write_gathered(merged_named_tensors(model, gather), write, world.is_main)
+    write_gathered(
+        lambda named: save_hf_checkpoint(args, named, out_dir, dtype, tokenizer=tokenizer),
+        merged_named_tensors(model, gather),
+        world.is_main,
+    )
 
 
 def export_adapter(
@@ -814,5 +823,8 @@ def export_adapter(
     """The LoRA adapters in PEFT's format, gathered like export_hf's weights."""
     trained = model.named_parameters()
     adapters = ((name, full_tensor(p, world.device)) for name, p in trained if p.requires_grad)
-    write = lambda named: save_peft_adapter(args, lora, named, out_dir, base_model=base_model)
-    write_gathered(adapters, write, world.is_main)
+    write_gathered(
+        lambda named: save_peft_adapter(args, lora, named, out_dir, base_model=base_model),
+        adapters,
+        world.is_main,
+    )

@@ -307,7 +307,6 @@ class MetricsLog:
     def __init__(self, run: Run):
         self.run = run
         self.path = run.run_dir / "metrics.jsonl"
-        self.peak = peak_flops(run.world.device)
         self.nonfinite = torch.zeros((), dtype=torch.int32, device=run.world.device)
         self.attended = torch.zeros((), dtype=torch.float64, device=run.world.device)
         self.checked_step = self.logged_step = run.start_step
@@ -375,6 +374,7 @@ class MetricsLog:
         )
         self.attended.zero_()
         flops_per_device = flops / (now - self.logged_at) / world.world_size
+        peak = peak_flops(world.device)
         on_gpu = world.device.type == "cuda"
         record = {
             "step": step,
@@ -386,7 +386,7 @@ class MetricsLog:
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / world.world_size,
             "model_tflops_per_device": flops_per_device / 1e12,
-            "mfu": flops_per_device / self.peak if self.peak else None,
+            "mfu": flops_per_device / peak if peak else None,
             "peak_gpu_mem_gib": (
                 torch.cuda.max_memory_allocated(world.device) / 2**30 if on_gpu else None
             ),
@@ -422,13 +422,14 @@ def damaged_lines(path: Path) -> tuple[list[int], bool]:
     return damaged, not line.endswith(b"\n")
 
 
-def evaluate(model: Llama, batches: Callable[[], Iterator[Batch]], device) -> tuple[float, int]:
-    """The mean loss over `batches()`' labelled tokens on all ranks, and their count (under
-    no_grad: no activations kept, and the fused loss computes no gradients)."""
+def evaluate(model: Llama, loader: PackedLoader, samples: int, device) -> tuple[float, int]:
+    """The mean loss over the labelled tokens of `loader`'s first `samples` rows on all ranks,
+    and their count (under no_grad: no activations kept, and the fused loss computes no
+    gradients)."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, labelled tokens
     with torch.no_grad():
-        for b in batches():
+        for b in loader.in_order(samples):
             b = b.to(device, non_blocking=True)
             loss = model(b.tokens, b.labels, b.positions, "sum", b.document_starts)
             totals += torch.stack([loss.double(), (b.labels != IGNORE_INDEX).sum().double()])
@@ -453,7 +454,7 @@ def held_out_evaluation(
             f"tokens{' within --eval-tokens' if opts.eval_tokens else ''}: fewer than the "
             f"{groups} data-parallel groups, which take one at least each"
         )
-    return functools.partial(evaluate, model, lambda: eval_loader.in_order(samples), world.device)
+    return functools.partial(evaluate, model, eval_loader, samples, world.device)
 
 
 def loader_of(dataset: TokenDataset, plan: Plan, world: shard.World, **kwargs) -> PackedLoader:
@@ -519,7 +520,8 @@ class Instruments:
             measured = shard.measured_memory(steps, run.world.device)
             run.log(run.plan.format_measured(measured))
             if run.world.is_main:
-                write_json(run.run_dir / "plan.json", {**run.plan.to_json(), "measured": measured})
+                record = {**run.plan.to_json(), "measured": measured}
+                write_json(run.run_dir / "plan.json", record)
         if run.opts.memory_snapshot and (steps == 3 or step == run.max_steps and steps < 3):
             snapshot = run.run_dir / f"memory-snapshot-rank{run.world.rank}.pickle"
             torch.cuda.memory._dump_snapshot(str(snapshot))

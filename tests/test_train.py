@@ -103,20 +103,6 @@ def test_loss_falls_and_each_step_is_logged(reference_run):
     ]
 
 
-def test_unknown_option_with_no_close_match_is_one_line(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(["--zzqqxx"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert err == "train.py error: unknown option --zzqqxx (--help lists the options)\n"
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(["--seq-len", "many"])
-    assert exit_info.value.code == 2
-    assert capsys.readouterr().err == (
-        "train.py error: argument --seq-len: invalid int value: 'many' (--help lists the options)\n"
-    )
-
-
 def test_a_second_signal_stops_at_once_and_exits_as_stopped(monkeypatch, capsys):
     """A second SIGTERM (or Ctrl-C) a second or more after the first stops the process at
     once, with the status of a stopped run (75): its last checkpoint resumes it."""
@@ -1175,23 +1161,6 @@ def test_the_plan_is_saved_with_the_peaks_reached_and_keeps_the_flags_given(data
     assert saved["measured"]["steps"] == 2 and saved["measured"]["host_peak_rss_gib"] > 0
 
 
-def test_help_lists_every_option():
-    result = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "--help"],
-        capture_output=True,
-        text=True,
-        env=os.environ,
-    )
-    assert result.returncode == 0
-    for flag in ["--hf-checkpoint", "--micro-batch", "--no-kernels", "--resume", "--export-hf"]:
-        assert flag in result.stdout
-    # Defaults of 0, 1 and 0.0 show as numbers, not as a switch's off and on.
-    text = " ".join(result.stdout.split())
-    for shown in ["data order (default: 0)", "every n-th block (default: 1)", "(default: 0.0)"]:
-        assert shown in text
-    assert "(default: off)" in text  # a switch's
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_run_with_kernels_in_bf16(dataset, tmp_path):
@@ -1494,21 +1463,6 @@ def test_resume_keeps_the_global_batch_and_schedule_unless_given(
     assert losses(tmp_path) == pytest.approx({s: reference[s] for s in range(31, 41)}, rel=1e-6)
 
 
-def test_resume_takes_what_the_checkpoint_fixes_unless_given_with_its_partner():
-    """A bare --resume takes the model, its length, the data and the adapters from the
-    checkpoint. A flag given is not taken, nor its partner: --model is instead of the
-    checkpoint's --hf-checkpoint, --data comes without the checkpoint's --tokenizer file."""
-    saved = {"options": {"model": None, "hf_checkpoint": "base", "max_seq_len": 8192,
-                         "seq_len": 4096, "data": "data/a", "tokenizer": "a.model",
-                         "lora_rank": 8, "strategy": "FULL_SHARD"}}  # fmt: skip
-    assert options.taken_on_resume(options.Options(), frozenset(), saved) == {
-        "hf_checkpoint": "base", "max_seq_len": 8192, "seq_len": 4096, "lora_rank": 8,
-        "data": "data/a", "tokenizer": "a.model"}  # fmt: skip
-    given = options.Options(model="tiny", data="data/b")
-    taken = options.taken_on_resume(given, frozenset({"model", "data"}), saved)
-    assert taken == {"max_seq_len": 8192, "seq_len": 4096, "lora_rank": 8}
-
-
 def test_a_bare_resume_goes_on_at_the_checkpoints_sequence_length(dataset, tmp_path, capsys):
     """`--seq-len 4096 --max-steps 2`, then `--resume --max-steps 4`: the resumed run goes on
     at 4096 tokens on the same data; given again, another --seq-len is refused."""
@@ -1578,24 +1532,12 @@ def test_readme_train_then_test(tmp_path):
     assert "export:  python train.py" in out and "--export-hf runs/default/hf" in out
     test_run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_train.py",
-         "-k", "bad_input_ends_every_process or help_lists_every_option or said_once"],
+         "tests/test_options.py", "-k",
+         "bad_input_ends_every_process or help_lists_every_option or said_once"],
         cwd=copy, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert test_run.returncode == 0, test_run.stdout + test_run.stderr
     assert "3 passed" in test_run.stdout
-
-
-def test_abbreviations_are_refused_and_a_typo_is_told_the_flag(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        train.main(["--max-step", "3"])
-    assert exit_info.value.code == 2
-    assert "unknown option --max-step: did you mean --max-steps?" in capsys.readouterr().err
-    help_text = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "--help"], capture_output=True, text=True
-    ).stdout
-    for group in ["model and data:", "batch and schedule:", "memory plan", "LoRA and QLoRA:"]:
-        assert group in help_text
-    assert help_text.count("(default:") >= len(dataclasses.fields(options.Options))
 
 
 def test_more_processes_than_gpus_is_one_line(monkeypatch):
