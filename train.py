@@ -1,13 +1,14 @@
-"""Train a Llama: options, setup, then the loop, read top to bottom.
+"""Train a Llama: the techniques' order, setup, then the loop, read top to bottom.
 
     python train.py           # "tiny" from scratch on Python's stdlib, as bytes; CPU or one GPU
     python train.py --help    # the options; README.md: fine-tuning, many GPUs, the memory plan
 
-The options; `setup` (the checkpoint to resume from and what it fixes, the checks, the data,
-the plan, the model built by `apply_techniques`, the loader, and the checkpoint's state
-restored); the step and what the loop asks after it;
-then `train`, a loop of `train_step` calls whose logging, evaluation, saving and stopping are
-each decided by the object that owns it (`MetricsLog`, `shard.Checkpointer`, `StopSignals`).
+`apply_techniques` (the one order in which they compose); `setup`: the options resolved
+(options.resolve: the checkpoint to resume from and what it fixes, the checks, the data, the
+plan), the model built, the loader, and the checkpoint's state restored; the step and what the
+loop asks after it; then `train`, a loop of `train_step` calls whose logging, evaluation,
+saving and stopping are each decided by the object that owns it (`MetricsLog`,
+`shard.Checkpointer`, `StopSignals`); last `main`, the command line's entry and exit status.
 What was given is checked before the first step: one UsageError says what is wrong and expected.
 """
 
