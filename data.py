@@ -395,7 +395,8 @@ def open_eval_data(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    about = "Prepare text and JSONL files as a dataset for train.py"
+    parser = argparse.ArgumentParser(description=about, allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     prep = commands.add_parser(
         "prepare", help="tokenize text and JSONL files into a dataset", allow_abbrev=False

@@ -293,7 +293,8 @@ def exit_after_rank_0(status: int) -> NoReturn:
 
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
     """The options, and the names of those on the command line, which resuming keeps."""
-    parser = Parser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    about = "Train a Llama: on a CPU or a GPU, or one process per GPU under torchrun"
+    parser = Parser(description=about, allow_abbrev=False)
     types = {"int": int, "float": float, "str": str}
     group = parser
     for f in dataclasses.fields(Options):
