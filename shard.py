@@ -740,19 +740,19 @@ class Checkpointer:
     def _on_main(self, work: Callable[[], None]) -> None:
         """Runs `work` on the main rank, every rank waiting for it; an OSError there is raised
         on every rank, which would otherwise wait for the main one in their next collective."""
-        errno = [None]
+        failed_with = [None]  # the main rank's OSError number, broadcast
         if self.world.is_main:
             try:
                 work()
             except OSError as e:
-                errno[0] = e.errno
+                failed_with[0] = e.errno
                 raise
             finally:
-                dist.broadcast_object_list(errno, src=0)
+                dist.broadcast_object_list(failed_with, src=0)
         else:
-            dist.broadcast_object_list(errno, src=0)
-            if errno[0] is not None:
-                raise OSError(errno[0], f"{os.strerror(errno[0])} (on the main rank)")
+            dist.broadcast_object_list(failed_with, src=0)
+            if failed_with[0] is not None:
+                raise OSError(failed_with[0], f"{os.strerror(failed_with[0])} (on the main rank)")
 
 
 def tensor_shapes(state: dict, prefix: str = "") -> dict[str, list[int]]:
