@@ -41,7 +41,7 @@ from kernels import (
     swiglu_reference,
 )
 from lora import NF4_SUFFIX, LoRALinear, copy_into, copy_whole_tensor
-from moe import MoE, Routed, load_balancing_loss
+from moe import MoE, Routed, expert_load, load_balancing_loss
 
 # ----------------------------------------------------------------------------------------
 # The model's numbers
@@ -227,16 +227,18 @@ class ModelArgs:
             raise UsageError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}")
         return PRESETS[name]
 
+    def feed_forward_params(self, layer: int, active: bool = False) -> int:
+        """Block `layer`'s feed-forward weights: w1 w2 w3; an MoE block's router and its
+        experts' w1 w2 w3, all of them or the `active` ones a token passes through."""
+        if layer not in self.moe_layers:
+            return 3 * self.dim * self.ffn_dim
+        experts = self.experts_per_token if active else self.n_experts
+        return self.dim * self.n_experts + experts * 3 * self.dim * self.expert_ffn_dim
+
     def _block_params(self, layer: int = 0, active: bool = False) -> tuple[int, int]:
-        """Block `layer`'s (matmul weights, other parameters: norms and biases); of an MoE
-        block's experts all, or the `active` ones a token passes through."""
+        """Block `layer`'s (matmul weights, other parameters: norms and biases)."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        matmul = self.dim * (2 * q + 2 * kv)  # wq wk wv wo
-        if layer in self.moe_layers:  # the router, and each expert's w1 w2 w3
-            experts = self.experts_per_token if active else self.n_experts
-            matmul += self.dim * self.n_experts + experts * 3 * self.dim * self.expert_ffn_dim
-        else:
-            matmul += 3 * self.dim * self.ffn_dim  # w1 w2 w3
+        matmul = self.dim * (2 * q + 2 * kv) + self.feed_forward_params(layer, active)
         other = 2 * self.dim  # the two norms
         other += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         return matmul, other
@@ -246,6 +248,10 @@ class ModelArgs:
         blocks = sum(sum(self._block_params(i)) for i in range(self.n_layers))
         return blocks + embeddings + self.dim
 
+    def matmul_params(self, active: bool = False) -> int:
+        """The blocks' matmul weights (of MoE blocks, the `active` experts' only if asked)."""
+        return sum(self._block_params(i, active)[0] for i in range(self.n_layers))
+
     def training_flops(self, tokens: float, attended_pairs: float, frozen: bool = False) -> float:
         """Training FLOPs of `tokens` tokens attending `attended_pairs` (query, key) pairs: 6 per
         matmul weight per token (forward 2, backward 4; 4 if `frozen`: LoRA's base, no weight
@@ -253,8 +259,7 @@ class ModelArgs:
         An MoE block counts the experts a token passes through."""
         # The embedding lookup is not a matmul; a tied embedding still is the output matmul.
         output = self.vocab_size * self.dim
-        blocks = (self._block_params(i, active=True)[0] for i in range(self.n_layers))
-        matmul_params = sum(blocks) + output
+        matmul_params = self.matmul_params(active=True) + output
         per_pair = 12 * self.n_layers * self.n_heads * self.head_dim
         return (4 if frozen else 6) * matmul_params * tokens + per_pair * attended_pairs
 
@@ -310,7 +315,7 @@ PRESETS: dict[str, ModelArgs] = {
         head_dim=128,
         qk_norm=True,
     ),
-    # Mixture-of-experts: numerics and checkpoints (moe.py); train.py refuses them for now.
+    # Mixture-of-experts (moe.py).
     "qwen3-30b-a3b": ModelArgs(
         family="qwen3_moe",
         dim=2048,
@@ -850,6 +855,8 @@ class Llama(nn.Module):
         self.ops = ops
         self.mask_documents = mask_documents
         self.long_document = LONG_DOCUMENT  # tests lower it to try both routes on small rows
+        # An MoE model's last load-balancing loss and busiest expert's load, for the metrics.
+        self.routing: torch.Tensor | None = None
         backends = SDPA_BACKENDS[attention_backend]
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(
@@ -889,6 +896,8 @@ class Llama(nn.Module):
             positions = torch.arange(seq_len, device=tokens.device).expand(bsz, seq_len)
         inv_freq = rope_frequencies(self.args, tokens.device)
         mask = self.attention_mask(positions, document_starts)
+        for i in self.args.moe_layers:  # each MoE layer's routing in this forward
+            self.layers[i].feed_forward.routed = []
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, positions, inv_freq, mask)
@@ -899,18 +908,24 @@ class Llama(nn.Module):
         loss = self.ops.linear_cross_entropy(
             h.flatten(0, 1), output_weight, labels.flatten(), IGNORE_INDEX, reduction
         )
+        if not self.args.moe_layers:
+            return loss
+        routed = self.routed()
+        aux = load_balancing_loss(routed)
+        # The metrics log's figures (train.StepResult), left on the device: no wait for the GPU.
+        self.routing = torch.stack([aux.detach(), expert_load(routed).max()])
         if not self.args.router_aux_loss:
             return loss
         # transformers adds coef x the load-balancing loss to the mean; to a sum, the same per
         # labelled token, so that train_step's division by the step's count gives that mean.
-        aux = load_balancing_loss(self.routed())
         per_label = 1 if reduction == "mean" else (labels != IGNORE_INDEX).sum()
         return loss + self.args.router_aux_loss_coef * aux * per_label
 
     def routed(self) -> list[Routed]:
-        """The last forward's routing on each MoE layer: for the loss, and for the metrics log's
-        moe.load_balancing_loss and moe.expert_load, read on the device."""
-        return [self.layers[i].feed_forward.routed for i in self.args.moe_layers]
+        """The last forward's routing on each MoE layer, for the load-balancing loss and the
+        experts' load. Context parallelism pools it over the ranks sharing the rows (shard.py)."""
+        calls = [self.layers[i].feed_forward.routed for i in self.args.moe_layers]
+        return [sum(routed[1:], start=routed[0]) for routed in calls]
 
     def initial_value(self, name: str, seed: int, device: torch.device) -> torch.Tensor:
         """The full initial tensor of parameter `name` (fp32), one per (seed, name) whatever the

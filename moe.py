@@ -28,6 +28,11 @@ class Routed:
     probs: torch.Tensor  # fp32 [E]: the router's probabilities summed over the tokens (with grad)
     tokens: int
 
+    def __add__(self, other: "Routed") -> "Routed":
+        return Routed(
+            self.chosen + other.chosen, self.probs + other.probs, self.tokens + other.tokens
+        )
+
 
 def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     """The (token, choice) pairs each expert was given, int64 [E]: scatter_add, as bincount
@@ -61,9 +66,11 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.top_k, self.norm_topk_prob, self.ops = top_k, norm_topk_prob, ops
         self.rounds_weights = rounds_weights
-        # The last forward's routing, which the model's loss and the metrics read: kept here,
-        # the block returns one tensor.
-        self.routed: Routed | None = None
+        # The routing of each call in the model's forward, which its loss and the metrics read
+        # (MLP tiling calls the layer once per tile): kept here, the block returns one tensor.
+        # The model empties it as its forward starts (Llama.forward); a recompute in backward
+        # appends to it but must run the forward's ops, no more: summed by the model.
+        self.routed: list[Routed] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -72,8 +79,8 @@ class MoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        self.routed = Routed(
-            expert_counts(experts, probs.shape[-1]), probs.sum(dim=0), probs.shape[0]
+        self.routed.append(
+            Routed(expert_counts(experts, probs.shape[-1]), probs.sum(dim=0), probs.shape[0])
         )
         if self.rounds_weights:  # Qwen3-MoE's; Mixtral's scale the experts' outputs in fp32
             weights = weights.to(x.dtype)

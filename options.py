@@ -87,6 +87,12 @@ class Options:
     max_seq_len: int | None = option(
         None, "raise a HF checkpoint's maximum sequence length (context extension)", metavar="N"
     )
+    router_aux_loss_coef: float | None = option(
+        None,
+        "add a mixture-of-experts model's load-balancing loss at this weight, 0: not at all "
+        "(default: as its config says: output_router_logits, router_aux_loss_coef)",
+        metavar="W",
+    )
     document_mask: bool | None = option(
         None, "no attention across the documents packed in a sequence (default: on for SFT data)"
     )
@@ -340,7 +346,7 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
             if (value := getattr(opts, name)) is not None and value < least:
                 problems.append(f"{flag_name(name)} must be >= {least}, got {value}")
     largest = torch.finfo(torch.float32).max  # AdamW keeps lr and its products in fp32
-    for name in ["lr", "min_lr", "grad_clip", "weight_decay"]:
+    for name in ["lr", "min_lr", "grad_clip", "weight_decay", "router_aux_loss_coef"]:
         value = getattr(opts, name)
         if value is not None and not (math.isfinite(value) and value >= 0):
             problems.append(f"{flag_name(name)} must be a number >= 0, got {value}")
@@ -455,12 +461,11 @@ def model_args(opts: Options) -> ModelArgs:
             f"its context"
         )
     args.check_sequence_length(opts.seq_len)
-    if args.moe_layers:
-        raise UsageError(
-            f"{opts.hf_checkpoint or opts.model} is a mixture-of-experts model ({args.family}): "
-            f"longtune reads, runs and exports it (moe.py), but its plan and training do not "
-            f"take experts yet"
-        )
+    if opts.router_aux_loss_coef is not None and not args.moe_layers:
+        raise UsageError("--router-aux-loss-coef is for mixture-of-experts models")
+    if opts.router_aux_loss_coef is not None:
+        coef = opts.router_aux_loss_coef
+        args = dataclasses.replace(args, router_aux_loss=coef > 0, router_aux_loss_coef=coef)
     return args
 
 

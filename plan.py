@@ -358,16 +358,22 @@ def block_shapes(args: ModelArgs) -> dict[str, torch.Size]:
     """A block's parameter shapes by "module.leaf", from the meta model, not a formula."""
     with torch.device("meta"):
         # One block: which layers skip RoPE or slide a window changes none of its parameters
-        # (the window goes with its layers: ModelArgs refuses one without the other).
+        # (the window goes with its layers: ModelArgs refuses one without the other). Of an
+        # MoE model, an MoE block: Qwen3-MoE's dense layers, where it has any, count as one.
         one = dataclasses.replace(
-            args, n_layers=1, nope_layers=(), window_layers=(), sliding_window=None
-        )
+            args, n_layers=1, nope_layers=(), window_layers=(), sliding_window=None,
+            moe_layers=(0,) if args.moe_layers else (),
+        )  # fmt: skip
         block = Llama(one).layers[0]
     return {".".join(name.split(".")[-2:]): p.shape for name, p in block.named_parameters()}
 
 
 def block_params(args: ModelArgs) -> int:
     return sum(shape.numel() for shape in block_shapes(args).values())
+
+
+def largest_block_param(args: ModelArgs) -> int:
+    return max(shape.numel() for shape in block_shapes(args).values())
 
 
 @functools.cache
@@ -430,7 +436,7 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
     gathered = p * (w.embedding + w.head) + p * w.dequantized
     gathered += blocks * (p * w.block_trained + w.block_frozen_bytes)
     # With CPU offload, the fp32 copy of a block's largest shard before its cast.
-    staging = 4 * args.ffn_dim * args.dim / s if plan.cpu_offload else 0.0
+    staging = 4 * largest_block_param(args) / s if plan.cpu_offload else 0.0
     in_use = master + gathered + staging
     # Earlier micro-batches' gradients stay unsharded in fp32 until the last backward.
     accumulated = 4 * w.trained if plan.grad_accum > 1 else 0.0
@@ -463,8 +469,8 @@ def in_backward_state(args: ModelArgs, w: Weights, p: int) -> tuple[dict, float,
     param_dtype weight on the GPU; a gradient until the worker copies it to the host: a block's
     worth, or the larger head's alone (a tied embedding's waits for its own). The host: fp32
     weights and moments, the largest parameter's pinned staging slots, the worker's fp32 copy."""
-    total, block, d = args.num_params(), block_params(args), args.dim
-    largest_in_block = max(args.ffn_dim * d, d * d)
+    total, block = args.num_params(), block_params(args)
+    largest_in_block = largest_block_param(args)
     largest = max(w.embedding, largest_in_block)
     pinned_slot = 1 << (largest * p - 1).bit_length()
     tied = w.embedding if args.tie_embeddings else 0
@@ -491,6 +497,14 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     n, d, f, h = plan.tokens, args.dim, args.ffn_dim, args.n_heads
     # MLP tiling (offload.apply_mlp_tiling): [tokens, ffn_dim] tensors exist m tokens at a time.
     m = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
+    # An MoE block's (the larger, where a model has both): each token's k rows through its
+    # experts, expert_ffn_dim wide, in place of one ffn_dim wide; beside them its k rows of
+    # dim going in and coming out (kernels/moe.py's dispatch and combine keep them, as do
+    # their gradients in backward) and the router's fp32 probabilities.
+    moe_rows = 0
+    if args.moe_layers:
+        k = args.experts_per_token
+        f, moe_rows = k * args.expert_ffn_dim, 2 * m * k * d * p + m * args.n_experts * 4
     q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
     x, qkv, tile = n * d * p, (n * q + 2 * n * kv) * p, m * f * p
     # The flash or cuDNN backend keeps attention's output and fp32 logsumexp (math: the scores).
@@ -506,12 +520,14 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
         # SwiGLU: gate, silu(gate), up
         saved = 2 * normed * 4 + rows * 4 + n * args.head_dim * 4 + 3 * tile
     # The linears' inputs (normed x, normed h, w2's) and attention's q, k, v and output.
-    saved += 2 * x + tile + qkv + out
+    saved += 2 * x + tile + qkv + out + moe_rows
 
     # The checkpoint's cache: attention's output; selective: every matmul's too (wq, wk, wv;
     # wo and w2, dim wide; w1 and w3).
+    # An MoE block's experts are no aten matmuls: its router's logits are cached instead.
+    up = 2 * n * f * p if not moe_rows else n * args.n_experts * p
     cached = {"none": None, "full": 0, "attention": out,
-              "selective": out + qkv + 2 * x + 2 * n * f * p}[plan.ac]  # fmt: skip
+              "selective": out + qkv + 2 * x + up}[plan.ac]  # fmt: skip
     if plan.document_mask and cached:
         # The document-masked attention's kept output comes with the q, k, v its backward
         # needs (offload._KeptAttention) and, up to a row's worth, long documents' causal
@@ -522,7 +538,7 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     # gradients, one [tile, ffn_dim] (SwiGLU's kernel writes the others over gate and up).
     # Attention's: two residual-sized gradients, dq, dk, dv and cuDNN's fp32 workspace, 8
     # bytes a query element (FlexAttention's, under a document mask, less).
-    mlp, attention = 3 * x + tile, 2 * x + qkv + 8 * n * q
+    mlp, attention = 3 * x + tile + moe_rows, 2 * x + qkv + 8 * n * q
     # --fp8 adds e4m3 copies (a byte an element): two of an output gradient and its input's
     # columns, at most w2's; q's beside the block's input (bench/RESULTS.md, "FP8 matmuls").
     if plan.fp8:
@@ -531,7 +547,7 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     # A checkpointed block's recomputed forward: attention's inputs, and its output unless
     # the cache kept it; the MLP's tile again (selective keeps gate and up).
     recomputed = x + qkv + (0 if plan.ac in ("attention", "selective") else out)
-    mlp_recomputed = mlp + 2 * x + (1 if plan.ac == "selective" else 3) * tile
+    mlp_recomputed = mlp + 2 * x + (1 if plan.ac == "selective" else 3) * tile + moe_rows
     if not plan.kernels:  # the references keep an fp32 input and output in each norm
         norm = 2 * n * d * 4 - x
         recomputed += norm + n * args.head_dim * 4  # and RoPE its cos and sin
@@ -693,9 +709,9 @@ SMALL_MODEL_BATCH_TOKENS = 4096
 def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float:
     """The modelled seconds of a step of `plan` on one rank. Under context parallelism N a rank
     computes seq_len / N tokens through the blocks and the whole row's attention for H/N heads."""
-    layers, d, s = args.n_layers, args.dim, plan.seq_len
+    layers, s = args.n_layers, plan.seq_len
     checkpointed = -(-layers // plan.ac_every) / layers
-    blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
+    blocks_forward = 2 * args.matmul_params(active=True)  # FLOPs per token
     attended = plan.attended_per_token or s / 2
     per_token = args.training_flops(1, attended, frozen=plan.lora is not None)
     attention_forward = args.training_flops(0, attended) / 3
@@ -708,7 +724,8 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     per_token += checkpointed * recomputed[plan.ac]
     if 0 < plan.mlp_tile < s:  # the MLP's forward once more, where no block recompute was
         recomputing_mlp = checkpointed if plan.ac in ("full", "attention") else 0.0
-        per_token += (1 - recomputing_mlp) * 2 * layers * 3 * d * args.ffn_dim
+        mlp = sum(args.feed_forward_params(i, active=True) for i in range(layers))
+        per_token += (1 - recomputing_mlp) * 2 * mlp
     compute_s = plan.tokens * plan.grad_accum * per_token / flops
     if plan.activation_offload:
         compute_s *= 1 + ACTIVATION_OFFLOAD_COST
@@ -784,8 +801,11 @@ def fp8_projections(args: ModelArgs, plan: Plan) -> tuple[str, ...]:
     mlp_tokens = plan.micro_batch * min(plan.mlp_tile or rows, rows)
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     attention = (2 * q + 2 * kv) * args.dim  # wq, wk, wv, wo
-    multiply_adds = plan.tokens * attention + mlp_tokens * 3 * args.dim * args.ffn_dim
-    return PROJECTIONS if multiply_adds >= FP8_SMALLEST_BLOCK else ()
+    # An MoE block's experts multiply in bf16 (kernels/moe.py): of an all-MoE model, attention's.
+    dense_mlp = 3 * args.dim * args.ffn_dim if len(args.moe_layers) < args.n_layers else 0
+    multiply_adds = plan.tokens * attention + mlp_tokens * dense_mlp
+    projections = PROJECTIONS if dense_mlp else PROJECTIONS[:4]
+    return projections if multiply_adds >= FP8_SMALLEST_BLOCK else ()
 
 
 def choose_plan(

@@ -62,6 +62,7 @@ from hf import (
 )
 from lora import LoRAConfig
 from model import Llama, ModelArgs, RopeScaling
+from moe import Routed
 from plan import GiB, Machine, host_memory_gib, shard_group_size, strategy_of
 
 # ----------------------------------------------------------------------------------------
@@ -337,6 +338,33 @@ def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **
     return torch.cat(pieces, dim=1)[:, :length]
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """all_reduce's sum, whose gradient is the sum of the ranks' gradients: every rank's loss
+    reads the sum."""
+
+    @staticmethod
+    def forward(ctx, x, group: dist.ProcessGroup):
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _SumOverGroup.apply(grad, ctx.group), None
+
+
+def _pooled_routing(routed, group) -> list[Routed]:
+    """The MoE layers' routing of the whole rows, summed over the ranks that share them: the
+    load-balancing loss and the experts' load one process would compute."""
+    layers = routed()
+    chosen = torch.stack([r.chosen for r in layers])
+    dist.all_reduce(chosen, group=group)
+    probs = _SumOverGroup.apply(torch.stack([r.probs for r in layers]), group)
+    tokens = [r.tokens * group.size() for r in layers]  # each rank holds S/N of every row
+    return [Routed(*routing) for routing in zip(chosen, probs, tokens, strict=True)]
+
+
 def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> None:
     """Makes `model` take this rank's slice of each row, [B, S/N], wrapping methods on the
     instances (as offload.apply_mlp_tiling does): parameter names and checkpoints unchanged,
@@ -350,6 +378,8 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
     if model.mask_documents:  # else the mask is None, whatever the positions
         model.attention_mask = functools.partial(_whole_row_mask, model.attention_mask, group)
     model.forward = functools.partial(_forward_rows, model.forward, group)
+    if model.args.moe_layers:
+        model.routed = functools.partial(_pooled_routing, model.routed, group)
 
 
 # ----------------------------------------------------------------------------------------

@@ -268,6 +268,8 @@ class StepResult:
     n_labels: torch.Tensor  # labelled tokens of the step on all ranks
     grad_norm: torch.Tensor  # before clipping
     optimizer_s: float  # host seconds in the optimizer's step
+    # An MoE model's last micro-batch: its load-balancing loss, its busiest expert's load.
+    routing: torch.Tensor | None = None
 
 
 def train_step(
@@ -297,7 +299,8 @@ def train_step(
         loss_sum += loss.detach()
     started = time.perf_counter()
     grad_norm = optimizer.step()
-    return StepResult(loss_sum, n_labels, grad_norm, time.perf_counter() - started)
+    optimizer_s = time.perf_counter() - started
+    return StepResult(loss_sum, n_labels, grad_norm, optimizer_s, model.routing)
 
 
 class MetricsLog:
@@ -375,6 +378,10 @@ class MetricsLog:
         )
         self.attended.zero_()
         flops_per_device = flops / (now - self.logged_at) / world.world_size
+        routing = [None, None]  # each rank routes its own rows: their mean
+        if self.last.routing is not None:
+            dist.all_reduce(routing := self.last.routing.clone())
+            routing = (routing / world.world_size).tolist()
         peak = peak_flops(world.device)
         on_gpu = world.device.type == "cuda"
         record = {
@@ -396,6 +403,8 @@ class MetricsLog:
             "eta_s": (now - self.started) / (step - run.start_step) * (max_steps - step),
             "eval_loss": None,
             "eval_tokens": None,
+            "aux_loss": routing[0],
+            "expert_load": routing[1],
         }
         if self.evaluating(step, stopping):  # after the step's timing, left out of the next
             record["eval_loss"], record["eval_tokens"] = run.evaluate()
@@ -476,6 +485,8 @@ def format_record(r: dict, max_steps: int) -> str:
         f" | lr {r['lr']:.2e} | grad norm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s "
         f"({r['tokens_per_s_per_device']:,.0f}/device) | optimizer {r['optimizer_s']:.2f} s"
     )
+    if r["expert_load"] is not None:
+        line += f" | aux loss {r['aux_loss']:.4f} | expert load {r['expert_load']:.2f}"
     if r["mfu"] is not None:
         line += f" | mfu {100 * r['mfu']:.1f}%"
     if r["peak_gpu_mem_gib"] is not None:

@@ -52,6 +52,13 @@ ODD = dataclasses.replace(TINY, vocab_size=321, ffn_dim=201)
 QLORA_ARGS = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_dim=192)
 QLORA = LoRAConfig(rank=4, alpha=64.0, quantize_base="nf4")
 
+# Qwen3-MoE's blocks on layers 0 and 2 (1 and 3 dense), 5 experts (2 ranks split them 3 + 2),
+# the load-balancing loss on at a weight that makes it show in the gradients.
+MOE = dataclasses.replace(
+    TINY, family="qwen3_moe", qk_norm=True, n_experts=5, experts_per_token=2, expert_ffn_dim=24,
+    moe_layers=(0, 2), router_aux_loss=True, router_aux_loss_coef=0.5,
+)  # fmt: skip
+
 STEPS, MICRO_BATCHES, BATCH, SEQ = 3, 2, 2, 32
 LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 1
 
@@ -112,6 +119,12 @@ TRAIN_SCENARIOS = {
     ),
     "qlora_full_shard_ac_offload": Scenario(
         args=QLORA_ARGS, ac="full", activation_offload=True, lora=QLORA
+    ),
+    # Each rank's rows routed and balanced on their own, as a process of its own would; under
+    # context parallelism the halves of the rows pooled: one process's loss (shard.py).
+    "moe_full_shard_selective_ac": Scenario(args=MOE, ac="selective"),
+    "moe_context_parallel_documents_full_ac": Scenario(
+        args=MOE, context_parallel=2, document_mask=True, ac="full"
     ),
     # One key/value head for 2 ranks: each rank gets a copy of it.
     "context_parallel_repeated_kv_head_full_ac": Scenario(

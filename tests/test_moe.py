@@ -2,7 +2,8 @@
 MixtralForCausalLM on tiny checkpoints saved here: logits, the loss with and without the
 load-balancing loss, every gradient (the router's too), and the export loaded back; the expert
 computation on odd routings, a collapsed router; transformers 5's fused expert tensors; what is
-refused; the experts' odd routings are tests/test_moe_kernels.py's."""
+refused; checkpointing and MLP tiling; a chat fine-tune through train.py, exported. The
+experts' odd routings are tests/test_moe_kernels.py's; sharded training tests/test_shard.py's."""
 
 import dataclasses
 import json
@@ -10,8 +11,12 @@ import json
 import pytest
 import torch
 import transformers
+from test_tokenizers import QWEN_CONVERSATIONS, QWEN_TEMPLATES, qwen_dir
 
+import offload
 import options
+import prepare
+import train
 from files import UsageError
 from hf import (
     FusedRows,
@@ -247,9 +252,42 @@ def test_other_moe_types_are_refused_in_one_line(tmp_path):
         args_from_hf_config(tmp_path)
 
 
-def test_training_an_moe_model_is_refused_before_anything_is_built():
-    with pytest.raises(UsageError, match="qwen3-30b-a3b is a mixture-of-experts model"):
-        options.model_args(options.Options(model="qwen3-30b-a3b"))
+@pytest.mark.parametrize(
+    "ac,tile", [("full", 0), ("selective", 0), ("attention", 4), ("none", 4), ("full", 4)]
+)
+def test_checkpointing_and_mlp_tiling_route_as_one_forward(tmp_path, ac, tile):
+    """A recomputed block routes its tokens again, and MLP tiling routes each tile apart: the
+    loss with the aux term, every gradient (the router's too) and the metrics' figures equal
+    the plain model's; tiles of 4 positions cut rows of 11 unevenly."""
+    _, path = checkpoint(tmp_path, "qwen3_moe", aux=True)
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(0, 97, (2, 2, 11), generator=g)
+    runs = []
+    for techniques in [False, True]:
+        model = ours_from(path)
+        if techniques:
+            offload.apply_ac(model, ac)
+            offload.apply_mlp_tiling(model, tile)
+        loss = model(tokens, labels)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        runs.append((loss, model.routing, grads))
+    (loss, routing, grads), (want_loss, want_routing, want_grads) = runs
+    torch.testing.assert_close(loss, want_loss, **FP32)
+    torch.testing.assert_close(routing, want_routing, **FP32)
+    assert routing[1] > 1  # the experts' load is not even: a test of the counts
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, **FP32, msg=name)
+
+
+def test_the_aux_loss_flag_sets_the_weight_and_is_for_moe_models_only():
+    opts = options.Options(model="qwen3-30b-a3b", router_aux_loss_coef=0.01)
+    args = options.model_args(opts)
+    assert args.router_aux_loss and args.router_aux_loss_coef == 0.01
+    off = options.model_args(dataclasses.replace(opts, router_aux_loss_coef=0))
+    assert not off.router_aux_loss
+    with pytest.raises(UsageError, match="^--router-aux-loss-coef is for mixture-of-experts"):
+        options.model_args(options.Options(model="tiny", router_aux_loss_coef=0.01))
 
 
 def test_the_presets_count_all_experts_and_train_the_active_ones():
@@ -258,3 +296,41 @@ def test_the_presets_count_all_experts_and_train_the_active_ones():
     assert args.num_params() == pytest.approx(30.5e9, rel=0.01)
     active = args.training_flops(1, 0) / 6 + args.vocab_size * args.dim  # + the embedding
     assert active == pytest.approx(3.3e9, rel=0.02)
+
+
+def test_a_chat_fine_tune_of_qwen3_moe_exports_what_transformers_reads(tmp_path, capsys):
+    """Real use on the CPU: a Qwen3-MoE checkpoint beside a Qwen tokenizer.json and chat
+    template, chat jsonl prepared with them, trained with the aux loss on and exported; the
+    metrics log the aux loss and the experts' load, and transformers' loss on the export,
+    loaded as the same class, equals longtune's on a conversation."""
+    directory = qwen_dir(tmp_path, QWEN_TEMPLATES["qwen3"])
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    config = CONFIGS["qwen3_moe"](
+        vocab_size=len(their_tokenizer), output_router_logits=True, router_aux_loss_coef=0.05
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": c}) + "\n" for c in QWEN_CONVERSATIONS * 20))
+    sft = prepare.prepare([chat], tmp_path / "sft", directory, workers=1)
+    run_dir, export = tmp_path / "run", tmp_path / "export"
+    train.main(["--hf-checkpoint", str(directory), "--data", str(sft), "--lr", "1e-2",
+                "--seq-len", "64", "--batch-tokens", "256", "--max-steps", "3",
+                "--run-dir", str(run_dir), "--export-hf", str(export)])  # fmt: skip
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["aux_loss"] > 0 and r["expert_load"] >= 1 for r in records)
+    assert "| aux loss " in capsys.readouterr().out
+
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
+    ids = their_tokenizer.apply_chat_template(QWEN_CONVERSATIONS[1], return_dict=False)
+    tokens = torch.tensor([ids])
+    shifted = torch.cat([tokens[:, 1:], torch.tensor([[-100]])], dim=1)
+    ours = ours_from(export)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            ours(tokens, shifted), theirs(tokens, labels=tokens).loss, **FP32
+        )
+    before = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert not torch.equal(
+        theirs.model.layers[0].mlp.gate.weight, before.model.layers[0].mlp.gate.weight
+    )
