@@ -18,12 +18,12 @@ import train  # noqa: E402
 
 
 def first_blocks(args, blocks: int):
-    """`args` cut to its first `blocks` blocks, with the layers that skip RoPE or slide a
-    window among them."""
+    """`args` cut to its first `blocks` blocks, with the layers that skip RoPE, slide a window
+    or hold experts among them."""
     kept = lambda layers: tuple(i for i in layers if i < blocks)  # noqa: E731
     return dataclasses.replace(
         args, n_layers=blocks, nope_layers=kept(args.nope_layers),
-        window_layers=kept(args.window_layers),
+        window_layers=kept(args.window_layers), moe_layers=kept(args.moe_layers),
     )  # fmt: skip
 
 

@@ -19,10 +19,10 @@ Nothing on the way reads a value back to the host (no .item(), .tolist(), nonzer
 torch.bincount, whose CUDA version reads its input's max): the counts and offsets stay tensors
 on the device, so a layer never waits for the GPU.
 
-torch._grouped_mm(a, w.transpose(1, 2), offs=offsets[1:]) computes grouped_mm's product too. In
-torch 2.13 it runs on the CPU as well (a test checks that the two agree); on the GPU its bf16
-path is written for sm90. It is the alternative to measure against the Triton kernel, which is
-the default until then.
+grouped_mm's products run in torch._grouped_mm (CUTLASS's grouped GEMM) where it exists, on
+Hopper's bf16: at Qwen3-30B-A3B's shapes it measured 629-710 TFLOP/s against 376-598 for the
+Triton kernel's best tiles (bench/RESULTS.md, "The grouped products' tiles"). The Triton kernel
+runs elsewhere (other GPUs, fp32, the CPU interpreter), with the tiles that measured best.
 
 Read in order: `moe_experts_reference`; then for each step its reference, its Triton kernels,
 its autograd Function and its public function; and last `moe_experts`, which takes the
@@ -305,11 +305,12 @@ def grouped_mm_reference(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor
     return torch.cat([a[bounds[e] : bounds[e + 1]] @ w[e].t() for e in range(w.shape[0])])
 
 
-# Tiles of the grouped products: BLOCK_M rows of one expert by BLOCK_N outputs, BLOCK_K of the
-# inner dimension a step. Modest until the GPU measures larger ones: each expert's last tile is
-# padded to BLOCK_M rows, which with many experts of few tokens each is much of the work, and a
-# 64 x 64 fp32 accumulator is 32 registers a thread at 4 warps.
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+# Tiles of the grouped products (BLOCK_M rows of one expert, BLOCK_N outputs, BLOCK_K of the
+# inner dimension a step, warps, pipeline stages): the forward's and the weight gradient's that
+# measured fastest on an H200 (bench/grouped_mm_tiles.py; bench/RESULTS.md). Each expert's last
+# row tile is padded to BLOCK_M rows: much of the work when experts get few tokens each.
+FORWARD_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+WEIGHT_GRAD_TILES = dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -396,18 +397,48 @@ def _grouped_mm_weight_grad_kernel(
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
 
 
+def _on_cutlass(a: torch.Tensor, n: int) -> bool:
+    """Whether torch._grouped_mm takes a's product to n outputs: bf16 on Hopper (sm90) or
+    later, rows of 16-byte multiples."""
+    return (
+        a.is_cuda
+        and a.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(a.device) >= (9, 0)
+        and a.shape[1] % 8 == 0
+        and n % 8 == 0
+    )
+
+
 def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Launches the forward kernel: a [R, K] contiguous, w [E, N, K] of any strides."""
+    """The forward product: a [R, K] contiguous, w [E, N, K] of any strides."""
+    if _on_cutlass(a, w.shape[1]):
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=offsets[1:])
     n_experts, n, k = w.shape
     out = a.new_empty(a.shape[0], n)
     # Each expert's last row tile may be partial: at most E - 1 tiles more than R rows fill.
-    tiles_m = triton.cdiv(a.shape[0], BLOCK_M) + n_experts - 1
-    _grouped_mm_kernel[(tiles_m * triton.cdiv(n, BLOCK_N),)](
+    tiles_m = triton.cdiv(a.shape[0], FORWARD_TILES["BLOCK_M"]) + n_experts - 1
+    _grouped_mm_kernel[(tiles_m * triton.cdiv(n, FORWARD_TILES["BLOCK_N"]),)](
         a, w, offsets, out, n_experts, n, k, *w.stride(),
-        E_PAD=triton.next_power_of_2(n_experts), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-        UPCAST=a.device.type != "cuda",
+        E_PAD=triton.next_power_of_2(n_experts), UPCAST=a.device.type != "cuda", **FORWARD_TILES,
     )  # fmt: skip
     return out
+
+
+def _grouped_mm_weight_grad(
+    dout: torch.Tensor, a: torch.Tensor, offsets: torch.Tensor, n_experts: int
+):
+    """dw [E, N, K] from dout [R, N] and a [R, K], both contiguous."""
+    if _on_cutlass(a, dout.shape[1]):  # the offsets split the inner dimension, the rows
+        return torch._grouped_mm(dout.t(), a, offs=offsets[1:])
+    n, k = dout.shape[1], a.shape[1]
+    dw = a.new_empty(n_experts, n, k)
+    tiles = triton.cdiv(n, WEIGHT_GRAD_TILES["BLOCK_N"]) * triton.cdiv(
+        k, WEIGHT_GRAD_TILES["BLOCK_K"]
+    )
+    _grouped_mm_weight_grad_kernel[(n_experts * tiles,)](
+        dout, a, offsets, dw, n, k, UPCAST=a.device.type != "cuda", **WEIGHT_GRAD_TILES
+    )
+    return dw
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -426,13 +457,7 @@ class _GroupedMM(torch.autograd.Function):
         da = _grouped_mm(dout, w.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
-            n_experts, n, k = w.shape
-            dw = w.new_empty(w.shape)
-            grid = (n_experts * triton.cdiv(n, BLOCK_N) * triton.cdiv(k, BLOCK_K),)
-            _grouped_mm_weight_grad_kernel[grid](
-                dout, a, offsets, dw, n, k, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                UPCAST=a.device.type != "cuda",
-            )  # fmt: skip
+            dw = _grouped_mm_weight_grad(dout, a, offsets, w.shape[0]).to(w.dtype)
         return da, dw, None
 
 

@@ -27,6 +27,7 @@ from test_kernels import (
     assert_close_on_gpu,
 )
 
+import kernels.moe
 from kernels.moe import (
     combine,
     combine_reference,
@@ -141,7 +142,7 @@ def test_grouped_mm_matches_reference(counts, inner, outer, dtype):
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch has no _grouped_mm")
 def test_grouped_mm_equals_torch_grouped_mm_given_the_offsets_ends():
-    """The call kernels/moe.py names as the alternative to measure on the GPU."""
+    """The call kernels/moe.py makes instead of the Triton kernel on Hopper, in bf16."""
     torch.manual_seed(0)
     offsets = torch.tensor([0, 20, 20, 53, 74, 74], dtype=torch.int32)
     a, w = torch.randn(74, 48), torch.randn(5, 40, 48)
@@ -222,8 +223,15 @@ def test_moe_experts_and_grouped_mm_name_every_mismatch_at_once():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_moe_experts_bf16_matches_fp32_reference_at_qwen3_30b_a3b_widths():
-    """D = 2048, F = 768, E = 128, k = 8, 4096 tokens (32768 rows), expert 0 never chosen."""
+@pytest.mark.parametrize("products", ["torch._grouped_mm", "triton"])
+def test_moe_experts_bf16_matches_fp32_reference_at_qwen3_30b_a3b_widths(products, monkeypatch):
+    """D = 2048, F = 768, E = 128, k = 8, 4096 tokens (32768 rows), expert 0 never chosen (its
+    weights' gradients zeros), the grouped products by torch._grouped_mm where the GPU has it
+    (Hopper) and by the Triton kernel."""
+    if products == "triton":
+        monkeypatch.setattr(kernels.moe, "_on_cutlass", lambda a, n: False)
+    elif not kernels.moe._on_cutlass(torch.empty(1, 8, dtype=torch.bfloat16, device="cuda"), 8):
+        pytest.skip("torch._grouped_mm's bf16 kernels need sm90")
     torch.manual_seed(0)
     x, w1, w3, w2 = layer_inputs(4096, 2048, 768, 128, torch.bfloat16, device="cuda")
     experts = routing(4096, 128, 8, empty=[0], device="cuda")
