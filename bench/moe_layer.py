@@ -65,7 +65,12 @@ def one_size(n: int, a: argparse.Namespace, g: torch.Generator) -> None:
             for p in layer.parameters():
                 p.normal_(0, 0.02, generator=g)
         layer.bfloat16()
-        step = lambda layer=layer: layer(x).sum().backward()  # noqa: E731
+
+        def step(layer=layer):  # as a training step's first micro-batch: no gradients yet
+            x.grad, layer.routed = None, []
+            layer.zero_grad(set_to_none=True)
+            layer(x).sum().backward()
+
         seconds = timed(step, a.repeats)
         row[name] = seconds
         print(f"tokens {n:,} {name}: {seconds * 1e3:.1f} ms forward+backward, "

@@ -12,7 +12,8 @@ expert's rows are contiguous:
     dispatch        x's rows copied to their pairs' rows, [T*k, D]
     grouped_mm      each expert's rows times its own weights: w1 and w3, kernels/swiglu.py's
                     swiglu, then w2; a Triton grouped GEMM whose programs find their expert in
-                    the offsets
+                    the offsets (dispatch_gate_up: dispatch and the w1 and w3 products in one
+                    autograd Function, whose backward never adds their [T*k, D] gradients)
     combine         y[t] = sum_j weights[t, j] * rows[position[t, j]]: a gather, the same sum
                     on every run (a scatter-add with atomics would not be)
 Nothing on the way reads a value back to the host (no .item(), .tolist(), nonzero or
@@ -25,8 +26,8 @@ Triton kernel's best tiles (bench/RESULTS.md, "The grouped products' tiles"). Th
 runs elsewhere (other GPUs, fp32, the CPU interpreter), with the tiles that measured best.
 
 Read in order: `moe_experts_reference`; then for each step its reference, its Triton kernels,
-its autograd Function and its public function; and last `moe_experts`, which takes the
-reference's arguments.
+its autograd Function and its public function; and last `dispatch_gate_up` and `moe_experts`,
+which takes the reference's arguments.
 """
 
 import torch
@@ -240,24 +241,19 @@ def _per_token(kernel, position: torch.Tensor, dim: int, *tensors) -> None:
     kernel[(n_tokens,)](*tensors, dim, k, K_PAD=k_pad, BLOCK_D=block_d)
 
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        rows = x.new_empty(position.numel(), x.shape[1])
-        _per_token(_scatter_rows_kernel, position, x.shape[1], x, position, None, None, rows, None)
-        ctx.save_for_backward(position)
-        return rows
+def _dispatch(x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """dispatch_reference's rows, without autograd (dispatch_gate_up's forward)."""
+    x = x.contiguous()
+    rows = x.new_empty(position.numel(), x.shape[1])
+    _per_token(_scatter_rows_kernel, position, x.shape[1], x, position, None, None, rows, None)
+    return rows
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, drows: torch.Tensor):
-        (position,) = ctx.saved_tensors
-        dx = drows.new_empty(position.shape[0], drows.shape[1])
-        _per_token(
-            _gather_sum_kernel, position, dx.shape[1], drows.contiguous(), position, None, dx
-        )
-        return dx, None
+
+def _dispatch_backward(drows: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """dx [T, D]: each token's k rows' gradients summed."""
+    dx = drows.new_empty(position.shape[0], drows.shape[1])
+    _per_token(_gather_sum_kernel, position, dx.shape[1], drows.contiguous(), position, None, dx)
+    return dx
 
 
 class _Combine(torch.autograd.Function):
@@ -280,11 +276,6 @@ class _Combine(torch.autograd.Function):
             rows if dweights is not None else None, drows, dweights,
         )  # fmt: skip
         return drows, None, dweights
-
-
-def dispatch(x: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-    """dispatch_reference's rows [T*k, D] for sort_by_expert's position; the gradient for x."""
-    return _Dispatch.apply(x, position)
 
 
 def combine(rows: torch.Tensor, position: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -482,6 +473,43 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 # ----------------------------------------------------------------------------------------
 
 
+class _DispatchGateUp(torch.autograd.Function):
+    """dispatch, then the gate and up products of the same rows. In backward each product's
+    input gradient goes back through dispatch's gather-sum on its own, so the two are never
+    added as [T*k, D] rows: that sum would cost a [T*k, D] buffer and three passes over one."""
+
+    @staticmethod
+    def forward(ctx, x, position, w1, w3, offsets):
+        rows = _dispatch(x, position)
+        ctx.save_for_backward(rows, position, w1, w3, offsets)
+        return _grouped_mm(rows, w1, offsets), _grouped_mm(rows, w3, offsets)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dgate: torch.Tensor, dup: torch.Tensor):
+        rows, position, w1, w3, offsets = ctx.saved_tensors
+        dgate, dup = dgate.contiguous(), dup.contiguous()
+        dx = dw1 = dw3 = None
+        if ctx.needs_input_grad[0]:
+            dx = sum(
+                _dispatch_backward(_grouped_mm(d, w.transpose(1, 2), offsets), position)
+                for d, w in ((dgate, w1), (dup, w3))
+            )
+        if ctx.needs_input_grad[2]:
+            dw1 = _grouped_mm_weight_grad(dgate, rows, offsets, w1.shape[0]).to(w1.dtype)
+        if ctx.needs_input_grad[3]:
+            dw3 = _grouped_mm_weight_grad(dup, rows, offsets, w3.shape[0]).to(w3.dtype)
+        return dx, None, dw1, dw3, None
+
+
+def dispatch_gate_up(
+    x: torch.Tensor, position: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) [T*k, F]: grouped_mm of dispatch_reference's rows by w1 and by w3, for
+    sort_by_expert's position and offsets; gradients for x, w1 and w3."""
+    return _DispatchGateUp.apply(x, position, w1, w3, offsets)
+
+
 def moe_experts(
     x: torch.Tensor,
     experts: torch.Tensor,
@@ -521,8 +549,7 @@ def moe_experts(
     if problems:
         raise ValueError("moe_experts: " + "; ".join(problems))
     position, offsets = sort_by_expert(experts, n_experts)
-    rows = dispatch(x, position)
-    # gate and up are grouped_mm's outputs, read by nothing else: swiglu's backward may write
-    # their gradients over them, as the dense MLP's does (model.triton_ops).
-    hidden = swiglu(grouped_mm(rows, w1, offsets), grouped_mm(rows, w3, offsets), overwrite=True)
+    # gate and up are read by nothing else: swiglu's backward may write their gradients over
+    # them, as the dense MLP's does (model.triton_ops).
+    hidden = swiglu(*dispatch_gate_up(x, position, w1, w3, offsets), overwrite=True)
     return combine(grouped_mm(hidden, w2, offsets), position, weights)

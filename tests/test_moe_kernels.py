@@ -31,7 +31,7 @@ import kernels.moe
 from kernels.moe import (
     combine,
     combine_reference,
-    dispatch,
+    dispatch_gate_up,
     dispatch_reference,
     grouped_mm,
     grouped_mm_reference,
@@ -84,25 +84,20 @@ def test_sort_by_expert_equals_the_stable_argsort(n_tokens, n_experts, k, empty,
 
 
 # ----------------------------------------------------------------------------------------
-# dispatch and combine
+# combine
 # ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("weights_dtype", ["x's", torch.float32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_tokens, dim, k", [(37, 48, 2), (19, 1100, 3)])  # 1100: two steps
-def test_dispatch_and_combine_match_reference(n_tokens, dim, k, dtype, weights_dtype):
+def test_combine_matches_reference(n_tokens, dim, k, dtype, weights_dtype):
     torch.manual_seed(0)
     weights_dtype = dtype if weights_dtype == "x's" else weights_dtype
     position, _ = sort_by_expert_reference(routing(n_tokens, 5, k), 5)
-    x, drows = torch.randn(n_tokens, dim, dtype=dtype), torch.randn(n_tokens * k, dim, dtype=dtype)
-    pairs = against_reference(
-        lambda a: dispatch(a, position), lambda a: dispatch_reference(a, position),
-        [x], [drows], ["rows", "dx"], torch.float64,
-    )  # fmt: skip
     rows, weights = torch.randn(n_tokens * k, dim, dtype=dtype), router_weights(n_tokens, k, dtype)
     dy = torch.randn(n_tokens, dim, dtype=dtype)
-    pairs += against_reference(
+    pairs = against_reference(
         lambda r, w: combine(r, position, w), lambda r, w: combine_reference(r, position, w),
         [rows, weights.to(weights_dtype)], [dy], ["y", "drows", "dweights"], torch.float64,
     )  # fmt: skip
@@ -137,6 +132,30 @@ def test_grouped_mm_matches_reference(counts, inner, outer, dtype):
     )  # fmt: skip
     for name, out, ref in pairs:
         assert out.dtype == dtype
+        assert_close(out, ref, TOLERANCE[dtype], name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_tokens, dim, k, empty", [(37, 48, 2, [1]), (19, 1100, 3, [])])
+def test_dispatch_gate_up_matches_reference(n_tokens, dim, k, empty, dtype):
+    """dispatch, then w1's and w3's products of the same rows (1100 columns: two steps of
+    the row kernels); x's gradient is the sum of the two products' through dispatch."""
+    torch.manual_seed(0)
+    position, offsets = sort_by_expert_reference(routing(n_tokens, 5, k, empty=empty), 5)
+    x = torch.randn(n_tokens, dim, dtype=dtype)
+    w1, w3 = (torch.randn(5, 24, dim, dtype=dtype) / dim**0.5 for _ in range(2))
+    dgate, dup = (torch.randn(n_tokens * k, 24, dtype=dtype) for _ in range(2))
+
+    def reference(x, w1, w3):
+        rows = dispatch_reference(x, position)
+        return grouped_mm_reference(rows, w1, offsets), grouped_mm_reference(rows, w3, offsets)
+
+    pairs = against_reference(
+        lambda x, w1, w3: dispatch_gate_up(x, position, w1, w3, offsets), reference,
+        [x, w1, w3], [dgate, dup], ["gate", "up", "dx", "dw1", "dw3"], torch.float64,
+    )  # fmt: skip
+    for name, out, ref in pairs:
+        assert out.dtype == dtype, name
         assert_close(out, ref, TOLERANCE[dtype], name)
 
 
