@@ -1,6 +1,7 @@
 """kernels/moe.py's grouped matrix products alone, at Qwen3-30B-A3B's shapes, for a list of tile
 configurations (BLOCK_M, BLOCK_N, BLOCK_K, warps, pipeline stages), beside torch._grouped_mm:
-which tiles the kernels should launch with, and whether the Triton kernel or torch's is faster.
+which tiles the kernels should launch with, and whether the Triton kernel or torch's is faster;
+then dispatch's and combine's row kernels by their column block and warps.
 The three products of a layer's experts: gate/up (K = dim, N = ffn), down (K = ffn, N = dim),
 each forward (a grouped GEMM; backward's input gradient is the same product, transposed) and
 weight gradient. A random router: each expert gets about T * k / E rows.
@@ -19,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.moe_layer import BF16_CEILING, timed  # noqa: E402
 from kernels.moe import (  # noqa: E402
+    _gather_sum_kernel,
     _grouped_mm_kernel,
     _grouped_mm_weight_grad_kernel,
+    _scatter_rows_kernel,
     sort_by_expert,
 )
 
@@ -78,6 +81,30 @@ def main() -> None:
     print(f"{a.tokens * a.top_k:,} rows over {a.experts} experts; TFLOP/s, share of the ceiling")
     one_product("gate/up", a.dim, a.ffn, offsets, a.repeats, g)
     one_product("down", a.ffn, a.dim, offsets, a.repeats, g)
+    row_kernels(experts, a.dim, a.repeats, g)
+
+
+def row_kernels(experts, dim: int, repeats: int, g) -> None:
+    """dispatch's scatter and combine's gather-sum (a token a program, its k rows BLOCK_D
+    columns at a time) by (BLOCK_D, warps): GB/s of the rows moved, against the copy ceiling."""
+    position, _ = sort_by_expert(experts, experts.amax().item() + 1)
+    (n_tokens, k), k_pad = position.shape, triton.next_power_of_2(position.shape[1])
+    x = torch.randn(n_tokens, dim, device="cuda", generator=g).bfloat16()
+    rows = torch.randn(n_tokens * k, dim, device="cuda", generator=g).bfloat16()
+    moved = (rows.numel() + x.numel()) * 2
+    for block_d in (256, 512, 1024, 2048):
+        for warps in (4, 8, 16):
+            tiles = dict(K_PAD=k_pad, BLOCK_D=block_d, num_warps=warps)
+            scatter = lambda t=tiles: _scatter_rows_kernel[(n_tokens,)](  # noqa: E731
+                x, position, None, None, rows, None, dim, k, **t
+            )
+            gather = lambda t=tiles: _gather_sum_kernel[(n_tokens,)](  # noqa: E731
+                rows, position, None, x, dim, k, **t
+            )
+            for name, fn in (("scatter", scatter), ("gather-sum", gather)):
+                seconds = timed(fn, repeats)
+                print(f"rows {name:10} BLOCK_D {block_d:5} warps {warps:2} {seconds * 1e3:6.2f} ms "
+                      f"{moved / seconds / 1e9:6.0f} GB/s", flush=True)  # fmt: skip
 
 
 def one_product(name: str, k: int, n: int, offsets, repeats: int, g) -> None:
