@@ -168,9 +168,10 @@ def combine_reference(
 
 def _rows_config(dim: int, k: int) -> tuple[int, int]:
     """(k_pad, block_d): the row kernels move a token's k rows block_d columns at a time, a
-    [k_pad, block_d] tile of about 4096 elements (rms_norm's step)."""
+    [k_pad, block_d] tile of about 8192 elements: at k = 8 and dim 2048, the gather-sum moved
+    4.4 TB/s, and 1.8 at half that tile (bench/RESULTS.md, "The grouped products' tiles")."""
     k_pad = triton.next_power_of_2(k)
-    return k_pad, min(triton.next_power_of_2(dim), max(4096 // k_pad, 16))
+    return k_pad, min(triton.next_power_of_2(dim), max(8192 // k_pad, 16))
 
 
 @triton.jit

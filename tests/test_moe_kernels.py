@@ -90,7 +90,7 @@ def test_sort_by_expert_equals_the_stable_argsort(n_tokens, n_experts, k, empty,
 
 @pytest.mark.parametrize("weights_dtype", ["x's", torch.float32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_tokens, dim, k", [(37, 48, 2), (19, 1100, 3)])  # 1100: two steps
+@pytest.mark.parametrize("n_tokens, dim, k", [(37, 48, 2), (19, 2200, 3)])  # 2200: two steps
 def test_combine_matches_reference(n_tokens, dim, k, dtype, weights_dtype):
     torch.manual_seed(0)
     weights_dtype = dtype if weights_dtype == "x's" else weights_dtype
@@ -136,9 +136,9 @@ def test_grouped_mm_matches_reference(counts, inner, outer, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n_tokens, dim, k, empty", [(37, 48, 2, [1]), (19, 1100, 3, [])])
+@pytest.mark.parametrize("n_tokens, dim, k, empty", [(37, 48, 2, [1]), (19, 2200, 3, [])])
 def test_dispatch_gate_up_matches_reference(n_tokens, dim, k, empty, dtype):
-    """dispatch, then w1's and w3's products of the same rows (1100 columns: two steps of
+    """dispatch, then w1's and w3's products of the same rows (2200 columns: two steps of
     the row kernels); x's gradient is the sum of the two products' through dispatch."""
     torch.manual_seed(0)
     position, offsets = sort_by_expert_reference(routing(n_tokens, 5, k, empty=empty), 5)
