@@ -243,9 +243,11 @@ class ModelArgs:
         other += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         return matmul, other
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
+        """All parameters, or (`active`) those a token passes through: of an MoE block, the
+        experts_per_token of its experts."""
         embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        blocks = sum(sum(self._block_params(i)) for i in range(self.n_layers))
+        blocks = sum(sum(self._block_params(i, active)) for i in range(self.n_layers))
         return blocks + embeddings + self.dim
 
     def matmul_params(self, active: bool = False) -> int:

@@ -296,6 +296,7 @@ def test_the_presets_count_all_experts_and_train_the_active_ones():
     assert args.num_params() == pytest.approx(30.5e9, rel=0.01)
     active = args.training_flops(1, 0) / 6 + args.vocab_size * args.dim  # + the embedding
     assert active == pytest.approx(3.3e9, rel=0.02)
+    assert args.num_params(active=True) == pytest.approx(active, rel=1e-4)  # + the norms
 
 
 def test_a_chat_fine_tune_of_qwen3_moe_exports_what_transformers_reads(tmp_path, capsys):
@@ -318,7 +319,9 @@ def test_a_chat_fine_tune_of_qwen3_moe_exports_what_transformers_reads(tmp_path,
                 "--run-dir", str(run_dir), "--export-hf", str(export)])  # fmt: skip
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(r["aux_loss"] > 0 and r["expert_load"] >= 1 for r in records)
-    assert "| aux loss " in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "| aux loss " in said.out
+    assert "M params (0.0M active: 2 of 5 experts a token), " in said.out + said.err
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
