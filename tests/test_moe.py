@@ -321,7 +321,7 @@ def test_a_chat_fine_tune_of_qwen3_moe_exports_what_transformers_reads(tmp_path,
     assert all(r["aux_loss"] > 0 and r["expert_load"] >= 1 for r in records)
     said = capsys.readouterr()
     assert "| aux loss " in said.out
-    assert "M params (0.0M active: 2 of 5 experts a token), " in said.out + said.err
+    assert " active: 2 of 5 experts a token), " in said.out + said.err
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     assert type(theirs).__name__ == "Qwen3MoeForCausalLM"
