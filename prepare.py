@@ -367,9 +367,12 @@ def _parquet_module(path: Path):
         import pyarrow.parquet
     except ImportError:
         raise UsageError(
-            f"input {path}: reading parquet needs pyarrow (pip install pyarrow)"
+            f"input {path}: parquet is read with pyarrow: pip install pyarrow"
         ) from None
     return pyarrow
+
+
+PARQUET_BATCH_ROWS = 64  # in memory at once, beside the row group being read: 64 long documents
 
 
 def _parquet_records(path: Path, text_key: str) -> Iterator[tuple[object, int, str]]:
@@ -381,7 +384,7 @@ def _parquet_records(path: Path, text_key: str) -> Iterator[tuple[object, int, s
         size, n_rows = path.stat().st_size, file.metadata.num_rows
         columns = [c for c in file.schema_arrow.names if c in RECORD_KEYS or c == text_key]
         row = 0
-        for batch in file.iter_batches(batch_size=256, columns=columns):
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
             for record in batch.to_pylist():
                 row += 1
                 yield record, size * row // n_rows - size * (row - 1) // n_rows, f"{path} row {row}"
