@@ -168,12 +168,12 @@ def _open_inputs(
 
 
 def _marked(tokenizer: Tokenizer, tokens: np.ndarray, mask: np.ndarray, marks: tuple) -> str:
-    runs = groupby(zip(tokens.tolist(), (mask & LABEL).tolist(), strict=True), key=lambda t: t[1])
-    return "".join(
-        f"{marks[0]}{text}{marks[1]}" if label else text
-        for label, run in runs
-        for text in [_decoded(tokenizer, [token for token, _ in run])]
-    )
+    pieces = []
+    labels = (mask & LABEL).tolist()
+    for label, run in groupby(zip(tokens.tolist(), labels, strict=True), key=lambda t: t[1]):
+        text = _decoded(tokenizer, [token for token, _ in run])
+        pieces.append(f"{marks[0]}{text}{marks[1]}" if label else text)
+    return "".join(pieces)
 
 
 def _decoded(tokenizer: Tokenizer, ids: list[int]) -> str:
@@ -183,9 +183,10 @@ def _decoded(tokenizer: Tokenizer, ids: list[int]) -> str:
     text = []
     for special, run in groupby(ids, key=names.__contains__):
         run = list(run)
-        text += (
-            [tokenizer.decode([i]) or names[i] for i in run] if special else [tokenizer.decode(run)]
-        )
+        if special:
+            text += [tokenizer.decode([i]) or names[i] for i in run]
+        else:
+            text.append(tokenizer.decode(run))
     return "".join(text)
 
 
