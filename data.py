@@ -403,7 +403,9 @@ def main(argv: list[str] | None = None) -> None:
     prep = commands.add_parser(
         "prepare", help="tokenize text and record files into a dataset", allow_abbrev=False
     )
-    prep.add_argument("--input", nargs="+", required=True, help="files or directories")
+    prep.add_argument(
+        "--input", nargs="+", required=True, help="text, .jsonl, .parquet, .csv files or folders"
+    )
     prep.add_argument("--output", help="the dataset directory to write (not with --show)")
     prep.add_argument(
         "--tokenizer",
