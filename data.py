@@ -28,7 +28,9 @@ from prepare import (
     META_FIELDS,
     STARTS_DOCUMENT,
     default_corpus,
+    mapping_notes,
     prepare,
+    show,
 )
 from tokenizer import (
     SPECIAL_TOKEN_KEYS,
@@ -395,14 +397,16 @@ def open_eval_data(
 
 
 def main(argv: list[str] | None = None) -> None:
-    about = "Prepare text and JSONL files as a dataset for train.py"
+    about = "Prepare text, JSONL, parquet and CSV files as a dataset for train.py"
     parser = argparse.ArgumentParser(description=about, allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     prep = commands.add_parser(
-        "prepare", help="tokenize text and JSONL files into a dataset", allow_abbrev=False
+        "prepare", help="tokenize text and record files into a dataset", allow_abbrev=False
     )
-    prep.add_argument("--input", nargs="+", required=True, help="files or directories")
-    prep.add_argument("--output", required=True, help="the dataset directory to write")
+    prep.add_argument(
+        "--input", nargs="+", required=True, help="text, .jsonl, .parquet, .csv files or folders"
+    )
+    prep.add_argument("--output", help="the dataset directory to write (not with --show)")
     prep.add_argument(
         "--tokenizer",
         help="a HF checkpoint or tokenizer directory, a tokenizer.json, or a Llama 3 or Llama 2 "
@@ -420,18 +424,44 @@ def main(argv: list[str] | None = None) -> None:
         help="split conversations longer than this many tokens between their exchanges "
         "(default: split none; the loader cuts every document at its samples' boundaries)",
     )
+    prep.add_argument(
+        "--text-column",
+        metavar="NAME",
+        help="the column (.csv, .parquet) or key (.jsonl) holding a record's text (default: "
+        "text); a .csv is read only with it",
+    )
+    prep.add_argument(
+        "--show",
+        type=int,
+        metavar="N",
+        help="print the first N examples as they would be trained, the trained tokens marked, "
+        "and write nothing",
+    )
     args = parser.parse_args(argv)
+    if (args.output is None) == (args.show is None):
+        prep.error("give --output DIR to write the dataset, or --show N to print examples")
     # SIGTERM (a job's time limit) as Ctrl-C: the half-written dataset is removed either way.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        if args.show is not None:
+            reading = (args.tokenizer, args.chat_template, args.seq_len, args.text_column)
+            print(show(args.input, args.show, *reading, color=sys.stdout.isatty()))
+            return
         output = prepare(
-            args.input, args.output, args.tokenizer, args.workers, args.seq_len, args.chat_template
+            args.input,
+            args.output,
+            args.tokenizer,
+            args.workers,
+            args.seq_len,
+            args.chat_template,
+            args.text_column,
         )
     except UsageError as e:  # what was given: one line, no traceback
         print(f"data.py error: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
     except KeyboardInterrupt:
-        print(f"data.py: stopped; {args.output} is as it was", file=sys.stderr, flush=True)
+        kept = f"; {args.output} is as it was" if args.output else ""
+        print(f"data.py: stopped{kept}", file=sys.stderr, flush=True)
         sys.exit(130)
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -444,6 +474,7 @@ def summary(meta: dict, output: Path) -> str:
         f"{meta['n_tokens']:,} tokens, "
         f"tokenizer {meta['tokenizer']}, longest document {meta['longest_document']:,} tokens"
     ]
+    lines += mapping_notes(meta.get("records_by_shape", {}))  # absent from older datasets
     if meta["sft"]:
         lines.append("SFT data: loss only on responses and assistant turns")
     seq_len = meta["split_seq_len"]

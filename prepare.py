@@ -1,5 +1,8 @@
-"""`prepare`: text and JSONL files (plain text, prompt/response pairs, chat conversations) into
-a dataset directory, encoded by a pool of workers; then the default corpus. The format it writes
+"""`prepare`: text files and files of records (.jsonl, .parquet, .csv: plain text, prompt/response
+pairs, chat conversations, ShareGPT and Alpaca records mapped to them) into a dataset directory,
+encoded by a pool of workers; `show`, the first examples as they would be trained; then the
+default corpus. The order: prepare and show, the dataset writer, reading the inputs (files,
+records, their shapes), encoding them, the default corpus. The format `prepare` writes
 (and data.py's TokenDataset reads) is a directory of three files:
     tokens.bin     uint32, documents back to back, each BOS (if there is one) + tokens + EOS
     loss_mask.bin  uint8, one per token: bit 0 (LABEL) where the token may be a label (not in an
@@ -12,6 +15,7 @@ a dataset directory, encoded by a pool of workers; then the default corpus. The 
     python data.py prepare --input docs/ chat.jsonl --output data/mine [--tokenizer DIR_OR_FILE]
 """
 
+import csv
 import json
 import multiprocessing
 import os
@@ -20,15 +24,15 @@ import signal
 import sys
 import sysconfig
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, groupby, islice
 from pathlib import Path
 
 import numpy as np
 
-from files import NO_SPACE, OutputDir, UsageError, no_space, read_json
+from files import NO_SPACE, OutputDir, UsageError, no_space, plural, read_json
 from tokenizer import (
     ByteTokenizer,
     Message,
@@ -64,30 +68,27 @@ def prepare(
     workers: int | None = None,
     seq_len: int | None = None,
     chat_template: str | Path | None = None,
+    text_column: str | None = None,
 ) -> Path:
     """Tokenize `inputs` into the dataset directory `output_dir`, replacing any there. Each
-    input is a text file (one document), a .jsonl file (one document per line: {"text": ...},
-    {"prompt": ..., "response": ...} whose prompt gets no loss, or {"messages": [...]} with loss
-    on the assistant turns), or a directory standing for its files. With `seq_len`, longer
-    conversations are split (`_split_conversation`); meta.json counts the splits and the
-    documents still longer. Output is the same for any number of workers (None: one per CPU)."""
-    files = _input_files(inputs)
+    input is a text file (one document), a file of records (.jsonl, .parquet, or .csv with a
+    `text_column`) of one of the shapes `_example` reads, or a directory standing for its files.
+    With `seq_len`, longer conversations are split (`_split_conversation`); meta.json counts the
+    splits, the documents still longer, and each shape's records. Output is the same for any
+    number of workers (None: one per CPU)."""
+    files, tokenizer = _open_inputs(inputs, tokenizer_path, chat_template, seq_len, text_column)
     output = Path(output_dir).resolve()
     if inside := [str(f) for f in files if output in f.resolve().parents]:
         raise UsageError(f"the inputs {inside} are inside the output directory {output_dir}")
-    # A bad tokenizer or template fails here, not in each worker.
-    tokenizer = load_tokenizer(tokenizer_path, chat_template)
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise UsageError(f"workers must be at least 1, got {workers}")
-    if seq_len is not None and seq_len < 1:
-        raise UsageError(f"seq_len must be at least 1 (or None: split nothing), got {seq_len}")
     progress = _Progress(total_bytes=sum(f.stat().st_size for f in files))
-    sft, split, pieces, longest, too_long = False, 0, 0, 0, 0
+    sft, split, pieces, longest, too_long, shapes = False, 0, 0, 0, 0, Counter()
     with progress, DatasetWriter(output_dir) as writer:
         loading = (tokenizer_path, chat_template)
-        encoded = _encode_all(_read_documents(files), tokenizer, loading, seq_len, workers)
-        for documents, n_bytes in encoded:
+        examples = _read_documents(files, text_column or "text", shapes)
+        for documents, n_bytes in _encode_all(examples, tokenizer, loading, seq_len, workers):
             if len(documents) > 1:
                 split, pieces = split + 1, pieces + len(documents)
             for tokens, mask in documents:
@@ -110,7 +111,83 @@ def prepare(
             n_conversations_split=split,
             n_documents_from_splits=pieces,
             n_documents_longer_than_seq_len=too_long,
+            records_by_shape=dict(shapes),
         )
+
+
+def show(
+    inputs: Iterable[str | Path],
+    n: int,
+    tokenizer_path: str | Path | None = None,
+    chat_template: str | Path | None = None,
+    seq_len: int | None = None,
+    text_column: str | None = None,
+    color: bool = False,
+) -> str:
+    """The first `n` examples of `inputs` as `prepare` would write them, decoded, the trained
+    tokens (labels) between ⟦ and ⟧, or green with `color` (for a terminal): what axolotl's
+    preprocess --debug shows, to check a template and its labels before a run."""
+    if n < 1:
+        raise UsageError(f"show takes a number of examples of at least 1, got {n}")
+    files, tokenizer = _open_inputs(inputs, tokenizer_path, chat_template, seq_len, text_column)
+    shapes = Counter()
+    examples = list(islice(_read_documents(files, text_column or "text", shapes), n))
+    encoded = _encode_all(iter(examples), tokenizer, (tokenizer_path, chat_template), seq_len, 1)
+    marks = ("\x1b[32m", "\x1b[0m") if color else ("⟦", "⟧")
+    lines = [f"trained tokens are {'green' if color else 'between ⟦ and ⟧'}"]
+    for (_, _, where), (documents, _) in zip(examples, encoded, strict=True):
+        for tokens, mask in documents:
+            trained = int(np.count_nonzero(mask & LABEL))
+            lines.append(f"--- {where}: {len(tokens):,} tokens, {trained:,} trained")
+            lines.append(_marked(tokenizer, tokens, mask, marks))
+    return "\n".join(lines + mapping_notes(shapes))
+
+
+def mapping_notes(shapes: dict[str, int]) -> list[str]:
+    """A line for each shape of record mapped to messages: `show` and prepare's summary say it."""
+    return [
+        f"{plural(n, f'{shape} record')} mapped to messages: {MAPPINGS[shape]}"
+        for shape, n in shapes.items()
+        if shape in MAPPINGS
+    ]
+
+
+def _open_inputs(
+    inputs: Iterable[str | Path],
+    tokenizer_path: str | Path | None,
+    chat_template: str | Path | None,
+    seq_len: int | None,
+    text_column: str | None,
+) -> tuple[list[Path], Tokenizer]:
+    files = _input_files(inputs, text_column)
+    # A bad tokenizer or template fails here, not in each worker.
+    tokenizer = load_tokenizer(tokenizer_path, chat_template)
+    if seq_len is not None and seq_len < 1:
+        raise UsageError(f"seq_len must be at least 1 (or None: split nothing), got {seq_len}")
+    return files, tokenizer
+
+
+def _marked(tokenizer: Tokenizer, tokens: np.ndarray, mask: np.ndarray, marks: tuple) -> str:
+    pieces = []
+    labels = (mask & LABEL).tolist()
+    for label, run in groupby(zip(tokens.tolist(), labels, strict=True), key=lambda t: t[1]):
+        text = _decoded(tokenizer, [token for token, _ in run])
+        pieces.append(f"{marks[0]}{text}{marks[1]}" if label else text)
+    return "".join(pieces)
+
+
+def _decoded(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """`ids` as text, a BOS or EOS the tokenizer decodes to nothing (bytes', sentencepiece's)
+    named: where a document starts and a turn ends is what a reader checks."""
+    names = {tokenizer.bos_id: "<bos>", tokenizer.eos_id: "<eos>"}
+    text = []
+    for special, run in groupby(ids, key=names.__contains__):
+        run = list(run)
+        if special:
+            text += [tokenizer.decode([i]) or names[i] for i in run]
+        else:
+            text.append(tokenizer.decode(run))
+    return "".join(text)
 
 
 # The chat template a dataset's conversations were rendered with travels in it: training
@@ -186,10 +263,11 @@ class DatasetWriter:
             raise no_space(f"the dataset {self.output_dir}", self._tmp.parent) from None
 
 
-def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
-    """A directory stands for its files, sorted, hidden ones left out, every one a text (as a
-    code tree's .json files are). Refused: a .json file named alone (JSON lines read as one
-    text would train on their syntax) and a prepared dataset (its binary files would too)."""
+def _input_files(inputs: Iterable[str | Path], text_column: str | None = None) -> list[Path]:
+    """A directory stands for its files, sorted, hidden ones left out, each read by its suffix
+    as if named alone, but a .json file as text (as a code tree's are). Refused: a .json file
+    named alone (JSON lines read as one text would train on their syntax), a prepared dataset
+    (its binary files would too), a .csv without `text_column`, and parquet without pyarrow."""
     inputs, files = [Path(i) for i in inputs], []
     for item in inputs:
         if (item / DATASET.marker).is_file() and (item / "tokens.bin").is_file():
@@ -207,8 +285,8 @@ def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
         elif item.suffix.lower() == ".json":
             raise UsageError(
                 f"input {item}: a .json file is not read; prepare reads .jsonl files (one JSON "
-                f"object a line: text, prompt/response or messages) and text files; rename it "
-                f".jsonl if it holds one object a line"
+                f"object a line), .parquet, .csv and text files; rename it .jsonl if it holds "
+                f"one object a line"
             )
         elif item.is_file():
             files.append(item)
@@ -216,67 +294,205 @@ def _input_files(inputs: Iterable[str | Path]) -> list[Path]:
             raise UsageError(f"input {item} not found")
     if not files:
         raise UsageError(f"no files in the inputs {[str(i) for i in inputs]}")
+    for path in files:  # before any is read
+        if path.suffix.lower() == ".csv" and text_column is None:
+            raise UsageError(
+                f"input {path}: a .csv file is read only with --text-column NAME, the column "
+                f"that holds each row's document (its other columns are not trained on)"
+            )
+        if path.suffix.lower() == ".parquet":
+            _parquet_module(path)
     return files
 
 
-def _read_documents(files: list[Path]) -> Iterator[Document]:
+def _read_documents(files: list[Path], text_key: str, shapes: Counter) -> Iterator[Document]:
+    """Each file's examples, counting in `shapes` the shapes of their records (`_example`)."""
     for path in files:
-        if path.suffix.lower() == ".jsonl":
-            with open(path, "rb") as f:
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        where = f"{path} line {lineno}"
-                        yield _parse_jsonl_line(line, where), len(line), where
-        else:
-            data = path.read_bytes()
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise UsageError(
-                    f"{path} is not UTF-8 text (bad byte at offset {e.start}); inputs are UTF-8 "
-                    f"text files, one document each, or .jsonl files"
-                ) from e
-            if "\0" in text:  # valid UTF-8, yet binary: NUL is in no text a model should learn
-                raise UsageError(
-                    f"{path} holds NUL bytes (at offset {data.index(0)}): a binary file, not "
-                    f"text; inputs are UTF-8 text files, one document each, or .jsonl files"
-                )
-            if text:
-                yield ("", text), len(data), str(path)
+        match path.suffix.lower():
+            case ".jsonl":
+                records = _jsonl_records(path)
+            case ".parquet":
+                records = _parquet_records(path, text_key)
+            case ".csv":
+                records = _csv_records(path, text_key)
+            case _:
+                if text := _read_text(path):
+                    yield ("", text), path.stat().st_size, str(path)
+                continue
+        for record, n_bytes, where in records:
+            example, shape = _example(record, where, text_key)
+            shapes[shape] += 1
+            yield example, n_bytes, where
 
 
-def _parse_jsonl_line(line: bytes, where: str) -> Example:
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
     try:
-        record = json.loads(line)
-    except ValueError as e:
-        raise UsageError(f"{where}: not valid UTF-8 JSON ({e})") from e
-    except RecursionError:  # json's C parser recurses once per level of nesting
-        raise UsageError(f"{where}: JSON nested too deep to read") from None
-    if b"\\ud" in line.lower():  # an escaped UTF-16 surrogate, maybe a lone one
-        record = without_lone_surrogates(record)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"{path} is not UTF-8 text (bad byte at offset {e.start}); inputs are UTF-8 "
+            f"text files, one document each, or .jsonl, .parquet or .csv files"
+        ) from e
+    if "\0" in text:  # valid UTF-8, yet binary: NUL is in no text a model should learn
+        raise UsageError(
+            f"{path} holds NUL bytes (at offset {data.index(0)}): a binary file, not "
+            f"text; inputs are UTF-8 text files, one document each, or .jsonl, .parquet or "
+            f".csv files"
+        )
+    return text
+
+
+# Records: (the record, its bytes of input, where it is)
+
+
+def _jsonl_records(path: Path) -> Iterator[tuple[object, int, str]]:
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {lineno}"
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise UsageError(f"{where}: not valid UTF-8 JSON ({e})") from e
+            except RecursionError:  # json's C parser recurses once per level of nesting
+                raise UsageError(f"{where}: JSON nested too deep to read") from None
+            if b"\\ud" in line.lower():  # an escaped UTF-16 surrogate, maybe a lone one
+                record = without_lone_surrogates(record)
+            yield record, len(line), where
+
+
+def _parquet_module(path: Path):
+    try:
+        import pyarrow.parquet
+    except ImportError:
+        raise UsageError(
+            f"input {path}: parquet is read with pyarrow: pip install pyarrow"
+        ) from None
+    return pyarrow
+
+
+PARQUET_BATCH_ROWS = 64  # in memory at once, beside the row group being read: 64 long documents
+
+
+def _parquet_records(path: Path, text_key: str) -> Iterator[tuple[object, int, str]]:
+    """A batch of rows at a time, only the columns a shape reads: a hub dataset's file may be
+    larger than memory. A row's bytes are its share of the file's (compressed) size."""
+    pyarrow = _parquet_module(path)
+    try:
+        file = pyarrow.parquet.ParquetFile(path)
+        size, n_rows = path.stat().st_size, file.metadata.num_rows
+        columns = [c for c in file.schema_arrow.names if c in RECORD_KEYS or c == text_key]
+        row = 0
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            for record in batch.to_pylist():
+                row += 1
+                yield record, size * row // n_rows - size * (row - 1) // n_rows, f"{path} row {row}"
+    except pyarrow.ArrowException as e:
+        raise UsageError(f"input {path}: not a parquet file pyarrow can read ({e})") from e
+
+
+def _csv_records(path: Path, text_key: str) -> Iterator[tuple[object, int, str]]:
+    """Rows of the stdlib's csv dialect (quoted fields may hold newlines), a header first."""
+    csv.field_size_limit(sys.maxsize)  # a document is longer than csv's 128 KiB default
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        try:
+            if text_key not in (reader.fieldnames or []):
+                raise UsageError(
+                    f"input {path}: no column {text_key!r} (--text-column) in its header "
+                    f"{reader.fieldnames}"
+                )
+            for row, record in enumerate(reader, 1):
+                text = record[text_key]
+                yield {text_key: text}, len(text or ""), f"{path} row {row}"
+        except UnicodeDecodeError as e:
+            raise UsageError(f"input {path}: not UTF-8 text ({e})") from e
+        except csv.Error as e:
+            raise UsageError(f"input {path} line {reader.line_num}: not CSV ({e})") from e
+
+
+# Shapes: each record becomes an example, as one of these (other fields of it are not read)
+
+RECORD_KEYS = ("text", "prompt", "response", "messages", "conversations")
+RECORD_KEYS += ("instruction", "input", "output", "system")
+SHAPES = (
+    'a string "text" (or --text-column\'s), strings "prompt" and "response", a list '
+    '"messages", a list "conversations" (ShareGPT: "from" and "value"), or strings '
+    '"instruction" and "output" (Alpaca: "input" and "system" optional)'
+)
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user"}
+SHAREGPT_ROLES |= {"gpt": "assistant", "assistant": "assistant"}
+MAPPINGS = {  # the shapes mapped to messages, as prepare's summary says
+    "ShareGPT": "conversations' from human or user -> user, gpt or assistant -> assistant, "
+    "system -> system, value -> content",
+    "Alpaca": 'system -> system, instruction + "\\n\\n" + input -> user, output -> assistant',
+}
+
+
+def _example(record: object, where: str, text_key: str) -> tuple[Example, str]:
+    """The example of a record, and the name of its shape. A null field counts as absent: a
+    table (parquet, or JSONL written from one) has every column in every row."""
     if isinstance(record, dict):
+        record = {key: value for key, value in record.items() if value is not None}
         if "messages" in record:
-            return _check_messages(record["messages"], where)
-        if isinstance(record.get("text"), str):
-            return "", record["text"]
+            return _check_messages(record["messages"], where), "messages"
+        if "conversations" in record:
+            messages = _from_sharegpt(record["conversations"], where)
+            return _check_messages(messages, where, "conversations"), "ShareGPT"
+        if isinstance(record.get(text_key), str):
+            return ("", record[text_key]), "text"
         if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
-            return record["prompt"], record["response"]
-    raise UsageError(
-        f'{where}: expected a JSON object with a string "text", strings "prompt" and "response", '
-        f'or a list "messages"'
-    )
+            return (record["prompt"], record["response"]), "prompt/response"
+        alpaca = ("instruction", "output", "input", "system")
+        if {"instruction", "output"} <= record.keys() and all(
+            isinstance(record.get(key, ""), str) for key in alpaca
+        ):
+            return _check_messages(_from_alpaca(record), where), "Alpaca"
+    raise UsageError(f"{where}: expected a record (a JSON object, or a row) with {SHAPES}")
 
 
-def _check_messages(messages: object, where: str) -> list[Message]:
-    """Each message kept whole: its fields beyond role and content are for a chat template."""
+def _from_sharegpt(turns: object, where: str) -> list[Message]:
+    if not isinstance(turns, list) or not turns:
+        raise UsageError(
+            f'{where}: "conversations" must be a non-empty list of {{"from": ..., "value": ...}} '
+            f"objects (ShareGPT), got {json.dumps(turns, default=str)[:80]}"
+        )
+    messages = []
+    for i, turn in enumerate(turns):
+        role = turn.get("from") if isinstance(turn, dict) else None
+        if role not in SHAREGPT_ROLES or not isinstance(turn.get("value"), str):
+            raise UsageError(
+                f'{where}: conversations[{i}] must be an object with "from" one of '
+                f'{tuple(SHAREGPT_ROLES)} and a string "value" (ShareGPT), got '
+                f"{json.dumps(turn, default=str)[:80]}"
+            )
+        messages.append({"role": SHAREGPT_ROLES[role], "content": turn["value"]})
+    return messages
+
+
+def _from_alpaca(record: dict) -> list[Message]:
+    user = record["instruction"] + (f"\n\n{record['input']}" if record.get("input") else "")
+    system = [{"role": "system", "content": record["system"]}] if record.get("system") else []
+    return [
+        *system,
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": record["output"]},
+    ]
+
+
+def _check_messages(messages: object, where: str, field: str = "messages") -> list[Message]:
+    """Each message kept whole: its fields beyond role and content are for a chat template.
+    `field`: the record's, as errors name it."""
     if not isinstance(messages, list) or not messages:
         raise UsageError(
             f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} '
-            f"objects, got {json.dumps(messages)[:80]}"
+            f"objects, got {json.dumps(messages, default=str)[:80]}"
         )
     has_system = isinstance(messages[0], dict) and messages[0].get("role") == "system"
     for i, message in enumerate(messages):
-        name = f"messages[{i}]"
+        name = f"{field}[{i}]"
         if not isinstance(message, dict):
             raise UsageError(f'{where}: {name} must be an object with "role" and "content"')
         role, content = message.get("role"), message.get("content")
@@ -292,7 +508,7 @@ def _check_messages(messages: object, where: str) -> list[Message]:
                 f"message first, then user and assistant turns alternating from a user turn"
             )
     if len(messages) < 2 + has_system:
-        raise UsageError(f"{where}: messages has no assistant turn, so nothing to train on")
+        raise UsageError(f"{where}: {field} has no assistant turn, so nothing to train on")
     return messages
 
 

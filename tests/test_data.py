@@ -371,6 +371,168 @@ def test_bad_conversation_names_file_line_and_field(tmp_path, messages, error):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"], "nothing left behind"
 
 
+# Records in the shapes of hub datasets: ShareGPT, Alpaca; parquet and csv files
+
+SHAREGPT = {  # CONVERSATION as ShareGPT writes it, with both of its spellings of the roles
+    "conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Hi"},
+        {"from": "gpt", "value": " Hello! "},
+        {"from": "user", "value": "Bye"},
+        {"from": "assistant", "value": "Ciao"},
+    ]
+}
+ALPACA = [
+    {"instruction": "Add", "input": "1+1", "output": "2", "system": "Be brief."},
+    {"instruction": "Hi", "output": "Hello", "input": ""},
+]
+ALPACA_MESSAGES = [
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Add\n\n1+1"},
+        {"role": "assistant", "content": "2"},
+    ],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+]
+
+
+def same_dataset(a, b):
+    a, b = data.TokenDataset(a), data.TokenDataset(b)
+    assert a.tokens.tolist() == b.tokens.tolist()
+    assert a.loss_mask.tolist() == b.loss_mask.tolist()
+
+
+@pytest.mark.parametrize("kind", ["bytes", "tiktoken"])
+def test_sharegpt_and_alpaca_records_are_the_same_conversations_as_messages(tmp_path, kind, capsys):
+    ranks = write_ranks_file(tmp_path / "tokenizer.model") if kind == "tiktoken" else None
+    shaped = write_jsonl(tmp_path / "shaped.jsonl", [SHAREGPT, *ALPACA])
+    as_messages = [{"messages": m} for m in [CONVERSATION, *ALPACA_MESSAGES]]
+    messages = write_jsonl(tmp_path / "messages.jsonl", as_messages)
+    argv = ["prepare", "--input", str(shaped), "--output", str(tmp_path / "shaped"), "--workers"]
+    data.main([*argv, "1", *(["--tokenizer", str(ranks)] if ranks else [])])
+    same_dataset(tmp_path / "shaped", prepare.prepare([messages], tmp_path / "ds", ranks, 1))
+    meta = data.TokenDataset(tmp_path / "shaped").meta
+    assert meta["records_by_shape"] == {"ShareGPT": 1, "Alpaca": 2} and meta["sft"]
+    out = capsys.readouterr().out  # the mapping said once, with what it maps
+    assert out.count("1 ShareGPT record mapped to messages: ") == 1 and "gpt or assistant" in out
+    assert out.count("2 Alpaca records mapped to messages: ") == 1 and "output -> assistant" in out
+    data.main(["prepare", "--input", str(messages), "--output", str(tmp_path / "plain")])
+    assert "mapped" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "record, error",
+    [
+        ({"conversations": []}, r'"conversations" must be a non-empty list of \{"from"'),
+        ({"conversations": [{"from": "bot", "value": "x"}]}, r"conversations\[0\] must be .*"),
+        ({"conversations": [{"from": "human"}]}, r'conversations\[0\] .* a string "value"'),
+        (
+            {"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]},
+            r"conversations\[1\]\.role is 'user', expected 'assistant'",
+        ),
+        ({"instruction": "x", "output": 3}, "expected a record .*Alpaca"),
+        ({"instruction": "x"}, "expected a record .*Alpaca"),
+    ],
+)
+def test_bad_sharegpt_or_alpaca_record_names_file_line_and_shapes(tmp_path, record, error):
+    path = write_jsonl(tmp_path / "bad.jsonl", [SHAREGPT, record])
+    with pytest.raises(ValueError, match=r"bad.jsonl line 2: " + error):
+        prepare.prepare([path], tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_parquet_rows_are_read_as_jsonl_records_in_batches(tmp_path, monkeypatch):
+    import pyarrow
+    import pyarrow.parquet
+
+    records = [
+        {"text": "hi"},
+        {"prompt": "Q?", "response": "A."},
+        {"messages": CONVERSATION},
+        SHAREGPT,
+        *ALPACA,
+    ]
+    jsonl = write_jsonl(tmp_path / "records.jsonl", records)
+    # Every column in every row, null where absent (from_pylist would take the first's keys only)
+    table = pyarrow.Table.from_struct_array(pyarrow.array(records))
+    pyarrow.parquet.write_table(table, tmp_path / "records.parquet", row_group_size=2)
+    batches = []
+    real = pyarrow.parquet.ParquetFile.iter_batches
+    monkeypatch.setattr(prepare, "PARQUET_BATCH_ROWS", 2)
+    monkeypatch.setattr(  # a batch of rows at a time, not the whole file
+        pyarrow.parquet.ParquetFile,
+        "iter_batches",
+        lambda self, **kw: (batches.append(b.num_rows) or b for b in real(self, **kw)),
+    )
+    parquet = prepare.prepare([tmp_path / "records.parquet"], tmp_path / "parquet", workers=1)
+    same_dataset(parquet, prepare.prepare([jsonl], tmp_path / "jsonl", workers=1))
+    assert batches == [2, 2, 2]
+    table = pyarrow.Table.from_pylist([{"text": "ok"}, {"text": "ok"}, {"body": "x"}])
+    pyarrow.parquet.write_table(table, tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad.parquet row 3: expected a record .* \"text\""):
+        prepare.prepare([tmp_path / "bad.parquet"], tmp_path / "bad")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match=r"input .*junk.parquet: not a parquet file pyarrow"):
+        prepare.prepare([tmp_path / "junk.parquet"], tmp_path / "bad")
+
+
+def test_parquet_without_pyarrow_is_refused_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    (tmp_path / "a.txt").write_text("read after the check")
+    (tmp_path / "t.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match=r"t.parquet: parquet is read with pyarrow: pip install"):
+        prepare.prepare([tmp_path / "a.txt", tmp_path / "t.parquet"], tmp_path / "ds")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_csv_is_refused_without_a_text_column_and_read_with_one(tmp_path):
+    rows = 'id,body\n1,"a, quoted\nline"\n2,' + "x" * 200_000 + "\n"  # past csv's field limit
+    (tmp_path / "t.csv").write_text(rows)
+    with pytest.raises(ValueError, match=r"t.csv: a .csv file is read only with --text-column"):
+        prepare.prepare([tmp_path / "t.csv"], tmp_path / "ds")
+    with pytest.raises(ValueError, match=r"t.csv: no column 'text' .* \['id', 'body'\]"):
+        prepare.prepare([tmp_path / "t.csv"], tmp_path / "ds", text_column="text")
+    from_csv = prepare.prepare([tmp_path / "t.csv"], tmp_path / "csv", text_column="body")
+    # --text-column names a JSONL record's text key too
+    jsonl = write_jsonl(
+        tmp_path / "t.jsonl", [{"body": "a, quoted\nline"}, {"body": "x" * 200_000}]
+    )
+    same_dataset(from_csv, prepare.prepare([jsonl], tmp_path / "jsonl", text_column="body"))
+    (tmp_path / "bad.csv").write_bytes(b"body\nok\n\xff\n")
+    with pytest.raises(ValueError, match=r"bad.csv: not UTF-8"):
+        prepare.prepare([tmp_path / "bad.csv"], tmp_path / "ds", text_column="body")
+
+
+def test_show_marks_exactly_the_trained_tokens_and_writes_nothing(tmp_path, capsys):
+    records = [SHAREGPT, {"prompt": "Q?", "response": "A."}, {"text": "not shown"}]
+    chat = write_jsonl(tmp_path / "chat.jsonl", records)
+    data.main(["prepare", "--input", str(chat), "--show", "2"])
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.jsonl"]
+    conversation = (
+        "<bos><|system|>\nBe brief.<eos><|user|>\nHi<eos><|assistant|>\n⟦ Hello! <eos>⟧"
+        "<|user|>\nBye<eos><|assistant|>\n⟦Ciao<eos>⟧"
+    )
+    assert capsys.readouterr().out == (
+        "trained tokens are between ⟦ and ⟧\n"
+        f"--- {chat} line 1: 89 tokens, 14 trained\n{conversation}\n"
+        f"--- {chat} line 2: 6 tokens, 3 trained\n<bos>Q?⟦A.<eos>⟧\n"
+        f"1 ShareGPT record mapped to messages: {prepare.MAPPINGS['ShareGPT']}\n"
+    )
+    ds = data.TokenDataset(prepare.prepare([chat], tmp_path / "ds"))
+    assert int(ds.loss_mask[:89].sum()) == 14 and int(ds.loss_mask[89:95].sum()) == 3
+    colored = prepare.show([chat], 1, color=True)
+    assert "⟦" not in colored and "\x1b[32mCiao<eos>\x1b[0m" in colored
+
+
+def test_show_names_a_tokenizers_special_tokens_in_the_trained_spans(tmp_path):
+    ranks = write_ranks_file(tmp_path / "tokenizer.model")
+    chat = write_jsonl(tmp_path / "chat.jsonl", [SHAREGPT, {"prompt": "Q?", "response": "A."}])
+    shown = prepare.show([chat], 2, ranks)
+    spans = ["Hello!<|eot_id|>", "Ciao<|eot_id|>", "A.<|end_of_text|>"]
+    assert re.findall("⟦(.*?)⟧", shown.split("\n", 1)[1], re.DOTALL) == spans
+
+
 def test_jsonl_line_without_text_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"prompt": "no response"}\n')
@@ -855,18 +1017,24 @@ def test_prepared_dataset_has_ordinary_modes(tmp_path):
     assert ds.stat().st_mode & 0o777 == 0o777 & ~umask  # mkdtemp alone gives 0700
 
 
-@pytest.mark.parametrize("case", ["missing input", "bad JSONL line"])
+@pytest.mark.parametrize(
+    "case", ["missing input", "bad JSONL line", "record of no shape, shown", "csv without column"]
+)
 def test_command_line_errors_are_one_line_naming_file_and_line(tmp_path, case):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"text": "ok"}\nnot json\n')
-    given, message = {
-        "missing input": (tmp_path / "missing.txt", "data.py error: input "),
-        "bad JSONL line": (bad, "data.py error: "),
+    (tmp_path / "shape.jsonl").write_text('{"text": "ok"}\n{"question": "?"}\n')
+    (tmp_path / "t.csv").write_text("body\nok\n")
+    given, message, where = {
+        "missing input": ("missing.txt", "data.py error: input ", "missing.txt not found"),
+        "bad JSONL line": ("bad.jsonl", "data.py error: ", "bad.jsonl line 3:"),
+        "record of no shape, shown": ("shape.jsonl", "data.py error: ", "shape.jsonl line 2:"),
+        "csv without column": ("t.csv", "data.py error: input ", "read only with --text-column"),
     }[case]
-    where = {"missing input": "missing.txt not found", "bad JSONL line": "bad.jsonl line 3:"}[case]
+    output = ["--show", "2"] if "shown" in case else ["--output", str(tmp_path / "ds")]
     result = subprocess.run(
-        [sys.executable, str(REPO / "data.py"), "prepare", "--input", str(given),
-         "--output", str(tmp_path / "ds"), "--workers", "1"],
+        [sys.executable, str(REPO / "data.py"), "prepare", "--input", str(tmp_path / given),
+         *output, "--workers", "1"],
         capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 1
