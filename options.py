@@ -28,6 +28,7 @@ from data import RunData, TokenDataset, attended_per_token, open_data, open_eval
 from files import UsageError, params_text
 from hf import HF_EXPORT, PEFT_ADAPTER, args_from_hf_config, check_hf_checkpoint, check_peft_adapter
 from lora import LORA_TARGETS, LoRAConfig, parse_lora_targets
+from metrics import report_to_problems
 from model import LONG_DOCUMENT, PRESETS, SDPA_BACKENDS, ModelArgs
 from offload import AC_MODES
 from plan import (
@@ -233,6 +234,13 @@ class Options:
         "include the tracing and the writing of the trace (bench/profile_summary.py reads it)",
     )
     memory_snapshot: bool = option(False, "dump a CUDA memory snapshot of the first 3 steps")
+    report_to: str = option(
+        "none",
+        "also send each logged step's metrics.jsonl record, and the run's options and plan, to "
+        "tensorboard (--run-dir's tensorboard/), wandb (Weights & Biases), or both: a comma "
+        'list, each needing its package (pip install ".[report]")',
+        metavar="NAMES",
+    )
     estimate_memory: bool = option(
         False,
         "print the plan for the machine below and its memory estimate, and exit",
@@ -358,6 +366,7 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     if opts.lora_rank and not (math.isfinite(opts.lora_alpha) and opts.lora_alpha > 0):
         problems.append(f"--lora-alpha must be a number > 0, got {opts.lora_alpha}")
     problems += output_clashes(opts)
+    problems += report_to_problems(opts.report_to)
     if not opts.estimate_memory and (opts.world_size or opts.nproc_per_node):
         problems.append(
             "--world-size and --nproc-per-node describe a machine for --estimate-memory; "

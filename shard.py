@@ -362,7 +362,7 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
 PLAN_KEYS = {"flags", "plan", "machine", "estimate"}
 # The files a run writes at the top of its directory (plan.json through write_json's
 # temporary), each opened with files.no_follow.
-RUN_FILES = (".lock", "plan.json", ".tmp-plan.json", "metrics.jsonl")
+RUN_FILES = (".lock", "plan.json", ".tmp-plan.json", "metrics.jsonl", "wandb_run_id")
 
 
 def check_run_dir(run_dir: Path) -> None:
