@@ -37,7 +37,7 @@ import optim
 import options
 import shard
 from data import Batch, PackedLoader, TokenDataset
-from files import UsageError, params_text, plural, write_json
+from files import UsageError, params_text, plural, write_json, write_whole
 from hf import (
     fill_weights,
 )
@@ -195,6 +195,7 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
         shard.set_aside(resolved.damaged, log)
         if step < max_steps:  # a finished run's plan.json keeps the peaks it measured
             write_json(run_dir / "plan.json", plan.to_json())
+            write_whole(run_dir / "config.toml", options.config_toml(opts))
     run_data = resolved.run_data
     return Run(
         opts, given, args, plan, world, model, optimizer, loader, run_dir, checkpointer,
