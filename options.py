@@ -402,13 +402,15 @@ def config_flags(values: dict) -> list[str]:
 
 
 def config_toml(opts: Options) -> str:
-    """The options as a --config file (--run-dir's config.toml). None, the default of options
-    without a value, is left out, and --max-steps where --max-tokens sets the steps. Strings
-    as JSON writes them, which TOML's basic strings read."""
+    """The options as a --config file (--run-dir's config.toml): what the run is, not how it
+    was started (--resume is left out). None, the default of options without a value, is
+    left out, and --max-steps where --max-tokens sets the steps. Strings as JSON writes
+    them, which TOML's basic strings read."""
     values = dataclasses.asdict(opts)
+    del values["resume"]
     if opts.max_tokens:
         del values["max_steps"]
-    lines = ["# This run's options, resolved: python train.py --config FILE (plan.json: its plan)"]
+    lines = ["# A run's options, resolved: python train.py --config FILE (plan.json: its plan)"]
     for name, value in values.items():
         if isinstance(value, bool):
             lines.append(f"{name} = {str(value).lower()}")
