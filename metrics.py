@@ -1,9 +1,9 @@
 """Where a run's metrics go. train.MetricsLog decides the logged steps and makes each one's
 record (README.md lists its fields); the main rank hands it to every reporter here: always
 `JsonLines` (run_dir/metrics.jsonl), and with --report-to, `TensorBoard` (run_dir/tensorboard)
-and `WandB` (Weights & Biases). Each starts with the run's config (its options and plan.json)
-and a resumed run continues it. Their packages are imported only when asked, and a missing
-one is told before the run starts (report_to_problems).
+and `WandB` (Weights & Biases), which start with the run's config (its options and
+plan.json). A resumed run continues each. TensorBoard's and W&B's packages are imported only
+when asked, and a missing one is told before the run starts (report_to_problems).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def reporters_asked(report_to: str) -> list[str]:
-    return [name for name in report_to.split(",") if name not in ("", "none")]
+    names = [name.strip() for name in report_to.split(",")]
+    return [name for name in names if name not in ("", "none")]
 
 
 def report_to_problems(report_to: str) -> list[str]:
