@@ -37,10 +37,14 @@ def read_json(path: str | os.PathLike) -> dict:
 
 
 def write_json(path: Path, value: dict) -> None:
+    write_whole(path, json.dumps(value, indent=1) + "\n")
+
+
+def write_whole(path: Path, text: str) -> None:
     """Written whole or not at all: a reader never sees half a file."""
     tmp = path.with_name(f".tmp-{path.name}")
     with open(tmp, "w", opener=no_follow) as f:
-        f.write(json.dumps(value, indent=1) + "\n")
+        f.write(text)
     os.replace(tmp, path)
 
 

@@ -28,6 +28,7 @@ from data import RunData, TokenDataset, attended_per_token, open_data, open_eval
 from files import UsageError, params_text
 from hf import HF_EXPORT, PEFT_ADAPTER, args_from_hf_config, check_hf_checkpoint, check_peft_adapter
 from lora import LORA_TARGETS, LoRAConfig, parse_lora_targets
+from metrics import report_to_problems
 from model import LONG_DOCUMENT, PRESETS, SDPA_BACKENDS, ModelArgs
 from offload import AC_MODES
 from plan import (
@@ -239,6 +240,13 @@ class Options:
         "include the tracing and the writing of the trace (bench/profile_summary.py reads it)",
     )
     memory_snapshot: bool = option(False, "dump a CUDA memory snapshot of the first 3 steps")
+    report_to: str = option(
+        "none",
+        "also send each logged step's metrics.jsonl record, and the run's options and plan, to "
+        "tensorboard (--run-dir's tensorboard/), wandb (Weights & Biases), or both: a comma "
+        'list, each needing its package (pip install ".[report]")',
+        metavar="NAMES",
+    )
     estimate_memory: bool = option(
         False,
         "print the plan for the machine below and its memory estimate, and exit",
@@ -298,9 +306,35 @@ def exit_after_rank_0(status: int) -> NoReturn:
 
 
 def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str]]:
-    """The options, and the names of those on the command line, which resuming keeps."""
+    """The options, and the names of those given (on the command line, or in --config's
+    file), which resuming keeps."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = options_parser()
+    namespace, given = parse_given(parser, argv)
+    if namespace.config:
+        try:
+            values = read_config(namespace.config)
+        except UsageError as e:
+            parser.error(str(e))
+        # A flag given here replaces the file's value, and its partner's (GIVEN_WITH).
+        values = {k: v for k, v in values.items() if k not in with_partners(given)}
+        namespace, given = parse_given(parser, config_flags(values) + argv)
+    if {"max_steps", "max_tokens"} <= given:
+        parser.error("--max-tokens sets the number of steps: give it or --max-steps, not both")
+    del namespace.config
+    return Options(**vars(namespace)), given
+
+
+def options_parser() -> Parser:
     about = "Train a Llama: on a CPU or a GPU, or one process per GPU under torchrun"
     parser = Parser(description=about, allow_abbrev=False)
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file of these options, each key an option's name with underscores "
+        "(seq_len = 4096); flags given here win over it. A run writes its options, resolved, "
+        "to --run-dir's config.toml",
+    )
     types = {"int": int, "float": float, "str": str}
     group = parser
     for f in dataclasses.fields(Options):
@@ -313,20 +347,84 @@ def parse_options(argv: list[str] | None = None) -> tuple[Options, frozenset[str
                 shown = {None: "none", False: "off", True: "on"}[f.default]
             kwargs["help"] += f" (default: {shown})"
         base = f.type.removesuffix(" | None")  # a string: this module has postponed annotations
-        if base == "bool":  # --x, and --no-x where the default (None) depends on the device
-            action = argparse.BooleanOptionalAction if f.default is None else "store_true"
-            group.add_argument(flag_name(f.name), action=action, **kwargs)
+        if base == "bool":  # --x and --no-x, which replaces a --config file's x = true
+            group.add_argument(flag_name(f.name), action=argparse.BooleanOptionalAction, **kwargs)
         else:
             kwargs.setdefault("metavar", "N" if base == "int" else None)
             group.add_argument(flag_name(f.name), type=types[base], **kwargs)
-    opts = Options(**vars(parser.parse_args(argv)))
-    # Parsed again with every default a marker: what remains unmarked was on the command line.
+    return parser
+
+
+def parse_given(parser: Parser, argv: list[str]) -> tuple[argparse.Namespace, frozenset[str]]:
+    """`argv` parsed, and the options it names: parsed again into a namespace where each
+    option holds a marker (argparse sets no default over a value already there), an option
+    whose marker was replaced was given."""
+    fields = [f.name for f in dataclasses.fields(Options)]
     not_given = object()
-    parser.set_defaults(**{f.name: not_given for f in dataclasses.fields(Options)})
-    given = {name for name, v in vars(parser.parse_args(argv)).items() if v is not not_given}
-    if {"max_steps", "max_tokens"} <= given:
-        parser.error("--max-tokens sets the number of steps: give it or --max-steps, not both")
-    return opts, frozenset(given)
+    marked = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(fields, not_given)))
+    given = frozenset(name for name in fields if getattr(marked, name) is not not_given)
+    return parser.parse_args(argv), given
+
+
+def read_config(path: str) -> dict:
+    """--config's file: TOML whose keys are Options' field names, each value of its type."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise UsageError(
+            "--config reads TOML with Python 3.11's tomllib: use Python 3.11+"
+        ) from None
+    try:
+        with open(path, "rb") as f:
+            values = tomllib.load(f)
+    except OSError as e:
+        raise UsageError(f"--config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"--config {path} is not valid TOML: {e}") from None
+    types = {f.name: f.type.removesuffix(" | None") for f in dataclasses.fields(Options)}
+    expected = {"bool": bool, "int": int, "float": (int, float), "str": str}
+    said = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
+    for key, value in values.items():
+        if key not in types:
+            close = difflib.get_close_matches(key.replace("-", "_"), types, n=1)
+            hint = f": did you mean {close[0]}?" if close else ""
+            raise UsageError(f"--config {path}: unknown option {key!r}{hint}")
+        kind = types[key]
+        if not isinstance(value, expected[kind]) or isinstance(value, bool) != (kind == "bool"):
+            raise UsageError(f"--config {path}: {key} must be {said[kind]}, got {value!r}")
+    return values
+
+
+def config_flags(values: dict) -> list[str]:
+    """The command line's words for a config file's values (as --x=value: a value may start
+    with a dash)."""
+    words = []
+    for name, value in values.items():
+        if isinstance(value, bool):
+            words.append(flag_name(name if value else f"no_{name}"))
+        else:
+            words.append(f"{flag_name(name)}={value}")
+    return words
+
+
+def config_toml(opts: Options) -> str:
+    """The options as a --config file (--run-dir's config.toml): what the run is, not how it
+    was started (--resume is left out). None, the default of options without a value, is
+    left out, and --max-steps where --max-tokens sets the steps. Strings as JSON writes
+    them, which TOML's basic strings read."""
+    values = dataclasses.asdict(opts)
+    del values["resume"]
+    if opts.max_tokens:
+        del values["max_steps"]
+    lines = ["# A run's options, resolved: python train.py --config FILE (plan.json: its plan)"]
+    for name, value in values.items():
+        if isinstance(value, bool):
+            lines.append(f"{name} = {str(value).lower()}")
+        elif isinstance(value, str):
+            lines.append(f"{name} = {json.dumps(value, ensure_ascii=False)}")
+        elif value is not None:
+            lines.append(f"{name} = {value!r}")
+    return "\n".join(lines) + "\n"
 
 
 def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int) -> None:
@@ -364,6 +462,7 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     if opts.lora_rank and not (math.isfinite(opts.lora_alpha) and opts.lora_alpha > 0):
         problems.append(f"--lora-alpha must be a number > 0, got {opts.lora_alpha}")
     problems += output_clashes(opts)
+    problems += report_to_problems(opts.report_to)
     if not opts.estimate_memory and (opts.world_size or opts.nproc_per_node):
         problems.append(
             "--world-size and --nproc-per-node describe a machine for --estimate-memory; "
@@ -520,20 +619,26 @@ KEPT_ON_RESUME = ("lr", "min_lr", "warmup_steps", "decay", "weight_decay", "beta
                   "seed", "document_mask", "lora_dropout", "quantize_base")  # fmt: skip
 
 
-# An option given keeps its partner from being taken: --model and --hf-checkpoint are one
-# choice, a --tokenizer file belongs to its --data, and the saved min_lr may be the saved lr / 10.
+# An option given keeps its partner from being taken (from a checkpoint, or a --config file):
+# --model and --hf-checkpoint are one choice, a --tokenizer file belongs to its --data, the
+# saved min_lr may be the saved lr / 10, and --max-tokens sets the steps.
 GIVEN_WITH = {"model": "hf_checkpoint", "hf_checkpoint": "model", "data": "tokenizer",
-              "lr": "min_lr"}  # fmt: skip
+              "lr": "min_lr", "max_steps": "max_tokens", "max_tokens": "max_steps"}  # fmt: skip
+
+
+def with_partners(given: frozenset[str]) -> frozenset[str]:
+    return given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
 
 
 def taken_on_resume(opts: Options, given: frozenset[str], saved: dict) -> dict:
     """The options a resumed run takes from `saved` where they differ: a bare --resume goes on."""
     options = saved["options"]
-    not_taken = given | {GIVEN_WITH[name] for name in given & GIVEN_WITH.keys()}
     return {
         name: options[name]
         for name in FIXED_BY_CHECKPOINT + KEPT_ON_RESUME
-        if name not in not_taken and name in options and options[name] != getattr(opts, name)
+        if name not in with_partners(given)
+        and name in options
+        and options[name] != getattr(opts, name)
     }
 
 

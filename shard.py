@@ -390,9 +390,10 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
 # The keys of a run's plan.json (Plan.to_json): a directory holding it, or a checkpoint, is a
 # run's. A .lock, metrics.jsonl or plan.json alone is not: the run would write over someone's.
 PLAN_KEYS = {"flags", "plan", "machine", "estimate"}
-# The files a run writes at the top of its directory (plan.json through write_json's
-# temporary), each opened with files.no_follow.
-RUN_FILES = (".lock", "plan.json", ".tmp-plan.json", "metrics.jsonl")
+# The files a run writes at the top of its directory (plan.json and config.toml through
+# files.write_whole's temporaries), each opened with files.no_follow.
+RUN_FILES = (".lock", "plan.json", ".tmp-plan.json", "config.toml", ".tmp-config.toml",
+             "metrics.jsonl", "wandb_run_id")  # fmt: skip
 
 
 def check_run_dir(run_dir: Path) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import signal
@@ -38,12 +37,13 @@ import optim
 import options
 import shard
 from data import Batch, PackedLoader, TokenDataset
-from files import UsageError, no_follow, params_text, plural, write_json
+from files import UsageError, params_text, plural, write_json, write_whole
 from hf import (
     fill_weights,
 )
 from kernels import IGNORE_INDEX
 from lora import apply_lora
+from metrics import open_reporters
 from model import (
     REFERENCE_OPS,
     Llama,
@@ -195,6 +195,7 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
         shard.set_aside(resolved.damaged, log)
         if step < max_steps:  # a finished run's plan.json keeps the peaks it measured
             write_json(run_dir / "plan.json", plan.to_json())
+            write_whole(run_dir / "config.toml", options.config_toml(opts))
     run_data = resolved.run_data
     return Run(
         opts, given, args, plan, world, model, optimizer, loader, run_dir, checkpointer,
@@ -310,33 +311,33 @@ def train_step(
 
 
 class MetricsLog:
-    """Decides which steps are logged and writes them to stdout and metrics.jsonl (README.md).
-    Values are read only on logged and saved steps (a read waits for the GPU), checking each
-    step since the last read for a non-finite loss or gradient norm before a checkpoint is saved."""
+    """Decides which steps are logged, makes their records and hands them to stdout and, on
+    the main rank, to metrics.py's reporters (metrics.jsonl, --report-to). Values are read only
+    on logged and saved steps (a read waits for the GPU), checking each step since the last
+    read for a non-finite loss or gradient norm before a checkpoint is saved."""
 
     def __init__(self, run: Run):
         self.run = run
-        self.path = run.run_dir / "metrics.jsonl"
         self.nonfinite = torch.zeros((), dtype=torch.int32, device=run.world.device)
         self.attended = torch.zeros((), dtype=torch.float64, device=run.world.device)
         self.checked_step = self.logged_step = run.start_step
         self.started = self.logged_at = time.perf_counter()
+        self.loading_s = 0.0  # the host's seconds in the data loader since the last record
         self.last: StepResult | None = None
-        # metrics.jsonl only grows: a resume marks its start; a line cut short stays, ended here.
+        self.reporters = []
         if run.world.is_main:
-            damaged, cut = damaged_lines(self.path)
-            if damaged:
-                lines = ", ".join(map(str, damaged[:5])) + (", ..." * (len(damaged) > 5))
-                run.log(
-                    f"{self.path}: {plural(len(damaged), 'line')} not a JSON record "
-                    f"(line {lines}), left as found; readers skip them"
-                )
-            with open(self.path, "a", opener=no_follow) as f:
-                if cut:
-                    f.write("\n")
-                if resumed_from := run.checkpointer.last:
-                    f.write(json.dumps({"resumed_from": str(resumed_from), "step": run.start_step}))
-                    f.write("\n")
+            config = {"options": dataclasses.asdict(run.opts), **run.plan.to_json()}
+            self.reporters = open_reporters(
+                run.opts.report_to, run.run_dir, config, run.start_step,
+                run.checkpointer.last, run.log,
+            )  # fmt: skip
+
+    def loading(self, load: Callable, *args):
+        """load(*args), its host seconds counted as the data loader's (no wait for the GPU)."""
+        started = time.perf_counter()
+        loaded = load(*args)
+        self.loading_s += time.perf_counter() - started
+        return loaded
 
     def counting(self, micro_batches: Iterator[Batch]) -> Iterator[Batch]:
         """The micro-batches, each counted into the pairs attention attended (MFU)."""
@@ -404,7 +405,16 @@ class MetricsLog:
             "peak_gpu_mem_gib": (
                 torch.cuda.max_memory_allocated(world.device) / 2**30 if on_gpu else None
             ),
+            # torchtitan's: the allocator's peak held from CUDA, and its retries (each a
+            # cache flush and a wait for the GPU: memory too tight), both host-side reads.
+            "peak_gpu_reserved_gib": (
+                torch.cuda.max_memory_reserved(world.device) / 2**30 if on_gpu else None
+            ),
+            "gpu_alloc_retries": (
+                torch.cuda.memory_stats(world.device)["num_alloc_retries"] if on_gpu else None
+            ),
             "host_peak_rss_gib": shard.host_peak_rss_gib(),
+            "data_loading_share": self.loading_s / (now - self.logged_at),
             "elapsed_s": now - self.started,
             "eta_s": (now - self.started) / (step - run.start_step) * (max_steps - step),
             "eval_loss": None,
@@ -417,25 +427,13 @@ class MetricsLog:
             now = time.perf_counter()
         if world.is_main:
             print(format_record(record, max_steps), flush=True)
-            with open(self.path, "a", opener=no_follow) as f:
-                f.write(json.dumps(record) + "\n")
-        self.logged_at, self.logged_step = now, step
+            for reporter in self.reporters:
+                reporter.log(record)
+        self.logged_at, self.logged_step, self.loading_s = now, step, 0.0
 
-
-def damaged_lines(path: Path) -> tuple[list[int], bool]:
-    """The numbers (from 1) of `path`'s lines that are not a JSON object, and whether its last
-    is cut short (no newline). Read a line at a time: a long run's log may be large."""
-    damaged, line = [], b"\n"
-    if not path.is_file():
-        return damaged, False
-    with path.open("rb") as f:
-        for number, line in enumerate(f, 1):
-            try:
-                if line.strip() and not isinstance(json.loads(line), dict):
-                    damaged.append(number)
-            except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
-                damaged.append(number)
-    return damaged, not line.endswith(b"\n")
+    def close(self) -> None:
+        for reporter in self.reporters:
+            reporter.close()
 
 
 def evaluate(model: Llama, loader: PackedLoader, samples: int, device) -> tuple[float, int]:
@@ -675,9 +673,10 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
     while step < run.max_steps and not stopping:
         lr = lr_at(step, run.opts, run.max_steps)
         optimizer.set_lr(lr)  # before backward, where the optimizer in backward updates
-        n_labels = torch.tensor(run.loader.labels_ahead(plan.grad_accum))
+        n_labels = torch.tensor(metrics.loading(run.loader.labels_ahead, plan.grad_accum))
         micro_batches = (
-            next(batches).to(device, non_blocking=True) for _ in range(plan.grad_accum)
+            metrics.loading(next, batches).to(device, non_blocking=True)
+            for _ in range(plan.grad_accum)
         )
         result = train_step(
             model, optimizer, metrics.counting(micro_batches), plan.grad_accum,
@@ -700,6 +699,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
             stopping = stopping or stop.agreed()
     stop.restore()
     instruments.close()
+    metrics.close()
     finish(run, step)
     dist.destroy_process_group()
     return step == run.max_steps

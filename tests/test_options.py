@@ -69,3 +69,66 @@ def test_resume_takes_what_the_checkpoint_fixes_unless_given_with_its_partner():
     given = options.Options(model="tiny", data="data/b")
     taken = options.taken_on_resume(given, frozenset({"model", "data"}), saved)
     assert taken == {"max_seq_len": 8192, "seq_len": 4096, "lora_rank": 8}
+
+
+def test_a_config_file_gives_options_and_the_command_line_wins(tmp_path):
+    """--config's keys are the options' names with underscores; a flag on the command line
+    replaces its key and its partner's (--lr the file's min_lr, --max-tokens its max_steps);
+    every value the file gives counts as given, as a flag would, for a resume to keep."""
+    config = tmp_path / "run.toml"
+    config.write_text(
+        'data = "d"\nseq_len = 512\nlr = 1e-3\nmin_lr = 2e-4\nmax_steps = 7\nfp8 = true\n'
+        'document_mask = false\nresume = "latest"\nrun_dir = "-odd"\n'
+    )
+    opts, given = options.parse_options(["--config", str(config)])
+    assert (opts.data, opts.seq_len, opts.lr, opts.min_lr, opts.max_steps) == (
+        "d",
+        512,
+        1e-3,
+        2e-4,
+        7,
+    )
+    assert opts.fp8 is True and opts.document_mask is False and opts.resume == "latest"
+    assert opts.run_dir == "-odd"
+    assert given == {"data", "seq_len", "lr", "min_lr", "max_steps", "fp8", "document_mask",
+                     "resume", "run_dir"}  # fmt: skip
+    argv = ["--lr", "3e-4", "--seq-len", "256", "--max-tokens", "9000", "--no-fp8", "--config",
+            str(config)]  # fmt: skip
+    opts, given = options.parse_options(argv)
+    assert (opts.lr, opts.min_lr, opts.seq_len, opts.fp8) == (3e-4, None, 256, False)
+    assert (opts.max_tokens, opts.max_steps, opts.data) == (9000, 1000, "d")
+    assert "min_lr" not in given and "max_steps" not in given
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("seq-len = 512", "unknown option 'seq-len': did you mean seq_len?"),
+        ("zzqqxx = 1", "unknown option 'zzqqxx' (--help"),
+        ("seq_len = 1.5", "seq_len must be an integer, got 1.5"),
+        ("fp8 = 1", "fp8 must be true or false, got 1"),
+        ("lr = true", "lr must be a number, got True"),
+        ("[train]\nseq_len = 1", "unknown option 'train'"),  # a table
+        ("decay = 'step'", "argument --decay: invalid choice: 'step'"),
+        ("seq_len = ", "is not valid TOML"),
+    ],
+)
+def test_a_config_files_wrong_key_or_value_is_one_line(text, message, tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(text + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        options.parse_options(["--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("train.py error: ")
+
+
+def test_a_config_toml_reads_back_as_the_options_it_was_written_from(tmp_path):
+    written = options.Options(data='a "quoted"\\path\n', lr=1e-05, grad_clip=float("inf"),
+                              kernels=False, max_tokens=5000)  # fmt: skip
+    config = tmp_path / "config.toml"
+    config.write_text(options.config_toml(written))
+    assert options.parse_options(["--config", str(config)])[0] == written
+    # --resume is how a run was started, not what it is: a config of a resumed run has none
+    config.write_text(options.config_toml(dataclasses.replace(written, resume="latest")))
+    assert options.parse_options(["--config", str(config)])[0] == written

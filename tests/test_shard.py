@@ -404,7 +404,7 @@ def test_a_save_removes_only_its_own_temporary_directories(tmp_path):
     assert (checkpoints / ".tmp-mine" / "data").read_text() == "the user's"
 
 
-@pytest.mark.parametrize("name", [".lock", "plan.json", ".tmp-plan.json", "metrics.jsonl"])
+@pytest.mark.parametrize("name", shard.RUN_FILES)
 def test_a_run_never_writes_through_a_link_in_its_directory(name, tmp_path):
     """Anyone who may write into a shared run directory could point a run's file at another
     user's: refused before anything is written, and never followed when opened."""

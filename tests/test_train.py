@@ -19,7 +19,6 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import dist_worker as w
 import numpy as np
@@ -688,6 +687,10 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             "model.safetensors is a file: a Hugging Face checkpoint is the directory",
         ),  # fmt: skip
         "lr past float32": (["--data", str(dataset), "--lr", "1e39"], "--lr must be at most 3.4"),
+        "report to an unknown reporter": (
+            ["--data", str(dataset), "--report-to", "tensorboard,mlflow"],
+            "--report-to takes a comma list of tensorboard, wandb (or none), got 'mlflow'",
+        ),
         "data is a file": (
             ["--data", str(dataset / "meta.json")],
             "meta.json is a file, not a prepared dataset directory: make one with",
@@ -994,6 +997,7 @@ CASES = [
     "lr times weight decay past float32",
     "export of a resume that finds no checkpoint",
     "data whose BOS is not its tokenizer's",
+    "report to an unknown reporter",
 ]
 
 
@@ -1159,6 +1163,20 @@ def test_the_plan_is_saved_with_the_peaks_reached_and_keeps_the_flags_given(data
     assert saved["planned"] == planned
     assert saved["tokens_per_step"] == 1024 and saved["machine"]["gpu_gib"] is None
     assert saved["measured"]["steps"] == 2 and saved["measured"]["host_peak_rss_gib"] > 0
+
+
+def test_a_runs_config_toml_gives_back_its_options(dataset, tmp_path):
+    """A run given --config and flags keeps its options, resolved (lr's min_lr decided), in
+    config.toml; --config of that file parses to the options its checkpoint records."""
+    config = tmp_path / "run.toml"
+    config.write_text(f'data = "{dataset}"\nseq_len = 128\nlr = 2e-3\nmax_steps = 50\n')
+    run_dir = tmp_path / "run"
+    train.main(["--config", str(config), *SMALL[2:], "--max-steps", "1", "--run-dir", str(run_dir)])
+    saved = json.loads((run_dir / "checkpoints/step-000001/train_state.json").read_text())
+    assert saved["options"]["lr"] == 2e-3 and saved["options"]["min_lr"] == 2e-4
+    assert saved["options"]["max_steps"] == 1 and saved["options"]["seq_len"] == 128
+    again, _ = options.parse_options(["--config", str(run_dir / "config.toml")])
+    assert dataclasses.asdict(again) == saved["options"]
 
 
 @pytest.mark.gpu
@@ -1946,21 +1964,6 @@ def test_the_results_that_the_code_cites_are_in_results():
                       for name in re.findall(r'"([^"]+)"', cite.group(1))]  # fmt: skip
     assert len(cited) > 20
     assert [(path, name) for path, name in cited if name not in results] == []
-
-
-def test_the_metrics_log_is_never_written_through_a_link(tmp_path):
-    victim = tmp_path / "victim.txt"
-    victim.write_text("the user's")
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").symlink_to(victim)
-    resumed = SimpleNamespace(last=tmp_path / "run" / "checkpoints" / "step-000010")
-    world = shard.World(0, 1, 1, torch.device("cpu"))
-    run = SimpleNamespace(
-        run_dir=tmp_path / "run", world=world, start_step=10, log=print, checkpointer=resumed
-    )
-    with pytest.raises(OSError, match="Too many levels of symbolic links"):
-        train.MetricsLog(run)
-    assert victim.read_text() == "the user's"
 
 
 def test_a_step_makes_its_micro_batches_one_at_a_time():

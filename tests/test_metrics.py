@@ -1,0 +1,121 @@
+"""metrics.py: each logged record reaches TensorBoard and W&B (offline) as metrics.jsonl has
+it, read back with TensorBoard's own reader and W&B's own protobuf records, and a resumed run
+continues both. TensorBoard keeps scalars as float32: rtol 1e-6."""
+
+import json
+import struct
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb.proto import wandb_internal_pb2
+
+import metrics
+import prepare
+import train
+
+SMALL = ["--seq-len", "128", "--batch-tokens", "1024", "--micro-batch", "8", "--log-interval",
+         "1", "--sample-tokens", "0", "--checkpoint-interval", "2"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return prepare.prepare([stdlib / "argparse.py"], tmp_path_factory.mktemp("data"), workers=1)
+
+
+def wandb_records(path: Path) -> list:
+    """The records of an offline run's .wandb file: LevelDB's log format (blocks of 32 KiB
+    after a 7-byte header; each record a 7-byte header, whole or in pieces that end at its
+    LAST), each a W&B protobuf Record."""
+    data, pos, block, records, piece = path.read_bytes(), 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        piece += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            records.append(wandb_internal_pb2.Record.FromString(piece))
+            piece = b""
+    return records
+
+
+def test_each_record_reaches_tensorboard_and_wandb_and_a_resume_continues_both(
+    dataset, tmp_path, monkeypatch
+):
+    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
+                        "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+                        "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
+                        "WANDB_DATA_DIR": str(tmp_path / "wandb-data")}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(name, raising=False)
+    run_dir = tmp_path / "run"
+    argv = ["--data", str(dataset), *SMALL, "--run-dir", str(run_dir)]
+    train.main([*argv, "--max-steps", "2", "--report-to", "tensorboard,wandb"])
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    train.main([*argv, "--max-steps", "3", "--resume", "--report-to", "wandb,tensorboard"])
+    assert (run_dir / "wandb_run_id").read_text().strip() == run_id
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert set(records[0]) >= {"peak_gpu_reserved_gib", "gpu_alloc_retries"}
+    assert all(0 < r["data_loading_share"] < 1 for r in records)
+    numbers = [(r["step"], k, v) for r in records for k, v in r.items() if k != "step" and v]
+    assert {k for _, k, _ in numbers} >= {"loss", "lr", "grad_norm", "tokens_per_s", "eta_s"}
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    for step, name, value in numbers:
+        assert [e.value for e in events.Scalars(name) if e.step == step] == pytest.approx(
+            [value], rel=1e-6
+        )
+    config = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"flags": "--ac none' in config and '"seq_len": 128' in config
+
+    runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert [r.name.rsplit("-", 1)[1] for r in runs] == [run_id, run_id]  # one run, continued
+    logged, configs = {}, []
+    for run in runs:
+        for record in wandb_records(next(run.glob("run-*.wandb"))):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                step = record.history.step.num
+                for item in record.history.item:
+                    logged[step, item.key or ".".join(item.nested_key)] = json.loads(
+                        item.value_json
+                    )
+            elif kind == "run":
+                config = record.run.config.update
+                configs.append(
+                    {i.key or ".".join(i.nested_key): json.loads(i.value_json) for i in config}
+                )
+    assert logged == {**logged, **{(step, name): value for step, name, value in numbers}}
+    assert configs[-1]["options"]["max_steps"] == 3 and configs[-1]["plan"]["seq_len"] == 128
+
+
+def test_a_missing_package_is_one_line_before_any_step(dataset, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: find_spec says so
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--data", str(dataset), *SMALL, "--run-dir", str(run_dir),
+                    "--report-to", "tensorboard,wandb"])  # fmt: skip
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err == "train.py error: --report-to wandb needs its package: pip install wandb\n"
+    assert not run_dir.exists()
+
+
+def test_the_metrics_log_is_never_written_through_a_link(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").symlink_to(victim)
+    resumed = tmp_path / "run" / "checkpoints" / "step-000010"
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        metrics.JsonLines(tmp_path / "run", 10, resumed, print)
+    assert victim.read_text() == "the user's"
