@@ -197,7 +197,9 @@ class _DequantizeInBackward(torch.autograd.graph.saved_tensors_hooks):
     as nf4_linear does for one matmul: whatever Ops.moe_experts saves, no dequantized copy
     lives from forward to backward. Every other tensor goes to the hooks active outside
     (activation checkpointing's, activation offload's): only the innermost hooks run, so these
-    hand on to them (found by torch's private `_top_saved_tensors_default_hooks`)."""
+    hand on to them (found by torch's private `_top_saved_tensors_default_hooks`), or with
+    none keep detached, so that a saved output holds no reference to its own node (a cycle
+    that a graph dropped without backward would never free)."""
 
     def __init__(self, make: dict[int, Callable[[], torch.Tensor]]):
         self.make = make
@@ -208,7 +210,7 @@ class _DequantizeInBackward(torch.autograd.graph.saved_tensors_hooks):
         make = self.make.get(t.untyped_storage().data_ptr()) if t.numel() else None
         if make is not None:
             return _Remade(make, t)
-        return self.outer[0](t) if self.outer else t
+        return self.outer[0](t) if self.outer else t.detach()
 
     def unpack(self, packed) -> torch.Tensor:
         if isinstance(packed, _Remade):
@@ -246,8 +248,12 @@ class NF4MoE(MoE):
     def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
         # The whole layer's experts dequantized at once, in the compute dtype: what an FSDP
         # gather of the layer's bf16 experts costs too, freed when the layer is done. Backward
-        # dequantizes again each tensor it reads (_DequantizeInBackward).
-        make = {n: functools.partial(self.expert_weight, n, x.dtype) for n in EXPERT_WEIGHTS}
+        # dequantizes again each tensor it reads (_DequantizeInBackward), from the storage as
+        # nf4_linear saves it: FSDP refills it for backward.
+        make = {
+            n: functools.partial(self.expert_weight, n, x.dtype, getattr(self, n + NF4_SUFFIX))
+            for n in EXPERT_WEIGHTS
+        }
         w = {name: m() for name, m in make.items()}
         by_storage = {w[name].untyped_storage().data_ptr(): make[name] for name in EXPERT_WEIGHTS}
         with _DequantizeInBackward(by_storage):
@@ -258,7 +264,7 @@ class NF4MoE(MoE):
         dequantize: Callable | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Expert tensor `name` [E, out, in] in `dtype` from `stored`, its whole (gathered)
-        storage (default: the module's now)."""
+        storage (default: the module's)."""
         stored = getattr(self, name + NF4_SUFFIX) if stored is None else stored
         n_experts, out, k = self.shapes[name]
         # With FSDP's CPU offload the buffers stay on the host; they are a few KB.

@@ -31,6 +31,7 @@ from lora import (
     LoRAConfig,
     LoRALinear,
     NF4MoE,
+    _DequantizeInBackward,
     apply_lora,
     parse_lora_targets,
 )
@@ -417,3 +418,15 @@ def test_a_qlora_moe_model_exports_merged_with_its_experts_dequantized(tmp_path)
     save_hf_checkpoint(model.args, named, tmp_path / "merged", dtype=torch.float32)
     tokens = tokens_for(model)
     assert rel_err(hf_model(tmp_path / "merged")(tokens).logits, model(tokens)) <= FP32_RTOL
+
+
+def test_what_the_nf4_experts_hooks_pass_on_is_freed_with_a_graph_never_backpropagated():
+    """Without hooks outside, the other saved tensors are kept detached: exp saves its own
+    output, which kept as it is would hold the node that holds it, a cycle through C++ that
+    is never freed when a forward's graph is dropped without backward."""
+    x = torch.randn(8, 8, requires_grad=True)
+    with _DequantizeInBackward({}):
+        y = x.exp()
+    kept = weakref.ref(y)
+    del y
+    assert kept() is None
