@@ -20,12 +20,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from files import OutputDir, UsageError, give_ordinary_mode, read_json
+from kernels import dequantize_nf4_reference
 from lora import (
     HF_LAYER_NAMES,
     HF_LORA_TARGETS,
     NF4_SUFFIX,
     LoRAConfig,
     LoRALinear,
+    NF4MoE,
     apply_lora,
     copy_into,
     copy_whole_tensor,
@@ -582,12 +584,12 @@ def load_hf_checkpoint(
 
         for done, (ours, theirs) in enumerate(names.items(), 1):
             if isinstance(theirs, tuple):
-                param = model.get_parameter(ours)
-                copy(param, ExpertSlices([read(name) for name in theirs], param.shape[1:]))
+                tensor_slice = ExpertSlices([read(name) for name in theirs])
             elif isinstance(theirs, FusedRows):
-                copy(model.get_parameter(ours), read(theirs.name, theirs.rows))
+                tensor_slice = read(theirs.name, theirs.rows)
             else:
-                copy_into(model, ours, read(theirs), copy)
+                tensor_slice = read(theirs)
+            copy_into(model, ours, tensor_slice, copy)
             if progress is not None:
                 progress(done, len(names))
     refuse_nonfinite(path, agree(found))
@@ -598,12 +600,14 @@ class ExpertSlices:
     all, or none: FSDP leaves the last ranks of a small tensor no rows) reads experts a to b - 1
     alone."""
 
-    def __init__(self, slices: list[CheckedSlice], shape: torch.Size):
-        self.slices, self.shape = slices, shape
+    def __init__(self, slices: list[CheckedSlice]):
+        self.slices = slices
 
     def __getitem__(self, index: slice) -> torch.Tensor:
         tensors = [piece[:] for piece in self.slices[index]]
-        return torch.stack(tensors) if tensors else torch.empty(0, *self.shape)
+        if not tensors:
+            return torch.empty(0, *self.slices[0].piece.get_shape())
+        return torch.stack(tensors)
 
 
 @torch.no_grad()
@@ -785,7 +789,10 @@ PEFT_ADAPTER = OutputDir(
 )
 
 
-def peft_adapter_config(config: LoRAConfig, base_model: str | None) -> dict:
+def peft_adapter_config(args: ModelArgs, config: LoRAConfig, base_model: str | None) -> dict:
+    """PEFT's adapter_config.json, its target_modules those that take adapters on this model
+    (lora_module_paths: on a mixture-of-experts model, PEFT would put its own on the experts)."""
+    paths = lora_module_paths(args.n_layers, config.targets, args.moe_layers)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -793,7 +800,7 @@ def peft_adapter_config(config: LoRAConfig, base_model: str | None) -> dict:
         "r": config.rank,
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
-        "target_modules": sorted(HF_LORA_TARGETS[t] for t in config.targets),
+        "target_modules": sorted({HF_LORA_TARGETS[p.rpartition(".")[2]] for p in paths}),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -823,7 +830,7 @@ def save_peft_adapter(
     with PEFT_ADAPTER.writing(out_dir) as tmp:
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         give_ordinary_mode(tmp / "adapter_model.safetensors")
-        adapter_config = peft_adapter_config(config, base_model)
+        adapter_config = peft_adapter_config(args, config, base_model)
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
 
 
@@ -847,7 +854,7 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
         if not file.is_file():
             raise UsageError(f"LoRA adapter: {file} does not exist")
     theirs = read_json(config_file)
-    ours = peft_adapter_config(config, None)
+    ours = peft_adapter_config(args, config, None)
     problems = [
         f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected {ours[key]!r}"
         + (f" (--lora-rank {ours['r']}: pass --lora-rank {theirs.get('r')})" * (key == "r"))
@@ -919,11 +926,19 @@ def merged_named_tensors(
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """(name, full tensor) for save_hf_checkpoint, each LoRALinear merged into one weight
     W + scale * B @ A in fp32, so that a plain Llama (transformers' or longtune's) computes
-    what the adapted model does without dropout. `gather(param)`: the whole parameter."""
+    what the adapted model does without dropout; 4-bit experts (NF4MoE) dequantized.
+    `gather(param)`: the whole parameter."""
     lora = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    nf4_experts = {name: m for name, m in model.named_modules() if isinstance(m, NF4MoE)}
     for name, param in model.named_parameters():
         owner_path, _, leaf = name.rpartition(".")
-        if owner_path not in lora or leaf == "bias":
+        if owner_path in nf4_experts and leaf.endswith(NF4_SUFFIX):
+            weight = leaf.removesuffix(NF4_SUFFIX)
+            dequantized = nf4_experts[owner_path].expert_weight(
+                weight, torch.float32, gather(param), dequantize_nf4_reference
+            )
+            yield f"{owner_path}.{weight}", dequantized
+        elif owner_path not in lora or leaf == "bias":
             yield name, gather(param)
         elif leaf in ("weight", "weight" + NF4_SUFFIX):
             module = lora[owner_path]

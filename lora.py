@@ -6,10 +6,15 @@ built on the meta device (train.apply_techniques):
         model = Llama(args)
     apply_lora(model, LoRAConfig(rank=16, alpha=32, quantize_base="nf4"), torch.bfloat16)
 
+On a mixture-of-experts model (moe.py) the adapters go on the attention projections; QLoRA
+stores the experts, most of such a model's weights, in NF4 too (`NF4MoE`).
+
 In order: the projections by name (longtune's and Hugging Face's), `LoRAConfig`, the layer
-(`LoRALinear`), `apply_lora`, and the copy into a parameter that quantizes a 4-bit base.
+(`LoRALinear`), the experts in NF4 (`NF4MoE`), `apply_lora`, and the copy into a parameter
+that quantizes a 4-bit base.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,6 +25,7 @@ import torch.nn.functional as F
 from files import UsageError
 from kernels import dequantize_nf4, dequantize_nf4_reference, nf4_linear, quantize_nf4
 from kernels.nf4 import check_quantizable, row_bytes, scale_count
+from moe import MoE
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 HF_LAYER_NAMES = {
@@ -40,6 +46,7 @@ HF_LORA_TARGETS = {
     if not ours.endswith("norm.weight")
 }
 NF4_SUFFIX = "_nf4"  # `wq.weight_nf4`: the 4-bit storage of `wq.weight`
+EXPERT_WEIGHTS = ("w1", "w3", "w2")  # moe.MoE's [E, out, in] expert tensors
 
 
 @dataclass(frozen=True)
@@ -149,10 +156,7 @@ class LoRALinear(nn.Module):
         if not self.quantized:
             copy(self.weight, tensor_slice)
             return
-        quantized = quantize_nf4(tensor_slice[:].to(self.absmax2.device))
-        copy(self.weight_nf4, quantized.rows.view(self.weight_nf4.dtype))
-        self.absmax2.copy_(quantized.absmax2)
-        self.offset.copy_(quantized.offset)
+        load_nf4(self.weight_nf4, self.absmax2, self.offset, tensor_slice[:], copy)
 
     def base_weight(self, stored: torch.Tensor) -> torch.Tensor:
         """W in fp32 from `stored`, its whole (gathered) `weight` or `weight_nf4`."""
@@ -164,48 +168,182 @@ class LoRALinear(nn.Module):
         )  # fmt: skip
 
 
+def load_nf4(
+    stored: torch.Tensor, absmax2: torch.Tensor, offset: torch.Tensor, weight: torch.Tensor,
+    copy: Callable,
+) -> None:  # fmt: skip
+    """Quantizes `weight` [..., in] as one [rows, in] matrix on the buffers' device (the rank's
+    GPU) into `stored` (its rows viewed as stored's dtype, shaped as weight but the last dim)
+    through `copy`, which may keep this rank's rows, and the two buffers."""
+    quantized = quantize_nf4(weight.to(absmax2.device).flatten(0, -2))
+    copy(stored, quantized.rows.view(stored.dtype).view(*weight.shape[:-1], -1))
+    absmax2.copy_(quantized.absmax2)
+    offset.copy_(quantized.offset)
+
+
+class _Remade:
+    """What autograd saved of a dequantized weight (it, or a view of it): how to make it again."""
+
+    __slots__ = ("make", "size", "stride", "offset")
+
+    def __init__(self, make: Callable[[], torch.Tensor], t: torch.Tensor):
+        self.make, self.size, self.stride = make, t.size(), t.stride()
+        self.offset = t.storage_offset()
+
+
+class _DequantizeInBackward(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks under which what the ops save of the dequantized weights (by their
+    storage: `make` for each) is kept as a way to dequantize it again when backward reads it,
+    as nf4_linear does for one matmul: whatever Ops.moe_experts saves, no dequantized copy
+    lives from forward to backward. Every other tensor goes to the hooks active outside
+    (activation checkpointing's, activation offload's): only the innermost hooks run, so these
+    hand on to them (found by torch's private `_top_saved_tensors_default_hooks`), or with
+    none keep detached, so that a saved output holds no reference to its own node (a cycle
+    that a graph dropped without backward would never free)."""
+
+    def __init__(self, make: dict[int, Callable[[], torch.Tensor]]):
+        self.make = make
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        super().__init__(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor):
+        make = self.make.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        if make is not None:
+            return _Remade(make, t)
+        return self.outer[0](t) if self.outer else t.detach()
+
+    def unpack(self, packed) -> torch.Tensor:
+        if isinstance(packed, _Remade):
+            return packed.make().as_strided(packed.size, packed.stride, packed.offset)
+        return self.outer[1](packed) if self.outer else packed
+
+
+class NF4MoE(MoE):
+    """moe.MoE with its experts frozen in NF4 (QLoRA): each of w1, w3, w2 [E, out, in] is
+    quantized as one [E * out, in] weight (kernels/nf4.py; each block of 64 values within one
+    expert's row, one offset and list of second-level scales for the tensor), stored as
+    `w1_nf4` [E, out, row_bytes / itemsize] in `base_dtype`, so that FSDP shards it by experts
+    like the plain tensor; the scales are buffers kept whole, as LoRALinear's."""
+
+    def __init__(self, moe: MoE, base_dtype: torch.dtype, dequantize: Callable):
+        n_experts, ffn_dim, dim = moe.w1.shape
+        device = moe.w1.device
+        with torch.device(device):  # the model's: meta, as apply_lora finds it
+            super().__init__(
+                dim, ffn_dim, n_experts, moe.top_k, moe.norm_topk_prob, moe.rounds_weights,
+                moe.ops,
+            )  # fmt: skip
+        self.dequantize = dequantize
+        self.shapes = {name: getattr(self, name).shape for name in EXPERT_WEIGHTS}
+        for name, (n_experts, out, k) in self.shapes.items():
+            delattr(self, name)
+            rows = torch.empty(n_experts, out, row_bytes(k) // base_dtype.itemsize,
+                               dtype=base_dtype, device=device)  # fmt: skip
+            self.register_parameter(name + NF4_SUFFIX, nn.Parameter(rows, requires_grad=False))
+            n_scales = scale_count(n_experts * out * k)
+            absmax2, offset = torch.empty(n_scales, device=device), torch.empty((), device=device)
+            self.register_buffer(f"{name}_absmax2", absmax2, persistent=False)
+            self.register_buffer(f"{name}_offset", offset, persistent=False)
+
+    def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        # The whole layer's experts dequantized at once, in the compute dtype: what an FSDP
+        # gather of the layer's bf16 experts costs too, freed when the layer is done. Backward
+        # dequantizes again each tensor it reads (_DequantizeInBackward), from the storage as
+        # nf4_linear saves it: FSDP refills it for backward.
+        make = {
+            n: functools.partial(self.expert_weight, n, x.dtype, getattr(self, n + NF4_SUFFIX))
+            for n in EXPERT_WEIGHTS
+        }
+        w = {name: m() for name, m in make.items()}
+        by_storage = {w[name].untyped_storage().data_ptr(): make[name] for name in EXPERT_WEIGHTS}
+        with _DequantizeInBackward(by_storage):
+            return self.ops.moe_experts(x, experts, weights, w["w1"], w["w3"], w["w2"])
+
+    def expert_weight(
+        self, name: str, dtype: torch.dtype, stored: torch.Tensor | None = None,
+        dequantize: Callable | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Expert tensor `name` [E, out, in] in `dtype` from `stored`, its whole (gathered)
+        storage (default: the module's)."""
+        stored = getattr(self, name + NF4_SUFFIX) if stored is None else stored
+        n_experts, out, k = self.shapes[name]
+        # With FSDP's CPU offload the buffers stay on the host; they are a few KB.
+        absmax2 = getattr(self, f"{name}_absmax2").to(stored.device, non_blocking=True)
+        offset = getattr(self, f"{name}_offset").to(stored.device, non_blocking=True)
+        rows = stored.reshape(n_experts * out, -1)
+        flat = (dequantize or self.dequantize)(rows, absmax2, offset, k, dtype)
+        return flat.view(n_experts, out, k)
+
+    @torch.no_grad()
+    def load_expert(self, name: str, tensor_slice, copy: Callable) -> None:
+        """Sets expert tensor `name` from the whole [E, out, in] (hf.ExpertSlices, a tensor),
+        quantized as LoRALinear.load_weight does."""
+        absmax2, offset = getattr(self, f"{name}_absmax2"), getattr(self, f"{name}_offset")
+        load_nf4(getattr(self, name + NF4_SUFFIX), absmax2, offset, tensor_slice[:], copy)
+
+
 def lora_module_paths(
     n_layers: int, targets: tuple[str, ...], moe_layers: tuple[int, ...] = ()
 ) -> list[str]:
-    """`layers.{i}.attention.wq` and the like, in layer then target order; the experts of
-    `moe_layers` are no linear layers and take no adapter."""
+    """`layers.{i}.attention.wq` and the like, in layer then target order. On a mixture-of-
+    experts model (any `moe_layers`) the feed-forward targets take no adapter, on its dense
+    layers either: PEFT (0.21, on transformers 5) reads gate_proj, up_proj and down_proj on
+    such a model as the experts' (transformers 4 held them as per-expert linear layers of those
+    names), so a dense layer's adapter would not load there; the experts take none."""
     where = {ours.split(".")[1]: ours.split(".")[0] for ours in HF_LAYER_NAMES}
     return [
         f"layers.{i}.{where[t]}.{t}"
         for i in range(n_layers)
         for t in targets
-        if not (i in moe_layers and where[t] == "feed_forward")
+        if not (moe_layers and where[t] == "feed_forward")
     ]
 
 
 def apply_lora(
     model: nn.Module, config: LoRAConfig, base_dtype: torch.dtype, kernels: bool = False
 ) -> None:
-    """Replaces every block's target projections with LoRALinear and freezes the rest, stored
-    in `base_dtype` (the compute dtype: no fp32 master copy of what is not trained). Applied
-    first, to the meta-built model (train.apply_techniques)."""
+    """Replaces every block's target projections with LoRALinear (and with QLoRA the MoE
+    layers with NF4MoE) and freezes the rest, stored in `base_dtype` (the compute dtype: no fp32
+    master copy of what is not trained). Applied first, to the meta-built model
+    (train.apply_techniques)."""
     dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
     args = model.args
-    for path in lora_module_paths(args.n_layers, config.targets, args.moe_layers):
+    paths = lora_module_paths(args.n_layers, config.targets, args.moe_layers)
+    if not paths:
+        raise UsageError(
+            f"LoRA targets {list(config.targets)} adapt nothing on a mixture-of-experts model: "
+            f"its feed-forward projections take no adapter; choose some of wq,wk,wv,wo"
+        )
+    for path in paths:
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         linear = getattr(parent, attr)
         if config.quantize_base:
-            try:  # the kernel's own check, about a model the user chose
-                check_quantizable(f"{path}.weight", tuple(linear.weight.shape))
-            except ValueError as e:
-                raise UsageError(str(e)) from None
+            _check_quantizable(f"{path}.weight", linear.weight.shape)
         lora = LoRALinear(
             linear.in_features, linear.out_features, config, base_dtype, dequantize,
             bias=linear.bias is not None, device=linear.weight.device,
         )  # fmt: skip
         setattr(parent, attr, lora)
+    for i in args.moe_layers if config.quantize_base else ():
+        block = model.layers[i]
+        for name in EXPERT_WEIGHTS:
+            n_experts, out, k = getattr(block.feed_forward, name).shape
+            _check_quantizable(f"layers.{i}.feed_forward.{name}", (n_experts * out, k))
+        block.feed_forward = NF4MoE(block.feed_forward, base_dtype, dequantize)
     for module in model.modules():
         if isinstance(module, LoRALinear):
             continue
         for name, param in list(module.named_parameters(recurse=False)):
             frozen = torch.empty_like(param, dtype=base_dtype)
             setattr(module, name, nn.Parameter(frozen, requires_grad=False))
+
+
+def _check_quantizable(name: str, shape: tuple[int, ...]) -> None:
+    try:  # the kernel's own check, about a model the user chose
+        check_quantizable(name, tuple(shape))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def copy_whole_tensor(param: torch.Tensor, tensor_slice) -> None:
@@ -218,5 +356,7 @@ def copy_into(model: nn.Module, name: str, tensor_slice, copy: Callable) -> None
     owner = model.get_submodule(owner_path)
     if isinstance(owner, LoRALinear) and leaf == "weight":
         owner.load_weight(tensor_slice, copy)
+    elif isinstance(owner, NF4MoE) and leaf in EXPERT_WEIGHTS:
+        owner.load_expert(leaf, tensor_slice, copy)
     else:
         copy(model.get_parameter(name), tensor_slice)

@@ -40,7 +40,7 @@ from kernels import (
     rms_norm_reference,
     swiglu_reference,
 )
-from lora import NF4_SUFFIX, LoRALinear, copy_into, copy_whole_tensor
+from lora import EXPERT_WEIGHTS, NF4_SUFFIX, LoRALinear, NF4MoE, copy_into, copy_whole_tensor
 from moe import MoE, Routed, expert_load, load_balancing_loss
 
 # ----------------------------------------------------------------------------------------
@@ -938,6 +938,8 @@ class Llama(nn.Module):
         owner = self.get_submodule(owner_path)
         if isinstance(owner, LoRALinear) and leaf == "weight":  # a 4-bit one is no parameter
             shape = torch.Size((owner.out_features, owner.in_features))
+        elif isinstance(owner, NF4MoE) and leaf in EXPERT_WEIGHTS:  # nor are 4-bit experts
+            shape = owner.shapes[leaf]
         else:
             shape = self.get_parameter(name).shape
         if name.endswith("norm.weight"):

@@ -84,8 +84,11 @@ class MoE(nn.Module):
         )
         if self.rounds_weights:  # Qwen3-MoE's; Mixtral's scale the experts' outputs in fp32
             weights = weights.to(x.dtype)
-        y = self.ops.moe_experts(x, experts, weights, self.w1, self.w3, self.w2)
-        return y.view(shape)
+        return self.run_experts(x, experts, weights).view(shape)
+
+    def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        """The chosen experts' weighted sum [T, D]; lora.NF4MoE's experts are stored in 4 bits."""
+        return self.ops.moe_experts(x, experts, weights, self.w1, self.w3, self.w2)
 
 
 def load_balancing_loss(routed: Sequence[Routed]) -> torch.Tensor:

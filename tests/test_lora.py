@@ -6,21 +6,36 @@ on an NF4 base against the same model on the dequantized base: the same weights,
 same 1e-5 (the matmul runs as x @ W^T in one and F.linear in the other).
 """
 
+import json
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from hf import args_from_hf_config, hf_names, load_hf_checkpoint, peft_names
+from files import UsageError
+from hf import (
+    args_from_hf_config,
+    hf_names,
+    load_hf_checkpoint,
+    merged_named_tensors,
+    peft_names,
+    save_hf_checkpoint,
+    save_peft_adapter,
+)
+from kernels import dequantize_nf4, dequantize_nf4_reference, quantize_nf4
 from lora import (
+    EXPERT_WEIGHTS,
     HF_LORA_TARGETS,
     LORA_TARGETS,
     LoRAConfig,
     LoRALinear,
+    NF4MoE,
+    _DequantizeInBackward,
     apply_lora,
     parse_lora_targets,
 )
-from model import REFERENCE_OPS, Llama, ModelArgs, fp8_ops
+from model import REFERENCE_OPS, Llama, ModelArgs, fp8_ops, triton_ops
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -227,3 +242,191 @@ def test_nf4_needs_rows_that_are_multiples_of_64():
         model = Llama(ModelArgs.from_name("tiny"))  # dim 96
     with pytest.raises(ValueError, match=r"layers.0.attention.wq.weight: NF4 .* \(96, 96\)"):
         apply_lora(model, LoRAConfig(rank=2, alpha=2.0, quantize_base="nf4"), torch.float32)
+
+
+# ---- Mixture-of-experts models (moe.py): adapters on attention, QLoRA's experts in NF4 ----
+
+MOE_CONFIGS = {  # rows multiples of 64, so NF4 applies; Qwen3-MoE's layer 1 dense
+    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
+        **kw, head_dim=16, intermediate_size=128, moe_intermediate_size=64, num_experts=4,
+        mlp_only_layers=[1], norm_topk_prob=True,
+    ),
+    "mixtral": lambda **kw: transformers.MixtralConfig(
+        **kw, intermediate_size=64, num_local_experts=4
+    ),
+}  # fmt: skip
+
+
+def moe_checkpoint(path: Path, name: str) -> Path:
+    config = MOE_CONFIGS[name](
+        vocab_size=160, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts_per_tok=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # experts' weights are zeros until initialized by from_pretrained
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_lora_on_an_moe_model_adapts_attention_and_loads_in_peft(tmp_path, name):
+    """Adapters on wq wk wv wo of every layer; none on the feed-forwards, dense or experts,
+    and target_modules says so: PEFT on transformers 5 reads gate_proj/up_proj/down_proj on
+    Qwen3-MoE as its experts' (and would then drop a dense layer's adapters). The router and
+    experts are frozen. PEFT's model has our adapters and no others, with equal logits and
+    adapter gradients."""
+    path = moe_checkpoint(tmp_path / "base", name)
+    model = lora_model(path)
+    randomize_adapters(model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 4 * model.args.n_layers
+    assert all(".attention.w" in n for n in trainable)
+    out = tmp_path / "adapter"
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), out, base_model=str(path))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    theirs = peft.PeftModel.from_pretrained(hf_model(path), out, is_trainable=True)
+    their_params = {n.replace(".default", ""): p for n, p in theirs.named_parameters()}
+    names = peft_names(model.args, CONFIG.targets)
+    assert sorted(n for n, p in their_params.items() if p.requires_grad) == sorted(names.values())
+    tokens = tokens_for(model)
+    logits, their_logits = model(tokens), theirs(tokens).logits
+    assert rel_err(logits, their_logits) <= FP32_RTOL
+    logits.square().mean().backward()
+    their_logits.square().mean().backward()
+    for ours, peft_name in names.items():
+        assert rel_err(model.get_parameter(ours).grad, their_params[peft_name].grad) <= FP32_RTOL
+
+
+def test_feed_forward_targets_alone_adapt_nothing_on_an_moe_model_and_are_refused():
+    with torch.device("meta"):
+        model = Llama(ModelArgs.from_name("qwen3-30b-a3b"))
+    with pytest.raises(UsageError, match=r"\['w1', 'w2'\] adapt nothing .* wq,wk,wv,wo$"):
+        apply_lora(model, LoRAConfig(rank=2, alpha=2.0, targets=("w1", "w2")), torch.float32)
+
+
+def dequantized_twin(quantized: Llama, path: Path) -> Llama:
+    """The LoRA model on the quantized one's base, dequantized (fp32), and its adapters."""
+    plain = lora_model(path)
+    with torch.no_grad():
+        for name, module in quantized.named_modules():
+            if isinstance(module, LoRALinear):
+                plain.get_submodule(name).weight.copy_(module.base_weight(module.weight_nf4))
+            if isinstance(module, NF4MoE):
+                for w in EXPERT_WEIGHTS:
+                    dequantized = module.expert_weight(w, torch.float32)
+                    plain.get_submodule(name).get_parameter(w).copy_(dequantized)
+        for name, p in quantized.named_parameters():
+            if p.requires_grad:
+                plain.get_parameter(name).copy_(p)
+    return plain
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_qlora_stores_the_experts_in_nf4_as_loaded_and_equals_them_dequantized(tmp_path, name):
+    """Each expert tensor quantized on load as one [E * out, in] weight; the layer's output, its
+    input's gradient equal the MoE on the dequantized experts exactly (the same
+    Ops.moe_experts on the same values); the model's logits and adapter gradients within fp32
+    (the attention's NF4 matmul rounds as x @ W^T)."""
+    path = moe_checkpoint(tmp_path, name)
+    quantized = lora_model(path, NF4_CONFIG)
+    randomize_adapters(quantized)
+    plain = dequantized_twin(quantized, path)
+    hf = dict(hf_model(path).named_parameters())
+    layer = quantized.layers[0].feed_forward
+    assert isinstance(layer, NF4MoE) and not any(p.requires_grad for p in layer.parameters())
+    assert not hasattr(layer, "w1")
+    gate_up = hf["model.layers.0.mlp.experts.gate_up_proj"]  # [E, 2F, D]: w1 then w3
+    want = quantize_nf4(gate_up[:, :64].flatten(0, 1))
+    assert torch.equal(layer.w1_nf4.view(torch.uint8).flatten(0, 1), want.rows)
+    assert torch.equal(layer.w1_absmax2, want.absmax2) and torch.equal(layer.w1_offset, want.offset)
+
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    reference = plain.layers[0].feed_forward
+    y, y_ref = layer(x), reference(x)
+    assert torch.equal(y, y_ref)
+    grad = torch.randn_like(y)
+    (dx,), (dx_ref,) = torch.autograd.grad(y, x, grad), torch.autograd.grad(y_ref, x, grad)
+    assert torch.equal(dx, dx_ref)
+
+    tokens = tokens_for(quantized)
+    logits, plain_logits = quantized(tokens), plain(tokens)
+    assert rel_err(logits, plain_logits) <= FP32_RTOL
+    logits.square().mean().backward()
+    plain_logits.square().mean().backward()
+    for n, p in plain.named_parameters():
+        if p.requires_grad:
+            assert rel_err(quantized.get_parameter(n).grad, p.grad) <= FP32_RTOL, n
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "triton"])
+def test_no_dequantized_expert_outlives_the_forward_and_backward_dequantizes_again(
+    tmp_path, kernels
+):
+    """What Ops.moe_experts saves of the dequantized experts (the Triton path the tensors,
+    the reference views of them) is dequantized again in backward, so none is alive after
+    forward, even under an outer saved-tensor hook that keeps what it is given (activation
+    offload's, a checkpoint's), which still gets every other saved tensor. The input's
+    gradient is the same under that hook and under torch's checkpoint."""
+    path = moe_checkpoint(tmp_path, "mixtral")
+    model = lora_model(path, NF4_CONFIG, ops=triton_ops() if kernels else REFERENCE_OPS)
+    layer = model.layers[0].feed_forward
+    made = []
+
+    def spy(*args):
+        weight = (dequantize_nf4 if kernels else dequantize_nf4_reference)(*args)
+        made.append(weakref.ref(weight))
+        return weight
+
+    layer.dequantize = spy
+    x = torch.randn(2, 5, 64, requires_grad=True)
+    grad = torch.randn(2, 5, 64)
+    (want,) = torch.autograd.grad(layer(x), x, grad)
+    assert len(made) > 3 and all(ref() is None for ref in made)
+    kept = []
+    made.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = layer(x)
+    assert len(made) == 3 and all(ref() is None for ref in made) and kept
+    assert torch.equal(torch.autograd.grad(y, x, grad)[0], want)
+    y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    assert torch.equal(torch.autograd.grad(y, x, grad)[0], want)
+
+
+def test_qwen3_30b_a3bs_experts_in_nf4_take_about_half_a_byte_a_parameter():
+    """In bf16 storage: the packed codes, a byte of scale per 64 values, the second-level
+    scales: 0.516 bytes per parameter at Qwen3-30B-A3B's widths (1/3.9 of bf16)."""
+    with torch.device("meta"):
+        model = Llama(ModelArgs.from_name("qwen3-30b-a3b"))
+    apply_lora(model, NF4_CONFIG, torch.bfloat16)
+    layer = model.layers[0].feed_forward
+    stored = sum(t.nbytes for n, t in layer.named_parameters() if n.endswith("_nf4"))
+    stored += sum(t.nbytes for t in layer.buffers())
+    params = sum(torch.Size(s).numel() for s in layer.shapes.values())
+    assert params == 3 * 128 * 768 * 2048
+    assert stored / params == pytest.approx(0.5 + 1 / 64 + 4 / 64 / 256, rel=1e-3)
+
+
+def test_a_qlora_moe_model_exports_merged_with_its_experts_dequantized(tmp_path):
+    path = moe_checkpoint(tmp_path / "base", "qwen3_moe")
+    model = lora_model(path, NF4_CONFIG)
+    randomize_adapters(model)
+    named = merged_named_tensors(model, lambda p: p.detach())
+    save_hf_checkpoint(model.args, named, tmp_path / "merged", dtype=torch.float32)
+    tokens = tokens_for(model)
+    assert rel_err(hf_model(tmp_path / "merged")(tokens).logits, model(tokens)) <= FP32_RTOL
+
+
+def test_what_the_nf4_experts_hooks_pass_on_is_freed_with_a_graph_never_backpropagated():
+    """Without hooks outside, the other saved tensors are kept detached: exp saves its own
+    output, which kept as it is would hold the node that holds it, a cycle through C++ that
+    is never freed when a forward's graph is dropped without backward."""
+    x = torch.randn(8, 8, requires_grad=True)
+    with _DequantizeInBackward({}):
+        y = x.exp()
+    kept = weakref.ref(y)
+    del y
+    assert kept() is None
