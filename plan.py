@@ -409,17 +409,24 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
     # the rows: divided over the shard group here); biases are not adapted.
     shapes = block_shapes(args)
     targets = {k: s for k, s in shapes.items() if k.removesuffix(".weight") in lora.targets}
-    quantized = targets if lora.quantize_base else {}
+    # An MoE block's experts, [E, out, in]: NF4 under QLoRA too (lora.NF4MoE), dequantized a
+    # whole layer's at once.
+    experts = {k: s for k, s in shapes.items() if len(s) == 3}
+    quantized = targets | experts if lora.quantize_base else {}
     base = sum(
-        nf4_stored_bytes(*s) if k in quantized else s.numel() * param_bytes
+        nf4_stored_bytes(s[:-1].numel(), s[-1]) if k in quantized else s.numel() * param_bytes
         for k, s in shapes.items()
     )
+    dequantized = 0
+    if lora.quantize_base:  # the largest target, or a layer's experts together
+        largest = max((s.numel() for s in targets.values()), default=0)
+        dequantized = max(largest, sum(s.numel() for s in experts.values()))
     adapters = sum(lora.rank * (n + k) for n, k in targets.values())
     return Weights(
         embedding, head, trained=args.n_layers * adapters,
         frozen_bytes=args.n_layers * base + param_bytes * (embedding + head),
         block_trained=adapters, block_frozen_bytes=base,
-        dequantized=max((s.numel() for s in quantized.values()), default=0),
+        dequantized=dequantized,
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from test_tokenizers import QWEN_CONVERSATIONS, QWEN_TEMPLATES, qwen_dir
 
 import offload
 import options
+import plan
 import prepare
 import train
 from files import UsageError
@@ -337,3 +338,18 @@ def test_a_chat_fine_tune_of_qwen3_moe_exports_what_transformers_reads(tmp_path,
     assert not torch.equal(
         theirs.model.layers[0].mlp.gate.weight, before.model.layers[0].mlp.gate.weight
     )
+
+
+def test_the_planner_counts_qloras_experts_in_nf4():
+    """Qwen3-30B-A3B's base under QLoRA: its experts (29B of its 30.5B parameters) in NF4 at
+    ~0.52 byte a parameter (lora.NF4MoE), a whole layer's of them dequantized at once."""
+    args = ModelArgs.from_name("qwen3-30b-a3b")
+    lora = plan.LoRAConfig(rank=16, alpha=16.0, targets=("wq", "wk", "wv", "wo"))
+    bf16 = plan.count_weights(args, lora, 2)
+    nf4 = plan.count_weights(args, dataclasses.replace(lora, quantize_base="nf4"), 2)
+    experts = 3 * args.n_experts * args.expert_ffn_dim * args.dim  # a layer's
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    quantized = args.n_layers * (experts + args.dim * (2 * q + 2 * kv))  # and the targets
+    saved = bf16.frozen_bytes - nf4.frozen_bytes
+    assert saved / quantized == pytest.approx(2 - 0.516, rel=0.01)
+    assert nf4.dequantized == experts and bf16.dequantized == 0
