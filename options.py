@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -454,7 +455,6 @@ def model_args(opts: Options) -> ModelArgs:
             f"{opts.hf_checkpoint} was trained on: pass --max-seq-len {opts.seq_len} to extend "
             f"its context"
         )
-    args.check_sequence_length(opts.seq_len)
     if args.moe_layers:
         raise UsageError(
             f"{opts.hf_checkpoint or opts.model} is a mixture-of-experts model ({args.family}): "
@@ -740,7 +740,10 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     mask_documents = dataset.is_sft if planned.document_mask is None else planned.document_mask
     longest = dataset.meta.get("longest_document", planned.seq_len)
     machine = shard.this_machine(planned.gpu_memory, planned.host_memory, world)
-    attended = attended_per_token(dataset, planned.seq_len) if mask_documents else None
+    attended = None
+    if mask_documents:  # averaged over the layers, as a window cuts some
+        per_window = functools.partial(attended_per_token, dataset, planned.seq_len)
+        attended = args.mean_over_layers(per_window)
     plan = plan_of(
         planned, args, machine, document_mask=mask_documents, lora=lora,
         long_documents=longest >= LONG_DOCUMENT, attended_per_token=attended,

@@ -136,7 +136,8 @@ class Plan:
     # kernel keeps its heads' outputs (the data's longest document says; unknown: yes).
     long_documents: bool = True
     # The pairs a token attends on average with documents masked apart (the data's
-    # data.attended_per_token), for the step time; None: a causal row's seq_len / 2.
+    # data.attended_per_token, averaged over the layers as windows cut them), for the step
+    # time; None: a causal row's (ModelArgs.attended_per_token).
     attended_per_token: float | None = None
     machine: Machine | None = None
     estimate: "MemoryEstimate | None" = None  # the planner's (below)
@@ -512,11 +513,13 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     # wo and w2, dim wide; w1 and w3).
     cached = {"none": None, "full": 0, "attention": out,
               "selective": out + qkv + 2 * x + 2 * n * f * p}[plan.ac]  # fmt: skip
-    if plan.document_mask and cached:
-        # The document-masked attention's kept output comes with the q, k, v its backward
-        # needs (offload._KeptAttention) and, up to a row's worth, long documents' causal
-        # prefixes' outputs, kept for the causal kernel's backward (model.packed_attention).
-        cached += qkv + (n * q * p if plan.long_documents else 0)
+    windowed = args.sliding_window is not None and plan.seq_len > args.sliding_window
+    if (plan.document_mask or windowed) and cached:
+        # The document-masked or windowed attention's kept output comes with the q, k, v its
+        # backward needs (offload._KeptAttention) and, up to a row's worth, long documents'
+        # causal prefixes' outputs, kept for the causal kernel's backward
+        # (model.packed_attention). A window counts on every block: at most all are windowed.
+        cached += qkv + (n * q * p if plan.document_mask and plan.long_documents else 0)
 
     # The MLP's backward: h, normed h, a tile's gate, up and w2 input, three residual-sized
     # gradients, one [tile, ffn_dim] (SwiGLU's kernel writes the others over gate and up).
@@ -696,7 +699,7 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     layers, d, s = args.n_layers, args.dim, plan.seq_len
     checkpointed = -(-layers // plan.ac_every) / layers
     blocks_forward = 2 * layers * block_params(args)  # FLOPs per token
-    attended = plan.attended_per_token or s / 2
+    attended = plan.attended_per_token or args.attended_per_token(s)
     per_token = args.training_flops(1, attended, frozen=plan.lora is not None)
     attention_forward = args.training_flops(0, attended) / 3
     recomputed = {

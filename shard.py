@@ -347,7 +347,7 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
         block.attention.attend = functools.partial(
             _attend_whole_sequence, block.attention.attend, group
         )
-    if model.mask_documents:  # else the mask is None, whatever the positions
+    if model.mask_documents or model.args.window_layers:  # else None, whatever the positions
         model.attention_mask = functools.partial(_whole_row_mask, model.attention_mask, group)
     model.forward = functools.partial(_forward_rows, model.forward, group)
 
