@@ -256,8 +256,9 @@ def materialize(
 # packed document crossing a shard boundary just works). Around the attention kernel an
 # all-to-all trades sequence shards for head shards (the whole sequence for H/N query heads and
 # their key/value heads), the kernel runs unchanged, and a second all-to-all trades back. Ring
-# attention would keep the heads but needs its own kernel loop, and a document mask split into
-# blocks across ranks. The cost: 4 all-to-alls of S/N x d per block and forward, inside a node.
+# attention would keep the heads but needs its own kernel loop, and a document mask or a sliding
+# window split into blocks across ranks; here both are the whole row's, built on every rank.
+# The cost: 4 all-to-alls of S/N x d per block and forward, inside a node.
 #
 # FSDP is unaffected: it shards over all the ranks, and summing the gradients over them sums
 # each token's contribution once, as each token lives on one rank.

@@ -389,14 +389,22 @@ def test_unknown_preset_and_attention_backend_list_the_options():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_flex_document_mask_on_gpu_matches_the_dense_mask():
-    """On CUDA the document mask is a FlexAttention block mask (compiled); in bf16 it must
-    give the loss and gradients of the dense mask the CPU uses, in fp32 (loss within 1e-2
-    relative, wq's gradient within 3e-2 of its largest value)."""
+@pytest.mark.parametrize(
+    "documents, window", [(True, None), (True, 200), (False, 200)], ids=["documents",
+    "documents-window", "window"]
+)  # fmt: skip
+def test_flex_document_mask_on_gpu_matches_the_dense_mask(documents, window):
+    """On CUDA the document mask and a sliding window are FlexAttention block masks
+    (compiled); in bf16 they must give the loss and gradients of the dense masks the CPU uses,
+    in fp32 (loss within 1e-2 relative, wq's gradient within 3e-2 of its largest value)."""
     args = dataclasses.replace(PRESETS["llama3.2-1b"], n_layers=2)
-    on_cpu = Llama(args, mask_documents=True)
+    if window:  # Mistral v0.1's window on every layer
+        args = dataclasses.replace(
+            args, family="mistral", sliding_window=window, window_layers=(0, 1)
+        )
+    on_cpu = Llama(args, mask_documents=documents)
     on_cpu.init_weights(seed=0)
-    on_gpu = Llama(args, mask_documents=True).cuda().to(torch.bfloat16)
+    on_gpu = Llama(args, mask_documents=documents).cuda().to(torch.bfloat16)
     on_gpu.load_state_dict(on_cpu.state_dict())
     tokens, labels = sample_batch(args.vocab_size, bsz=2, seq_len=1024)
     positions = torch.cat([torch.arange(300), torch.arange(724)]).expand(2, 1024)
@@ -411,12 +419,14 @@ def test_flex_document_mask_on_gpu_matches_the_dense_mask():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])  # 64 runs the backward with model.py's tiles
-def test_compiled_flex_attention_gives_the_dense_masks_gradients(head_dim, dtype):
+def test_compiled_flex_attention_gives_the_dense_masks_gradients(head_dim, dtype, window):
     """The compiled kernel with the GPU's tiles, against SDPA's math with the dense mask in
-    fp32, 8 query / 2 key-value heads, documents of odd lengths across tile edges: output and
-    every gradient within 1e-4 (fp32) or 2e-2 (bf16) of the largest value."""
+    fp32, 8 query / 2 key-value heads, documents of odd lengths across tile edges, with and
+    without a sliding window: output and every gradient within 1e-4 (fp32) or 2e-2 (bf16) of
+    the largest value."""
     import model as model_module
 
     positions = torch.cat([torch.arange(n) for n in (1, 300, 77, 700, 201)])[None].cuda()
@@ -424,7 +434,7 @@ def test_compiled_flex_attention_gives_the_dense_masks_gradients(head_dim, dtype
     q, k, v = (torch.randn(1, heads, 1279, head_dim, device="cuda", generator=generator)
                for heads in (8, 2, 2))  # fmt: skip
     grad_out = torch.randn(q.shape, device="cuda", generator=generator)
-    mask = dense_document_mask(positions)
+    mask = dense_document_mask(positions, window)
 
     def run(attend, dtype):
         inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
@@ -433,7 +443,8 @@ def test_compiled_flex_attention_gives_the_dense_masks_gradients(head_dim, dtype
         return [out.float()] + [t.grad.float() for t in inputs]
 
     flex = model_module.compiled_flex_attention()
-    got = run(lambda q, k, v: flex(q, k, v, document_block_mask(positions), True), dtype)
+    block_mask = document_block_mask(positions, window=window)
+    got = run(lambda q, k, v: flex(q, k, v, block_mask, True), dtype)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         want = run(lambda q, k, v: F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=True), torch.float32)  # fmt: skip
