@@ -264,7 +264,9 @@ class ModelArgs:
             lambda window: seq_len / 2 if seq_len <= window else window - window**2 / seq_len / 2
         )
 
-    def mean_over_layers(self, of_window: Callable[[float], float | torch.Tensor]):
+    def mean_over_layers(
+        self, of_window: Callable[[float], float | torch.Tensor]
+    ) -> float | torch.Tensor:
         """`of_window(window)` averaged over the layers: math.inf on the causal layers,
         `sliding_window` on `window_layers`."""
         windowed = len(self.window_layers) / self.n_layers
