@@ -1905,8 +1905,9 @@ def test_a_checkpoint_with_a_sliding_window_trains_past_it_as_transformers_compu
     """--seq-len 128, 8 times the window, through the whole of train.py (the planner too,
     which builds a one-layer copy of the model): the step-1 loss is transformers' over the
     same rows, with --document-mask on short packed documents too (which transformers, given
-    their positions and no cache, masks apart). The logged FLOPs and the plan count each
-    query's min(position + 1/2, window) pairs on a windowed layer."""
+    their positions and no cache, masks apart), there on 2 context-parallel gloo ranks too
+    (rel 1e-5). The logged FLOPs and the plan count each query's min(position + 1/2, window)
+    pairs on a windowed layer."""
     import transformers
 
     config = getattr(transformers, config_class)(
@@ -1927,10 +1928,15 @@ def test_a_checkpoint_with_a_sliding_window_trains_past_it_as_transformers_compu
             ["--document-mask"],
         )
     run_dir = tmp_path / "run"
-    train.main(["--data", str(data_dir), *SMALL, "--hf-checkpoint", str(tmp_path / "hf"),
-                "--lr", "1e-3", "--max-steps", "1", "--checkpoint-interval", "0",
-                "--run-dir", str(run_dir), *flags])  # fmt: skip
+    argv = ["--data", str(data_dir), *SMALL, "--hf-checkpoint", str(tmp_path / "hf"), "--lr",
+            "1e-3", "--max-steps", "1", "--checkpoint-interval", "0", *flags]  # fmt: skip
+    train.main([*argv, "--run-dir", str(run_dir)])
     (record,) = metrics(run_dir)
+    if documents:  # 2 gloo ranks, each attending whole rows for half the heads, alike
+        run_subprocess(*argv, "--run-dir", str(tmp_path / "cp"), "--context-parallel", "2", nproc=2)
+        (cp,) = metrics(tmp_path / "cp")
+        assert cp["loss"] == pytest.approx(record["loss"], rel=1e-5)
+        assert cp["grad_norm"] == pytest.approx(record["grad_norm"], rel=1e-5)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     b = next(iter(data.PackedLoader(data.TokenDataset(data_dir), 128, 8, seed=0)))
