@@ -7,6 +7,7 @@ run's data with its tokenizers (options.resolve); last, the command line of
 """
 
 import argparse
+import math
 import signal
 import sys
 import typing
@@ -298,9 +299,12 @@ def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -
     return index - np.maximum.accumulate(np.where(is_start, index, 0))
 
 
-def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -> float:
+def attended_per_token(
+    dataset: TokenDataset, seq_len: int, sliding_window: float = math.inf, samples: int = 64
+) -> float:
     """The mean (query, key) pairs a token attends with documents masked apart (position + 1/2,
-    as model.attended_pairs) over `samples` windows: for the planner's packed step time."""
+    at most `sliding_window`, as model.attended_pairs) over `samples` windows: for the
+    planner's packed step time."""
     n = max((dataset.n_tokens - 1) // seq_len, 1)  # one window, short, in too small a dataset
     means = []
     for i in np.linspace(0, n - 1, min(samples, n)).astype(np.int64):
@@ -308,8 +312,8 @@ def attended_per_token(dataset: TokenDataset, seq_len: int, samples: int = 64) -
         tokens = dataset.tokens[start : start + seq_len]
         mask = dataset.loss_mask[start : start + seq_len]
         positions = window_positions(tokens, mask, dataset.bos_id)
-        means.append(positions.mean())
-    return float(np.mean(means)) + 0.5
+        means.append(np.minimum(positions + 0.5, sliding_window).mean())
+    return float(np.mean(means))
 
 
 # ---------------------------------------------------------------------------------------------

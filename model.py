@@ -3,8 +3,9 @@ its block; Qwen3-MoE and Mixtral replace its feed-forward by experts, moe.py); h
 writes it as HF checkpoints, lora.py adapts it.
 
 In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
-(`Ops`), attention over packed documents, then the network. It imports kernels/, lora.py's
-layer, moe.py's, files.py's `UsageError` and data.py's `document_starts`.
+(`Ops`), attention over packed documents and within sliding windows, then the network. It
+imports kernels/, lora.py's layer, moe.py's, files.py's `UsageError` and data.py's
+`document_starts`.
 
 The model knows nothing of sharding, checkpointing or offload: shard.py and offload.py apply
 them from outside, in train.apply_techniques' order. Build it on the meta device and
@@ -132,8 +133,8 @@ class ModelArgs:
     qkv_bias: bool = False  # a bias on q, k and v (Qwen2)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE (Qwen3)
     nope_layers: tuple[int, ...] = ()  # layers that attend without RoPE (SmolLM3's NoPE)
-    # A sliding window on `window_layers`, not implemented (check_sequence_length keeps
-    # sequences inside it: plain causal attention); kept so an export is the model it came from.
+    # On `window_layers` each query attends its last `sliding_window` positions, itself
+    # included (transformers' rule: key > query - window), within its document when masked.
     sliding_window: int | None = None
     window_layers: tuple[int, ...] = ()
     # Mixture-of-experts feed-forwards (moe.py) on `moe_layers`, the others dense (ffn_dim).
@@ -188,6 +189,8 @@ class ModelArgs:
             )
         if (self.sliding_window is None) != (not self.window_layers):
             problems.append("a sliding_window needs window_layers, and window_layers a window")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            problems.append(f"sliding_window {self.sliding_window} must be at least 1")
         if self.window_layers and family.window == "none":
             problems.append(f"family {self.family!r} has no sliding window")
         every_layer = len(self.window_layers) == self.n_layers
@@ -211,15 +214,6 @@ class ModelArgs:
         if not self.router_aux_loss_coef >= 0:  # a negative one rewards a collapsed router
             problems.append(f"router_aux_loss_coef {self.router_aux_loss_coef} must be >= 0")
         return problems
-
-    def check_sequence_length(self, seq_len: int) -> None:
-        if self.sliding_window is not None and seq_len > self.sliding_window:
-            raise UsageError(
-                f"this {self.family} model attends within a sliding window of "
-                f"{self.sliding_window} tokens on layers {list(self.window_layers)}, which "
-                f"longtune does not implement: --seq-len {seq_len} must be at most "
-                f"{self.sliding_window} (then attention is plain causal)"
-            )
 
     @classmethod
     def from_name(cls, name: str) -> "ModelArgs":
@@ -266,8 +260,26 @@ class ModelArgs:
         return (4 if frozen else 6) * matmul_params * tokens + per_pair * attended_pairs
 
     def flops_per_token(self, seq_len: int, frozen: bool = False) -> float:
-        """Per token of causal rows of `seq_len` tokens: 6N + 6*L*S*d (4N frozen), S/2 keys each."""
-        return self.training_flops(1, seq_len / 2, frozen)
+        """Per token of causal rows of `seq_len` tokens: 6N + 6*L*S*d (4N frozen), S/2 keys
+        each on a causal layer (fewer on a windowed one: attended_per_token)."""
+        return self.training_flops(1, self.attended_per_token(seq_len), frozen)
+
+    def attended_per_token(self, seq_len: int) -> float:
+        """The pairs a token of a causal row of `seq_len` attends, averaged over the layers
+        (as attended_pairs counts them): S/2, or min(i + 1/2, W) for query i in a window W."""
+        return self.mean_over_layers(
+            lambda window: seq_len / 2 if seq_len <= window else window - window**2 / seq_len / 2
+        )
+
+    def mean_over_layers(
+        self, of_window: Callable[[float], float | torch.Tensor]
+    ) -> float | torch.Tensor:
+        """`of_window(window)` averaged over the layers: math.inf on the causal layers,
+        `sliding_window` on `window_layers`."""
+        windowed = len(self.window_layers) / self.n_layers
+        if not windowed:
+            return of_window(math.inf)
+        return (1 - windowed) * of_window(math.inf) + windowed * of_window(self.sliding_window)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -372,14 +384,17 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def attended_pairs(
-    positions: torch.Tensor, document_mask: bool, seq_len: int
+    positions: torch.Tensor, document_mask: bool, seq_len: int, args: ModelArgs
 ) -> torch.Tensor | float:
-    """The (query, key) pairs causal attention computes in these rows (or a context-parallel
-    rank's slices): S^2/2 per row, or with the document mask l^2/2 per document, the sum of
-    (position + 1/2). A tensor stays on the device: it is read on log steps only."""
+    """The (query, key) pairs a layer computes in these rows (or a context-parallel rank's
+    slices), averaged over the layers: S^2/2 per row, or with the document mask l^2/2 per
+    document, the sum of (position + 1/2); on a windowed layer each query's capped at the
+    window. A tensor stays on the device: it is read on log steps only."""
     if document_mask:
-        return positions.sum(dtype=torch.float64) + positions.numel() / 2
-    return positions.numel() * seq_len / 2
+        return args.mean_over_layers(
+            lambda window: (positions + 0.5).clamp(max=window).sum(dtype=torch.float64)
+        )
+    return positions.numel() * args.attended_per_token(seq_len)
 
 
 def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -595,7 +610,28 @@ def packed_rows(
     return PackedRows(dense_document_mask(positions), prefixes)
 
 
-def document_block_mask(positions: torch.Tensor, skip: torch.Tensor | None = None) -> BlockMask:
+@dataclass(frozen=True)
+class Masks:
+    """Every block's attention mask (`Llama.attention_mask`): `causal` the causal layers'
+    (None: SDPA's causal kernel), `windowed` the window_layers' (the same where no row is
+    longer than the window)."""
+
+    causal: PackedRows | None
+    windowed: torch.Tensor | BlockMask | PackedRows | None
+
+
+def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor | BlockMask:
+    """Causal attention within `window` and each document (positions [B, S]): FlexAttention's
+    block mask on CUDA, which skips the tiles outside the window, else dense. No long
+    document's prefix goes through SDPA's causal kernel: it has no window."""
+    if positions.is_cuda:
+        return document_block_mask(positions, window=window)
+    return dense_document_mask(positions, window)
+
+
+def document_block_mask(
+    positions: torch.Tensor, skip: torch.Tensor | None = None, window: int | None = None
+) -> BlockMask:
     """FlexAttention's mask for causal attention inside each packed document (positions:
     [B, S]), built per FLEX_BLOCK tile: nothing S x S exists, only [B, S/128, S/128] booleans.
 
@@ -603,7 +639,9 @@ def document_block_mask(positions: torch.Tensor, skip: torch.Tensor | None = Non
     document exactly when the key tile's last document is the query tile's first. Such a tile
     is "full" inside that one document; the diagonal and tiles a document starts in are
     "partial" (masked per element); the rest are skipped, as are query tiles holding only
-    `skip` rows ([B, S]). Padding to whole tiles is a document of its own."""
+    `skip` rows ([B, S]). Padding to whole tiles is a document of its own. With a `window`,
+    a query attends only keys less than `window` before it: tiles wholly before that are
+    skipped, tiles it crosses are partial."""
     bsz, seq_len = positions.shape
     n_tiles = -(-seq_len // FLEX_BLOCK)
     pad = n_tiles * FLEX_BLOCK - seq_len
@@ -617,6 +655,10 @@ def document_block_mask(positions: torch.Tensor, skip: torch.Tensor | None = Non
     shares_document = causal & (k_last >= q_first)  # [B, n_tiles (queries), n_tiles (keys)]
     below_diagonal = tile[:, None] > tile[None, :]
     full = below_diagonal & (k_first == k_last) & (k_last == q_first) & (q_first == q_last)
+    if window is not None:  # the tiles' nearest and farthest (query, key) distances
+        nearest = (tile[:, None] - tile[None, :] - 1) * FLEX_BLOCK + 1
+        shares_document = shares_document & (nearest < window)
+        full = full & (nearest + 2 * FLEX_BLOCK - 2 < window)
     partial = shares_document & ~full
     if skip is not None:
         skipped = F.pad(skip, (0, pad), value=False).view(bsz, n_tiles, FLEX_BLOCK).all(dim=-1)
@@ -625,11 +667,14 @@ def document_block_mask(positions: torch.Tensor, skip: torch.Tensor | None = Non
     def same_document_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (document[b, q_idx] == document[b, kv_idx])
 
+    def same_document_in_window(b, h, q_idx, kv_idx):
+        return same_document_causal(b, h, q_idx, kv_idx) & (q_idx - kv_idx < window)
+
     return BlockMask.from_kv_blocks(
         *_tile_indices(partial),
         *_tile_indices(full),
         BLOCK_SIZE=FLEX_BLOCK,
-        mask_mod=same_document_causal,
+        mask_mod=same_document_causal if window is None else same_document_in_window,
         seq_lengths=(seq_len, seq_len),
     )
 
@@ -642,12 +687,14 @@ def _tile_indices(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count[:, None], order.to(torch.int32)[:, None]
 
 
-def dense_document_mask(positions: torch.Tensor) -> torch.Tensor:
+def dense_document_mask(positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """`document_block_mask` element by element, [B, 1, S, S] booleans for SDPA: CPU runs use
     it, FlexAttention having no CPU backward (the tests compare the two)."""
     seq_len = positions.shape[1]
     document = document_ids(positions)
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=positions.device).tril()
+    if window is not None:
+        causal = causal.triu(1 - window)  # keys less than `window` before the query
     return (causal & (document[:, :, None] == document[:, None, :]))[:, None]
 
 
@@ -762,9 +809,10 @@ class Attention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
-        mask: PackedRows | None = None,
+        mask: torch.Tensor | BlockMask | PackedRows | None = None,
     ) -> torch.Tensor:
-        """Causal attention; `mask` (`Llama.attention_mask`) also keeps it inside documents."""
+        """Causal attention; `mask` (one of `Llama.attention_mask`'s) also keeps it inside
+        documents, or a sliding window."""
         bsz, seq_len, _ = x.shape
         q, k, v = self.ops.project(x, (self.wq, self.wk, self.wv))
         q = q.view(bsz, seq_len, self.n_heads, self.head_dim)
@@ -832,7 +880,7 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         inv_freq: torch.Tensor,
-        mask: PackedRows | None = None,
+        mask: torch.Tensor | BlockMask | PackedRows | None = None,
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), positions, inv_freq, mask)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -873,14 +921,21 @@ class Llama(nn.Module):
 
     def attention_mask(
         self, positions: torch.Tensor, starts: tuple[tuple[int, ...], ...] | None = None
-    ) -> PackedRows | None:
+    ) -> Masks:
         """Every block's mask, chosen once per forward so that a block recomputed in backward
         gets the same kernels. `starts` (data.Batch has them) saves reading them off the GPU."""
-        if not self.mask_documents:
-            return None
-        if starts is None:
-            starts = document_starts(positions)
-        return packed_rows(positions, starts, self.long_document)
+        causal = None
+        if self.mask_documents:
+            if starts is None:
+                starts = document_starts(positions)
+            causal = packed_rows(positions, starts, self.long_document)
+        window = self.args.sliding_window
+        if window is None or positions.shape[1] <= window:
+            return Masks(causal, causal)
+        if not self.mask_documents:  # the window counts along the row, whatever its documents
+            bsz, seq_len = positions.shape
+            positions = torch.arange(seq_len, device=positions.device).expand(bsz, seq_len)
+        return Masks(causal, window_mask(positions, window))
 
     def forward(
         self,
@@ -897,11 +952,12 @@ class Llama(nn.Module):
         if positions is None:
             positions = torch.arange(seq_len, device=tokens.device).expand(bsz, seq_len)
         inv_freq = rope_frequencies(self.args, tokens.device)
-        mask = self.attention_mask(positions, document_starts)
+        masks = self.attention_mask(positions, document_starts)
         for i in self.args.moe_layers:  # each MoE layer's routing in this forward
             self.layers[i].feed_forward.routed = []
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            mask = masks.windowed if i in self.args.window_layers else masks.causal
             h = layer(h, positions, inv_freq, mask)
         h = self.norm(h)
         output_weight = self.tok_embeddings.weight if self.output is None else self.output.weight

@@ -100,13 +100,14 @@ def _keeping_contexts(saved_ops: list) -> tuple:
 
 
 class _KeptAttention:
-    """Keeps the document-masked attention's output through a checkpointed block's recompute,
-    as the policy keeps SDPA's: the policy sees aten ops through a dispatch mode, and compiled
-    FlexAttention runs as Triton kernels. In forward the kernel runs outside the checkpoint's
-    saved-tensor hooks (its autograd node keeps q, k, v, the output and the softmax statistics
-    on the GPU, even with activation offload); the recompute takes the output kept here. That
-    keeps q, k and v too (1.5x the output with 4 query heads per kv head), which SDPA's policy
-    recomputes: flex's backward is reachable only through its autograd node."""
+    """Keeps a masked attention's output (documents, a sliding window) through a checkpointed
+    block's recompute, as the policy keeps SDPA's: the policy sees aten ops through a dispatch
+    mode, and compiled FlexAttention runs as Triton kernels. In forward the kernel runs outside
+    the checkpoint's saved-tensor hooks (its autograd node keeps q, k, v, the output and the
+    softmax statistics on the GPU, even with activation offload); the recompute takes the
+    output kept here. That keeps q, k and v too (1.5x the output with 4 query heads per kv
+    head), which SDPA's policy recomputes: flex's backward is reachable only through its
+    autograd node."""
 
     def __init__(self, attend):
         self.attend = attend

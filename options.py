@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -559,7 +560,6 @@ def model_args(opts: Options) -> ModelArgs:
             f"{opts.hf_checkpoint} was trained on: pass --max-seq-len {opts.seq_len} to extend "
             f"its context"
         )
-    args.check_sequence_length(opts.seq_len)
     if opts.router_aux_loss_coef is not None and not args.moe_layers:
         raise UsageError("--router-aux-loss-coef is for mixture-of-experts models")
     if opts.router_aux_loss_coef is not None:
@@ -850,7 +850,10 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     mask_documents = dataset.is_sft if planned.document_mask is None else planned.document_mask
     longest = dataset.meta.get("longest_document", planned.seq_len)
     machine = shard.this_machine(planned.gpu_memory, planned.host_memory, world)
-    attended = attended_per_token(dataset, planned.seq_len) if mask_documents else None
+    attended = None
+    if mask_documents:  # averaged over the layers, as a window cuts some
+        per_window = functools.partial(attended_per_token, dataset, planned.seq_len)
+        attended = args.mean_over_layers(per_window)
     plan = plan_of(
         planned, args, machine, document_mask=mask_documents, lora=lora,
         long_documents=longest >= LONG_DOCUMENT, attended_per_token=attended,

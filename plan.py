@@ -136,7 +136,8 @@ class Plan:
     # kernel keeps its heads' outputs (the data's longest document says; unknown: yes).
     long_documents: bool = True
     # The pairs a token attends on average with documents masked apart (the data's
-    # data.attended_per_token), for the step time; None: a causal row's seq_len / 2.
+    # data.attended_per_token, averaged over the layers as windows cut them), for the step
+    # time; None: a causal row's (ModelArgs.attended_per_token).
     attended_per_token: float | None = None
     machine: Machine | None = None
     estimate: "MemoryEstimate | None" = None  # the planner's (below)
@@ -535,11 +536,13 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     up = 2 * n * f * p if not moe_rows else n * args.n_experts * p
     cached = {"none": None, "full": 0, "attention": out,
               "selective": out + qkv + 2 * x + up}[plan.ac]  # fmt: skip
-    if plan.document_mask and cached:
-        # The document-masked attention's kept output comes with the q, k, v its backward
-        # needs (offload._KeptAttention) and, up to a row's worth, long documents' causal
-        # prefixes' outputs, kept for the causal kernel's backward (model.packed_attention).
-        cached += qkv + (n * q * p if plan.long_documents else 0)
+    windowed = args.sliding_window is not None and plan.seq_len > args.sliding_window
+    if (plan.document_mask or windowed) and cached:
+        # The document-masked or windowed attention's kept output comes with the q, k, v its
+        # backward needs (offload._KeptAttention) and, up to a row's worth, long documents'
+        # causal prefixes' outputs, kept for the causal kernel's backward
+        # (model.packed_attention). A window counts on every block: at most all are windowed.
+        cached += qkv + (n * q * p if plan.document_mask and plan.long_documents else 0)
 
     # The MLP's backward: h, normed h, a tile's gate, up and w2 input, three residual-sized
     # gradients, one [tile, ffn_dim] (SwiGLU's kernel writes the others over gate and up).
@@ -719,7 +722,7 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     layers, s = args.n_layers, plan.seq_len
     checkpointed = -(-layers // plan.ac_every) / layers
     blocks_forward = 2 * args.matmul_params(active=True)  # FLOPs per token
-    attended = plan.attended_per_token or s / 2
+    attended = plan.attended_per_token or args.attended_per_token(s)
     per_token = args.training_flops(1, attended, frozen=plan.lora is not None)
     attention_forward = args.training_flops(0, attended) / 3
     recomputed = {

@@ -257,8 +257,9 @@ def materialize(
 # packed document crossing a shard boundary just works). Around the attention kernel an
 # all-to-all trades sequence shards for head shards (the whole sequence for H/N query heads and
 # their key/value heads), the kernel runs unchanged, and a second all-to-all trades back. Ring
-# attention would keep the heads but needs its own kernel loop, and a document mask split into
-# blocks across ranks. The cost: 4 all-to-alls of S/N x d per block and forward, inside a node.
+# attention would keep the heads but needs its own kernel loop, and a document mask or a sliding
+# window split into blocks across ranks; here both are the whole row's, built on every rank.
+# The cost: 4 all-to-alls of S/N x d per block and forward, inside a node.
 #
 # FSDP is unaffected: it shards over all the ranks, and summing the gradients over them sums
 # each token's contribution once, as each token lives on one rank.
@@ -375,7 +376,7 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
         block.attention.attend = functools.partial(
             _attend_whole_sequence, block.attention.attend, group
         )
-    if model.mask_documents:  # else the mask is None, whatever the positions
+    if model.mask_documents or model.args.window_layers:  # else None, whatever the positions
         model.attention_mask = functools.partial(_whole_row_mask, model.attention_mask, group)
     model.forward = functools.partial(_forward_rows, model.forward, group)
     if model.args.moe_layers:

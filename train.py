@@ -253,6 +253,7 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {params}, "
         f"{flops_per_token / 1e6:.1f} MFLOP/token ({4 if frozen else 6}N + 6LSd"
         f"{'; MFU counts attention within documents' if masked else ''}"
+        f"{'; windowed layers count their window' if args.sliding_window else ''}"
         f"{'; MFU against the bf16 peak, matmuls in FP8' if plan.fp8_projections else ''}) | "
         f"data {dataset.path}: {dataset.n_tokens:,} tokens ({dataset.meta['tokenizer']}"
         f"{', attention masked between documents' if masked else ''}) | "
@@ -341,9 +342,9 @@ class MetricsLog:
 
     def counting(self, micro_batches: Iterator[Batch]) -> Iterator[Batch]:
         """The micro-batches, each counted into the pairs attention attended (MFU)."""
-        plan = self.run.plan
+        plan, args = self.run.plan, self.run.args
         for b in micro_batches:
-            self.attended += attended_pairs(b.positions, plan.document_mask, plan.seq_len)
+            self.attended += attended_pairs(b.positions, plan.document_mask, plan.seq_len, args)
             yield b
 
     def add(self, result: StepResult) -> None:

@@ -49,6 +49,16 @@ ODD = dataclasses.replace(TINY, vocab_size=321, ffn_dim=201)
 
 # QLoRA: rows that are multiples of 64 (NF4 blocks), w1/w3's 192 rows split 96 + 96; a
 # large alpha so that the adapters' gradient norm exceeds MAX_NORM from the first step.
+# Sliding windows shorter than a context-parallel rank's half of a row (SEQ / 2), past which
+# DOCUMENT_STARTS' 14-token document and a row of one document run: Mistral v0.1's on every
+# layer, Qwen2's on some.
+MISTRAL_WINDOW = dataclasses.replace(
+    TINY, family="mistral", sliding_window=6, window_layers=(0, 1, 2, 3)
+)
+QWEN2_WINDOW = dataclasses.replace(
+    TINY, family="qwen2", qkv_bias=True, sliding_window=5, window_layers=(1, 3)
+)
+
 QLORA_ARGS = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, ffn_dim=192)
 QLORA = LoRAConfig(rank=4, alpha=64.0, quantize_base="nf4")
 
@@ -126,6 +136,23 @@ TRAIN_SCENARIOS = {
     "moe_context_parallel_documents_full_ac": Scenario(
         args=MOE, context_parallel=2, document_mask=True, ac="full"
     ),
+    # Each rank attends its heads over whole rows: a window needs nothing from the others.
+    "context_parallel_window_some_layers": Scenario(args=QWEN2_WINDOW, context_parallel=2),
+    "context_parallel_window_documents_ac_attention": Scenario(
+        args=MISTRAL_WINDOW, context_parallel=2, document_mask=True, ac="attention"
+    ),
+    "context_parallel_window_documents_selective_ac": Scenario(
+        args=QWEN2_WINDOW, context_parallel=2, document_mask=True, ac="selective"
+    ),
+    "context_parallel_window_documents_both_offloads": Scenario(
+        "NO_SHARD",
+        cpu_offload=True,
+        args=MISTRAL_WINDOW,
+        ac="full",
+        activation_offload=True,
+        context_parallel=2,
+        document_mask=True,
+    ),  # fmt: skip
     # One key/value head for 2 ranks: each rank gets a copy of it.
     "context_parallel_repeated_kv_head_full_ac": Scenario(
         args=dataclasses.replace(TINY, n_kv_heads=1), context_parallel=2, ac="full"

@@ -5,14 +5,12 @@ Tolerances: fp32 on CPU, max |a - b| / max |b| <= 1e-5 for logits, loss and grad
 """
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import options
 from data import document_starts
 from hf import args_from_hf_config, hf_names, load_hf_checkpoint, save_hf_checkpoint
 from model import (
@@ -20,6 +18,7 @@ from model import (
     PRESETS,
     REFERENCE_OPS,
     Llama,
+    Masks,
     ModelArgs,
     PackedRows,
     causal_prefix,
@@ -106,18 +105,20 @@ def sample_batch(vocab: int, bsz: int = 2, seq_len: int = 40):
     return tokens, labels
 
 
-def assert_same_logits_and_loss(ours: Llama, hf) -> None:
-    """Our model's logits and loss equal transformers' (fp32) on a sample batch; both losses
-    are backpropagated, for the caller to compare the gradients."""
+def assert_same_logits_and_loss(ours: Llama, hf, positions=None) -> torch.Tensor:
+    """Our model's logits and loss equal transformers' (fp32) on a sample batch (with
+    `positions`: packed documents, which transformers tells apart by them where it keeps no
+    cache); both losses are backpropagated, for the caller to compare the gradients."""
     tokens, labels = sample_batch(ours.args.vocab_size)
-    hf_logits = hf(tokens).logits
+    hf_logits = hf(tokens, position_ids=positions, use_cache=False).logits
     hf_loss = F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
     hf_loss.backward()
-    logits = ours(tokens)
-    loss = ours(tokens, labels)
+    logits = ours(tokens, positions=positions)
+    loss = ours(tokens, labels, positions)
     loss.backward()
     assert rel_err(logits, hf_logits) <= FP32_RTOL
     assert rel_err(loss, hf_loss) <= FP32_RTOL
+    return loss
 
 
 @pytest.mark.parametrize("variant", sorted(HF_CONFIGS))
@@ -206,6 +207,7 @@ def block_mask_tiles(mask) -> tuple[torch.Tensor, torch.Tensor]:
     return partial | full, full
 
 
+@pytest.mark.parametrize("window", [None, 1, 100, 128, 129, 300])
 @pytest.mark.parametrize(
     "lengths, offset",
     [
@@ -215,11 +217,16 @@ def block_mask_tiles(mask) -> tuple[torch.Tensor, torch.Tensor]:
         ([[5] * 60 + [256]], 0),  # many short documents
     ],
 )
-def test_block_mask_equals_the_dense_mask(lengths, offset):
+def test_block_mask_equals_the_dense_mask(lengths, offset, window):
+    """Tile by tile and element by element, with and without a sliding window (which the
+    dense mask applies as transformers does: a key less than `window` before its query)."""
     positions = random_positions(lengths, offset)
     seq_len = positions.shape[1]
-    dense = dense_document_mask(positions)
-    mask = document_block_mask(positions)
+    dense = dense_document_mask(positions, window)
+    if window is not None:
+        i = torch.arange(seq_len)
+        assert torch.equal(dense, dense_document_mask(positions) & (i[:, None] - i < window))
+    mask = document_block_mask(positions, window=window)
     any_tile, all_tile = tiles(dense, seq_len)
     some, full = block_mask_tiles(mask)
     assert torch.equal(some, any_tile) and torch.equal(full, all_tile)
@@ -272,15 +279,16 @@ def test_attention_mask_chooses_the_kernel_by_document_length():
     model = Llama(PRESETS["tiny"], mask_documents=True)
     one = torch.arange(40).expand(2, 40)
     two = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
-    assert model.attention_mask(one) is None and model.attention_mask(two, ((0,), (0,))) is None
-    mask = model.attention_mask(two)
+    assert model.attention_mask(one).causal is None
+    assert model.attention_mask(two, ((0,), (0,))).causal is None
+    mask = model.attention_mask(two).causal
     assert mask.short.shape == (2, 1, 40, 40) and mask.prefixes == ((), ())
     model.long_document = 20
-    assert model.attention_mask(two).prefixes == (((15, 40),), ((15, 40),))
+    assert model.attention_mask(two).causal.prefixes == (((15, 40),), ((15, 40),))
     model.long_document = 15
-    assert model.attention_mask(two) == PackedRows(None, (((0, 15), (15, 40)),) * 2)
+    assert model.attention_mask(two).causal == PackedRows(None, (((0, 15), (15, 40)),) * 2)
     model.mask_documents = False
-    assert model.attention_mask(two) is None
+    assert model.attention_mask(two) == Masks(None, None)
 
 
 @pytest.mark.parametrize(
@@ -309,9 +317,9 @@ def test_long_documents_attended_alone_equal_the_dense_mask(lengths, long_docume
         return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     dense_loss, dense = loss_and_grads(10**9)  # every document short: the dense mask alone
-    assert not any(model.attention_mask(positions).prefixes)
+    assert not any(model.attention_mask(positions).causal.prefixes)
     loss, grads = loss_and_grads(long_document)
-    assert any(model.attention_mask(positions).prefixes)
+    assert any(model.attention_mask(positions).causal.prefixes)
     assert rel_err(loss, dense_loss) <= FP32_RTOL
     for name, grad in grads.items():
         assert rel_err(grad, dense[name]) <= FP32_RTOL, name
@@ -381,14 +389,22 @@ def test_unknown_preset_and_attention_backend_list_the_options():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_flex_document_mask_on_gpu_matches_the_dense_mask():
-    """On CUDA the document mask is a FlexAttention block mask (compiled); in bf16 it must
-    give the loss and gradients of the dense mask the CPU uses, in fp32 (loss within 1e-2
-    relative, wq's gradient within 3e-2 of its largest value)."""
+@pytest.mark.parametrize(
+    "documents, window", [(True, None), (True, 200), (False, 200)], ids=["documents",
+    "documents-window", "window"]
+)  # fmt: skip
+def test_flex_document_mask_on_gpu_matches_the_dense_mask(documents, window):
+    """On CUDA the document mask and a sliding window are FlexAttention block masks
+    (compiled); in bf16 they must give the loss and gradients of the dense masks the CPU uses,
+    in fp32 (loss within 1e-2 relative, wq's gradient within 3e-2 of its largest value)."""
     args = dataclasses.replace(PRESETS["llama3.2-1b"], n_layers=2)
-    on_cpu = Llama(args, mask_documents=True)
+    if window:  # Mistral v0.1's window on every layer
+        args = dataclasses.replace(
+            args, family="mistral", sliding_window=window, window_layers=(0, 1)
+        )
+    on_cpu = Llama(args, mask_documents=documents)
     on_cpu.init_weights(seed=0)
-    on_gpu = Llama(args, mask_documents=True).cuda().to(torch.bfloat16)
+    on_gpu = Llama(args, mask_documents=documents).cuda().to(torch.bfloat16)
     on_gpu.load_state_dict(on_cpu.state_dict())
     tokens, labels = sample_batch(args.vocab_size, bsz=2, seq_len=1024)
     positions = torch.cat([torch.arange(300), torch.arange(724)]).expand(2, 1024)
@@ -403,12 +419,14 @@ def test_flex_document_mask_on_gpu_matches_the_dense_mask():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [None, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])  # 64 runs the backward with model.py's tiles
-def test_compiled_flex_attention_gives_the_dense_masks_gradients(head_dim, dtype):
+def test_compiled_flex_attention_gives_the_dense_masks_gradients(head_dim, dtype, window):
     """The compiled kernel with the GPU's tiles, against SDPA's math with the dense mask in
-    fp32, 8 query / 2 key-value heads, documents of odd lengths across tile edges: output and
-    every gradient within 1e-4 (fp32) or 2e-2 (bf16) of the largest value."""
+    fp32, 8 query / 2 key-value heads, documents of odd lengths across tile edges, with and
+    without a sliding window: output and every gradient within 1e-4 (fp32) or 2e-2 (bf16) of
+    the largest value."""
     import model as model_module
 
     positions = torch.cat([torch.arange(n) for n in (1, 300, 77, 700, 201)])[None].cuda()
@@ -416,7 +434,7 @@ def test_compiled_flex_attention_gives_the_dense_masks_gradients(head_dim, dtype
     q, k, v = (torch.randn(1, heads, 1279, head_dim, device="cuda", generator=generator)
                for heads in (8, 2, 2))  # fmt: skip
     grad_out = torch.randn(q.shape, device="cuda", generator=generator)
-    mask = dense_document_mask(positions)
+    mask = dense_document_mask(positions, window)
 
     def run(attend, dtype):
         inputs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
@@ -425,7 +443,8 @@ def test_compiled_flex_attention_gives_the_dense_masks_gradients(head_dim, dtype
         return [out.float()] + [t.grad.float() for t in inputs]
 
     flex = model_module.compiled_flex_attention()
-    got = run(lambda q, k, v: flex(q, k, v, document_block_mask(positions), True), dtype)
+    block_mask = document_block_mask(positions, window=window)
+    got = run(lambda q, k, v: flex(q, k, v, block_mask, True), dtype)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         want = run(lambda q, k, v: F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=True), torch.float32)  # fmt: skip
@@ -512,9 +531,9 @@ FAMILY_CONFIGS = {
 }  # fmt: skip
 
 
-def make_family_model(variant: str):
+def make_family_model(variant: str, **changes):
     class_name, kwargs = FAMILY_CONFIGS[variant]
-    config = getattr(transformers, class_name)(**SMALL, **kwargs)
+    config = getattr(transformers, class_name)(**SMALL, **{**kwargs, **changes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():  # norms start at 1 and biases at 0 in HF: random ones are loaded
@@ -524,6 +543,24 @@ def make_family_model(variant: str):
             elif name.endswith("bias"):  # small: large ones make attention one-hot
                 p.uniform_(-0.2, 0.2)
     return model
+
+
+def assert_same_gradients(ours: Llama, hf) -> None:
+    hf_params = dict(hf.named_parameters())
+    names = hf_names(ours.args)
+    assert set(names.values()) == set(hf_params) - (
+        {"lm_head.weight"} if ours.args.tie_embeddings else set()
+    )
+    for name, theirs in names.items():
+        grad, expected = ours.get_parameter(name).grad, hf_params[theirs].grad
+        if name.endswith("wk.bias"):
+            # Softmax ignores a bias added to every key (q.b is the same for all keys): only
+            # RoPE's rotation of b leaves a gradient, a sum that nearly cancels. Its error is
+            # measured on the scale of wk's weight gradient.
+            scale = hf_params[theirs.replace("bias", "weight")].grad.abs().max()
+            assert (grad - expected).abs().max() <= FP32_RTOL * scale, name
+        else:
+            assert rel_err(grad, expected) <= FP32_RTOL, name
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["reference-ops", "triton-ops"])
@@ -540,82 +577,55 @@ def test_each_family_matches_its_transformers_class(tmp_path, variant, kernels):
     ours.to_empty(device="cpu")
     load_hf_checkpoint(ours, tmp_path)
     assert_same_logits_and_loss(ours, hf)
-    hf_params = dict(hf.named_parameters())
-    names = hf_names(args)
-    assert set(names.values()) == set(hf_params) - (
-        {"lm_head.weight"} if args.tie_embeddings else set()
-    )
-    for name, theirs in names.items():
-        grad, expected = ours.get_parameter(name).grad, hf_params[theirs].grad
-        if name.endswith("wk.bias"):
-            # Softmax ignores a bias added to every key (q.b is the same for all keys): only
-            # RoPE's rotation of b leaves a gradient, a sum that nearly cancels. Its error is
-            # measured on the scale of wk's weight gradient.
-            scale = hf_params[theirs.replace("bias", "weight")].grad.abs().max()
-            assert (grad - expected).abs().max() <= FP32_RTOL * scale, name
-        else:
-            assert rel_err(grad, expected) <= FP32_RTOL, name
+    assert_same_gradients(ours, hf)
     assert sum(p.numel() for p in ours.parameters()) == args.num_params()
 
 
-@pytest.mark.parametrize(
-    "variant, window, changes",
-    [
-        ("mistral", 64, {"sliding_window": 64}),  # Mistral v0.1: every layer
-        (
-            "qwen2",
-            64,
-            {
-                "use_sliding_window": True,
-                "sliding_window": 64,
-                "max_window_layers": 1,
-                "layer_types": None,
-            },
-        ),  # fmt: skip
-        (
-            "qwen3",
-            48,
-            {
-                "use_sliding_window": True,
-                "sliding_window": 48,
-                "layer_types": ["full_attention", "sliding_attention", "full_attention"],
-            },
-        ),
-    ],
-)
-def test_a_sliding_window_is_refused_past_it_and_plain_causal_within(
-    tmp_path, variant, window, changes
-):
-    """longtune has no sliding window: a run whose sequences are longer is refused, naming
-    the window and the sequence length; one within it is plain causal attention, which the
-    windowed model computes too, and its export keeps the window."""
+# Windows a few times shorter than sample_batch's 40 tokens: (window, config changes).
+WINDOWED = {
+    "mistral": (8, {"sliding_window": 8}),  # Mistral v0.1: every layer
+    "qwen2": (8, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen3": (6, {"use_sliding_window": True, "sliding_window": 6,
+                  "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
+}  # fmt: skip
 
-    hf = make_family_model(variant)
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed-documents"])
+@pytest.mark.parametrize("variant", sorted(WINDOWED))
+def test_a_sliding_window_matches_transformers_past_it(tmp_path, variant, packed):
+    """Rows 5 to 7 times the window, on the layers the config names (Mistral's every layer,
+    Qwen2's from max_window_layers, Qwen3's layer_types): logits, loss and every gradient
+    equal transformers' class's (fp32, 1e-5), with packed documents too (the window within
+    each). Without the window the logits differ; the export loads back as the same class."""
+    window, changes = WINDOWED[variant]
+    hf = make_family_model(variant, **changes)
     save_hf(hf, tmp_path / "in")
-    config = json.loads((tmp_path / "in/config.json").read_text())
-    config.update({k: v for k, v in changes.items() if v is not None})
-    for key in [k for k, v in changes.items() if v is None]:
-        config.pop(key, None)
-    (tmp_path / "in/config.json").write_text(json.dumps(config))
     args = args_from_hf_config(tmp_path / "in")
-    assert args.sliding_window == window and args.window_layers
-    with pytest.raises(ValueError, match=f"sliding window of {window} tokens on layers "
-                       rf"\[.*\], which longtune does not implement: --seq-len {window + 1} "
-                       f"must be at most {window}"):  # fmt: skip
-        args.check_sequence_length(window + 1)
-    args.check_sequence_length(window)
-    opts = options.Options(hf_checkpoint=str(tmp_path / "in"), seq_len=window + 1)
-    with pytest.raises(ValueError, match=f"--seq-len {window + 1} must be at most {window}"):
-        options.model_args(opts)
-    assert options.model_args(dataclasses.replace(opts, seq_len=window)) == args
-    windowed = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "in").float()
-    ours = load_longtune(tmp_path / "in")
-    tokens, _ = sample_batch(args.vocab_size)
-    assert rel_err(ours(tokens), windowed(tokens).logits) <= FP32_RTOL
+    layers = {"mistral": (0, 1, 2), "qwen2": (1, 2), "qwen3": (1,)}[variant]
+    assert (args.sliding_window, args.window_layers) == (window, layers)
+    ours = Llama(args, mask_documents=packed)
+    load_hf_checkpoint(ours, tmp_path / "in")
+    positions = None
+    if packed:  # documents crossing the window's edge, a different split in each row
+        positions = random_positions([[15, 25], [3, 30, 7]])
+    loss = assert_same_logits_and_loss(ours, hf, positions)
+    assert_same_gradients(ours, hf)
+
+    causal = Llama(
+        dataclasses.replace(args, sliding_window=None, window_layers=()), mask_documents=packed
+    )
+    causal.load_state_dict(ours.state_dict())
+    tokens, labels = sample_batch(args.vocab_size)
+    logits = ours(tokens, positions=positions)
+    assert rel_err(causal(tokens, positions=positions), logits) > 1e-2
+    assert rel_err(causal(tokens, labels, positions), loss) > 1e-4
+
     save_hf_checkpoint(args, ours.named_parameters(), tmp_path / "out", dtype=torch.float32)
     assert args_from_hf_config(tmp_path / "out") == args
-    exported = transformers.AutoConfig.from_pretrained(tmp_path / "out")
-    assert exported.sliding_window == window
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(exported) is type(hf)
+    exported_logits = exported(tokens, position_ids=positions, use_cache=False).logits
+    assert rel_err(exported_logits, logits) <= FP32_RTOL
 
 
 def test_family_presets_have_the_published_sizes():

@@ -564,6 +564,31 @@ def test_the_estimate_counts_what_document_masked_attention_keeps():
     assert estimate_memory(args, full) == estimate_memory(args, dense)
 
 
+def test_a_windowed_layer_counts_the_pairs_inside_its_window():
+    """Mistral v0.1's shape (a 4096-token window on every layer) at 131072 tokens: query i
+    attends min(i + 1/2, 4096) keys, ~6% of the causal pairs, and the step time counts those;
+    with a window on half the layers (Qwen's max_window_layers), the mean over the layers.
+    With --ac attention the windowed attention keeps its q, k and v, as the document mask's."""
+    causal = ModelArgs.from_name("mistral-7b")
+    windowed = dataclasses.replace(causal, sliding_window=4096, window_layers=tuple(range(32)))
+    seq_len = 131072
+    pairs = (torch.arange(seq_len, dtype=torch.float64) + 0.5).clamp(max=4096).mean().item()
+    assert windowed.attended_per_token(seq_len) == pytest.approx(pairs, rel=1e-12)
+    assert pairs / (seq_len / 2) < 0.07
+    half = dataclasses.replace(  # Qwen2's shape of window
+        windowed, family="qwen2", qkv_bias=True, window_layers=tuple(range(16, 32))
+    )
+    assert half.attended_per_token(seq_len) == pytest.approx((pairs + seq_len / 2) / 2)
+    plan = Plan(seq_len)
+    per_pair = 12 * 32 * 32 * 128  # FLOPs: L x H x Dh x 12
+    saved_s = seq_len * per_pair * (seq_len / 2 - pairs) / GPU_FLOPS
+    assert step_seconds(causal, plan) - step_seconds(windowed, plan) == pytest.approx(saved_s)
+    kept = dataclasses.replace(plan, ac="attention")
+    masked = dataclasses.replace(kept, document_mask=True, long_documents=False)
+    assert estimate_memory(windowed, kept) == estimate_memory(causal, masked)
+    assert estimate_memory(windowed, kept).gpu_total > estimate_memory(causal, kept).gpu_total
+
+
 def test_fp8_adds_its_e4m3_copies_to_the_block_backward_as_measured():
     """llama3.2-1b at 131072, --ac selective --activation-offload on one H200: the measured
     peak rose by 1.5 GiB with --fp8 (120.8 to 122.3; bench/RESULTS.md, "FP8 matmuls")."""

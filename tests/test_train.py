@@ -9,6 +9,7 @@ runs that split the same batch over 2 processes sum in another order, so rtol 1e
 import dataclasses
 import fcntl
 import json
+import math
 import os
 import re
 import shlex
@@ -1906,31 +1907,80 @@ def test_a_family_checkpoint_trains_as_transformers_computes_and_over_context_pa
 
 @CPU_ONLY
 @pytest.mark.parametrize(
-    "config_class, window",
+    "config_class, window, documents",
     [
-        ("MistralConfig", dict()),  # Mistral v0.1: sliding_window 4096 by default, every layer
-        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=128, max_window_layers=1)),
+        ("MistralConfig", dict(sliding_window=16), True),  # Mistral v0.1: every layer
+        (
+            "Qwen2Config",
+            dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
+            False,
+        ),
     ],
 )
-def test_a_checkpoint_with_a_sliding_window_trains_within_it(
-    config_class, window, dataset, tmp_path
+def test_a_checkpoint_with_a_sliding_window_trains_past_it_as_transformers_computes(
+    config_class, window, documents, dataset, tmp_path
 ):
-    """A config whose window is on trains sequences no longer than the window through the
-    whole of train.py, the planner included (which builds a one-layer copy of the model)."""
+    """--seq-len 128, 8 times the window, through the whole of train.py (the planner too,
+    which builds a one-layer copy of the model): the step-1 loss is transformers' over the
+    same rows, with --document-mask on short packed documents too (which transformers, given
+    their positions and no cache, masks apart), there on 2 context-parallel gloo ranks too
+    (rel 1e-5). The logged FLOPs and the plan count each query's min(position + 1/2, window)
+    pairs on a windowed layer."""
     import transformers
 
     config = getattr(transformers, config_class)(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, vocab_size=320, max_position_embeddings=512, **window,
+        intermediate_size=96, vocab_size=320, max_position_embeddings=512,
+        tie_word_embeddings=False, **window,
     )  # fmt: skip
-    assert config.sliding_window is not None
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
-    train.main(["--data", str(dataset), *SMALL, "--hf-checkpoint", str(tmp_path / "hf"),
-                "--lr", "1e-3", "--max-steps", "2", "--checkpoint-interval", "0",
-                "--run-dir", str(tmp_path / "run")])  # fmt: skip
-    steps = [r for r in metrics(tmp_path / "run") if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    assert all(np.isfinite(r["loss"]) and r["loss"] > 0 for r in steps)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path / "hf")
+    data_dir, flags = dataset, []
+    if documents:  # 64 rows of 128: the plan's data.attended_per_token reads each
+        rng = np.random.default_rng(0)
+        tokens = []
+        while len(tokens) <= 64 * 128:
+            tokens += [256, *rng.integers(0, 256, rng.integers(5, 60)), 257]
+        data_dir, flags = (
+            write_dataset(tmp_path / "docs", tokens[: 64 * 128 + 1]),
+            ["--document-mask"],
+        )
+    run_dir = tmp_path / "run"
+    argv = ["--data", str(data_dir), *SMALL, "--hf-checkpoint", str(tmp_path / "hf"), "--lr",
+            "1e-3", "--max-steps", "1", "--checkpoint-interval", "0", *flags]  # fmt: skip
+    train.main([*argv, "--run-dir", str(run_dir)])
+    (record,) = metrics(run_dir)
+    if documents:  # 2 gloo ranks, each attending whole rows for half the heads, alike
+        run_subprocess(*argv, "--run-dir", str(tmp_path / "cp"), "--context-parallel", "2", nproc=2)
+        (cp,) = metrics(tmp_path / "cp")
+        assert cp["loss"] == pytest.approx(record["loss"], rel=1e-5)
+        assert cp["grad_norm"] == pytest.approx(record["grad_norm"], rel=1e-5)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    b = next(iter(data.PackedLoader(data.TokenDataset(data_dir), 128, 8, seed=0)))
+    assert (b.positions[:, 1:] == 0).any() == documents  # packed documents, or none
+    with torch.no_grad():
+        logits = model(input_ids=b.tokens, position_ids=b.positions, use_cache=False).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), b.labels.flatten())  # -100 left out
+    assert record["loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+    args = args_from_hf_config(tmp_path / "hf")
+    assert args.sliding_window == 16 and args.window_layers == ((0, 1) if documents else (1,))
+
+    def pairs(positions: torch.Tensor) -> float:  # per layer, averaged over the layers
+        per_query = positions.double() + 0.5
+        windows = [16 if i in args.window_layers else math.inf for i in range(args.n_layers)]
+        return sum(per_query.clamp(max=w).sum().item() for w in windows) / args.n_layers
+
+    rows = b.positions if documents else torch.arange(128).expand(8, 128)
+    flops = record["model_tflops_per_device"] * 1e12 / record["tokens_per_s_per_device"]
+    assert flops == pytest.approx(args.training_flops(1024, pairs(rows)) / 1024, rel=1e-9)
+    if documents:
+        every_row = torch.cat(
+            [r.positions for r in data.PackedLoader(data.TokenDataset(data_dir), 128, 8).in_order()]
+        )
+        planned = json.loads((run_dir / "plan.json").read_text())["plan"]["attended_per_token"]
+        assert planned == pytest.approx(pairs(every_row) / every_row.numel(), rel=1e-9)
 
 
 def test_a_checkpoint_saved_before_rope_scaling_had_a_type_resumes():
