@@ -536,6 +536,13 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     up = 2 * n * f * p if not moe_rows else n * args.n_experts * p
     cached = {"none": None, "full": 0, "attention": out,
               "selective": out + qkv + 2 * x + up}[plan.ac]  # fmt: skip
+    if plan.lora is not None and plan.ac == "selective":
+        # LoRA's B products are matmuls too, kept beside their bases': [n, out] a target (not
+        # on an MoE block's experts, which have no adapters).
+        widths = {"wq": q, "wk": kv, "wv": kv, "wo": d}
+        if not moe_rows:
+            widths |= {"w1": f, "w3": f, "w2": d}
+        cached += n * p * sum(widths.get(target, 0) for target in plan.lora.targets)
     windowed = args.sliding_window is not None and plan.seq_len > args.sliding_window
     if (plan.document_mask or windowed) and cached:
         # The document-masked or windowed attention's kept output comes with the q, k, v its
