@@ -412,7 +412,9 @@ class MetricsLog:
                 torch.cuda.max_memory_reserved(world.device) / 2**30 if on_gpu else None
             ),
             "gpu_alloc_retries": (
-                torch.cuda.memory_stats(world.device)["num_alloc_retries"] if on_gpu else None
+                torch.cuda.memory_stats(world.device).get("num_alloc_retries", 0)
+                if on_gpu
+                else None
             ),
             "host_peak_rss_gib": shard.host_peak_rss_gib(),
             "data_loading_share": self.loading_s / (now - self.logged_at),
