@@ -136,6 +136,9 @@ TRAIN_SCENARIOS = {
     "moe_context_parallel_documents_full_ac": Scenario(
         args=MOE, context_parallel=2, document_mask=True, ac="full"
     ),
+    "moe_shard_grad_op_both_offloads": Scenario(
+        "SHARD_GRAD_OP", cpu_offload=True, args=MOE, ac="full", activation_offload=True
+    ),
     # Each rank attends its heads over whole rows: a window needs nothing from the others.
     "context_parallel_window_some_layers": Scenario(args=QWEN2_WINDOW, context_parallel=2),
     "context_parallel_window_documents_ac_attention": Scenario(
