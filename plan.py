@@ -531,11 +531,14 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     saved += 2 * x + tile + qkv + out + moe_rows
 
     # The checkpoint's cache: attention's output; selective: every matmul's too (wq, wk, wv;
-    # wo and w2, dim wide; w1 and w3).
-    # An MoE block's experts are no aten matmuls: its router's logits are cached instead.
-    up = 2 * n * f * p if not moe_rows else n * args.n_experts * p
+    # wo and w2, dim wide; w1 and w3). An MoE block: wo's and the router's logits; its
+    # experts' products are aten matmuls only without the kernels (the reference's loop).
+    matmuls = 2 * x + 2 * n * f * p
+    if moe_rows:
+        experts = 0 if plan.kernels else 2 * m * f * p + m * args.experts_per_token * d * p
+        matmuls = x + n * args.n_experts * p + experts
     cached = {"none": None, "full": 0, "attention": out,
-              "selective": out + qkv + 2 * x + up}[plan.ac]  # fmt: skip
+              "selective": out + qkv + matmuls}[plan.ac]  # fmt: skip
     if plan.lora is not None and plan.ac == "selective":
         # LoRA's B products are matmuls too, kept beside their bases': [n, out] a target (not
         # on an MoE block's experts, which have no adapters).
