@@ -528,6 +528,14 @@ FAMILY_CONFIGS = {
     "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, no_rope_layers=[1, 0, 1])),
     "smollm3-interval-untied": ("SmolLM3Config", dict(
         num_key_value_heads=3, no_rope_layer_interval=2, tie_word_embeddings=False)),
+    # Gemma 3's local layers with a RoPE base of their own, the global ones linearly scaled,
+    # a query_pre_attn_scalar that is not head_dim.
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_key_value_heads=2, head_dim=20, query_pre_attn_scalar=14, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
 }  # fmt: skip
 
 
@@ -536,10 +544,12 @@ def make_family_model(variant: str, **changes):
     config = getattr(transformers, class_name)(**SMALL, **{**kwargs, **changes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    # Gemma's norms scale by 1 + weight: the same scales, 0.5 to 1.5, for every family.
+    offset = 1.0 if config.model_type == "gemma3_text" else 0.0
     with torch.no_grad():  # norms start at 1 and biases at 0 in HF: random ones are loaded
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                p.uniform_(0.5 - offset, 1.5 - offset)
             elif name.endswith("bias"):  # small: large ones make attention one-hot
                 p.uniform_(-0.2, 0.2)
     return model
@@ -587,6 +597,7 @@ WINDOWED = {
     "qwen2": (8, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     "qwen3": (6, {"use_sliding_window": True, "sliding_window": 6,
                   "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
+    "gemma3": (6, {"sliding_window": 6}),  # on layers 0 and 2
 }  # fmt: skip
 
 
@@ -601,7 +612,7 @@ def test_a_sliding_window_matches_transformers_past_it(tmp_path, variant, packed
     hf = make_family_model(variant, **changes)
     save_hf(hf, tmp_path / "in")
     args = args_from_hf_config(tmp_path / "in")
-    layers = {"mistral": (0, 1, 2), "qwen2": (1, 2), "qwen3": (1,)}[variant]
+    layers = {"mistral": (0, 1, 2), "qwen2": (1, 2), "qwen3": (1,), "gemma3": (0, 2)}[variant]
     assert (args.sliding_window, args.window_layers) == (window, layers)
     ours = Llama(args, mask_documents=packed)
     load_hf_checkpoint(ours, tmp_path / "in")
