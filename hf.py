@@ -109,6 +109,10 @@ HF_RANGES = {
 }  # fmt: skip
 
 
+# A multimodal model_type -> its text_config's, where that leaves it out.
+TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
+
+
 def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
     """A HF `config.json` (or its directory); a missing key is read from HF_CONFIG_DEFAULTS."""
     path = Path(path)
@@ -119,13 +123,13 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
         raise UsageError(f"no Hugging Face config.json at {config_path}")
     raw = read_json(config_path)
     if isinstance(raw.get("text_config"), dict):  # a multimodal model's (Gemma 3 4b+): its text
-        raw = {"model_type": None, **raw["text_config"]}
+        raw = {"model_type": TEXT_MODEL_TYPES.get(raw.get("model_type")), **raw["text_config"]}
     try:
         family = raw.get("model_type")
         if not isinstance(family, str) or family not in FAMILIES:
             raise UsageError(
                 f"model_type is {family or 'missing'!r}; longtune reads the dense Llama "
-                f"family and its mixture-of-experts kin: {', '.join(FAMILIES)}"
+                f"family, its mixture-of-experts kin and Gemma 3: {', '.join(FAMILIES)}"
             )
         # A null num_key_value_heads or head_dim is derived from the heads, as transformers
         # derives it; a null sliding_window is none; another null is the default.

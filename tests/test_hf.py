@@ -206,8 +206,8 @@ def test_config_of_another_architecture_is_refused(good_checkpoint):
         config["model_type"] = other
         (good_checkpoint / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=f"model_type is '{other}'; longtune reads the dense "
-                           "Llama family and its mixture-of-experts kin: llama, mistral, qwen2, "
-                           "qwen3, smollm3, qwen3_moe, mixtral$"):  # fmt: skip
+                           "Llama family, its mixture-of-experts kin and Gemma 3: llama, mistral, "
+                           "qwen2, qwen3, smollm3, qwen3_moe, mixtral, gemma3_text$"):  # fmt: skip
             load_longtune(good_checkpoint)
 
 
@@ -389,16 +389,22 @@ def test_config_defaults_are_each_transformers_class_defaults():
 
     classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config",
-               "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}  # fmt: skip
+               "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
+               "gemma3_text": "Gemma3TextConfig"}  # fmt: skip
     assert set(classes) == set(HF_CONFIG_DEFAULTS)
     for family, defaults in HF_CONFIG_DEFAULTS.items():
         config_class = getattr(transformers, classes[family])
         fields = {f.name: f.default for f in dc.fields(config_class)}
+        # transformers 5 keeps RoPE bases in rope_parameters (Gemma 3's: global and local),
+        # and reads Gemma 3's sliding_window_pattern from the keyword arguments alone.
+        theta = config_class.default_theta
+        thetas = theta if isinstance(theta, dict) else {"global": theta}
+        fields |= {"rope_theta": thetas["global"], "rope_local_base_freq": thetas.get("local")}
+        if family == "gemma3_text":
+            pattern = config_class().layer_types.index("full_attention") + 1
+            fields["sliding_window_pattern"] = pattern
         for key, value in defaults.items():
-            if key == "rope_theta":  # transformers 5 keeps it in rope_parameters
-                assert config_class.default_theta == value, family
-            else:
-                assert fields[key] == value, (family, key)
+            assert fields[key] == value, (family, key)
         # What is absent here derives from the heads there.
         for key in ("num_key_value_heads", "head_dim"):
             assert key in defaults or fields.get(key) is None, (family, key)

@@ -5,9 +5,11 @@ Tolerances: fp32 on CPU, max |a - b| / max |b| <= 1e-5 for logits, loss and grad
 """
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 
@@ -637,6 +639,38 @@ def test_a_sliding_window_matches_transformers_past_it(tmp_path, variant, packed
     assert type(exported) is type(hf)
     exported_logits = exported(tokens, position_ids=positions, use_cache=False).logits
     assert rel_err(exported_logits, logits) <= FP32_RTOL
+
+
+@pytest.mark.parametrize("saved_as", ["hub", "transformers-5"])
+def test_gemma3_multimodal_checkpoint_reads_its_language_model(tmp_path, saved_as):
+    """A Gemma3ForConditionalGeneration checkpoint (the larger Gemma 3s): config.json's
+    text_config and the decoder under language_model's prefix, as the hub's files have it
+    (language_model.model.) and as transformers 5 keeps it in memory (model.language_model.);
+    the vision tower is not read. Text-only logits equal transformers'."""
+    text = {**SMALL, **FAMILY_CONFIGS["gemma3"][1]}
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=32, image_size=28, patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=210, boi_token_index=208, eoi_token_index=209,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "language_model" in name and "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    save_hf(hf, tmp_path)
+    if saved_as == "transformers-5":
+        tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
+        renamed = {re.sub(r"^language_model\.model\.", "model.language_model.", k): v
+                   for k, v in tensors.items()}  # fmt: skip
+        safetensors.torch.save_file(renamed, tmp_path / "model.safetensors")
+    args = args_from_hf_config(tmp_path)
+    assert (args.family, args.window_layers, args.local_rope_theta) == ("gemma3_text", (0, 2), 100)
+    ours = load_longtune(tmp_path)
+    tokens, _ = sample_batch(200)  # below the image tokens
+    assert rel_err(ours(tokens), hf(tokens, use_cache=False).logits) <= FP32_RTOL
 
 
 def test_family_presets_have_the_published_sizes():
