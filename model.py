@@ -303,6 +303,23 @@ _LLAMA31 = {"rope_scaling": RopeScaling(factor=8.0), "max_seq_len": 131072}
 _LLAMA32 = {**_LLAMA31, "rope_scaling": RopeScaling(factor=32.0), "tie_embeddings": True}
 _QWEN = {"norm_eps": 1e-6, "rope_theta": 1e6}  # Qwen2.5's and Qwen3's
 
+
+def _gemma3(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, window: int):
+    """A Gemma 3 shape from its config.json on the hub (google/gemma-3-*-pt)."""
+    return dict(
+        family="gemma3_text", dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, head_dim=256, norm_eps=1e-6, rope_theta=1e6,
+        tie_embeddings=True, qk_norm=True, sliding_window=window,
+        window_layers=tuple(i for i in range(n_layers) if (i + 1) % 6),
+        local_rope_theta=1e4, query_pre_attn_scalar=256,
+    )  # fmt: skip
+
+
+# Gemma 3 4b+: 128K tokens by RoPE scaled 8x on the global layers.
+_GEMMA3_LONG = {
+    "vocab_size": 262208, "max_seq_len": 131072, "rope_scaling": RopeScaling("linear", 8.0)
+}  # fmt: skip
+
 PRESETS: dict[str, ModelArgs] = {
     "llama2-7b": ModelArgs(
         n_kv_heads=32, vocab_size=32000, ffn_dim=11008, rope_theta=10000.0, max_seq_len=4096
@@ -369,6 +386,17 @@ PRESETS: dict[str, ModelArgs] = {
         expert_ffn_dim=14336,
         norm_topk_prob=True,
         moe_layers=tuple(range(32)),
+    ),
+    # Gemma 3's text models (a 4b+ checkpoint's text_config, whose other keys are
+    # Gemma3TextConfig's defaults): 5 windowed layers in 6, each with RoPE base 10^4.
+    "gemma-3-1b": ModelArgs(
+        **_gemma3(1152, 26, 4, 1, 6912, 512), vocab_size=262144, max_seq_len=32768
+    ),
+    "gemma-3-4b": ModelArgs(**_gemma3(2560, 34, 8, 4, 10240, 1024), **_GEMMA3_LONG),
+    "gemma-3-12b": ModelArgs(**_gemma3(3840, 48, 16, 8, 15360, 1024), **_GEMMA3_LONG),
+    "gemma-3-27b": ModelArgs(  # its heads 128 wide, attention scaled by 168^-1/2
+        **{**_gemma3(5376, 62, 32, 16, 21504, 1024), "head_dim": 128, "query_pre_attn_scalar": 168},
+        **_GEMMA3_LONG,
     ),
     # For tests and CPU runs: odd sizes on purpose, a vocabulary that fits the byte tokenizer.
     "tiny": ModelArgs(

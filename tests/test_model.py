@@ -679,6 +679,16 @@ def test_family_presets_have_the_published_sizes():
     assert PRESETS["mistral-7b"].num_params() == 7_248_023_552
 
 
+def test_gemma3_presets_have_the_published_sizes():
+    """The Gemma 3 technical report's non-embedding parameters (Table 1, millions), and each
+    model's size in its name within 3% (4b+ also hold a 417M-parameter vision encoder)."""
+    for name, non_embedding in {"1b": 698, "4b": 3209, "12b": 10759, "27b": 25600}.items():
+        args = PRESETS[f"gemma-3-{name}"]
+        params = args.num_params()
+        assert round((params - args.vocab_size * args.dim) / 1e6) == non_embedding, name
+        assert abs(params / (float(name[:-1]) * 1e9) - 1) < 0.03, name
+
+
 def test_switches_a_family_cannot_export_are_refused():
     with pytest.raises(ValueError, match="qk_norm True in family 'llama'"):
         ModelArgs(qk_norm=True)
