@@ -245,7 +245,8 @@ class ModelArgs:
         """Block `layer`'s (matmul weights, other parameters: norms and biases)."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         matmul = self.dim * (2 * q + 2 * kv) + self.feed_forward_params(layer, active)
-        other = (4 if FAMILIES[self.family].gemma else 2) * self.dim  # the block's norms
+        gemma = self.family in FAMILIES and FAMILIES[self.family].gemma  # (refused if not)
+        other = (4 if gemma else 2) * self.dim  # the block's norms
         other += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         return matmul, other
 
