@@ -1,6 +1,6 @@
 """The Llama model longtune trains (Llama 2 to 3.2; Mistral, Qwen2/2.5, Qwen3, SmolLM3 share
-its block; Qwen3-MoE and Mixtral replace its feed-forward by experts, moe.py); hf.py reads and
-writes it as HF checkpoints, lora.py adapts it.
+its block; Qwen3-MoE and Mixtral replace its feed-forward by experts, moe.py; Gemma 3 adds
+norms and GeGLU, `Family.gemma`); hf.py reads and writes it as HF checkpoints, lora.py adapts it.
 
 In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
 (`Ops`), attention over packed documents and within sliding windows, then the network. It
