@@ -483,6 +483,35 @@ def test_llama32_1b_shape_bf16_matches_transformers_on_gpu(tmp_path, kernels):
     )
     torch.manual_seed(0)
     oracle = transformers.LlamaForCausalLM(config).cuda().float().eval()
+    assert_bf16_matches_on_gpu(oracle, tmp_path, kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference-ops", "triton-ops"])
+def test_gemma3_1b_shape_bf16_matches_transformers_on_gpu(tmp_path, kernels):
+    """gemma-3-1b dims (random weights, 6 layers: five windowed of 512 and a global one), seq
+    4096 (FlexAttention's windowed block mask on the local layers), bf16, its 262k vocabulary
+    through the fused loss; tolerances as the Llama test's."""
+    p = PRESETS["gemma-3-1b"]
+    config = transformers.Gemma3TextConfig(
+        hidden_size=p.dim, num_hidden_layers=6, num_attention_heads=p.n_heads,
+        num_key_value_heads=p.n_kv_heads, head_dim=p.head_dim, intermediate_size=p.ffn_dim,
+        vocab_size=p.vocab_size, max_position_embeddings=p.max_seq_len,
+        sliding_window=p.sliding_window, query_pre_attn_scalar=p.query_pre_attn_scalar,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    oracle = transformers.Gemma3ForCausalLM(config).cuda().float().eval()
+    with torch.no_grad():  # HF starts Gemma's norms at 0 (a scale of 1): random ones
+        for name, param in oracle.named_parameters():
+            if "norm" in name:
+                param.uniform_(-0.5, 0.5)
+    assert_bf16_matches_on_gpu(oracle, tmp_path, kernels)
+
+
+def assert_bf16_matches_on_gpu(oracle, tmp_path: Path, kernels: bool) -> None:
+    """Our model, loaded from `oracle`'s checkpoint, in bf16: logits and loss against the fp32
+    oracle's on one 4096-token row."""
     save_hf(oracle, tmp_path)
     args = args_from_hf_config(tmp_path)
     with torch.device("meta"):
