@@ -779,7 +779,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
             "rope_parameters": {"full_attention": rope, "sliding_attention": local},
             "rope_local_base_freq": args.local_rope_theta,
         }
-        del config["use_sliding_window"]
+        del config["use_sliding_window"]  # no switch: its windowed layers are in layer_types
     if args.family in ("qwen2", "qwen3"):
         # Qwen's rule for the window's layers, from here on; layer_types says them all.
         config["max_window_layers"] = min(args.window_layers, default=args.n_layers)
