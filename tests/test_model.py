@@ -718,6 +718,18 @@ def test_gemma3_presets_have_the_published_sizes():
         assert abs(params / (float(name[:-1]) * 1e9) - 1) < 0.03, name
 
 
+def test_gemma3_norms_start_at_a_scale_of_one():
+    """Gemma's norms scale by 1 + weight: initialized at 0 (as transformers does), the others
+    at 1."""
+    tiny = dict(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=64,
+                vocab_size=100, window_layers=(0,))  # fmt: skip
+    model = Llama(dataclasses.replace(PRESETS["gemma-3-1b"], **tiny))
+    model.init_weights(seed=0)
+    norms = {n: p for n, p in model.named_parameters() if n.endswith("norm.weight")}
+    assert len(norms) == 2 * (4 + 2) + 1 and all(not p.any() for p in norms.values())
+    assert Llama(PRESETS["tiny"]).initial_value("norm.weight", 0, torch.device("cpu")).eq(1).all()
+
+
 def test_switches_a_family_cannot_export_are_refused():
     with pytest.raises(ValueError, match="qk_norm True in family 'llama'"):
         ModelArgs(qk_norm=True)
