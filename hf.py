@@ -74,6 +74,14 @@ HF_CONFIG_KEYS = {
 }
 # What every family's block fixes, by config.json key: args_from_hf_config refuses anything else.
 HF_FIXED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+# Gemma 3's, whose class reads hidden_activation, not hidden_act; longtune has no softcapping.
+GEMMA3_FIXED = {
+    "attention_bias": False,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "final_logit_softcapping": None,
+    "attn_logit_softcapping": None,
+    "use_bidirectional_attention": False,
+}
 # What each number or switch of config.json may be, (kind, least, most): integers within
 # [least, most], other numbers in (least, most]. Sizes stop below 2^32 (token ids are uint32);
 # layers at 1024, 8x Llama 3.1 405B's 126, since each is a module built before the planner can
@@ -93,10 +101,16 @@ HF_RANGES = {
     "max_window_layers": (int, 0, 2**32 - 1),
     "rms_norm_eps": (float, 0, 1),
     **dict.fromkeys(["rope_theta", "factor", "low_freq_factor", "high_freq_factor", "beta_fast",
-                     "beta_slow", "attention_factor"], _POSITIVE),
+                     "beta_slow", "attention_factor", "rope_local_base_freq",
+                     "query_pre_attn_scalar"], _POSITIVE),
+    "sliding_window_pattern": _SIZE,
     **dict.fromkeys(["tie_word_embeddings", "use_sliding_window", "norm_topk_prob",
                      "output_router_logits"], (bool, False, True)),
 }  # fmt: skip
+
+
+# A multimodal model_type -> its text_config's, where that leaves it out.
+TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
@@ -108,12 +122,14 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
     if not config_path.is_file():
         raise UsageError(f"no Hugging Face config.json at {config_path}")
     raw = read_json(config_path)
+    if isinstance(raw.get("text_config"), dict):  # a multimodal model's (Gemma 3 4b+): its text
+        raw = {"model_type": TEXT_MODEL_TYPES.get(raw.get("model_type")), **raw["text_config"]}
     try:
         family = raw.get("model_type")
         if not isinstance(family, str) or family not in FAMILIES:
             raise UsageError(
                 f"model_type is {family or 'missing'!r}; longtune reads the dense Llama "
-                f"family and its mixture-of-experts kin: {', '.join(FAMILIES)}"
+                f"family, its mixture-of-experts kin and Gemma 3: {', '.join(FAMILIES)}"
             )
         # A null num_key_value_heads or head_dim is derived from the heads, as transformers
         # derives it; a null sliding_window is none; another null is the default.
@@ -123,11 +139,15 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
             given.setdefault("num_experts", given.pop("num_local_experts"))
         config = {**HF_CONFIG_DEFAULTS[family], **given}
         config = {k: v for k, v in config.items() if k not in derived}
-        for key, expected in HF_FIXED.items():
+        gemma = FAMILIES[family].gemma
+        for key, expected in (GEMMA3_FIXED if gemma else HF_FIXED).items():
             if config.get(key, expected) != expected:
                 raise UsageError(f"{key} is {config[key]!r}, expected {expected!r}")
         # transformers >= 5 writes `rope_parameters`, older ones `rope_theta` + `rope_scaling`.
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        gemma_fields = _gemma_fields(config, rope) if gemma else {}
+        if gemma and "full_attention" in rope:  # transformers 5's: settings by layer type
+            rope = rope["full_attention"] or {}
         _check_hf_numbers(config, rope)
         n_layers = config["num_hidden_layers"]
         nope_layers = _nope_layers(config, n_layers) if family == "smollm3" else ()
@@ -146,6 +166,7 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
             nope_layers=nope_layers,
             sliding_window=window,
             window_layers=window_layers,
+            **gemma_fields,
         )
     except UsageError as e:
         raise UsageError(f"{config_path}: {e}") from None
@@ -180,6 +201,19 @@ def _rope_scaling(config: dict, rope: dict) -> RopeScaling | None:
     return RopeScaling(rope_type, **values)
 
 
+def _gemma_fields(config: dict, rope: dict) -> dict:
+    """Gemma 3's local RoPE base (unscaled: anything else is refused) and attention scale."""
+    local = rope.get("sliding_attention") if "full_attention" in rope else None
+    local = local or {"rope_theta": config["rope_local_base_freq"]}
+    if local.get("rope_type", "default") != "default":
+        raise UsageError(
+            f"sliding_attention's rope_type is {local['rope_type']!r}, expected 'default'"
+        )
+    theta = local.get("rope_theta", config["rope_local_base_freq"])
+    _check_hf_numbers({"rope_local_base_freq": theta}, {})
+    return {"local_rope_theta": theta, "query_pre_attn_scalar": config["query_pre_attn_scalar"]}
+
+
 def _nope_layers(config: dict, n_layers: int) -> tuple[int, ...]:
     """SmolLM3's NoPE layers: `no_rope_layers` (1 = RoPE), by default each interval-th layer."""
     flags = config.get("no_rope_layers")
@@ -204,6 +238,14 @@ def _sliding_window(
         return None, ()
     if family in ("mistral", "mixtral"):
         return window, tuple(range(n_layers))
+    if family == "gemma3_text":  # by default five windowed layers in each six
+        pattern = config["sliding_window_pattern"]
+        types = config.get("layer_types")
+        if not isinstance(types, list) or len(types) < n_layers:
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in range(n_layers)]  # fmt: skip
+        layers = tuple(i for i in range(n_layers) if types[i] == "sliding_attention")
+        return (window, layers) if layers else (None, ())
     if not config["use_sliding_window"]:
         return None, ()
     if family == "qwen3_moe":  # on every layer
@@ -349,6 +391,24 @@ HF_CONFIG_DEFAULTS = {
         "router_jitter_noise": 0.0,
         **_ROUTER_DEFAULTS,
     },
+    "gemma3_text": {
+        **{k: v for k, v in _WITHOUT_BIASES.items() if k != "hidden_act"},
+        **GEMMA3_FIXED,
+        "vocab_size": 262208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+    },
 }
 
 
@@ -373,14 +433,15 @@ class FusedRows:
 
 
 def hf_names(
-    args: ModelArgs, fused_experts: bool = False
+    args: ModelArgs, fused_experts: bool = False, prefix: str = "model."
 ) -> dict[str, str | tuple[str, ...] | FusedRows]:
     """longtune parameter name -> HF tensor name (a tied output has no entry of its own); an
     MoE layer's [E, out, in] expert tensor -> the hub's E tensors, one per expert, or with
-    `fused_experts` transformers 5's [E, out, in] tensors (w1 and w3 halves of one)."""
+    `fused_experts` transformers 5's [E, out, in] tensors (w1 and w3 halves of one). `prefix`:
+    the decoder's (language_model_prefix)."""
     names = {
-        "tok_embeddings.weight": "model.embed_tokens.weight",
-        "norm.weight": "model.norm.weight",
+        "tok_embeddings.weight": f"{prefix}embed_tokens.weight",
+        "norm.weight": f"{prefix}norm.weight",
     }
     if not args.tie_embeddings:
         names["output.weight"] = "lm_head.weight"
@@ -389,10 +450,16 @@ def hf_names(
         layer |= {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
     if args.qk_norm:
         layer |= {f"attention.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"}
+    if FAMILIES[args.family].gemma:  # its post_attention_layernorm is the attention's output's
+        layer |= {
+            "post_attention_norm.weight": "post_attention_layernorm.weight",
+            "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+            "post_ffn_norm.weight": "post_feedforward_layernorm.weight",
+        }
     for i in range(args.n_layers):
         for ours, theirs in layer.items():
             if i not in args.moe_layers or not ours.startswith("feed_forward."):
-                names[f"layers.{i}.{ours}"] = f"model.layers.{i}.{theirs}"
+                names[f"layers.{i}.{ours}"] = f"{prefix}layers.{i}.{theirs}"
         if i in args.moe_layers:
             names |= _expert_names(args, i, fused_experts)
     return names
@@ -483,6 +550,17 @@ def _open_safetensors(file: Path):
         raise UsageError(f"{file} is not a readable safetensors file: {e}") from e
 
 
+# Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its text decoder: the
+# hub's files, and transformers 5's save_pretrained. Its other tensors (vision) are not read.
+LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+
+
+def language_model_prefix(files: dict[str, Path]) -> str:
+    """The decoder's tensors' prefix in a checkpoint: "model.", or a language model's."""
+    found = (p for p in LANGUAGE_MODEL_PREFIXES if f"{p}embed_tokens.weight" in files)
+    return next(found, "model.")
+
+
 def has_fused_experts(files: dict[str, Path]) -> bool:
     """Whether a checkpoint holds transformers 5's fused experts (FusedRows), not the hub's."""
     return any(name.endswith(".experts.gate_up_proj") for name in files)
@@ -499,10 +577,11 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
         if f.name != "max_seq_len" and getattr(theirs, f.name) != getattr(args, f.name)
     ]
     files = hf_tensor_files(path)
+    prefix = language_model_prefix(files)
     with torch.device("meta"):
         params = dict(Llama(args).named_parameters())
     expected = {}
-    for ours, theirs in hf_names(args, has_fused_experts(files)).items():
+    for ours, theirs in hf_names(args, has_fused_experts(files), prefix).items():
         shape = tuple(params[ours].shape)
         if isinstance(theirs, tuple):  # one tensor per expert
             expected |= dict.fromkeys(theirs, shape[1:])
@@ -529,7 +608,8 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
     # A tied model's checkpoint may still carry a copy of the embedding as lm_head.
     tolerated = {"lm_head.weight"} if args.tie_embeddings else set()
     for name in sorted(set(shapes) - set(expected) - tolerated):
-        if not name.endswith("rotary_emb.inv_freq"):  # a buffer older exports saved
+        beside = prefix != "model." and not name.startswith(prefix)  # a multimodal model's
+        if not beside and not name.endswith("rotary_emb.inv_freq"):  # older exports saved it
             problems.append(f"unexpected tensor {name} with shape {shapes[name]}")
     if problems:
         raise UsageError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(problems))
@@ -574,7 +654,7 @@ def load_hf_checkpoint(
     `agree` has gathered what each rank found."""
     found = []
     files = check_hf_checkpoint(model.args, path)
-    names = hf_names(model.args, has_fused_experts(files))
+    names = hf_names(model.args, has_fused_experts(files), language_model_prefix(files))
     # Each file opened once for the whole load: an expert tensor's E pieces may span files.
     with contextlib.ExitStack() as stack:
         opened = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
@@ -691,6 +771,15 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
                 for i in range(args.n_layers)
             ],
         }
+    if args.family == "gemma3_text":  # RoPE settings by layer type, as transformers 5 writes
+        local = {"rope_type": "default", "rope_theta": args.local_rope_theta}
+        config |= {
+            **GEMMA3_FIXED,
+            "query_pre_attn_scalar": args.query_pre_attn_scalar,
+            "rope_parameters": {"full_attention": rope, "sliding_attention": local},
+            "rope_local_base_freq": args.local_rope_theta,
+        }
+        del config["use_sliding_window"]  # no switch: its windowed layers are in layer_types
     if args.family in ("qwen2", "qwen3"):
         # Qwen's rule for the window's layers, from here on; layer_types says them all.
         config["max_window_layers"] = min(args.window_layers, default=args.n_layers)

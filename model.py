@@ -1,6 +1,6 @@
 """The Llama model longtune trains (Llama 2 to 3.2; Mistral, Qwen2/2.5, Qwen3, SmolLM3 share
-its block; Qwen3-MoE and Mixtral replace its feed-forward by experts, moe.py); hf.py reads and
-writes it as HF checkpoints, lora.py adapts it.
+its block; Qwen3-MoE and Mixtral replace its feed-forward by experts, moe.py; Gemma 3 adds
+norms and GeGLU, `Family.gemma`); hf.py reads and writes it as HF checkpoints, lora.py adapts it.
 
 In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
 (`Ops`), attention over packed documents and within sliding windows, then the network. It
@@ -95,6 +95,9 @@ class Family:
     # The router's top-k weights cast to the activations' dtype before they scale the experts'
     # outputs (Qwen3-MoE's), or kept in fp32 (Mixtral's).
     rounds_router_weights: bool = False
+    # Gemma's: RMSNorm scaled by 1 + weight (weights start at 0), the embedding scaled by
+    # sqrt(dim), a norm after attention and after the feed-forward too, GeGLU (tanh GELU).
+    gemma: bool = False
 
 
 FAMILIES = {
@@ -107,6 +110,7 @@ FAMILIES = {
         "Qwen3MoeForCausalLM", qk_norm=True, window="all", moe="some", rounds_router_weights=True
     ),
     "mixtral": Family("MixtralForCausalLM", window="all", moe="all"),
+    "gemma3_text": Family("Gemma3ForCausalLM", qk_norm=True, window="some", gemma=True),
 }
 
 # More parameters than this is a config no machine holds (20 TB of bf16 weights alone), so a
@@ -137,6 +141,10 @@ class ModelArgs:
     # included (transformers' rule: key > query - window), within its document when masked.
     sliding_window: int | None = None
     window_layers: tuple[int, ...] = ()
+    # Gemma 3's: window_layers' RoPE base, unscaled (None: rope_theta, scaled as the others),
+    # and the attention's scale, query_pre_attn_scalar^-1/2 (None: head_dim^-1/2).
+    local_rope_theta: float | None = None
+    query_pre_attn_scalar: float | None = None
     # Mixture-of-experts feed-forwards (moe.py) on `moe_layers`, the others dense (ffn_dim).
     n_experts: int = 0
     experts_per_token: int = 0
@@ -191,6 +199,10 @@ class ModelArgs:
             problems.append("a sliding_window needs window_layers, and window_layers a window")
         if self.sliding_window is not None and self.sliding_window < 1:
             problems.append(f"sliding_window {self.sliding_window} must be at least 1")
+        for name in ("local_rope_theta", "query_pre_attn_scalar"):  # Gemma 3's
+            if (getattr(self, name) is None) == family.gemma:
+                has = "needs one" if family.gemma else "has none"
+                problems.append(f"{name} {getattr(self, name)}: family {self.family!r} {has}")
         if self.window_layers and family.window == "none":
             problems.append(f"family {self.family!r} has no sliding window")
         every_layer = len(self.window_layers) == self.n_layers
@@ -233,7 +245,8 @@ class ModelArgs:
         """Block `layer`'s (matmul weights, other parameters: norms and biases)."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         matmul = self.dim * (2 * q + 2 * kv) + self.feed_forward_params(layer, active)
-        other = 2 * self.dim  # the two norms
+        gemma = self.family in FAMILIES and FAMILIES[self.family].gemma  # (refused if not)
+        other = (4 if gemma else 2) * self.dim  # the block's norms
         other += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
         return matmul, other
 
@@ -290,6 +303,23 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 _LLAMA31 = {"rope_scaling": RopeScaling(factor=8.0), "max_seq_len": 131072}
 _LLAMA32 = {**_LLAMA31, "rope_scaling": RopeScaling(factor=32.0), "tie_embeddings": True}
 _QWEN = {"norm_eps": 1e-6, "rope_theta": 1e6}  # Qwen2.5's and Qwen3's
+
+
+def _gemma3(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, ffn_dim: int, window: int):
+    """A Gemma 3 shape from its config.json on the hub (google/gemma-3-*-pt)."""
+    return dict(
+        family="gemma3_text", dim=dim, n_layers=n_layers, n_heads=n_heads,
+        n_kv_heads=n_kv_heads, ffn_dim=ffn_dim, head_dim=256, norm_eps=1e-6, rope_theta=1e6,
+        tie_embeddings=True, qk_norm=True, sliding_window=window,
+        window_layers=tuple(i for i in range(n_layers) if (i + 1) % 6),
+        local_rope_theta=1e4, query_pre_attn_scalar=256,
+    )  # fmt: skip
+
+
+# Gemma 3 4b+: 128K tokens by RoPE scaled 8x on the global layers.
+_GEMMA3_LONG = {
+    "vocab_size": 262208, "max_seq_len": 131072, "rope_scaling": RopeScaling("linear", 8.0)
+}  # fmt: skip
 
 PRESETS: dict[str, ModelArgs] = {
     "llama2-7b": ModelArgs(
@@ -357,6 +387,17 @@ PRESETS: dict[str, ModelArgs] = {
         expert_ffn_dim=14336,
         norm_topk_prob=True,
         moe_layers=tuple(range(32)),
+    ),
+    # Gemma 3's text models (a 4b+ checkpoint's text_config, whose other keys are
+    # Gemma3TextConfig's defaults): 5 windowed layers in 6, each with RoPE base 10^4.
+    "gemma-3-1b": ModelArgs(
+        **_gemma3(1152, 26, 4, 1, 6912, 512), vocab_size=262144, max_seq_len=32768
+    ),
+    "gemma-3-4b": ModelArgs(**_gemma3(2560, 34, 8, 4, 10240, 1024), **_GEMMA3_LONG),
+    "gemma-3-12b": ModelArgs(**_gemma3(3840, 48, 16, 8, 15360, 1024), **_GEMMA3_LONG),
+    "gemma-3-27b": ModelArgs(  # its heads 128 wide, attention scaled by 168^-1/2
+        **{**_gemma3(5376, 62, 32, 16, 21504, 1024), "head_dim": 128, "query_pre_attn_scalar": 168},
+        **_GEMMA3_LONG,
     ),
     # For tests and CPU runs: odd sizes on purpose, a vocabulary that fits the byte tokenizer.
     "tiny": ModelArgs(
@@ -773,14 +814,23 @@ class _JoinPrefixes(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: Ops):
+    def __init__(self, dim: int, eps: float, ops: Ops, plus_one: bool = False):
+        """`plus_one`: Gemma's, scaled by 1 + weight."""
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
         self.eps = eps
         self.ops = ops
+        self.plus_one = plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plus_one:  # as transformers' Gemma3RMSNorm: scaled in fp32, then rounded once
+            return self.ops.rms_norm(x.float(), 1 + self.weight.float(), self.eps).type_as(x)
         return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Gemma's feed-forward activation (HF's gelu_pytorch_tanh); no Triton kernel fuses it."""
+    return F.gelu(gate, approximate="tanh") * up
 
 
 class Attention(nn.Module):
@@ -797,10 +847,16 @@ class Attention(nn.Module):
         # QK-norm (Qwen3): q.k stays in range without a softmax temperature.
         self.q_norm = self.k_norm = None
         if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, ops)
+            gemma = FAMILIES[args.family].gemma
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, ops, plus_one=gemma)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, ops, plus_one=gemma)
         self.use_rope = use_rope
         self.rope_scale = args.rope_scaling.cos_sin_scale if args.rope_scaling else 1.0
+        # Gemma 3's scale, query_pre_attn_scalar^-1/2, applied to q before the kernels' own
+        # head_dim^-1/2: the attention wrappers (offload.py, shard.py) then need no scale.
+        self.q_scale = 1.0
+        if args.query_pre_attn_scalar is not None:
+            self.q_scale = math.sqrt(args.head_dim / args.query_pre_attn_scalar)
         self.ops = ops
         self.sdpa_backends = sdpa_backends
 
@@ -822,6 +878,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = self.ops.apply_rope(q, k, positions, inv_freq, self.rope_scale)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, Dh]
         out = self.attend(q, k, v, mask)
         (out,) = self.ops.project(out.transpose(1, 2).reshape(bsz, seq_len, -1), (self.wo,))
@@ -845,35 +903,42 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, dim: int, ffn_dim: int, ops: Ops):
+    def __init__(self, dim: int, ffn_dim: int, ops: Ops, gelu: bool = False):
         super().__init__()
         self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
         self.ops = ops
+        self.activation = geglu if gelu else ops.swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU. MLP tiling (offload.apply_mlp_tiling) replaces it on the instance with
-        offload._tiled_forward, which runs it once per tile of positions, each tile
-        checkpointed; nothing else wraps it."""
+        """SwiGLU, or Gemma's GeGLU. MLP tiling (offload.apply_mlp_tiling) replaces it on the
+        instance with offload._tiled_forward, which runs it once per tile of positions, each
+        tile checkpointed; nothing else wraps it."""
         gate, up = self.ops.project(x, (self.w1, self.w3))
-        (out,) = self.ops.project(self.ops.swiglu(gate, up), (self.w2,))
+        (out,) = self.ops.project(self.activation(gate, up), (self.w2,))
         return out
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, ops: Ops, sdpa_backends: list[SDPBackend], layer: int):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops)
+        gemma = FAMILIES[args.family].gemma
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, ops, gemma)
         self.attention = Attention(args, ops, sdpa_backends, layer not in args.nope_layers)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, ops, gemma)
+        # Gemma's norms of the attention's and the feed-forward's outputs too.
+        self.post_attention_norm = self.post_ffn_norm = nn.Identity()
+        if gemma:
+            self.post_attention_norm = RMSNorm(args.dim, args.norm_eps, ops, plus_one=True)
+            self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps, ops, plus_one=True)
         if layer in args.moe_layers:
             self.feed_forward = MoE(
                 args.dim, args.expert_ffn_dim, args.n_experts, args.experts_per_token,
                 args.norm_topk_prob, FAMILIES[args.family].rounds_router_weights, ops,
             )  # fmt: skip
         else:
-            self.feed_forward = FeedForward(args.dim, args.ffn_dim, ops)
+            self.feed_forward = FeedForward(args.dim, args.ffn_dim, ops, gelu=gemma)
 
     def forward(
         self,
@@ -882,8 +947,9 @@ class TransformerBlock(nn.Module):
         inv_freq: torch.Tensor,
         mask: torch.Tensor | BlockMask | PackedRows | None = None,
     ) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), positions, inv_freq, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        attended = self.attention(self.attention_norm(x), positions, inv_freq, mask)
+        h = x + self.post_attention_norm(attended)
+        return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
 class Llama(nn.Module):
@@ -912,7 +978,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(args, ops, backends, i) for i in range(args.n_layers)
         )
-        self.norm = RMSNorm(args.dim, args.norm_eps, ops)
+        self.norm = RMSNorm(args.dim, args.norm_eps, ops, plus_one=FAMILIES[args.family].gemma)
         # A tied model has no output module but reuses the embedding: one Parameter shared by
         # two modules would not survive `to_empty`, which re-creates each module's parameters.
         self.output = None
@@ -952,13 +1018,23 @@ class Llama(nn.Module):
         if positions is None:
             positions = torch.arange(seq_len, device=tokens.device).expand(bsz, seq_len)
         inv_freq = rope_frequencies(self.args, tokens.device)
+        local_inv_freq = inv_freq  # Gemma 3's window layers have a RoPE base of their own
+        if self.args.local_rope_theta is not None:
+            local = dataclasses.replace(
+                self.args, rope_theta=self.args.local_rope_theta, rope_scaling=None
+            )
+            local_inv_freq = rope_frequencies(local, tokens.device)
         masks = self.attention_mask(positions, document_starts)
         for i in self.args.moe_layers:  # each MoE layer's routing in this forward
             self.layers[i].feed_forward.routed = []
         h = self.tok_embeddings(tokens)
+        if FAMILIES[self.args.family].gemma:  # sqrt(dim) rounded to h's dtype, as transformers
+            h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype)
         for i, layer in enumerate(self.layers):
-            mask = masks.windowed if i in self.args.window_layers else masks.causal
-            h = layer(h, positions, inv_freq, mask)
+            if i in self.args.window_layers:
+                h = layer(h, positions, local_inv_freq, masks.windowed)
+            else:
+                h = layer(h, positions, inv_freq, masks.causal)
         h = self.norm(h)
         output_weight = self.tok_embeddings.weight if self.output is None else self.output.weight
         if labels is None:
@@ -998,8 +1074,9 @@ class Llama(nn.Module):
             shape = owner.shapes[leaf]
         else:
             shape = self.get_parameter(name).shape
-        if name.endswith("norm.weight"):
-            return torch.ones(shape, device=device)
+        if name.endswith("norm.weight"):  # Gemma's scale by 1 + weight
+            plus_one = FAMILIES[self.args.family].gemma
+            return (torch.zeros if plus_one else torch.ones)(shape, device=device)
         if name.endswith(("lora_B", "bias")):
             return torch.zeros(shape, device=device)
         generator = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))

@@ -20,7 +20,7 @@ from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, chunk_row
 from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
 from lora import LoRAConfig
-from model import Llama, ModelArgs
+from model import FAMILIES, Llama, ModelArgs
 from offload import AC_MODES
 from optim import STAGING_SLOTS
 
@@ -519,11 +519,13 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     out = n * q * p + n * h * 4
 
     # The block's two RMSNorms over rows of dim; qk_norm (Qwen3) adds two over q's and k's heads.
-    normed, rows = 2 * n * d, 2 * n
+    # Gemma's block has four, each over an fp32 copy of its input, and GeGLU in PyTorch.
+    gemma = FAMILIES[args.family].gemma
+    normed, rows = (4 if gemma else 2) * n * d, (4 if gemma else 2) * n
     if args.qk_norm:
         normed, rows = normed + n * (q + kv), rows + n * (h + args.n_kv_heads)
     if plan.kernels:  # each RMSNorm kernel: its input and fp32 rstd; SwiGLU's: gate and up
-        saved = normed * p + rows * 4 + 2 * tile
+        saved = normed * (4 if gemma else p) + rows * 4 + (3 if gemma else 2) * tile
     else:  # each norm: its fp32 upcast input, normalized x, rstd; RoPE: fp32 cos and sin;
         # SwiGLU: gate, silu(gate), up
         saved = 2 * normed * 4 + rows * 4 + n * args.head_dim * 4 + 3 * tile

@@ -206,8 +206,8 @@ def test_config_of_another_architecture_is_refused(good_checkpoint):
         config["model_type"] = other
         (good_checkpoint / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=f"model_type is '{other}'; longtune reads the dense "
-                           "Llama family and its mixture-of-experts kin: llama, mistral, qwen2, "
-                           "qwen3, smollm3, qwen3_moe, mixtral$"):  # fmt: skip
+                           "Llama family, its mixture-of-experts kin and Gemma 3: llama, mistral, "
+                           "qwen2, qwen3, smollm3, qwen3_moe, mixtral, gemma3_text$"):  # fmt: skip
             load_longtune(good_checkpoint)
 
 
@@ -378,8 +378,10 @@ def test_each_family_exports_as_its_own_class(tmp_path, variant):
                 "use_sliding_window", "layer_types"):  # fmt: skip
         assert getattr(reloaded.config, key, None) == getattr(hf.config, key, None), key
     rope, their_rope = reloaded.model.rotary_emb, hf.model.rotary_emb
-    assert torch.equal(rope.inv_freq, their_rope.inv_freq)
-    assert rope.attention_scaling == their_rope.attention_scaling
+    for name, inv_freq in their_rope.named_buffers():  # Gemma 3's: one per layer type
+        assert torch.equal(rope.get_buffer(name), inv_freq), name
+    scalings = [key for key in vars(their_rope) if key.endswith("attention_scaling")]
+    assert scalings and all(getattr(rope, k) == getattr(their_rope, k) for k in scalings)
     attention = reloaded.model.layers[0].self_attn
     assert attention.head_dim == hf.model.layers[0].self_attn.head_dim
 
@@ -389,19 +391,49 @@ def test_config_defaults_are_each_transformers_class_defaults():
 
     classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config",
-               "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}  # fmt: skip
+               "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
+               "gemma3_text": "Gemma3TextConfig"}  # fmt: skip
     assert set(classes) == set(HF_CONFIG_DEFAULTS)
     for family, defaults in HF_CONFIG_DEFAULTS.items():
         config_class = getattr(transformers, classes[family])
         fields = {f.name: f.default for f in dc.fields(config_class)}
+        # transformers 5 keeps RoPE bases in rope_parameters (Gemma 3's: global and local),
+        # and reads Gemma 3's sliding_window_pattern from the keyword arguments alone.
+        theta = config_class.default_theta
+        thetas = theta if isinstance(theta, dict) else {"global": theta}
+        fields |= {"rope_theta": thetas["global"], "rope_local_base_freq": thetas.get("local")}
+        if family == "gemma3_text":
+            pattern = config_class().layer_types.index("full_attention") + 1
+            fields["sliding_window_pattern"] = pattern
         for key, value in defaults.items():
-            if key == "rope_theta":  # transformers 5 keeps it in rope_parameters
-                assert config_class.default_theta == value, family
-            else:
-                assert fields[key] == value, (family, key)
+            assert fields[key] == value, (family, key)
         # What is absent here derives from the heads there.
         for key in ("num_key_value_heads", "head_dim"):
             assert key in defaults or fields.get(key) is None, (family, key)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping is 30.0, expected None"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is 50.0, expected None"),
+        ({"hidden_activation": "gelu"},
+         "hidden_activation is 'gelu', expected 'gelu_pytorch_tanh'"),
+        ({"use_bidirectional_attention": True},
+         "use_bidirectional_attention is True, expected False"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+         "sliding_attention's rope_type is 'linear', expected 'default'"),
+    ],
+)  # fmt: skip
+def test_a_gemma3_switch_longtune_does_not_compute_is_refused(tmp_path, change, message):
+    save_hf(make_family_model("gemma3"), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        args_from_hf_config(tmp_path)
+    with pytest.raises(ValueError, match="local_rope_theta None: family 'gemma3_text' needs one"):
+        dataclasses.replace(PRESETS["gemma-3-1b"], local_rope_theta=None)
 
 
 def test_qwen3_without_head_dim_reads_qwen3s_default_head_dim(tmp_path):

@@ -52,13 +52,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # The family's config class, and what the tiny checkpoint sets beyond the common sizes:
 # Qwen2's q/k/v biases come with its class, Qwen3's QK-norm too; Mistral's and Qwen3's
-# head_dim 48, not 128 / 4; SmolLM3's second layer without RoPE.
+# head_dim 48, not 128 / 4; SmolLM3's second layer without RoPE; Gemma 3's GeGLU and norms.
 FAMILIES = {
     "llama": ("LlamaConfig", {}),
     "mistral": ("MistralConfig", {"head_dim": 48, "sliding_window": None}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 48}),
     "smollm3": ("SmolLM3Config", {"no_rope_layers": [1, 0], "pad_token_id": None}),
+    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 48, "pad_token_id": None}),
 }
 
 
@@ -198,7 +199,7 @@ def test_model_on_nf4_base_equals_model_on_dequantized_base(tmp_path, family):
     hf = dict(transformers.AutoModelForCausalLM.from_pretrained(path).named_parameters())
     kept = {name: hf_name for name, hf_name in hf_names(quantized.args).items()
             if name.endswith(("bias", "q_norm.weight", "k_norm.weight"))}  # fmt: skip
-    assert len(kept) == {"qwen2": 6, "qwen3": 4}.get(family, 0)
+    assert len(kept) == {"qwen2": 6, "qwen3": 4, "gemma3_text": 4}.get(family, 0)
     for name, hf_name in kept.items():
         param = quantized.get_parameter(name)
         assert not param.requires_grad and torch.equal(param, hf[hf_name]), name

@@ -5,9 +5,11 @@ Tolerances: fp32 on CPU, max |a - b| / max |b| <= 1e-5 for logits, loss and grad
 """
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 
@@ -481,6 +483,35 @@ def test_llama32_1b_shape_bf16_matches_transformers_on_gpu(tmp_path, kernels):
     )
     torch.manual_seed(0)
     oracle = transformers.LlamaForCausalLM(config).cuda().float().eval()
+    assert_bf16_matches_on_gpu(oracle, tmp_path, kernels)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference-ops", "triton-ops"])
+def test_gemma3_1b_shape_bf16_matches_transformers_on_gpu(tmp_path, kernels):
+    """gemma-3-1b dims (random weights, 6 layers: five windowed of 512 and a global one), seq
+    4096 (FlexAttention's windowed block mask on the local layers), bf16, its 262k vocabulary
+    through the fused loss; tolerances as the Llama test's."""
+    p = PRESETS["gemma-3-1b"]
+    config = transformers.Gemma3TextConfig(
+        hidden_size=p.dim, num_hidden_layers=6, num_attention_heads=p.n_heads,
+        num_key_value_heads=p.n_kv_heads, head_dim=p.head_dim, intermediate_size=p.ffn_dim,
+        vocab_size=p.vocab_size, max_position_embeddings=p.max_seq_len,
+        sliding_window=p.sliding_window, query_pre_attn_scalar=p.query_pre_attn_scalar,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    oracle = transformers.Gemma3ForCausalLM(config).cuda().float().eval()
+    with torch.no_grad():  # HF starts Gemma's norms at 0 (a scale of 1): random ones
+        for name, param in oracle.named_parameters():
+            if "norm" in name:
+                param.uniform_(-0.5, 0.5)
+    assert_bf16_matches_on_gpu(oracle, tmp_path, kernels)
+
+
+def assert_bf16_matches_on_gpu(oracle, tmp_path: Path, kernels: bool) -> None:
+    """Our model, loaded from `oracle`'s checkpoint, in bf16: logits and loss against the fp32
+    oracle's on one 4096-token row."""
     save_hf(oracle, tmp_path)
     args = args_from_hf_config(tmp_path)
     with torch.device("meta"):
@@ -528,6 +559,14 @@ FAMILY_CONFIGS = {
     "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, no_rope_layers=[1, 0, 1])),
     "smollm3-interval-untied": ("SmolLM3Config", dict(
         num_key_value_heads=3, no_rope_layer_interval=2, tie_word_embeddings=False)),
+    # Gemma 3's local layers with a RoPE base of their own, the global ones linearly scaled,
+    # a query_pre_attn_scalar that is not head_dim.
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_key_value_heads=2, head_dim=20, query_pre_attn_scalar=14, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
 }  # fmt: skip
 
 
@@ -536,10 +575,12 @@ def make_family_model(variant: str, **changes):
     config = getattr(transformers, class_name)(**SMALL, **{**kwargs, **changes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    # Gemma's norms scale by 1 + weight: the same scales, 0.5 to 1.5, for every family.
+    offset = 1.0 if config.model_type == "gemma3_text" else 0.0
     with torch.no_grad():  # norms start at 1 and biases at 0 in HF: random ones are loaded
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                p.uniform_(0.5 - offset, 1.5 - offset)
             elif name.endswith("bias"):  # small: large ones make attention one-hot
                 p.uniform_(-0.2, 0.2)
     return model
@@ -587,6 +628,7 @@ WINDOWED = {
     "qwen2": (8, {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     "qwen3": (6, {"use_sliding_window": True, "sliding_window": 6,
                   "layer_types": ["full_attention", "sliding_attention", "full_attention"]}),
+    "gemma3": (6, {"sliding_window": 6}),  # on layers 0 and 2
 }  # fmt: skip
 
 
@@ -601,7 +643,7 @@ def test_a_sliding_window_matches_transformers_past_it(tmp_path, variant, packed
     hf = make_family_model(variant, **changes)
     save_hf(hf, tmp_path / "in")
     args = args_from_hf_config(tmp_path / "in")
-    layers = {"mistral": (0, 1, 2), "qwen2": (1, 2), "qwen3": (1,)}[variant]
+    layers = {"mistral": (0, 1, 2), "qwen2": (1, 2), "qwen3": (1,), "gemma3": (0, 2)}[variant]
     assert (args.sliding_window, args.window_layers) == (window, layers)
     ours = Llama(args, mask_documents=packed)
     load_hf_checkpoint(ours, tmp_path / "in")
@@ -628,10 +670,64 @@ def test_a_sliding_window_matches_transformers_past_it(tmp_path, variant, packed
     assert rel_err(exported_logits, logits) <= FP32_RTOL
 
 
+@pytest.mark.parametrize("saved_as", ["hub", "transformers-5"])
+def test_gemma3_multimodal_checkpoint_reads_its_language_model(tmp_path, saved_as):
+    """A Gemma3ForConditionalGeneration checkpoint (the larger Gemma 3s): config.json's
+    text_config and the decoder under language_model's prefix, as the hub's files have it
+    (language_model.model.) and as transformers 5 keeps it in memory (model.language_model.);
+    the vision tower is not read. Text-only logits equal transformers'."""
+    text = {**SMALL, **FAMILY_CONFIGS["gemma3"][1]}
+    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=32, image_size=28, patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4,
+        image_token_index=210, boi_token_index=208, eoi_token_index=209,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "language_model" in name and "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    save_hf(hf, tmp_path)
+    if saved_as == "transformers-5":
+        tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
+        renamed = {re.sub(r"^language_model\.model\.", "model.language_model.", k): v
+                   for k, v in tensors.items()}  # fmt: skip
+        safetensors.torch.save_file(renamed, tmp_path / "model.safetensors")
+    args = args_from_hf_config(tmp_path)
+    assert (args.family, args.window_layers, args.local_rope_theta) == ("gemma3_text", (0, 2), 100)
+    ours = load_longtune(tmp_path)
+    tokens, _ = sample_batch(200)  # below the image tokens
+    assert rel_err(ours(tokens), hf(tokens, use_cache=False).logits) <= FP32_RTOL
+
+
 def test_family_presets_have_the_published_sizes():
     assert PRESETS["qwen3-8b"].num_params() == 8_190_735_360
     assert PRESETS["qwen2.5-7b"].num_params() == 7_615_616_512
     assert PRESETS["mistral-7b"].num_params() == 7_248_023_552
+
+
+def test_gemma3_presets_have_the_published_sizes():
+    """The Gemma 3 technical report's non-embedding parameters (Table 1, millions), and each
+    model's size in its name within 3% (4b+ also hold a 417M-parameter vision encoder)."""
+    for name, non_embedding in {"1b": 698, "4b": 3209, "12b": 10759, "27b": 25600}.items():
+        args = PRESETS[f"gemma-3-{name}"]
+        params = args.num_params()
+        assert round((params - args.vocab_size * args.dim) / 1e6) == non_embedding, name
+        assert abs(params / (float(name[:-1]) * 1e9) - 1) < 0.03, name
+
+
+def test_gemma3_norms_start_at_a_scale_of_one():
+    """Gemma's norms scale by 1 + weight: initialized at 0 (as transformers does), the others
+    at 1."""
+    tiny = dict(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=64,
+                vocab_size=100, window_layers=(0,))  # fmt: skip
+    model = Llama(dataclasses.replace(PRESETS["gemma-3-1b"], **tiny))
+    model.init_weights(seed=0)
+    norms = {n: p for n, p in model.named_parameters() if n.endswith("norm.weight")}
+    assert len(norms) == 2 * (4 + 2) + 1 and all(not p.any() for p in norms.values())
+    assert Llama(PRESETS["tiny"]).initial_value("norm.weight", 0, torch.device("cpu")).eq(1).all()
 
 
 def test_switches_a_family_cannot_export_are_refused():

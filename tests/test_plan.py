@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from data import TokenDataset, attended_per_token
 from lora import LoRAConfig, apply_lora
-from model import Llama, ModelArgs
+from model import PRESETS, Llama, ModelArgs
 from offload import AC_MODES
 from options import Options, plan_of, technique_problems
 from plan import (
@@ -712,14 +712,17 @@ def test_the_saved_activations_follow_qs_width_and_the_qk_norms():
     fp32) against block_bytes' saved tensors, for a head dim apart from dim / heads and for Qwen3's
     q/k norms: the measured share of the estimate stays the Llama block's within 5% (q and
     attention's output are n_heads * head_dim wide, not dim; each q/k norm keeps its input
-    and rstd)."""
+    and rstd), and for Gemma 3's block (four norms, each over an fp32 copy)."""
     from model import REFERENCE_OPS, rope_frequencies
 
     llama = ModelArgs(dim=256, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=320,
                       ffn_dim=512, max_seq_len=256)  # fmt: skip
     variants = [dataclasses.replace(llama, head_dim=96),
                 dataclasses.replace(llama, qk_norm=True, family="qwen3"),
-                dataclasses.replace(llama, head_dim=96, qk_norm=True, family="qwen3")]  # fmt: skip
+                dataclasses.replace(llama, head_dim=96, qk_norm=True, family="qwen3"),
+                dataclasses.replace(PRESETS["gemma-3-1b"], dim=256, n_layers=1, n_heads=4,
+                                    n_kv_heads=2, head_dim=96, vocab_size=320, ffn_dim=512,
+                                    window_layers=(), sliding_window=None)]  # fmt: skip
     bsz, seq = 2, 128
 
     def measured_share(args: ModelArgs) -> float:

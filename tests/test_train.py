@@ -1907,18 +1907,26 @@ def test_a_family_checkpoint_trains_as_transformers_computes_and_over_context_pa
 
 @CPU_ONLY
 @pytest.mark.parametrize(
-    "config_class, window, documents",
+    "config_class, window, documents, layers",
     [
-        ("MistralConfig", dict(sliding_window=16), True),  # Mistral v0.1: every layer
+        ("MistralConfig", dict(sliding_window=16), True, (0, 1)),  # Mistral v0.1: every layer
         (
             "Qwen2Config",
             dict(use_sliding_window=True, sliding_window=16, max_window_layers=1),
             False,
+            (1,),
+        ),
+        (  # Gemma 3: its first layer local, with a RoPE base of its own
+            "Gemma3TextConfig",
+            dict(sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                 head_dim=24, query_pre_attn_scalar=20, pad_token_id=None),
+            True,
+            (0,),
         ),
     ],
-)
+)  # fmt: skip
 def test_a_checkpoint_with_a_sliding_window_trains_past_it_as_transformers_computes(
-    config_class, window, documents, dataset, tmp_path
+    config_class, window, documents, layers, dataset, tmp_path
 ):
     """--seq-len 128, 8 times the window, through the whole of train.py (the planner too,
     which builds a one-layer copy of the model): the step-1 loss is transformers' over the
@@ -1965,7 +1973,7 @@ def test_a_checkpoint_with_a_sliding_window_trains_past_it_as_transformers_compu
     assert record["loss"] == pytest.approx(loss.item(), rel=1e-5)
 
     args = args_from_hf_config(tmp_path / "hf")
-    assert args.sliding_window == 16 and args.window_layers == ((0, 1) if documents else (1,))
+    assert args.sliding_window == 16 and args.window_layers == layers
 
     def pairs(positions: torch.Tensor) -> float:  # per layer, averaged over the layers
         per_query = positions.double() + 0.5
