@@ -249,7 +249,9 @@ def test_a_negative_aux_loss_coefficient_is_refused(tmp_path):
 def test_other_moe_types_are_refused_in_one_line(tmp_path):
     config = {"model_type": "qwen2_moe", "hidden_size": 32, "num_hidden_layers": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UsageError, match="model_type is 'qwen2_moe'; .*qwen3_moe, mixtral, gemma3_text$"):
+    with pytest.raises(
+        UsageError, match="model_type is 'qwen2_moe'; .*qwen3_moe, mixtral, gemma3_text$"
+    ):
         args_from_hf_config(tmp_path)
 
 
