@@ -2001,11 +2001,11 @@ def test_a_checkpoint_saved_before_rope_scaling_had_a_type_resumes():
 
 
 def test_the_results_that_the_code_cites_are_in_results():
-    """Each (bench/RESULTS.md, "name") in the code and the README names text of RESULTS."""
+    """Each (bench/RESULTS.md, "name") in the code, the README and docs/ names text of RESULTS."""
     results = " ".join((REPO / "bench" / "RESULTS.md").read_text().split())
     sources = [*REPO.glob("*.py"), *REPO.glob("kernels/*.py"), *REPO.glob("bench/*.py")]
     cited = []
-    for path in [*sources, REPO / "README.md"]:
+    for path in [*sources, REPO / "README.md", *REPO.glob("docs/*.md")]:
         for cite in re.finditer(
             r'RESULTS(?:\.md)?[,:]?\s*\(?((?:"[^"]+"[,\s]*(?:and\s*)?)+)', path.read_text()
         ):
