@@ -51,7 +51,9 @@ def test_help_gives_each_option_one_default():
     said FILE where a checkpoint directory is accepted."""
     for action in options.options_parser()._actions:
         assert (action.help or "").count("(default") <= 1, action.help
-    tokenizer = next(a for a in options.options_parser()._actions if "--tokenizer" in a.option_strings)
+    tokenizer = next(
+        a for a in options.options_parser()._actions if "--tokenizer" in a.option_strings
+    )
     assert tokenizer.metavar == "PATH" and "directory" in tokenizer.help
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_readme import first_screen_commands
 
 import data
 import files
@@ -1537,6 +1538,7 @@ def test_readme_train_then_test(tmp_path):
     for folder in ["kernels", "tests"]:
         shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    assert "python train.py" in first_screen_commands()  # README's first run, shortened here
     train_run = subprocess.run(
         [sys.executable, "train.py", "--max-steps", "2", "--micro-batch", "2", "--seq-len", "64",
          "--checkpoint-interval", "2", "--sample-tokens", "40"],
