@@ -106,7 +106,7 @@ def test_first_screen_fine_tune_export_and_load(tmp_path, monkeypatch):
     smollm2.main()
     for command in commands[5:7]:
         run(command, checkout)
-    shorter = "--max-steps 2 --batch-tokens 512 --eval-interval 1 --sample-tokens 8".split()
+    shorter = shlex.split("--max-steps 2 --batch-tokens 512 --eval-interval 1 --sample-tokens 8")
     fine_tune = run(commands[7], checkout, *shorter)
     assert "eval loss" in fine_tune and (checkout / "runs/smol/hf/config.json").exists(), fine_tune
     run(commands[8], checkout)
