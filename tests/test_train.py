@@ -157,7 +157,7 @@ def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch, tmp
 
 
 def test_a_bad_option_is_told_before_an_earlier_runs_checkpoints(capsys, monkeypatch, tmp_path):
-    """README's Train command leaves runs/default/checkpoints: a typo is still told as such."""
+    """README's first run leaves runs/default/checkpoints: a typo is still told as such."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs/default/checkpoints/step-000002").mkdir(parents=True)
     plan = dict.fromkeys(["flags", "planned", "plan", "machine", "estimate"])
@@ -1527,7 +1527,7 @@ def test_a_bare_resume_goes_on_with_the_checkpoints_model_preset(
 
 @CPU_ONLY
 def test_readme_train_then_test(tmp_path):
-    """README's Train command (shortened) in a copy of the checkout, then the tests that
+    """README's first run (shortened) in a copy of the checkout, then the tests that
     start train.py in a process of its own: they pass beside the run's runs/default and
     .cache/, and (tests/conftest.py) leave the copy as it was. The run ends with a sample
     of its model, where its files are, and the commands to resume and export."""
