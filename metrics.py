@@ -1,5 +1,5 @@
 """Where a run's metrics go. train.MetricsLog decides the logged steps and makes each one's
-record (README.md lists its fields); the main rank hands it to every reporter here: always
+record (docs/training.md lists its fields); the main rank hands it to every reporter here: always
 `JsonLines` (run_dir/metrics.jsonl), and with --report-to, `TensorBoard` (run_dir/tensorboard)
 and `WandB` (Weights & Biases), which start with the run's config (its options and
 plan.json). A resumed run continues each. TensorBoard's and W&B's packages are imported only

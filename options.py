@@ -73,7 +73,10 @@ class Options:
         metavar="DIR",
     )
     tokenizer: str | None = option(
-        None, "tokenizer file the data must have been prepared with", metavar="FILE"
+        None,
+        "the tokenizer the data must have been prepared with: a HF checkpoint or tokenizer "
+        "directory, or its file (default: --hf-checkpoint's)",
+        metavar="PATH",
     )
     eval_data: str | None = option(
         None,
@@ -117,9 +120,9 @@ class Options:
     max_tokens: int | None = option(None, "train for this many tokens instead (sets max steps)")
     lr: float | None = option(
         None,
-        "peak learning rate, after the warmup (default, from scratch: 3e-3 under 100M "
-        "parameters, 3e-4 up to 10B, 1.5e-4 above; required with --hf-checkpoint, unless "
-        "resuming from a checkpoint)",
+        "peak learning rate, after the warmup; required with --hf-checkpoint, unless "
+        "resuming from a checkpoint (default: from scratch, 3e-3 under 100M "
+        "parameters, 3e-4 up to 10B, 1.5e-4 above)",
     )
     min_lr: float | None = option(None, "learning rate at the last step (default: --lr / 10)")
     warmup_steps: int = option(20, "steps of linear warmup from 0")

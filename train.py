@@ -1,7 +1,7 @@
 """Train a Llama: the techniques' order, setup, then the loop, read top to bottom.
 
     python train.py           # "tiny" from scratch on Python's stdlib, as bytes; CPU or one GPU
-    python train.py --help    # the options; README.md: fine-tuning, many GPUs, the memory plan
+    python train.py --help    # the options; docs/training.md: fine-tuning, the memory plan
 
 `apply_techniques` (the one order in which they compose); `setup`: the options resolved
 (options.resolve: the checkpoint to resume from and what it fixes, the checks, the data, the

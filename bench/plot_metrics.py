@@ -18,7 +18,7 @@ from pathlib import Path
 
 def read_metrics(run_dir: Path) -> list[dict]:
     """The step records of a run, one per step in step order. metrics.jsonl holds two kinds
-    of line (README, "metrics.jsonl"): a step's record, which has "loss", and a resume's
+    of line (docs/training.md, "metrics.jsonl"): a step's record, which has "loss", and a resume's
     marker {"resumed_from": ..., "step": N}; after a resume the steps a killed run logged
     past its checkpoint are logged again, and the last record of a step is the one that
     counts. A line that is no such record (cut short by a kill or a full disk, or not JSON at all)

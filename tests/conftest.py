@@ -28,7 +28,7 @@ def checkout_files() -> dict[str, tuple[int, int]]:
 @pytest.fixture(scope="session", autouse=True)
 def checkout_is_left_alone():
     """Tests write under tmp_path only: they add no file to the checkout, remove none, and
-    change nothing in a user's runs/ and .cache/ there (README's Train command writes them).
+    change nothing in a user's runs/ and .cache/ there (README's first run writes them).
     (Edits to the code while the tests run are a developer's own.)"""
     before = checkout_files()
     yield

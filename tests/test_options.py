@@ -46,6 +46,17 @@ def test_help_lists_every_option(help_text):
     assert "(default: off)" in text  # a switch's
 
 
+def test_help_gives_each_option_one_default():
+    """--lr said two defaults ("default, from scratch: ..." and "default: none"); --tokenizer
+    said FILE where a checkpoint directory is accepted."""
+    for action in options.options_parser()._actions:
+        assert (action.help or "").count("(default") <= 1, action.help
+    tokenizer = next(
+        a for a in options.options_parser()._actions if "--tokenizer" in a.option_strings
+    )
+    assert tokenizer.metavar == "PATH" and "directory" in tokenizer.help
+
+
 def test_abbreviations_are_refused_and_a_typo_is_told_the_flag(capsys, help_text):
     with pytest.raises(SystemExit) as exit_info:
         options.parse_options(["--max-step", "3"])

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
+from test_readme import first_screen_commands
 
 import data
 import files
@@ -156,7 +157,7 @@ def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch, tmp
 
 
 def test_a_bad_option_is_told_before_an_earlier_runs_checkpoints(capsys, monkeypatch, tmp_path):
-    """README's Train command leaves runs/default/checkpoints: a typo is still told as such."""
+    """README's first run leaves runs/default/checkpoints: a typo is still told as such."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs/default/checkpoints/step-000002").mkdir(parents=True)
     plan = dict.fromkeys(["flags", "planned", "plan", "machine", "estimate"])
@@ -1526,7 +1527,7 @@ def test_a_bare_resume_goes_on_with_the_checkpoints_model_preset(
 
 @CPU_ONLY
 def test_readme_train_then_test(tmp_path):
-    """README's Train command (shortened) in a copy of the checkout, then the tests that
+    """README's first run (shortened) in a copy of the checkout, then the tests that
     start train.py in a process of its own: they pass beside the run's runs/default and
     .cache/, and (tests/conftest.py) leave the copy as it was. The run ends with a sample
     of its model, where its files are, and the commands to resume and export."""
@@ -1537,6 +1538,7 @@ def test_readme_train_then_test(tmp_path):
     for folder in ["kernels", "tests"]:
         shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    assert "python train.py" in first_screen_commands()  # README's first run, shortened here
     train_run = subprocess.run(
         [sys.executable, "train.py", "--max-steps", "2", "--micro-batch", "2", "--seq-len", "64",
          "--checkpoint-interval", "2", "--sample-tokens", "40"],
@@ -2009,11 +2011,11 @@ def test_a_checkpoint_saved_before_rope_scaling_had_a_type_resumes():
 
 
 def test_the_results_that_the_code_cites_are_in_results():
-    """Each (bench/RESULTS.md, "name") in the code and the README names text of RESULTS."""
+    """Each (bench/RESULTS.md, "name") in the code, the README and docs/ names text of RESULTS."""
     results = " ".join((REPO / "bench" / "RESULTS.md").read_text().split())
     sources = [*REPO.glob("*.py"), *REPO.glob("kernels/*.py"), *REPO.glob("bench/*.py")]
     cited = []
-    for path in [*sources, REPO / "README.md"]:
+    for path in [*sources, REPO / "README.md", *REPO.glob("docs/*.md")]:
         for cite in re.finditer(
             r'RESULTS(?:\.md)?[,:]?\s*\(?((?:"[^"]+"[,\s]*(?:and\s*)?)+)', path.read_text()
         ):
