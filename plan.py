@@ -532,22 +532,9 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     # The linears' inputs (normed x, normed h, w2's) and attention's q, k, v and output.
     saved += 2 * x + tile + qkv + out + moe_rows
 
-    # The checkpoint's cache: attention's output; selective: every matmul's too (wq, wk, wv;
-    # wo and w2, dim wide; w1 and w3). An MoE block: wo's and the router's logits; its
-    # experts' products are aten matmuls only without the kernels (the reference's loop).
-    matmuls = 2 * x + 2 * n * f * p
-    if moe_rows:
-        experts = 0 if plan.kernels else 2 * m * f * p + m * args.experts_per_token * d * p
-        matmuls = x + n * args.n_experts * p + experts
+    # The checkpoint's cache: attention's output; selective: the matmuls' outputs too.
     cached = {"none": None, "full": 0, "attention": out,
-              "selective": out + qkv + matmuls}[plan.ac]  # fmt: skip
-    if plan.lora is not None and plan.ac == "selective":
-        # LoRA's B products are matmuls too, kept beside their bases': [n, out] a target (not
-        # on an MoE block's experts, which have no adapters).
-        widths = {"wq": q, "wk": kv, "wv": kv, "wo": d}
-        if not moe_rows:
-            widths |= {"w1": f, "w3": f, "w2": d}
-        cached += n * p * sum(widths.get(target, 0) for target in plan.lora.targets)
+              "selective": out + selective_matmuls(args, plan, p, m, f)}[plan.ac]  # fmt: skip
     windowed = args.sliding_window is not None and plan.seq_len > args.sliding_window
     if (plan.document_mask or windowed) and cached:
         # The document-masked or windowed attention's kept output comes with the q, k, v its
@@ -575,6 +562,28 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
         recomputed += norm + n * args.head_dim * 4  # and RoPE its cos and sin
         mlp_recomputed += norm + tile  # and SwiGLU silu(gate)
     return saved, cached, max(mlp, attention), recomputed + max(mlp_recomputed, attention)
+
+
+def selective_matmuls(args: ModelArgs, plan: Plan, p: int, m: int, f: int) -> int:
+    """The matmul outputs selective checkpointing keeps of a block of the plan's tokens (the
+    policy keeps every aten matmul's; MLP tiling's m tokens at a time, f wide, as
+    block_bytes counts them): wq, wk, wv; wo and w2, dim wide; w1 and w3; LoRA's B products
+    beside their bases'. An MoE block: wo's and the router's logits; its experts' products
+    only without the kernels (the reference's loop of matmuls), and no adapters on them."""
+    n, d = plan.tokens, args.dim
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    widths = {"wq": q, "wk": kv, "wv": kv, "wo": d}
+    kept = n * (q + 2 * kv + d) * p
+    if args.moe_layers:
+        kept += n * args.n_experts * p
+        if not plan.kernels:
+            kept += 2 * m * f * p + m * args.experts_per_token * d * p
+    else:
+        widths |= {"w1": f, "w3": f, "w2": d}
+        kept += n * (d + 2 * f) * p
+    if plan.lora is not None:
+        kept += n * p * sum(widths.get(target, 0) for target in plan.lora.targets)
+    return kept
 
 
 def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int, int], int]:

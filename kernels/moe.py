@@ -492,10 +492,11 @@ class _DispatchGateUp(torch.autograd.Function):
         dgate, dup = dgate.contiguous(), dup.contiguous()
         dx = dw1 = dw3 = None
         if ctx.needs_input_grad[0]:
-            dx = sum(
+            from_gate, from_up = (
                 _dispatch_backward(_grouped_mm(d, w.transpose(1, 2), offsets), position)
                 for d, w in ((dgate, w1), (dup, w3))
             )
+            dx = from_gate.add_(from_up)
         if ctx.needs_input_grad[2]:
             dw1 = _grouped_mm_weight_grad(dgate, rows, offsets, w1.shape[0]).to(w1.dtype)
         if ctx.needs_input_grad[3]:

@@ -174,6 +174,16 @@ def test_grouped_mm_equals_torch_grouped_mm_given_the_offsets_ends():
 # ----------------------------------------------------------------------------------------
 
 
+def path_against_reference(experts, inputs, dy, reference_dtype):
+    """against_reference of moe_experts, inputs [x, weights, w1, w3, w2], for y and every
+    input's gradient."""
+    return against_reference(
+        lambda x, w, *ws: moe_experts(x, experts, w, *ws),
+        lambda x, w, *ws: moe_experts_reference(x, experts, w, *ws),
+        inputs, [dy], ["y", "dx", "dweights", "dw1", "dw3", "dw2"], reference_dtype,
+    )  # fmt: skip
+
+
 def layer_inputs(n_tokens, dim, ffn_dim, n_experts, dtype, device="cpu"):
     """x [T, D], w1, w3 [E, F, D], w2 [E, D, F], scaled so that every product is of order 1."""
     x = torch.randn(n_tokens, dim, dtype=dtype, device=device)
@@ -194,12 +204,7 @@ def test_moe_experts_matches_reference(n_experts, k, empty, every_token, dtype):
     x, w1, w3, w2 = layer_inputs(37, 48, 40, n_experts, dtype)
     experts = routing(37, n_experts, k, empty, every_token)
     weights, dy = router_weights(37, k, dtype), torch.randn(37, 48, dtype=dtype)
-    pairs = against_reference(
-        lambda x, w, *ws: moe_experts(x, experts, w, *ws),
-        lambda x, w, *ws: moe_experts_reference(x, experts, w, *ws),
-        [x, weights, w1, w3, w2], [dy], ["y", "dx", "dweights", "dw1", "dw3", "dw2"],
-        torch.float64,
-    )  # fmt: skip
+    pairs = path_against_reference(experts, [x, weights, w1, w3, w2], dy, torch.float64)
     for name, out, ref in pairs:
         assert out.dtype == dtype
         assert_close(out, ref, PATH_TOLERANCE[dtype], name)
@@ -256,12 +261,7 @@ def test_moe_experts_bf16_matches_fp32_reference_at_qwen3_30b_a3b_widths(product
     experts = routing(4096, 128, 8, empty=[0], device="cuda")
     weights = router_weights(4096, 8, torch.float32, device="cuda")
     dy = torch.randn_like(x)
-    pairs = against_reference(
-        lambda x, w, *ws: moe_experts(x, experts, w, *ws),
-        lambda x, w, *ws: moe_experts_reference(x, experts, w, *ws),
-        [x, weights, w1, w3, w2], [dy], ["y", "dx", "dweights", "dw1", "dw3", "dw2"],
-        torch.float32,
-    )  # fmt: skip
+    pairs = path_against_reference(experts, [x, weights, w1, w3, w2], dy, torch.float32)
     for name, out, ref in pairs:
         assert_close_on_gpu(out, ref, GPU_BF16_TOLERANCE, name)
 
