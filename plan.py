@@ -132,7 +132,7 @@ class Plan:
     lora: LoRAConfig | None = None
     context_parallel: int = 1
     document_mask: bool = False
-    # Whether some packed document may reach model.LONG_DOCUMENT tokens, so that the causal
+    # Whether some packed document may reach attention.LONG_DOCUMENT tokens, so that the causal
     # kernel keeps its heads' outputs (the data's longest document says; unknown: yes).
     long_documents: bool = True
     # The pairs a token attends on average with documents masked apart (the data's
@@ -540,7 +540,7 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
         # The document-masked or windowed attention's kept output comes with the q, k, v its
         # backward needs (offload._KeptAttention) and, up to a row's worth, long documents'
         # causal prefixes' outputs, kept for the causal kernel's backward
-        # (model.packed_attention). A window counts on every block: at most all are windowed.
+        # (attention.packed_attention). A window counts on every block: at most all are windowed.
         cached += qkv + (n * q * p if plan.document_mask and plan.long_documents else 0)
 
     # The MLP's backward: h, normed h, a tile's gate, up and w2 input, three residual-sized

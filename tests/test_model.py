@@ -13,22 +13,18 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 
-from data import document_starts
-from hf import args_from_hf_config, hf_names, load_hf_checkpoint, save_hf_checkpoint
-from model import (
+from attention import (
     FLEX_BLOCK,
-    PRESETS,
-    REFERENCE_OPS,
-    Llama,
     Masks,
-    ModelArgs,
     PackedRows,
     causal_prefix,
     dense_document_mask,
     document_block_mask,
     packed_rows,
-    triton_ops,
 )
+from data import document_starts
+from hf import args_from_hf_config, hf_names, load_hf_checkpoint, save_hf_checkpoint
+from model import PRESETS, REFERENCE_OPS, Llama, ModelArgs, triton_ops
 
 transformers = pytest.importorskip("transformers")
 
@@ -429,7 +425,7 @@ def test_compiled_flex_attention_gives_the_dense_masks_gradients(head_dim, dtype
     fp32, 8 query / 2 key-value heads, documents of odd lengths across tile edges, with and
     without a sliding window: output and every gradient within 1e-4 (fp32) or 2e-2 (bf16) of
     the largest value."""
-    import model as model_module
+    import attention as attention_module
 
     positions = torch.cat([torch.arange(n) for n in (1, 300, 77, 700, 201)])[None].cuda()
     generator = torch.Generator("cuda").manual_seed(0)
@@ -444,7 +440,7 @@ def test_compiled_flex_attention_gives_the_dense_masks_gradients(head_dim, dtype
         out.backward(grad_out.to(dtype))
         return [out.float()] + [t.grad.float() for t in inputs]
 
-    flex = model_module.compiled_flex_attention()
+    flex = attention_module.compiled_flex_attention()
     block_mask = document_block_mask(positions, window=window)
     got = run(lambda q, k, v: flex(q, k, v, block_mask, True), dtype)
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):

@@ -441,7 +441,7 @@ def test_flex_attention_on_cuda_is_kept_and_keeps_gradients(
     """Compiled FlexAttention (the document mask on CUDA), with the second document of each
     row through SDPA on its own or not, fp32: the gradients of each checkpointing mode equal
     no checkpointing (and the dense mask), and only "full" runs the kernel twice."""
-    import model as model_module
+    import attention as attention_module
 
     on_cpu = build(mask_documents=True)  # the dense mask
 
@@ -452,14 +452,14 @@ def test_flex_attention_on_cuda_is_kept_and_keeps_gradients(
 
     want = gradients(on_cuda("none"), positions=PACKED)[0]
     calls = 0
-    flex = model_module.compiled_flex_attention()
+    flex = attention_module.compiled_flex_attention()
 
     def counted(*args, **kwargs):
         nonlocal calls
         calls += 1
         return flex(*args, **kwargs)
 
-    monkeypatch.setattr(model_module, "compiled_flex_attention", lambda: counted)
+    monkeypatch.setattr(attention_module, "compiled_flex_attention", lambda: counted)
     got, _ = gradients(on_cuda(ac, long_document), positions=PACKED)
     assert calls == per_block * ARGS.n_layers
     assert_grads_close(got, want)

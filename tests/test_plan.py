@@ -555,7 +555,7 @@ def test_the_estimate_counts_what_document_masked_attention_keeps():
     args = ModelArgs.from_name("llama3.2-1b")
     plan = Plan(131072, ac="attention", document_mask=True)
     assert 61.05 <= estimate_memory(args, plan).gpu_tensors <= 61.05 * 1.05
-    # Data whose documents all stay under model.LONG_DOCUMENT has no heads: 55.27 GiB
+    # Data whose documents all stay under attention.LONG_DOCUMENT has no heads: 55.27 GiB
     # measured on such rows before the heads existed (issue #10).
     short = dataclasses.replace(plan, long_documents=False)
     assert estimate_memory(args, short).gpu_tensors == pytest.approx(55.27, rel=0.03)

@@ -1272,7 +1272,7 @@ def test_document_mask_trains(dataset, tmp_path):
 @CPU_ONLY
 @pytest.mark.parametrize("long", [False, True])
 def test_the_plan_counts_long_documents_prefixes_only_where_the_data_has_them(tmp_path, long):
-    """model.LONG_DOCUMENT tokens or more (bytes here) in some document: the plan keeps the
+    """attention.LONG_DOCUMENT tokens or more (bytes here) in some document: the plan keeps the
     causal kernel's heads' outputs in its estimate; the data's longest document says."""
     text = "def f(x):\n    return x + 1\n" * (800 if long else 20)  # 21,600 or 540 bytes
     files = []
