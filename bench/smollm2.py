@@ -72,10 +72,17 @@ def write_tokenizer(out: Path) -> Path:
 def write_checkpoint(out: Path) -> Path:
     """A HF checkpoint directory: config.json, model.safetensors (fp32, dequantized from Q4_1),
     generation_config.json and the tokenizer files."""
+    checkpoint_from_gguf(*gguf_file(), out)
+    return write_tokenizer(out)
+
+
+def checkpoint_from_gguf(directory: str | Path, name: str, out: Path) -> Path:
+    """config.json, model.safetensors (fp32) and generation_config.json of the GGUF file
+    `name` in `directory`, dequantized by transformers' GGUF reader (tests/test_hf.py reads
+    Gemma 3's real weights this way)."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    directory, name = gguf_file()
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     out.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
@@ -86,7 +93,7 @@ def write_checkpoint(out: Path) -> Path:
     if model.config.tie_word_embeddings:
         tensors.pop("lm_head.weight")  # HF does not store the tied output
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return write_tokenizer(out)
+    return out
 
 
 def real_text(max_chars: int = 4000) -> str:

