@@ -26,6 +26,7 @@ from kernels import (
     dequantize_nf4,
     dequantize_nf4_reference,
     geglu,
+    geglu_reference,
     linear_cross_entropy,
     linear_cross_entropy_reference,
     nf4_linear,
@@ -405,10 +406,15 @@ def test_rope_bf16_matches_fp32_reference_at_llama3_8b_shape_and_long_positions(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("ffn_dim", [8192, 14336])
-def test_swiglu_bf16_matches_fp32_reference_at_llama_shapes(ffn_dim):
+@pytest.mark.parametrize(
+    "kernel, reference",
+    [(swiglu, swiglu_reference), (geglu, geglu_reference)],
+    ids=["swiglu", "geglu"],
+)
+def test_gated_activation_bf16_matches_fp32_reference_at_llama_shapes(kernel, reference, ffn_dim):
     gate, up, dout = gpu_inputs(*[(8192, ffn_dim)] * 3)
     pairs = against_reference(
-        swiglu, swiglu_reference, [gate, up], [dout], ["out", "dgate", "dup"], torch.float32
+        kernel, reference, [gate, up], [dout], ["out", "dgate", "dup"], torch.float32
     )
     for name, got, ref in pairs:
         assert_close_on_gpu(got, ref, GPU_BF16_TOLERANCE, name)
