@@ -52,9 +52,9 @@ def kernels(seq_len: int, window: int, device: str) -> dict:
     if device == "cpu":  # no FlexAttention backward on the CPU: SDPA's causal kernel
         causal = lambda q, k, v: attention_kernel(q, k, v, None, backends)  # noqa: E731
     else:
-        # _compile: built per tile, not as S x S booleans first
-        plain = create_block_mask(
-            lambda b, h, q, k: q >= k, None, None, seq_len, seq_len, device, _compile=True
+        # compiled: built per tile, not as S x S booleans first
+        plain = torch.compile(create_block_mask)(
+            lambda b, h, q, k: q >= k, None, None, seq_len, seq_len, device
         )
         causal = lambda q, k, v: compiled_flex_attention()(q, k, v, plain, True)  # noqa: E731
     return {
