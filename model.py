@@ -45,6 +45,7 @@ from kernels import (
     IGNORE_INDEX,
     apply_rope_reference,
     fp8_linears,
+    geglu_reference,
     linear_cross_entropy_reference,
     moe_experts_reference,
     rms_norm_reference,
@@ -496,6 +497,7 @@ class Ops:
     rms_norm: Callable  # (x [..., D], weight [D], eps) -> [..., D]
     apply_rope: Callable  # (q [B,S,H,Dh], k [B,S,Hkv,Dh], positions [B,S], inv_freq, scale) -> q, k
     swiglu: Callable  # (gate, up) -> silu(gate) * up
+    geglu: Callable  # (gate, up) -> tanh-GELU(gate) * up, Gemma's
     linear_cross_entropy: Callable  # (hidden [N,D], weight [V,D], labels [N], ignore, reduction)
     project: Callable  # (x, linears) -> [linear(x) for each], the projections reading one x
     moe_experts: Callable  # (x [T,D], experts [T,k], weights [T,k], w1, w3, w2) -> [T,D]
@@ -509,6 +511,7 @@ REFERENCE_OPS = Ops(
     rms_norm=rms_norm_reference,
     apply_rope=apply_rope_reference,
     swiglu=swiglu_reference,
+    geglu=geglu_reference,
     linear_cross_entropy=linear_cross_entropy_reference,
     project=project,
     moe_experts=moe_experts_reference,
@@ -526,6 +529,7 @@ def triton_ops() -> Ops:
         # The MLP's gate and up are its linears' outputs, read by nothing else: the kernel's
         # backward may write its gradients over them (kernels.swiglu).
         swiglu=functools.partial(kernels.swiglu, overwrite=True),
+        geglu=functools.partial(kernels.geglu, overwrite=True),
         linear_cross_entropy=kernels.linear_cross_entropy,
         moe_experts=kernels.moe_experts,
     )
@@ -573,11 +577,6 @@ class RMSNorm(nn.Module):
         if self.plus_one:  # as transformers' Gemma3RMSNorm: scaled in fp32, then rounded once
             return self.ops.rms_norm(x.float(), 1 + self.weight.float(), self.eps).type_as(x)
         return self.ops.rms_norm(x, self.weight, self.eps)
-
-
-def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """Gemma's feed-forward activation (HF's gelu_pytorch_tanh); no Triton kernel fuses it."""
-    return F.gelu(gate, approximate="tanh") * up
 
 
 class Attention(nn.Module):
@@ -656,7 +655,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
         self.ops = ops
-        self.activation = geglu if gelu else ops.swiglu
+        self.activation = ops.geglu if gelu else ops.swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """SwiGLU, or Gemma's GeGLU. MLP tiling (offload.apply_mlp_tiling) replaces it on the

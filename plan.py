@@ -519,15 +519,15 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     out = n * q * p + n * h * 4
 
     # The block's two RMSNorms over rows of dim; qk_norm (Qwen3) adds two over q's and k's heads.
-    # Gemma's block has four, each over an fp32 copy of its input, and GeGLU in PyTorch.
+    # Gemma's block has four, each over an fp32 copy of its input.
     gemma = FAMILIES[args.family].gemma
     normed, rows = (4 if gemma else 2) * n * d, (4 if gemma else 2) * n
     if args.qk_norm:
         normed, rows = normed + n * (q + kv), rows + n * (h + args.n_kv_heads)
-    if plan.kernels:  # each RMSNorm kernel: its input and fp32 rstd; SwiGLU's: gate and up
-        saved = normed * (4 if gemma else p) + rows * 4 + (3 if gemma else 2) * tile
+    if plan.kernels:  # each RMSNorm kernel: its input and fp32 rstd; SwiGLU's or GeGLU's: gate, up
+        saved = normed * (4 if gemma else p) + rows * 4 + 2 * tile
     else:  # each norm: its fp32 upcast input, normalized x, rstd; RoPE: fp32 cos and sin;
-        # SwiGLU: gate, silu(gate), up
+        # SwiGLU or GeGLU: gate, its activation, up
         saved = 2 * normed * 4 + rows * 4 + n * args.head_dim * 4 + 3 * tile
     # The linears' inputs (normed x, normed h, w2's) and attention's q, k, v and output.
     saved += 2 * x + tile + qkv + out + moe_rows

@@ -22,7 +22,7 @@ KINDS = [
     ("attention", r"cudnn|flash|fmha|attention|sdpa|flex"),
     ("nccl", r"nccl"),
     ("matmul", r"gemm|nvjet|xmma|cutlass|cublas|wgmma"),
-    ("longtune kernels", r"_rms_norm_|_rope_|_swiglu_|_cross_entropy_kernel"),
+    ("longtune kernels", r"_rms_norm_|_rope_|_glu_|_cross_entropy_kernel"),
     ("fp8 quantization", r"_quantize_|_amax_kernel"),
     ("optimizer", r"adam|foreach|multi_tensor"),
 ]

@@ -13,7 +13,7 @@ from kernels.moe import moe_experts, moe_experts_reference
 from kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, nf4_linear, quantize_nf4
 from kernels.rmsnorm import rms_norm, rms_norm_reference
 from kernels.rope import apply_rope, apply_rope_reference
-from kernels.swiglu import swiglu, swiglu_reference
+from kernels.swiglu import geglu, geglu_reference, swiglu, swiglu_reference
 
 __all__ = [
     "IGNORE_INDEX",
@@ -22,6 +22,8 @@ __all__ = [
     "dequantize_nf4",
     "dequantize_nf4_reference",
     "fp8_linears",
+    "geglu",
+    "geglu_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "moe_experts",

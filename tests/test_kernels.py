@@ -15,6 +15,7 @@ bf16 roundings (the logits' gradient, then each chunk's product) before the sum.
 
 import pytest
 import torch
+from transformers.activations import ACT2FN
 
 import kernels
 import kernels.fp8
@@ -24,6 +25,8 @@ from kernels import (
     apply_rope_reference,
     dequantize_nf4,
     dequantize_nf4_reference,
+    geglu,
+    geglu_reference,
     linear_cross_entropy,
     linear_cross_entropy_reference,
     nf4_linear,
@@ -220,11 +223,18 @@ def test_swiglu_overwrites_only_intermediates_when_asked():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 48), (7, 100), (3, 11, 72)])
-def test_swiglu_matches_reference_forward_and_grads(shape, dtype):
+@pytest.mark.parametrize(
+    "kernel, reference",
+    [(swiglu, swiglu_reference), (geglu, lambda g, u: ACT2FN["gelu_pytorch_tanh"](g) * u)],
+    ids=["swiglu", "geglu"],
+)
+def test_gated_activation_matches_reference_forward_and_grads(kernel, reference, shape, dtype):
+    """SwiGLU, and GeGLU (the same kernel with the tanh-GELU gate) against transformers'
+    gelu_pytorch_tanh, Gemma 3's; gates of scale 4 reach both tails of either gate."""
     gate, up = torch.randn(shape, dtype=dtype) * 4, torch.randn(shape, dtype=dtype)
     dout = torch.randn(shape, dtype=dtype)
     pairs = against_reference(
-        swiglu, swiglu_reference, [gate, up], [dout], ["out", "dgate", "dup"], torch.float64
+        kernel, reference, [gate, up], [dout], ["out", "dgate", "dup"], torch.float64
     )
     for name, got, ref in pairs:
         assert got.dtype == dtype
@@ -396,10 +406,15 @@ def test_rope_bf16_matches_fp32_reference_at_llama3_8b_shape_and_long_positions(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("ffn_dim", [8192, 14336])
-def test_swiglu_bf16_matches_fp32_reference_at_llama_shapes(ffn_dim):
+@pytest.mark.parametrize(
+    "kernel, reference",
+    [(swiglu, swiglu_reference), (geglu, geglu_reference)],
+    ids=["swiglu", "geglu"],
+)
+def test_gated_activation_bf16_matches_fp32_reference_at_llama_shapes(kernel, reference, ffn_dim):
     gate, up, dout = gpu_inputs(*[(8192, ffn_dim)] * 3)
     pairs = against_reference(
-        swiglu, swiglu_reference, [gate, up], [dout], ["out", "dgate", "dup"], torch.float32
+        kernel, reference, [gate, up], [dout], ["out", "dgate", "dup"], torch.float32
     )
     for name, got, ref in pairs:
         assert_close_on_gpu(got, ref, GPU_BF16_TOLERANCE, name)

@@ -25,6 +25,7 @@ from attention import (
 )
 from data import document_starts
 from hf import args_from_hf_config, hf_names, load_hf_checkpoint, save_hf_checkpoint
+from kernels.swiglu import _GLU
 from model import PRESETS, REFERENCE_OPS, Llama, ModelArgs, triton_ops
 
 REPO = Path(__file__).resolve().parents[1]
@@ -605,9 +606,13 @@ def assert_same_gradients(ours: Llama, hf) -> None:
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["reference-ops", "triton-ops"])
 @pytest.mark.parametrize("variant", sorted(FAMILY_CONFIGS))
-def test_each_family_matches_its_transformers_class(tmp_path, variant, kernels):
+def test_each_family_matches_its_transformers_class(tmp_path, monkeypatch, variant, kernels):
     """Logits, loss and every gradient equal transformers' own class's (fp32, 1e-5), with
-    the references and with the Triton kernels (the interpreter on CPU)."""
+    the references and with the Triton kernels (the interpreter on CPU), whose gated
+    activation is the family's: GeGLU for Gemma 3, SwiGLU for the others."""
+    gelu_flags = []  # the `gelu` switch of each call of the kernel
+    glu = _GLU.apply
+    monkeypatch.setattr(_GLU, "apply", lambda *args: gelu_flags.append(args[3]) or glu(*args))
     hf = make_family_model(variant)
     save_hf(hf, tmp_path)
     args = args_from_hf_config(tmp_path)
@@ -619,6 +624,8 @@ def test_each_family_matches_its_transformers_class(tmp_path, variant, kernels):
     assert_same_logits_and_loss(ours, hf)
     assert_same_gradients(ours, hf)
     assert sum(p.numel() for p in ours.parameters()) == args.num_params()
+    gemma = args.family == "gemma3_text"
+    assert gelu_flags == ([gemma] * 2 * args.n_layers if kernels else [])  # logits, then loss
 
 
 # Windows a few times shorter than sample_batch's 40 tokens: (window, config changes).
