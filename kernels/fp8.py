@@ -283,13 +283,12 @@ def _quantize_tiles(tensors: list[torch.Tensor], rows_too: bool) -> list[tuple[t
     "FP8 matmuls")."""
     tensors, dim, total = _same_row_length(tensors)
     device = tensors[0].device
-    # One zeroed buffer for all amaxes (one launch), one allocation for all scales.
-    amax = torch.zeros(
-        len(tensors) * dim + (total if rows_too else 0), dtype=torch.float32, device=device
+    # All amaxes and scales in one zeroed allocation (one launch; the scales need no zeros).
+    amax, scale = torch.zeros(
+        2, len(tensors) * dim + (total if rows_too else 0), dtype=torch.float32, device=device
     )
-    scale = torch.empty_like(amax)
     qt = torch.empty(total * dim, dtype=FP8, device=device)
-    q = torch.empty(total * dim if rows_too else 0, dtype=FP8, device=device)
+    q = torch.empty(total * dim, dtype=FP8, device=device) if rows_too else qt  # else unused
     block_m, block_n = 64, 64
     # Enough row ranges that the amax pass fills the GPU when the matrix is narrow.
     splits = min(triton.cdiv(total, block_m), max(1, 1024 // triton.cdiv(dim, block_n)))
