@@ -12,6 +12,9 @@ smallest scale, never zero or a non-finite one.
 
 Read in order: the plain-PyTorch references, the row and column quantization kernels, the
 autograd Function, and `fp8_linears`, F.linear for several weights that read one input.
+The kernels take several tensors of one row length (a projection group's input and weights)
+and quantize them in one launch: at 8,192 tokens a launch costs the host more than the
+quantization costs the GPU (bench/RESULTS.md, "--fp8: the scales in the tiles kernel").
 """
 
 import torch
@@ -334,7 +337,8 @@ def quantize_both(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 class _FP8Linears(torch.autograd.Function):
     """ys[i] = x @ W_i^T (+ b_i) for the projections that read one input x, each matmul in
-    e4m3, x quantized once for all of them (by row in forward, by column in backward).
+    e4m3, x quantized once for all of them and with the W_i in one launch (by row in forward,
+    by column in backward; each output gradient both ways, one at a time to hold one's copies).
     Saves x and the W_i as given (bf16), not their e4m3 copies: the backward needs them
     scaled along the other dimension, and quantizing an e4m3 copy again would round twice."""
 
