@@ -12,6 +12,9 @@ smallest scale, never zero or a non-finite one.
 
 Read in order: the plain-PyTorch references, the row and column quantization kernels, the
 autograd Function, and `fp8_linears`, F.linear for several weights that read one input.
+The kernels take several tensors of one row length (a projection group's input and weights)
+and quantize them in one launch: at 8,192 tokens a launch costs the host more than the
+quantization costs the GPU (bench/RESULTS.md, "--fp8: the scales in the tiles kernel").
 """
 
 import torch
@@ -97,13 +100,13 @@ def _to_e4m3(v, BY_BITS: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, n_rows, dim, EPS: tl.constexpr, BY_BITS: tl.constexpr,
+def _quantize_row_block(
+    x_ptr, q_ptr, scale_ptr, block, n_rows, dim, EPS: tl.constexpr, BY_BITS: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
-    """ROWS whole rows a program: amax over the row, then q = x * (448 / amax), scale =
-    amax / 448 (amax at least EPS). One read of x, held in registers."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    """Rows block*ROWS.. of x [n_rows, dim]: amax over each row, then q = x * (448 / amax),
+    scale = amax / 448 (amax at least EPS). One read of x, held in registers."""
+    rows = block.to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     row_mask = rows < n_rows
     mask = row_mask[:, None] & (cols < dim)[None, :]
@@ -119,15 +122,34 @@ def _quantize_rows_kernel(
 
 
 @triton.jit
-def _amax_kernel(x_ptr, col_amax_ptr, row_amax_ptr, n_rows, dim, rows_per_program,
-                 ROWS_TOO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Program (i, j): the amax of columns j*BLOCK_N.. over its range of rows, merged into
+def _quantize_rows_kernel(
+    sources, n_rows, q_ptr, scale_ptr, dim, EPS: tl.constexpr, BY_BITS: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr,
+):  # fmt: skip
+    """The rows of each source [n_rows[t], dim], ROWS whole rows a program, into q and scale
+    stacked in the sources' order; source t's programs follow those of the sources before it
+    (one launch for a projection group's input and weights, which share dim)."""
+    program = tl.program_id(0)
+    first_program, first_row = 0, tl.full([], 0, tl.int64)
+    for t in tl.static_range(len(sources)):
+        programs = tl.cdiv(n_rows[t], ROWS)
+        if (program >= first_program) & (program < first_program + programs):
+            _quantize_row_block(
+                sources[t], q_ptr + first_row * dim, scale_ptr + first_row,
+                program - first_program, n_rows[t], dim, EPS, BY_BITS, BLOCK, ROWS,
+            )  # fmt: skip
+        first_program += programs
+        first_row += n_rows[t]
+
+
+@triton.jit
+def _amax_rows(x_ptr, col_amax_ptr, row_amax_ptr, first, last, dim, ROWS_TOO: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """The amax of x's columns program_id(1)*BLOCK_N.. over rows first..last-1, merged into
     col_amax (zeros first) with an atomic max (|x| >= 0, so the float max is exact); with
     ROWS_TOO each row's amax over these columns into row_amax too."""
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < dim
-    first = tl.program_id(0).to(tl.int64) * rows_per_program
-    last = tl.minimum(first + rows_per_program, n_rows)
     amax = tl.zeros([BLOCK_N], dtype=tl.float32)
     for start in range(first, last, BLOCK_M):
         rows = start + tl.arange(0, BLOCK_M)
@@ -141,105 +163,182 @@ def _amax_kernel(x_ptr, col_amax_ptr, row_amax_ptr, n_rows, dim, rows_per_progra
 
 
 @triton.jit
-def _quantize_tiles_kernel(
-    x_ptr, col_amax_ptr, qt_ptr, col_scale_ptr, row_amax_ptr, q_ptr, row_scale_ptr, n_rows, dim,
+def _amax_kernel(sources, n_rows, amax_ptr, dim, rows_per_program, ROWS_TOO: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Program (i, j): _amax_rows over a range of rows_per_program rows of one source, the
+    sources' ranges one after another along i. amax holds each source's column amaxes, then
+    (ROWS_TOO) each one's row amaxes."""
+    program = tl.program_id(0)
+    first_program, first_row = 0, tl.full([], 0, tl.int64)
+    for t in tl.static_range(len(sources)):
+        programs = tl.cdiv(n_rows[t], rows_per_program)
+        if (program >= first_program) & (program < first_program + programs):
+            first = (program - first_program).to(tl.int64) * rows_per_program
+            last = tl.minimum(first + rows_per_program, n_rows[t])
+            row_amax_ptr = amax_ptr + len(sources) * dim + first_row
+            _amax_rows(sources[t], amax_ptr + t * dim, row_amax_ptr, first, last, dim,
+                       ROWS_TOO, BLOCK_M, BLOCK_N)  # fmt: skip
+        first_program += programs
+        first_row += n_rows[t]
+
+
+@triton.jit
+def _quantize_tile(
+    x_ptr, amax_ptr, scale_ptr, qt_ptr, q_ptr, block_m, n_rows, dim, row_offset,
     EPS: tl.constexpr, BY_BITS: tl.constexpr, ROWS_TOO: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Tile [BLOCK_M, BLOCK_N] of x [M, N], scaled by its columns' 448 / amax and stored
-    transposed into qt [N, M]; with ROWS_TOO also scaled by its rows' and stored into q. The
-    first tile of each column (and row) writes its scale: done here, not in torch after, as
-    each of those small torch operations costs the host a launch."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Tile (block_m, program_id(1)) [BLOCK_M, BLOCK_N] of x [n_rows, dim], scaled by its
+    columns' 448 / amax and stored transposed into qt [dim, n_rows]; with ROWS_TOO also
+    scaled by its rows' and stored into q. amax and scale hold the columns' values, and the
+    rows' row_offset after them. The first tile of each column (and row) writes its scale:
+    done here, not in torch after, as each of those small torch operations costs the host a
+    launch."""
+    rows = block_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < dim
     row_mask = rows < n_rows
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(x_ptr + rows[:, None] * dim + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
-    amax = tl.load(col_amax_ptr + cols, mask=col_mask, other=1.0)
+    amax = tl.load(amax_ptr + cols, mask=col_mask, other=1.0)
     inverse = tl.math.div_rn(tl.full([BLOCK_N], 448.0, tl.float32), tl.maximum(amax, EPS))
     q = tl.clamp(x * inverse[None, :], -448.0, 448.0)
     tl.store(qt_ptr + cols[None, :] * n_rows + rows[:, None], _to_e4m3(q, BY_BITS), mask=mask)
-    if tl.program_id(0) == 0:
+    if block_m == 0:
         scale = tl.math.div_rn(tl.full([BLOCK_N], 1.0, tl.float32), inverse)
-        tl.store(col_scale_ptr + cols, scale, mask=col_mask)
+        tl.store(scale_ptr + cols, scale, mask=col_mask)
     if ROWS_TOO:
-        amax = tl.load(row_amax_ptr + rows, mask=row_mask, other=1.0)
+        amax = tl.load(amax_ptr + row_offset + rows, mask=row_mask, other=1.0)
         inverse = tl.math.div_rn(tl.full([BLOCK_M], 448.0, tl.float32), tl.maximum(amax, EPS))
         q = tl.clamp(x * inverse[:, None], -448.0, 448.0)
         tl.store(q_ptr + rows[:, None] * dim + cols[None, :], _to_e4m3(q, BY_BITS), mask=mask)
         if tl.program_id(1) == 0:
             scale = tl.math.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), inverse)
-            tl.store(row_scale_ptr + rows, scale, mask=row_mask)
+            tl.store(scale_ptr + row_offset + rows, scale, mask=row_mask)
+
+
+@triton.jit
+def _quantize_tiles_kernel(
+    sources, n_rows, amax_ptr, scale_ptr, qt_ptr, q_ptr, dim, EPS: tl.constexpr,
+    BY_BITS: tl.constexpr, ROWS_TOO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Program (i, j): _quantize_tile of one source, the sources' row blocks one after
+    another along i; amax and scale laid out as _amax_kernel's, qt and q each source's
+    copy after the copies of the sources before it."""
+    program = tl.program_id(0)
+    first_program, first_row = 0, tl.full([], 0, tl.int64)
+    for t in tl.static_range(len(sources)):
+        programs = tl.cdiv(n_rows[t], BLOCK_M)
+        if (program >= first_program) & (program < first_program + programs):
+            _quantize_tile(
+                sources[t], amax_ptr + t * dim, scale_ptr + t * dim, qt_ptr + first_row * dim,
+                q_ptr + first_row * dim, program - first_program, n_rows[t], dim,
+                (len(sources) - t) * dim + first_row, EPS, BY_BITS, ROWS_TOO, BLOCK_M, BLOCK_N,
+            )  # fmt: skip
+        first_program += programs
+        first_row += n_rows[t]
 
 
 # Rows longer than this do not fit one program's registers in _quantize_rows_kernel.
 MAX_ROW = 65536
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows_reference's result, by one Triton pass over x."""
-    n_rows, dim = x.shape
+def _same_row_length(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int, int]:
+    """The tensors row by row, their row length, and their rows together."""
+    dims = {t.shape[1] for t in tensors}
+    if len(dims) != 1:
+        raise ValueError(f"tensors quantized together need one row length, got {sorted(dims)}")
+    return [t.contiguous() for t in tensors], dims.pop(), sum(t.shape[0] for t in tensors)
+
+
+def quantize_rows_together(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """[quantize_rows_reference(t) for t in tensors], by one Triton pass over each, all in one
+    launch (the tensors share a row length: a projection group's input and its weights)."""
+    tensors, dim, total = _same_row_length(tensors)
     if dim > MAX_ROW:
         raise ValueError(f"quantize_rows supports rows of at most {MAX_ROW} elements, got {dim}")
-    x = x.contiguous()
-    q = torch.empty(n_rows, dim, dtype=FP8, device=x.device)
-    scale = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    device = tensors[0].device
+    q = torch.empty(total, dim, dtype=FP8, device=device)
+    scale = torch.empty(total, dtype=torch.float32, device=device)
     # At least 4096 elements a program, 4 warps: the fastest of 2048-16384 and 4-16 warps at
     # the 1B's shapes (bench/RESULTS.md, "FP8 matmuls").
     block = triton.next_power_of_2(dim)
     rows = max(4096 // block, 1)
-    _quantize_rows_kernel[(triton.cdiv(n_rows, rows),)](
-        x, q.view(torch.uint8), scale, n_rows, dim, EPS=EPS, BY_BITS=x.device.type != "cuda",
-        BLOCK=block, ROWS=rows,
+    n_rows = tuple(t.shape[0] for t in tensors)
+    _quantize_rows_kernel[(sum(triton.cdiv(n, rows) for n in n_rows),)](
+        tuple(tensors), n_rows, q.view(torch.uint8), scale, dim, EPS=EPS,
+        BY_BITS=device.type != "cuda", BLOCK=block, ROWS=rows,
         num_warps=4,
     )  # fmt: skip
-    return q, scale
+    return list(zip(q.split(n_rows), scale.split(n_rows), strict=True))
 
 
-def _quantize_tiles(x: torch.Tensor, rows_too: bool) -> tuple[torch.Tensor, ...]:
-    """quantize_columns's result, then quantize_rows's if rows_too, by two passes over x:
-    the amaxes, then the scaled copies. 64 x 64 tiles and 4 warps: of the seven sizes tried
-    at the 1B's and 8B's shapes the fastest or within 5% (bench/RESULTS.md, "FP8 matmuls")."""
-    n_rows, dim = x.shape
-    x = x.contiguous()
-    # One zeroed buffer for both amaxes (one launch, not two), one allocation for both scales.
-    amax = torch.zeros(dim + (n_rows if rows_too else 0), dtype=torch.float32, device=x.device)
-    scale = torch.empty_like(amax)
-    col_amax, row_amax = amax[:dim], amax[dim:]
-    col_scale, row_scale = scale[:dim], scale[dim:]
-    qt = torch.empty(dim, n_rows, dtype=FP8, device=x.device)
-    q = torch.empty(n_rows if rows_too else 0, dim, dtype=FP8, device=x.device)
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows_reference's result, by one Triton pass over x."""
+    return quantize_rows_together([x])[0]
+
+
+def _quantize_tiles(tensors: list[torch.Tensor], rows_too: bool) -> list[tuple[torch.Tensor, ...]]:
+    """quantize_columns's result for each tensor, then quantize_rows's if rows_too, by two
+    launches for all: the amaxes, then the scaled copies. 64 x 64 tiles and 4 warps: of the
+    seven sizes tried at the 1B's and 8B's shapes the fastest or within 5% (bench/RESULTS.md,
+    "FP8 matmuls")."""
+    tensors, dim, total = _same_row_length(tensors)
+    device = tensors[0].device
+    # All amaxes and scales in one zeroed allocation (one launch; the scales need no zeros).
+    amax, scale = torch.zeros(
+        2, len(tensors) * dim + (total if rows_too else 0), dtype=torch.float32, device=device
+    )
+    qt = torch.empty(total * dim, dtype=FP8, device=device)
+    q = torch.empty(total * dim, dtype=FP8, device=device) if rows_too else qt  # else unused
     block_m, block_n = 64, 64
     # Enough row ranges that the amax pass fills the GPU when the matrix is narrow.
-    splits = min(triton.cdiv(n_rows, block_m), max(1, 1024 // triton.cdiv(dim, block_n)))
-    rows_per_program = triton.cdiv(triton.cdiv(n_rows, splits), block_m) * block_m
-    _amax_kernel[(triton.cdiv(n_rows, rows_per_program), triton.cdiv(dim, block_n))](
-        x, col_amax, row_amax, n_rows, dim, rows_per_program, ROWS_TOO=rows_too,
+    splits = min(triton.cdiv(total, block_m), max(1, 1024 // triton.cdiv(dim, block_n)))
+    rows_per_program = triton.cdiv(triton.cdiv(total, splits), block_m) * block_m
+    n_rows = tuple(t.shape[0] for t in tensors)
+    columns = triton.cdiv(dim, block_n)
+    by_bits = device.type != "cuda"
+    programs = sum(triton.cdiv(n, rows_per_program) for n in n_rows)
+    _amax_kernel[(programs, columns)](
+        tuple(tensors), n_rows, amax, dim, rows_per_program, ROWS_TOO=rows_too,
         BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
-    _quantize_tiles_kernel[(triton.cdiv(n_rows, block_m), triton.cdiv(dim, block_n))](
-        x, col_amax, qt.view(torch.uint8), col_scale, row_amax, q.view(torch.uint8), row_scale,
-        n_rows, dim, EPS=EPS, BY_BITS=x.device.type != "cuda", ROWS_TOO=rows_too,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+    _quantize_tiles_kernel[(sum(triton.cdiv(n, block_m) for n in n_rows), columns)](
+        tuple(tensors), n_rows, amax, scale, qt.view(torch.uint8), q.view(torch.uint8), dim,
+        EPS=EPS, BY_BITS=by_bits, ROWS_TOO=rows_too, BLOCK_M=block_m, BLOCK_N=block_n,
     )  # fmt: skip
-    return (qt, col_scale, q, row_scale) if rows_too else (qt, col_scale)
+    # Each source's copies and scales: views of the buffers above, row by row.
+    sizes, column_scales = [n * dim for n in n_rows], len(tensors) * dim
+    qts = [c.view(dim, n) for c, n in zip(qt.split(sizes), n_rows, strict=True)]
+    quantized = list(zip(qts, scale[:column_scales].split(dim), strict=True))
+    if not rows_too:
+        return quantized
+    qs = [c.view(n, dim) for c, n in zip(q.split(sizes), n_rows, strict=True)]
+    rows = zip(qs, scale[column_scales:].split(n_rows), strict=True)
+    return [c + r for c, r in zip(quantized, rows, strict=True)]
+
+
+def quantize_columns_together(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, ...]]:
+    """[quantize_columns_reference(t) for t in tensors], in the two launches quantize_columns
+    takes for one (the tensors share a row length: a projection group's input and weights)."""
+    return _quantize_tiles(tensors, rows_too=False)
 
 
 def quantize_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_columns_reference's result, by Triton: the amax pass, then the copy."""
-    return _quantize_tiles(x, rows_too=False)
+    return _quantize_tiles([x], rows_too=False)[0]
 
 
 def quantize_both(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """quantize_both_reference's result in the two passes quantize_columns takes alone."""
-    return _quantize_tiles(x, rows_too=True)
+    return _quantize_tiles([x], rows_too=True)[0]
 
 
 class _FP8Linears(torch.autograd.Function):
     """ys[i] = x @ W_i^T (+ b_i) for the projections that read one input x, each matmul in
-    e4m3, x quantized once for all of them (by row in forward, by column in backward).
+    e4m3, x quantized once for all of them and with the W_i in one launch (by row in forward,
+    by column in backward; each output gradient both ways, one at a time to hold one's copies).
     Saves x and the W_i as given (bf16), not their e4m3 copies: the backward needs them
     scaled along the other dimension, and quantizing an e4m3 copy again would round twice."""
 
@@ -248,10 +347,11 @@ class _FP8Linears(torch.autograd.Function):
         rows, _, _ = quantizers
         weights, biases = weights_and_biases[0::2], weights_and_biases[1::2]
         x2d = x.reshape(-1, x.shape[-1])
-        x_rows = rows(x2d)
+        # x and the weights share a row length: one launch quantizes all of them.
+        x_rows, *weights_rows = rows([x2d, *weights])
         ys = []
-        for weight, bias in zip(weights, biases, strict=True):
-            y = scaled_mm(*x_rows, *rows(weight), out_dtype=x.dtype)
+        for weight, weight_rows, bias in zip(weights, weights_rows, biases, strict=True):
+            y = scaled_mm(*x_rows, *weight_rows, out_dtype=x.dtype)
             # Not in place: selective checkpointing may hand back the matmul's kept output.
             y = y if bias is None else y + bias
             ys.append(y.view(*x.shape[:-1], weight.shape[0]))
@@ -263,8 +363,13 @@ class _FP8Linears(torch.autograd.Function):
     def backward(ctx, *dys):
         x2d, *weights = ctx.saved_tensors
         rows, columns, both = ctx.quantizers
-        needs_weight, needs_bias = ctx.needs_input_grad[2::2], ctx.needs_input_grad[3::2]
-        x_columns = columns(x2d) if any(needs_weight) else None
+        needs_x, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[2::2]
+        needs_bias = ctx.needs_input_grad[3::2]
+        # x's columns (for the dWs) and the weights' (for dx) in one launch, as in forward;
+        # a frozen base's backward (LoRA) skips x's.
+        wanted = ([x2d] if any(needs_weight) else []) + (weights if needs_x else [])
+        columns_of = columns(wanted) if wanted else []
+        x_columns = columns_of.pop(0) if any(needs_weight) else None
         dx, grads = None, []
         for i, (weight, dy) in enumerate(zip(weights, dys, strict=True)):
             dy2d = dy.reshape(-1, dy.shape[-1])
@@ -274,9 +379,9 @@ class _FP8Linears(torch.autograd.Function):
                 dw = scaled_mm(dy_columns_q, dy_columns_scale, *x_columns, out_dtype=weight.dtype)
                 del dy_columns_q
             else:
-                dy_rows, dw = rows(dy2d), None
-            if ctx.needs_input_grad[0]:
-                part = scaled_mm(*dy_rows, *columns(weight), out_dtype=dy.dtype)
+                dy_rows, dw = rows([dy2d])[0], None
+            if needs_x:
+                part = scaled_mm(*dy_rows, *columns_of[i], out_dtype=dy.dtype)
                 dx = part if dx is None else dx.add_(part)
             db = None
             if needs_bias[i]:  # False for a bias of None
@@ -288,10 +393,15 @@ class _FP8Linears(torch.autograd.Function):
         return dx, None, *grads
 
 
-TRITON_QUANTIZERS = (quantize_rows, quantize_columns, quantize_both)
+def _one_by_one(quantize):
+    """A reference quantizer applied to each tensor of a list: the Triton ones' signature."""
+    return lambda tensors: [quantize(t) for t in tensors]
+
+
+TRITON_QUANTIZERS = (quantize_rows_together, quantize_columns_together, quantize_both)
 REFERENCE_QUANTIZERS = (
-    quantize_rows_reference,
-    quantize_columns_reference,
+    _one_by_one(quantize_rows_reference),
+    _one_by_one(quantize_columns_reference),
     quantize_both_reference,
 )
 

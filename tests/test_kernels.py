@@ -690,6 +690,36 @@ def test_fp8_linears_of_a_frozen_weight_give_only_the_input_gradient(monkeypatch
     assert len(products) == 2 + 3  # forward: y1, y2; backward: dx's two parts, dW1
 
 
+def test_fp8_quantizers_of_tensors_together_equal_their_references_one_by_one():
+    """A projection group's input and weights share a row length and are quantized in one
+    launch: each tensor as alone, whatever its rows and dtype."""
+    tensors = [fp8_inputs(70, 33, torch.bfloat16), fp8_inputs(1, 33, torch.float32)]
+    tensors.append(fp8_inputs(130, 33, torch.bfloat16))
+    for name, together, reference in [
+        ("rows", kernels.fp8.quantize_rows_together, kernels.fp8.quantize_rows_reference),
+        ("columns", kernels.fp8.quantize_columns_together, kernels.fp8.quantize_columns_reference),
+    ]:
+        for i, (out, x) in enumerate(zip(together(tensors), tensors, strict=True)):
+            assert_quantized_equal(out, reference(x), f"{name} of tensor {i}")
+
+
+def test_fp8_linears_of_three_weights_launch_nine_quantization_kernels(monkeypatch):
+    """The host's cost of a projection group is its launches: forward quantizes x and the
+    weights in one, backward x's and the weights' columns in two (amax, copy) and each output
+    gradient in two; 18 when each tensor took its own."""
+    launches = []
+    for name in ("_quantize_rows_kernel", "_amax_kernel", "_quantize_tiles_kernel"):
+        kernel = getattr(kernels.fp8, name)
+        counted = lambda *a, run=kernel.run, **k: launches.append(1) or run(*a, **k)  # noqa: E731
+        monkeypatch.setattr(kernel, "run", counted)
+    inputs, grad_out = fp8_linears_case(torch.float32)
+    x, w1, w2, _ = (leaf(t) for t in inputs)
+    w3 = leaf(inputs[2][:8])
+    ys = kernels.fp8_linears(x, [w1, w2, w3], [None] * 3)
+    torch.autograd.backward(ys, [*grad_out, grad_out[1][..., :8]])
+    assert len(launches) == 1 + 2 + 2 * 3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows, cols", [(4096, 4096), (4099, 14336), (1000, 1024)])
