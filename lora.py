@@ -202,20 +202,24 @@ class _DequantizeInBackward(torch.autograd.graph.saved_tensors_hooks):
     that a graph dropped without backward would never free)."""
 
     def __init__(self, make: dict[int, Callable[[], torch.Tensor]]):
-        self.make = make
-        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        super().__init__(self.pack, self.unpack)
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
 
-    def pack(self, t: torch.Tensor):
-        make = self.make.get(t.untyped_storage().data_ptr()) if t.numel() else None
-        if make is not None:
-            return _Remade(make, t)
-        return self.outer[0](t) if self.outer else t.detach()
+        def pack(t: torch.Tensor):
+            remade = make.get(t.untyped_storage().data_ptr()) if t.numel() else None
+            if remade is not None:
+                return _Remade(remade, t)
+            return outer[0](t) if outer else t.detach()
 
-    def unpack(self, packed) -> torch.Tensor:
-        if isinstance(packed, _Remade):
-            return packed.make().as_strided(packed.size, packed.stride, packed.offset)
-        return self.outer[1](packed) if self.outer else packed
+        def unpack(packed) -> torch.Tensor:
+            if isinstance(packed, _Remade):
+                return packed.make().as_strided(packed.size, packed.stride, packed.offset)
+            return outer[1](packed) if outer else packed
+
+        # Closures, not bound methods: hooks holding this object would make it a reference
+        # cycle, freed only when Python's garbage collector runs, and with it the outer hooks'
+        # checkpoint frame and the block's input it keeps: one input a block, more with each
+        # micro-batch until a collection (bench/RESULTS.md, "qwen3-30b-a3b QLoRA ... cycle").
+        super().__init__(pack, unpack)
 
 
 class NF4MoE(MoE):

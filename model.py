@@ -791,6 +791,8 @@ class Llama(nn.Module):
         if not self.args.moe_layers:
             return loss
         routed = self.routed()
+        for i in self.args.moe_layers:  # read: a recompute in backward adds nothing (MoE.forward)
+            self.layers[i].feed_forward.routed = tuple(self.layers[i].feed_forward.routed)
         aux = load_balancing_loss(routed)
         # The metrics log's figures (train.StepResult), left on the device: no wait for the GPU.
         self.routing = torch.stack([aux.detach(), expert_load(routed).max()])

@@ -68,9 +68,11 @@ class MoE(nn.Module):
         self.rounds_weights = rounds_weights
         # The routing of each call in the model's forward, which its loss and the metrics read
         # (MLP tiling calls the layer once per tile): kept here, the block returns one tensor.
-        # The model empties it as its forward starts (Llama.forward); a recompute in backward
-        # appends to it but must run the forward's ops, no more: summed by the model.
-        self.routed: list[Routed] = []
+        # The model empties it as its forward starts and makes it a tuple once it has read it
+        # (Llama.forward): a checkpoint's recompute in backward then records nothing, where its
+        # probabilities' sum would hold the recomputed graph up to the router (the block's
+        # attention activations) until the next forward.
+        self.routed: list[Routed] | tuple[Routed, ...] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -79,9 +81,10 @@ class MoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        self.routed.append(
-            Routed(expert_counts(experts, probs.shape[-1]), probs.sum(dim=0), probs.shape[0])
-        )
+        if isinstance(self.routed, list):
+            self.routed.append(
+                Routed(expert_counts(experts, probs.shape[-1]), probs.sum(dim=0), probs.shape[0])
+            )
         if self.rounds_weights:  # Qwen3-MoE's; Mixtral's scale the experts' outputs in fp32
             weights = weights.to(x.dtype)
         return self.run_experts(x, experts, weights).view(shape)

@@ -283,6 +283,21 @@ def test_checkpointing_and_mlp_tiling_route_as_one_forward(tmp_path, ac, tile):
         torch.testing.assert_close(grads[name], grad, **FP32, msg=name)
 
 
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_a_recompute_in_backward_records_no_routing(tmp_path, ac):
+    """A checkpointed block's recompute routes again but records nothing once the model has
+    read its forward's routing: a record's probabilities' sum would hold the recomputed graph
+    up to the router (the block's attention activations) until the next forward."""
+    _, path = checkpoint(tmp_path, "qwen3_moe", aux=True)
+    model = ours_from(path)
+    offload.apply_ac(model, ac)
+    tokens, labels = torch.randint(0, 97, (2, 2, 11), generator=torch.Generator().manual_seed(1))
+    model(tokens, labels).backward()
+    assert [len(model.layers[i].feed_forward.routed) for i in model.args.moe_layers] == [1] * len(
+        model.args.moe_layers
+    )
+
+
 def test_the_aux_loss_flag_sets_the_weight_and_is_for_moe_models_only():
     opts = options.Options(model="qwen3-30b-a3b", router_aux_loss_coef=0.01)
     args = options.model_args(opts)
