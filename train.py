@@ -159,13 +159,12 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
     loader = loader_of(dataset, plan, world, seed=opts.seed)
     evaluate_held_out = held_out_evaluation(opts, resolved.held_out, plan, world, model)
     run_dir = Path(opts.run_dir)
-    run_record = {**resolved.run_record, "tokens_per_step": plan.tokens_per_step}
     checkpointer = shard.Checkpointer(
         run_dir / "checkpoints",
         opts.checkpoint_interval,
         opts.keep_checkpoints,
         world,
-        record={"run": {**run_record, "max_steps": max_steps}, "options": dataclasses.asdict(opts)},
+        record={"run": resolved.run_record, "options": dataclasses.asdict(opts)},
     )
     step = 0
     if resolved.saved:  # the weights, optimizer state, data cursor and random state
