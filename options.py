@@ -812,10 +812,11 @@ class Resolved:
     run_data: RunData
     held_out: TokenDataset | None  # --eval-data's
     max_steps: int
-    run_record: dict  # what a checkpoint records of the run (shard.check_resumable compares it)
+    run_record: dict  # a checkpoint's record of the run (shard.check_resumable compares it)
     resume_from: Path | None
     saved: dict | None  # resume_from's train_state
     damaged: list[Path]  # checkpoints newer than resume_from, which failed their check
+    config_text: str  # opts as a --config file: --run-dir's config.toml
 
 
 def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
@@ -866,7 +867,8 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     max_steps = (
         math.ceil(opts.max_tokens / plan.tokens_per_step) if opts.max_tokens else opts.max_steps
     )
+    run_record |= {"tokens_per_step": plan.tokens_per_step, "max_steps": max_steps}
     return Resolved(
         opts, given, args, plan, world, run_data, held_out, max_steps, run_record, resume_from,
-        saved, damaged,
+        saved, damaged, config_toml(opts),
     )  # fmt: skip

@@ -1,8 +1,8 @@
 """The plan of a run and the planner, from plain values (the model's numbers, the machine, the
 fields the options fix): options.py turns the command line into them. In order: the machine a
-plan must fit in; the plan (`Plan`: each field a train.py flag, the rules of the techniques'
-combinations, its printouts and plan.json); the memory estimate; last, the planner (the step
-time, the choice of the fastest plan that fits, the no-fit message).
+plan must fit in, and the peaks measured on it; the plan (`Plan`: each field a train.py flag,
+the rules of the techniques' combinations, its printouts and plan.json); the memory estimate;
+last, the planner (the step time, the choice of the fastest plan that fits, the no-fit message).
 """
 
 import bisect
@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import itertools
 import os
+import resource
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ GiB = 2**30
 
 
 # ----------------------------------------------------------------------------------------
-# The machine, and the sharding strategies (shard.py applies them)
+# The machine, the peaks a run reached on it, and the sharding strategies (shard.py applies)
 # ----------------------------------------------------------------------------------------
 
 
@@ -51,6 +52,21 @@ def host_memory_gib() -> float:
     if limit.exists() and usage.exists() and limit.read_text().strip() != "max":
         available = min(available, int(limit.read_text()) - int(usage.read_text()))
     return available / GiB
+
+
+def host_peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
+
+
+def measured_memory(steps: int, device: torch.device) -> dict:
+    """The peaks reached after `steps` steps, for Plan.format_measured and plan.json."""
+    on_gpu = device.type == "cuda"
+    return {
+        "steps": steps,
+        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GiB if on_gpu else None,
+        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if on_gpu else None,
+        "host_peak_rss_gib": host_peak_rss_gib(),
+    }
 
 
 def machine_to_estimate(

@@ -1,6 +1,6 @@
 """Spreads the model and its training state over processes and memory with FSDP2
 (`torch.distributed.fsdp.fully_shard`), as plan.py's plan says. In order: the processes and
-devices (the process group, the machine's memory, the peaks reached); FSDP (the mesh, a
+devices (the process group, the machine's memory); FSDP (the mesh, a
 meta-built model filled shard by shard); context parallelism; last, the run directory, its DCP
 checkpoints and the exports gathered from the shards.
 train.apply_techniques applies the techniques in the one order in which they compose.
@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import resource
 import shutil
 import socket
 import threading
@@ -133,21 +132,6 @@ def this_machine(gpu_memory: float | None, host_memory: float | None, world: Wor
     dist.all_reduce(memory, op=dist.ReduceOp.MIN)
     gpu_gib = memory[0].item() if gpu is not None else None
     return Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
-
-
-def host_peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak; KiB on Linux
-
-
-def measured_memory(steps: int, device: torch.device) -> dict:
-    """The peaks reached after `steps` steps, for Plan.format_measured and plan.json."""
-    on_gpu = device.type == "cuda"
-    return {
-        "steps": steps,
-        "gpu_peak_gib": torch.cuda.max_memory_allocated(device) / GiB if on_gpu else None,
-        "gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB if on_gpu else None,
-        "host_peak_rss_gib": host_peak_rss_gib(),
-    }
 
 
 # ----------------------------------------------------------------------------------------

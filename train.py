@@ -38,9 +38,7 @@ import options
 import shard
 from data import Batch, PackedLoader, TokenDataset
 from files import UsageError, params_text, plural, write_json, write_whole
-from hf import (
-    fill_weights,
-)
+from hf import fill_weights
 from kernels import IGNORE_INDEX
 from lora import apply_lora
 from metrics import open_reporters
@@ -55,8 +53,7 @@ from model import (
     triton_ops,
 )
 from options import Options, command_line, exit_after_rank_0, other_rank, parse_options
-from plan import Plan
-from tokenizer import HFTokenizer, Tokenizer
+from plan import Plan, host_peak_rss_gib, measured_memory
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # The exit status of a run stopped by SIGTERM or Ctrl-C after saving a checkpoint (EX_TEMPFAIL:
@@ -133,15 +130,10 @@ def apply_techniques(
     )
 
 
-@dataclass
-class Run:
-    """What setup makes and the loop uses."""
+@dataclass(frozen=True)
+class Run(options.Resolved):
+    """What setup makes of the resolved options, and the loop uses."""
 
-    opts: Options
-    given: frozenset[str]
-    args: ModelArgs
-    plan: Plan
-    world: shard.World
     model: Llama
     optimizer: optim.ShardedAdamW | optim.OptimizerInBackward
     loader: PackedLoader
@@ -149,9 +141,6 @@ class Run:
     checkpointer: shard.Checkpointer
     evaluate: Callable[[], tuple[float, int]] | None  # --eval-data's loss and labelled tokens
     start_step: int
-    max_steps: int
-    text_tokenizer: Tokenizer | None
-    export_tokenizer: HFTokenizer | None
     log: Callable
     lock: object  # run_dir/.lock, held open as long as the run lives (shard.lock_run_dir)
 
@@ -170,13 +159,12 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
     loader = loader_of(dataset, plan, world, seed=opts.seed)
     evaluate_held_out = held_out_evaluation(opts, resolved.held_out, plan, world, model)
     run_dir = Path(opts.run_dir)
-    run_record = {**resolved.run_record, "tokens_per_step": plan.tokens_per_step}
     checkpointer = shard.Checkpointer(
         run_dir / "checkpoints",
         opts.checkpoint_interval,
         opts.keep_checkpoints,
         world,
-        record={"run": {**run_record, "max_steps": max_steps}, "options": dataclasses.asdict(opts)},
+        record={"run": resolved.run_record, "options": dataclasses.asdict(opts)},
     )
     step = 0
     if resolved.saved:  # the weights, optimizer state, data cursor and random state
@@ -195,12 +183,10 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
         shard.set_aside(resolved.damaged, log)
         if step < max_steps:  # a finished run's plan.json keeps the peaks it measured
             write_json(run_dir / "plan.json", plan.to_json())
-            write_whole(run_dir / "config.toml", options.config_toml(opts))
-    run_data = resolved.run_data
+            write_whole(run_dir / "config.toml", resolved.config_text)
     return Run(
-        opts, given, args, plan, world, model, optimizer, loader, run_dir, checkpointer,
-        evaluate_held_out, step, max_steps, run_data.text_tokenizer, run_data.export_tokenizer,
-        log, lock,
+        **vars(resolved), model=model, optimizer=optimizer, loader=loader, run_dir=run_dir,
+        checkpointer=checkpointer, evaluate=evaluate_held_out, start_step=step, log=log, lock=lock,
     )  # fmt: skip
 
 
@@ -416,7 +402,7 @@ class MetricsLog:
                 if on_gpu
                 else None
             ),
-            "host_peak_rss_gib": shard.host_peak_rss_gib(),
+            "host_peak_rss_gib": host_peak_rss_gib(),
             "data_loading_share": self.loading_s / (now - self.logged_at),
             "elapsed_s": now - self.started,
             "eta_s": (now - self.started) / (step - run.start_step) * (max_steps - step),
@@ -536,7 +522,7 @@ class Instruments:
         if self.profiler:
             self.profiler.step()
         if steps == 2 or step == run.max_steps and steps < 2:  # AdamW's state exists by then
-            measured = shard.measured_memory(steps, run.world.device)
+            measured = measured_memory(steps, run.world.device)
             run.log(run.plan.format_measured(measured))
             if run.world.is_main:
                 record = {**run.plan.to_json(), "measured": measured}
@@ -726,8 +712,8 @@ def finish(run: Run, step: int) -> None:
             log(f"{stopped}; no checkpoint (--checkpoint-interval 0): nothing to resume from")
         return
     if opts.export_hf:
-        dtype = DTYPES[run.plan.param_dtype]
-        shard.export_hf(run.model, run.args, opts.export_hf, dtype, run.export_tokenizer, run.world)
+        dtype, tokenizer = DTYPES[run.plan.param_dtype], run.run_data.export_tokenizer
+        shard.export_hf(run.model, run.args, opts.export_hf, dtype, tokenizer, run.world)
         log(f"exported {opts.export_hf} ({run.plan.param_dtype})")
     if opts.export_adapter:
         lora, base_model = run.plan.lora, opts.hf_checkpoint
@@ -760,7 +746,7 @@ def resume_command(run: Run, **changes) -> str:
 
 
 def print_sample(run: Run) -> None:
-    tokenizer, n = run.text_tokenizer, run.opts.sample_tokens
+    tokenizer, n = run.run_data.text_tokenizer, run.opts.sample_tokens
     if not n:
         return
     if tokenizer is None:
