@@ -206,8 +206,9 @@ def test_config_of_another_architecture_is_refused(good_checkpoint):
         config["model_type"] = other
         (good_checkpoint / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=f"model_type is '{other}'; longtune reads the dense "
-                           "Llama family, its mixture-of-experts kin and Gemma 3: llama, mistral, "
-                           "qwen2, qwen3, smollm3, qwen3_moe, mixtral, gemma3_text$"):  # fmt: skip
+                           "Llama family, its mixture-of-experts kin, Gemma 3 and gpt-oss: llama, "
+                           "mistral, qwen2, qwen3, smollm3, qwen3_moe, mixtral, gemma3_text, "
+                           "gpt_oss$"):  # fmt: skip
             load_longtune(good_checkpoint)
 
 
