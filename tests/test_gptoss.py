@@ -6,6 +6,7 @@ transformers does; the preset's size."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import safetensors.torch
@@ -21,6 +22,8 @@ from test_model import (
 )
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+import prepare
+import train
 from hf import (
     FusedRows,
     args_from_hf_config,
@@ -29,7 +32,7 @@ from hf import (
     load_hf_checkpoint,
     save_hf_checkpoint,
 )
-from model import PRESETS, Llama, triton_ops
+from model import PRESETS, REFERENCE_OPS, Llama, triton_ops
 from moe import load_balancing_loss
 
 WINDOW = 6  # sample_batch's rows are 40 tokens
@@ -162,6 +165,27 @@ def test_gpt_oss_through_the_triton_kernels_matches_transformers(tmp_path):
     assert_same_gradients(ours, hf)
 
 
+def test_gpt_oss_trains_through_train_py_and_exports_what_transformers_reads(tmp_path):
+    """Two steps of train.py from a tiny gpt-oss checkpoint on byte-tokenized text, rows of 32
+    past the window of 6: the export loads as GptOssForCausalLM, trained (the sinks moved),
+    with longtune's logits."""
+    hf, path = gpt_oss_checkpoint(tmp_path / "hf", vocab_size=320)
+    data = prepare.prepare([Path(json.__file__)], tmp_path / "data", workers=1)
+    export = tmp_path / "export"
+    train.main(["--hf-checkpoint", str(path), "--data", str(data), "--lr", "1e-2",
+                "--seq-len", "32", "--batch-tokens", "128", "--max-steps", "2",
+                "--run-dir", str(tmp_path / "run"), "--export-hf", str(export)])  # fmt: skip
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
+    assert type(theirs).__name__ == "GptOssForCausalLM"
+    sinks = theirs.model.layers[0].self_attn.sinks
+    assert not torch.equal(sinks, hf.model.layers[0].self_attn.sinks)
+    ours = Llama(args_from_hf_config(export))
+    load_hf_checkpoint(ours, export)
+    tokens, _ = sample_batch(320)
+    with torch.no_grad():
+        assert rel_err(theirs(tokens, use_cache=False).logits, ours(tokens)) <= FP32_RTOL
+
+
 def test_mxfp4_dequantizes_as_transformers_does():
     """Random blocks and scales, every code and a range of exponents: the hub's [E, out, G, 16]
     give [E, out, in], which transformers returns transposed, bit for bit in bf16."""
@@ -218,3 +242,34 @@ def test_gpt_oss_20b_preset_has_the_published_sizes():
     args = PRESETS["gpt-oss-20b"]
     assert round(args.num_params() / 1e9, 1) == 20.9
     assert round((args.num_params(active=True) - args.vocab_size * args.dim) / 1e9, 1) == 3.6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference-ops", "triton-ops"])
+def test_sinks_through_flex_attention_on_gpu_match_the_dense_path(kernels):
+    """On CUDA the sinks rescale FlexAttention's output by the logsumexp it returns (compiled,
+    fp32 here), packed documents and a 128-token window on layer 0, the experts through the
+    Triton kernels or the reference: the loss and every gradient (the sinks' included) those
+    of the CPU's dense path (loss within 1e-4, each gradient within 1e-3 of its largest)."""
+    args = dataclasses.replace(
+        PRESETS["gpt-oss-20b"], dim=256, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000,
+        ffn_dim=128, expert_ffn_dim=128, n_experts=4, experts_per_token=2, window_layers=(0,),
+        moe_layers=(0, 1),
+    )  # fmt: skip
+    on_cpu = Llama(args, mask_documents=True)
+    on_cpu.init_weights(seed=0)
+    with torch.no_grad():  # sinks that matter
+        for block in on_cpu.layers:
+            block.attention.sinks.normal_(0, 1)
+    on_gpu = Llama(args, triton_ops() if kernels else REFERENCE_OPS, mask_documents=True).cuda()
+    on_gpu.load_state_dict(on_cpu.state_dict())
+    tokens, labels = sample_batch(args.vocab_size, bsz=2, seq_len=1024)
+    positions = torch.cat([torch.arange(300), torch.arange(724)]).expand(2, 1024)
+    dense = on_cpu(tokens, labels, positions)
+    dense.backward()
+    flex = on_gpu(tokens.cuda(), labels.cuda(), positions.cuda())
+    flex.backward()
+    assert abs(flex.item() - dense.item()) <= 1e-4 * dense.item()
+    for (name, p), q in zip(on_gpu.named_parameters(), on_cpu.parameters(), strict=True):
+        assert rel_err(p.grad.cpu(), q.grad) <= 1e-3, name

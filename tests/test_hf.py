@@ -393,7 +393,7 @@ def test_config_defaults_are_each_transformers_class_defaults():
     classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config",
                "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
-               "gemma3_text": "Gemma3TextConfig"}  # fmt: skip
+               "gemma3_text": "Gemma3TextConfig", "gpt_oss": "GptOssConfig"}  # fmt: skip
     assert set(classes) == set(HF_CONFIG_DEFAULTS)
     for family, defaults in HF_CONFIG_DEFAULTS.items():
         config_class = getattr(transformers, classes[family])
@@ -406,6 +406,9 @@ def test_config_defaults_are_each_transformers_class_defaults():
         if family == "gemma3_text":
             pattern = config_class().layer_types.index("full_attention") + 1
             fields["sliding_window_pattern"] = pattern
+        if family == "gpt_oss":  # its YaRN, set in __post_init__
+            rope = config_class().rope_parameters
+            fields["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         for key, value in defaults.items():
             assert fields[key] == value, (family, key)
         # What is absent here derives from the heads there.
