@@ -132,7 +132,7 @@ FAMILIES = {
         moe="all",
         rounds_router_weights=True,
         gpt_oss=True,
-    ),  # fmt: skip
+    ),
 }
 
 # More parameters than this is a config no machine holds (20 TB of bf16 weights alone), so a
@@ -447,7 +447,7 @@ PRESETS: dict[str, ModelArgs] = {
         expert_ffn_dim=2880,
         norm_topk_prob=True,
         moe_layers=tuple(range(24)),
-    ),  # fmt: skip
+    ),
     # For tests and CPU runs: odd sizes on purpose, a vocabulary that fits the byte tokenizer.
     "tiny": ModelArgs(
         dim=96,

@@ -40,8 +40,8 @@ SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's experts' activation: the gate clamped from above and the up on both sides
-    (what keeps its 4-bit experts' activations in range), a sigmoid of gain alpha, and up + 1."""
+    """gpt-oss's experts' activation as transformers' GptOssExperts computes it: the gate
+    clamped from above, the up on both sides, a sigmoid of gain alpha, and up + 1."""
     gate = gate.clamp(max=SWIGLU_LIMIT)
     up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
     return (up + 1) * gate * torch.sigmoid(gate * SWIGLU_ALPHA)

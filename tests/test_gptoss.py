@@ -23,6 +23,7 @@ from test_model import (
 )
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+import plan
 import prepare
 import train
 from files import UsageError
@@ -267,6 +268,9 @@ def test_gpt_oss_20b_preset_is_the_hubs_config_with_the_published_sizes(tmp_path
     args = PRESETS["gpt-oss-20b"]
     (tmp_path / "config.json").write_text(json.dumps(HUB_CONFIG))
     assert args_from_hf_config(tmp_path) == args
+    with torch.device("meta"):  # the planner's count is the modules' (biases, sinks too)
+        assert sum(p.numel() for p in Llama(args).parameters()) == args.num_params()
+    assert plan.count_weights(args, None, 2).trained == args.num_params()
     assert round(args.num_params() / 1e9, 1) == 20.9
     assert round((args.num_params(active=True) - args.vocab_size * args.dim) / 1e9, 1) == 3.6
 
