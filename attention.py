@@ -1,17 +1,18 @@
 """Attention over packed documents and within sliding windows: the kernel each mask picks
 (SDPA's backends, FlexAttention compiled with the GPU's tiles) and the masks, built per tile so
-that nothing sequence x sequence exists on the GPU. model.py's Attention calls
-`attention_kernel`; `Llama.attention_mask` builds `Masks` once per forward. It imports no
-other file of longtune."""
+that nothing sequence x sequence exists on the GPU; gpt-oss's attention sinks
+(`attention_with_sinks`). model.py's Attention calls `attention_kernel`; `Llama.attention_mask`
+builds `Masks` once per forward. It imports no other file of longtune."""
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 # Attention backends by name. "auto" tries cuDNN first, the fastest at long sequences on
 # Hopper (bench/RESULTS.md, "Attention backends"); SDPA skips those that cannot take the input.
@@ -41,11 +42,13 @@ def compiled_flex_attention() -> Callable[..., torch.Tensor]:
     that skips the masked blocks) on first use, so importing the model loads no compiler."""
     compiled = torch.compile(flex_attention, dynamic=False)
 
-    def attend(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
+    def attend(q, k, v, block_mask: BlockMask, enable_gqa: bool, lse: bool = False):
+        """The output, or with `lse` (output, its AuxOutput holding the logsumexp [B, H, S])."""
         options = flex_tiles(q.device, q.shape[-1]) if q.is_cuda else None
         return compiled(
-            q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, kernel_options=options
-        )
+            q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, kernel_options=options,
+            return_aux=AuxRequest(lse=True) if lse else None,
+        )  # fmt: skip
 
     return attend
 
@@ -121,17 +124,18 @@ def packed_rows(
 @dataclass(frozen=True)
 class Masks:
     """Every block's attention mask (`Llama.attention_mask`): `causal` the causal layers'
-    (None: SDPA's causal kernel), `windowed` the window_layers' (the same where no row is
-    longer than the window)."""
+    (None: SDPA's causal kernel; with attention sinks, window_mask's without a window),
+    `windowed` the window_layers' (the same where no row is longer than the window)."""
 
-    causal: PackedRows | None
+    causal: torch.Tensor | BlockMask | PackedRows | None
     windowed: torch.Tensor | BlockMask | PackedRows | None
 
 
-def window_mask(positions: torch.Tensor, window: int) -> torch.Tensor | BlockMask:
-    """Causal attention within `window` and each document (positions [B, S]): FlexAttention's
-    block mask on CUDA, which skips the tiles outside the window, else dense. No long
-    document's prefix goes through SDPA's causal kernel: it has no window."""
+def window_mask(positions: torch.Tensor, window: int | None) -> torch.Tensor | BlockMask:
+    """Causal attention within `window` (None: none) and each document (positions [B, S]):
+    FlexAttention's block mask on CUDA, which skips the tiles outside the window, else dense.
+    No long document's prefix goes through SDPA's causal kernel: it has no window (nor the
+    logsumexp that attention sinks need)."""
     if positions.is_cuda:
         return document_block_mask(positions, window=window)
     return dense_document_mask(positions, window)
@@ -212,8 +216,12 @@ def attention_kernel(
     v: torch.Tensor,
     mask: torch.Tensor | BlockMask | PackedRows | None,
     sdpa_backends: list[SDPBackend],
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[B, H, S, Dh] -> [B, H, S, Dh] (k, v may have fewer heads) by the kernel `mask` picks."""
+    """[B, H, S, Dh] -> [B, H, S, Dh] (k, v may have fewer heads) by the kernel `mask` picks;
+    with `sinks` [H], attention_with_sinks."""
+    if sinks is not None:
+        return attention_with_sinks(q, k, v, mask, sinks)
     if isinstance(mask, PackedRows):
         return packed_attention(q, k, v, mask, sdpa_backends)
     gqa = q.shape[1] != k.shape[1]
@@ -225,6 +233,31 @@ def attention_kernel(
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
         )
+
+
+def attention_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | BlockMask,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """gpt-oss's attention: a learned logit per head (`sinks` [H]) in each softmax's
+    denominator, so that a query may attend to nothing. With lse the logsumexp of a query's
+    scores, that softmax is the plain one times exp(lse) / (exp(lse) + exp(sink)), that is
+    sigmoid(lse - sink): the kernel's output rescaled, differentiably in q, k and the sinks.
+    The logsumexp comes from FlexAttention (a BlockMask, on CUDA) or from the scores computed
+    whole under a dense mask (the CPU's, S x S: for tests and short rows)."""
+    if isinstance(mask, BlockMask):
+        out, aux = compiled_flex_attention()(q, k, v, mask, q.shape[1] != k.shape[1], lse=True)
+        lse = aux.lse
+    else:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        scores = (q @ k.transpose(-2, -1)).float() * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(~mask, -math.inf)
+        lse = scores.logsumexp(dim=-1)  # [B, H, S]
+        out = torch.exp(scores - lse[..., None]).to(v.dtype) @ v
+    return out * torch.sigmoid(lse - sinks.float()[:, None]).to(out.dtype)[..., None]
 
 
 def packed_attention(

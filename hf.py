@@ -7,6 +7,7 @@ In order: config.json (`args_from_hf_config`), HF checkpoints, then PEFT adapter
 model.py, tokenizer.py's files (an export carries its files and ids) and files.py's rules.
 """
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -82,6 +83,11 @@ GEMMA3_FIXED = {
     "attn_logit_softcapping": None,
     "use_bidirectional_attention": False,
 }
+# gpt-oss's: biases on the attention's projections, its experts' clamped SwiGLU (moe.py).
+GPT_OSS_FIXED = {
+    "hidden_act": "silu", "attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0
+}  # fmt: skip
+FAMILY_FIXED = {"gemma3_text": GEMMA3_FIXED, "gpt_oss": GPT_OSS_FIXED}
 # What each number or switch of config.json may be, (kind, least, most): integers within
 # [least, most], other numbers in (least, most]. Sizes stop below 2^32 (token ids are uint32);
 # layers at 1024, 8x Llama 3.1 405B's 126, since each is a module built before the planner can
@@ -129,7 +135,7 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
         if not isinstance(family, str) or family not in FAMILIES:
             raise UsageError(
                 f"model_type is {family or 'missing'!r}; longtune reads the dense Llama "
-                f"family, its mixture-of-experts kin and Gemma 3: {', '.join(FAMILIES)}"
+                f"family, its mixture-of-experts kin, Gemma 3 and gpt-oss: {', '.join(FAMILIES)}"
             )
         # A null num_key_value_heads or head_dim is derived from the heads, as transformers
         # derives it; a null sliding_window is none; another null is the default.
@@ -140,9 +146,15 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
         config = {**HF_CONFIG_DEFAULTS[family], **given}
         config = {k: v for k, v in config.items() if k not in derived}
         gemma = FAMILIES[family].gemma
-        for key, expected in (GEMMA3_FIXED if gemma else HF_FIXED).items():
+        for key, expected in FAMILY_FIXED.get(family, HF_FIXED).items():
             if config.get(key, expected) != expected:
                 raise UsageError(f"{key} is {config[key]!r}, expected {expected!r}")
+        quantization = (config.get("quantization_config") or {}).get("quant_method")
+        if quantization not in (None, "mxfp4") or (quantization and family != "gpt_oss"):
+            raise UsageError(
+                f"quantization_config's quant_method is {quantization!r}: longtune reads "
+                f"gpt-oss's mxfp4 experts, else unquantized checkpoints"
+            )
         # transformers >= 5 writes `rope_parameters`, older ones `rope_theta` + `rope_scaling`.
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         gemma_fields = _gemma_fields(config, rope) if gemma else {}
@@ -238,8 +250,8 @@ def _sliding_window(
         return None, ()
     if family in ("mistral", "mixtral"):
         return window, tuple(range(n_layers))
-    if family == "gemma3_text":  # by default five windowed layers in each six
-        pattern = config["sliding_window_pattern"]
+    if family in ("gemma3_text", "gpt_oss"):  # by default 5 windowed layers in 6, or 1 in 2
+        pattern = config["sliding_window_pattern"] if family == "gemma3_text" else 2
         types = config.get("layer_types")
         if not isinstance(types, list) or len(types) < n_layers:
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
@@ -269,6 +281,9 @@ def _experts(config: dict, family: str, n_layers: int) -> dict:
         "router_aux_loss": config["output_router_logits"],
         "router_aux_loss_coef": float(config["router_aux_loss_coef"]),
     }
+    if family == "gpt_oss":  # its softmax over the top k logits: the top k renormalized
+        experts = {"expert_ffn_dim": config["intermediate_size"], "norm_topk_prob": True}
+        return fields | experts | {"moe_layers": tuple(range(n_layers))}
     if family == "mixtral":
         if config["router_jitter_noise"] != 0:
             raise UsageError(
@@ -391,6 +406,32 @@ HF_CONFIG_DEFAULTS = {
         "router_jitter_noise": 0.0,
         **_ROUTER_DEFAULTS,
     },
+    "gpt_oss": {  # GptOssConfig's; its rope_parameters are read as older files' rope_scaling
+        **_WITHOUT_BIASES,
+        **GPT_OSS_FIXED,
+        "vocab_size": 201088,
+        "hidden_size": 2880,
+        "intermediate_size": 2880,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "sliding_window": 128,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        **_ROUTER_DEFAULTS,
+    },
     "gemma3_text": {
         **{k: v for k, v in _WITHOUT_BIASES.items() if k != "hidden_act"},
         **GEMMA3_FIXED,
@@ -426,10 +467,18 @@ HF_EXPORT = OutputDir(
 @dataclasses.dataclass(frozen=True)
 class FusedRows:
     """Rows `rows` of each expert in HF tensor `name`: w1's or w3's half of the [E, 2F, D]
-    gate_up_proj transformers 5 holds in memory and writes with save_original_format=False."""
+    gate_up_proj transformers 5 holds in memory and writes with save_original_format=False;
+    gpt-oss's gate and up interleaved (every other row, of its biases too), each expert held
+    `transposed`, [in, out] (its MXFP4 files hold [out, in]: dequantize_mxfp4)."""
 
     name: str
-    rows: slice
+    rows: slice = dataclasses.field(default_factory=lambda: slice(None))
+    transposed: bool = False
+
+    def full_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The HF tensor's shape, of which this part is [E, out, ...] `shape`."""
+        out = shape[1] * (1 if self.rows == slice(None) else 2)
+        return (shape[0], *shape[2:], out) if self.transposed else (shape[0], out, *shape[2:])
 
 
 def hf_names(
@@ -450,6 +499,9 @@ def hf_names(
         layer |= {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
     if args.qk_norm:
         layer |= {f"attention.{x}_norm.weight": f"self_attn.{x}_norm.weight" for x in "qk"}
+    if FAMILIES[args.family].gpt_oss:
+        layer |= {"attention.wo.bias": "self_attn.o_proj.bias"}
+        layer |= {"attention.sinks": "self_attn.sinks"}
     if FAMILIES[args.family].gemma:  # its post_attention_layernorm is the attention's output's
         layer |= {
             "post_attention_norm.weight": "post_attention_layernorm.weight",
@@ -469,6 +521,18 @@ def _expert_names(args: ModelArgs, i: int, fused: bool) -> dict[str, str | tuple
     """MoE layer i's router and experts. transformers 5 calls Mixtral's block_sparse_moe mlp
     too, and its experts' w1 and w3 the gate and up halves of one tensor."""
     ours = f"layers.{i}.feed_forward"
+    if args.family == "gpt_oss":
+        theirs, gate, up = f"model.layers.{i}.mlp", slice(0, None, 2), slice(1, None, 2)
+        return {
+            f"{ours}.router.weight": f"{theirs}.router.weight",
+            f"{ours}.router.bias": f"{theirs}.router.bias",
+            f"{ours}.w1": FusedRows(f"{theirs}.experts.gate_up_proj", gate, transposed=True),
+            f"{ours}.w3": FusedRows(f"{theirs}.experts.gate_up_proj", up, transposed=True),
+            f"{ours}.w2": FusedRows(f"{theirs}.experts.down_proj", transposed=True),
+            f"{ours}.w1_bias": FusedRows(f"{theirs}.experts.gate_up_proj_bias", gate),
+            f"{ours}.w3_bias": FusedRows(f"{theirs}.experts.gate_up_proj_bias", up),
+            f"{ours}.w2_bias": f"{theirs}.experts.down_proj_bias",
+        }
     if fused:
         theirs, ffn = f"model.layers.{i}.mlp", args.expert_ffn_dim
         return {
@@ -580,13 +644,18 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
     prefix = language_model_prefix(files)
     with torch.device("meta"):
         params = dict(Llama(args).named_parameters())
-    expected = {}
+    expected, mxfp4 = {}, set()
     for ours, theirs in hf_names(args, has_fused_experts(files), prefix).items():
         shape = tuple(params[ours].shape)
         if isinstance(theirs, tuple):  # one tensor per expert
             expected |= dict.fromkeys(theirs, shape[1:])
+        elif isinstance(theirs, FusedRows) and f"{theirs.name}_blocks" in files:
+            n_experts, out, k = dataclasses.replace(theirs, transposed=False).full_shape(shape)
+            expected[f"{theirs.name}_blocks"] = (n_experts, out, k // 32, 16)
+            expected[f"{theirs.name}_scales"] = (n_experts, out, k // 32)
+            mxfp4 |= {f"{theirs.name}_blocks", f"{theirs.name}_scales"}
         elif isinstance(theirs, FusedRows):  # w1 and w3 together
-            expected[theirs.name] = (shape[0], 2 * shape[1], shape[2])
+            expected[theirs.name] = theirs.full_shape(shape)
         else:
             expected[theirs] = shape
     shapes, dtypes = {}, {}
@@ -600,7 +669,9 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
             problems.append(f"missing tensor {name}: expected shape {shape}")
         elif shapes[name] != shape:
             problems.append(f"tensor {name}: checkpoint shape {shapes[name]}, model {shape}")
-        elif dtypes[name] not in FLOAT_DTYPES:
+        elif name in mxfp4 and dtypes[name] != "U8":
+            problems.append(f"tensor {name}: dtype {dtypes[name]}, expected U8 (MXFP4)")
+        elif dtypes[name] not in FLOAT_DTYPES and name not in mxfp4:
             # Copied into a float parameter an integer tensor would load without a word.
             problems.append(
                 f"tensor {name}: dtype {dtypes[name]}, expected one of {sorted(FLOAT_DTYPES)}"
@@ -619,14 +690,25 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
 class CheckedSlice:
     """A safetensors slice whose reads are checked for NaN and inf by one aminmax pass
     (allocating nothing of their size): a tensor holding one is named in `nonfinite`, so that a
-    damaged checkpoint is refused before training, not blamed on a NaN loss later. `rows`:
-    of each expert, these rows alone (FusedRows)."""
+    damaged checkpoint is refused before training, not blamed on a NaN loss later. `part`: of
+    each expert, its rows alone (FusedRows), as [E, out, in]; `scales`: the slice is MXFP4's
+    blocks, these their scales (dequantize_mxfp4)."""
 
-    def __init__(self, piece, name: str, nonfinite: list[str], rows: slice | None = None):
-        self.piece, self.name, self.nonfinite, self.rows = piece, name, nonfinite, rows
+    def __init__(
+        self, piece, name: str, nonfinite: list[str], part: FusedRows | None = None, scales=None
+    ):
+        self.piece, self.name, self.nonfinite, self.part = piece, name, nonfinite, part
+        self.scales = scales
 
     def __getitem__(self, index) -> torch.Tensor:
-        tensor = self.piece[index] if self.rows is None else self.piece[index, self.rows]
+        if self.scales is not None:  # MXFP4's experts are held [E, out, in]
+            tensor = dequantize_mxfp4(self.piece[index], self.scales[index])[:, self.part.rows]
+        elif self.part is None:
+            tensor = self.piece[index]
+        elif self.part.transposed:
+            tensor = self.piece[index][..., self.part.rows].transpose(1, 2)
+        else:
+            tensor = self.piece[index, self.part.rows]
         if tensor.numel() and not all(v.isfinite() for v in torch.aminmax(tensor)):
             self.nonfinite.append(self.name)
         return tensor
@@ -659,20 +741,41 @@ def load_hf_checkpoint(
     with contextlib.ExitStack() as stack:
         opened = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
 
-        def read(name: str, rows: slice | None = None) -> CheckedSlice:
-            return CheckedSlice(opened[files[name]].get_slice(name), name, found, rows)
+        def read(name: str, part: FusedRows | None = None) -> CheckedSlice:
+            if f"{name}_blocks" not in files:
+                return CheckedSlice(opened[files[name]].get_slice(name), name, found, part)
+            blocks, scales = (f"{name}_{x}" for x in ("blocks", "scales"))
+            pieces = (opened[files[n]].get_slice(n) for n in (blocks, scales))
+            return CheckedSlice(next(pieces), blocks, found, part, next(pieces))
 
         for done, (ours, theirs) in enumerate(names.items(), 1):
             if isinstance(theirs, tuple):
                 tensor_slice = ExpertSlices([read(name) for name in theirs])
             elif isinstance(theirs, FusedRows):
-                tensor_slice = read(theirs.name, theirs.rows)
+                tensor_slice = read(theirs.name, theirs)
             else:
                 tensor_slice = read(theirs)
             copy_into(model, ours, tensor_slice, copy)
             if progress is not None:
                 progress(done, len(names))
     refuse_nonfinite(path, agree(found))
+
+
+# MXFP4, gpt-oss's experts on the hub (quantization_config's quant_method "mxfp4"): each 32
+# values of a row share a power of two (a byte, 127 meaning 2^0) and each is an e2m1 float in
+# 4 bits, two to a byte, the low nibble first; the values the 16 codes stand for.
+FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+FP4_VALUES = FP4_MAGNITUDES + tuple(-v for v in FP4_MAGNITUDES)  # codes 8 to 15: the sign set
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """blocks [..., G, 16] and scales [..., G], uint8 -> [..., 32 G] in `dtype` (bf16 holds each
+    value exactly: transformers' dequantization, as loaded into a bf16 model)."""
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 32]
+    values = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)[codes]
+    return torch.ldexp(values, scales.to(torch.int32)[..., None] - 127).to(dtype).flatten(-2)
 
 
 class ExpertSlices:
@@ -751,6 +854,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
         }
     if args.family == "mixtral":
         config |= {"intermediate_size": args.expert_ffn_dim, "router_jitter_noise": 0.0}
+    if args.family == "gpt_oss":  # exported in bf16 or fp32: no quantization_config
+        config |= {**GPT_OSS_FIXED, "intermediate_size": args.expert_ffn_dim}
     if args.family == "qwen3_moe":
         config |= {
             "moe_intermediate_size": args.expert_ffn_dim,
@@ -779,7 +884,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = No
             "rope_parameters": {"full_attention": rope, "sliding_attention": local},
             "rope_local_base_freq": args.local_rope_theta,
         }
-        del config["use_sliding_window"]  # no switch: its windowed layers are in layer_types
+    if args.family in ("gemma3_text", "gpt_oss"):  # no switch: layer_types says the layers
+        del config["use_sliding_window"]
     if args.family in ("qwen2", "qwen3"):
         # Qwen's rule for the window's layers, from here on; layer_types says them all.
         config["max_window_layers"] = min(args.window_layers, default=args.n_layers)
@@ -799,6 +905,9 @@ def save_hf_checkpoint(
     generation_config.json, consuming `named_tensors` one at a time (a sharded model can gather
     each just before it is written). Atomic: `out_dir` is replaced once complete (HF_EXPORT)."""
     names = hf_names(args)
+    # gpt-oss's fused tensors, each written once all its parts have come.
+    n_parts = collections.Counter(n.name for n in names.values() if isinstance(n, FusedRows))
+    parts: dict[str, list] = collections.defaultdict(list)
     shards: list[list[str]] = []  # the HF names each written shard holds
     shard: dict[str, torch.Tensor] = {}
     total_bytes = 0
@@ -813,9 +922,14 @@ def save_hf_checkpoint(
             if ours not in names:
                 continue  # the tied output, which HF does not store
             tensor = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+            theirs = names[ours]
+            if isinstance(theirs, FusedRows):
+                parts[theirs.name].append((theirs, tensor))
+                if len(parts[theirs.name]) < n_parts[theirs.name]:
+                    continue
+                tensor, theirs = _join_parts(parts.pop(theirs.name)), theirs.name
             if shard and sum(t.nbytes for t in shard.values()) + tensor.nbytes > max_shard_bytes:
                 flush()
-            theirs = names[ours]
             if isinstance(theirs, tuple):  # an expert tensor: the hub's one per expert
                 shard |= {name: t.contiguous() for name, t in zip(theirs, tensor, strict=True)}
             else:
@@ -828,7 +942,10 @@ def save_hf_checkpoint(
             os.replace(tmp / f"part-{k}.safetensors", tmp / final)
             give_ordinary_mode(tmp / final)
             weight_map |= dict.fromkeys(held, final)
-        expected = {n for v in names.values() for n in ((v,) if isinstance(v, str) else v)}
+        expected = {
+            n for v in names.values()
+            for n in ((v,) if isinstance(v, str) else (v.name,) if isinstance(v, FusedRows) else v)
+        }  # fmt: skip
         missing = expected - set(weight_map)
         if missing:
             raise ValueError(f"cannot export: no tensor given for {sorted(missing)[:5]}")
@@ -850,6 +967,16 @@ def save_hf_checkpoint(
                     pad_id = special_ids["eos_token_id"]
                 generation = {**special_ids, "pad_token_id": pad_id}
                 (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+
+
+def _join_parts(parts: list[tuple[FusedRows, torch.Tensor]]) -> torch.Tensor:
+    """One HF tensor from its FusedRows parts, each [E, out, ...]."""
+    first = parts[0][1]
+    whole = first.new_empty(parts[0][0].full_shape(tuple(first.shape)))
+    rows = whole.transpose(1, -1) if parts[0][0].transposed else whole  # [E, out, ...]
+    for part, tensor in parts:
+        rows[:, part.rows] = tensor
+    return whole
 
 
 # ----------------------------------------------------------------------------------------

@@ -235,7 +235,7 @@ class NF4MoE(MoE):
         with torch.device(device):  # the model's: meta, as apply_lora finds it
             super().__init__(
                 dim, ffn_dim, n_experts, moe.top_k, moe.norm_topk_prob, moe.rounds_weights,
-                moe.ops,
+                moe.ops, moe.gpt_oss,
             )  # fmt: skip
         self.dequantize = dequantize
         self.shapes = {name: getattr(self, name).shape for name in EXPERT_WEIGHTS}
@@ -261,7 +261,7 @@ class NF4MoE(MoE):
         w = {name: m() for name, m in make.items()}
         by_storage = {w[name].untyped_storage().data_ptr(): make[name] for name in EXPERT_WEIGHTS}
         with _DequantizeInBackward(by_storage):
-            return self.ops.moe_experts(x, experts, weights, w["w1"], w["w3"], w["w2"])
+            return self.apply_experts(x, experts, weights, w["w1"], w["w3"], w["w2"])
 
     def expert_weight(
         self, name: str, dtype: torch.dtype, stored: torch.Tensor | None = None,

@@ -1,6 +1,7 @@
 """The Llama model longtune trains (Llama 2 to 3.2; Mistral, Qwen2/2.5, Qwen3, SmolLM3 share
 its block; Qwen3-MoE and Mixtral replace its feed-forward by experts, moe.py; Gemma 3 adds
-norms and GeGLU, `Family.gemma`); hf.py reads and writes it as HF checkpoints, lora.py adapts it.
+norms and GeGLU, `Family.gemma`; gpt-oss biases, attention sinks and biased experts,
+`Family.gpt_oss`); hf.py reads and writes it as HF checkpoints, lora.py adapts it.
 
 In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
 (`Ops`), then the network. It imports kernels/, attention.py (the kernels and masks over packed
@@ -108,6 +109,10 @@ class Family:
     # Gemma's: RMSNorm scaled by 1 + weight (weights start at 0), the embedding scaled by
     # sqrt(dim), a norm after attention and after the feed-forward too, GeGLU (tanh GELU).
     gemma: bool = False
+    # gpt-oss's: a bias on wo too, attention sinks (a learned logit per head in the softmax's
+    # denominator, attention.attention_with_sinks), and experts whose router and projections
+    # have biases, with moe.clamped_swiglu.
+    gpt_oss: bool = False
 
 
 FAMILIES = {
@@ -121,6 +126,14 @@ FAMILIES = {
     ),
     "mixtral": Family("MixtralForCausalLM", window="all", moe="all"),
     "gemma3_text": Family("Gemma3ForCausalLM", qk_norm=True, window="some", gemma=True),
+    "gpt_oss": Family(
+        "GptOssForCausalLM",
+        qkv_bias=True,
+        window="some",
+        moe="all",
+        rounds_router_weights=True,
+        gpt_oss=True,
+    ),
 }
 
 # More parameters than this is a config no machine holds (20 TB of bf16 weights alone), so a
@@ -258,6 +271,10 @@ class ModelArgs:
         gemma = self.family in FAMILIES and FAMILIES[self.family].gemma  # (refused if not)
         other = (4 if gemma else 2) * self.dim  # the block's norms
         other += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
+        if self.family in FAMILIES and FAMILIES[self.family].gpt_oss:  # wo's bias, the sinks
+            other += self.dim + self.n_heads
+            experts = self.experts_per_token if active else self.n_experts
+            other += self.n_experts + experts * (2 * self.expert_ffn_dim + self.dim)
         return matmul, other
 
     def num_params(self, active: bool = False) -> int:
@@ -408,6 +425,29 @@ PRESETS: dict[str, ModelArgs] = {
     "gemma-3-27b": ModelArgs(  # its heads 128 wide, attention scaled by 168^-1/2
         **{**_gemma3(5376, 62, 32, 16, 21504, 1024), "head_dim": 128, "query_pre_attn_scalar": 168},
         **_GEMMA3_LONG,
+    ),
+    # openai/gpt-oss-20b's config.json on the hub (its experts in MXFP4 there, dequantized on
+    # load): a window of 128 on every other layer, YaRN to 128K tokens, 4 of 32 experts.
+    "gpt-oss-20b": ModelArgs(
+        family="gpt_oss",
+        dim=2880,
+        n_layers=24,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=64,
+        vocab_size=201088,
+        ffn_dim=2880,
+        rope_theta=150000.0,
+        rope_scaling=RopeScaling("yarn", 32.0, 4096, truncate=False),
+        max_seq_len=131072,
+        qkv_bias=True,
+        sliding_window=128,
+        window_layers=tuple(range(0, 24, 2)),
+        n_experts=32,
+        experts_per_token=4,
+        expert_ffn_dim=2880,
+        norm_topk_prob=True,
+        moe_layers=tuple(range(24)),
     ),
     # For tests and CPU runs: odd sizes on purpose, a vocabulary that fits the byte tokenizer.
     "tiny": ModelArgs(
@@ -589,7 +629,9 @@ class Attention(nn.Module):
         self.wq = nn.Linear(args.dim, q_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(q_dim, args.dim, bias=False)
+        gpt_oss = FAMILIES[args.family].gpt_oss
+        self.wo = nn.Linear(q_dim, args.dim, bias=gpt_oss)
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if gpt_oss else None
         # QK-norm (Qwen3): q.k stays in range without a softmax temperature.
         self.q_norm = self.k_norm = None
         if args.qk_norm:
@@ -627,7 +669,7 @@ class Attention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, S, Dh]
-        out = self.attend(q, k, v, mask)
+        out = self.attend(q, k, v, mask, self.sinks)
         (out,) = self.ops.project(out.transpose(1, 2).reshape(bsz, seq_len, -1), (self.wo,))
         return out
 
@@ -637,6 +679,7 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         mask: torch.Tensor | BlockMask | PackedRows | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`attention_kernel` with this model's SDPA backends: a method of its own so that
         offload.apply_ac can keep its output and shard.apply_context_parallel can wrap it.
@@ -645,7 +688,7 @@ class Attention(nn.Module):
         all-to-all trades the sequence for heads), offload._KeptAttention (the "attention" and
         "selective" checkpointing of this block), then this method. Context parallelism also
         wraps `Llama.forward` (shard._forward_rows) and `Llama.attention_mask` (_whole_row_mask)."""
-        return attention_kernel(q, k, v, mask, self.sdpa_backends)
+        return attention_kernel(q, k, v, mask, self.sdpa_backends, sinks)
 
 
 class FeedForward(nn.Module):
@@ -682,6 +725,7 @@ class TransformerBlock(nn.Module):
             self.feed_forward = MoE(
                 args.dim, args.expert_ffn_dim, args.n_experts, args.experts_per_token,
                 args.norm_topk_prob, FAMILIES[args.family].rounds_router_weights, ops,
+                FAMILIES[args.family].gpt_oss,
             )  # fmt: skip
         else:
             self.feed_forward = FeedForward(args.dim, args.ffn_dim, ops, gelu=gemma)
@@ -742,11 +786,14 @@ class Llama(nn.Module):
                 starts = document_starts(positions)
             causal = packed_rows(positions, starts, self.long_document)
         window = self.args.sliding_window
-        if window is None or positions.shape[1] <= window:
+        sinks = FAMILIES[self.args.family].gpt_oss  # need a kernel's logsumexp: not SDPA's
+        if (window is None or positions.shape[1] <= window) and not sinks:
             return Masks(causal, causal)
         if not self.mask_documents:  # the window counts along the row, whatever its documents
             bsz, seq_len = positions.shape
             positions = torch.arange(seq_len, device=positions.device).expand(bsz, seq_len)
+        if sinks:
+            causal = window_mask(positions, None)
         return Masks(causal, window_mask(positions, window))
 
     def forward(

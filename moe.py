@@ -1,6 +1,7 @@
-"""The mixture-of-experts feed-forward of Qwen3-MoE and Mixtral: a router picks k of E experts
-for each token, each expert a SwiGLU of its own, and the layer adds the chosen experts' outputs
-weighted by the router. model.py's block takes it in place of its dense FeedForward on the
+"""The mixture-of-experts feed-forward of Qwen3-MoE, Mixtral and gpt-oss: a router picks k of E
+experts for each token, each expert a SwiGLU of its own, and the layer adds the chosen experts'
+outputs weighted by the router. gpt-oss's router and experts have biases, its experts a clamped
+SwiGLU (`clamped_swiglu`). model.py's block takes it in place of its dense FeedForward on the
 layers ModelArgs.moe_layers names.
 
 The experts' computation is `Ops.moe_experts`: kernels/moe.py's Triton path (sort by expert,
@@ -34,6 +35,18 @@ class Routed:
         )
 
 
+# gpt-oss's SwiGLU (transformers' GptOssExperts, its config's swiglu_alpha and swiglu_limit).
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's experts' activation as transformers' GptOssExperts computes it: the gate
+    clamped from above, the up on both sides, a sigmoid of gain alpha, and up + 1."""
+    gate = gate.clamp(max=SWIGLU_LIMIT)
+    up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return (up + 1) * gate * torch.sigmoid(gate * SWIGLU_ALPHA)
+
+
 def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     """The (token, choice) pairs each expert was given, int64 [E]: scatter_add, as bincount
     would read its output's size on the host; integers, exact and in any order the same."""
@@ -47,7 +60,9 @@ class MoE(nn.Module):
     to 1 when `norm_topk_prob` (Mixtral always; Qwen3-MoE as its config says), cast to the
     activations' dtype when `rounds_weights` (Qwen3-MoE), then the experts (`Ops.moe_experts`).
     Each expert's projections are stored together as [E, out, in] tensors, named as the dense
-    FeedForward's: w1 (gate), w3 (up), w2 (down)."""
+    FeedForward's: w1 (gate), w3 (up), w2 (down). `gpt_oss`: a bias on the router and on each
+    expert's projections ([E, out]: w1_bias ...), and clamped_swiglu. gpt-oss's softmax over the
+    top k logits is the renormalized top k of the softmax over all of them (norm_topk_prob)."""
 
     def __init__(
         self,
@@ -58,14 +73,19 @@ class MoE(nn.Module):
         norm_topk_prob: bool,
         rounds_weights: bool,
         ops,
+        gpt_oss: bool = False,
     ):
         super().__init__()
-        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.router = nn.Linear(dim, n_experts, bias=gpt_oss)
         self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        if gpt_oss:
+            self.w1_bias = nn.Parameter(torch.empty(n_experts, ffn_dim))
+            self.w3_bias = nn.Parameter(torch.empty(n_experts, ffn_dim))
+            self.w2_bias = nn.Parameter(torch.empty(n_experts, dim))
         self.top_k, self.norm_topk_prob, self.ops = top_k, norm_topk_prob, ops
-        self.rounds_weights = rounds_weights
+        self.rounds_weights, self.gpt_oss = rounds_weights, gpt_oss
         # The routing of each call in the model's forward, which its loss and the metrics read
         # (MLP tiling calls the layer once per tile): kept here, the block returns one tensor.
         # The model empties it as its forward starts and makes it a tuple once it has read it
@@ -91,7 +111,14 @@ class MoE(nn.Module):
 
     def run_experts(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
         """The chosen experts' weighted sum [T, D]; lora.NF4MoE's experts are stored in 4 bits."""
-        return self.ops.moe_experts(x, experts, weights, self.w1, self.w3, self.w2)
+        return self.apply_experts(x, experts, weights, self.w1, self.w3, self.w2)
+
+    def apply_experts(self, x, experts, weights, w1, w3, w2) -> torch.Tensor:
+        """Ops.moe_experts with these expert weights, and gpt-oss's biases and activation."""
+        if not self.gpt_oss:
+            return self.ops.moe_experts(x, experts, weights, w1, w3, w2)
+        biases = (self.w1_bias, self.w3_bias, self.w2_bias)
+        return self.ops.moe_experts(x, experts, weights, w1, w3, w2, biases, clamped_swiglu)
 
 
 def load_balancing_loss(routed: Sequence[Routed]) -> torch.Tensor:

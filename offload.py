@@ -113,16 +113,16 @@ class _KeptAttention:
         self.attend = attend
         self.kept: torch.Tensor | None = None  # detached; requires_grad says the original's
 
-    def __call__(self, q, k, v, mask):
+    def __call__(self, q, k, v, mask, sinks=None):
         if mask is None or _Phase.now is None or not torch.is_grad_enabled():
-            return self.attend(q, k, v, mask)
+            return self.attend(q, k, v, mask, sinks)
         if _Phase.now == "recompute":
             if self.kept is None:
                 raise RuntimeError("attention recompute without a kept forward output")
             out, self.kept = self.kept, None
             return out
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-            out = self.attend(q, k, v, mask)
+            out = self.attend(q, k, v, mask, sinks)
         # Requiring grad as the original does, so the recompute saves the same tensors.
         self.kept = out.detach().requires_grad_(out.requires_grad)
         return out

@@ -60,7 +60,7 @@ from hf import (
     save_peft_adapter,
 )
 from lora import LoRAConfig
-from model import Llama, ModelArgs, RopeScaling
+from model import FAMILIES, Llama, ModelArgs, RopeScaling
 from moe import Routed
 from plan import GiB, Machine, host_memory_gib, shard_group_size, strategy_of
 
@@ -279,15 +279,18 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
 
 
-def _attend_whole_sequence(attend, group, q, k, v, mask):
+def _attend_whole_sequence(attend, group, q, k, v, mask, sinks=None):
     """Attention.attend over this rank's slice of a row, q [B, H, S/N, Dh], as head shards
-    [B, H/N, S, Dh]. The all-to-alls run on the [B, S, H, Dh] views, so that the kernel's
-    inputs and output keep the strides they have without context parallelism."""
+    [B, H/N, S, Dh] (and their attention sinks). The all-to-alls run on the [B, S, H, Dh]
+    views, so that the kernel's inputs and output keep the strides they have without context
+    parallelism."""
     n = group.size()
+    if sinks is not None:  # rank r gets heads r H/N to (r + 1) H/N - 1
+        sinks = sinks.chunk(n)[group.rank()]
     if k.shape[1] < n:  # fewer key/value heads than ranks: each rank gets one, repeated
         k, v = (t.repeat_interleave(n // t.shape[1], dim=1) for t in (k, v))
     q, k, v = (_AllToAll.apply(t.transpose(1, 2), group, 2, 1).transpose(1, 2) for t in (q, k, v))
-    out = attend(q, k, v, mask)
+    out = attend(q, k, v, mask, sinks)
     return _AllToAll.apply(out.transpose(1, 2), group, 1, 2).transpose(1, 2)
 
 
@@ -360,7 +363,8 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
         block.attention.attend = functools.partial(
             _attend_whole_sequence, block.attention.attend, group
         )
-    if model.mask_documents or model.args.window_layers:  # else None, whatever the positions
+    sinks = FAMILIES[model.args.family].gpt_oss  # masks built from the positions too
+    if model.mask_documents or model.args.window_layers or sinks:  # else None, whatever they are
         model.attention_mask = functools.partial(_whole_row_mask, model.attention_mask, group)
     model.forward = functools.partial(_forward_rows, model.forward, group)
     if model.args.moe_layers:

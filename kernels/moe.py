@@ -3,7 +3,8 @@ SwiGLU of its own, added with the router's weights:
     y[t] = sum_j weights[t, j] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t])),  e = experts[t, j]
 x [T, D] (the tokens flattened); experts [T, k], integers in [0, E) (not checked: that would
 need a host sync); weights [T, k], in x's dtype or fp32; w1 (gate) and w3 (up) [E, F, D], w2
-(down) [E, D, F], as moe.py's MoE holds them.
+(down) [E, D, F], as moe.py's MoE holds them. gpt-oss's experts add `biases` (b1, b3 [E, F],
+b2 [E, D]) to their products and take another `activation` of (gate, up) than silu(gate) * up.
 
 `moe_experts` works on the T*k rows of the (token, choice) pairs, sorted by expert so that each
 expert's rows are contiguous:
@@ -30,6 +31,8 @@ its autograd Function and its public function; and last `dispatch_gate_up` and `
 which takes the reference's arguments.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -46,6 +49,8 @@ def moe_experts_reference(
     w1: torch.Tensor,
     w3: torch.Tensor,
     w2: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The experts in plain PyTorch, a loop over experts; returns x's dtype. Each expert's
     tokens are found with nonzero, which reads their count on the host: a wait for the GPU
@@ -53,9 +58,12 @@ def moe_experts_reference(
     y = torch.zeros_like(x)
     for e in range(w1.shape[0]):
         token, choice = (experts == e).nonzero(as_tuple=True)
-        hidden = F.silu(x[token] @ w1[e].t()) * (x[token] @ w3[e].t())
-        weighted = weights[token, choice, None] * (hidden @ w2[e].t())
-        y = y.index_add(0, token, weighted.to(x.dtype))
+        gate, up = x[token] @ w1[e].t(), x[token] @ w3[e].t()
+        if biases is not None:
+            gate, up = gate + biases[0][e], up + biases[1][e]
+        hidden = F.silu(gate) * up if activation is None else activation(gate, up)
+        out = hidden @ w2[e].t() + (0 if biases is None else biases[2][e])
+        y = y.index_add(0, token, (weights[token, choice, None] * out).to(x.dtype))
     return y
 
 
@@ -519,9 +527,12 @@ def moe_experts(
     w1: torch.Tensor,
     w3: torch.Tensor,
     w2: torch.Tensor,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """moe_experts_reference's y [T, D] in x's dtype, by the steps above, with no host sync;
-    gradients for x, weights, w1, w3 and w2, each in its own dtype."""
+    gradients for x, weights, w1, w3 and w2 (and the biases), each in its own dtype. Biases
+    are added to the sorted rows by their expert, and another activation runs in PyTorch."""
     if experts.dim() != 2 or w1.dim() != 3:
         raise ValueError(
             f"moe_experts: experts {tuple(experts.shape)} and w1 {tuple(w1.shape)}, expected "
@@ -551,7 +562,15 @@ def moe_experts(
     if problems:
         raise ValueError("moe_experts: " + "; ".join(problems))
     position, offsets = sort_by_expert(experts, n_experts)
-    # gate and up are read by nothing else: swiglu's backward may write their gradients over
-    # them, as the dense MLP's does (model.triton_ops).
-    hidden = swiglu(*dispatch_gate_up(x, position, w1, w3, offsets), overwrite=True)
-    return combine(grouped_mm(hidden, w2, offsets), position, weights)
+    gate, up = dispatch_gate_up(x, position, w1, w3, offsets)
+    if biases is not None:  # each sorted row's expert, from the offsets (no host sync)
+        rows = torch.arange(gate.shape[0], device=gate.device, dtype=offsets.dtype)
+        expert = torch.searchsorted(offsets[1:], rows, right=True)
+        gate, up = gate + biases[0][expert], up + biases[1][expert]
+    # swiglu's backward may write the gradients over gate and up, read by nothing else, as
+    # the dense MLP's does (model.triton_ops).
+    hidden = swiglu(gate, up, overwrite=True) if activation is None else activation(gate, up)
+    out = grouped_mm(hidden, w2, offsets)
+    if biases is not None:
+        out = out + biases[2][expert]
+    return combine(out, position, weights)

@@ -69,6 +69,13 @@ MOE = dataclasses.replace(
     moe_layers=(0, 2), router_aux_loss=True, router_aux_loss_coef=0.5,
 )  # fmt: skip
 
+# gpt-oss's: attention sinks (each rank takes its heads'), biases, a window on layers 0 and 2,
+# experts with biases and the clamped SwiGLU on every layer.
+GPT_OSS = dataclasses.replace(
+    MOE, family="gpt_oss", qk_norm=False, qkv_bias=True, sliding_window=6, window_layers=(0, 2),
+    moe_layers=(0, 1, 2, 3), norm_topk_prob=True,
+)  # fmt: skip
+
 STEPS, MICRO_BATCHES, BATCH, SEQ = 3, 2, 2, 32
 LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 1
 
@@ -138,6 +145,9 @@ TRAIN_SCENARIOS = {
     ),
     "moe_shard_grad_op_both_offloads": Scenario(
         "SHARD_GRAD_OP", cpu_offload=True, args=MOE, ac="full", activation_offload=True
+    ),
+    "gpt_oss_context_parallel_documents_ac_attention": Scenario(
+        args=GPT_OSS, context_parallel=2, document_mask=True, ac="attention"
     ),
     # Each rank attends its heads over whole rows: a window needs nothing from the others.
     "context_parallel_window_some_layers": Scenario(args=QWEN2_WINDOW, context_parallel=2),

@@ -206,8 +206,9 @@ def test_config_of_another_architecture_is_refused(good_checkpoint):
         config["model_type"] = other
         (good_checkpoint / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=f"model_type is '{other}'; longtune reads the dense "
-                           "Llama family, its mixture-of-experts kin and Gemma 3: llama, mistral, "
-                           "qwen2, qwen3, smollm3, qwen3_moe, mixtral, gemma3_text$"):  # fmt: skip
+                           "Llama family, its mixture-of-experts kin, Gemma 3 and gpt-oss: llama, "
+                           "mistral, qwen2, qwen3, smollm3, qwen3_moe, mixtral, gemma3_text, "
+                           "gpt_oss$"):  # fmt: skip
             load_longtune(good_checkpoint)
 
 
@@ -392,7 +393,7 @@ def test_config_defaults_are_each_transformers_class_defaults():
     classes = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config",
                "qwen3": "Qwen3Config", "smollm3": "SmolLM3Config",
                "qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig",
-               "gemma3_text": "Gemma3TextConfig"}  # fmt: skip
+               "gemma3_text": "Gemma3TextConfig", "gpt_oss": "GptOssConfig"}  # fmt: skip
     assert set(classes) == set(HF_CONFIG_DEFAULTS)
     for family, defaults in HF_CONFIG_DEFAULTS.items():
         config_class = getattr(transformers, classes[family])
@@ -405,6 +406,9 @@ def test_config_defaults_are_each_transformers_class_defaults():
         if family == "gemma3_text":
             pattern = config_class().layer_types.index("full_attention") + 1
             fields["sliding_window_pattern"] = pattern
+        if family == "gpt_oss":  # its YaRN, set in __post_init__
+            rope = config_class().rope_parameters
+            fields["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         for key, value in defaults.items():
             assert fields[key] == value, (family, key)
         # What is absent here derives from the heads there.

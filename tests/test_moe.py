@@ -250,7 +250,7 @@ def test_other_moe_types_are_refused_in_one_line(tmp_path):
     config = {"model_type": "qwen2_moe", "hidden_size": 32, "num_hidden_layers": 2}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        UsageError, match="model_type is 'qwen2_moe'; .*qwen3_moe, mixtral, gemma3_text$"
+        UsageError, match="model_type is 'qwen2_moe'; .*qwen3_moe, mixtral, gemma3_text, gpt_oss$"
     ):
         args_from_hf_config(tmp_path)
 

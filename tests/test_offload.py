@@ -288,10 +288,10 @@ def test_attention_runs_once_per_block_unless_fully_recomputed(
     calls = 0
     attend = Attention.attend
 
-    def counted(self, q, k, v, mask):
+    def counted(self, q, k, v, mask, sinks=None):
         nonlocal calls
         calls += mask is not None
-        return attend(self, q, k, v, mask)
+        return attend(self, q, k, v, mask, sinks)
 
     monkeypatch.setattr(Attention, "attend", counted)
     model = build(ac, mask_documents=True)
