@@ -62,7 +62,8 @@ from moe import MoE, Routed, expert_load, load_balancing_loss
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE scaling as transformers computes it (rope_frequencies), with hf.HF_ROPE_KEYS' fields."""
+    """RoPE scaling as transformers computes it (rope_frequencies), with the fields
+    config_json.HF_ROPE_KEYS reads."""
 
     rope_type: str = "llama3"
     factor: float = 8.0

@@ -26,9 +26,10 @@ import torch
 
 import shard
 from attention import LONG_DOCUMENT, SDPA_BACKENDS
+from config_json import args_from_hf_config
 from data import RunData, TokenDataset, attended_per_token, open_data, open_eval_data
 from files import UsageError, params_text
-from hf import HF_EXPORT, PEFT_ADAPTER, args_from_hf_config, check_hf_checkpoint, check_peft_adapter
+from hf import HF_EXPORT, PEFT_ADAPTER, check_hf_checkpoint, check_peft_adapter
 from lora import LORA_TARGETS, LoRAConfig, parse_lora_targets
 from metrics import report_to_problems
 from model import PRESETS, ModelArgs

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from config_json import hf_config  # noqa: E402
 from data import PackedLoader, TokenDataset  # noqa: E402
-from hf import hf_config  # noqa: E402
 from model import PRESETS, ModelArgs  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16

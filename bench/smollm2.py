@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO))
 import data  # noqa: E402
 import files  # noqa: E402
 import prepare  # noqa: E402
-from hf import args_from_hf_config, load_hf_checkpoint  # noqa: E402
+from config_json import args_from_hf_config  # noqa: E402
+from hf import load_hf_checkpoint  # noqa: E402
 from model import Llama  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 

@@ -26,15 +26,9 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 import plan
 import prepare
 import train
+from config_json import args_from_hf_config
 from files import UsageError
-from hf import (
-    FusedRows,
-    args_from_hf_config,
-    dequantize_mxfp4,
-    hf_names,
-    load_hf_checkpoint,
-    save_hf_checkpoint,
-)
+from hf import FusedRows, dequantize_mxfp4, hf_names, load_hf_checkpoint, save_hf_checkpoint
 from model import PRESETS, REFERENCE_OPS, Llama, triton_ops
 from moe import load_balancing_loss
 

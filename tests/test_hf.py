@@ -36,11 +36,9 @@ from test_model import (
     save_hf,
 )
 
+from config_json import HF_CONFIG_DEFAULTS, args_from_hf_config, hf_config
 from hf import (
-    HF_CONFIG_DEFAULTS,
-    args_from_hf_config,
     check_hf_checkpoint,
-    hf_config,
     load_peft_adapter,
     merged_named_tensors,
     save_hf_checkpoint,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from config_json import args_from_hf_config
 from files import UsageError
 from hf import (
-    args_from_hf_config,
     hf_names,
     load_hf_checkpoint,
     merged_named_tensors,

@@ -23,8 +23,9 @@ from attention import (
     document_block_mask,
     packed_rows,
 )
+from config_json import args_from_hf_config
 from data import document_starts
-from hf import args_from_hf_config, hf_names, load_hf_checkpoint, save_hf_checkpoint
+from hf import hf_names, load_hf_checkpoint, save_hf_checkpoint
 from kernels.swiglu import _GLU
 from model import PRESETS, REFERENCE_OPS, Llama, ModelArgs, triton_ops
 

@@ -18,10 +18,10 @@ import options
 import plan
 import prepare
 import train
+from config_json import args_from_hf_config
 from files import UsageError
 from hf import (
     FusedRows,
-    args_from_hf_config,
     has_fused_experts,
     hf_names,
     hf_tensor_files,

@@ -37,7 +37,8 @@ import prepare
 import shard
 import tokenizer
 import train
-from hf import args_from_hf_config, save_hf_checkpoint
+from config_json import args_from_hf_config
+from hf import save_hf_checkpoint
 from model import PEAK_FLOPS, PRESETS, Llama, ModelArgs, generate
 from plan import Plan
 
