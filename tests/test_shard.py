@@ -84,8 +84,8 @@ def context_parallel_quantizers(n: int) -> tuple:
     micro-batch of whole rows: an activation's or output gradient's column copy scaled per
     column over each rank's slice of the rows (positions seq_len / n apart), which one scale
     per column cannot hold, so it comes dequantized (scales of 1); rows and weights as they
-    are."""
-    rows, columns, _ = kernels.fp8.REFERENCE_QUANTIZERS
+    are. The first two take a projection group's tensors together, as the kernels do."""
+    rows, columns = kernels.fp8.quantize_rows_reference, kernels.fp8.quantize_columns_reference
     tokens = 2 * w.BATCH * w.SEQ  # a micro-batch's; no weight of the scenarios has as many rows
     rank = torch.arange(tokens) % w.SEQ // (w.SEQ // n)
 
@@ -98,7 +98,11 @@ def context_parallel_quantizers(n: int) -> tuple:
             dequantized[:, rank == r] = q.float() * scale[:, None]
         return dequantized, torch.ones(x.shape[1])
 
-    return rows, by_rank, lambda x: by_rank(x) + rows(x)
+    return (
+        lambda tensors: [rows(t) for t in tensors],
+        lambda tensors: [by_rank(t) for t in tensors],
+        lambda x: by_rank(x) + rows(x),
+    )
 
 
 def reference_run(scenario: w.Scenario) -> dict:
