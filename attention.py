@@ -37,17 +37,18 @@ FLEX_BACKWARD_TILE_HEAD_DIM_64 = {
 
 
 @functools.cache
-def compiled_flex_attention() -> Callable[..., torch.Tensor]:
+def compiled_flex_attention() -> Callable:
     """flex_attention with the GPU's tiles, compiled (it runs fast only as one Triton kernel
     that skips the masked blocks) on first use, so importing the model loads no compiler."""
     compiled = torch.compile(flex_attention, dynamic=False)
 
-    def attend(q, k, v, block_mask: BlockMask, enable_gqa: bool, lse: bool = False):
-        """The output, or with `lse` (output, its AuxOutput holding the logsumexp [B, H, S])."""
+    def attend(q, k, v, block_mask: BlockMask, enable_gqa: bool, return_lse: bool = False):
+        """The output, or with `return_lse` (output, its AuxOutput holding the logsumexp
+        [B, H, S])."""
         options = flex_tiles(q.device, q.shape[-1]) if q.is_cuda else None
         return compiled(
             q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, kernel_options=options,
-            return_aux=AuxRequest(lse=True) if lse else None,
+            return_aux=AuxRequest(lse=True) if return_lse else None,
         )  # fmt: skip
 
     return attend
@@ -249,7 +250,8 @@ def attention_with_sinks(
     The logsumexp comes from FlexAttention (a BlockMask, on CUDA) or from the scores computed
     whole under a dense mask (the CPU's, S x S: for tests and short rows)."""
     if isinstance(mask, BlockMask):
-        out, aux = compiled_flex_attention()(q, k, v, mask, q.shape[1] != k.shape[1], lse=True)
+        gqa = q.shape[1] != k.shape[1]
+        out, aux = compiled_flex_attention()(q, k, v, mask, gqa, return_lse=True)
         lse = aux.lse
     else:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))

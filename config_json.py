@@ -255,11 +255,9 @@ def _experts(config: dict, family: str, n_layers: int) -> dict:
         "router_aux_loss": config["output_router_logits"],
         "router_aux_loss_coef": float(config["router_aux_loss_coef"]),
     }
-    if family == "gpt_oss":  # its softmax over the top k logits: the top k renormalized
-        experts = {"expert_ffn_dim": config["intermediate_size"], "norm_topk_prob": True}
-        return fields | experts | {"moe_layers": tuple(range(n_layers))}
-    if family == "mixtral":
-        if config["router_jitter_noise"] != 0:
+    # gpt-oss's softmax over the top k logits is the top k renormalized, as Mixtral's.
+    if family in ("gpt_oss", "mixtral"):
+        if family == "mixtral" and config["router_jitter_noise"] != 0:
             raise UsageError(
                 f"router_jitter_noise is {config['router_jitter_noise']!r}, expected 0 (no noise "
                 f"on the router's input)"

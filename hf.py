@@ -1,10 +1,12 @@
 """Hugging Face input and output of the model's tensors: safetensors checkpoints checked,
-loaded (through a `copy` that may keep one rank's rows) and exported beside the config.json
-config_json.py writes, and LoRA's adapters as PEFT's files. Joined to the model by data, as
-torchtitan's state_dict_adapter is: tables of parameter names.
+loaded (through a `copy` that may keep one rank's rows; gpt-oss's MXFP4 experts dequantized)
+and exported beside the config.json config_json.py writes, and LoRA's adapters as PEFT's
+files. Joined to the model by data, as torchtitan's state_dict_adapter is: tables of
+parameter names.
 
 In order: HF checkpoints, then PEFT adapters. It imports model.py, config_json.py, lora.py,
-tokenizer.py's files (an export carries its files and ids) and files.py's rules.
+kernels/' NF4 reference (exports dequantize QLoRA's base), tokenizer.py's files (an export
+carries its files and ids) and files.py's rules.
 """
 
 import collections
@@ -56,7 +58,8 @@ HF_EXPORT = OutputDir(
 class FusedRows:
     """Rows `rows` of each expert in HF tensor `name`: w1's or w3's half of the [E, 2F, D]
     gate_up_proj transformers 5 holds in memory and writes with save_original_format=False;
-    gpt-oss's gate and up interleaved (every other row, of its biases too), each expert held
+    gpt-oss's gate and up interleaved (every other row, of its biases too) and its whole
+    down_proj and bias, each expert held
     `transposed`, [in, out] (its MXFP4 files hold [out, in]: dequantize_mxfp4)."""
 
     name: str
@@ -74,8 +77,8 @@ def hf_names(
 ) -> dict[str, str | tuple[str, ...] | FusedRows]:
     """longtune parameter name -> HF tensor name (a tied output has no entry of its own); an
     MoE layer's [E, out, in] expert tensor -> the hub's E tensors, one per expert, or with
-    `fused_experts` transformers 5's [E, out, in] tensors (w1 and w3 halves of one). `prefix`:
-    the decoder's (language_model_prefix)."""
+    `fused_experts` transformers 5's [E, out, in] tensors (w1 and w3 halves of one); gpt-oss's
+    always its fused tensors, under "model.". `prefix`: the decoder's (language_model_prefix)."""
     names = {
         "tok_embeddings.weight": f"{prefix}embed_tokens.weight",
         "norm.weight": f"{prefix}norm.weight",

@@ -5,8 +5,8 @@ norms and GeGLU, `Family.gemma`; gpt-oss biases, attention sinks and biased expe
 
 In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
 (`Ops`), then the network. It imports kernels/, attention.py (the kernels and masks over packed
-documents and windows), lora.py's layer, moe.py's, files.py's `UsageError` and data.py's
-`document_starts`.
+documents and windows), lora.py's layers and copy helpers, moe.py's `MoE`, files.py's
+`UsageError` and data.py's `document_starts`.
 
 The model knows nothing of sharding, checkpointing or offload: shard.py and offload.py apply
 them from outside, in train.apply_techniques' order. Build it on the meta device and
@@ -541,7 +541,8 @@ class Ops:
     geglu: Callable  # (gate, up) -> tanh-GELU(gate) * up, Gemma's
     linear_cross_entropy: Callable  # (hidden [N,D], weight [V,D], labels [N], ignore, reduction)
     project: Callable  # (x, linears) -> [linear(x) for each], the projections reading one x
-    moe_experts: Callable  # (x [T,D], experts [T,k], weights [T,k], w1, w3, w2) -> [T,D]
+    moe_experts: Callable  # (x [T,D], experts [T,k], weights [T,k], w1, w3, w2[, biases,
+    # activation]) -> [T,D]; gpt-oss's experts add biases and a clamped SwiGLU
 
 
 def project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
@@ -781,21 +782,23 @@ class Llama(nn.Module):
     ) -> Masks:
         """Every block's mask, chosen once per forward so that a block recomputed in backward
         gets the same kernels. `starts` (data.Batch has them) saves reading them off the GPU."""
+        window = self.args.sliding_window
+        within_window = window is None or positions.shape[1] <= window
+        has_sinks = FAMILIES[self.args.family].gpt_oss  # need a kernel's logsumexp: not SDPA's
         causal = None
-        if self.mask_documents:
+        if self.mask_documents and not has_sinks:
             if starts is None:
                 starts = document_starts(positions)
             causal = packed_rows(positions, starts, self.long_document)
-        window = self.args.sliding_window
-        sinks = FAMILIES[self.args.family].gpt_oss  # need a kernel's logsumexp: not SDPA's
-        if (window is None or positions.shape[1] <= window) and not sinks:
+        if within_window and not has_sinks:
             return Masks(causal, causal)
         if not self.mask_documents:  # the window counts along the row, whatever its documents
             bsz, seq_len = positions.shape
             positions = torch.arange(seq_len, device=positions.device).expand(bsz, seq_len)
-        if sinks:
-            causal = window_mask(positions, None)
-        return Masks(causal, window_mask(positions, window))
+        if not has_sinks:
+            return Masks(causal, window_mask(positions, window))
+        full = window_mask(positions, None)
+        return Masks(full, full if within_window else window_mask(positions, window))
 
     def forward(
         self,

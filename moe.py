@@ -105,7 +105,7 @@ class MoE(nn.Module):
             self.routed.append(
                 Routed(expert_counts(experts, probs.shape[-1]), probs.sum(dim=0), probs.shape[0])
             )
-        if self.rounds_weights:  # Qwen3-MoE's; Mixtral's scale the experts' outputs in fp32
+        if self.rounds_weights:  # Qwen3-MoE's and gpt-oss's; Mixtral's scale in fp32
             weights = weights.to(x.dtype)
         return self.run_experts(x, experts, weights).view(shape)
 

@@ -65,7 +65,7 @@ from moe import Routed
 from plan import GiB, Machine, host_memory_gib, shard_group_size, strategy_of
 
 # ----------------------------------------------------------------------------------------
-# Processes and devices: the process group, the memory a plan may fill, the peaks reached
+# Processes and devices: the process group and the memory a plan may fill
 # ----------------------------------------------------------------------------------------
 
 
@@ -363,8 +363,9 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
         block.attention.attend = functools.partial(
             _attend_whole_sequence, block.attention.attend, group
         )
-    sinks = FAMILIES[model.args.family].gpt_oss  # masks built from the positions too
-    if model.mask_documents or model.args.window_layers or sinks:  # else None, whatever they are
+    # Masks from the positions (else None, whatever they are); attention sinks always need one.
+    has_sinks = FAMILIES[model.args.family].gpt_oss
+    if model.mask_documents or model.args.window_layers or has_sinks:
         model.attention_mask = functools.partial(_whole_row_mask, model.attention_mask, group)
     model.forward = functools.partial(_forward_rows, model.forward, group)
     if model.args.moe_layers:

@@ -398,6 +398,8 @@ def _one_by_one(quantize):
     return lambda tensors: [quantize(t) for t in tensors]
 
 
+# (rows, columns, both): the first two take a list of tensors of one row length (a projection
+# group's input and weights, quantized in one launch), `both` one output gradient.
 TRITON_QUANTIZERS = (quantize_rows_together, quantize_columns_together, quantize_both)
 REFERENCE_QUANTIZERS = (
     _one_by_one(quantize_rows_reference),
