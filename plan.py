@@ -545,6 +545,9 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     else:  # each norm: its fp32 upcast input, normalized x, rstd; RoPE: fp32 cos and sin;
         # SwiGLU or GeGLU: gate, its activation, up
         saved = 2 * normed * 4 + rows * 4 + n * args.head_dim * 4 + 3 * tile
+    gpt_oss = FAMILIES[args.family].gpt_oss
+    if gpt_oss:  # its clamped SwiGLU runs in PyTorch: the clamps, sigmoid and products keep six
+        saved += (6 - (2 if plan.kernels else 3)) * tile  # (moe.clamped_swiglu, counted)
     # The linears' inputs (normed x, normed h, w2's) and attention's q, k, v and output.
     saved += 2 * x + tile + qkv + out + moe_rows
 
@@ -552,7 +555,7 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     cached = {"none": None, "full": 0, "attention": out,
               "selective": out + selective_matmuls(args, plan, p, m, f)}[plan.ac]  # fmt: skip
     windowed = args.sliding_window is not None and plan.seq_len > args.sliding_window
-    if (plan.document_mask or windowed) and cached:
+    if (plan.document_mask or windowed or gpt_oss) and cached:  # sinks: always a mask
         # The document-masked or windowed attention's kept output comes with the q, k, v its
         # backward needs (offload._KeptAttention) and, up to a row's worth, long documents'
         # causal prefixes' outputs, kept for the causal kernel's backward
