@@ -824,6 +824,7 @@ class Llama(nn.Module):
         masks = self.attention_mask(positions, document_starts)
         for i in self.args.moe_layers:  # each MoE layer's routing in this forward
             self.layers[i].feed_forward.routed = []
+            self.layers[i].feed_forward.recording = True
         h = self.tok_embeddings(tokens)
         if FAMILIES[self.args.family].gemma:  # sqrt(dim) rounded to h's dtype, as transformers
             h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype)
@@ -843,7 +844,7 @@ class Llama(nn.Module):
             return loss
         routed = self.routed()
         for i in self.args.moe_layers:  # read: a recompute in backward adds nothing (MoE.forward)
-            self.layers[i].feed_forward.routed = tuple(self.layers[i].feed_forward.routed)
+            self.layers[i].feed_forward.recording = False
         aux = load_balancing_loss(routed)
         # The metrics log's figures (train.StepResult), left on the device: no wait for the GPU.
         self.routing = torch.stack([aux.detach(), expert_load(routed).max()])

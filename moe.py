@@ -88,11 +88,12 @@ class MoE(nn.Module):
         self.rounds_weights, self.gpt_oss = rounds_weights, gpt_oss
         # The routing of each call in the model's forward, which its loss and the metrics read
         # (MLP tiling calls the layer once per tile): kept here, the block returns one tensor.
-        # The model empties it as its forward starts and makes it a tuple once it has read it
-        # (Llama.forward): a checkpoint's recompute in backward then records nothing, where its
-        # probabilities' sum would hold the recomputed graph up to the router (the block's
-        # attention activations) until the next forward.
-        self.routed: list[Routed] | tuple[Routed, ...] = []
+        # The model empties it and sets `recording` as its forward starts, and clears
+        # `recording` once it has read it (Llama.forward): a checkpoint's recompute in backward
+        # then records nothing, where its probabilities' sum would hold the recomputed graph up
+        # to the router (the block's attention activations) until the next forward.
+        self.routed: list[Routed] = []
+        self.recording = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -101,7 +102,7 @@ class MoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if isinstance(self.routed, list):
+        if self.recording:
             self.routed.append(
                 Routed(expert_counts(experts, probs.shape[-1]), probs.sum(dim=0), probs.shape[0])
             )
