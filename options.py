@@ -817,7 +817,6 @@ class Resolved:
     resume_from: Path | None
     saved: dict | None  # resume_from's train_state
     damaged: list[Path]  # checkpoints newer than resume_from, which failed their check
-    config_text: str  # opts as a --config file: --run-dir's config.toml
 
 
 def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
@@ -871,5 +870,5 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     run_record |= {"tokens_per_step": plan.tokens_per_step, "max_steps": max_steps}
     return Resolved(
         opts, given, args, plan, world, run_data, held_out, max_steps, run_record, resume_from,
-        saved, damaged, config_toml(opts),
+        saved, damaged,
     )  # fmt: skip

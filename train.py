@@ -183,7 +183,7 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
         shard.set_aside(resolved.damaged, log)
         if step < max_steps:  # a finished run's plan.json keeps the peaks it measured
             write_json(run_dir / "plan.json", plan.to_json())
-            write_whole(run_dir / "config.toml", resolved.config_text)
+            write_whole(run_dir / "config.toml", options.config_toml(opts))
     return Run(
         **vars(resolved), model=model, optimizer=optimizer, loader=loader, run_dir=run_dir,
         checkpointer=checkpointer, evaluate=evaluate_held_out, start_step=step, log=log, lock=lock,
