@@ -14,7 +14,8 @@ expert's rows are contiguous:
     grouped_mm      each expert's rows times its own weights: w1 and w3, kernels/swiglu.py's
                     swiglu, then w2; a Triton grouped GEMM whose programs find their expert in
                     the offsets (dispatch_gate_up: dispatch and the w1 and w3 products in one
-                    autograd Function, whose backward never adds their [T*k, D] gradients)
+                    autograd Function, whose backward never adds their [T*k, D] gradients);
+                    gpt-oss's biases added to the products in place (add_expert_bias_)
     combine         y[t] = sum_j weights[t, j] * rows[position[t, j]]: a gather, the same sum
                     on every run (a scatter-add with atomics would not be)
 Nothing on the way reads a value back to the host (no .item(), .tolist(), nonzero or
@@ -478,6 +479,89 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 # ----------------------------------------------------------------------------------------
+# add_expert_bias_: gpt-oss's biases, each sorted row's expert's, added in place
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _add_expert_bias_kernel(
+    rows_ptr, bias_ptr, offsets_ptr, n_rows, width, n_experts, E_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """rows[r] += bias[e] for a [BLOCK_R, BLOCK_C] tile, e the expert whose offsets hold r (the
+    number of experts' ends at or before r), in fp32, stored in rows' dtype."""
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    e = tl.arange(0, E_PAD)
+    ends = tl.load(offsets_ptr + 1 + e, mask=e < n_experts, other=n_rows + 1)
+    expert = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), axis=1)
+    mask = (r < n_rows)[:, None] & (c < width)[None, :]
+    at = r[:, None] * width + c[None, :]
+    bias = tl.load(bias_ptr + expert[:, None] * width + c[None, :], mask=mask, other=0.0)
+    rows = tl.load(rows_ptr + at, mask=mask, other=0.0)
+    total = rows.to(tl.float32) + bias.to(tl.float32)
+    tl.store(rows_ptr + at, total.to(rows_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _expert_bias_grad_kernel(
+    drows_ptr, dbias_ptr, offsets_ptr, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr
+):
+    """dbias[e] = the sum of expert e's rows of drows, for a block of columns, in fp32: one
+    program an expert's columns, its rows read in order (the same sum on every run)."""
+    e = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start, end = tl.load(offsets_ptr + e), tl.load(offsets_ptr + e + 1)
+    total = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for first in range(start, end, BLOCK_R):
+        r = first + tl.arange(0, BLOCK_R).to(tl.int64)
+        mask = (r < end)[:, None] & (c < width)[None, :]
+        drows = tl.load(drows_ptr + r[:, None] * width + c[None, :], mask=mask, other=0.0)
+        total += tl.sum(drows.to(tl.float32), axis=0)
+    tl.store(dbias_ptr + e * width + c, total, mask=c < width)
+
+
+class _AddExpertBias(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor):
+        n_rows, width = rows.shape
+        block_c = min(triton.next_power_of_2(width), 128)
+        grid = (triton.cdiv(n_rows, 32), triton.cdiv(width, block_c))
+        _add_expert_bias_kernel[grid](
+            rows, bias.contiguous(), offsets, n_rows, width, bias.shape[0],
+            E_PAD=triton.next_power_of_2(bias.shape[0]), BLOCK_R=32, BLOCK_C=block_c,
+        )  # fmt: skip
+        ctx.mark_dirty(rows)
+        ctx.save_for_backward(offsets)
+        ctx.bias_dtype = bias.dtype
+        return rows
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, drows: torch.Tensor):
+        (offsets,) = ctx.saved_tensors
+        dbias = None
+        if ctx.needs_input_grad[1]:
+            drows = drows.contiguous()
+            n_experts, width = offsets.shape[0] - 1, drows.shape[1]
+            block_c = min(triton.next_power_of_2(width), 128)
+            dbias = torch.empty(n_experts, width, dtype=torch.float32, device=drows.device)
+            _expert_bias_grad_kernel[(n_experts, triton.cdiv(width, block_c))](
+                drows, dbias, offsets, width, BLOCK_R=32, BLOCK_C=block_c
+            )
+            dbias = dbias.to(ctx.bias_dtype)
+        return drows, dbias, None
+
+
+def add_expert_bias_(rows: torch.Tensor, bias: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows [R, N] sorted by expert += bias [E, N] of each row's expert, in place: the
+    reference's `rows + bias[expert]` without its [R, N] gather (gpt-oss's gate, up and down
+    products, 8.4 GiB at 16 x 16384 tokens, measured: bench/RESULTS.md, "gpt-oss-20b on a
+    GPU"); gradients for rows and the bias."""
+    return _AddExpertBias.apply(rows, bias, offsets)
+
+
+# ----------------------------------------------------------------------------------------
 # The whole path
 # ----------------------------------------------------------------------------------------
 
@@ -532,7 +616,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """moe_experts_reference's y [T, D] in x's dtype, by the steps above, with no host sync;
     gradients for x, weights, w1, w3 and w2 (and the biases), each in its own dtype. Biases
-    are added to the sorted rows by their expert, and another activation runs in PyTorch."""
+    are added to the sorted rows in place (no selective checkpoint keeps a grouped product:
+    offload.MATMUL_OPS), and another activation runs in PyTorch."""
     if experts.dim() != 2 or w1.dim() != 3:
         raise ValueError(
             f"moe_experts: experts {tuple(experts.shape)} and w1 {tuple(w1.shape)}, expected "
@@ -563,14 +648,13 @@ def moe_experts(
         raise ValueError("moe_experts: " + "; ".join(problems))
     position, offsets = sort_by_expert(experts, n_experts)
     gate, up = dispatch_gate_up(x, position, w1, w3, offsets)
-    if biases is not None:  # each sorted row's expert, from the offsets (no host sync)
-        rows = torch.arange(gate.shape[0], device=gate.device, dtype=offsets.dtype)
-        expert = torch.searchsorted(offsets[1:], rows, right=True)
-        gate, up = gate + biases[0][expert], up + biases[1][expert]
+    if biases is not None:
+        gate = add_expert_bias_(gate, biases[0], offsets)
+        up = add_expert_bias_(up, biases[1], offsets)
     # swiglu's backward may write the gradients over gate and up, read by nothing else, as
     # the dense MLP's does (model.triton_ops).
     hidden = swiglu(gate, up, overwrite=True) if activation is None else activation(gate, up)
     out = grouped_mm(hidden, w2, offsets)
     if biases is not None:
-        out = out + biases[2][expert]
+        out = add_expert_bias_(out, biases[2], offsets)
     return combine(out, position, weights)

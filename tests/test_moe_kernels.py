@@ -29,6 +29,7 @@ from test_kernels import (
 
 import kernels.moe
 from kernels.moe import (
+    add_expert_bias_,
     combine,
     combine_reference,
     dispatch_gate_up,
@@ -153,6 +154,31 @@ def test_dispatch_gate_up_matches_reference(n_tokens, dim, k, empty, dtype):
     pairs = against_reference(
         lambda x, w1, w3: dispatch_gate_up(x, position, w1, w3, offsets), reference,
         [x, w1, w3], [dgate, dup], ["gate", "up", "dx", "dw1", "dw3"], torch.float64,
+    )  # fmt: skip
+    for name, out, ref in pairs:
+        assert out.dtype == dtype, name
+        assert_close(out, ref, TOLERANCE[dtype], name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "counts, width",
+    [([20, 0, 33, 21, 0], 40), ([0, 75, 0], 130), ([1] * 130, 3)],  # 130 experts: E_PAD 256
+)
+def test_add_expert_bias_equals_the_gathered_bias(counts, width, dtype):
+    """rows + bias[expert], each row's expert read from the offsets, in place; the bias's
+    gradient the sum of its expert's rows (none for an expert without rows)."""
+    torch.manual_seed(0)
+    offsets = torch.tensor([0, *counts]).cumsum(0).int()
+    expert = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    rows = torch.randn(sum(counts), width, dtype=dtype)
+    bias = torch.randn(len(counts), width, dtype=dtype)
+    if dtype == torch.float32:  # bit for bit (in bf16 the interpreter truncates, the GPU rounds)
+        assert torch.equal(add_expert_bias_(rows.clone(), bias, offsets), rows + bias[expert])
+    pairs = against_reference(
+        lambda r, b: add_expert_bias_(r.clone(), b, offsets), lambda r, b: r + b[expert],
+        [rows, bias], [torch.randn(sum(counts), width, dtype=dtype)], ["out", "drows", "dbias"],
+        torch.float64,
     )  # fmt: skip
     for name, out, ref in pairs:
         assert out.dtype == dtype, name
