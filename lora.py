@@ -325,19 +325,41 @@ def lora_module_paths(
     ]
 
 
-def expert_lora_shapes(moe: MoE, config: LoRAConfig) -> dict[str, tuple[int, ...]]:
-    """The adapters `config` puts on an MoE layer's experts, moe.LORA_PARAMS's names -> shapes
-    (kernels.moe.ExpertLoRA's). PEFT's adapter on a [E, out, in] tensor is [E, rank, in] and
-    [E, out, rank] (stored [E * rank, in] and [out, rank * E]: hf.py); gate_up_proj's out
-    holds w1's rows then w3's, whose B is split in two here."""
-    n_experts, ffn_dim, dim = moe.shapes["w1"] if isinstance(moe, NF4MoE) else moe.w1.shape
-    r, shapes = config.rank, {}
+def expert_lora_shapes(args, config: LoRAConfig) -> dict[str, tuple[int, ...]]:
+    """The adapters `config` puts on each MoE layer's experts of model.ModelArgs `args`:
+    moe.LORA_PARAMS's names -> shapes (kernels.moe.ExpertLoRA's). PEFT's adapter on an
+    [E, out, in] tensor is [E, rank, in] and [E, out, rank] (stored [E * rank, in] and
+    [out, rank * E]: hf.py); gate_up_proj's out holds w1's rows then w3's, whose B is split in
+    two here."""
+    n_experts, ffn_dim, dim, r = args.n_experts, args.expert_ffn_dim, args.dim, config.rank
+    shapes = {}
     if "experts_w13" in config.targets:
         shapes |= {"w13_lora_A": (n_experts, r, dim)}
         shapes |= dict.fromkeys(("w1_lora_B", "w3_lora_B"), (n_experts, ffn_dim, r))
     if "experts_w2" in config.targets:
         shapes |= {"w2_lora_A": (n_experts, r, ffn_dim), "w2_lora_B": (n_experts, dim, r)}
     return shapes
+
+
+def check_lora_targets(args, config: LoRAConfig) -> None:
+    """Refuses targets that adapt nothing on model.ModelArgs `args`: an MoE model's dense
+    feed-forward ones alone, the experts' on a model without experts or on gpt-oss's."""
+    experts = ",".join(config.expert_targets)
+    if experts and not args.moe_layers:
+        raise UsageError(
+            f"LoRA targets {experts} adapt an MoE model's experts: {args.family} has none"
+        )
+    if experts and args.family == "gpt_oss":
+        raise UsageError(
+            f"LoRA targets {experts}: gpt-oss's experts (transposed, with biases) take no "
+            f"adapter; choose some of wq,wk,wv,wo"
+        )
+    if not experts and not lora_module_paths(args.n_layers, config.targets, args.moe_layers):
+        raise UsageError(
+            f"LoRA targets {list(config.targets)} adapt nothing on a mixture-of-experts model: "
+            f"its feed-forward projections take no adapter; choose some of wq,wk,wv,wo,"
+            f"{','.join(EXPERT_LORA_TARGETS)}"
+        )
 
 
 def apply_lora(
@@ -349,23 +371,8 @@ def apply_lora(
     (train.apply_techniques)."""
     dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
     args = model.args
+    check_lora_targets(args, config)
     paths = lora_module_paths(args.n_layers, config.targets, args.moe_layers)
-    experts = ",".join(EXPERT_LORA_TARGETS)
-    if config.expert_targets and not args.moe_layers:
-        raise UsageError(
-            f"LoRA targets {','.join(config.expert_targets)} adapt a mixture-of-experts model's "
-            f"experts: {args.family} has none"
-        )
-    if config.expert_targets and model.layers[args.moe_layers[0]].feed_forward.gpt_oss:
-        raise UsageError(
-            f"LoRA targets {','.join(config.expert_targets)}: gpt-oss's experts (transposed, "
-            f"with biases) take no adapter; choose some of wq,wk,wv,wo"
-        )
-    if not paths and not config.expert_targets:
-        raise UsageError(
-            f"LoRA targets {list(config.targets)} adapt nothing on a mixture-of-experts model: "
-            f"its feed-forward projections take no adapter; choose some of wq,wk,wv,wo,{experts}"
-        )
     for path in paths:
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path)
@@ -392,7 +399,7 @@ def apply_lora(
     for i in args.moe_layers if config.expert_targets else ():
         moe = model.layers[i].feed_forward
         device = moe.router.weight.device
-        for name, shape in expert_lora_shapes(moe, config).items():
+        for name, shape in expert_lora_shapes(args, config).items():
             moe.register_parameter(name, nn.Parameter(torch.empty(shape, device=device)))
         moe.lora_scale = config.scale
 
