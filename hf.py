@@ -665,8 +665,8 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
         peft: tuple(model.get_parameter(name).shape)
         for name, peft in peft_names(args, config.targets).items()
     }
-    for peft, ours in peft_expert_names(args, config.targets).items():
-        empty = [torch.empty(model.get_parameter(name).shape, device="meta") for name in ours]
+    for peft, parts in peft_expert_names(args, config.targets).items():
+        empty = [torch.empty(model.get_parameter(name).shape, device="meta") for name in parts]
         expected[peft] = tuple(to_peft_experts(peft, empty).shape)
     with _open_safetensors(tensors_file) as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
