@@ -546,8 +546,10 @@ def test_qlora_on_the_experts_keeps_them_in_nf4_and_equals_them_dequantized(tmp_
     config = dataclasses.replace(EXPERTS_CONFIG, quantize_base="nf4")
     path = moe_checkpoint(tmp_path / "base", "qwen3_moe")
     quantized = lora_model(path, config, ops=triton_ops())
-    randomize_adapters(quantized)
     layer = quantized.layers[0].feed_forward
+    bound = 1 / quantized.args.dim**0.5  # PEFT's kaiming-uniform A, over an expert's dim inputs
+    assert 0.5 * bound < layer.w13_lora_A.abs().max() <= bound and not layer.w1_lora_B.any()
+    randomize_adapters(quantized)
     assert isinstance(layer, NF4MoE) and not hasattr(layer, "w1")
     assert {n for n, p in layer.named_parameters() if p.requires_grad} == set(LORA_PARAMS)
     plain = dequantized_twin(quantized, path, EXPERTS_CONFIG)
