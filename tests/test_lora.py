@@ -506,8 +506,8 @@ def test_expert_adapters_export_to_peft_with_equal_logits_and_gradients(
     tmp_path, name, kernels, targets
 ):
     """PEFT's model loads the exported adapter (target_parameters on its fused experts, one or
-    both, nested) with our adapters and no others; logits and every adapter's gradient equal;
-    read back, the adapters are the same. The base experts are frozen."""
+    both, nested) with our adapters and no others; logits and every adapter's gradient equal,
+    the base experts frozen, without one; saved by PEFT and read back, the same adapters."""
     config = dataclasses.replace(EXPERTS_CONFIG, targets=targets)
     path = moe_checkpoint(tmp_path / "base", name)
     model = lora_model(path, config, ops=triton_ops() if kernels else REFERENCE_OPS)
@@ -532,9 +532,11 @@ def test_expert_adapters_export_to_peft_with_equal_logits_and_gradients(
     for peft_name, ours in expert_names.items():
         grad = to_peft_experts(peft_name, [model.get_parameter(n).grad for n in ours])
         assert rel_err(grad, their_params[peft_name].grad) <= FP32_RTOL, peft_name
+    assert layer.w1.grad is None and layer.w2.grad is None
 
+    theirs.save_pretrained(tmp_path / "peft")  # as PEFT writes it, read back: our adapters
     fresh = lora_model(path, config, seed=1)
-    load_peft_adapter(fresh, config, out)
+    load_peft_adapter(fresh, config, tmp_path / "peft")
     assert all(torch.equal(t, adapters(fresh)[n]) for n, t in adapters(model).items())
 
 
