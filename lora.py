@@ -366,9 +366,9 @@ def apply_lora(
     model: nn.Module, config: LoRAConfig, base_dtype: torch.dtype, kernels: bool = False
 ) -> None:
     """Replaces every block's target projections with LoRALinear (and with QLoRA the MoE
-    layers with NF4MoE) and freezes the rest, stored in `base_dtype` (the compute dtype: no fp32
-    master copy of what is not trained). Applied first, to the meta-built model
-    (train.apply_techniques)."""
+    layers with NF4MoE) and freezes the rest, stored in `base_dtype` (the compute dtype: no
+    fp32 master copy of what is not trained); then adds the experts' adapters where asked.
+    Applied first, to the meta-built model (train.apply_techniques)."""
     dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
     args = model.args
     check_lora_targets(args, config)
