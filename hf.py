@@ -25,6 +25,8 @@ from config_json import args_from_hf_config, checkpoint_is_a_file, hf_config
 from files import OutputDir, UsageError, give_ordinary_mode, read_json
 from kernels import dequantize_nf4_reference
 from lora import (
+    EXPERT_LORA_TARGETS,
+    EXPERT_WEIGHTS,
     HF_LAYER_NAMES,
     HF_LORA_TARGETS,
     NF4_SUFFIX,
@@ -37,6 +39,7 @@ from lora import (
     lora_module_paths,
 )
 from model import FAMILIES, Llama, ModelArgs
+from moe import MoE
 from tokenizer import HFTokenizer
 
 # ----------------------------------------------------------------------------------------
@@ -491,14 +494,15 @@ def _join_parts(parts: list[tuple[FusedRows, torch.Tensor]]) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------
-# PEFT adapters: LoRA's adapters (lora.LoRALinear) as PEFT's adapter_config.json and
-# adapter_model.safetensors, and the adapted model merged into a plain HF checkpoint
+# PEFT adapters: LoRA's adapters (lora.LoRALinear, and the experts') as PEFT's
+# adapter_config.json and adapter_model.safetensors, and the adapted model merged into a plain
+# HF checkpoint
 # ----------------------------------------------------------------------------------------
 
 
 def peft_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, str]:
     """longtune adapter name -> PEFT's (`base_model.model.model.layers.0.self_attn.q_proj.
-    lora_A.weight`)."""
+    lora_A.weight`), the linear layers' (the experts': peft_expert_names)."""
     hf = hf_names(args)
     names = {}
     for path in lora_module_paths(args.n_layers, targets, args.moe_layers):
@@ -506,6 +510,43 @@ def peft_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, str]:
         for ab in ("lora_A", "lora_B"):
             names[f"{path}.{ab}"] = f"{module}.{ab}.weight"
     return names
+
+
+def peft_expert_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """PEFT's name of an adapter on the experts -> the longtune adapters it holds (a
+    gate_up_proj B: w1's rows, then w3's). PEFT (0.21) wraps transformers' experts module once
+    for each targeted parameter, in the module's order: gate_up_proj's wrapper is inside
+    down_proj's (`experts.base_layer.lora_A`) where both are adapted."""
+    names = {}
+    for i in args.moe_layers:
+        module, ours = f"base_model.model.model.layers.{i}.mlp.experts", f"layers.{i}.feed_forward"
+        if "experts_w13" in targets:
+            inner = module + ".base_layer" * ("experts_w2" in targets)
+            names[f"{inner}.lora_A.weight"] = (f"{ours}.w13_lora_A",)
+            names[f"{inner}.lora_B.weight"] = (f"{ours}.w1_lora_B", f"{ours}.w3_lora_B")
+        if "experts_w2" in targets:
+            names[f"{module}.lora_A.weight"] = (f"{ours}.w2_lora_A",)
+            names[f"{module}.lora_B.weight"] = (f"{ours}.w2_lora_B",)
+    return names
+
+
+def to_peft_experts(theirs: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Ours, [E, rank, in] (an A) or [E, out, rank] (a B's parts, joined by out), as PEFT's
+    adapter on [E, out, in] stores them: A [E * rank, in], B [out, rank * E] (its rank's
+    columns expert-fastest: lora.ParamWrapper.get_delta_weight)."""
+    whole = torch.cat(parts, dim=1)
+    return (
+        whole.flatten(0, 1)
+        if theirs.endswith("lora_A.weight")
+        else whole.permute(1, 2, 0).flatten(1)
+    )
+
+
+def from_peft_experts(theirs: str, tensor: torch.Tensor, n_experts: int, outs: list[int]):
+    """to_peft_experts undone: the [E, ...] parts, of `outs` rows each (a B's)."""
+    if theirs.endswith("lora_A.weight"):
+        return [tensor.view(n_experts, -1, tensor.shape[1])]
+    return tensor.view(tensor.shape[0], -1, n_experts).permute(2, 0, 1).split(outs, dim=1)
 
 
 # A --export-adapter directory (files.OutputDir).
@@ -517,8 +558,9 @@ PEFT_ADAPTER = OutputDir(
 
 
 def peft_adapter_config(args: ModelArgs, config: LoRAConfig, base_model: str | None) -> dict:
-    """PEFT's adapter_config.json, its target_modules those that take adapters on this model
-    (lora_module_paths: on a mixture-of-experts model, PEFT would put its own on the experts)."""
+    """PEFT's adapter_config.json, its target_modules the linear layers that take adapters on
+    this model (lora_module_paths: on a mixture-of-experts model, PEFT would put gate_proj's on
+    the experts), its target_parameters the experts' tensors."""
     paths = lora_module_paths(args.n_layers, config.targets, args.moe_layers)
     return {
         "peft_type": "LORA",
@@ -528,6 +570,7 @@ def peft_adapter_config(args: ModelArgs, config: LoRAConfig, base_model: str | N
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
         "target_modules": sorted({HF_LORA_TARGETS[p.rpartition(".")[2]] for p in paths}),
+        "target_parameters": sorted(EXPERT_LORA_TARGETS[t] for t in config.expert_targets),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -547,12 +590,17 @@ def save_peft_adapter(
     """Writes adapter_config.json + adapter_model.safetensors (fp32, PEFT's names), which
     `peft.PeftModel.from_pretrained(base, out_dir)` loads. Atomic like save_hf_checkpoint."""
     names = peft_names(args, config.targets)
-    tensors = {
-        names[ours]: t.detach().to("cpu", torch.float32).contiguous()
-        for ours, t in named_tensors
-        if ours in names
-    }
-    if missing := sorted(set(names.values()) - set(tensors)):
+    expert_names = peft_expert_names(args, config.targets)
+    held = {part for parts in expert_names.values() for part in parts}
+    tensors, parts = {}, {}
+    for ours, t in named_tensors:
+        if ours in names or ours in held:
+            t = t.detach().to("cpu", torch.float32)
+            (tensors if ours in names else parts)[names.get(ours, ours)] = t.contiguous()
+    for theirs, ours in expert_names.items():
+        if all(part in parts for part in ours):
+            tensors[theirs] = to_peft_experts(theirs, [parts[part] for part in ours]).contiguous()
+    if missing := sorted({*names.values(), *expert_names} - set(tensors)):
         raise ValueError(f"cannot save the adapter: no tensor given for {missing[:5]}")
     with PEFT_ADAPTER.writing(out_dir) as tmp:
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
@@ -603,12 +651,13 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
             f"PEFT changed: convert it to a plain LoRA adapter with PEFT first "
             f"(save_pretrained's path_initial_model_for_weight_conversion)"
         )
-    targets = theirs.get("target_modules")
-    if sorted(targets if isinstance(targets, list) else [targets]) != ours["target_modules"]:
-        problems.append(
-            f"adapter_config.json target_modules: adapter has {targets!r}, expected "
-            f"{ours['target_modules']} (--lora-targets)"
-        )
+    for key in ("target_modules", "target_parameters"):
+        targets = theirs.get(key) or []
+        if sorted(targets if isinstance(targets, list) else [targets]) != ours[key]:
+            problems.append(
+                f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected "
+                f"{ours[key]} (--lora-targets)"
+            )
     with torch.device("meta"):
         model = Llama(args)
     apply_lora(model, config, torch.float32)
@@ -616,6 +665,9 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
         peft: tuple(model.get_parameter(name).shape)
         for name, peft in peft_names(args, config.targets).items()
     }
+    for peft, parts in peft_expert_names(args, config.targets).items():
+        empty = [torch.empty(model.get_parameter(name).shape, device="meta") for name in parts]
+        expected[peft] = tuple(to_peft_experts(peft, empty).shape)
     with _open_safetensors(tensors_file) as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     if theirs.get("r") != ours["r"]:  # every adapter's shape differs by the rank: not listed
@@ -645,6 +697,15 @@ def load_peft_adapter(
     with _open_safetensors(file) as f:
         for ours, theirs in peft_names(model.args, config.targets).items():
             copy(model.get_parameter(ours), CheckedSlice(f.get_slice(theirs), theirs, nonfinite))
+        # The experts' adapters, small, read whole on every rank and rearranged to [E, ...].
+        for theirs, ours in peft_expert_names(model.args, config.targets).items():
+            params = [model.get_parameter(name) for name in ours]
+            tensor = CheckedSlice(f.get_slice(theirs), theirs, nonfinite)[:]
+            outs = [p.shape[1] for p in params]
+            for param, part in zip(
+                params, from_peft_experts(theirs, tensor, model.args.n_experts, outs), strict=True
+            ):
+                copy(param, part)
     refuse_nonfinite(file, agree(nonfinite))
 
 
@@ -653,18 +714,17 @@ def merged_named_tensors(
 ) -> Iterable[tuple[str, torch.Tensor]]:
     """(name, full tensor) for save_hf_checkpoint, each LoRALinear merged into one weight
     W + scale * B @ A in fp32, so that a plain Llama (transformers' or longtune's) computes
-    what the adapted model does without dropout; 4-bit experts (NF4MoE) dequantized.
-    `gather(param)`: the whole parameter."""
+    what the adapted model does without dropout; the experts' too (merged_experts), 4-bit
+    ones (NF4MoE) dequantized. `gather(param)`: the whole parameter."""
     lora = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
-    nf4_experts = {name: m for name, m in model.named_modules() if isinstance(m, NF4MoE)}
+    moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
     for name, param in model.named_parameters():
         owner_path, _, leaf = name.rpartition(".")
-        if owner_path in nf4_experts and leaf.endswith(NF4_SUFFIX):
+        if owner_path in moes and leaf.removesuffix(NF4_SUFFIX) in EXPERT_WEIGHTS:
             weight = leaf.removesuffix(NF4_SUFFIX)
-            dequantized = nf4_experts[owner_path].expert_weight(
-                weight, torch.float32, gather(param), dequantize_nf4_reference
-            )
-            yield f"{owner_path}.{weight}", dequantized
+            yield f"{owner_path}.{weight}", merged_experts(moes[owner_path], weight, param, gather)
+        elif owner_path in moes and leaf.endswith(("lora_A", "lora_B")):
+            continue
         elif owner_path not in lora or leaf == "bias":
             yield name, gather(param)
         elif leaf in ("weight", "weight" + NF4_SUFFIX):
@@ -672,3 +732,24 @@ def merged_named_tensors(
             base = module.base_weight(gather(param))
             delta = gather(module.lora_B).float() @ gather(module.lora_A).float()
             yield f"{owner_path}.weight", base + module.scale * delta
+
+
+# Each expert tensor's adapters (moe.LORA_PARAMS): its B, and its A (w1's and w3's shared).
+EXPERT_LORA_FACTORS = {
+    "w1": ("w1_lora_B", "w13_lora_A"),
+    "w3": ("w3_lora_B", "w13_lora_A"),
+    "w2": ("w2_lora_B", "w2_lora_A"),
+}
+
+
+def merged_experts(moe: MoE, weight: str, stored: torch.Tensor, gather: Callable) -> torch.Tensor:
+    """Expert tensor `weight` [E, out, in] whole from `stored` (its parameter, 4-bit in an
+    NF4MoE: dequantized), with its adapters W[e] + scale * B[e] @ A[e] in fp32 where it has any."""
+    whole = gather(stored)
+    if isinstance(moe, NF4MoE):
+        whole = moe.expert_weight(weight, torch.float32, whole, dequantize_nf4_reference)
+    b, a = EXPERT_LORA_FACTORS[weight]
+    if not hasattr(moe, a):
+        return whole
+    delta = torch.bmm(gather(getattr(moe, b)).float(), gather(getattr(moe, a)).float())
+    return whole.float() + moe.lora_scale * delta

@@ -6,12 +6,15 @@ built on the meta device (train.apply_techniques):
         model = Llama(args)
     apply_lora(model, LoRAConfig(rank=16, alpha=32, quantize_base="nf4"), torch.bfloat16)
 
-On a mixture-of-experts model (moe.py) the adapters go on the attention projections; QLoRA
-stores the experts, most of such a model's weights, in NF4 too (`NF4MoE`).
+On a mixture-of-experts model (moe.py) the adapters go on the attention projections and, when
+asked (`EXPERT_LORA_TARGETS`), on each expert's projections: [E, ...] adapters that
+Ops.moe_experts adds as grouped low-rank products (kernels.moe.ExpertLoRA), in PEFT's
+target_parameters format. QLoRA stores the experts, most of such a model's weights, in NF4 too
+(`NF4MoE`).
 
 In order: the projections by name (longtune's and Hugging Face's), `LoRAConfig`, the layer
-(`LoRALinear`), the experts in NF4 (`NF4MoE`), `apply_lora`, and the copy into a parameter
-that quantizes a 4-bit base.
+(`LoRALinear`), the experts in NF4 (`NF4MoE`), the experts' adapters, `apply_lora`, and the
+copy into a parameter that quantizes a 4-bit base.
 """
 
 import functools
@@ -45,6 +48,13 @@ HF_LORA_TARGETS = {
     for ours, theirs in HF_LAYER_NAMES.items()
     if not ours.endswith("norm.weight")
 }
+# The experts' targets -> PEFT's target_parameters on transformers 5's fused [E, out, in]
+# tensors: one adapter on gate_up_proj (w1 and w3: one A, and a B whose halves are theirs), one
+# on down_proj (w2).
+EXPERT_LORA_TARGETS = {
+    "experts_w13": "mlp.experts.gate_up_proj",
+    "experts_w2": "mlp.experts.down_proj",
+}
 NF4_SUFFIX = "_nf4"  # `wq.weight_nf4`: the 4-bit storage of `wq.weight`
 EXPERT_WEIGHTS = ("w1", "w3", "w2")  # moe.MoE's [E, out, in] expert tensors
 
@@ -63,9 +73,12 @@ class LoRAConfig:
             problems.append(f"rank must be >= 1, got {self.rank}")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
-        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        known = (*LORA_TARGETS, *EXPERT_LORA_TARGETS)
+        unknown = [t for t in self.targets if t not in known]
         if unknown or not self.targets:
-            problems.append(f"targets {list(self.targets)}: expected some of {LORA_TARGETS}")
+            problems.append(f"targets {list(self.targets)}: expected some of {known}")
+        if self.dropout and self.expert_targets:  # PEFT's adapter on a parameter has none
+            problems.append(f"dropout must be 0 with the experts' adapters, got {self.dropout}")
         if self.quantize_base not in (None, "nf4"):
             problems.append(f"quantize_base {self.quantize_base!r}: expected None or 'nf4'")
         if problems:
@@ -75,21 +88,28 @@ class LoRAConfig:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @property
+    def expert_targets(self) -> tuple[str, ...]:
+        return tuple(t for t in self.targets if t in EXPERT_LORA_TARGETS)
+
 
 def parse_lora_targets(text: str) -> tuple[str, ...]:
-    """ "all" or comma-separated longtune or HF names (HF_LORA_TARGETS), in LORA_TARGETS order."""
+    """ "all" (the linear layers: LORA_TARGETS) or comma-separated longtune or HF names
+    (HF_LORA_TARGETS, EXPERT_LORA_TARGETS), in that order."""
     if text == "all":
         return LORA_TARGETS
-    by_hf = {hf: ours for ours, hf in HF_LORA_TARGETS.items()}
+    ours = (*LORA_TARGETS, *EXPERT_LORA_TARGETS)
+    by_hf = {hf: o for o, hf in (HF_LORA_TARGETS | EXPERT_LORA_TARGETS).items()}
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in LORA_TARGETS and n not in by_hf]
+    unknown = [n for n in names if n not in ours and n not in by_hf]
     if unknown or not names:
         raise UsageError(
             f"LoRA targets {text!r}: unknown {unknown}; expected 'all' or names from "
-            f"{list(LORA_TARGETS)} or their HF names {list(HF_LORA_TARGETS.values())}"
+            f"{list(ours)} or their HF names "
+            f"{[*HF_LORA_TARGETS.values(), *EXPERT_LORA_TARGETS.values()]}"
         )
     chosen = {by_hf.get(n, n) for n in names}
-    return tuple(t for t in LORA_TARGETS if t in chosen)
+    return tuple(t for t in ours if t in chosen)
 
 
 class LoRALinear(nn.Module):
@@ -294,31 +314,65 @@ def lora_module_paths(
     experts model (any `moe_layers`) the feed-forward targets take no adapter, on its dense
     layers either: PEFT (0.21, on transformers 5) reads gate_proj, up_proj and down_proj on
     such a model as the experts' (transformers 4 held them as per-expert linear layers of those
-    names), so a dense layer's adapter would not load there; the experts take none."""
+    names), so a dense layer's adapter would not load there. The experts' own adapters
+    (EXPERT_LORA_TARGETS) are no linear layer's: expert_lora_shapes."""
     where = {ours.split(".")[1]: ours.split(".")[0] for ours in HF_LAYER_NAMES}
     return [
         f"layers.{i}.{where[t]}.{t}"
         for i in range(n_layers)
         for t in targets
-        if not (moe_layers and where[t] == "feed_forward")
+        if t in LORA_TARGETS and not (moe_layers and where[t] == "feed_forward")
     ]
+
+
+def expert_lora_shapes(args, config: LoRAConfig) -> dict[str, tuple[int, ...]]:
+    """The adapters `config` puts on each MoE layer's experts of model.ModelArgs `args`:
+    moe.LORA_PARAMS's names -> shapes (kernels.moe.ExpertLoRA's). PEFT's adapter on an
+    [E, out, in] tensor is [E, rank, in] and [E, out, rank] (stored [E * rank, in] and
+    [out, rank * E]: hf.py); gate_up_proj's out holds w1's rows then w3's, whose B is split in
+    two here."""
+    n_experts, ffn_dim, dim, r = args.n_experts, args.expert_ffn_dim, args.dim, config.rank
+    shapes = {}
+    if "experts_w13" in config.targets:
+        shapes |= {"w13_lora_A": (n_experts, r, dim)}
+        shapes |= dict.fromkeys(("w1_lora_B", "w3_lora_B"), (n_experts, ffn_dim, r))
+    if "experts_w2" in config.targets:
+        shapes |= {"w2_lora_A": (n_experts, r, ffn_dim), "w2_lora_B": (n_experts, dim, r)}
+    return shapes
+
+
+def check_lora_targets(args, config: LoRAConfig) -> None:
+    """Refuses targets that adapt nothing on model.ModelArgs `args`: an MoE model's dense
+    feed-forward ones alone, the experts' on a model without experts or on gpt-oss's."""
+    experts = ",".join(config.expert_targets)
+    if experts and not args.moe_layers:
+        raise UsageError(
+            f"LoRA targets {experts} adapt an MoE model's experts: {args.family} has none"
+        )
+    if experts and args.family == "gpt_oss":
+        raise UsageError(
+            f"LoRA targets {experts}: gpt-oss's experts (transposed, with biases) take no "
+            f"adapter; choose some of wq,wk,wv,wo"
+        )
+    if not experts and not lora_module_paths(args.n_layers, config.targets, args.moe_layers):
+        raise UsageError(
+            f"LoRA targets {list(config.targets)} adapt nothing on a mixture-of-experts model: "
+            f"its feed-forward projections take no adapter; choose some of wq,wk,wv,wo,"
+            f"{','.join(EXPERT_LORA_TARGETS)}"
+        )
 
 
 def apply_lora(
     model: nn.Module, config: LoRAConfig, base_dtype: torch.dtype, kernels: bool = False
 ) -> None:
     """Replaces every block's target projections with LoRALinear (and with QLoRA the MoE
-    layers with NF4MoE) and freezes the rest, stored in `base_dtype` (the compute dtype: no fp32
-    master copy of what is not trained). Applied first, to the meta-built model
-    (train.apply_techniques)."""
+    layers with NF4MoE) and freezes the rest, stored in `base_dtype` (the compute dtype: no
+    fp32 master copy of what is not trained); then adds the experts' adapters where asked.
+    Applied first, to the meta-built model (train.apply_techniques)."""
     dequantize = dequantize_nf4 if kernels else dequantize_nf4_reference
     args = model.args
+    check_lora_targets(args, config)
     paths = lora_module_paths(args.n_layers, config.targets, args.moe_layers)
-    if not paths:
-        raise UsageError(
-            f"LoRA targets {list(config.targets)} adapt nothing on a mixture-of-experts model: "
-            f"its feed-forward projections take no adapter; choose some of wq,wk,wv,wo"
-        )
     for path in paths:
         parent_path, _, attr = path.rpartition(".")
         parent = model.get_submodule(parent_path)
@@ -342,6 +396,12 @@ def apply_lora(
         for name, param in list(module.named_parameters(recurse=False)):
             frozen = torch.empty_like(param, dtype=base_dtype)
             setattr(module, name, nn.Parameter(frozen, requires_grad=False))
+    for i in args.moe_layers if config.expert_targets else ():
+        moe = model.layers[i].feed_forward
+        device = moe.router.weight.device
+        for name, shape in expert_lora_shapes(args, config).items():
+            moe.register_parameter(name, nn.Parameter(torch.empty(shape, device=device)))
+        moe.lora_scale = config.scale
 
 
 def _check_quantizable(name: str, shape: tuple[int, ...]) -> None:

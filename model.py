@@ -542,7 +542,8 @@ class Ops:
     linear_cross_entropy: Callable  # (hidden [N,D], weight [V,D], labels [N], ignore, reduction)
     project: Callable  # (x, linears) -> [linear(x) for each], the projections reading one x
     moe_experts: Callable  # (x [T,D], experts [T,k], weights [T,k], w1, w3, w2[, biases,
-    # activation]) -> [T,D]; gpt-oss's experts add biases and a clamped SwiGLU
+    # activation, lora]) -> [T,D]; gpt-oss's experts add biases and a clamped SwiGLU, LoRA
+    # its adapters (kernels.moe.ExpertLoRA)
 
 
 def project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
@@ -880,8 +881,8 @@ class Llama(nn.Module):
         if name.endswith(("lora_B", "bias")):
             return torch.zeros(shape, device=device)
         generator = torch.Generator(device).manual_seed(seed + zlib.crc32(name.encode()))
-        if name.endswith("lora_A"):
-            bound = 1 / math.sqrt(shape[1])
+        if name.endswith("lora_A"):  # [rank, in], an expert's [E, rank, in]
+            bound = 1 / math.sqrt(shape[-1])
             return (torch.rand(shape, generator=generator, device=device) * 2 - 1) * bound
         std = 0.02
         if name.endswith(("wo.weight", "w2.weight", "feed_forward.w2")):

@@ -5,7 +5,8 @@ SwiGLU (`clamped_swiglu`). model.py's block takes it in place of its dense FeedF
 layers ModelArgs.moe_layers names.
 
 The experts' computation is `Ops.moe_experts`: kernels/moe.py's Triton path (sort by expert,
-grouped matrix products, combine; no host sync) or its plain-PyTorch reference. In order: what
+grouped matrix products, combine; no host sync) or its plain-PyTorch reference, with LoRA's
+adapters on the experts where lora.apply_lora added them (`LORA_PARAMS`). In order: what
 a layer's routing leaves for the loss and the metrics (`Routed`), the layer, then the
 load-balancing loss transformers adds to an MoE model's loss and the experts' load the metrics
 log shows.
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from kernels.moe import ExpertLoRA
 
 
 @dataclass
@@ -34,6 +37,10 @@ class Routed:
             self.chosen + other.chosen, self.probs + other.probs, self.tokens + other.tokens
         )
 
+
+# LoRA's adapters on the experts (lora.apply_lora), in kernels.moe.ExpertLoRA's order: one A for
+# w1 and w3 (PEFT's on their fused gate_up_proj) and a B for each, and w2's A and B.
+LORA_PARAMS = ("w13_lora_A", "w1_lora_B", "w3_lora_B", "w2_lora_A", "w2_lora_B")
 
 # gpt-oss's SwiGLU (transformers' GptOssExperts, its config's swiglu_alpha and swiglu_limit).
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
@@ -94,6 +101,7 @@ class MoE(nn.Module):
         # to the router (the block's attention activations) until the next forward.
         self.routed: list[Routed] = []
         self.recording = True
+        self.lora_scale: float | None = None  # alpha / rank where apply_lora adapts the experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -115,9 +123,14 @@ class MoE(nn.Module):
         return self.apply_experts(x, experts, weights, self.w1, self.w3, self.w2)
 
     def apply_experts(self, x, experts, weights, w1, w3, w2) -> torch.Tensor:
-        """Ops.moe_experts with these expert weights, and gpt-oss's biases and activation."""
+        """Ops.moe_experts with these expert weights, LoRA's adapters on them (those of
+        LORA_PARAMS lora.apply_lora added), and gpt-oss's biases and activation."""
+        lora = None
+        if self.lora_scale is not None:
+            adapters = (getattr(self, name, None) for name in LORA_PARAMS)
+            lora = ExpertLoRA(self.lora_scale, *adapters)
         if not self.gpt_oss:
-            return self.ops.moe_experts(x, experts, weights, w1, w3, w2)
+            return self.ops.moe_experts(x, experts, weights, w1, w3, w2, lora=lora)
         biases = (self.w1_bias, self.w3_bias, self.w2_bias)
         return self.ops.moe_experts(x, experts, weights, w1, w3, w2, biases, clamped_swiglu)
 

@@ -30,7 +30,7 @@ from config_json import args_from_hf_config
 from data import RunData, TokenDataset, attended_per_token, open_data, open_eval_data
 from files import UsageError, params_text
 from hf import HF_EXPORT, PEFT_ADAPTER, check_hf_checkpoint, check_peft_adapter
-from lora import LORA_TARGETS, LoRAConfig, parse_lora_targets
+from lora import LORA_TARGETS, LoRAConfig, check_lora_targets, parse_lora_targets
 from metrics import report_to_problems
 from model import PRESETS, ModelArgs
 from offload import AC_MODES
@@ -204,7 +204,9 @@ class Options:
     lora_targets: str = option(
         "all",
         "the projections that get adapters: all, or a comma list of wq,wk,wv,wo,w1,w2,w3 or "
-        "their HF names q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,up_proj",
+        "their HF names q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,up_proj; on an MoE "
+        "model w1,w2,w3 take none, and experts_w13,experts_w2 (PEFT's target_parameters "
+        "mlp.experts.gate_up_proj,mlp.experts.down_proj) adapt each expert (not in all)",
     )
     quantize_base: str | None = option(
         None, "store the frozen base's adapted projections in 4 bits (QLoRA)", choices=["nf4"]
@@ -482,6 +484,8 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
         ]
     try:
         lora = lora_config(opts)
+        if lora:
+            check_lora_targets(args, lora)
     except ValueError as e:
         problems.append(str(e))
     else:  # fp8_ops leaves a 4-bit projection as it is

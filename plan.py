@@ -20,7 +20,7 @@ from files import UsageError, params_text, plural
 from kernels.cross_entropy import BF16_SUM_CHUNKS, CHUNK_LOGITS_BYTES, chunk_rows
 from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
-from lora import LoRAConfig
+from lora import LoRAConfig, expert_lora_shapes
 from model import FAMILIES, Llama, ModelArgs
 from offload import AC_MODES
 from optim import STAGING_SLOTS
@@ -439,6 +439,7 @@ def count_weights(args: ModelArgs, lora: LoRAConfig | None, param_bytes: int) ->
         largest = max((s.numel() for s in targets.values()), default=0)
         dequantized = max(largest, sum(s.numel() for s in experts.values()))
     adapters = sum(lora.rank * (n + k) for n, k in targets.values())
+    adapters += sum(torch.Size(s).numel() for s in expert_lora_shapes(args, lora).values())
     return Weights(
         embedding, head, trained=args.n_layers * adapters,
         frozen_bytes=args.n_layers * base + param_bytes * (embedding + head),
@@ -588,7 +589,8 @@ def selective_matmuls(args: ModelArgs, plan: Plan, p: int, m: int, f: int) -> in
     policy keeps every aten matmul's; MLP tiling's m tokens at a time, f wide, as
     block_bytes counts them): wq, wk, wv; wo and w2, dim wide; w1 and w3; LoRA's B products
     beside their bases'. An MoE block: wo's and the router's logits; its experts' products
-    only without the kernels (the reference's loop of matmuls), and no adapters on them."""
+    only without the kernels (the reference's loop of matmuls), their adapters' B products
+    too."""
     n, d = plan.tokens, args.dim
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     widths = {"wq": q, "wk": kv, "wv": kv, "wo": d}
@@ -596,7 +598,11 @@ def selective_matmuls(args: ModelArgs, plan: Plan, p: int, m: int, f: int) -> in
     if args.moe_layers:
         kept += n * args.n_experts * p
         if not plan.kernels:
-            kept += 2 * m * f * p + m * args.experts_per_token * d * p
+            gate_up, down = 2 * m * f * p, m * args.experts_per_token * d * p
+            kept += gate_up + down
+            if plan.lora is not None:
+                targets = plan.lora.targets
+                kept += gate_up * ("experts_w13" in targets) + down * ("experts_w2" in targets)
     else:
         widths |= {"w1": f, "w3": f, "w2": d}
         kept += n * (d + 2 * f) * p

@@ -5,6 +5,8 @@ x [T, D] (the tokens flattened); experts [T, k], integers in [0, E) (not checked
 need a host sync); weights [T, k], in x's dtype or fp32; w1 (gate) and w3 (up) [E, F, D], w2
 (down) [E, D, F], as moe.py's MoE holds them. gpt-oss's experts add `biases` (b1, b3 [E, F],
 b2 [E, D]) to their products and take another `activation` of (gate, up) than silu(gate) * up.
+LoRA on the experts (`ExpertLoRA`) adds each expert's own low-rank products to its gate, up and
+down products, computed on the same sorted rows: W[e] + scale * B[e] A[e] is never formed.
 
 `moe_experts` works on the T*k rows of the (token, choice) pairs, sorted by expert so that each
 expert's rows are contiguous:
@@ -33,6 +35,7 @@ which takes the reference's arguments.
 """
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +44,22 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from kernels.swiglu import swiglu
+
+
+class ExpertLoRA(NamedTuple):
+    """LoRA's adapters on each expert's projections, as PEFT puts them on transformers' fused
+    gate_up_proj and down_proj (one A for gate and up, whose B is that tensor's two halves):
+        gate += scale * B1[e] A13[e] x,  up += scale * B3[e] A13[e] x
+        out += scale * B2[e] A2[e] hidden
+    a13 [E, r, D], b1 and b3 [E, F, r] (None: gate and up take none); a2 [E, r, F], b2 [E, D, r]
+    (None: down takes none); in x's dtype."""
+
+    scale: float
+    a13: torch.Tensor | None
+    b1: torch.Tensor | None
+    b3: torch.Tensor | None
+    a2: torch.Tensor | None
+    b2: torch.Tensor | None
 
 
 def moe_experts_reference(
@@ -52,6 +71,7 @@ def moe_experts_reference(
     w2: torch.Tensor,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """The experts in plain PyTorch, a loop over experts; returns x's dtype. Each expert's
     tokens are found with nonzero, which reads their count on the host: a wait for the GPU
@@ -60,10 +80,16 @@ def moe_experts_reference(
     for e in range(w1.shape[0]):
         token, choice = (experts == e).nonzero(as_tuple=True)
         gate, up = x[token] @ w1[e].t(), x[token] @ w3[e].t()
+        if lora is not None and lora.a13 is not None:
+            low = x[token] @ lora.a13[e].t()
+            gate = gate + lora.scale * (low @ lora.b1[e].t())
+            up = up + lora.scale * (low @ lora.b3[e].t())
         if biases is not None:
             gate, up = gate + biases[0][e], up + biases[1][e]
         hidden = F.silu(gate) * up if activation is None else activation(gate, up)
         out = hidden @ w2[e].t() + (0 if biases is None else biases[2][e])
+        if lora is not None and lora.a2 is not None:
+            out = out + lora.scale * ((hidden @ lora.a2[e].t()) @ lora.b2[e].t())
         y = y.index_add(0, token, (weights[token, choice, None] * out).to(x.dtype))
     return y
 
@@ -567,41 +593,65 @@ def add_expert_bias_(rows: torch.Tensor, bias: torch.Tensor, offsets: torch.Tens
 
 
 class _DispatchGateUp(torch.autograd.Function):
-    """dispatch, then the gate and up products of the same rows. In backward each product's
-    input gradient goes back through dispatch's gather-sum on its own, so the two are never
-    added as [T*k, D] rows: that sum would cost a [T*k, D] buffer and three passes over one."""
+    """dispatch, then the gate and up products of the same rows, with ExpertLoRA's adapters on
+    them (`a13`, `b1`, `b3`, `scale`; a13 None: none). In backward the input gradients go back
+    through dispatch's gather-sum, each product's on its own (the adapters' added to the
+    gate's), so the two are never added as [T*k, D] rows: that sum would cost a [T*k, D]
+    buffer and three passes over one. Frozen weights (LoRA's base) take no gradient."""
 
     @staticmethod
-    def forward(ctx, x, position, w1, w3, offsets):
+    def forward(ctx, x, position, w1, w3, offsets, a13, b1, b3, scale):
         rows = _dispatch(x, position)
-        ctx.save_for_backward(rows, position, w1, w3, offsets)
-        return _grouped_mm(rows, w1, offsets), _grouped_mm(rows, w3, offsets)
+        gate, up = _grouped_mm(rows, w1, offsets), _grouped_mm(rows, w3, offsets)
+        low = None
+        if a13 is not None:  # [T*k, r]: rows times their expert's A, shared by gate and up
+            low = _grouped_mm(rows, a13, offsets)
+            gate.add_(_grouped_mm(low, b1, offsets), alpha=scale)
+            up.add_(_grouped_mm(low, b3, offsets), alpha=scale)
+        ctx.scale = scale
+        ctx.save_for_backward(rows, position, w1, w3, offsets, a13, b1, b3, low)
+        return gate, up
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dgate: torch.Tensor, dup: torch.Tensor):
-        rows, position, w1, w3, offsets = ctx.saved_tensors
+        rows, position, w1, w3, offsets, a13, b1, b3, low = ctx.saved_tensors
         dgate, dup = dgate.contiguous(), dup.contiguous()
-        dx = dw1 = dw3 = None
-        if ctx.needs_input_grad[0]:
-            from_gate, from_up = (
-                _dispatch_backward(_grouped_mm(d, w.transpose(1, 2), offsets), position)
-                for d, w in ((dgate, w1), (dup, w3))
+        n_experts, needs = w1.shape[0], ctx.needs_input_grad
+        dx = dw1 = dw3 = da13 = db1 = db3 = None
+        dlow = None
+        if a13 is not None:  # scale * (dgate B1[e] + dup B3[e]), [T*k, r]
+            dlow = _grouped_mm(dgate, b1.transpose(1, 2), offsets)
+            dlow = dlow.add_(_grouped_mm(dup, b3.transpose(1, 2), offsets)).mul_(ctx.scale)
+            da13 = _grouped_mm_weight_grad(dlow, rows, offsets, n_experts).to(a13.dtype)
+            db1, db3 = (
+                _grouped_mm_weight_grad(d, low, offsets, n_experts).mul_(ctx.scale).to(b1.dtype)
+                for d in (dgate, dup)
             )
-            dx = from_gate.add_(from_up)
-        if ctx.needs_input_grad[2]:
-            dw1 = _grouped_mm_weight_grad(dgate, rows, offsets, w1.shape[0]).to(w1.dtype)
-        if ctx.needs_input_grad[3]:
-            dw3 = _grouped_mm_weight_grad(dup, rows, offsets, w3.shape[0]).to(w3.dtype)
-        return dx, None, dw1, dw3, None
+        if needs[0]:  # one [T*k, D] product alive at a time
+            drows = _grouped_mm(dgate, w1.transpose(1, 2), offsets)
+            if dlow is not None:
+                drows.add_(_grouped_mm(dlow, a13.transpose(1, 2), offsets))
+            dx = _dispatch_backward(drows, position)
+            del drows
+            dx.add_(_dispatch_backward(_grouped_mm(dup, w3.transpose(1, 2), offsets), position))
+        if needs[2]:
+            dw1 = _grouped_mm_weight_grad(dgate, rows, offsets, n_experts).to(w1.dtype)
+        if needs[3]:
+            dw3 = _grouped_mm_weight_grad(dup, rows, offsets, n_experts).to(w3.dtype)
+        return dx, None, dw1, dw3, None, da13, db1, db3, None
 
 
 def dispatch_gate_up(
-    x: torch.Tensor, position: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate, up) [T*k, F]: grouped_mm of dispatch_reference's rows by w1 and by w3, for
-    sort_by_expert's position and offsets; gradients for x, w1 and w3."""
-    return _DispatchGateUp.apply(x, position, w1, w3, offsets)
+    x: torch.Tensor, position: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, offsets,
+    lora: ExpertLoRA | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(gate, up) [T*k, F]: grouped_mm of dispatch_reference's rows by w1 and by w3 (and
+    `lora`'s adapters on them), for sort_by_expert's position and offsets; gradients for x,
+    w1, w3 and the adapters."""
+    a13, b1, b3 = (None,) * 3 if lora is None else (lora.a13, lora.b1, lora.b3)
+    scale = 0.0 if lora is None else lora.scale
+    return _DispatchGateUp.apply(x, position, w1, w3, offsets, a13, b1, b3, scale)
 
 
 def moe_experts(
@@ -613,11 +663,13 @@ def moe_experts(
     w2: torch.Tensor,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """moe_experts_reference's y [T, D] in x's dtype, by the steps above, with no host sync;
-    gradients for x, weights, w1, w3 and w2 (and the biases), each in its own dtype. Biases
-    are added to the sorted rows in place (no selective checkpoint keeps a grouped product:
-    offload.MATMUL_OPS), and another activation runs in PyTorch."""
+    gradients for x, weights, w1, w3 and w2 (and the biases and adapters), each in its own
+    dtype. Biases are added to the sorted rows in place (no selective checkpoint keeps a
+    grouped product: offload.MATMUL_OPS), and another activation runs in PyTorch; the
+    adapters' products are grouped products of the same rows."""
     if experts.dim() != 2 or w1.dim() != 3:
         raise ValueError(
             f"moe_experts: experts {tuple(experts.shape)} and w1 {tuple(w1.shape)}, expected "
@@ -635,10 +687,11 @@ def moe_experts(
         for name, (t, shape) in shapes.items()
         if t.shape != shape
     ]
+    adapters = [] if lora is None else zip(lora._fields[1:], lora[1:], strict=True)
     problems += [
         f"{name} {t.dtype}, expected x's {x.dtype}"
-        for name, t in (("w1", w1), ("w3", w3), ("w2", w2))
-        if t.dtype != x.dtype
+        for name, t in (("w1", w1), ("w3", w3), ("w2", w2), *adapters)
+        if t is not None and t.dtype != x.dtype
     ]
     if weights.dtype not in (x.dtype, torch.float32):
         problems.append(f"weights {weights.dtype}, expected x's {x.dtype} or float32")
@@ -647,7 +700,7 @@ def moe_experts(
     if problems:
         raise ValueError("moe_experts: " + "; ".join(problems))
     position, offsets = sort_by_expert(experts, n_experts)
-    gate, up = dispatch_gate_up(x, position, w1, w3, offsets)
+    gate, up = dispatch_gate_up(x, position, w1, w3, offsets, lora)
     if biases is not None:
         gate = add_expert_bias_(gate, biases[0], offsets)
         up = add_expert_bias_(up, biases[1], offsets)
@@ -655,6 +708,9 @@ def moe_experts(
     # the dense MLP's does (model.triton_ops).
     hidden = swiglu(gate, up, overwrite=True) if activation is None else activation(gate, up)
     out = grouped_mm(hidden, w2, offsets)
+    if lora is not None and lora.a2 is not None:
+        low = grouped_mm(hidden, lora.a2, offsets)
+        out = out + lora.scale * grouped_mm(low, lora.b2, offsets)
     if biases is not None:
         out = add_expert_bias_(out, biases[2], offsets)
     return combine(out, position, weights)

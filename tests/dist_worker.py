@@ -69,6 +69,10 @@ MOE = dataclasses.replace(
     moe_layers=(0, 2), router_aux_loss=True, router_aux_loss_coef=0.5,
 )  # fmt: skip
 
+# LoRA on MOE's experts too: each rank holds its experts' adapters (3 + 2), scaled by 16 so
+# that the gradients exceed MAX_NORM, as QLORA's.
+MOE_LORA = LoRAConfig(rank=4, alpha=64.0, targets=("wq", "wo", "experts_w13", "experts_w2"))
+
 # gpt-oss's: attention sinks (each rank takes its heads'), biases, a window on layers 0 and 2,
 # experts with biases and the clamped SwiGLU on every layer.
 GPT_OSS = dataclasses.replace(
@@ -140,6 +144,9 @@ TRAIN_SCENARIOS = {
     # Each rank's rows routed and balanced on their own, as a process of its own would; under
     # context parallelism the halves of the rows pooled: one process's loss (shard.py).
     "moe_full_shard_selective_ac": Scenario(args=MOE, ac="selective"),
+    "moe_lora_on_the_experts_full_shard_ac_offload": Scenario(
+        args=MOE, ac="full", activation_offload=True, lora=MOE_LORA
+    ),
     "moe_context_parallel_documents_full_ac": Scenario(
         args=MOE, context_parallel=2, document_mask=True, ac="full"
     ),

@@ -6,6 +6,7 @@ on an NF4 base against the same model on the dequantized base: the same weights,
 same 1e-5 (the matmul runs as x @ W^T in one and F.linear in the other).
 """
 
+import dataclasses
 import gc
 import json
 import weakref
@@ -19,12 +20,16 @@ from files import UsageError
 from hf import (
     hf_names,
     load_hf_checkpoint,
+    load_peft_adapter,
     merged_named_tensors,
+    peft_expert_names,
     peft_names,
     save_hf_checkpoint,
     save_peft_adapter,
+    to_peft_experts,
 )
 from kernels import dequantize_nf4, dequantize_nf4_reference, quantize_nf4
+from kernels.moe import ExpertLoRA, moe_experts, moe_experts_reference
 from lora import (
     EXPERT_WEIGHTS,
     HF_LORA_TARGETS,
@@ -37,6 +42,7 @@ from lora import (
     parse_lora_targets,
 )
 from model import REFERENCE_OPS, Llama, ModelArgs, fp8_ops, triton_ops
+from moe import LORA_PARAMS
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -306,13 +312,15 @@ def test_lora_on_an_moe_model_adapts_attention_and_loads_in_peft(tmp_path, name)
 def test_feed_forward_targets_alone_adapt_nothing_on_an_moe_model_and_are_refused():
     with torch.device("meta"):
         model = Llama(ModelArgs.from_name("qwen3-30b-a3b"))
-    with pytest.raises(UsageError, match=r"\['w1', 'w2'\] adapt nothing .* wq,wk,wv,wo$"):
+    with pytest.raises(
+        UsageError, match=r"\['w1', 'w2'\] adapt nothing .* wq,wk,wv,wo,experts_w13"
+    ):
         apply_lora(model, LoRAConfig(rank=2, alpha=2.0, targets=("w1", "w2")), torch.float32)
 
 
-def dequantized_twin(quantized: Llama, path: Path) -> Llama:
+def dequantized_twin(quantized: Llama, path: Path, config: LoRAConfig = CONFIG) -> Llama:
     """The LoRA model on the quantized one's base, dequantized (fp32), and its adapters."""
-    plain = lora_model(path)
+    plain = lora_model(path, config)
     with torch.no_grad():
         for name, module in quantized.named_modules():
             if isinstance(module, LoRALinear):
@@ -448,3 +456,129 @@ def test_the_nf4_experts_hooks_leave_no_cycle_that_keeps_a_checkpointed_input(tm
         assert kept() is None
     finally:
         gc.enable()
+
+
+# ---- LoRA on the experts (kernels.moe.ExpertLoRA), in PEFT's target_parameters format ----
+
+EXPERTS_CONFIG = LoRAConfig(rank=4, alpha=8.0, targets=("wq", "wv", "experts_w13", "experts_w2"))
+
+
+def test_expert_adapters_equal_the_merged_experts_on_both_paths_with_an_empty_expert():
+    """W[e] + scale * B[e] A[e] never formed, yet the same output and gradients for x, the
+    router's weights and every adapter as the reference on the merged weights; expert 3 gets
+    no rows (its adapters' gradients zero)."""
+    torch.manual_seed(0)
+    n_tokens, dim, ffn, n_experts, k, r = 13, 32, 48, 5, 2, 4
+    x = torch.randn(n_tokens, dim, requires_grad=True)
+    experts = torch.stack([torch.randperm(n_experts - 1)[:k] for _ in range(n_tokens)])
+    experts[experts == 3] = 4  # none chose expert 3
+    weights = torch.rand(n_tokens, k, requires_grad=True)
+    w1, w3, w2 = (
+        torch.randn(n_experts, a, b) * 0.2 for a, b in ((ffn, dim), (ffn, dim), (dim, ffn))
+    )
+    shapes = [(n_experts, r, dim), (n_experts, ffn, r), (n_experts, ffn, r), (n_experts, r, ffn),
+              (n_experts, dim, r)]  # fmt: skip
+    factors = [(torch.randn(s) * 0.3).requires_grad_() for s in shapes]
+    lora = ExpertLoRA(2.0, *factors)
+    a13, b1, b3, a2, b2 = factors
+    merged = (w1 + 2 * b1 @ a13, w3 + 2 * b3 @ a13, w2 + 2 * b2 @ a2)
+    want = moe_experts_reference(x, experts, weights, *merged)
+    want_grads = torch.autograd.grad(want.square().sum(), [x, weights, *factors])
+    for run in (moe_experts_reference, moe_experts):
+        y = run(x, experts, weights, w1, w3, w2, lora=lora)
+        assert rel_err(y, want) <= FP32_RTOL
+        grads = torch.autograd.grad(y.square().sum(), [x, weights, *factors])
+        for grad, want_grad in zip(grads, want_grads, strict=True):
+            assert rel_err(grad, want_grad) <= FP32_RTOL
+        assert all(g[3].abs().max() == 0 for g in grads[2:]) and grads[2].abs().max() > 0
+
+
+@pytest.mark.parametrize(
+    "name, kernels, targets",
+    [
+        ("qwen3_moe", False, EXPERTS_CONFIG.targets),
+        ("mixtral", True, EXPERTS_CONFIG.targets),
+        ("qwen3_moe", True, ("experts_w13",)),
+        ("mixtral", False, ("wo", "experts_w2")),
+    ],
+)
+def test_expert_adapters_export_to_peft_with_equal_logits_and_gradients(
+    tmp_path, name, kernels, targets
+):
+    """PEFT's model loads the exported adapter (target_parameters on its fused experts, one or
+    both, nested) with our adapters and no others; logits and every adapter's gradient equal,
+    the base experts frozen, without one; saved by PEFT and read back, the same adapters."""
+    config = dataclasses.replace(EXPERTS_CONFIG, targets=targets)
+    path = moe_checkpoint(tmp_path / "base", name)
+    model = lora_model(path, config, ops=triton_ops() if kernels else REFERENCE_OPS)
+    randomize_adapters(model)
+    layer = model.layers[0].feed_forward
+    assert not layer.w1.requires_grad and not layer.router.weight.requires_grad
+    out = tmp_path / "adapter"
+    save_peft_adapter(model.args, config, model.named_parameters(), out, base_model=str(path))
+    theirs = peft.PeftModel.from_pretrained(hf_model(path), out, is_trainable=True)
+    their_params = {n.replace(".default", ""): p for n, p in theirs.named_parameters()}
+    names = peft_names(model.args, config.targets)
+    expert_names = peft_expert_names(model.args, config.targets)
+    trained = sorted(n for n, p in their_params.items() if p.requires_grad)
+    assert trained == sorted([*names.values(), *expert_names])
+    tokens = tokens_for(model)
+    logits, their_logits = model(tokens), theirs(tokens).logits
+    assert rel_err(logits, their_logits) <= FP32_RTOL
+    logits.square().mean().backward()
+    their_logits.square().mean().backward()
+    for ours, peft_name in names.items():
+        assert rel_err(model.get_parameter(ours).grad, their_params[peft_name].grad) <= FP32_RTOL
+    for peft_name, ours in expert_names.items():
+        grad = to_peft_experts(peft_name, [model.get_parameter(n).grad for n in ours])
+        assert rel_err(grad, their_params[peft_name].grad) <= FP32_RTOL, peft_name
+    assert layer.w1.grad is None and layer.w2.grad is None
+
+    theirs.save_pretrained(tmp_path / "peft")  # as PEFT writes it, read back: our adapters
+    fresh = lora_model(path, config, seed=1)
+    load_peft_adapter(fresh, config, tmp_path / "peft")
+    assert all(torch.equal(t, adapters(fresh)[n]) for n, t in adapters(model).items())
+
+
+def test_qlora_on_the_experts_keeps_them_in_nf4_and_equals_them_dequantized(tmp_path):
+    """With --quantize-base nf4 the experts stay 4-bit and frozen, the adapters trained on
+    them: logits and adapter gradients as the same adapters on the dequantized experts (PEFT
+    has no NF4 experts on the CPU to compare with; the dequantized twin equals PEFT above).
+    Merged into an HF checkpoint, transformers computes the same logits."""
+    config = dataclasses.replace(EXPERTS_CONFIG, quantize_base="nf4")
+    path = moe_checkpoint(tmp_path / "base", "qwen3_moe")
+    quantized = lora_model(path, config, ops=triton_ops())
+    layer = quantized.layers[0].feed_forward
+    bound = 1 / quantized.args.dim**0.5  # PEFT's kaiming-uniform A, over an expert's dim inputs
+    assert 0.5 * bound < layer.w13_lora_A.abs().max() <= bound and not layer.w1_lora_B.any()
+    randomize_adapters(quantized)
+    assert isinstance(layer, NF4MoE) and not hasattr(layer, "w1")
+    assert {n for n, p in layer.named_parameters() if p.requires_grad} == set(LORA_PARAMS)
+    plain = dequantized_twin(quantized, path, EXPERTS_CONFIG)
+    tokens = tokens_for(quantized)
+    logits, plain_logits = quantized(tokens), plain(tokens)
+    assert rel_err(logits, plain_logits) <= FP32_RTOL
+    logits.square().mean().backward()
+    plain_logits.square().mean().backward()
+    for n, p in plain.named_parameters():
+        if p.requires_grad:
+            assert rel_err(quantized.get_parameter(n).grad, p.grad) <= FP32_RTOL, n
+
+    named = merged_named_tensors(quantized, lambda p: p.detach())
+    save_hf_checkpoint(quantized.args, named, tmp_path / "merged", dtype=torch.float32)
+    assert rel_err(hf_model(tmp_path / "merged")(tokens).logits, logits) <= FP32_RTOL
+
+
+def test_expert_targets_parse_from_peft_names_and_are_refused_where_they_adapt_nothing():
+    both = parse_lora_targets("mlp.experts.down_proj,q_proj,experts_w13")
+    assert both == ("wq", "experts_w13", "experts_w2")
+    assert parse_lora_targets("all") == LORA_TARGETS  # the default adapts no expert
+    with pytest.raises(UsageError, match="dropout must be 0 with the experts' adapters"):
+        LoRAConfig(rank=2, alpha=2.0, dropout=0.1, targets=("experts_w2",))
+    experts = LoRAConfig(rank=2, alpha=2.0, targets=("wq", "experts_w2"))
+    for preset, match in (("llama3.2-1b", "experts_w2 adapt an MoE .* llama has none"),
+                          ("gpt-oss-20b", "gpt-oss's experts .* take no adapter")):  # fmt: skip
+        with torch.device("meta"):
+            model = Llama(ModelArgs.from_name(preset))
+        with pytest.raises(UsageError, match=match):
+            apply_lora(model, experts, torch.float32)

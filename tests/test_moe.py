@@ -132,9 +132,9 @@ def test_the_experts_take_the_router_weights_in_transformers_dtype(tmp_path, nam
     theirs, path = checkpoint(tmp_path, name, aux=False)
     seen = []
 
-    def spy(x, experts, weights, w1, w3, w2):
+    def spy(x, experts, weights, w1, w3, w2, lora=None):
         seen.append((x.dtype, weights.dtype))
-        return moe_experts_reference(x, experts, weights, w1, w3, w2)
+        return moe_experts_reference(x, experts, weights, w1, w3, w2, lora=lora)
 
     ours = ours_from(path, dataclasses.replace(REFERENCE_OPS, moe_experts=spy))
     ours.to(torch.bfloat16)(torch.randint(0, 97, (1, 7)))

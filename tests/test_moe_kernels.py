@@ -29,6 +29,7 @@ from test_kernels import (
 
 import kernels.moe
 from kernels.moe import (
+    ExpertLoRA,
     add_expert_bias_,
     combine,
     combine_reference,
@@ -288,6 +289,41 @@ def test_moe_experts_bf16_matches_fp32_reference_at_qwen3_30b_a3b_widths(product
     weights = router_weights(4096, 8, torch.float32, device="cuda")
     dy = torch.randn_like(x)
     pairs = path_against_reference(experts, [x, weights, w1, w3, w2], dy, torch.float32)
+    for name, out, ref in pairs:
+        assert_close_on_gpu(out, ref, GPU_BF16_TOLERANCE, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("products", ["torch._grouped_mm", "triton"])
+def test_expert_adapters_bf16_match_fp32_reference_at_qwen3_30b_a3b_widths(products, monkeypatch):
+    """LoRA of rank 16 on every expert (ExpertLoRA) over the frozen experts above: y, dx, the
+    router's and every adapter's gradient (expert 0's zeros), the low-rank products by
+    torch._grouped_mm (rank 16: rows of 32 bytes) and by the Triton kernel."""
+    if products == "triton":
+        monkeypatch.setattr(kernels.moe, "_on_cutlass", lambda a, n: False)
+    elif not kernels.moe._on_cutlass(torch.empty(1, 8, dtype=torch.bfloat16, device="cuda"), 8):
+        pytest.skip("torch._grouped_mm's bf16 kernels need sm90")
+    torch.manual_seed(0)
+    dim, ffn, n_experts, r = 2048, 768, 128, 16
+    x, w1, w3, w2 = layer_inputs(4096, dim, ffn, n_experts, torch.bfloat16, device="cuda")
+    experts = routing(4096, n_experts, 8, empty=[0], device="cuda")
+    weights = router_weights(4096, 8, torch.float32, device="cuda")
+    shapes = [(r, dim), (ffn, r), (ffn, r), (r, ffn), (dim, r)]
+    factors = [torch.randn(n_experts, *s, device="cuda") / s[1] ** 0.5 for s in shapes]
+
+    def path(run):
+        def experts_with(x, w, *factors):
+            base = [t.to(x.dtype) for t in (w1, w3, w2)]
+            return run(x, experts, w, *base, lora=ExpertLoRA(2.0, *factors))
+
+        return experts_with
+
+    pairs = against_reference(
+        path(moe_experts), path(moe_experts_reference),
+        [x, weights, *(f.to(torch.bfloat16) for f in factors)], [torch.randn_like(x)],
+        ["y", "dx", "dweights", "da13", "db1", "db3", "da2", "db2"], torch.float32,
+    )  # fmt: skip
     for name, out, ref in pairs:
         assert_close_on_gpu(out, ref, GPU_BF16_TOLERANCE, name)
 

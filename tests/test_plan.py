@@ -450,15 +450,27 @@ def test_a_host_that_cannot_hold_every_block_gets_the_first_blocks_it_can():
                     sequences=1, batch_is_fixed=True)  # fmt: skip
 
 
-def test_the_estimate_stores_what_a_qlora_model_holds():
+EXPERTS_QLORA = LoRAConfig(
+    rank=16, alpha=32.0, targets=("wq", "wv", "experts_w13", "experts_w2"), quantize_base="nf4"
+)
+
+
+@pytest.mark.parametrize(
+    "args, lora",
+    [(w.QLORA_ARGS, w.QLORA), (ModelArgs.from_name("qwen3-30b-a3b"), EXPERTS_QLORA)],
+    ids=["dense", "moe-experts"],
+)
+def test_the_estimate_stores_what_a_qlora_model_holds(args, lora):
     """count_weights (the stored part of the parameter term) against the tensors of a built
-    LoRA model with a 4-bit base: the NF4 rows and scales, the bf16 rest, fp32 adapters."""
+    LoRA model with a 4-bit base: the NF4 rows and scales, the bf16 rest, fp32 adapters (an
+    MoE model's experts' too: their optimizer state follows from `trained`)."""
     with torch.device("meta"):
-        model = Llama(w.QLORA_ARGS)
-    apply_lora(model, w.QLORA, torch.bfloat16)
+        model = Llama(args)
+    apply_lora(model, lora, torch.bfloat16)
     held = sum(t.nbytes for t in itertools.chain(model.parameters(), model.buffers()))
-    weights = count_weights(w.QLORA_ARGS, w.QLORA, param_bytes=2)
+    weights = count_weights(args, lora, param_bytes=2)
     assert 4 * weights.trained + weights.frozen_bytes == held
+    assert weights.trained == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def test_fsdp_on_one_rank_gathers_into_a_copy():

@@ -855,6 +855,10 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--lora-rank", "2", "--quantize-base", "nf4"],
             "layers.0.attention.wq.weight: NF4 needs a matrix whose rows are a multiple of 64",
         ),
+        "experts' adapters on a model without experts": (
+            ["--data", str(dataset), "--lora-rank", "2", "--lora-targets", "wq,experts_w2"],
+            "LoRA targets experts_w2 adapt an MoE model's experts: llama has none",
+        ),
         "missing lora adapter": (
             ["--data", str(dataset), "--lora-rank", "2", "--lora-adapter", str(tmp / "nowhere")],
             "adapter_config.json does not exist",
@@ -979,6 +983,7 @@ CASES = [
     "fp8 on a base all in 4 bits",
     "lora options without a rank",
     "nf4 on rows of 96",
+    "experts' adapters on a model without experts",
     "missing lora adapter",
     "context parallel not dividing the sequence",
     "context parallel not dividing the heads",
