@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import sentencepiece
 
+import chat_template
 import data
 import files
 import prepare
@@ -933,7 +934,7 @@ def test_chat_template_that_runs_too_long_is_stopped_and_named(tmp_path, monkeyp
     template.write_text("{% for i in range(100000) %}{% for j in range(100000) %}"
                         "{% endfor %}{% endfor %}")  # fmt: skip
     ours = tokenizer.load_tokenizer(directory, chat_template=template)
-    monkeypatch.setattr(tokenizer.ChatTemplate, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(chat_template.ChatTemplate, "RENDER_SECONDS", 0.5)
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"loops.jinja: still rendering a conversation of 2 "):
         ours.render_chat(CONVERSATIONS[0])
@@ -961,7 +962,7 @@ def test_chat_template_that_compiles_too_long_is_stopped_and_named(tmp_path, mon
     directory, _ = template_dir(tmp_path, "chatml")
     template = tmp_path / "folds.jinja"  # Jinja folds the constant as it compiles
     template.write_text("{% set x = 7 ** (7 ** 11) %}")
-    monkeypatch.setattr(tokenizer.ChatTemplate, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(chat_template.ChatTemplate, "RENDER_SECONDS", 0.5)
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"folds.jinja: still compiling after 0.5 s"):
         tokenizer.load_tokenizer(directory, chat_template=template)
