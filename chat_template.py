@@ -1,7 +1,8 @@
 """Chat templates: a Hugging Face checkpoint's Jinja template (chat_template.jinja, or
 tokenizer_config.json's), rendered as transformers' apply_chat_template renders it, in jinja2's
-immutable sandbox under a time and size limit, and each assistant turn's span in the rendering
-(what the loss is taken on). tokenizer.py tokenizes what it renders.
+immutable sandbox under a time and size limit; each assistant turn's span in the rendering and,
+once tokenized (tokenizer.py), the runs of its tokens labelled (what the loss is taken on); and
+the check of the messages a built-in chat format renders.
 """
 
 import json
@@ -11,10 +12,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
+from itertools import groupby
 from pathlib import Path
 
 import jinja2
 import jinja2.ext
+import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from files import UsageError, read_json
@@ -22,6 +25,8 @@ from files import UsageError, read_json
 # {"role": "system" | "user" | "assistant", "content": ...} and any other fields the data gives
 # (Qwen3's "reasoning_content"), which a chat template reads as transformers passes them.
 Message = dict[str, object]
+# A rendered conversation as runs of token ids, each with whether its tokens are labels.
+Segments = list[tuple[list[int], bool]]
 
 
 def find_chat_template(
@@ -207,3 +212,34 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
 
 def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
+
+
+def check_role_and_content_only(messages: list[Message], chat_format: str) -> None:
+    """A built-in chat format renders role and content only: another field ("tool_calls") is
+    refused, not dropped from training, unless null or empty (a table as JSONL has every key)."""
+    for i, message in enumerate(messages):
+        for key, value in message.items():
+            if key not in ("role", "content") and value not in (None, "", [], {}):
+                raise UsageError(
+                    f"messages[{i}].{key}: {chat_format} renders a message's role and "
+                    f"content only; remove the field, or give a tokenizer whose chat template "
+                    f"renders it"
+                )
+
+
+def labelled_runs(
+    ids: np.ndarray, lengths: np.ndarray, spans: list[tuple[int, int]], bos_id: int | None
+) -> Segments:
+    """Runs of `ids`, labels where a token's `lengths` bytes meet an assistant turn's span (a
+    token straddling the turn's start too, as in transformers' assistant mask)."""
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    is_label = np.zeros(len(ids), dtype=bool)
+    for begin, end in spans:
+        is_label[(starts < end) & (ends > begin)] = True
+    if bos_id is not None and ids[:1].tolist() != [bos_id]:
+        # A template writing no BOS: documents start at one all the same.
+        ids = np.concatenate([[bos_id], ids])
+        is_label = np.concatenate([[False], is_label])
+    runs = groupby(zip(ids.tolist(), is_label.tolist(), strict=True), key=lambda t: t[1])
+    return [([i for i, _ in run], label) for label, run in runs]

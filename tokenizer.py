@@ -27,24 +27,14 @@ import numpy as np
 import sentencepiece
 import tiktoken
 
-from chat_template import Message, find_chat_template
+from chat_template import (
+    Message,
+    Segments,
+    check_role_and_content_only,
+    find_chat_template,
+    labelled_runs,
+)
 from files import UsageError, read_json
-
-# A rendered conversation as runs of token ids, each with whether its tokens are labels.
-Segments = list[tuple[list[int], bool]]
-
-
-def _check_role_and_content_only(messages: list[Message], chat_format: str) -> None:
-    """A built-in chat format renders role and content only: another field ("tool_calls") is
-    refused, not dropped from training, unless null or empty (a table as JSONL has every key)."""
-    for i, message in enumerate(messages):
-        for key, value in message.items():
-            if key not in ("role", "content") and value not in (None, "", [], {}):
-                raise UsageError(
-                    f"messages[{i}].{key}: {chat_format} renders a message's role and "
-                    f"content only; remove the field, or give a tokenizer whose chat template "
-                    f"renders it"
-                )
 
 
 class Tokenizer:
@@ -74,7 +64,7 @@ class Tokenizer:
         return byte_level_bpe_files(self._ranks, self._specials, self._pattern, self._pad)
 
     def render_chat(self, messages: list[Message]) -> Segments:
-        _check_role_and_content_only(messages, self._chat_format)
+        check_role_and_content_only(messages, self._chat_format)
         segments = [([self.bos_id], False)]
         for message in messages:
             role, content = message["role"], message["content"]
@@ -203,7 +193,7 @@ class _TemplateTokenizer(Tokenizer):
         text, spans = self.chat_template.assistant_spans(messages, self._turn_ends)
         ids, lengths = self._encode_rendered(text)
         spans = [tuple(self._bytes_before(text, i) for i in span) for span in spans]
-        return _labelled_runs(ids, lengths, spans, self.bos_id)
+        return labelled_runs(ids, lengths, spans, self.bos_id)
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         if self.chat_template is None:
@@ -282,7 +272,7 @@ class SentencePieceTokenizer(_TemplateTokenizer):
         """Meta's Llama 2 chat format, but Meta starts every exchange with BOS and here only the
         first does: a BOS starts a new document for the loader. The answer is encoded on its own
         (its leading "▁" stands for the space after [/INST]), so labels start at a token."""
-        _check_role_and_content_only(messages, "Llama 2's chat format")
+        check_role_and_content_only(messages, "Llama 2's chat format")
         if "[INST]" in self._specials:
             raise UsageError(
                 f"{self._path} has [INST] as a control token (Mistral's), which Llama 2's chat "
@@ -450,7 +440,6 @@ class ByteLevelBPETokenizer(_JsonTokenizer):
         vocab: dict[str, int] = spec["model"]["vocab"]
         pairs = _merge_pairs(path, spec["model"].pop("merges"), vocab)
         made = list(dict.fromkeys(map("".join, pairs)))
-        del pairs
         self._nfc = (spec.get("normalizer") or {}).get("type") == "NFC"
         pattern = _split_pattern(path, spec.get("pre_tokenizer"))
         added = self._read_added(path, spec)
@@ -534,32 +523,23 @@ _NORMAL, _UNKNOWN, _CONTROL, _BYTE = 1, 2, 3, 6
 
 class ByteFallbackBPETokenizer(_JsonTokenizer):
     """A HF tokenizer.json of a BPE with byte fallback (sentencepiece's kind: Llama 2's,
-    Mistral's, Gemma's), encoded by sentencepiece from a model proto made of it. Of the pairs of
-    adjacent tokens that join into a token, HF's BPE merges first the pair listed first in
-    `merges`, sentencepiece the pair joining into the token of highest score, each the leftmost
-    of equals. So a token scores minus the place of its merges, where each token's merges are
-    listed together and every split of a token into two tokens is one of its merges (as in a
-    file converted from sentencepiece); in both, a character the vocabulary lacks is its
-    bytes, <0xNN>. The text is cut at the added tokens, and each piece between them normalized
-    here as the file's Prepend and Replace normalizers and Metaspace pre-tokenizer say. What
-    this cannot encode as `tokenizers` does is refused, never approximated: merges making one
-    token with different pairs at once, overlapping, is the one case left unchecked."""
-
-    _refused_flags = ("lstrip", "rstrip", "single_word")
+    Mistral's, Gemma's), encoded by sentencepiece from a model proto made of it. Of the adjacent
+    pairs that join into a token, HF's BPE merges first the pair listed first in `merges`,
+    sentencepiece the pair joining into the token of highest score, each the leftmost of equals:
+    a token scores minus the place of its merges, where each token's merges are listed together
+    and every split of a token into two tokens is a merge (a file converted from sentencepiece).
+    The text is cut at the added tokens, each piece normalized here as the file's Prepend and
+    Replace normalizers and Metaspace pre-tokenizer say. What this cannot encode as `tokenizers`
+    does is refused, never approximated; unchecked: one token's different merges met at once."""
 
     def __init__(self, path: Path, data: bytes, spec: dict, chat_template: Path | None):
         model = spec["model"]
-        for key, holds in [
-            ("dropout", "dropout"),
-            ("continuing_subword_prefix", "a subword prefix"),
-            ("end_of_word_suffix", "a word suffix"),
-            ("ignore_merges", "ignore_merges (a word that is a token is not merged)"),
-        ]:
-            if model.get(key):
-                raise UsageError(
-                    f"{path} holds a BPE with byte fallback and {holds}, which longtune does "
-                    f"not encode faithfully"
-                )
+        flags = ["dropout", "continuing_subword_prefix", "end_of_word_suffix", "ignore_merges"]
+        if held := [flag for flag in flags if model.get(flag)]:
+            raise UsageError(
+                f"{path} holds a BPE with byte fallback and {', '.join(held)}, which longtune "
+                f"does not encode faithfully"
+            )
         vocab: dict[str, int] = model["vocab"]
         added = self._read_added(path, spec)
         _check_ids(path, vocab, added)
@@ -690,9 +670,8 @@ def _sentencepiece_pieces(
             f"into two tokens among its merges, as converted from sentencepiece)"
         )
     if lacking := set("".join(normal)) - normal:
-        char = min(lacking)
         raise UsageError(
-            f"{path}: the character {char!r} is in a token but is no token itself, so "
+            f"{path}: the character {min(lacking)!r} is in a token but is no token itself, so "
             f"`tokenizers` writes its bytes where sentencepiece would merge it"
         )
     if split and (inner := next((t for t in normal if "▁" in t[1:]), None)):
@@ -730,24 +709,6 @@ def _model_proto(pieces: list[tuple[str, float, int]]) -> bytes:
     trainer = number(3, 2) + number(35, 1)  # model_type BPE, byte_fallback
     normalizer = message(2, b"") + number(3, 0) + number(4, 0) + number(5, 0)
     return b"".join([*out, message(2, trainer), message(3, normalizer)])
-
-
-def _labelled_runs(
-    ids: np.ndarray, lengths: np.ndarray, spans: list[tuple[int, int]], bos_id: int | None
-) -> Segments:
-    """Runs of `ids`, labels where a token's `lengths` bytes meet an assistant turn's span (a
-    token straddling the turn's start too, as in transformers' assistant mask)."""
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    is_label = np.zeros(len(ids), dtype=bool)
-    for begin, end in spans:
-        is_label[(starts < end) & (ends > begin)] = True
-    if bos_id is not None and ids[:1].tolist() != [bos_id]:
-        # A template writing no BOS: documents start at one all the same.
-        ids = np.concatenate([[bos_id], ids])
-        is_label = np.concatenate([[False], is_label])
-    runs = groupby(zip(ids.tolist(), is_label.tolist(), strict=True), key=lambda t: t[1])
-    return [([i for i, _ in run], label) for label, run in runs]
 
 
 def _check_byte_level_bpe(path: Path, spec: dict) -> None:
@@ -938,7 +899,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.mode
 
 def tokenizer_file(directory: str | Path) -> Path | None:
     """The tokenizer file of a HF checkpoint directory, if any: tokenizer.model before a
-    tokenizer.json converted from it (a BPE with byte fallback), which longtune does not read."""
+    tokenizer.json converted from it (a BPE with byte fallback), the original before its copy."""
     found = [Path(directory) / n for n in TOKENIZER_FILES if (Path(directory) / n).is_file()]
     if [f.name for f in found[:2]] == ["tokenizer.json", "tokenizer.model"] and re.search(
         rb'"byte_fallback":\s*true', found[0].read_bytes()
