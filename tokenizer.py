@@ -570,7 +570,7 @@ class ByteFallbackBPETokenizer(_JsonTokenizer):
         """Added tokens in `allowed_special` ("all": all) are tokens, others text."""
         pieces = self._pieces(text, allowed_special)
         try:
-            encoded = iter(self._sp.encode(pieces[::2]))
+            encoded = iter(self._sp.encode([piece.encode() for piece in pieces[::2]]))
         except UnicodeEncodeError:  # lone surrogates, as ByteLevelBPETokenizer takes them
             return self._encode(without_lone_surrogates(text), allowed_special)
         ids = [next(encoded) if k % 2 == 0 else [self._added[p]] for k, p in enumerate(pieces)]

@@ -1274,6 +1274,7 @@ def test_byte_fallback_tokenizer_json_encodes_as_tokenizers(tmp_path, rules):
         theirs.encode_special_tokens = True
         assert ours.encode(text) == theirs.encode(text, add_special_tokens=False).ids, text[:80]
         theirs.encode_special_tokens = False
+    assert ours.encode("a\ud800b") == ours.encode("a\ufffdb")  # a lone surrogate, as tiktoken's
 
 
 def reordered_merges(spec: dict) -> None:
@@ -1348,3 +1349,10 @@ def test_prepare_reads_a_directory_with_a_byte_fallback_tokenizer_json_only(tmp_
     ids = theirs.encode(text.read_text(), add_special_tokens=False).ids
     assert ds.tokens.tolist() == [1, *ids, 2]
     assert ds.meta["tokenizer"].startswith("tokenizer.json:")
+    out = tmp_path / "export"  # the files an export carries load in transformers
+    out.mkdir()
+    for name, contents in tokenizer.load_tokenizer(directory).hf_files().items():
+        (out / name).write_bytes(contents)
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    assert exported(text.read_text(), add_special_tokens=False).input_ids == ids
+    assert (exported.bos_token_id, exported.eos_token_id) == (1, 2)
