@@ -1312,8 +1312,12 @@ def dropped_merge(spec: dict) -> None:
             ),
             r"lacks 1 of the 256 byte tokens \(the first: <0x41>\)",
         ),
+        (
+            lambda spec: spec["added_tokens"][1].update(normalized=True),
+            r"added token '<s>' is matched in the normalized text \(normalized: true\)",
+        ),
     ],
-    ids=["merges apart", "merge missing", "nfkc", "ignore_merges", "byte missing"],
+    ids=["merges apart", "merge missing", "nfkc", "ignore_merges", "byte missing", "normalized"],
 )
 def test_byte_fallback_tokenizer_json_it_cannot_encode_faithfully_is_refused(
     tmp_path, edit, message
