@@ -556,7 +556,7 @@ class ByteFallbackBPETokenizer(_JsonTokenizer):
             self._sp = sentencepiece.SentencePieceProcessor(model_proto=_model_proto(pieces))
         except RuntimeError as e:
             raise UsageError(f"{path}: sentencepiece refuses the BPE made of it ({e})") from e
-        # Each id's text as `tokenizers` decodes it, and its bytes in the normalized text.
+        # Each id's text ("▁" a space; a Strip decoder's leading space kept), its normalized bytes.
         self._bytes = [
             bytes([int(p[3:5], 16)]) if kind == _BYTE else p.replace("▁", " ").encode()
             for p, _, kind in pieces
