@@ -1,8 +1,9 @@
 """Tokenizers, and the tokenizer files of a Hugging Face checkpoint. In order: the `Tokenizer`
 interface and its kinds (bytes; Llama 3's tiktoken ranks file; sentencepiece, Llama 2's and
-Mistral's; a Hugging Face tokenizer.json byte-level BPE, encoded by tiktoken), chat templates
-(Jinja, sandboxed, under a time limit), `load_tokenizer`, and last the files an export carries
-(`HFTokenizer`). prepare.py encodes with them; data.py decodes a run's sample.
+Mistral's; a Hugging Face tokenizer.json: a byte-level BPE, encoded by tiktoken, or a BPE with
+byte fallback, encoded by sentencepiece), `load_tokenizer`, and last the files an export
+carries (`HFTokenizer`). Conversations render with chat_template.py's templates. prepare.py
+encodes with them; data.py decodes a run's sample.
 """
 
 import base64
@@ -12,44 +13,28 @@ import hashlib
 import json
 import os
 import re
-import signal
+import struct
 import sys
-import threading
 import unicodedata
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
-from itertools import groupby
+from itertools import chain, groupby
 from pathlib import Path
 
-import jinja2
-import jinja2.ext
 import numpy as np
 import sentencepiece
 import tiktoken
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from chat_template import (
+    Message,
+    Segments,
+    check_role_and_content_only,
+    find_chat_template,
+    labelled_runs,
+)
 from files import UsageError, read_json
-
-# {"role": "system" | "user" | "assistant", "content": ...} and any other fields the data gives
-# (Qwen3's "reasoning_content"), which a chat template reads as transformers passes them.
-Message = dict[str, object]
-# A rendered conversation as runs of token ids, each with whether its tokens are labels.
-Segments = list[tuple[list[int], bool]]
-
-
-def _check_role_and_content_only(messages: list[Message], chat_format: str) -> None:
-    """A built-in chat format renders role and content only: another field ("tool_calls") is
-    refused, not dropped from training, unless null or empty (a table as JSONL has every key)."""
-    for i, message in enumerate(messages):
-        for key, value in message.items():
-            if key not in ("role", "content") and value not in (None, "", [], {}):
-                raise UsageError(
-                    f"messages[{i}].{key}: {chat_format} renders a message's role and "
-                    f"content only; remove the field, or give a tokenizer whose chat template "
-                    f"renders it"
-                )
 
 
 class Tokenizer:
@@ -79,7 +64,7 @@ class Tokenizer:
         return byte_level_bpe_files(self._ranks, self._specials, self._pattern, self._pad)
 
     def render_chat(self, messages: list[Message]) -> Segments:
-        _check_role_and_content_only(messages, self._chat_format)
+        check_role_and_content_only(messages, self._chat_format)
         segments = [([self.bos_id], False)]
         for message in messages:
             role, content = message["role"], message["content"]
@@ -200,15 +185,15 @@ class _TemplateTokenizer(Tokenizer):
 
     def use_chat_template(self, path: Path | None) -> None:
         """Renders and exports conversations with the Jinja file `path` (None: the directory's)."""
-        self.chat_template = _find_chat_template(self._path.parent, path, self._template_tokens)
+        self.chat_template = find_chat_template(self._path.parent, path, self._template_tokens)
 
     def render_chat(self, messages: list[Message]) -> Segments:
         if self.chat_template is None:
             return self._without_template(messages)
-        text, spans = self.chat_template.assistant_spans(messages, self._specials_pattern)
+        text, spans = self.chat_template.assistant_spans(messages, self._turn_ends)
         ids, lengths = self._encode_rendered(text)
         spans = [tuple(self._bytes_before(text, i) for i in span) for span in spans]
-        return _labelled_runs(ids, lengths, spans, self.bos_id)
+        return labelled_runs(ids, lengths, spans, self.bos_id)
 
     def chat_prompt(self, messages: list[Message]) -> list[int]:
         if self.chat_template is None:
@@ -250,7 +235,7 @@ class SentencePieceTokenizer(_TemplateTokenizer):
         self._specials = {
             p: i for i, p in enumerate(pieces) if self._sp.is_control(i) or self._sp.is_unknown(i)
         }
-        self._specials_pattern = _alternatives(self._specials)
+        self._specials_pattern = self._turn_ends = _alternatives(self._specials)
         tokens, _ = _hf_special_tokens(path.parent, {p: i for i, p in enumerate(pieces)})
         self._template_tokens = {"bos_token": pieces[self.bos_id]} | tokens
         self._template_tokens.setdefault("eos_token", pieces[self.eos_id])
@@ -287,7 +272,7 @@ class SentencePieceTokenizer(_TemplateTokenizer):
         """Meta's Llama 2 chat format, but Meta starts every exchange with BOS and here only the
         first does: a BOS starts a new document for the loader. The answer is encoded on its own
         (its leading "▁" stands for the space after [/INST]), so labels start at a token."""
-        _check_role_and_content_only(messages, "Llama 2's chat format")
+        check_role_and_content_only(messages, "Llama 2's chat format")
         if "[INST]" in self._specials:
             raise UsageError(
                 f"{self._path} has [INST] as a control token (Mistral's), which Llama 2's chat "
@@ -326,84 +311,55 @@ class SentencePieceTokenizer(_TemplateTokenizer):
         return files
 
 
-# ---- Hugging Face tokenizer.json: a byte-level BPE, encoded by tiktoken
-
-# GPT-2's split: the regex of HF's ByteLevel pre-tokenizer with use_regex.
-GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-# GPT-2's split after HF's Digits pre-tokenizer has cut every digit (or run of digits) into a
-# piece of its own: no other piece holds a digit, so " ?\p{N}+" never matches, and a whitespace
-# run before a digit ends its piece as it would end the text ("(?!\S)" sees the piece's end).
-GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
+# ---- Hugging Face tokenizer.json
 
 
-class ByteLevelBPETokenizer(_TemplateTokenizer):
-    """A HF tokenizer.json of a byte-level BPE (Llama 3's, Qwen's), encoded by tiktoken without
-    `tokenizers`, its special tokens and chat template from the files beside it. tiktoken
-    merges first the adjacent pair whose joined bytes rank lowest, HF's BPE the pair listed
-    first in `merges`: so a merged token ranks by the first merge making it, after the single
-    bytes (whose ranks never matter). Where the file's ids already rise in that order (any file
-    `tokenizers` trained) they are the ranks, else a table maps ranks to ids. What this cannot
-    encode as `tokenizers` does is refused, never approximated."""
+def _read_tokenizer_json(path: Path, chat_template: Path | None) -> "_JsonTokenizer":
+    """The tokenizer of a tokenizer.json: a BPE with byte fallback or a byte-level one."""
+    data = path.read_bytes()
+    # GC off until the 100k+ merges are freed: the passes they set off outlast the parse itself.
+    with _gc_paused():
+        try:
+            spec = json.loads(data)
+        except ValueError as e:
+            raise UsageError(f"{path}: not valid JSON ({e})") from e
+        byte_fallback = (spec.get("model") or {}).get("byte_fallback")
+        kind = ByteFallbackBPETokenizer if byte_fallback else ByteLevelBPETokenizer
+        return kind(path, data, spec, chat_template)
 
-    def __init__(self, path: Path, chat_template: Path | None = None):
-        data = path.read_bytes()
-        # GC off until the 100k+ merges are freed: the passes they set off outlast the parse itself.
-        with _gc_paused():
-            try:
-                spec = json.loads(data)
-            except ValueError as e:
-                raise UsageError(f"{path}: not valid JSON ({e})") from e
-            _check_byte_level_bpe(path, spec)
-            vocab: dict[str, int] = spec["model"]["vocab"]
-            made = _merged_tokens(path, spec["model"].pop("merges"), vocab)
-        self._nfc = (spec.get("normalizer") or {}).get("type") == "NFC"
-        pattern = _split_pattern(path, spec.get("pre_tokenizer"))
+
+class _JsonTokenizer(_TemplateTokenizer):
+    """What both kinds of tokenizer.json share: the added tokens (cut from the text before the
+    model sees it), the special tokens and chat template from the files beside it, and each
+    id's `_bytes` (decoding) and `_lengths` (the bytes of the text it encodes as
+    `_bytes_before` counts them). A subclass gives `_encode` and `_pieces`."""
+
+    _refused_flags = ("lstrip", "rstrip", "single_word")
+
+    def _read_added(self, path: Path, spec: dict) -> dict[str, int]:
         added = {}
         for token in spec.get("added_tokens") or []:
-            flags = [f for f in ("lstrip", "rstrip", "single_word") if token.get(f)]
+            flags = [f for f in self._refused_flags if token.get(f)]
             if flags:
                 raise UsageError(
                     f"{path}: added token {token['content']!r} sets {', '.join(flags)}, which "
                     f"longtune does not reproduce"
                 )
             added[token["content"]] = token["id"]
-        _check_ids(path, vocab, added)
-        self.vocab_size = 1 + max([*vocab.values(), *added.values()])
-        alphabet = _bytes_as_text()
-        # A vocabulary may lack bytes its training text never held (21 in SmolLM2's): `tokenizers`
-        # drops them from the text; here they get ids past the vocabulary, which encoding drops.
-        single = {bytes([b]): vocab.get(c, self.vocab_size + b) for b, c in alphabet.items()}
-        merged = dict(zip(_byte_level_bytes(path, made), [vocab[t] for t in made], strict=True))
-        if np.all(np.diff(list(merged.values())) > 0):
-            ranks, specials, self._table = {**single, **merged}, added, None
-        else:
-            ranks = {token: rank for rank, token in enumerate([*single, *merged])}
-            specials = {token: len(ranks) + i for i, token in enumerate(added)}
-            table = [*single.values(), *merged.values(), *added.values()]
-            self._table = np.array(table, dtype=np.int64)
-        # Each id's bytes, for decoding and for finding which tokens hold an assistant's text.
-        self._bytes = [b""] * self.vocab_size
-        for token, i in [*single.items(), *merged.items()]:
-            if i < self.vocab_size:
-                self._bytes[i] = token
-        for token, i in added.items():
-            self._bytes[i] = token.encode()
-        self._lengths = np.array([len(b) for b in self._bytes], dtype=np.int64)
         # Added tokens that are not special (DeepSeek-R1's "<think>") are vocabulary, matched in
         # any text as `tokenizers` does; special ones only where a chat template writes them.
         special = {t["content"] for t in spec.get("added_tokens") or [] if t.get("special")}
         self._plain_added = set(added) - special
-        # The added tokens: where text is cut before it is normalized, and where a turn ends.
         self._specials_pattern = _alternatives(added)
         self._plain_added_pattern = _alternatives(self._plain_added)
-        self._special_ranks = specials
+        self._turn_ends = _alternatives(special)  # not Gemma's "\n", an added token too
+        return added
+
+    def _read_specials(self, path: Path, data: bytes, ids: dict[str, int]) -> None:
+        """BOS, EOS and pad from the files beside `path`, checked against the vocabulary."""
         self.name = f"tokenizer.json:{sha256_of(data)}"
-        self._encoding = tiktoken.Encoding(
-            self.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
-        )
-        _check_no_empty_match(path, self._encoding)
         self._path, self._data = path, data
-        tokens, special_ids = _hf_special_tokens(path.parent, added | vocab)
+        tokens, special_ids = _hf_special_tokens(path.parent, ids)
         self.bos_id, self.eos_id, self.pad_id = special_ids
         if self.eos_id is None:
             raise UsageError(
@@ -417,7 +373,6 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
                     f"{self.vocab_size} ids"
                 )
         self._template_tokens = tokens
-        self.use_chat_template(chat_template)
 
     def encode(self, text: str) -> list[int]:
         return self._encode(text, allowed_special=self._plain_added).tolist()
@@ -440,6 +395,83 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
         if self.chat_template is not None:
             set_chat_template(files, self.chat_template.source.encode())
         return files
+
+    def _cut(self, text: str, allowed_special: set[str] | str) -> list[str]:
+        """`text` cut at `_encode`'s added tokens: text, token, ..., text."""
+        pattern = self._specials_pattern if allowed_special == "all" else self._plain_added_pattern
+        return pattern.split(text) if pattern else [text]
+
+    def _encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        ids = self._encode(text, allowed_special="all")
+        return ids, self._lengths[ids]
+
+    def _bytes_before(self, text: str, i: int) -> int:
+        # The normalizer may change the text (NFC joins a decomposed accent; "▁" is 3 bytes):
+        # the bytes of the normalized text, as `_lengths` counts them.
+        return len("".join(self._pieces(text[:i], "all")).encode("utf-8", "surrogatepass"))
+
+    def _without_template(self, messages: list[Message]) -> Segments:
+        raise UsageError(
+            f"tokenizer {self._path} has no chat template (in tokenizer_config.json or "
+            f"chat_template.jinja) to render conversations with: give one with --chat-template FILE"
+        )
+
+
+# ---- A byte-level BPE, encoded by tiktoken
+
+# GPT-2's split: the regex of HF's ByteLevel pre-tokenizer with use_regex.
+GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+# GPT-2's split after HF's Digits pre-tokenizer has cut every digit (or run of digits) into a
+# piece of its own: no other piece holds a digit, so " ?\p{N}+" never matches, and a whitespace
+# run before a digit ends its piece as it would end the text ("(?!\S)" sees the piece's end).
+GPT2_AFTER_DIGITS = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"
+
+
+class ByteLevelBPETokenizer(_JsonTokenizer):
+    """A HF tokenizer.json of a byte-level BPE (Llama 3's, Qwen's), encoded by tiktoken without
+    `tokenizers`. tiktoken merges first the adjacent pair whose joined bytes rank lowest, HF's
+    BPE the pair listed first in `merges`: so a merged token ranks by the first merge making
+    it, after the single bytes (whose ranks never matter). Where the file's ids already rise in
+    that order (any file `tokenizers` trained) they are the ranks, else a table maps ranks to
+    ids. What this cannot encode as `tokenizers` does is refused, never approximated."""
+
+    def __init__(self, path: Path, data: bytes, spec: dict, chat_template: Path | None):
+        _check_byte_level_bpe(path, spec)
+        vocab: dict[str, int] = spec["model"]["vocab"]
+        pairs = _merge_pairs(path, spec["model"].pop("merges"), vocab)
+        made = list(dict.fromkeys(map("".join, pairs)))
+        self._nfc = (spec.get("normalizer") or {}).get("type") == "NFC"
+        pattern = _split_pattern(path, spec.get("pre_tokenizer"))
+        added = self._read_added(path, spec)
+        _check_ids(path, vocab, added)
+        self.vocab_size = 1 + max([*vocab.values(), *added.values()])
+        alphabet = _bytes_as_text()
+        # A vocabulary may lack bytes its training text never held (21 in SmolLM2's): `tokenizers`
+        # drops them from the text; here they get ids past the vocabulary, which encoding drops.
+        single = {bytes([b]): vocab.get(c, self.vocab_size + b) for b, c in alphabet.items()}
+        merged = dict(zip(_byte_level_bytes(path, made), [vocab[t] for t in made], strict=True))
+        if np.all(np.diff(list(merged.values())) > 0):
+            ranks, specials, self._table = {**single, **merged}, added, None
+        else:
+            ranks = {token: rank for rank, token in enumerate([*single, *merged])}
+            specials = {token: len(ranks) + i for i, token in enumerate(added)}
+            table = [*single.values(), *merged.values(), *added.values()]
+            self._table = np.array(table, dtype=np.int64)
+        # Each id's bytes, for decoding and for finding which tokens hold an assistant's text.
+        self._bytes = [b""] * self.vocab_size
+        for token, i in [*single.items(), *merged.items()]:
+            if i < self.vocab_size:
+                self._bytes[i] = token
+        for token, i in added.items():
+            self._bytes[i] = token.encode()
+        self._lengths = np.array([len(b) for b in self._bytes], dtype=np.int64)
+        self._special_ranks = specials
+        self._read_specials(path, data, added | vocab)
+        self._encoding = tiktoken.Encoding(
+            self.name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
+        )
+        _check_no_empty_match(path, self._encoding)
+        self.use_chat_template(chat_template)
 
     def _encode(self, text: str, allowed_special: set[str] | str) -> np.ndarray:
         """Added tokens in `allowed_special` ("all": all) are tokens, others text. As an array,
@@ -476,44 +508,207 @@ class ByteLevelBPETokenizer(_TemplateTokenizer):
         return ids[ids < self.vocab_size]  # bytes the vocabulary lacks
 
     def _pieces(self, text: str, allowed_special: set[str] | str) -> list[str]:
-        """Cut at `_encode`'s added tokens (text, token, ..., text), texts then NFC-normalized."""
-        pattern = self._specials_pattern if allowed_special == "all" else self._plain_added_pattern
-        pieces = pattern.split(text) if pattern else [text]
-        pieces[::2] = [unicodedata.normalize("NFC", piece) for piece in pieces[::2]]
+        """Cut at `_encode`'s added tokens (text, token, ..., text), texts NFC-normalized."""
+        pieces = self._cut(text, allowed_special)
+        if self._nfc:
+            pieces[::2] = [unicodedata.normalize("NFC", piece) for piece in pieces[::2]]
         return pieces
 
-    def _encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        ids = self._encode(text, allowed_special="all")
-        return ids, self._lengths[ids]
 
-    def _bytes_before(self, text: str, i: int) -> int:
-        # NFC may join characters (a decomposed accent): the bytes of the normalized text.
-        before = "".join(self._pieces(text[:i], "all")) if self._nfc else text[:i]
-        return len(before.encode("utf-8", "surrogatepass"))
+# ---- A BPE with byte fallback, encoded by sentencepiece
 
-    def _without_template(self, messages: list[Message]) -> Segments:
+# sentencepiece's piece types (sentencepiece_model.proto).
+_NORMAL, _UNKNOWN, _CONTROL, _BYTE = 1, 2, 3, 6
+
+
+class ByteFallbackBPETokenizer(_JsonTokenizer):
+    """A HF tokenizer.json of a BPE with byte fallback (sentencepiece's kind: Llama 2's,
+    Mistral's, Gemma's), encoded by sentencepiece from a model proto made of it. Of the adjacent
+    pairs that join into a token, HF's BPE merges first the pair listed first in `merges`,
+    sentencepiece the pair joining into the token of highest score, each the leftmost of equals:
+    a token scores minus the place of its merges, where each token's merges are listed together
+    and every split of a token into two tokens is a merge (a file converted from sentencepiece).
+    The text is cut at the added tokens, each piece normalized here as the file's Prepend and
+    Replace normalizers and Metaspace pre-tokenizer say. What this cannot encode as `tokenizers`
+    does is refused, never approximated; unchecked: one token's different merges met at once."""
+
+    def __init__(self, path: Path, data: bytes, spec: dict, chat_template: Path | None):
+        model = spec["model"]
+        flags = ["dropout", "continuing_subword_prefix", "end_of_word_suffix", "ignore_merges"]
+        if held := [flag for flag in flags if model.get(flag)]:
+            raise UsageError(
+                f"{path} holds a BPE with byte fallback and {', '.join(held)}, which longtune "
+                f"does not encode faithfully"
+            )
+        vocab: dict[str, int] = model["vocab"]
+        added = self._read_added(path, spec)
+        _check_ids(path, vocab, added)
+        by_id = {i: token for token, i in [*vocab.items(), *added.items()]}
+        if len(by_id) != 1 + max(by_id):
+            gap = min(set(range(len(by_id))) - by_id.keys())
+            raise UsageError(f"{path}: no token has the id {gap}; expected ids 0 to {max(by_id)}")
+        self.vocab_size = len(by_id)
+        tokens = [by_id[i] for i in range(self.vocab_size)]
+        self._replace, self._prepend, split = _space_rules(path, spec)
+        self._added = added
+        pieces = _sentencepiece_pieces(path, model, tokens, added, split)
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_proto=_model_proto(pieces))
+        except RuntimeError as e:
+            raise UsageError(f"{path}: sentencepiece refuses the BPE made of it ({e})") from e
+        # Each id's text ("▁" a space; a Strip decoder's leading space kept), its normalized bytes.
+        self._bytes = [
+            bytes([int(p[3:5], 16)]) if kind == _BYTE else p.replace("▁", " ").encode()
+            for p, _, kind in pieces
+        ]
+        lengths = [1 if kind == _BYTE else len(p.encode()) for p, _, kind in pieces]
+        self._lengths = np.array(lengths, dtype=np.int64)
+        self._read_specials(path, data, added | vocab)
+        self.use_chat_template(chat_template)
+
+    def _encode(self, text: str, allowed_special: set[str] | str) -> np.ndarray:
+        """Added tokens in `allowed_special` ("all": all) are tokens, others text."""
+        pieces = self._pieces(text, allowed_special)
+        try:
+            encoded = iter(self._sp.encode([piece.encode() for piece in pieces[::2]]))
+        except UnicodeEncodeError:  # lone surrogates, as ByteLevelBPETokenizer takes them
+            return self._encode(without_lone_surrogates(text), allowed_special)
+        ids = [next(encoded) if k % 2 == 0 else [self._added[p]] for k, p in enumerate(pieces)]
+        return np.fromiter(chain.from_iterable(ids), dtype=np.int64)
+
+    def _pieces(self, text: str, allowed_special: set[str] | str) -> list[str]:
+        """Cut at `_encode`'s added tokens (text, token, ..., text), each text with its spaces
+        as "▁" and a "▁" before it where `_prepend` says ("first": the text's start only)."""
+        pieces = self._cut(text, allowed_special)
+        for k in range(0, len(pieces), 2):
+            piece = pieces[k].replace(" ", "▁") if self._replace else pieces[k]
+            if piece and (
+                self._prepend == "every"
+                or not piece.startswith("▁")
+                and (self._prepend == "always" or self._prepend == "first" and k == 0)
+            ):
+                piece = "▁" + piece
+            pieces[k] = piece
+        return pieces
+
+
+def _space_rules(path: Path, spec: dict) -> tuple[bool, str, bool]:
+    """Whether a space becomes "▁"; where a "▁" goes before a text: "every" (the Prepend
+    normalizer), "always" or "first" unless it starts with one (Metaspace's schemes), "never";
+    whether the text is split before each "▁" (Metaspace's split)."""
+    normalizer, pre_tokenizer = spec.get("normalizer"), spec.get("pre_tokenizer")
+    steps = (normalizer or {}).get("normalizers", [normalizer]) if normalizer else []
+    replace, prepend, split = False, "never", False
+    for step in steps:
+        if step == {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}:
+            replace = True
+        elif step == {"type": "Prepend", "prepend": "▁"}:
+            prepend = "every"
+        else:
+            raise UsageError(
+                f"{path}: its normalizer step {json.dumps(step, ensure_ascii=False)} is not one "
+                f'longtune reproduces for a BPE with byte fallback; it reads Replace of " " by '
+                f'"▁" and Prepend of "▁"'
+            )
+    kind = (pre_tokenizer or {}).get("type")
+    at_spaces = pre_tokenizer and pre_tokenizer.get("pattern") == {"String": " "}
+    if kind == "Metaspace" and pre_tokenizer.get("replacement") == "▁":
+        scheme = pre_tokenizer.get("prepend_scheme")
+        scheme = scheme or ("always" if pre_tokenizer.get("add_prefix_space", True) else "never")
+        replace, prepend = True, prepend if prepend == "every" else scheme
+        split = pre_tokenizer.get("split", True)
+    elif not (pre_tokenizer is None or kind == "Split" and at_spaces and replace):
         raise UsageError(
-            f"tokenizer {self._path} has no chat template (in tokenizer_config.json or "
-            f"chat_template.jinja) to render conversations with: give one with --chat-template FILE"
+            f"{path}: its pre-tokenizer {json.dumps(pre_tokenizer, ensure_ascii=False)} is not "
+            f'one longtune reproduces for a BPE with byte fallback; it reads Metaspace with "▁", '
+            f'or a Split at " " after the normalizer has replaced every space'
         )
+    for token in spec.get("added_tokens") or []:
+        # Matched in the normalized text, and cut from it after the Prepend: refused where it
+        # would not match as in the text itself.
+        if token.get("normalized") and (prepend == "every" or " " in token["content"]):
+            raise UsageError(
+                f"{path}: added token {token['content']!r} is matched in the normalized text "
+                f"(normalized: true), which longtune does not reproduce with its normalizer"
+            )
+    return replace, prepend, split
 
 
-def _labelled_runs(
-    ids: np.ndarray, lengths: np.ndarray, spans: list[tuple[int, int]], bos_id: int | None
-) -> Segments:
-    """Runs of `ids`, labels where a token's `lengths` bytes meet an assistant turn's span (a
-    token straddling the turn's start too, as in transformers' assistant mask)."""
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    is_label = np.zeros(len(ids), dtype=bool)
-    for begin, end in spans:
-        is_label[(starts < end) & (ends > begin)] = True
-    if bos_id is not None and ids[:1].tolist() != [bos_id]:
-        # A template writing no BOS: documents start at one all the same.
-        ids = np.concatenate([[bos_id], ids])
-        is_label = np.concatenate([[False], is_label])
-    runs = groupby(zip(ids.tolist(), is_label.tolist(), strict=True), key=lambda t: t[1])
-    return [([i for i, _ in run], label) for label, run in runs]
+def _sentencepiece_pieces(
+    path: Path, model: dict, tokens: list[str], added: dict[str, int], split: bool
+) -> list[tuple[str, float, int]]:
+    """Each id's sentencepiece piece, score and type: a token made by merges or a character
+    scores minus the place of its merges (normal); the 256 bytes are <0xNN> (byte); the unknown
+    token, the added ones and tokens no merge makes are never made from text (control)."""
+    unknown = model.get("unk_token")
+    if unknown not in tokens:
+        raise UsageError(f"{path}: the BPE's unk_token {unknown!r} is not in its vocabulary")
+    byte_tokens = {f"<0x{b:02X}>" for b in range(256)}
+    if missing := sorted(byte_tokens - set(tokens)):
+        raise UsageError(
+            f"{path}: a BPE with byte fallback lacks {len(missing)} of the 256 byte tokens "
+            f"(the first: {missing[0]})"
+        )
+    pairs = _merge_pairs(path, model.pop("merges"), model["vocab"])
+    made = [token for token, _ in groupby(map("".join, pairs))]
+    place = {token: -float(k) for k, token in enumerate(made)}
+    if len(place) < len(made):
+        token = next(t for t, n in Counter(made).items() if n > 1)
+        raise UsageError(
+            f"{path}: the merges making {token!r} are not listed together, so no score of the "
+            f"token orders them as `tokenizers` does (expected merges in their tokens' order)"
+        )
+    plain = set(tokens) - set(added) - byte_tokens - {unknown}
+    normal = {t for t in plain if len(t) == 1 or t in place}
+    splits = [(t[:i], t[i:]) for t in normal for i in range(1, len(t))]
+    joined = {s for s in splits if s[0] in normal and s[1] in normal}
+    if unmerged := joined - set(map(tuple, pairs)):
+        left, right = min(unmerged)
+        raise UsageError(
+            f"{path}: {left!r} and {right!r} join into the token {left + right!r}, but no merge "
+            f"joins them, which sentencepiece's BPE would (expected every split of a token "
+            f"into two tokens among its merges, as converted from sentencepiece)"
+        )
+    if lacking := set("".join(normal)) - normal:
+        raise UsageError(
+            f"{path}: the character {min(lacking)!r} is in a token but is no token itself, so "
+            f"`tokenizers` writes its bytes where sentencepiece would merge it"
+        )
+    if split and (inner := next((t for t in normal if "▁" in t[1:]), None)):
+        raise UsageError(
+            f'{path}: its Metaspace pre-tokenizer splits before each "▁", which the token '
+            f"{inner!r} holds past its start (expected split: false)"
+        )
+    kinds = {unknown: _UNKNOWN} | dict.fromkeys(byte_tokens, _BYTE) | dict.fromkeys(normal, _NORMAL)
+    return [(t, place.get(t, 0.0), kinds.get(t, _CONTROL)) for t in tokens]
+
+
+def _model_proto(pieces: list[tuple[str, float, int]]) -> bytes:
+    """A sentencepiece ModelProto of `pieces`, written in protobuf's wire format (protobuf is no
+    dependency): a BPE with byte fallback, and a normalizer that changes nothing (no character
+    map, no "▁" before the text, spaces kept: `_pieces` normalized the text already)."""
+
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while n > 0x7F:
+            out.append(n & 0x7F | 0x80)
+            n >>= 7
+        return bytes([*out, n])
+
+    def message(field: int, payload: bytes) -> bytes:  # a length-delimited field
+        return varint(field << 3 | 2) + varint(len(payload)) + payload
+
+    def number(field: int, value: int) -> bytes:  # a varint field
+        return varint(field << 3) + varint(value)
+
+    def piece(text: bytes, score: float, kind: int) -> bytes:  # fields 1-3: piece, score, type
+        body = b"\n" + varint(len(text)) + text + struct.pack("<BfBB", 0x15, score, 0x18, kind)
+        return b"\n" + varint(len(body)) + body
+
+    out = [piece(p.encode(), s, kind) for p, s, kind in pieces]
+    trainer = number(3, 2) + number(35, 1)  # model_type BPE, byte_fallback
+    normalizer = message(2, b"") + number(3, 0) + number(4, 0) + number(5, 0)
+    return b"".join([*out, message(2, trainer), message(3, normalizer)])
 
 
 def _check_byte_level_bpe(path: Path, spec: dict) -> None:
@@ -522,8 +717,6 @@ def _check_byte_level_bpe(path: Path, spec: dict) -> None:
     normalizer = spec.get("normalizer")
     if model.get("type") != "BPE":
         holds = f"a {model.get('type') or 'typeless'} model"
-    elif model.get("byte_fallback"):
-        holds = "a BPE with byte fallback (sentencepiece's kind, as Llama 2's and Mistral's)"
     elif normalizer not in (None, {"type": "NFC"}, {"type": "Sequence", "normalizers": []}):
         holds = f"a {normalizer.get('type')} normalizer, which changes the text before it is split"
     elif model.get("continuing_subword_prefix") or model.get("end_of_word_suffix"):
@@ -553,8 +746,8 @@ def _check_ids(path: Path, vocab: dict[str, int], added: dict[str, int]) -> None
             raise UsageError(f"{path}: the tokens {by_id[i]!r} and {token!r} both have the id {i}")
 
 
-def _merged_tokens(path: Path, merges: list, vocab: dict[str, int]) -> list[str]:
-    """The tokens `merges` ([left, right], or "left right") make, once each, by first merge."""
+def _merge_pairs(path: Path, merges: list, vocab: dict[str, int]) -> list:
+    """`merges` ([left, right], or "left right") as pairs, each joining into a token."""
     pairs = [m.split(" ") for m in merges] if merges and isinstance(merges[0], str) else merges
     if set(map(len, pairs)) - {2}:
         pair = next(p for p in pairs if len(p) != 2)
@@ -566,7 +759,7 @@ def _merged_tokens(path: Path, merges: list, vocab: dict[str, int]) -> list[str]
             f"{path}: the merge {left!r} {right!r} makes {left + right!r}, which is not in the "
             f"vocabulary"
         )
-    return list(made)
+    return pairs
 
 
 def _alternatives(tokens: Iterable[str]) -> re.Pattern | None:
@@ -700,197 +893,13 @@ def _hf_special_tokens(
     return strings, (bos, eos, pad)
 
 
-def _find_chat_template(
-    directory: Path, given: Path | None, tokens: dict[str, str]
-) -> "ChatTemplate | None":
-    """`given`, else chat_template.jinja, else tokenizer_config.json's ("default" of a list)."""
-    if given is not None and not given.is_file():
-        raise UsageError(f"chat template file {given} not found")
-    path = given or directory / "chat_template.jinja"
-    if path.is_file():
-        try:
-            return ChatTemplate(path.read_text(encoding="utf-8"), tokens, str(path))
-        except UnicodeDecodeError as e:
-            raise UsageError(f"chat template {path} is not UTF-8 text ({e})") from e
-    config_path = directory / "tokenizer_config.json"
-    source = read_json(config_path).get("chat_template") if config_path.is_file() else None
-    if isinstance(source, list):
-        named = [t for t in source if isinstance(t, dict) and t.get("name") == "default"]
-        source = named[0].get("template") if named else None
-    if source is None:
-        return None
-    if not isinstance(source, str):
-        raise UsageError(
-            f"{config_path}: chat_template is {type(source).__name__}, expected a template "
-            f"(a string) or a list of named ones"
-        )
-    return ChatTemplate(source, tokens, f"{config_path} chat_template")
-
-
-class ChatTemplate:
-    """A HF chat template, rendered as apply_chat_template renders it. It is a downloaded file's
-    code, run in jinja2's immutable sandbox: it reaches only what is passed in, and changes none."""
-
-    def __init__(self, source: str, special_tokens: dict[str, str], name: str):
-        environment = ImmutableSandboxedEnvironment(
-            trim_blocks=True,
-            lstrip_blocks=True,
-            extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
-        )
-        environment.filters["tojson"] = _tojson
-        environment.globals["raise_exception"] = _raise_exception
-        environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-        try:
-            with _time_limit(self.RENDER_SECONDS):  # compiling folds constants: 7 ** (7 ** 11)
-                self._template = environment.from_string(source)
-        except _TimeUp:
-            raise UsageError(
-                f"chat template {name}: still compiling after {self.RENDER_SECONDS:g} s"
-            ) from None
-        except jinja2.TemplateSyntaxError as e:
-            raise UsageError(f"chat template {name} line {e.lineno}: {e.message}") from e
-        self.source, self.name, self._tokens = source, name, special_tokens
-
-    # A conversation renders in milliseconds. The sandbox bounds what a template reaches, not
-    # how long it runs: one that loops for longer than this is stopped and named.
-    RENDER_SECONDS = 10.0
-    # Nor how much it writes: a template writes the messages' content (some twice) and a few
-    # words of its own per turn. Past this many characters per character of content, plus a
-    # million, it writes text of its own making ('x' * 10**9), which aborts tiktoken after it.
-    RENDER_CHARS_PER_CONTENT = 4
-
-    def render(self, messages: list[Message], add_generation_prompt: bool) -> str:
-        try:
-            with _time_limit(self.RENDER_SECONDS):
-                text = self._template.render(
-                    messages=messages,
-                    tools=None,
-                    documents=None,
-                    add_generation_prompt=add_generation_prompt,
-                    **self._tokens,
-                )
-        except _TimeUp:
-            raise UsageError(
-                f"chat template {self.name}: still rendering a conversation of "
-                f"{len(messages)} messages after {self.RENDER_SECONDS:g} s"
-            ) from None
-        except Exception as e:  # noqa: BLE001 - any error of the template's code is its own
-            kind = "" if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: "
-            raise UsageError(f"chat template {self.name}: {kind}{e}") from e
-        content = sum(len(message["content"]) for message in messages)
-        if len(text) > self.RENDER_CHARS_PER_CONTENT * content + 1_000_000:
-            raise UsageError(
-                f"chat template {self.name}: renders a conversation of {content:,} characters of "
-                f"content as {len(text):,} characters, more than "
-                f"{self.RENDER_CHARS_PER_CONTENT} per character of content + 1,000,000"
-            )
-        return text
-
-    def assistant_spans(
-        self, messages: list[Message], added_tokens: re.Pattern | None
-    ) -> tuple[str, list[tuple[int, int]]]:
-        """The conversation's text, rendered once, and each assistant turn's span in it (character
-        offsets), which the loss is taken on. A turn starts where the turns before it with the
-        generation prompt end; that text must begin the whole conversation's. It ends with the last
-        of `added_tokens` in it when rendered last (ChatML's "\\n" after <|im_end|> is not in it),
-        else with that text's end. A template may render a turn otherwise once later turns follow
-        (Qwen3's drops earlier answers' reasoning): the turn then runs from its start through as
-        many end-of-turn tokens of the whole text, and must end as its last-turn rendering does
-        (only its start may be dropped). Anything else is refused."""
-        text = self.render(messages, add_generation_prompt=False)
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1], add_generation_prompt=False)
-            start = len(before)
-            if not (through.startswith(before) and text.startswith(before)):
-                raise UsageError(
-                    f"the chat template {self.name} does not render messages[:{i}] with the "
-                    f"generation prompt as the beginning of messages[:{i + 1}] and of the "
-                    f"whole conversation, so where its assistant turn messages[{i}] starts "
-                    f"cannot be found: give a template that renders the turns before an answer "
-                    f"alike with --chat-template FILE"
-                )
-            turn = through[start:]
-            closings = list(added_tokens.finditer(turn)) if added_tokens else []
-            end = start + len(turn)
-            if closings:
-                turn, closing = turn[: closings[-1].end()], closings[-1].group()
-                end = start
-                for _ in range(turn.count(closing)):
-                    found = text.find(closing, end)
-                    end = len(text) + 1 if found < 0 else found + len(closing)
-            if not (end <= len(text) and turn.endswith(text[start:end])):
-                raise UsageError(
-                    f"the chat template {self.name} renders the assistant turn messages[{i}] "
-                    f"in the whole conversation as {text[start:end][:80]!r}, which is not how "
-                    f"it ends when the turn is the last one ({turn[-80:]!r}), so its tokens "
-                    f"cannot be found: give a template that renders earlier answers alike or "
-                    f"only drops what they start with, with --chat-template FILE"
-                )
-            spans.append((start, end))
-        return text, spans
-
-
-class _TimeUp(BaseException):  # not an Exception: the template's own handling misses it
-    pass
-
-
-@contextmanager
-def _time_limit(seconds: float) -> Iterator[None]:
-    """Raises _TimeUp in the block after `seconds`, by SIGALRM; unbounded outside the main
-    thread (only it receives signals) or while someone else's timer (one per process) runs."""
-    if threading.current_thread() is not threading.main_thread() or any(
-        signal.getitimer(signal.ITIMER_REAL)
-    ):
-        yield
-        return
-    armed = True
-
-    def expire(signum, frame):
-        if armed:  # not once the block is done: an alarm landing as it ends is no error
-            raise _TimeUp
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        armed = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}` renders as its body: assistant spans are found alike in every template."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # transformers' tojson: Jinja's own escapes HTML characters, which templates do not want.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
 # Where a Hugging Face checkpoint directory keeps its tokenizer, in the order looked for.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "original/tokenizer.model")
 
 
 def tokenizer_file(directory: str | Path) -> Path | None:
     """The tokenizer file of a HF checkpoint directory, if any: tokenizer.model before a
-    tokenizer.json converted from it (a BPE with byte fallback), which longtune does not read."""
+    tokenizer.json converted from it (a BPE with byte fallback), the original before its copy."""
     found = [Path(directory) / n for n in TOKENIZER_FILES if (Path(directory) / n).is_file()]
     if [f.name for f in found[:2]] == ["tokenizer.json", "tokenizer.model"] and re.search(
         rb'"byte_fallback":\s*true', found[0].read_bytes()
@@ -919,7 +928,7 @@ def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = N
             first_line = f.readline(1024)
         if first_line.lstrip().startswith(b"{"):
             try:
-                return ByteLevelBPETokenizer(path, chat_template and Path(chat_template))
+                return _read_tokenizer_json(path, chat_template and Path(chat_template))
             except UsageError:
                 raise
             except (LookupError, TypeError, AttributeError, ValueError) as e:

