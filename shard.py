@@ -305,7 +305,7 @@ def _whole_row_mask(attention_mask, group, positions: torch.Tensor, document_sta
 def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **kwargs):
     """The model's forward under context parallelism. Training passes its slice's positions
     [B, S/N] (data.PackedLoader's) and gets its part of the loss. Whole rows [B, T] without
-    positions (model.generate's): each rank runs its slice, padded at the end (the causal mask
+    positions (train.generate's): each rank runs its slice, padded at the end (the causal mask
     hides it), and every rank gets the whole rows' logits, as one process would."""
     if positions is not None:
         return forward(tokens, labels, positions, *rest, **kwargs)

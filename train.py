@@ -8,7 +8,8 @@
 plan), the model built, the loader, and the checkpoint's state restored; the step and what the
 loop asks after it; then `train`, a loop of `train_step` calls whose logging, evaluation,
 saving and stopping are each decided by the object that owns it (`MetricsLog`,
-`shard.Checkpointer`, `StopSignals`); last `main`, the command line's entry and exit status.
+`shard.Checkpointer`, `StopSignals`); `finish`: the exports and a sample (`generate`); last
+`main`, the command line's entry and exit status.
 What was given is checked before the first step: one UsageError says what is wrong and expected.
 """
 
@@ -48,7 +49,6 @@ from model import (
     ModelArgs,
     attended_pairs,
     fp8_ops,
-    generate,
     peak_flops,
     triton_ops,
 )
@@ -768,6 +768,35 @@ def print_sample(run: Run) -> None:
     sample = generate(run.model, prompt, n, 0.8, allowed, stop_id=tokenizer.eos_id)
     run.log(f"\na sample of the trained model (after {after}, temperature 0.8):\n{'-' * 60}")
     run.log(printable(tokenizer.decode(shown + sample)) + f"\n{'-' * 60}")
+
+
+@torch.no_grad()
+def generate(
+    model: Llama,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    allowed_ids: int | None = None,
+    stop_id: int | None = None,
+    seed: int = 0,
+) -> list[int]:
+    """The tokens continuing `prompt`, sampled at `temperature` (0: the most likely) from ids
+    below `allowed_ids` (a tokenizer smaller than the vocabulary), up to and including
+    `stop_id`. No cache: for short samples. Drawn on the CPU, so every rank draws alike."""
+    device = model.tok_embeddings.weight.device
+    tokens = torch.tensor([prompt], device=device)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(max_new_tokens):
+        logits = model(tokens)[0, -1, :allowed_ids].float().cpu()  # [V]
+        if temperature == 0:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            next_id = torch.multinomial(probs, 1, generator=generator)
+        tokens = torch.cat([tokens, next_id.to(device)[None]], dim=1)
+        if next_id.item() == stop_id:
+            break
+    return tokens[0, len(prompt) :].tolist()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,7 +39,7 @@ import tokenizer
 import train
 from config_json import args_from_hf_config
 from hf import save_hf_checkpoint
-from model import PEAK_FLOPS, PRESETS, Llama, ModelArgs, generate
+from model import PEAK_FLOPS, PRESETS, Llama, ModelArgs
 from plan import Plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -543,11 +543,13 @@ def test_export_loads_in_transformers_with_the_same_logits(dataset, reference_ru
     generated = model.generate(**inputs, max_new_tokens=12, do_sample=False)[
         0, inputs.input_ids.shape[1] :
     ]
-    assert generated.tolist() == generate(ours, inputs.input_ids[0].tolist(), 12, temperature=0)
+    assert generated.tolist() == train.generate(
+        ours, inputs.input_ids[0].tolist(), 12, temperature=0
+    )
     stop = generated[3].item()  # the sample ends at its stop token, which it keeps
     first_stop = generated.tolist().index(stop) + 1
     assert (
-        generate(ours, inputs.input_ids[0].tolist(), 12, 0, stop_id=stop)
+        train.generate(ours, inputs.input_ids[0].tolist(), 12, 0, stop_id=stop)
         == generated[:first_stop].tolist()
     )
     assert tokenizer.decode(generated, skip_special_tokens=True)  # some text
