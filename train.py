@@ -39,7 +39,6 @@ import options
 import shard
 from data import Batch, PackedLoader, TokenDataset
 from files import UsageError, params_text, plural, write_json, write_whole
-from hf import fill_weights
 from kernels import IGNORE_INDEX
 from lora import apply_lora
 from metrics import open_reporters
@@ -111,7 +110,7 @@ def apply_techniques(
         # One GPU, no FSDP: fp32 on the host, optim.OptimizerInBackward's master weights,
         # their initial values drawn on the GPU so that they equal shard.materialize's there.
         model.to_empty(device="cpu")
-        fill_weights(model, seed, world.device, hf_path, progress=progress)
+        shard.fill_weights(model, seed, world.device, hf_path, progress=progress)
         return
     mesh = shard.build_mesh(plan.strategy, world)
     shard.apply_fsdp(
