@@ -142,6 +142,7 @@ class Run(options.Resolved):
     start_step: int
     log: Callable
     lock: object  # run_dir/.lock, held open as long as the run lives (shard.lock_run_dir)
+    reporters: list  # the main rank's metrics.py reporters, which MetricsLog hands each record
 
 
 def setup(asked: Options, given: frozenset[str]) -> Run:
@@ -177,15 +178,20 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
         start = f"from {opts.hf_checkpoint}" if opts.hf_checkpoint else "from random weights"
         log(f"no checkpoint in {checkpointer.root}: starting {start}")
     # Everything given is checked and loaded: from here on the run writes into its directory.
-    lock = shard.lock_run_dir(run_dir, world.is_main)
+    lock, reporters = shard.lock_run_dir(run_dir, world.is_main), []
     if world.is_main:
         shard.set_aside(resolved.damaged, log)
-        if step < max_steps:  # a finished run's plan.json keeps the peaks it measured
-            write_json(run_dir / "plan.json", plan.to_json())
+        if step < max_steps:  # a finished run logs nothing; its plan.json keeps its peaks
+            planned = plan.to_json()
+            write_json(run_dir / "plan.json", planned)
             write_whole(run_dir / "config.toml", options.config_toml(opts))
+            config = {"options": dataclasses.asdict(opts), **planned}  # the reporters' run
+            last = checkpointer.last
+            reporters = open_reporters(opts.report_to, run_dir, config, step, last, log)
     return Run(
         **vars(resolved), model=model, optimizer=optimizer, loader=loader, run_dir=run_dir,
         checkpointer=checkpointer, evaluate=evaluate_held_out, start_step=step, log=log, lock=lock,
+        reporters=reporters,
     )  # fmt: skip
 
 
@@ -310,13 +316,6 @@ class MetricsLog:
         self.started = self.logged_at = time.perf_counter()
         self.loading_s = 0.0  # the host's seconds in the data loader since the last record
         self.last: StepResult | None = None
-        self.reporters = []
-        if run.world.is_main:
-            config = {"options": dataclasses.asdict(run.opts), **run.plan.to_json()}
-            self.reporters = open_reporters(
-                run.opts.report_to, run.run_dir, config, run.start_step,
-                run.checkpointer.last, run.log,
-            )  # fmt: skip
 
     def loading(self, load: Callable, *args):
         """load(*args), its host seconds counted as the data loader's (no wait for the GPU)."""
@@ -415,12 +414,12 @@ class MetricsLog:
             now = time.perf_counter()
         if world.is_main:
             print(format_record(record, max_steps), flush=True)
-            for reporter in self.reporters:
+            for reporter in self.run.reporters:
                 reporter.log(record)
         self.logged_at, self.logged_step, self.loading_s = now, step, 0.0
 
     def close(self) -> None:
-        for reporter in self.reporters:
+        for reporter in self.run.reporters:
             reporter.close()
 
 
