@@ -464,17 +464,6 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
-# Dense bf16 tensor-core FLOP/s by GPU name, the denominator of MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
-
 def attended_pairs(
     positions: torch.Tensor, document_mask: bool, seq_len: int, args: ModelArgs
 ) -> torch.Tensor | float:

@@ -48,7 +48,6 @@ from model import (
     ModelArgs,
     attended_pairs,
     fp8_ops,
-    peak_flops,
     triton_ops,
 )
 from options import Options, command_line, exit_after_rank_0, other_rank, parse_options
@@ -302,6 +301,17 @@ def train_step(
     return StepResult(loss_sum, n_labels, grad_norm, optimizer_s, model.routing)
 
 
+# Dense bf16 tensor-core FLOP/s by GPU name, the denominator of MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
 class MetricsLog:
     """Decides which steps are logged, makes their records and hands them to stdout and, on
     the main rank, to metrics.py's reporters (metrics.jsonl, --report-to). Values are read only
@@ -311,7 +321,7 @@ class MetricsLog:
     def __init__(self, run: Run):
         self.run = run
         self.nonfinite = torch.zeros((), dtype=torch.int32, device=run.world.device)
-        self.attended = torch.zeros((), dtype=torch.float64, device=run.world.device)
+        self.flops = torch.zeros((), dtype=torch.float64, device=run.world.device)  # (MFU)
         self.checked_step = self.logged_step = run.start_step
         self.started = self.logged_at = time.perf_counter()
         self.loading_s = 0.0  # the host's seconds in the data loader since the last record
@@ -325,10 +335,12 @@ class MetricsLog:
         return loaded
 
     def counting(self, micro_batches: Iterator[Batch]) -> Iterator[Batch]:
-        """The micro-batches, each counted into the pairs attention attended (MFU)."""
+        """The micro-batches, each counted into the training FLOPs: this rank's tokens (a
+        context-parallel rank's slices) and the pairs attention attended in them."""
         plan, args = self.run.plan, self.run.args
         for b in micro_batches:
-            self.attended += attended_pairs(b.positions, plan.document_mask, plan.seq_len, args)
+            pairs = attended_pairs(b.positions, plan.document_mask, plan.seq_len, args)
+            self.flops += args.training_flops(b.positions.numel(), pairs, plan.lora is not None)
             yield b
 
     def add(self, result: StepResult) -> None:
@@ -364,12 +376,9 @@ class MetricsLog:
         world, max_steps, tokens_per_step = run.world, run.max_steps, run.plan.tokens_per_step
         now, steps = time.perf_counter(), step - self.logged_step
         tokens_per_s = steps * tokens_per_step / (now - self.logged_at)
-        dist.all_reduce(self.attended)
-        flops = run.args.training_flops(
-            steps * tokens_per_step, self.attended.item(), run.plan.lora is not None
-        )
-        self.attended.zero_()
-        flops_per_device = flops / (now - self.logged_at) / world.world_size
+        dist.all_reduce(self.flops)
+        flops_per_device = self.flops.item() / (now - self.logged_at) / world.world_size
+        self.flops.zero_()
         routing = [None, None]  # each rank routes its own rows: their mean
         if self.last.routing is not None:
             dist.all_reduce(routing := self.last.routing.clone())

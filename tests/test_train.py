@@ -39,7 +39,7 @@ import tokenizer
 import train
 from config_json import args_from_hf_config
 from hf import save_hf_checkpoint
-from model import PEAK_FLOPS, PRESETS, Llama, ModelArgs
+from model import PRESETS, Llama, ModelArgs
 from plan import Plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -1191,7 +1191,7 @@ def test_gpu_run_with_kernels_in_bf16(dataset, tmp_path):
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"] - 1.5
     assert records[-1]["peak_gpu_mem_gib"] > 0
-    if any(name in torch.cuda.get_device_name() for name in PEAK_FLOPS):
+    if any(name in torch.cuda.get_device_name() for name in train.PEAK_FLOPS):
         assert 0 < records[-1]["mfu"] < 1
 
 
