@@ -146,7 +146,8 @@ class Run(options.Resolved):
 
 def setup(asked: Options, given: frozenset[str]) -> Run:
     """The run, ready for its first step: the options resolved (options.resolve: the checks,
-    the data, the plan), the model built by `apply_techniques`, a checkpoint's state restored."""
+    the data, the plan), the model built by `apply_techniques`, a checkpoint's state restored,
+    then what the run writes opened: plan.json, config.toml, metrics.py's reporters."""
     log = (lambda *a, **k: None) if other_rank() else print
     resolved = options.resolve(asked, given, log)
     opts, args, plan, world = resolved.opts, resolved.args, resolved.plan, resolved.world
