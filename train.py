@@ -60,7 +60,7 @@ EXIT_STOPPED = 75
 
 
 # ----------------------------------------------------------------------------------------
-# Options: one dataclass; each field is the flag of the same name with dashes
+# The learning rate: warmup, then cosine or linear decay
 # ----------------------------------------------------------------------------------------
 
 
