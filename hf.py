@@ -380,33 +380,6 @@ class ExpertSlices:
         return torch.stack(tensors)
 
 
-@torch.no_grad()
-def fill_weights(
-    model: "Llama",
-    seed: int,
-    device: torch.device,
-    hf_path: str | os.PathLike | None = None,
-    copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
-    progress: Callable[[int, int], None] | None = None,
-    lora: "LoRAConfig | None" = None,
-    lora_adapter: str | os.PathLike | None = None,
-    agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
-) -> None:
-    """Fills a materialized model through `copy`: from a HF checkpoint (as load_hf_checkpoint)
-    or from initial values drawn on `device` (so any layout gets the same weights); LoRA's
-    adapters from `lora_adapter` (a PEFT adapter directory) or their initial values."""
-    if hf_path is None:
-        model.init_weights(seed, device=device, copy=copy)
-    else:
-        load_hf_checkpoint(model, hf_path, copy, progress, agree)
-        if lora is not None and lora_adapter is None:  # adapters from their initial values
-            for name, param in model.named_parameters():
-                if param.requires_grad:
-                    copy(param, model.initial_value(name, seed, device))
-    if lora_adapter is not None:
-        load_peft_adapter(model, lora, lora_adapter, copy, agree)
-
-
 def save_hf_checkpoint(
     args: ModelArgs,
     named_tensors: Iterable[tuple[str, torch.Tensor]],

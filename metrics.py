@@ -1,9 +1,10 @@
 """Where a run's metrics go. train.MetricsLog decides the logged steps and makes each one's
-record (docs/training.md lists its fields); the main rank hands it to every reporter here: always
-`JsonLines` (run_dir/metrics.jsonl), and with --report-to, `TensorBoard` (run_dir/tensorboard)
-and `WandB` (Weights & Biases), which start with the run's config (its options and
-plan.json). A resumed run continues each. TensorBoard's and W&B's packages are imported only
-when asked, and a missing one is told before the run starts (report_to_problems).
+record (docs/training.md lists its fields); the main rank hands it to every reporter here,
+which train.setup opens with the run's other files: always `JsonLines` (run_dir/metrics.jsonl),
+and with --report-to, `TensorBoard` (run_dir/tensorboard) and `WandB` (Weights & Biases), which
+start with the run's config (its options and plan.json). A resumed run continues each.
+TensorBoard's and W&B's packages are imported only when asked, and a missing one is told before
+the run starts (report_to_problems).
 """
 
 from __future__ import annotations

@@ -464,17 +464,6 @@ PRESETS: dict[str, ModelArgs] = {
 }
 
 
-# Dense bf16 tensor-core FLOP/s by GPU name, the denominator of MFU.
-PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
-
-
 def attended_pairs(
     positions: torch.Tensor, document_mask: bool, seq_len: int, args: ModelArgs
 ) -> torch.Tensor | float:
@@ -902,32 +891,3 @@ class Llama(nn.Module):
             name = name.removesuffix(NF4_SUFFIX)  # a quantized weight's value is the weight's
             full = self.initial_value(name, seed, device or param.device)
             copy_into(self, name, full, copy or copy_whole_tensor)
-
-
-@torch.no_grad()
-def generate(
-    model: Llama,
-    prompt: list[int],
-    max_new_tokens: int,
-    temperature: float = 0.8,
-    allowed_ids: int | None = None,
-    stop_id: int | None = None,
-    seed: int = 0,
-) -> list[int]:
-    """The tokens continuing `prompt`, sampled at `temperature` (0: the most likely) from ids
-    below `allowed_ids` (a tokenizer smaller than the vocabulary), up to and including
-    `stop_id`. No cache: for short samples. Drawn on the CPU, so every rank draws alike."""
-    device = model.tok_embeddings.weight.device
-    tokens = torch.tensor([prompt], device=device)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(max_new_tokens):
-        logits = model(tokens)[0, -1, :allowed_ids].float().cpu()  # [V]
-        if temperature == 0:
-            next_id = logits.argmax(dim=-1, keepdim=True)
-        else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            next_id = torch.multinomial(probs, 1, generator=generator)
-        tokens = torch.cat([tokens, next_id.to(device)[None]], dim=1)
-        if next_id.item() == stop_id:
-            break
-    return tokens[0, len(prompt) :].tolist()

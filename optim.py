@@ -203,7 +203,7 @@ class OptimizerInBackward(_AdamWInBackward):
             if param.device.type != "cpu" or param.dtype != torch.float32:
                 raise UsageError(
                     f"OptimizerInBackward takes a model on the host in fp32 (to_empty on the "
-                    f"CPU, then hf.fill_weights); {name} is {param.dtype} on {param.device}"
+                    f"CPU, then shard.fill_weights); {name} is {param.dtype} on {param.device}"
                 )
         master = {name: param.detach() for name, param in self.params.items()}
         super().__init__(self.params, master, lr, betas, weight_decay)

@@ -54,12 +54,13 @@ from hf import (
     FLOAT_DTYPES,
     HF_EXPORT,
     PEFT_ADAPTER,
-    fill_weights,
+    load_hf_checkpoint,
+    load_peft_adapter,
     merged_named_tensors,
     save_hf_checkpoint,
     save_peft_adapter,
 )
-from lora import LoRAConfig
+from lora import LoRAConfig, copy_whole_tensor
 from model import FAMILIES, Llama, ModelArgs, RopeScaling
 from moe import Routed
 from plan import GiB, Machine, host_memory_gib, shard_group_size, strategy_of
@@ -212,7 +213,7 @@ def materialize(
     lora_adapter: str | os.PathLike | None = None,
 ) -> None:
     """Allocates a meta-built, `apply_fsdp`-ed model's shards (on the host when `cpu_offload`,
-    as for apply_fsdp) and fills them (hf.fill_weights), each rank its own rows. A
+    as for apply_fsdp) and fills them (fill_weights, below), each rank its own rows. A
     checkpoint that does not fit raises on every rank (from config and headers) before
     anything is read, so no rank is left waiting in a collective."""
     model.to_empty(device="cpu" if cpu_offload else world.device)
@@ -231,6 +232,33 @@ def materialize(
         return [name for names in found for name in names]
 
     fill_weights(model, seed, world.device, hf_path, copy_rows, progress, lora, lora_adapter, agree)
+
+
+@torch.no_grad()
+def fill_weights(
+    model: Llama,
+    seed: int,
+    device: torch.device,
+    hf_path: str | os.PathLike | None = None,
+    copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
+    progress: Callable[[int, int], None] | None = None,
+    lora: LoRAConfig | None = None,
+    lora_adapter: str | os.PathLike | None = None,
+    agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
+) -> None:
+    """Fills a materialized model through `copy`: from a HF checkpoint (as load_hf_checkpoint)
+    or from initial values drawn on `device` (so any layout gets the same weights); LoRA's
+    adapters from `lora_adapter` (a PEFT adapter directory) or their initial values."""
+    if hf_path is None:
+        model.init_weights(seed, device=device, copy=copy)
+    else:
+        load_hf_checkpoint(model, hf_path, copy, progress, agree)
+        if lora is not None and lora_adapter is None:  # adapters from their initial values
+            for name, param in model.named_parameters():
+                if param.requires_grad:
+                    copy(param, model.initial_value(name, seed, device))
+    if lora_adapter is not None:
+        load_peft_adapter(model, lora, lora_adapter, copy, agree)
 
 
 # ----------------------------------------------------------------------------------------
@@ -305,7 +333,7 @@ def _whole_row_mask(attention_mask, group, positions: torch.Tensor, document_sta
 def _forward_rows(forward, group, tokens, labels=None, positions=None, *rest, **kwargs):
     """The model's forward under context parallelism. Training passes its slice's positions
     [B, S/N] (data.PackedLoader's) and gets its part of the loss. Whole rows [B, T] without
-    positions (model.generate's): each rank runs its slice, padded at the end (the causal mask
+    positions (train.generate's): each rank runs its slice, padded at the end (the causal mask
     hides it), and every rank gets the whole rows' logits, as one process would."""
     if positions is not None:
         return forward(tokens, labels, positions, *rest, **kwargs)

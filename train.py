@@ -8,7 +8,8 @@
 plan), the model built, the loader, and the checkpoint's state restored; the step and what the
 loop asks after it; then `train`, a loop of `train_step` calls whose logging, evaluation,
 saving and stopping are each decided by the object that owns it (`MetricsLog`,
-`shard.Checkpointer`, `StopSignals`); last `main`, the command line's entry and exit status.
+`shard.Checkpointer`, `StopSignals`); `finish`: the exports and a sample (`generate`); last
+`main`, the command line's entry and exit status.
 What was given is checked before the first step: one UsageError says what is wrong and expected.
 """
 
@@ -38,7 +39,6 @@ import options
 import shard
 from data import Batch, PackedLoader, TokenDataset
 from files import UsageError, params_text, plural, write_json, write_whole
-from hf import fill_weights
 from kernels import IGNORE_INDEX
 from lora import apply_lora
 from metrics import open_reporters
@@ -48,8 +48,6 @@ from model import (
     ModelArgs,
     attended_pairs,
     fp8_ops,
-    generate,
-    peak_flops,
     triton_ops,
 )
 from options import Options, command_line, exit_after_rank_0, other_rank, parse_options
@@ -62,7 +60,7 @@ EXIT_STOPPED = 75
 
 
 # ----------------------------------------------------------------------------------------
-# Options: one dataclass; each field is the flag of the same name with dashes
+# The learning rate: warmup, then cosine or linear decay
 # ----------------------------------------------------------------------------------------
 
 
@@ -111,7 +109,7 @@ def apply_techniques(
         # One GPU, no FSDP: fp32 on the host, optim.OptimizerInBackward's master weights,
         # their initial values drawn on the GPU so that they equal shard.materialize's there.
         model.to_empty(device="cpu")
-        fill_weights(model, seed, world.device, hf_path, progress=progress)
+        shard.fill_weights(model, seed, world.device, hf_path, progress=progress)
         return
     mesh = shard.build_mesh(plan.strategy, world)
     shard.apply_fsdp(
@@ -143,11 +141,13 @@ class Run(options.Resolved):
     start_step: int
     log: Callable
     lock: object  # run_dir/.lock, held open as long as the run lives (shard.lock_run_dir)
+    reporters: list  # the main rank's metrics.py reporters, which MetricsLog hands each record
 
 
 def setup(asked: Options, given: frozenset[str]) -> Run:
     """The run, ready for its first step: the options resolved (options.resolve: the checks,
-    the data, the plan), the model built by `apply_techniques`, a checkpoint's state restored."""
+    the data, the plan), the model built by `apply_techniques`, a checkpoint's state restored,
+    then what the run writes opened: plan.json, config.toml, metrics.py's reporters."""
     log = (lambda *a, **k: None) if other_rank() else print
     resolved = options.resolve(asked, given, log)
     opts, args, plan, world = resolved.opts, resolved.args, resolved.plan, resolved.world
@@ -178,15 +178,20 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
         start = f"from {opts.hf_checkpoint}" if opts.hf_checkpoint else "from random weights"
         log(f"no checkpoint in {checkpointer.root}: starting {start}")
     # Everything given is checked and loaded: from here on the run writes into its directory.
-    lock = shard.lock_run_dir(run_dir, world.is_main)
+    lock, reporters = shard.lock_run_dir(run_dir, world.is_main), []
     if world.is_main:
         shard.set_aside(resolved.damaged, log)
-        if step < max_steps:  # a finished run's plan.json keeps the peaks it measured
-            write_json(run_dir / "plan.json", plan.to_json())
+        if step < max_steps:  # a finished run logs nothing; its plan.json keeps its peaks
+            planned = plan.to_json()
+            write_json(run_dir / "plan.json", planned)
             write_whole(run_dir / "config.toml", options.config_toml(opts))
+            config = {"options": dataclasses.asdict(opts), **planned}  # the reporters' run
+            last = checkpointer.last
+            reporters = open_reporters(opts.report_to, run_dir, config, step, last, log)
     return Run(
         **vars(resolved), model=model, optimizer=optimizer, loader=loader, run_dir=run_dir,
         checkpointer=checkpointer, evaluate=evaluate_held_out, start_step=step, log=log, lock=lock,
+        reporters=reporters,
     )  # fmt: skip
 
 
@@ -297,6 +302,17 @@ def train_step(
     return StepResult(loss_sum, n_labels, grad_norm, optimizer_s, model.routing)
 
 
+# Dense bf16 tensor-core FLOP/s by GPU name, the denominator of MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)
+
+
 class MetricsLog:
     """Decides which steps are logged, makes their records and hands them to stdout and, on
     the main rank, to metrics.py's reporters (metrics.jsonl, --report-to). Values are read only
@@ -306,18 +322,11 @@ class MetricsLog:
     def __init__(self, run: Run):
         self.run = run
         self.nonfinite = torch.zeros((), dtype=torch.int32, device=run.world.device)
-        self.attended = torch.zeros((), dtype=torch.float64, device=run.world.device)
+        self.flops = torch.zeros((), dtype=torch.float64, device=run.world.device)  # (MFU)
         self.checked_step = self.logged_step = run.start_step
         self.started = self.logged_at = time.perf_counter()
         self.loading_s = 0.0  # the host's seconds in the data loader since the last record
         self.last: StepResult | None = None
-        self.reporters = []
-        if run.world.is_main:
-            config = {"options": dataclasses.asdict(run.opts), **run.plan.to_json()}
-            self.reporters = open_reporters(
-                run.opts.report_to, run.run_dir, config, run.start_step,
-                run.checkpointer.last, run.log,
-            )  # fmt: skip
 
     def loading(self, load: Callable, *args):
         """load(*args), its host seconds counted as the data loader's (no wait for the GPU)."""
@@ -327,10 +336,12 @@ class MetricsLog:
         return loaded
 
     def counting(self, micro_batches: Iterator[Batch]) -> Iterator[Batch]:
-        """The micro-batches, each counted into the pairs attention attended (MFU)."""
+        """The micro-batches, each counted into the training FLOPs: this rank's tokens (a
+        context-parallel rank's slices) and the pairs attention attended in them."""
         plan, args = self.run.plan, self.run.args
         for b in micro_batches:
-            self.attended += attended_pairs(b.positions, plan.document_mask, plan.seq_len, args)
+            pairs = attended_pairs(b.positions, plan.document_mask, plan.seq_len, args)
+            self.flops += args.training_flops(b.positions.numel(), pairs, plan.lora is not None)
             yield b
 
     def add(self, result: StepResult) -> None:
@@ -366,12 +377,9 @@ class MetricsLog:
         world, max_steps, tokens_per_step = run.world, run.max_steps, run.plan.tokens_per_step
         now, steps = time.perf_counter(), step - self.logged_step
         tokens_per_s = steps * tokens_per_step / (now - self.logged_at)
-        dist.all_reduce(self.attended)
-        flops = run.args.training_flops(
-            steps * tokens_per_step, self.attended.item(), run.plan.lora is not None
-        )
-        self.attended.zero_()
-        flops_per_device = flops / (now - self.logged_at) / world.world_size
+        dist.all_reduce(self.flops)
+        flops_per_device = self.flops.item() / (now - self.logged_at) / world.world_size
+        self.flops.zero_()
         routing = [None, None]  # each rank routes its own rows: their mean
         if self.last.routing is not None:
             dist.all_reduce(routing := self.last.routing.clone())
@@ -416,12 +424,12 @@ class MetricsLog:
             now = time.perf_counter()
         if world.is_main:
             print(format_record(record, max_steps), flush=True)
-            for reporter in self.reporters:
+            for reporter in self.run.reporters:
                 reporter.log(record)
         self.logged_at, self.logged_step, self.loading_s = now, step, 0.0
 
     def close(self) -> None:
-        for reporter in self.reporters:
+        for reporter in self.run.reporters:
             reporter.close()
 
 
@@ -768,6 +776,35 @@ def print_sample(run: Run) -> None:
     sample = generate(run.model, prompt, n, 0.8, allowed, stop_id=tokenizer.eos_id)
     run.log(f"\na sample of the trained model (after {after}, temperature 0.8):\n{'-' * 60}")
     run.log(printable(tokenizer.decode(shown + sample)) + f"\n{'-' * 60}")
+
+
+@torch.no_grad()
+def generate(
+    model: Llama,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    allowed_ids: int | None = None,
+    stop_id: int | None = None,
+    seed: int = 0,
+) -> list[int]:
+    """The tokens continuing `prompt`, sampled at `temperature` (0: the most likely) from ids
+    below `allowed_ids` (a tokenizer smaller than the vocabulary), up to and including
+    `stop_id`. No cache: for short samples. Drawn on the CPU, so every rank draws alike."""
+    device = model.tok_embeddings.weight.device
+    tokens = torch.tensor([prompt], device=device)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(max_new_tokens):
+        logits = model(tokens)[0, -1, :allowed_ids].float().cpu()  # [V]
+        if temperature == 0:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            next_id = torch.multinomial(probs, 1, generator=generator)
+        tokens = torch.cat([tokens, next_id.to(device)[None]], dim=1)
+        if next_id.item() == stop_id:
+            break
+    return tokens[0, len(prompt) :].tolist()
 
 
 def main(argv: list[str] | None = None) -> None:

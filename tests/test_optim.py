@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import optim
-from hf import fill_weights
 from model import PRESETS, Llama, ModelArgs
 from optim import OptimizerInBackward
+from shard import fill_weights
 
 ARGS = ModelArgs.from_name("tiny")
 FP32_RTOL = 1e-5

@@ -39,7 +39,7 @@ import tokenizer
 import train
 from config_json import args_from_hf_config
 from hf import save_hf_checkpoint
-from model import PEAK_FLOPS, PRESETS, Llama, ModelArgs, generate
+from model import PRESETS, Llama, ModelArgs
 from plan import Plan
 
 REPO = Path(__file__).resolve().parent.parent
@@ -543,11 +543,13 @@ def test_export_loads_in_transformers_with_the_same_logits(dataset, reference_ru
     generated = model.generate(**inputs, max_new_tokens=12, do_sample=False)[
         0, inputs.input_ids.shape[1] :
     ]
-    assert generated.tolist() == generate(ours, inputs.input_ids[0].tolist(), 12, temperature=0)
+    assert generated.tolist() == train.generate(
+        ours, inputs.input_ids[0].tolist(), 12, temperature=0
+    )
     stop = generated[3].item()  # the sample ends at its stop token, which it keeps
     first_stop = generated.tolist().index(stop) + 1
     assert (
-        generate(ours, inputs.input_ids[0].tolist(), 12, 0, stop_id=stop)
+        train.generate(ours, inputs.input_ids[0].tolist(), 12, 0, stop_id=stop)
         == generated[:first_stop].tolist()
     )
     assert tokenizer.decode(generated, skip_special_tokens=True)  # some text
@@ -1194,7 +1196,7 @@ def test_gpu_run_with_kernels_in_bf16(dataset, tmp_path):
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < records[0]["loss"] - 1.5
     assert records[-1]["peak_gpu_mem_gib"] > 0
-    if any(name in torch.cuda.get_device_name() for name in PEAK_FLOPS):
+    if any(name in torch.cuda.get_device_name() for name in train.PEAK_FLOPS):
         assert 0 < records[-1]["mfu"] < 1
 
 
