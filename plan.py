@@ -568,6 +568,8 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     # Attention's: two residual-sized gradients, dq, dk, dv and cuDNN's fp32 workspace, 8
     # bytes a query element (FlexAttention's, under a document mask, less).
     mlp, attention = 3 * x + tile + moe_rows, 2 * x + qkv + 8 * n * q
+    if gpt_oss:  # its PyTorch activation's backward makes gate's and up's gradients anew
+        mlp += 2 * tile
     # --fp8 adds e4m3 copies (a byte an element): two of an output gradient and its input's
     # columns, at most w2's; q's beside the block's input (bench/RESULTS.md, "FP8 matmuls").
     if plan.fp8:
