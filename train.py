@@ -40,7 +40,7 @@ import shard
 from data import Batch, PackedLoader, TokenDataset
 from files import UsageError, params_text, plural, write_json, write_whole
 from kernels import IGNORE_INDEX
-from lora import apply_lora
+from lora import apply_lora, lora_module_paths
 from metrics import open_reporters
 from model import (
     REFERENCE_OPS,
@@ -209,9 +209,11 @@ def build(opts: Options, args: ModelArgs, plan: Plan, world, resumed: bool, log)
     apply_techniques(model, plan, world, opts.seed, hf_path, progress, adapter)
     if plan.lora:
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        paths = lora_module_paths(args.n_layers, plan.lora.targets, args.moe_layers)
+        adapted = [t for t in plan.lora.targets if any(p.endswith(f".{t}") for p in paths)]
         log(
             f"LoRA r={plan.lora.rank} (alpha {plan.lora.alpha:g}) on "
-            f"{','.join(plan.lora.targets)}"
+            f"{','.join(adapted + list(plan.lora.expert_targets))}"
             f"{', the base in NF4 (QLoRA)' if plan.lora.quantize_base else ''}: "
             f"{params_text(trained)} parameters train, the base's "
             f"{params_text(args.num_params())} are frozen"

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import prepare
+import train
 from config_json import args_from_hf_config
 from files import UsageError
 from hf import (
@@ -307,6 +309,25 @@ def test_lora_on_an_moe_model_adapts_attention_and_loads_in_peft(tmp_path, name)
     their_logits.square().mean().backward()
     for ours, peft_name in names.items():
         assert rel_err(model.get_parameter(ours).grad, their_params[peft_name].grad) <= FP32_RTOL
+
+
+def test_train_py_says_lora_adapts_attention_only_on_an_moe_model(tmp_path, capsys):
+    """`--lora-targets all` on an MoE model: the log names the projections adapted (the
+    feed-forward targets take no adapter there), then the experts' when asked."""
+    config = MOE_CONFIGS["qwen3_moe"](
+        vocab_size=320, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts_per_tok=2,
+    )  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    data = prepare.prepare([Path(json.__file__)], tmp_path / "data", workers=1)
+    argv = ["--hf-checkpoint", str(tmp_path / "hf"), "--data", str(data), "--lr", "1e-3",
+            "--seq-len", "32", "--batch-tokens", "64", "--max-steps", "1",
+            "--lora-rank", "2"]  # fmt: skip
+    train.main([*argv, "--run-dir", str(tmp_path / "all")])
+    assert "LoRA r=2 (alpha 16) on wq,wk,wv,wo: " in capsys.readouterr().out
+    targets = ["--lora-targets", "wq,w1,experts_w13,experts_w2"]
+    train.main([*argv, *targets, "--run-dir", str(tmp_path / "experts")])
+    assert "LoRA r=2 (alpha 16) on wq,experts_w13,experts_w2: " in capsys.readouterr().out
 
 
 def test_feed_forward_targets_alone_adapt_nothing_on_an_moe_model_and_are_refused():
