@@ -114,9 +114,9 @@ def hf_names(
 def _expert_names(args: ModelArgs, i: int, fused: bool) -> dict[str, str | tuple | FusedRows]:
     """MoE layer i's router and experts. transformers 5 calls Mixtral's block_sparse_moe mlp
     too, and its experts' w1 and w3 the gate and up halves of one tensor."""
-    ours = f"layers.{i}.feed_forward"
+    ours, (gate, up) = f"layers.{i}.feed_forward", gate_up_rows(args)
     if args.family == "gpt_oss":
-        theirs, gate, up = f"model.layers.{i}.mlp", slice(0, None, 2), slice(1, None, 2)
+        theirs = f"model.layers.{i}.mlp"
         return {
             f"{ours}.router.weight": f"{theirs}.router.weight",
             f"{ours}.router.bias": f"{theirs}.router.bias",
@@ -128,11 +128,11 @@ def _expert_names(args: ModelArgs, i: int, fused: bool) -> dict[str, str | tuple
             f"{ours}.w2_bias": f"{theirs}.experts.down_proj_bias",
         }
     if fused:
-        theirs, ffn = f"model.layers.{i}.mlp", args.expert_ffn_dim
+        theirs = f"model.layers.{i}.mlp"
         return {
             f"{ours}.router.weight": f"{theirs}.gate.weight",
-            f"{ours}.w1": FusedRows(f"{theirs}.experts.gate_up_proj", slice(0, ffn)),
-            f"{ours}.w3": FusedRows(f"{theirs}.experts.gate_up_proj", slice(ffn, 2 * ffn)),
+            f"{ours}.w1": FusedRows(f"{theirs}.experts.gate_up_proj", gate),
+            f"{ours}.w3": FusedRows(f"{theirs}.experts.gate_up_proj", up),
             f"{ours}.w2": f"{theirs}.experts.down_proj",
         }
     moe, experts = HF_MOE_NAMES[args.family]
@@ -143,6 +143,15 @@ def _expert_names(args: ModelArgs, i: int, fused: bool) -> dict[str, str | tuple
             f"{theirs}.experts.{e}.{proj}.weight" for e in range(args.n_experts)
         )
     return names
+
+
+def gate_up_rows(args: ModelArgs) -> tuple[slice, slice]:
+    """w1's and w3's rows of each expert's out in transformers 5's gate_up_proj: gpt-oss's
+    interleaved (gate, up, gate, ...), the others' halves."""
+    if args.family == "gpt_oss":
+        return slice(0, None, 2), slice(1, None, 2)
+    ffn = args.expert_ffn_dim
+    return slice(0, ffn), slice(ffn, 2 * ffn)
 
 
 # Each family's MoE module, and its experts' projections by longtune's names.
@@ -485,41 +494,58 @@ def peft_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, str]:
     return names
 
 
-def peft_expert_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
-    """PEFT's name of an adapter on the experts -> the longtune adapters it holds (a
-    gate_up_proj B: w1's rows, then w3's). PEFT (0.21) wraps transformers' experts module once
-    for each targeted parameter, in the module's order: gate_up_proj's wrapper is inside
-    down_proj's (`experts.base_layer.lora_A`) where both are adapted."""
-    names = {}
+def peft_expert_names(
+    args: ModelArgs, targets: tuple[str, ...]
+) -> dict[str, dict[str, slice]]:
+    """PEFT's name of an adapter on the experts -> the longtune adapters it holds, each with
+    its rows of the adapted tensor's out (to_peft_experts): a gate_up_proj B holds w1's and
+    w3's (gate_up_rows), an A or down_proj's B one adapter whole. PEFT (0.21) wraps
+    transformers' experts module once for each targeted parameter, in the module's order:
+    gate_up_proj's wrapper is inside down_proj's (`experts.base_layer.lora_A`) where both are
+    adapted."""
+    names, whole = {}, slice(None)
+    gate, up = gate_up_rows(args)
     for i in args.moe_layers:
         module, ours = f"base_model.model.model.layers.{i}.mlp.experts", f"layers.{i}.feed_forward"
         if "experts_w13" in targets:
             inner = module + ".base_layer" * ("experts_w2" in targets)
-            names[f"{inner}.lora_A.weight"] = (f"{ours}.w13_lora_A",)
-            names[f"{inner}.lora_B.weight"] = (f"{ours}.w1_lora_B", f"{ours}.w3_lora_B")
+            names[f"{inner}.lora_A.weight"] = {f"{ours}.w13_lora_A": whole}
+            names[f"{inner}.lora_B.weight"] = {f"{ours}.w1_lora_B": gate, f"{ours}.w3_lora_B": up}
         if "experts_w2" in targets:
-            names[f"{module}.lora_A.weight"] = (f"{ours}.w2_lora_A",)
-            names[f"{module}.lora_B.weight"] = (f"{ours}.w2_lora_B",)
+            names[f"{module}.lora_A.weight"] = {f"{ours}.w2_lora_A": whole}
+            names[f"{module}.lora_B.weight"] = {f"{ours}.w2_lora_B": whole}
     return names
 
 
-def to_peft_experts(theirs: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """Ours, [E, rank, in] (an A) or [E, out, rank] (a B's parts, joined by out), as PEFT's
-    adapter on [E, out, in] stores them: A [E * rank, in], B [out, rank * E] (its rank's
-    columns expert-fastest: lora.ParamWrapper.get_delta_weight)."""
-    whole = torch.cat(parts, dim=1)
-    return (
-        whole.flatten(0, 1)
-        if theirs.endswith("lora_A.weight")
-        else whole.permute(1, 2, 0).flatten(1)
-    )
+def to_peft_experts(theirs: str, parts: list[torch.Tensor], rows: list[slice]) -> torch.Tensor:
+    """Ours, [E, rank, in] (an A) or [E, out, rank] (a B's parts, each at its `rows` of out),
+    as PEFT's adapter on the experts' tensor stores them: A [E * rank, in], B [out, rank * E].
+
+    What PEFT 0.21 does (lora.ParamWrapper on a 3-d parameter): it reads the tensor as
+    [E, in, out], and swaps in and out unless transformers' experts module says
+    `is_transposed` (use_experts_implementation: gpt-oss's True, [E, in, out]; Qwen3-MoE's and
+    Mixtral's False, [E, out, in]), so in is always the dim the product sums over x (gpt-oss:
+    gate_up_proj [E, D, 2F] in D, out 2F; down_proj [E, F, D] in F, out D). lora_A is a
+    Linear(in, rank * E), its weight's rows expert-slowest (reshaped [E, rank, in]); lora_B a
+    Linear(rank * E, out), its weight's columns expert-fastest (reshaped [out, rank, E]);
+    get_delta_factors adds scale * B[e] A[e] ([out, in]; its transpose on gpt-oss's [in, out])
+    to expert e's weight, scale = alpha / rank, with neither dropout nor a bias of its own
+    (refused). On gpt-oss gate_up_proj's out interleaves gate and up (GptOssExperts._apply_gate
+    reads [..., ::2] and [..., 1::2]), so its B's even rows are w1's and its odd rows w3's; the
+    biases beside are not wrapped. Where the adapters' rows sit is thus all that differs from
+    the other families: `rows` (peft_expert_names)."""
+    if theirs.endswith("lora_A.weight"):
+        return parts[0].flatten(0, 1)
+    whole = _join_parts([(FusedRows(theirs, r), part) for part, r in zip(parts, rows, strict=True)])
+    return whole.permute(1, 2, 0).flatten(1)
 
 
-def from_peft_experts(theirs: str, tensor: torch.Tensor, n_experts: int, outs: list[int]):
-    """to_peft_experts undone: the [E, ...] parts, of `outs` rows each (a B's)."""
+def from_peft_experts(theirs: str, tensor: torch.Tensor, n_experts: int, rows: list[slice]):
+    """to_peft_experts undone: the [E, ...] parts, each of its `rows` (a B's)."""
     if theirs.endswith("lora_A.weight"):
         return [tensor.view(n_experts, -1, tensor.shape[1])]
-    return tensor.view(tensor.shape[0], -1, n_experts).permute(2, 0, 1).split(outs, dim=1)
+    whole = tensor.view(tensor.shape[0], -1, n_experts).permute(2, 0, 1)
+    return [whole[:, r] for r in rows]
 
 
 # A --export-adapter directory (files.OutputDir).
@@ -572,7 +598,8 @@ def save_peft_adapter(
             (tensors if ours in names else parts)[names.get(ours, ours)] = t.contiguous()
     for theirs, ours in expert_names.items():
         if all(part in parts for part in ours):
-            tensors[theirs] = to_peft_experts(theirs, [parts[part] for part in ours]).contiguous()
+            joined = to_peft_experts(theirs, [parts[part] for part in ours], [*ours.values()])
+            tensors[theirs] = joined.contiguous()
     if missing := sorted({*names.values(), *expert_names} - set(tensors)):
         raise ValueError(f"cannot save the adapter: no tensor given for {missing[:5]}")
     with PEFT_ADAPTER.writing(out_dir) as tmp:
@@ -640,7 +667,7 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
     }
     for peft, parts in peft_expert_names(args, config.targets).items():
         empty = [torch.empty(model.get_parameter(name).shape, device="meta") for name in parts]
-        expected[peft] = tuple(to_peft_experts(peft, empty).shape)
+        expected[peft] = tuple(to_peft_experts(peft, empty, [*parts.values()]).shape)
     with _open_safetensors(tensors_file) as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     if theirs.get("r") != ours["r"]:  # every adapter's shape differs by the rank: not listed
@@ -672,13 +699,10 @@ def load_peft_adapter(
             copy(model.get_parameter(ours), CheckedSlice(f.get_slice(theirs), theirs, nonfinite))
         # The experts' adapters, small, read whole on every rank and rearranged to [E, ...].
         for theirs, ours in peft_expert_names(model.args, config.targets).items():
-            params = [model.get_parameter(name) for name in ours]
             tensor = CheckedSlice(f.get_slice(theirs), theirs, nonfinite)[:]
-            outs = [p.shape[1] for p in params]
-            for param, part in zip(
-                params, from_peft_experts(theirs, tensor, model.args.n_experts, outs), strict=True
-            ):
-                copy(param, part)
+            parts = from_peft_experts(theirs, tensor, model.args.n_experts, [*ours.values()])
+            for name, part in zip(ours, parts, strict=True):
+                copy(model.get_parameter(name), part)
     refuse_nonfinite(file, agree(nonfinite))
 
 

@@ -49,8 +49,8 @@ HF_LORA_TARGETS = {
     if not ours.endswith("norm.weight")
 }
 # The experts' targets -> PEFT's target_parameters on transformers 5's fused [E, out, in]
-# tensors: one adapter on gate_up_proj (w1 and w3: one A, and a B whose halves are theirs), one
-# on down_proj (w2).
+# tensors (gpt-oss's [E, in, out]): one adapter on gate_up_proj (w1 and w3: one A, and a B whose
+# rows are theirs, halves or gpt-oss's interleaved ones), one on down_proj (w2).
 EXPERT_LORA_TARGETS = {
     "experts_w13": "mlp.experts.gate_up_proj",
     "experts_w2": "mlp.experts.down_proj",
@@ -329,8 +329,8 @@ def expert_lora_shapes(args, config: LoRAConfig) -> dict[str, tuple[int, ...]]:
     """The adapters `config` puts on each MoE layer's experts of model.ModelArgs `args`:
     moe.LORA_PARAMS's names -> shapes (kernels.moe.ExpertLoRA's). PEFT's adapter on an
     [E, out, in] tensor is [E, rank, in] and [E, out, rank] (stored [E * rank, in] and
-    [out, rank * E]: hf.py); gate_up_proj's out holds w1's rows then w3's, whose B is split in
-    two here."""
+    [out, rank * E]: hf.py); gate_up_proj's out holds w1's rows and w3's (hf.gate_up_rows:
+    gpt-oss's interleaved), whose B is split in two here. gpt-oss's biases take none."""
     n_experts, ffn_dim, dim, r = args.n_experts, args.expert_ffn_dim, args.dim, config.rank
     shapes = {}
     if "experts_w13" in config.targets:
@@ -343,16 +343,11 @@ def expert_lora_shapes(args, config: LoRAConfig) -> dict[str, tuple[int, ...]]:
 
 def check_lora_targets(args, config: LoRAConfig) -> None:
     """Refuses targets that adapt nothing on model.ModelArgs `args`: an MoE model's dense
-    feed-forward ones alone, the experts' on a model without experts or on gpt-oss's."""
+    feed-forward ones alone, the experts' on a model without experts."""
     experts = ",".join(config.expert_targets)
     if experts and not args.moe_layers:
         raise UsageError(
             f"LoRA targets {experts} adapt an MoE model's experts: {args.family} has none"
-        )
-    if experts and args.family == "gpt_oss":
-        raise UsageError(
-            f"LoRA targets {experts}: gpt-oss's experts (transposed, with biases) take no "
-            f"adapter; choose some of wq,wk,wv,wo"
         )
     if not experts and not lora_module_paths(args.n_layers, config.targets, args.moe_layers):
         raise UsageError(

@@ -132,7 +132,7 @@ class MoE(nn.Module):
         if not self.gpt_oss:
             return self.ops.moe_experts(x, experts, weights, w1, w3, w2, lora=lora)
         biases = (self.w1_bias, self.w3_bias, self.w2_bias)
-        return self.ops.moe_experts(x, experts, weights, w1, w3, w2, biases, clamped_swiglu)
+        return self.ops.moe_experts(x, experts, weights, w1, w3, w2, biases, clamped_swiglu, lora)
 
 
 def load_balancing_loss(routed: Sequence[Routed]) -> torch.Tensor:
