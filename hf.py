@@ -29,6 +29,7 @@ from lora import (
     EXPERT_WEIGHTS,
     HF_LAYER_NAMES,
     HF_LORA_TARGETS,
+    LORA_TARGETS,
     NF4_SUFFIX,
     LoRAConfig,
     LoRALinear,
@@ -494,9 +495,7 @@ def peft_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, str]:
     return names
 
 
-def peft_expert_names(
-    args: ModelArgs, targets: tuple[str, ...]
-) -> dict[str, dict[str, slice]]:
+def peft_expert_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, dict[str, slice]]:
     """PEFT's name of an adapter on the experts -> the longtune adapters it holds, each with
     its rows of the adapted tensor's out (to_peft_experts): a gate_up_proj B holds w1's and
     w3's (gate_up_rows), an A or down_proj's B one adapter whole. PEFT (0.21) wraps
@@ -651,9 +650,21 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
             f"PEFT changed: convert it to a plain LoRA adapter with PEFT first "
             f"(save_pretrained's path_initial_model_for_weight_conversion)"
         )
-    for key in ("target_modules", "target_parameters"):
+    for key, (known, wanted) in _peft_targets(args, config).items():
         targets = theirs.get(key) or []
-        if sorted(targets if isinstance(targets, list) else [targets]) != ours[key]:
+        targets = targets if isinstance(targets, list) else [targets]
+        # PEFT's rule: a target is a module's (a parameter's) name or its end after a dot.
+        picked = {n for n in known if any(n == t or n.endswith(f".{t}") for t in targets)}
+        kinds = [
+            {n.partition(".layers.")[2].partition(".")[2] for n in s} for s in (picked, wanted)
+        ]
+        if picked != wanted and kinds[0] == kinds[1]:  # PEFT's "7.mlp.experts.gate_up_proj"
+            problems.append(
+                f"adapter_config.json {key}: adapter has {theirs[key]!r}, on some layers only "
+                f"(not on {sorted(wanted - picked)[:3]}): longtune adapts every layer's and "
+                f"reads no such adapter"
+            )
+        elif picked != wanted:
             problems.append(
                 f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected "
                 f"{ours[key]} (--lora-targets)"
@@ -681,6 +692,30 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
     if problems:
         raise UsageError(f"LoRA adapter {path} does not fit:\n  " + "\n  ".join(problems))
     return tensors_file
+
+
+def _peft_targets(args: ModelArgs, config: LoRAConfig) -> dict[str, tuple[set, set]]:
+    """adapter_config.json's target_modules and target_parameters -> (the HF names of what
+    they may name on this model: its linear layers', its experts' tensors, and those `config`
+    adapts): the names PEFT matches its targets against ("model.layers.0.self_attn.q_proj")."""
+    hf = hf_names(args)
+
+    def modules(paths: list[str]) -> set[str]:
+        return {hf[f"{p}.weight"].removesuffix(".weight") for p in paths if f"{p}.weight" in hf}
+
+    def experts(targets: Iterable[str]) -> set[str]:
+        return {
+            f"model.layers.{i}.{EXPERT_LORA_TARGETS[t]}" for i in args.moe_layers for t in targets
+        }
+
+    adapted = lora_module_paths(args.n_layers, config.targets, args.moe_layers)
+    return {
+        "target_modules": (
+            modules(lora_module_paths(args.n_layers, LORA_TARGETS)),
+            modules(adapted),
+        ),
+        "target_parameters": (experts(EXPERT_LORA_TARGETS), experts(config.expert_targets)),
+    }
 
 
 @torch.no_grad()

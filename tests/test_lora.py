@@ -33,6 +33,7 @@ from hf import (
 from kernels import dequantize_nf4, dequantize_nf4_reference, quantize_nf4
 from kernels.moe import ExpertLoRA, moe_experts, moe_experts_reference
 from lora import (
+    EXPERT_LORA_TARGETS,
     EXPERT_WEIGHTS,
     HF_LORA_TARGETS,
     LORA_TARGETS,
@@ -565,6 +566,38 @@ def test_expert_adapters_export_to_peft_with_equal_logits_and_gradients(
     fresh = lora_model(path, config, seed=1)
     load_peft_adapter(fresh, config, tmp_path / "peft")
     assert all(torch.equal(t, adapters(fresh)[n]) for n, t in adapters(model).items())
+
+
+def test_an_adapter_made_by_peft_as_the_gpt_oss_recipe_reads_back_with_peft_logits(tmp_path):
+    """Hugging Face's gpt-oss recipe: target_modules "all-linear" (PEFT saves each attention
+    projection's full name) and target_parameters on the experts; made and saved by PEFT with
+    nonzero B, read here: PEFT's logits. The recipe's experts of some layers only
+    ("1.mlp.experts.gate_up_proj") are refused in one line."""
+    path = moe_checkpoint(tmp_path / "base", "gpt_oss")
+    g = torch.Generator().manual_seed(3)
+    for layers in ("", "1."):
+        experts = [f"{layers}mlp.experts.gate_up_proj", f"{layers}mlp.experts.down_proj"]
+        config = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules="all-linear", target_parameters=experts
+        )
+        theirs = peft.get_peft_model(hf_model(path), config)
+        with torch.no_grad():
+            for p in theirs.parameters():
+                if p.requires_grad:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        theirs.save_pretrained(tmp_path / f"adapter{layers}")
+        if not layers:
+            tokens = tokens_for(lora_model(path))
+            want = theirs(tokens).logits
+    config = dataclasses.replace(
+        EXPERTS_CONFIG, targets=("wq", "wk", "wv", "wo", *EXPERT_LORA_TARGETS)
+    )
+    ours = lora_model(path, config)
+    load_peft_adapter(ours, config, tmp_path / "adapter")
+    assert rel_err(ours(tokens), want) <= FP32_RTOL
+    refused = r"target_parameters: .* some layers only \(not on \['model.layers.0.mlp.experts"
+    with pytest.raises(UsageError, match=refused + r".* reads no such adapter"):
+        load_peft_adapter(ours, config, tmp_path / "adapter1.")
 
 
 def test_qlora_on_the_experts_keeps_them_in_nf4_and_equals_them_dequantized(tmp_path):
