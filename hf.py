@@ -619,6 +619,30 @@ PEFT_DEFAULTS_ONLY = {
 }
 
 
+def _peft_targets(args: ModelArgs, config: LoRAConfig) -> dict[str, tuple[set, set]]:
+    """adapter_config.json's target_modules and target_parameters -> (the HF names of what
+    they may name on this model: its linear layers', its experts' tensors, and those `config`
+    adapts): the names PEFT matches its targets against ("model.layers.0.self_attn.q_proj")."""
+    hf = hf_names(args)
+
+    def modules(paths: list[str]) -> set[str]:
+        return {hf[f"{p}.weight"].removesuffix(".weight") for p in paths if f"{p}.weight" in hf}
+
+    def experts(targets: Iterable[str]) -> set[str]:
+        return {
+            f"model.layers.{i}.{EXPERT_LORA_TARGETS[t]}" for i in args.moe_layers for t in targets
+        }
+
+    adapted = lora_module_paths(args.n_layers, config.targets, args.moe_layers)
+    return {
+        "target_modules": (
+            modules(lora_module_paths(args.n_layers, LORA_TARGETS)),
+            modules(adapted),
+        ),
+        "target_parameters": (experts(EXPERT_LORA_TARGETS), experts(config.expert_targets)),
+    }
+
+
 def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathLike) -> Path:
     """Refuses a PEFT adapter that does not fit (config, tensor shapes from the headers) with
     one error listing every difference. Returns the safetensors file."""
@@ -692,30 +716,6 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
     if problems:
         raise UsageError(f"LoRA adapter {path} does not fit:\n  " + "\n  ".join(problems))
     return tensors_file
-
-
-def _peft_targets(args: ModelArgs, config: LoRAConfig) -> dict[str, tuple[set, set]]:
-    """adapter_config.json's target_modules and target_parameters -> (the HF names of what
-    they may name on this model: its linear layers', its experts' tensors, and those `config`
-    adapts): the names PEFT matches its targets against ("model.layers.0.self_attn.q_proj")."""
-    hf = hf_names(args)
-
-    def modules(paths: list[str]) -> set[str]:
-        return {hf[f"{p}.weight"].removesuffix(".weight") for p in paths if f"{p}.weight" in hf}
-
-    def experts(targets: Iterable[str]) -> set[str]:
-        return {
-            f"model.layers.{i}.{EXPERT_LORA_TARGETS[t]}" for i in args.moe_layers for t in targets
-        }
-
-    adapted = lora_module_paths(args.n_layers, config.targets, args.moe_layers)
-    return {
-        "target_modules": (
-            modules(lora_module_paths(args.n_layers, LORA_TARGETS)),
-            modules(adapted),
-        ),
-        "target_parameters": (experts(EXPERT_LORA_TARGETS), experts(config.expert_targets)),
-    }
 
 
 @torch.no_grad()
