@@ -38,7 +38,9 @@ ATTENTION_OPS = {
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
-MATMUL_OPS = {aten.mm.default, aten._scaled_mm.default}  # bf16, and FP8 (--fp8)
+# bf16, and FP8 (--fp8). Not aten._grouped_mm: kernels/moe.py adds gpt-oss's biases and the
+# experts' adapters to its outputs in place, which a kept output would see twice on recompute.
+MATMUL_OPS = {aten.mm.default, aten._scaled_mm.default}
 SAVED_OPS = {"attention": ATTENTION_OPS, "selective": ATTENTION_OPS | MATMUL_OPS}
 
 

@@ -520,7 +520,8 @@ def _add_expert_bias_kernel(
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     e = tl.arange(0, E_PAD)
     ends = tl.load(offsets_ptr + 1 + e, mask=e < n_experts, other=n_rows + 1)
-    expert = tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), axis=1)
+    # Rows past the last expert's (none in moe_experts) would read past the bias: clamped.
+    expert = tl.minimum(tl.sum((ends[None, :] <= r[:, None]).to(tl.int32), axis=1), n_experts - 1)
     mask = (r < n_rows)[:, None] & (c < width)[None, :]
     at = r[:, None] * width + c[None, :]
     bias = tl.load(bias_ptr + expert[:, None] * width + c[None, :], mask=mask, other=0.0)
@@ -584,6 +585,8 @@ def add_expert_bias_(rows: torch.Tensor, bias: torch.Tensor, offsets: torch.Tens
     reference's `rows + bias[expert]` without its [R, N] gather (gpt-oss's gate, up and down
     products, 8.4 GiB at 16 x 16384 tokens, measured: bench/RESULTS.md, "gpt-oss-20b on a
     GPU"); gradients for rows and the bias."""
+    if not rows.is_contiguous():  # written in place, row after row
+        raise ValueError(f"add_expert_bias_: rows {tuple(rows.shape)} must be contiguous")
     return _AddExpertBias.apply(rows, bias, offsets)
 
 
@@ -625,16 +628,14 @@ class _DispatchGateUp(torch.autograd.Function):
             dlow = dlow.add_(_grouped_mm(dup, b3.transpose(1, 2), offsets)).mul_(ctx.scale)
             da13 = _grouped_mm_weight_grad(dlow, rows, offsets, n_experts).to(a13.dtype)
             db1, db3 = (
-                _grouped_mm_weight_grad(d, low, offsets, n_experts).mul_(ctx.scale).to(b1.dtype)
-                for d in (dgate, dup)
+                _grouped_mm_weight_grad(d, low, offsets, n_experts).mul_(ctx.scale).to(b.dtype)
+                for d, b in ((dgate, b1), (dup, b3))
             )
-        if needs[0]:  # one [T*k, D] product alive at a time
-            drows = _grouped_mm(dgate, w1.transpose(1, 2), offsets)
-            if dlow is not None:
-                drows.add_(_grouped_mm(dlow, a13.transpose(1, 2), offsets))
-            dx = _dispatch_backward(drows, position)
-            del drows
-            dx.add_(_dispatch_backward(_grouped_mm(dup, w3.transpose(1, 2), offsets), position))
+        if needs[0]:  # one [T*k, D] product alive at a time, each gather-summed into dx
+            products = [(dgate, w1), (dup, w3)] + ([(dlow, a13)] if dlow is not None else [])
+            for d, w in products:
+                summed = _dispatch_backward(_grouped_mm(d, w.transpose(1, 2), offsets), position)
+                dx = summed if dx is None else dx.add_(summed)
         if needs[2]:
             dw1 = _grouped_mm_weight_grad(dgate, rows, offsets, n_experts).to(w1.dtype)
         if needs[3]:
@@ -682,6 +683,15 @@ def moe_experts(
         "w3": (w3, (n_experts, ffn_dim, dim)),
         "w2": (w2, (n_experts, dim, ffn_dim)),
     }
+    pairs = () if lora is None else (("a13", "b1"), ("a13", "b3"), ("a2", "b2"))
+    for a, b in pairs:  # A [E, r, in] and B [E, out, r] of one rank, given together or not
+        a_t, b_t = getattr(lora, a), getattr(lora, b)
+        if (a_t is None) != (b_t is None):
+            raise ValueError(f"moe_experts: lora's {b} is given exactly when its {a} is")
+        if a_t is not None:
+            inner, outer = (dim, ffn_dim) if a == "a13" else (ffn_dim, dim)
+            rank = a_t.shape[1] if a_t.dim() == 3 else 0
+            shapes |= {a: (a_t, (n_experts, rank, inner)), b: (b_t, (n_experts, outer, rank))}
     problems = [
         f"{name} {tuple(t.shape)}, expected {shape}"
         for name, (t, shape) in shapes.items()
@@ -710,7 +720,7 @@ def moe_experts(
     out = grouped_mm(hidden, w2, offsets)
     if lora is not None and lora.a2 is not None:
         low = grouped_mm(hidden, lora.a2, offsets)
-        out = out + lora.scale * grouped_mm(low, lora.b2, offsets)
+        out = out.add_(grouped_mm(low, lora.b2, offsets), alpha=lora.scale)
     if biases is not None:
         out = add_expert_bias_(out, biases[2], offsets)
     return combine(out, position, weights)

@@ -265,6 +265,13 @@ def test_moe_experts_and_grouped_mm_name_every_mismatch_at_once():
         moe_experts(x, experts.float(), weights, w1, w3, w2)
     with pytest.raises(ValueError, match=r"offsets \(6,\) torch.int64, expected int32"):
         grouped_mm(x, w1, torch.zeros(6, dtype=torch.int64))
+    # The adapters' shapes too: B's rank is A's; a B without its A is refused.
+    a13, b = torch.zeros(5, 4, 48), torch.zeros(5, 40, 3)
+    lora = ExpertLoRA(2.0, a13, b, torch.zeros(5, 40, 4), None, None)
+    with pytest.raises(ValueError, match=r"b1 \(5, 40, 3\), expected \(5, 40, 4\)"):
+        moe_experts(x, experts, weights, w1, w3, w2, lora=lora)
+    with pytest.raises(ValueError, match="lora's b2 is given exactly when its a2 is"):
+        moe_experts(x, experts, weights, w1, w3, w2, lora=ExpertLoRA(2.0, *[None] * 4, b))
 
 
 # ----------------------------------------------------------------------------------------

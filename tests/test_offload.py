@@ -203,6 +203,15 @@ def test_fp8_gradients_are_within_fp8s_error_of_the_unquantized_ones(
             assert error > 0, f"{name}: not computed in e4m3"
 
 
+def test_no_checkpointing_mode_keeps_a_grouped_product():
+    """kernels/moe.py adds biases and adapters to torch._grouped_mm's outputs in place (on
+    Hopper): a kept output would be the recompute's too and take them twice. The CPU runs the
+    Triton kernel, no aten op, so only this can see the rule broken."""
+    kept = set().union(*offload_module.SAVED_OPS.values())
+    assert torch.ops.aten._grouped_mm.default not in kept
+    assert torch.ops.aten.mm.default in kept  # the set this reads is the policy's
+
+
 def test_selective_checkpointing_keeps_the_fp8_matmuls_outputs():
     """The recompute of a selectively checkpointed FP8 block runs no matmul: its backward
     runs as many as the unchekpointed model's, and full checkpointing's more."""
