@@ -116,13 +116,14 @@ class ChatTemplate:
         return text
 
     def assistant_spans(
-        self, messages: list[Message], turn_ends: re.Pattern | None
+        self, messages: list[Message], turn_ends: tuple[re.Pattern | None, ...]
     ) -> tuple[str, list[tuple[int, int]]]:
         """The conversation's text, rendered once, and each assistant turn's span in it (character
         offsets), which the loss is taken on. A turn starts where the turns before it with the
         generation prompt end; that text must begin the whole conversation's. It ends with the last
-        of `turn_ends` (special tokens) in it when rendered last (ChatML's "\\n" after <|im_end|>,
-        Gemma's after <end_of_turn> are not in it), else with that text's end. A template may
+        match in it of the first of `turn_ends` that has one (special tokens, then added ones)
+        when rendered last (ChatML's "\\n" after <|im_end|>, Gemma's after <end_of_turn> are not
+        in it), else with that text's end. A template may
         render a turn otherwise once later turns follow (Qwen3's drops earlier answers'
         reasoning): the turn then runs from its start through as
         many end-of-turn tokens of the whole text, and must end as its last-turn rendering does
@@ -144,7 +145,8 @@ class ChatTemplate:
                     f"alike with --chat-template FILE"
                 )
             turn = through[start:]
-            closings = list(turn_ends.finditer(turn)) if turn_ends else []
+            found = (list(p.finditer(turn)) for p in turn_ends if p is not None)
+            closings = next((c for c in found if c), [])
             end = start + len(turn)
             if closings:
                 turn, closing = turn[: closings[-1].end()], closings[-1].group()

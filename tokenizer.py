@@ -235,7 +235,8 @@ class SentencePieceTokenizer(_TemplateTokenizer):
         self._specials = {
             p: i for i, p in enumerate(pieces) if self._sp.is_control(i) or self._sp.is_unknown(i)
         }
-        self._specials_pattern = self._turn_ends = _alternatives(self._specials)
+        self._specials_pattern = _alternatives(self._specials)
+        self._turn_ends = (self._specials_pattern,)
         tokens, _ = _hf_special_tokens(path.parent, {p: i for i, p in enumerate(pieces)})
         self._template_tokens = {"bos_token": pieces[self.bos_id]} | tokens
         self._template_tokens.setdefault("eos_token", pieces[self.eos_id])
@@ -317,13 +318,16 @@ class SentencePieceTokenizer(_TemplateTokenizer):
 def _read_tokenizer_json(path: Path, chat_template: Path | None) -> "_JsonTokenizer":
     """The tokenizer of a tokenizer.json: a BPE with byte fallback or a byte-level one."""
     data = path.read_bytes()
-    # GC off until the 100k+ merges are freed: the passes they set off outlast the parse itself.
+    # GC off while the 100k+ merges and what is built from them live: the passes they would set
+    # off outlast the parse and the checks themselves.
     with _gc_paused():
         try:
             spec = json.loads(data)
         except ValueError as e:
             raise UsageError(f"{path}: not valid JSON ({e})") from e
-        byte_fallback = (spec.get("model") or {}).get("byte_fallback")
+        model = spec.get("model") or {}
+        byte_fallback = model.get("type") == "BPE" and model.get("byte_fallback")
+        # Anything else is the byte-level reader's to accept or refuse, naming what it holds.
         kind = ByteFallbackBPETokenizer if byte_fallback else ByteLevelBPETokenizer
         return kind(path, data, spec, chat_template)
 
@@ -350,9 +354,11 @@ class _JsonTokenizer(_TemplateTokenizer):
         # any text as `tokenizers` does; special ones only where a chat template writes them.
         special = {t["content"] for t in spec.get("added_tokens") or [] if t.get("special")}
         self._plain_added = set(added) - special
-        self._specials_pattern = _alternatives(added)
+        self._added_pattern = _alternatives(added)
         self._plain_added_pattern = _alternatives(self._plain_added)
-        self._turn_ends = _alternatives(special)  # not Gemma's "\n", an added token too
+        # A turn ends at its last special token (not at Gemma's "\n", an added token too), or
+        # where it has none at its last added one (an end-of-turn token added as not special).
+        self._turn_ends = (_alternatives(special), self._added_pattern)
         return added
 
     def _read_specials(self, path: Path, data: bytes, ids: dict[str, int]) -> None:
@@ -398,7 +404,7 @@ class _JsonTokenizer(_TemplateTokenizer):
 
     def _cut(self, text: str, allowed_special: set[str] | str) -> list[str]:
         """`text` cut at `_encode`'s added tokens: text, token, ..., text."""
-        pattern = self._specials_pattern if allowed_special == "all" else self._plain_added_pattern
+        pattern = self._added_pattern if allowed_special == "all" else self._plain_added_pattern
         return pattern.split(text) if pattern else [text]
 
     def _encode_rendered(self, text: str) -> tuple[np.ndarray, np.ndarray]:

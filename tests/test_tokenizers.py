@@ -526,14 +526,23 @@ def assistant_mask(segments) -> list[int]:
     return [int(is_label) for ids, is_label in segments for _ in ids]
 
 
+@pytest.mark.parametrize("im_end", ["special", "plain"])
 @pytest.mark.parametrize("name", QWEN_TEMPLATES)
 def test_qwen_chat_ids_equal_apply_chat_template_and_labels_equal_its_assistant_mask(
-    tmp_path, name
+    tmp_path, name, im_end
 ):
     """Each answer is labelled as the whole conversation renders it (Qwen3's drops the
     reasoning of answers before the last user turn): the tokens transformers' assistant mask
-    gives for the same template with {% generation %} around each answer."""
-    ours = tokenizer.load_tokenizer(qwen_dir(tmp_path, QWEN_TEMPLATES[name]))
+    gives for the same template with {% generation %} around each answer. The same where a
+    fine-tune added <|im_end|> as a token that is not special: a turn with no special token
+    ends at its last added one."""
+    directory = qwen_dir(tmp_path, QWEN_TEMPLATES[name])
+    if im_end == "plain":
+        spec = json.loads((directory / "tokenizer.json").read_text())
+        for token in spec["added_tokens"]:
+            token["special"] = token["special"] and token["content"] != "<|im_end|>"
+        (directory / "tokenizer.json").write_text(json.dumps(spec))
+    ours = tokenizer.load_tokenizer(directory)
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "qwen")
     marked = GENERATION_MARKED[name]
     for messages in QWEN_CONVERSATIONS:
@@ -684,8 +693,9 @@ def test_mistral_tokenizer_model_encodes_and_chats_as_transformers_reads_it(tmp_
 # Refusals
 
 
-def unigram_file(path: Path) -> Path:
-    tok = tokenizers.Tokenizer(models.Unigram([("<unk>", 0.0), ("a", -1.0), ("b", -2.0)], 0))
+def unigram_file(path: Path, byte_fallback: bool = False) -> Path:
+    pieces = [("<unk>", 0.0), ("a", -1.0), ("b", -2.0)]
+    tok = tokenizers.Tokenizer(models.Unigram(pieces, 0, byte_fallback=byte_fallback))
     tok.save(str(path))
     return path
 
@@ -710,6 +720,7 @@ def set_attribute(name: str, value):
     "make, message",
     [
         (unigram_file, "holds a Unigram model.*pass the checkpoint's tokenizer.model"),
+        (lambda p: unigram_file(p, byte_fallback=True), "holds a Unigram model"),
         (
             lambda p: byte_level_with(p, set_attribute("normalizer", normalizers.NFKC())),
             "holds a NFKC normalizer, which changes the text",
@@ -721,7 +732,7 @@ def set_attribute(name: str, value):
             "its pre-tokenizer .*Metaspace.* is not one longtune reproduces",
         ),
     ],
-    ids=["unigram", "normalizer", "metaspace"],
+    ids=["unigram", "unigram-byte-fallback", "normalizer", "metaspace"],
 )
 def test_tokenizer_json_it_cannot_encode_faithfully_is_refused(tmp_path, make, message):
     make(tmp_path / "tokenizer.json")
