@@ -560,6 +560,7 @@ def peft_adapter_config(args: ModelArgs, config: LoRAConfig, base_model: str | N
     this model (lora_module_paths: on a mixture-of-experts model, PEFT would put gate_proj's on
     the experts), its target_parameters the experts' tensors."""
     paths = lora_module_paths(args.n_layers, config.targets, args.moe_layers)
+    experts = sorted(EXPERT_LORA_TARGETS[t] for t in config.expert_targets)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -568,13 +569,14 @@ def peft_adapter_config(args: ModelArgs, config: LoRAConfig, base_model: str | N
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
         "target_modules": sorted({HF_LORA_TARGETS[p.rpartition(".")[2]] for p in paths}),
-        "target_parameters": sorted(EXPERT_LORA_TARGETS[t] for t in config.expert_targets),
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
         "use_dora": False,
         "init_lora_weights": True,
         "inference_mode": True,
+        # Only where there are some: PEFT before 0.17 refuses the key.
+        **({"target_parameters": experts} if experts else {}),
     }
 
 

@@ -304,6 +304,7 @@ def test_lora_on_an_moe_model_adapts_attention_and_loads_in_peft(tmp_path, name)
     save_peft_adapter(model.args, CONFIG, model.named_parameters(), out, base_model=str(path))
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert "target_parameters" not in config  # PEFT before 0.17 refuses the key
     theirs = peft.PeftModel.from_pretrained(hf_model(path), out, is_trainable=True)
     their_params = {n.replace(".default", ""): p for n, p in theirs.named_parameters()}
     names = peft_names(model.args, CONFIG.targets)
