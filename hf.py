@@ -12,6 +12,7 @@ carries its files and ids) and files.py's rules.
 import collections
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -40,7 +41,7 @@ from lora import (
     lora_module_paths,
 )
 from model import FAMILIES, Llama, ModelArgs
-from moe import MoE
+from moe import EXPERT_ADAPTERS, MoE
 from tokenizer import HFTokenizer
 
 # ----------------------------------------------------------------------------------------
@@ -504,15 +505,18 @@ def peft_expert_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, di
     adapted."""
     names, whole = {}, slice(None)
     gate, up = gate_up_rows(args)
-    for i in args.moe_layers:
-        module, ours = f"base_model.model.model.layers.{i}.mlp.experts", f"layers.{i}.feed_forward"
-        if "experts_w13" in targets:
-            inner = module + ".base_layer" * ("experts_w2" in targets)
-            names[f"{inner}.lora_A.weight"] = {f"{ours}.w13_lora_A": whole}
-            names[f"{inner}.lora_B.weight"] = {f"{ours}.w1_lora_B": gate, f"{ours}.w3_lora_B": up}
-        if "experts_w2" in targets:
-            names[f"{module}.lora_A.weight"] = {f"{ours}.w2_lora_A": whole}
-            names[f"{module}.lora_B.weight"] = {f"{ours}.w2_lora_B": whole}
+    rows = {"w1": gate, "w3": up, "w2": whole}  # of each B's adapted tensor's out
+    for i, target in itertools.product(args.moe_layers, EXPERT_ADAPTERS):
+        if target not in targets:
+            continue
+        a, bs = EXPERT_ADAPTERS[target]
+        module = f"base_model.model.model.layers.{i}.{EXPERT_LORA_TARGETS[target]}"
+        module = module.rpartition(".")[0]  # the experts' module, its tensor the parameter
+        if target == "experts_w13" and "experts_w2" in targets:
+            module += ".base_layer"
+        ours = f"layers.{i}.feed_forward"
+        names[f"{module}.lora_A.weight"] = {f"{ours}.{a}": whole}
+        names[f"{module}.lora_B.weight"] = {f"{ours}.{b}": rows[w] for w, b in bs.items()}
     return names
 
 
@@ -772,12 +776,8 @@ def merged_named_tensors(
             yield f"{owner_path}.weight", base + module.scale * delta
 
 
-# Each expert tensor's adapters (moe.LORA_PARAMS): its B, and its A (w1's and w3's shared).
-EXPERT_LORA_FACTORS = {
-    "w1": ("w1_lora_B", "w13_lora_A"),
-    "w3": ("w3_lora_B", "w13_lora_A"),
-    "w2": ("w2_lora_B", "w2_lora_A"),
-}
+# Each expert tensor's adapters: its B, and its A (w1's and w3's shared).
+EXPERT_LORA_FACTORS = {w: (b, a) for a, bs in EXPERT_ADAPTERS.values() for w, b in bs.items()}
 
 
 def merged_experts(moe: MoE, weight: str, stored: torch.Tensor, gather: Callable) -> torch.Tensor:

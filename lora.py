@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from files import UsageError
 from kernels import dequantize_nf4, dequantize_nf4_reference, nf4_linear, quantize_nf4
 from kernels.nf4 import check_quantizable, row_bytes, scale_count
-from moe import MoE
+from moe import EXPERT_ADAPTERS, MoE
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 HF_LAYER_NAMES = {
@@ -332,12 +332,12 @@ def expert_lora_shapes(args, config: LoRAConfig) -> dict[str, tuple[int, ...]]:
     [out, rank * E]: hf.py); gate_up_proj's out holds w1's rows and w3's (hf.gate_up_rows:
     gpt-oss's interleaved), whose B is split in two here. gpt-oss's biases take none."""
     n_experts, ffn_dim, dim, r = args.n_experts, args.expert_ffn_dim, args.dim, config.rank
+    out_in = {"w1": (ffn_dim, dim), "w3": (ffn_dim, dim), "w2": (dim, ffn_dim)}
     shapes = {}
-    if "experts_w13" in config.targets:
-        shapes |= {"w13_lora_A": (n_experts, r, dim)}
-        shapes |= dict.fromkeys(("w1_lora_B", "w3_lora_B"), (n_experts, ffn_dim, r))
-    if "experts_w2" in config.targets:
-        shapes |= {"w2_lora_A": (n_experts, r, ffn_dim), "w2_lora_B": (n_experts, dim, r)}
+    for a, bs in (EXPERT_ADAPTERS[t] for t in config.expert_targets):
+        for weight, b in bs.items():
+            out, inner = out_in[weight]
+            shapes |= {a: (n_experts, r, inner), b: (n_experts, out, r)}
     return shapes
 
 

@@ -38,9 +38,14 @@ class Routed:
         )
 
 
-# LoRA's adapters on the experts (lora.apply_lora), in kernels.moe.ExpertLoRA's order: one A for
-# w1 and w3 (PEFT's on their fused gate_up_proj) and a B for each, and w2's A and B.
-LORA_PARAMS = ("w13_lora_A", "w1_lora_B", "w3_lora_B", "w2_lora_A", "w2_lora_B")
+# LoRA's adapters on the experts (lora.apply_lora), by target: the A it adds and, for each
+# expert tensor it adapts, that tensor's B (w1 and w3 share one A: PEFT's adapter on their
+# fused gate_up_proj). LORA_PARAMS: all of them, in kernels.moe.ExpertLoRA's order.
+EXPERT_ADAPTERS = {
+    "experts_w13": ("w13_lora_A", {"w1": "w1_lora_B", "w3": "w3_lora_B"}),
+    "experts_w2": ("w2_lora_A", {"w2": "w2_lora_B"}),
+}
+LORA_PARAMS = tuple(n for a, bs in EXPERT_ADAPTERS.values() for n in (a, *bs.values()))
 
 # gpt-oss's SwiGLU (transformers' GptOssExperts, its config's swiglu_alpha and swiglu_limit).
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
