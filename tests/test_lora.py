@@ -128,6 +128,17 @@ def tokens_for(model: Llama) -> torch.Tensor:
     return torch.randint(0, model.args.vocab_size, (2, 24), generator=g)
 
 
+def assert_same_logits_and_gradients(model: Llama, plain: Llama, tokens: torch.Tensor) -> None:
+    """`model`'s logits equal `plain`'s, and so do the gradients of `plain`'s trained parameters."""
+    logits, plain_logits = model(tokens), plain(tokens)
+    assert rel_err(logits, plain_logits) <= FP32_RTOL
+    logits.square().mean().backward()
+    plain_logits.square().mean().backward()
+    for name, p in plain.named_parameters():
+        if p.requires_grad:
+            assert rel_err(model.get_parameter(name).grad, p.grad) <= FP32_RTOL, name
+
+
 def adapters(model: Llama) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -213,14 +224,7 @@ def test_model_on_nf4_base_equals_model_on_dequantized_base(tmp_path, family):
     for name, hf_name in kept.items():
         param = quantized.get_parameter(name)
         assert not param.requires_grad and torch.equal(param, hf[hf_name]), name
-    tokens = tokens_for(plain)
-    logits, plain_logits = quantized(tokens), plain(tokens)
-    assert rel_err(logits, plain_logits) <= FP32_RTOL
-    logits.square().mean().backward()
-    plain_logits.square().mean().backward()
-    for name, p in plain.named_parameters():
-        if p.requires_grad:
-            assert rel_err(quantized.get_parameter(name).grad, p.grad) <= FP32_RTOL, name
+    assert_same_logits_and_gradients(quantized, plain, tokens_for(plain))
 
 
 # --fp8's gradients against the model without it, norm-wise per tensor: each projection's e4m3
@@ -390,14 +394,7 @@ def test_qlora_stores_the_experts_in_nf4_as_loaded_and_equals_them_dequantized(t
     (dx,), (dx_ref,) = torch.autograd.grad(y, x, grad), torch.autograd.grad(y_ref, x, grad)
     assert torch.equal(dx, dx_ref)
 
-    tokens = tokens_for(quantized)
-    logits, plain_logits = quantized(tokens), plain(tokens)
-    assert rel_err(logits, plain_logits) <= FP32_RTOL
-    logits.square().mean().backward()
-    plain_logits.square().mean().backward()
-    for n, p in plain.named_parameters():
-        if p.requires_grad:
-            assert rel_err(quantized.get_parameter(n).grad, p.grad) <= FP32_RTOL, n
+    assert_same_logits_and_gradients(quantized, plain, tokens_for(quantized))
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["reference", "triton"])
@@ -619,18 +616,14 @@ def test_qlora_on_the_experts_keeps_them_in_nf4_and_equals_them_dequantized(tmp_
     assert isinstance(layer, NF4MoE) and not hasattr(layer, "w1")
     assert {n for n, p in layer.named_parameters() if p.requires_grad} == set(LORA_PARAMS)
     plain = dequantized_twin(quantized, path, EXPERTS_CONFIG)
-    tokens = tokens_for(quantized)
-    logits, plain_logits = quantized(tokens), plain(tokens)
-    assert rel_err(logits, plain_logits) <= FP32_RTOL
-    logits.square().mean().backward()
-    plain_logits.square().mean().backward()
-    for n, p in plain.named_parameters():
-        if p.requires_grad:
-            assert rel_err(quantized.get_parameter(n).grad, p.grad) <= FP32_RTOL, n
+    assert_same_logits_and_gradients(quantized, plain, tokens_for(quantized))
 
     named = merged_named_tensors(quantized, lambda p: p.detach())
     save_hf_checkpoint(quantized.args, named, tmp_path / "merged", dtype=torch.float32)
-    assert rel_err(hf_model(tmp_path / "merged")(tokens).logits, logits) <= FP32_RTOL
+    tokens = tokens_for(quantized)
+    with torch.no_grad():
+        merged, logits = hf_model(tmp_path / "merged")(tokens).logits, quantized(tokens)
+    assert rel_err(merged, logits) <= FP32_RTOL
 
 
 def test_expert_targets_parse_from_peft_names_and_are_refused_where_they_adapt_nothing():
