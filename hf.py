@@ -699,7 +699,7 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
         elif picked != wanted:
             problems.append(
                 f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected "
-                f"{ours[key]} (--lora-targets)"
+                f"{ours.get(key, [])} (--lora-targets)"
             )
     with torch.device("meta"):
         model = Llama(args)

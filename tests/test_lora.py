@@ -20,6 +20,7 @@ import train
 from config_json import args_from_hf_config
 from files import UsageError
 from hf import (
+    check_peft_adapter,
     hf_names,
     load_hf_checkpoint,
     load_peft_adapter,
@@ -486,6 +487,18 @@ def test_the_nf4_experts_hooks_leave_no_cycle_that_keeps_a_checkpointed_input(tm
 # ---- LoRA on the experts (kernels.moe.ExpertLoRA), in PEFT's target_parameters format ----
 
 EXPERTS_CONFIG = LoRAConfig(rank=4, alpha=8.0, targets=("wq", "wv", "experts_w13", "experts_w2"))
+
+
+def test_an_experts_adapter_read_without_the_experts_targets_is_refused_in_one_line(tmp_path):
+    """Its target_parameters named against the targets asked, none: an error, not a KeyError
+    (a dense adapter's config has no target_parameters to compare with)."""
+    path = moe_checkpoint(tmp_path / "base", "qwen3_moe")
+    model = lora_model(path, EXPERTS_CONFIG)
+    out = tmp_path / "adapter"
+    save_peft_adapter(model.args, EXPERTS_CONFIG, model.named_parameters(), out)
+    attention_only = dataclasses.replace(EXPERTS_CONFIG, targets=("wq", "wv"))
+    with pytest.raises(UsageError, match=r"target_parameters: adapter has \[.*expected \[\]"):
+        check_peft_adapter(model.args, attention_only, out)
 
 
 def test_expert_adapters_equal_the_merged_experts_on_both_paths_with_an_empty_expert():
