@@ -316,10 +316,10 @@ class SentencePieceTokenizer(_TemplateTokenizer):
 
 
 def _read_tokenizer_json(path: Path, chat_template: Path | None) -> "_JsonTokenizer":
-    """The tokenizer of a tokenizer.json: a BPE with byte fallback or a byte-level one."""
+    """The tokenizer of a tokenizer.json: a BPE with byte fallback, else a byte-level BPE (whose
+    reader refuses any other model, naming it)."""
     data = path.read_bytes()
-    # GC off while the 100k+ merges and what is built from them live: the passes they would set
-    # off outlast the parse and the checks themselves.
+    # GC off while the 100k+ merges and what is made of them live: its passes would outlast both.
     with _gc_paused():
         try:
             spec = json.loads(data)
@@ -327,7 +327,6 @@ def _read_tokenizer_json(path: Path, chat_template: Path | None) -> "_JsonTokeni
             raise UsageError(f"{path}: not valid JSON ({e})") from e
         model = spec.get("model") or {}
         byte_fallback = model.get("type") == "BPE" and model.get("byte_fallback")
-        # Anything else is the byte-level reader's to accept or refuse, naming what it holds.
         kind = ByteFallbackBPETokenizer if byte_fallback else ByteLevelBPETokenizer
         return kind(path, data, spec, chat_template)
 
@@ -588,11 +587,8 @@ class ByteFallbackBPETokenizer(_JsonTokenizer):
         pieces = self._cut(text, allowed_special)
         for k in range(0, len(pieces), 2):
             piece = pieces[k].replace(" ", "▁") if self._replace else pieces[k]
-            if piece and (
-                self._prepend == "every"
-                or not piece.startswith("▁")
-                and (self._prepend == "always" or self._prepend == "first" and k == 0)
-            ):
+            wanted = {"every": True, "always": True, "first": k == 0, "never": False}[self._prepend]
+            if piece and wanted and (self._prepend == "every" or not piece.startswith("▁")):
                 piece = "▁" + piece
             pieces[k] = piece
         return pieces

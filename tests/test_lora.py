@@ -140,6 +140,19 @@ def assert_same_logits_and_gradients(model: Llama, plain: Llama, tokens: torch.T
             assert rel_err(model.get_parameter(name).grad, p.grad) <= FP32_RTOL, name
 
 
+def assert_peft_logits_and_gradients(model: Llama, theirs, names: dict[str, str]) -> None:
+    """`model`'s logits equal PEFT's model `theirs`'s, and each of `names` (ours -> PEFT's) has
+    our adapter's gradient."""
+    tokens = tokens_for(model)
+    logits, their_logits = model(tokens), theirs(tokens).logits
+    assert rel_err(logits, their_logits) <= FP32_RTOL
+    logits.square().mean().backward()
+    their_logits.square().mean().backward()
+    their_params = {n.replace(".default", ""): p for n, p in theirs.named_parameters()}
+    for ours, peft_name in names.items():
+        assert rel_err(model.get_parameter(ours).grad, their_params[peft_name].grad) <= FP32_RTOL
+
+
 def adapters(model: Llama) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -183,16 +196,8 @@ def test_logits_and_adapter_gradients_match_peft(tmp_path, family):
     path = hf_checkpoint(tmp_path, family)
     model = lora_model(path)
     randomize_adapters(model)
-    theirs = peft_model_like(model, path)
-    tokens = tokens_for(model)
-    logits, their_logits = model(tokens), theirs(tokens).logits
-    assert rel_err(logits, their_logits) <= FP32_RTOL
-    (logits.square().mean()).backward()
-    (their_logits.square().mean()).backward()
-    their_params = {n.replace(".default", ""): p for n, p in theirs.named_parameters()}
-    for ours, peft_name in peft_names(model.args, CONFIG.targets).items():
-        grad = model.get_parameter(ours).grad
-        assert rel_err(grad, their_params[peft_name].grad) <= FP32_RTOL, ours
+    theirs, names = peft_model_like(model, path), peft_names(model.args, CONFIG.targets)
+    assert_peft_logits_and_gradients(model, theirs, names)
 
 
 def test_targets_accept_hf_names_and_refuse_unknown_ones():
@@ -314,13 +319,7 @@ def test_lora_on_an_moe_model_adapts_attention_and_loads_in_peft(tmp_path, name)
     their_params = {n.replace(".default", ""): p for n, p in theirs.named_parameters()}
     names = peft_names(model.args, CONFIG.targets)
     assert sorted(n for n, p in their_params.items() if p.requires_grad) == sorted(names.values())
-    tokens = tokens_for(model)
-    logits, their_logits = model(tokens), theirs(tokens).logits
-    assert rel_err(logits, their_logits) <= FP32_RTOL
-    logits.square().mean().backward()
-    their_logits.square().mean().backward()
-    for ours, peft_name in names.items():
-        assert rel_err(model.get_parameter(ours).grad, their_params[peft_name].grad) <= FP32_RTOL
+    assert_peft_logits_and_gradients(model, theirs, names)
 
 
 def test_train_py_says_lora_adapts_attention_only_on_an_moe_model(tmp_path, capsys):
@@ -563,13 +562,7 @@ def test_expert_adapters_export_to_peft_with_equal_logits_and_gradients(
     expert_names = peft_expert_names(model.args, config.targets)
     trained = sorted(n for n, p in their_params.items() if p.requires_grad)
     assert trained == sorted([*names.values(), *expert_names])
-    tokens = tokens_for(model)
-    logits, their_logits = model(tokens), theirs(tokens).logits
-    assert rel_err(logits, their_logits) <= FP32_RTOL
-    logits.square().mean().backward()
-    their_logits.square().mean().backward()
-    for ours, peft_name in names.items():
-        assert rel_err(model.get_parameter(ours).grad, their_params[peft_name].grad) <= FP32_RTOL
+    assert_peft_logits_and_gradients(model, theirs, names)
     for peft_name, ours in expert_names.items():
         grads = [model.get_parameter(n).grad for n in ours]
         grad = to_peft_experts(peft_name, grads, [*ours.values()])
