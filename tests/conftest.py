@@ -36,3 +36,12 @@ def checkout_is_left_alone():
     runs = [p for p in before.keys() & after.keys() if p.startswith(("runs", ".cache"))]
     changed = sorted(before.keys() ^ after.keys() | {p for p in runs if before[p] != after[p]})
     assert not changed, f"the tests wrote into the checkout: {changed[:10]}"
+
+
+@pytest.fixture(autouse=True)
+def compiles_afresh(request):
+    """A GPU test compiles what it runs as a fresh process would: past torch.compile's limit of
+    recompilations (8 shapes), dynamo runs the function eagerly without a word, so a later test
+    would check eager FlexAttention where training runs the compiled kernel."""
+    if request.node.get_closest_marker("gpu"):
+        torch._dynamo.reset()
