@@ -734,6 +734,25 @@ class TransformerBlock(nn.Module):
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
+def head(h: torch.Tensor, weight: torch.Tensor, labels, ops: Ops, reduction: str) -> torch.Tensor:
+    """Without labels the logits; with them the loss by `ops.linear_cross_entropy`, which need
+    not build the logits."""
+    if labels is None:
+        return F.linear(h, weight)
+    return ops.linear_cross_entropy(
+        h.flatten(0, 1), weight, labels.flatten(), IGNORE_INDEX, reduction
+    )
+
+
+class Output(nn.Linear):
+    """The untied head, called as a module even when the loss only reads its weight: FSDP's
+    hooks run around a module's call, and torch 2.11 warns on every step that a group whose
+    module was never called "did not run forward" ([norm, output], shard.apply_fsdp)."""
+
+    def forward(self, h, labels=None, ops: Ops = REFERENCE_OPS, reduction: str = "mean"):
+        return head(h, self.weight, labels, ops, reduction)
+
+
 class Llama(nn.Module):
     def __init__(
         self,
@@ -765,7 +784,7 @@ class Llama(nn.Module):
         # two modules would not survive `to_empty`, which re-creates each module's parameters.
         self.output = None
         if not args.tie_embeddings:
-            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+            self.output = Output(args.dim, args.vocab_size, bias=False)
 
     def attention_mask(
         self, positions: torch.Tensor, starts: tuple[tuple[int, ...], ...] | None = None
@@ -824,14 +843,13 @@ class Llama(nn.Module):
             else:
                 h = layer(h, positions, inv_freq, masks.causal)
         h = self.norm(h)
-        output_weight = self.tok_embeddings.weight if self.output is None else self.output.weight
-        if labels is None:
-            return F.linear(h, output_weight)
-        loss = self.ops.linear_cross_entropy(
-            h.flatten(0, 1), output_weight, labels.flatten(), IGNORE_INDEX, reduction
-        )
-        if not self.args.moe_layers:
-            return loss
+        if self.output is None:  # tied: the embedding's weight (FSDP's root group holds it)
+            out = head(h, self.tok_embeddings.weight, labels, self.ops, reduction)
+        else:
+            out = self.output(h, labels, self.ops, reduction)
+        if labels is None or not self.args.moe_layers:
+            return out  # the logits, or the loss
+        loss = out
         routed = self.routed()
         for i in self.args.moe_layers:  # read: a recompute in backward adds nothing (MoE.forward)
             self.layers[i].feed_forward.recording = False

@@ -185,9 +185,7 @@ def apply_fsdp(
     for block in model.layers:
         fully_shard(block, reshard_after_forward=policy.reshard_after_forward, **common)
     if model.output is not None:
-        # Not resharded after forward: backward needs them first. The fused loss reads
-        # output.weight without calling `output`: FSDP (torch >= 2.12) completes such a group
-        # at the root's post-forward; 2.11 warns it "did not run forward" (same result).
+        # Not resharded after forward: backward needs them first.
         fully_shard([model.norm, model.output], reshard_after_forward=False, **common)
     # The root is needed again right at the start of backward: keep it gathered.
     fully_shard(model, reshard_after_forward=False, **common)

@@ -336,6 +336,20 @@ def test_sum_reduction_is_mean_times_token_count(tmp_path):
     assert rel_err(total, ours(tokens, labels) * count) <= FP32_RTOL
 
 
+def test_the_untied_head_is_called_as_a_module_for_logits_and_loss():
+    """FSDP's hooks gather the [norm, output] group around `output`'s call: a loss that only
+    read output.weight left the group "not run forward" (torch 2.11 warns each step)."""
+    model = Llama(PRESETS["tiny"])
+    model.init_weights(seed=0)
+    assert model.output is not None
+    calls = []
+    model.output.register_forward_hook(lambda module, args, out: calls.append(out.shape))
+    tokens, labels = sample_batch(model.args.vocab_size)
+    model(tokens, labels)
+    model(tokens)
+    assert calls == [torch.Size([]), (*tokens.shape, model.args.vocab_size)]
+
+
 def test_meta_build_then_init_equals_direct_build():
     args = PRESETS["tiny"]
     direct = Llama(args)
