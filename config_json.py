@@ -94,11 +94,16 @@ TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
-    """A HF `config.json` (or its directory); a missing key is read from HF_CONFIG_DEFAULTS."""
+    """The `config.json` of a HF checkpoint's directory (any file given in its place is refused,
+    here alone: options.model_args reads it first); a missing key is read from
+    HF_CONFIG_DEFAULTS."""
     path = Path(path)
-    config_path = path / "config.json" if path.is_dir() else path
-    if path.is_file() and path.suffix != ".json":
-        raise checkpoint_is_a_file(path)
+    config_path = path / "config.json"
+    if path.is_file():
+        raise UsageError(
+            f"{path} is a file: a Hugging Face checkpoint is the directory that holds "
+            f"config.json and the safetensors files (give {path.parent})"
+        )
     if not config_path.is_file():
         raise UsageError(f"no Hugging Face config.json at {config_path}")
     raw = read_json(config_path)
@@ -423,13 +428,6 @@ HF_CONFIG_DEFAULTS = {
         "sliding_window_pattern": 6,
     },
 }
-
-
-def checkpoint_is_a_file(path: Path) -> UsageError:
-    return UsageError(
-        f"{path} is a file: a Hugging Face checkpoint is the directory that holds "
-        f"config.json and the safetensors files (give {path.parent})"
-    )
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, special_ids: dict | None = None) -> dict:

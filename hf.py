@@ -22,7 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from config_json import args_from_hf_config, checkpoint_is_a_file, hf_config
+from config_json import args_from_hf_config, hf_config
 from files import OutputDir, UsageError, give_ordinary_mode, read_json
 from kernels import dequantize_nf4_reference
 from lora import (
@@ -164,12 +164,9 @@ HF_MOE_NAMES = {
 
 
 def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file that holds it, from the index or the file."""
+    """HF tensor name -> the safetensors file that holds it, from the index or the file, in a
+    checkpoint's directory (args_from_hf_config has found its config.json there)."""
     path = Path(path)
-    if path.is_file():
-        raise checkpoint_is_a_file(path)
-    if not path.is_dir():
-        raise UsageError(f"Hugging Face checkpoint directory {path} does not exist")
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
