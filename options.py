@@ -696,10 +696,26 @@ def estimate(opts: Options) -> None:
         opts.world_size, opts.nproc_per_node, opts.gpu_memory, opts.host_memory
     )
     check_options(opts, args, machine.world_size, machine.nproc_per_node)
-    plan = plan_of(
-        opts, args, machine, document_mask=bool(opts.document_mask), lora=lora_config(opts)
-    )
+    dataset = TokenDataset(opts.data) if opts.data else None  # the default corpus: no SFT
+    if dataset is not None:
+        dataset.check(args.vocab_size, opts.seq_len)
+    plan = plan_of(opts, args, machine, lora=lora_config(opts), **data_fields(opts, args, dataset))
     print(plan.format())
+
+
+def data_fields(opts: Options, args: ModelArgs, dataset: TokenDataset | None) -> dict:
+    """The plan's fields the data decides: documents masked (by default where it is SFT), any
+    long enough for the causal kernel, and the pairs a token attends on average over the
+    layers (as windows cut some), for the step time. Without data: a causal row's."""
+    mask = bool(dataset and dataset.is_sft) if opts.document_mask is None else opts.document_mask
+    if dataset is None:
+        return dict(document_mask=mask)
+    longest = dataset.meta.get("longest_document", opts.seq_len)
+    fields = dict(document_mask=mask, long_documents=longest >= LONG_DOCUMENT)
+    if mask:
+        per_window = functools.partial(attended_per_token, dataset, opts.seq_len)
+        fields["attended_per_token"] = args.mean_over_layers(per_window)
+    return fields
 
 
 def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resuming: bool) -> None:
@@ -856,17 +872,8 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
         shard.check_resumable(saved["run"], json.loads(json.dumps(run_record)))
         data_parallel = world.world_size // chosen.context_parallel
         planned = resume_options(chosen, given, saved, data_parallel, taken, log)
-    mask_documents = dataset.is_sft if planned.document_mask is None else planned.document_mask
-    longest = dataset.meta.get("longest_document", planned.seq_len)
     machine = shard.this_machine(planned.gpu_memory, planned.host_memory, world)
-    attended = None
-    if mask_documents:  # averaged over the layers, as a window cuts some
-        per_window = functools.partial(attended_per_token, dataset, planned.seq_len)
-        attended = args.mean_over_layers(per_window)
-    plan = plan_of(
-        planned, args, machine, document_mask=mask_documents, lora=lora,
-        long_documents=longest >= LONG_DOCUMENT, attended_per_token=attended,
-    )  # fmt: skip
+    plan = plan_of(planned, args, machine, lora=lora, **data_fields(planned, args, dataset))
     opts = settle_options(planned, args, plan)
     max_steps = (
         math.ceil(opts.max_tokens / plan.tokens_per_step) if opts.max_tokens else opts.max_steps

@@ -1108,6 +1108,27 @@ def test_estimate_memory_plans_for_the_machine_given(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_estimate_memory_reads_the_datas_documents_as_the_run_does(tmp_path, capsys):
+    """--data's documents decide the plan as in a run: SFT data masks them by default, and
+    the causal kernel's kept outputs count only where some document is long (these are not:
+    without data the estimate assumes they may be), 0.5 GiB at llama3.2-1b's 131072."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": "Q" * 900, "response": "A" * 3000}) + "\n"
+                             for _ in range(40)))  # fmt: skip
+    dataset = prepare.prepare([pairs], tmp_path / "data", workers=1)
+    argv = ["--estimate-memory", "--model", "llama3.2-1b", "--seq-len", "131072", "--ac",
+            "attention", "--gpu-memory", "80", "--host-memory", "64"]  # fmt: skip
+
+    def printed(*extra: str) -> str:
+        train.main([*argv, *extra])
+        return capsys.readouterr().out
+
+    from_data = printed("--data", str(dataset))
+    assert from_data == printed("--data", str(dataset), "--document-mask")
+    assert from_data != printed("--document-mask")
+    assert from_data != printed("--data", str(dataset), "--no-document-mask")
+
+
 def test_the_allocator_grows_segments_in_place_unless_the_user_chose(monkeypatch, capsys):
     argv = ["--estimate-memory", "--model", "tiny", "--gpu-memory", "80", "--host-memory", "64"]
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
