@@ -38,10 +38,7 @@ def checkout_is_left_alone():
     assert not changed, f"the tests wrote into the checkout: {changed[:10]}"
 
 
-@pytest.fixture(autouse=True)
-def compiles_afresh(request):
-    """A GPU test compiles what it runs as a fresh process would: past torch.compile's limit of
-    recompilations (8 shapes), dynamo runs the function eagerly without a word, so a later test
-    would check eager FlexAttention where training runs the compiled kernel."""
-    if request.node.get_closest_marker("gpu"):
-        torch._dynamo.reset()
+# Past torch.compile's limit of recompilations of one function (8 shapes by default), dynamo
+# runs it eagerly, with only a logged warning: the GPU tests, which compile FlexAttention for many shapes
+# in one process, would check eager FlexAttention where training runs the compiled kernel.
+torch._dynamo.config.recompile_limit = 64
