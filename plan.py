@@ -524,16 +524,21 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     m = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
     # An MoE block's (the larger, where a model has both): each token's k rows through its
     # experts, expert_ffn_dim wide, in place of one ffn_dim wide; beside them its k rows of
-    # dim going in and coming out (kernels/moe.py's dispatch and combine keep them, as do
-    # their gradients in backward) and the router's fp32 probabilities.
-    moe_rows = 0
+    # dim going in and coming out (`expert_rows` each: kernels/moe.py's dispatch and combine
+    # keep both) and the router's fp32 probabilities, `moe_kept` in all.
+    expert_rows = moe_kept = 0
     if args.moe_layers:
         k = args.experts_per_token
-        f, moe_rows = k * args.expert_ffn_dim, 2 * m * k * d * p + m * args.n_experts * 4
+        f, expert_rows = k * args.expert_ffn_dim, m * k * d * p
+        moe_kept = 2 * expert_rows + m * args.n_experts * 4
     q, kv = h * args.head_dim, args.n_kv_heads * args.head_dim
     x, qkv, tile = n * d * p, (n * q + 2 * n * kv) * p, m * f * p
     # The flash or cuDNN backend keeps attention's output and fp32 logsumexp (math: the scores).
     out = n * q * p + n * h * 4
+    # gpt-oss's sinks rescale it (attention.attention_with_sinks): the product and the fp32
+    # sigmoid are kept beside it (counted on the CPU).
+    gpt_oss = FAMILIES[args.family].gpt_oss
+    rescaled = out if gpt_oss else 0
 
     # The block's two RMSNorms over rows of dim; qk_norm (Qwen3) adds two over q's and k's heads.
     # Gemma's block has four, each over an fp32 copy of its input.
@@ -546,11 +551,11 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     else:  # each norm: its fp32 upcast input, normalized x, rstd; RoPE: fp32 cos and sin;
         # SwiGLU or GeGLU: gate, its activation, up
         saved = 2 * normed * 4 + rows * 4 + n * args.head_dim * 4 + 3 * tile
-    gpt_oss = FAMILIES[args.family].gpt_oss
-    if gpt_oss:  # its clamped SwiGLU runs in PyTorch: the clamps, sigmoid and products keep six
-        saved += (6 - (2 if plan.kernels else 3)) * tile  # (moe.clamped_swiglu, counted)
+    # gpt-oss's clamped SwiGLU runs in PyTorch: the clamps, sigmoid and products keep six
+    # (moe.clamped_swiglu, counted), recomputed in a checkpointed block's backward too.
+    activation = (6 - (2 if plan.kernels else 3)) * tile if gpt_oss else 0
     # The linears' inputs (normed x, normed h, w2's) and attention's q, k, v and output.
-    saved += 2 * x + tile + qkv + out + moe_rows
+    saved += activation + 2 * x + tile + qkv + out + rescaled + moe_kept
 
     # The checkpoint's cache: attention's output; selective: the matmuls' outputs too.
     cached = {"none": None, "full": 0, "attention": out,
@@ -567,18 +572,29 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     # gradients, one [tile, ffn_dim] (SwiGLU's kernel writes the others over gate and up).
     # Attention's: two residual-sized gradients, dq, dk, dv and cuDNN's fp32 workspace, 8
     # bytes a query element (FlexAttention's, under a document mask, less).
-    mlp, attention = 3 * x + tile + moe_rows, 2 * x + qkv + 8 * n * q
-    if gpt_oss:  # its PyTorch activation's backward makes gate's and up's gradients anew
-        mlp += 2 * tile
+    mlp, attention = 3 * x + tile, 2 * x + qkv + 8 * n * q
+    if args.moe_layers:
+        # The experts' backward beside what they keep peaks in combine's, the rows' gradients,
+        # or in w2's, a tile's once the output rows are freed; with the block's output
+        # gradient (and a tile's copy of it under MLP tiling). gpt-oss's PyTorch activation
+        # makes two tiles anew only once w2's input and the rows' gradients are freed: no
+        # more where expert_ffn_dim <= dim. Measured: the live tensor bytes (each op output's
+        # storage once, until freed) through one Qwen3-MoE-shaped and one gpt-oss-shaped
+        # block's backward, the Triton kernels on the CPU (tests/test_plan.py has the figures).
+        mlp = x + (m * d * p if m < n else 0) + max(expert_rows, tile)
     # --fp8 adds e4m3 copies (a byte an element): two of an output gradient and its input's
     # columns, at most w2's; q's beside the block's input (bench/RESULTS.md, "FP8 matmuls").
     if plan.fp8:
         mlp += m * f + 2 * m * d
         attention += n * d + 2 * n * q
-    # A checkpointed block's recomputed forward: attention's inputs, and its output unless
-    # the cache kept it; the MLP's tile again (selective keeps gate and up).
-    recomputed = x + qkv + (0 if plan.ac in ("attention", "selective") else out)
-    mlp_recomputed = mlp + 2 * x + (1 if plan.ac == "selective" else 3) * tile + moe_rows
+    # A checkpointed block's recomputed forward: attention's inputs (and q and k before
+    # qk_norm), and its output unless the cache kept it; the MLP's tile again (selective keeps
+    # gate and up, not the experts' grouped products: offload.MATMUL_OPS), what the experts keep.
+    recomputed = x + qkv + (0 if plan.ac in ("attention", "selective") else out + rescaled)
+    if args.qk_norm:
+        recomputed += n * (q + kv) * (p if plan.kernels else 8)
+    kept_tiles = 1 if plan.ac == "selective" and not (args.moe_layers and plan.kernels) else 3
+    mlp_recomputed = mlp + 2 * x + kept_tiles * tile + activation + moe_kept
     if not plan.kernels:  # the references keep an fp32 input and output in each norm
         norm = 2 * n * d * 4 - x
         recomputed += norm + n * args.head_dim * 4  # and RoPE its cos and sin
