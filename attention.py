@@ -26,12 +26,12 @@ SDPA_BACKENDS = {"auto": list(_SDPA.values())} | {name: [b] for name, b in _SDPA
 
 
 # FlexAttention's tiles where they beat its defaults (bench/RESULTS.md, "FlexAttention's
-# kernel options" and "FlexAttention's backward tiles"): the forward's, queries x keys, up to
-# head dim 128 (faster at 64, the same at 128; at 256, Gemma 3's, the tile needs more shared
-# memory than a Hopper SM has, and the defaults' smaller tiles compile); the backward's (M1/N1:
-# dK and dV's pass, M2/N2: dQ's) only where measured, head dim 64 on Hopper (at 128 they are
-# slower; other GPUs have less shared memory).
-FLEX_FORWARD_TILE = {"BLOCK_M": 128, "BLOCK_N": 64}
+# kernel options" and "FlexAttention's backward tiles"), measured on Hopper only (other GPUs
+# have less shared memory): the forward's, queries x keys, up to head dim 128 (faster at 64,
+# the same at 128; at Gemma 3's 256 it needs more shared memory than an SM has, and fails to
+# compile); the backward's (M1/N1: dK and dV's pass, M2/N2: dQ's) at head dim 64 (at 128 they
+# are slower).
+FLEX_FORWARD_TILE_HEAD_DIM_UP_TO_128 = {"BLOCK_M": 128, "BLOCK_N": 64}
 FLEX_BACKWARD_TILE_HEAD_DIM_64 = {
     "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
     "bwd_num_warps": 4, "bwd_num_stages": 3,
@@ -58,9 +58,10 @@ def compiled_flex_attention() -> Callable:
 
 @functools.cache
 def flex_tiles(device: torch.device, head_dim: int) -> dict[str, int]:
-    hopper = torch.cuda.get_device_capability(device)[0] == 9
-    forward = FLEX_FORWARD_TILE if head_dim <= 128 else {}
-    backward = FLEX_BACKWARD_TILE_HEAD_DIM_64 if hopper and head_dim == 64 else {}
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return {}
+    forward = FLEX_FORWARD_TILE_HEAD_DIM_UP_TO_128 if head_dim <= 128 else {}
+    backward = FLEX_BACKWARD_TILE_HEAD_DIM_64 if head_dim == 64 else {}
     return {**forward, **backward}
 
 

@@ -94,15 +94,15 @@ TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
-    """The `config.json` of a HF checkpoint's directory (any file given in its place is refused,
-    here alone: options.model_args reads it first); a missing key is read from
-    HF_CONFIG_DEFAULTS."""
+    """The `config.json` of a HF checkpoint's directory (a file given in the directory's place
+    is refused); a missing key is read from HF_CONFIG_DEFAULTS."""
     path = Path(path)
     config_path = path / "config.json"
     if path.is_file():
+        beside = (path.parent / "config.json").is_file()
         raise UsageError(
             f"{path} is a file: a Hugging Face checkpoint is the directory that holds "
-            f"config.json and the safetensors files (give {path.parent})"
+            f"config.json and the safetensors files" + (f" (give {path.parent})" if beside else "")
         )
     if not config_path.is_file():
         raise UsageError(f"no Hugging Face config.json at {config_path}")

@@ -734,9 +734,7 @@ class TransformerBlock(nn.Module):
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 
-def head(h: torch.Tensor, weight: torch.Tensor, labels, ops: Ops, reduction: str) -> torch.Tensor:
-    """Without labels the logits; with them the loss by `ops.linear_cross_entropy`, which need
-    not build the logits."""
+def logits_or_loss(h, weight: torch.Tensor, labels, ops: Ops, reduction: str) -> torch.Tensor:
     if labels is None:
         return F.linear(h, weight)
     return ops.linear_cross_entropy(
@@ -744,13 +742,18 @@ def head(h: torch.Tensor, weight: torch.Tensor, labels, ops: Ops, reduction: str
     )
 
 
-class Output(nn.Linear):
-    """The untied head, called as a module even when the loss only reads its weight: FSDP's
-    hooks run around a module's call, and torch 2.11 warns on every step that a group whose
-    module was never called "did not run forward" ([norm, output], shard.apply_fsdp)."""
+class Output(nn.Module):
+    """The untied head. Its weight is used only inside its own call, whether for the logits or
+    for the fused loss: hooks on the module (FSDP's gather of the [norm, output] group and its
+    post-forward, shard.apply_fsdp) see every use. (torch 2.11 warned otherwise.)"""
 
-    def forward(self, h, labels=None, ops: Ops = REFERENCE_OPS, reduction: str = "mean"):
-        return head(h, self.weight, labels, ops, reduction)
+    def __init__(self, dim: int, vocab_size: int, ops: Ops):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(vocab_size, dim))  # Llama.init_weights sets it
+        self.ops = ops
+
+    def forward(self, h, labels=None, reduction: str = "mean") -> torch.Tensor:
+        return logits_or_loss(h, self.weight, labels, self.ops, reduction)
 
 
 class Llama(nn.Module):
@@ -784,7 +787,7 @@ class Llama(nn.Module):
         # two modules would not survive `to_empty`, which re-creates each module's parameters.
         self.output = None
         if not args.tie_embeddings:
-            self.output = Output(args.dim, args.vocab_size, bias=False)
+            self.output = Output(args.dim, args.vocab_size, ops)
 
     def attention_mask(
         self, positions: torch.Tensor, starts: tuple[tuple[int, ...], ...] | None = None
@@ -844,12 +847,11 @@ class Llama(nn.Module):
                 h = layer(h, positions, inv_freq, masks.causal)
         h = self.norm(h)
         if self.output is None:  # tied: the embedding's weight (FSDP's root group holds it)
-            out = head(h, self.tok_embeddings.weight, labels, self.ops, reduction)
+            loss = logits_or_loss(h, self.tok_embeddings.weight, labels, self.ops, reduction)
         else:
-            out = self.output(h, labels, self.ops, reduction)
+            loss = self.output(h, labels, reduction)
         if labels is None or not self.args.moe_layers:
-            return out  # the logits, or the loss
-        loss = out
+            return loss  # without labels, the logits
         routed = self.routed()
         for i in self.args.moe_layers:  # read: a recompute in backward adds nothing (MoE.forward)
             self.layers[i].feed_forward.recording = False

@@ -696,7 +696,8 @@ def estimate(opts: Options) -> None:
         opts.world_size, opts.nproc_per_node, opts.gpu_memory, opts.host_memory
     )
     check_options(opts, args, machine.world_size, machine.nproc_per_node)
-    dataset = TokenDataset(opts.data) if opts.data else None  # the default corpus: no SFT
+    # Without --data: causal rows, their documents possibly long (Plan's defaults).
+    dataset = TokenDataset(opts.data) if opts.data else None
     if dataset is not None:
         dataset.check(args.vocab_size, opts.seq_len)
     plan = plan_of(opts, args, machine, lora=lora_config(opts), **data_fields(opts, args, dataset))

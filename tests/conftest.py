@@ -9,6 +9,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Past torch.compile's limit of recompilations of one function (8 by default: a new shape or
+# any other failed guard), dynamo runs it eagerly with only a logged warning, and the GPU
+# tests, which compile FlexAttention for many shapes in one process, would check eager
+# FlexAttention where training runs the compiled kernel. A higher limit, and an error past it.
+torch._dynamo.config.recompile_limit = 64
+torch._dynamo.config.fail_on_recompile_limit_hit = True
+
 REPO = Path(__file__).resolve().parents[1]
 # What Python and the tools write beside the code, whoever runs them.
 TOOL_CACHES = {".git", "__pycache__", ".pytest_cache", ".ruff_cache"}
@@ -36,9 +43,3 @@ def checkout_is_left_alone():
     runs = [p for p in before.keys() & after.keys() if p.startswith(("runs", ".cache"))]
     changed = sorted(before.keys() ^ after.keys() | {p for p in runs if before[p] != after[p]})
     assert not changed, f"the tests wrote into the checkout: {changed[:10]}"
-
-
-# Past torch.compile's limit of recompilations of one function (8 shapes by default), dynamo
-# runs it eagerly, with only a logged warning: the GPU tests, which compile FlexAttention for many shapes
-# in one process, would check eager FlexAttention where training runs the compiled kernel.
-torch._dynamo.config.recompile_limit = 64

@@ -14,8 +14,11 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 
+import attention
 from attention import (
+    FLEX_BACKWARD_TILE_HEAD_DIM_64,
     FLEX_BLOCK,
+    FLEX_FORWARD_TILE_HEAD_DIM_UP_TO_128,
     Masks,
     PackedRows,
     causal_prefix,
@@ -334,6 +337,21 @@ def test_sum_reduction_is_mean_times_token_count(tmp_path):
     count = (labels != -100).sum()
     total = ours(tokens, labels, reduction="sum")
     assert rel_err(total, ours(tokens, labels) * count) <= FP32_RTOL
+
+
+def test_flex_tiles_only_where_measured(monkeypatch):
+    """The measured tiles on Hopper (the forward's up to head dim 128, the backward's at 64);
+    none at Gemma 3's 256 (the forward's would not fit an SM's shared memory) nor elsewhere."""
+    tiles = attention.flex_tiles.__wrapped__
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    assert tiles("cuda", 64) == {
+        **FLEX_FORWARD_TILE_HEAD_DIM_UP_TO_128,
+        **FLEX_BACKWARD_TILE_HEAD_DIM_64,
+    }
+    assert tiles("cuda", 128) == FLEX_FORWARD_TILE_HEAD_DIM_UP_TO_128
+    assert tiles("cuda", 256) == {}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    assert tiles("cuda", 64) == {}
 
 
 def test_the_untied_head_is_called_as_a_module_for_logits_and_loss():

@@ -1109,9 +1109,10 @@ def test_estimate_memory_plans_for_the_machine_given(tmp_path, capsys):
 
 
 def test_estimate_memory_reads_the_datas_documents_as_the_run_does(tmp_path, capsys):
-    """--data's documents decide the plan as in a run: SFT data masks them by default, and
-    the causal kernel's kept outputs count only where some document is long (these are not:
-    without data the estimate assumes they may be), 0.5 GiB at llama3.2-1b's 131072."""
+    """--data's documents decide the plan as in a run: SFT data masks them by default; the
+    causal kernel's kept outputs count only where some document is long (these are not:
+    without data the estimate assumes they may be; 0.5 GiB a layer at llama3.2-1b's 131072);
+    the step time is of the pairs its documents attend, not a causal row's."""
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"prompt": "Q" * 900, "response": "A" * 3000}) + "\n"
                              for _ in range(40)))  # fmt: skip
@@ -1127,6 +1128,10 @@ def test_estimate_memory_reads_the_datas_documents_as_the_run_does(tmp_path, cap
     assert from_data == printed("--data", str(dataset), "--document-mask")
     assert from_data != printed("--document-mask")
     assert from_data != printed("--data", str(dataset), "--no-document-mask")
+    opts, _ = options.parse_options([*argv, "--data", str(dataset)])
+    fields = options.data_fields(opts, options.model_args(opts), data.TokenDataset(dataset))
+    assert fields["document_mask"] and not fields["long_documents"]
+    assert 0 < fields["attended_per_token"] < 131072 / 20  # a causal row's: 65,536
 
 
 def test_the_allocator_grows_segments_in_place_unless_the_user_chose(monkeypatch, capsys):
