@@ -327,11 +327,17 @@ def test_the_estimate_of_each_recorded_run_is_within_5_percent(run):
 # steps, the dense causal one's after step 1 only.
 RANK16 = LoRAConfig(rank=16, alpha=16)
 QLORA16 = LoRAConfig(rank=16, alpha=16.0, quantize_base="nf4")
+# The experts' adapters too ("LoRA on qwen3-30b-a3b's experts").
+EXPERTS16 = dataclasses.replace(
+    QLORA16, targets=("wq", "wk", "wv", "wo", "experts_w13", "experts_w2")
+)
 LORA_RECORDED = [
     ("qwen3-30b-a3b", 16384, dict(ac="selective", micro_batch=2, grad_accum=2, lora=QLORA16),
      82.08),
     ("qwen3-30b-a3b", 16384, dict(ac="selective", micro_batch=2, grad_accum=16, lora=QLORA16),
      82.08),
+    ("qwen3-30b-a3b", 16384, dict(ac="selective", micro_batch=2, grad_accum=2, lora=EXPERTS16),
+     92.47),
     ("qwen3-30b-a3b", 131072, dict(ac="full", micro_batch=2, grad_accum=2, lora=QLORA16,
                                    document_mask=True, long_documents=True), 108.16),
     ("qwen3-30b-a3b", 131072, dict(ac="attention", micro_batch=1, grad_accum=4,
