@@ -540,33 +540,17 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     gpt_oss = FAMILIES[args.family].gpt_oss
     rescaled = out if gpt_oss else 0
 
-    # The block's two RMSNorms over rows of dim; qk_norm (Qwen3) adds two over q's and k's heads.
-    # Gemma's block has four, each over an fp32 copy of its input.
-    gemma = FAMILIES[args.family].gemma
-    normed, rows = (4 if gemma else 2) * n * d, (4 if gemma else 2) * n
-    if args.qk_norm:
-        normed, rows = normed + n * (q + kv), rows + n * (h + args.n_kv_heads)
-    if plan.kernels:  # each RMSNorm kernel: its input and fp32 rstd; SwiGLU's or GeGLU's: gate, up
-        saved = normed * (4 if gemma else p) + rows * 4 + 2 * tile
-    else:  # each norm: its fp32 upcast input, normalized x, rstd; RoPE: fp32 cos and sin;
-        # SwiGLU or GeGLU: gate, its activation, up
-        saved = 2 * normed * 4 + rows * 4 + n * args.head_dim * 4 + 3 * tile
+    if plan.kernels:  # SwiGLU's or GeGLU's kernel: gate, up
+        saved = norms_saved(args, plan, p) + 2 * tile
+    else:  # RoPE: fp32 cos and sin; SwiGLU or GeGLU: gate, its activation, up
+        saved = norms_saved(args, plan, p) + n * args.head_dim * 4 + 3 * tile
     # gpt-oss's clamped SwiGLU runs in PyTorch: the clamps, sigmoid and products keep six
     # (moe.clamped_swiglu, counted), recomputed in a checkpointed block's backward too.
     activation = (6 - (2 if plan.kernels else 3)) * tile if gpt_oss else 0
     # The linears' inputs (normed x, normed h, w2's) and attention's q, k, v and output.
     saved += activation + 2 * x + tile + qkv + out + rescaled + moe_kept
 
-    # The checkpoint's cache: attention's output; selective: the matmuls' outputs too.
-    cached = {"none": None, "full": 0, "attention": out,
-              "selective": out + selective_matmuls(args, plan, p, m, f)}[plan.ac]  # fmt: skip
-    windowed = args.sliding_window is not None and plan.seq_len > args.sliding_window
-    if (plan.document_mask or windowed or gpt_oss) and cached:  # sinks: always a mask
-        # The document-masked or windowed attention's kept output comes with the q, k, v its
-        # backward needs (offload._KeptAttention) and, up to a row's worth, long documents'
-        # causal prefixes' outputs, kept for the causal kernel's backward
-        # (attention.packed_attention). A window counts on every block: at most all are windowed.
-        cached += qkv + (n * q * p if plan.document_mask and plan.long_documents else 0)
+    cached = checkpoint_cache(args, plan, p, out, qkv, selective_matmuls(args, plan, p, m, f))
 
     # The MLP's backward: h, normed h, a tile's gate, up and w2 input, three residual-sized
     # gradients, one [tile, ffn_dim] (SwiGLU's kernel writes the others over gate and up).
@@ -578,9 +562,8 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
         # or in w2's, a tile's once the output rows are freed; with the block's output
         # gradient (and a tile's copy of it under MLP tiling). gpt-oss's PyTorch activation
         # makes two tiles anew only once w2's input and the rows' gradients are freed: no
-        # more where expert_ffn_dim <= dim. Measured: the live tensor bytes (each op output's
-        # storage once, until freed) through one Qwen3-MoE-shaped and one gpt-oss-shaped
-        # block's backward, the Triton kernels on the CPU (tests/test_plan.py has the figures).
+        # more where expert_ffn_dim <= dim (bench/RESULTS.md, "The planner's MoE block in
+        # backward, counted on the CPU").
         mlp = x + (m * d * p if m < n else 0) + max(expert_rows, tile)
     # --fp8 adds e4m3 copies (a byte an element): two of an output gradient and its input's
     # columns, at most w2's; q's beside the block's input (bench/RESULTS.md, "FP8 matmuls").
@@ -600,6 +583,36 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
         recomputed += norm + n * args.head_dim * 4  # and RoPE its cos and sin
         mlp_recomputed += norm + tile  # and SwiGLU silu(gate)
     return saved, cached, max(mlp, attention), recomputed + max(mlp_recomputed, attention)
+
+
+def checkpoint_cache(args: ModelArgs, plan: Plan, p: int, out: int, qkv: int, matmuls: int):
+    """What a checkpointed block keeps in the checkpoint's cache (None without checkpointing):
+    attention's output `out`; selective: the matmuls' outputs too."""
+    cached = {"none": None, "full": 0, "attention": out, "selective": out + matmuls}[plan.ac]
+    windowed = args.sliding_window is not None and plan.seq_len > args.sliding_window
+    sinks = FAMILIES[args.family].gpt_oss  # always a mask
+    if (plan.document_mask or windowed or sinks) and cached:
+        # The document-masked or windowed attention's kept output comes with the q, k, v its
+        # backward needs (offload._KeptAttention) and, up to a row's worth, long documents'
+        # causal prefixes' outputs, kept for the causal kernel's backward
+        # (attention.packed_attention). A window counts on every block: at most all are windowed.
+        long_documents = plan.document_mask and plan.long_documents
+        cached += qkv + (plan.tokens * args.n_heads * args.head_dim * p if long_documents else 0)
+    return cached
+
+
+def norms_saved(args: ModelArgs, plan: Plan, p: int) -> int:
+    """What a block's RMSNorms save for backward: two over rows of dim (Gemma's four, each over
+    an fp32 copy of its input), and qk_norm's (Qwen3) two over q's and k's heads. A kernel keeps
+    its input and fp32 rstd; the reference its fp32 upcast input, normalized x and rstd."""
+    n, gemma = plan.tokens, FAMILIES[args.family].gemma
+    normed, rows = (4 if gemma else 2) * n * args.dim, (4 if gemma else 2) * n
+    if args.qk_norm:
+        normed += n * (args.n_heads + args.n_kv_heads) * args.head_dim
+        rows += n * (args.n_heads + args.n_kv_heads)
+    if plan.kernels:
+        return normed * (4 if gemma else p) + rows * 4
+    return 2 * normed * 4 + rows * 4
 
 
 def selective_matmuls(args: ModelArgs, plan: Plan, p: int, m: int, f: int) -> int:
