@@ -342,6 +342,8 @@ LORA_RECORDED = [
                                    document_mask=True, long_documents=True), 108.16),
     ("qwen3-30b-a3b", 131072, dict(ac="attention", micro_batch=1, grad_accum=4,
                                    lora=QLORA16, document_mask=False), 109.8),
+    ("qwen3-30b-a3b", 524288, dict(ac="full", activation_offload=True, lora=QLORA16,
+                                   document_mask=False), 106.64),
     ("gpt-oss-20b", 16384, dict(ac="full", mlp_tile=8192, micro_batch=16, lora=RANK16), 116.66),
     ("gpt-oss-20b", 65536, dict(ac="full", mlp_tile=16384, activation_offload=True,
                                 micro_batch=8, lora=RANK16), 102.36),
