@@ -1,7 +1,7 @@
 """The peer longtune is measured against: Hugging Face transformers' class of the preset's
 family (LlamaForCausalLM, Qwen3ForCausalLM, ...: its config.json as longtune exports the
 preset) with Liger-Kernel's Triton kernels for that family (RMSNorm, Qwen3's q/k norms
-included, RoPE, SwiGLU, fused linear cross-entropy), full
+included, RoPE, SwiGLU or GeGLU, fused linear cross-entropy), full
 gradient checkpointing, fused AdamW, fp32 master weights with bf16 autocast; with several
 GPUs (torchrun), FSDP2 `fully_shard` per decoder layer and on the root, bf16 compute, fp32
 reduction. Random weights, random tokens, or with --data the rows longtune's loader gives
@@ -34,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config_json import hf_config  # noqa: E402
 from data import PackedLoader, TokenDataset  # noqa: E402
-from model import PRESETS, ModelArgs  # noqa: E402
+from model import PRESETS, ModelArgs, attended_pairs  # noqa: E402
 
 PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16
 
@@ -77,11 +77,10 @@ def main():
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         model.to_empty(device="cuda")
+        # to_empty leaves every tensor uninitialized, the buffers too (RoPE's inverse
+        # frequencies, Gemma's embedding scale): the model's own initialization fills them all.
         with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0, 0.02)
-        # RoPE's inverse frequencies are a buffer that to_empty left uninitialized.
-        model.model.rotary_emb = type(model.model.rotary_emb)(model.config, device="cuda")
+            model.apply(model._init_weights)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-5, fused=True)
     if opts.data:
@@ -90,7 +89,8 @@ def main():
         tokens = torch.randint(0, args.vocab_size, (1, opts.seq_len), device="cuda")
 
     # (query, key) pairs attention computed in the timed steps, for the MFU: as train.py
-    # counts them, each document of l tokens l^2/2 (masked apart), a whole row S^2/2.
+    # counts them, each document of l tokens l^2/2 (masked apart), a whole row S^2/2, a
+    # windowed layer's queries at most its window each.
     attended = [0.0]
 
     def step():
@@ -98,11 +98,11 @@ def main():
             # HF shifts labels itself; longtune's labels are already the next tokens, and
             # the positions restart at each document (on the host: no wait for the GPU).
             b = next(rows)
-            attended[0] += (b.positions.double() + 0.5).sum().item()
+            attended[0] += float(attended_pairs(b.positions, True, opts.seq_len, args))
             b = b.to("cuda")
             inputs = dict(input_ids=b.tokens, position_ids=b.positions, labels=b.tokens)
         else:
-            attended[0] += opts.seq_len**2 / 2
+            attended[0] += opts.seq_len * args.attended_per_token(opts.seq_len)
             inputs = dict(input_ids=tokens, labels=tokens)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=world == 1):
             loss = model(**inputs).loss
@@ -156,9 +156,9 @@ def hf_model(args: ModelArgs, attn: str, dtype: torch.dtype, device: str, liger:
     if liger:
         import liger_kernel.transformers
 
-        patch = getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{args.family}")
-        patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-              fused_linear_cross_entropy=True)  # fmt: skip
+        # Each family's defaults: RoPE, RMSNorm, the gated activation (Gemma's GeGLU; not
+        # gpt-oss's clamped experts) and the fused linear cross-entropy.
+        getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{args.family}")()
     config = transformers.AutoConfig.for_model(**hf_config(args, torch.float32))
     config.use_cache = False
     with torch.device(device):
