@@ -125,7 +125,7 @@ def main():
     result = {
         "impl": ("hf" if opts.no_liger else "hf+liger")
         + (f" qlora r={opts.qlora}" if opts.qlora else "")
-        + (f" {opts.attn}" if opts.data else ""),
+        + (f" {opts.attn}" if opts.data or opts.attn != "sdpa" else ""),
         "preset": opts.preset,
         "seq_len": opts.seq_len,
         "world_size": world,
