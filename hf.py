@@ -225,6 +225,11 @@ def has_fused_experts(files: dict[str, Path]) -> bool:
     return any(name.endswith(".experts.gate_up_proj") for name in files)
 
 
+# The fields a run may set over its checkpoint's config: the length (--max-seq-len extends
+# RoPE's) and the load-balancing loss (--router-aux-loss-coef).
+RUN_CHOICES = ("max_seq_len", "router_aux_loss", "router_aux_loss_coef")
+
+
 def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, Path]:
     """Refuses a checkpoint that does not fit `args` with one error listing every difference,
     reading only config and headers. Returns HF tensor name -> file."""
@@ -233,7 +238,7 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
         f"config {f.name}: checkpoint has {getattr(theirs, f.name)!r}, model has "
         f"{getattr(args, f.name)!r}"
         for f in dataclasses.fields(ModelArgs)
-        if f.name != "max_seq_len" and getattr(theirs, f.name) != getattr(args, f.name)
+        if f.name not in RUN_CHOICES and getattr(theirs, f.name) != getattr(args, f.name)
     ]
     files = hf_tensor_files(path)
     prefix = language_model_prefix(files)

@@ -308,6 +308,17 @@ def test_the_aux_loss_flag_sets_the_weight_and_is_for_moe_models_only():
         options.model_args(options.Options(model="tiny", router_aux_loss_coef=0.01))
 
 
+@pytest.mark.parametrize("aux", [False, True])
+def test_the_aux_loss_flag_is_taken_over_a_hf_checkpoints_config(tmp_path, aux):
+    """A checkpoint's output_router_logits and router_aux_loss_coef are a run's choice: the
+    flag sets them without the checkpoint being refused as another model."""
+    _, path = checkpoint(tmp_path, "qwen3_moe", aux)
+    args = options.model_args(options.Options(hf_checkpoint=str(path), router_aux_loss_coef=0.01))
+    model = Llama(args)
+    load_hf_checkpoint(model, path)
+    assert model.args.router_aux_loss and model.args.router_aux_loss_coef == 0.01
+
+
 def test_the_presets_count_all_experts_and_train_the_active_ones():
     """Qwen3-30B-A3B: 30.5B parameters, 3.3B active (its model card's, rounded), within 2%."""
     args = ModelArgs.from_name("qwen3-30b-a3b")
