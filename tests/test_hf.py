@@ -299,6 +299,50 @@ def test_config_sizes_past_any_machine_or_values_of_another_kind_are_named(
         args_from_hf_config(good_checkpoint)
 
 
+# The newer families' configs, tiny, with what transformers would default besides.
+TINY = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 48,
+    "vocab_size": 64,
+}
+GEMMA3 = TINY | {"model_type": "gemma3_text", "sliding_window": 8}
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        # transformers refuses layer_types of another length or unknown types; read otherwise
+        # as the default pattern, the windows would have fallen on other layers unsaid.
+        (GEMMA3 | {"layer_types": ["sliding_attention"]}, "layer_types is ['sliding_attention'], "
+         "expected one of sliding_attention, full_attention for each of the 2 layers"),
+        (GEMMA3 | {"layer_types": ["local", "global"]}, "layer_types is ['local', 'global']"),
+        (TINY | {"model_type": "gpt_oss", "layer_types": "sliding_attention"},
+         "layer_types is 'sliding_attention', expected one of"),
+        (TINY | {"model_type": "qwen3", "use_sliding_window": True, "layer_types": [None] * 2},
+         "layer_types is [None, None], expected one of"),
+        (TINY | {"model_type": "qwen3_moe", "mlp_only_layers": [2]},
+         "mlp_only_layers is [2], expected a list of layer numbers from 0 to 1"),
+        # Before, an AttributeError with a traceback, or 300 lines of the default's tensors.
+        (TINY | {"model_type": "gpt_oss", "quantization_config": "mxfp4"},
+         "quantization_config is 'mxfp4', expected an object"),
+        (GEMMA3 | {"rope_parameters": {"full_attention": {}, "sliding_attention": "x"}},
+         "rope_parameters' sliding_attention is 'x', expected an object"),
+        ({"model_type": "gemma3", "text_config": {"text_config": GEMMA3}},
+         "text_config is a dict holding a text_config, expected an object of the text model's"),
+        ({"model_type": "gemma3", "text_config": [GEMMA3]}, "text_config is a list, expected"),
+    ],
+)  # fmt: skip
+def test_config_structures_of_the_newer_families_are_refused_in_one_line(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        args_from_hf_config(tmp_path)
+    assert "\n" not in str(refused.value)
+
+
 @pytest.mark.parametrize(
     "shard, message",
     [
