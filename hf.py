@@ -256,12 +256,14 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
     shapes, dtypes = {}, {}
     for file in sorted(set(files.values())):
         with _open_safetensors(file) as f:
-            for name in f.keys():
+            listed = {name for name, at in files.items() if at == file}  # the index's word
+            for name in listed & set(f.keys()):
                 shapes[name] = tuple(f.get_slice(name).get_shape())
                 dtypes[name] = f.get_slice(name).get_dtype()
     for name, shape in expected.items():
         if name not in shapes:
-            problems.append(f"missing tensor {name}: expected shape {shape}")
+            where = f" (the index puts it in {files[name].name})" if name in files else ""
+            problems.append(f"missing tensor {name}: expected shape {shape}{where}")
         elif shapes[name] != shape:
             problems.append(f"tensor {name}: checkpoint shape {shapes[name]}, model {shape}")
         elif name in mxfp4 and dtypes[name] != "U8":
@@ -277,9 +279,20 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
         beside = prefix != "model." and not name.startswith(prefix)  # a multimodal model's
         if not beside and not name.endswith("rotary_emb.inv_freq"):  # older exports saved it
             problems.append(f"unexpected tensor {name} with shape {shapes[name]}")
-    if problems:
-        raise UsageError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(problems))
+    refuse_problems(f"checkpoint {path} does not fit the model", problems)
     return files
+
+
+# A model with every expert's tensor wrong would be thousands of lines: the first say what.
+SHOWN_PROBLEMS = 8
+
+
+def refuse_problems(heading: str, problems: list[str]) -> None:
+    """A UsageError listing the first SHOWN_PROBLEMS `problems` under `heading`, if any."""
+    if problems:
+        more = len(problems) - SHOWN_PROBLEMS
+        shown = problems[:SHOWN_PROBLEMS] + [f"and {more} more"] * (more > 0)
+        raise UsageError(f"{heading}:\n  " + "\n  ".join(shown))
 
 
 class CheckedSlice:
@@ -720,8 +733,7 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
         elif shapes[name] != shape:
             problems.append(f"tensor {name}: adapter shape {shapes[name]}, model {shape}")
     problems += [f"unexpected tensor {n}" for n in sorted(set(shapes) - set(expected))]
-    if problems:
-        raise UsageError(f"LoRA adapter {path} does not fit:\n  " + "\n  ".join(problems))
+    refuse_problems(f"LoRA adapter {path} does not fit", problems)
     return tensors_file
 
 

@@ -366,6 +366,38 @@ def test_a_shard_that_is_not_a_safetensors_file_is_named(tmp_path, shard, messag
         load_longtune(path)
 
 
+def test_a_checkpoint_with_many_problems_names_the_first_and_counts_the_rest(good_checkpoint):
+    """An MoE model's every expert tensor of another size would be thousands of lines."""
+    config = json.loads((good_checkpoint / "config.json").read_text())
+    (good_checkpoint / "config.json").write_text(json.dumps(config | {"intermediate_size": 64}))
+    with pytest.raises(ValueError) as refused:
+        load_longtune(good_checkpoint)
+    lines = str(refused.value).splitlines()
+    assert len(lines) == 10 and lines[-1] == "  and 1 more"
+    assert "layers.0.mlp.gate_proj.weight: checkpoint shape (136, 72), model (64, 72)" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda weight_map: weight_map.pop("model.norm.weight"),
+         "missing tensor model.norm.weight: expected shape (72,)"),  # was a KeyError
+        (lambda weight_map: weight_map.update({"model.norm.weight": weight_map["lm_head.weight"]}),
+         "missing tensor model.norm.weight: expected shape (72,) (the index puts it in model-"),
+    ],
+)  # fmt: skip
+def test_an_index_that_disagrees_with_its_shards_is_refused_naming_the_tensor(
+    tmp_path, edit, message
+):
+    path = save_hf(make_hf_model("gqa-untied"), tmp_path / "hf", max_shard_size="40KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["model.norm.weight"] != index["weight_map"]["lm_head.weight"]
+    edit(index["weight_map"])
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_longtune(path)
+
+
 def test_index_without_weight_map_is_named(tmp_path):
     path = save_hf(make_hf_model("gqa-untied"), tmp_path, max_shard_size="40KB")
     (path / "model.safetensors.index.json").write_text('{"metadata": {}}')
