@@ -274,6 +274,11 @@ def _layer_types(config: dict, n_layers: int, sliding: Callable[[int], bool]) ->
     return types
 
 
+# The hub's most experts, Kimi K2's 384 on 60 layers, are 23,040; the checkpoint names each
+# one's tensors (hf.hf_names), so 10^7 took minutes before anything was refused.
+MAX_EXPERTS = 2**18
+
+
 def _experts(config: dict, family: str, n_layers: int) -> dict:
     """The MoE fields as transformers reads them: Mixtral's experts on every layer, their
     weights renormalized; Qwen3-MoE's on each decoder_sparse_step-th layer not in
@@ -292,17 +297,26 @@ def _experts(config: dict, family: str, n_layers: int) -> dict:
                 f"on the router's input)"
             )
         experts = {"expert_ffn_dim": config["intermediate_size"], "norm_topk_prob": True}
-        return fields | experts | {"moe_layers": tuple(range(n_layers))}
-    dense = config["mlp_only_layers"] or []
-    if not isinstance(dense, list) or not all(type(i) is int and 0 <= i < n_layers for i in dense):
+        experts["moe_layers"] = tuple(range(n_layers))
+    else:
+        dense = config["mlp_only_layers"] or []
+        layer_numbers = isinstance(dense, list) and all(type(i) is int for i in dense)
+        if not layer_numbers or not set(dense) <= set(range(n_layers)):
+            raise UsageError(
+                f"mlp_only_layers is {dense!r}, expected a list of layer numbers from 0 to "
+                f"{n_layers - 1}"
+            )
+        step = config["decoder_sparse_step"]
+        layers = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
+        experts = {"expert_ffn_dim": config["moe_intermediate_size"], "moe_layers": layers}
+        experts["norm_topk_prob"] = config["norm_topk_prob"]
+    total = fields["n_experts"] * len(experts["moe_layers"])
+    if total > MAX_EXPERTS:
         raise UsageError(
-            f"mlp_only_layers is {dense!r}, expected a list of layer numbers from 0 to "
-            f"{n_layers - 1}"
+            f"{fields['n_experts']} experts on {len(experts['moe_layers'])} layers make {total}, "
+            f"expected at most {MAX_EXPERTS} (each is tensors of its own in a checkpoint)"
         )
-    step = config["decoder_sparse_step"]
-    layers = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
-    experts = {"expert_ffn_dim": config["moe_intermediate_size"], "moe_layers": layers}
-    return fields | experts | {"norm_topk_prob": config["norm_topk_prob"]}
+    return fields | experts
 
 
 def _check_hf_numbers(config: dict, rope: dict) -> None:

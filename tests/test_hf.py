@@ -344,6 +344,22 @@ def test_config_structures_of_the_newer_families_are_refused_in_one_line(tmp_pat
 
 
 @pytest.mark.parametrize(
+    "config, message",
+    [
+        # Each expert's tensors are named one by one: 10^7 took minutes before any error.
+        (TINY | {"model_type": "mixtral", "num_local_experts": 10**7},
+         "10000000 experts on 2 layers make 20000000, expected at most 262144"),
+        (TINY | {"model_type": "qwen3_moe", "num_experts": 2**17, "moe_intermediate_size": 2**20},
+         "n_layers 2, ffn_dim 48, 131072 experts of 1048576 and vocab_size 64 make 2.64e+13"),
+    ],
+)  # fmt: skip
+def test_experts_past_any_checkpoint_are_refused_naming_them(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        args_from_hf_config(tmp_path)
+
+
+@pytest.mark.parametrize(
     "shard, message",
     [
         ("/proc/self/environ", "is not a readable safetensors file"),  # the kernel's, size 0
