@@ -246,6 +246,11 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
             expected |= dict.fromkeys(theirs, shape[1:])
         elif isinstance(theirs, FusedRows) and f"{theirs.name}_blocks" in files:
             n_experts, out, k = dataclasses.replace(theirs, transposed=False).full_shape(shape)
+            if k % 32:  # else dequantized rows of another length than the parameter's
+                problems.append(
+                    f"tensor {theirs.name}_blocks: MXFP4 holds rows in blocks of 32 values, "
+                    f"the model's are {k} long"
+                )
             expected[f"{theirs.name}_blocks"] = (n_experts, out, k // 32, 16)
             expected[f"{theirs.name}_scales"] = (n_experts, out, k // 32)
             mxfp4 |= {f"{theirs.name}_blocks", f"{theirs.name}_scales"}
@@ -289,6 +294,7 @@ SHOWN_PROBLEMS = 8
 
 def refuse_problems(heading: str, problems: list[str]) -> None:
     """A UsageError listing the first SHOWN_PROBLEMS `problems` under `heading`, if any."""
+    problems = list(dict.fromkeys(problems))  # gate_up_proj's parts find the same ones
     if problems:
         more = len(problems) - SHOWN_PROBLEMS
         shown = problems[:SHOWN_PROBLEMS] + [f"and {more} more"] * (more > 0)
