@@ -198,6 +198,11 @@ def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
+def not_float(name: str, dtype: str) -> str:
+    # Copied into a float parameter an integer tensor would load without a word.
+    return f"tensor {name}: dtype {dtype}, expected one of {sorted(FLOAT_DTYPES)}"
+
+
 def _open_safetensors(file: Path):
     # A device or a FIFO is never opened (/dev/zero has no end, a FIFO waits for a writer).
     if not file.is_file():
@@ -274,10 +279,7 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
         elif name in mxfp4 and dtypes[name] != "U8":
             problems.append(f"tensor {name}: dtype {dtypes[name]}, expected U8 (MXFP4)")
         elif dtypes[name] not in FLOAT_DTYPES and name not in mxfp4:
-            # Copied into a float parameter an integer tensor would load without a word.
-            problems.append(
-                f"tensor {name}: dtype {dtypes[name]}, expected one of {sorted(FLOAT_DTYPES)}"
-            )
+            problems.append(not_float(name, dtypes[name]))
     # A tied model's checkpoint may still carry a copy of the embedding as lm_head.
     tolerated = {"lm_head.weight"} if args.tie_embeddings else set()
     for name in sorted(set(shapes) - set(expected) - tolerated):
@@ -729,6 +731,7 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
         expected[peft] = tuple(to_peft_experts(peft, empty, [*parts.values()]).shape)
     with _open_safetensors(tensors_file) as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
     if theirs.get("r") != ours["r"]:  # every adapter's shape differs by the rank: not listed
         expected = {name: shapes.get(name, shape) for name, shape in expected.items()}
     if some_layers:  # the other layers' tensors are missing: said above, not listed
@@ -738,6 +741,8 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
             problems.append(f"missing tensor {name}: expected shape {shape}")
         elif shapes[name] != shape:
             problems.append(f"tensor {name}: adapter shape {shapes[name]}, model {shape}")
+        elif dtypes[name] not in FLOAT_DTYPES:
+            problems.append(not_float(name, dtypes[name]))
     problems += [f"unexpected tensor {n}" for n in sorted(set(shapes) - set(expected))]
     refuse_problems(f"LoRA adapter {path} does not fit", problems)
     return tensors_file

@@ -603,6 +603,19 @@ def test_an_adapter_of_another_config_is_refused_with_each_difference(tmp_path):
     assert "adapter shape" not in message  # each shape differs by the rank: that says it
 
 
+def test_an_adapter_tensor_of_integers_is_refused_as_a_checkpoints_is(tmp_path):
+    """Copied into the float adapters it would have loaded rounded, without a word."""
+    path = hf_checkpoint(tmp_path / "base")
+    model = lora_model(path)
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), tmp_path / "adapter")
+    tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    name = next(n for n in tensors if n.endswith("lora_A.weight"))
+    tensors[name] = (tensors[name] * 100).int()
+    save_file(tensors, tmp_path / "adapter" / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=re.escape(f"tensor {name}: dtype I32, expected one of")):
+        load_peft_adapter(lora_model(path), CONFIG, tmp_path / "adapter")
+
+
 def test_an_adapter_with_peft_settings_longtune_lacks_is_refused(tmp_path):
     """Per-layer ranks or scales, transposed weights, a subset of layers: each named, none
     loaded as if it were not there."""
