@@ -673,8 +673,9 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
     path = Path(path)
     config_file, tensors_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     for file in (config_file, tensors_file):
-        if not file.is_file():
-            raise UsageError(f"LoRA adapter: {file} does not exist")
+        if not file.is_file():  # never opened: a FIFO waits for a writer, /dev/zero has no end
+            wrong = "is not a regular file" if file.exists() else "does not exist"
+            raise UsageError(f"LoRA adapter: {file} {wrong}")
     theirs = read_json(config_file)
     ours = peft_adapter_config(args, config, None)
     problems = [

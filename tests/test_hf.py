@@ -616,6 +616,18 @@ def test_an_adapter_tensor_of_integers_is_refused_as_a_checkpoints_is(tmp_path):
         load_peft_adapter(lora_model(path), CONFIG, tmp_path / "adapter")
 
 
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_an_adapter_file_that_is_no_regular_file_is_named_so(tmp_path, name):
+    """A FIFO in the place of one: before, said not to exist."""
+    path = hf_checkpoint(tmp_path / "base")
+    model = lora_model(path)
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), tmp_path / "adapter")
+    (tmp_path / "adapter" / name).unlink()
+    os.mkfifo(tmp_path / "adapter" / name)
+    with pytest.raises(ValueError, match=re.escape(f"{name} is not a regular file")):
+        load_peft_adapter(model, CONFIG, tmp_path / "adapter")
+
+
 def test_an_adapter_with_peft_settings_longtune_lacks_is_refused(tmp_path):
     """Per-layer ranks or scales, transposed weights, a subset of layers: each named, none
     loaded as if it were not there."""
