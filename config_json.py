@@ -7,6 +7,7 @@ special token keys and files.py's rules.
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -107,8 +108,15 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
     if not config_path.is_file():
         raise UsageError(f"no Hugging Face config.json at {config_path}")
     raw = read_json(config_path)
-    if isinstance(raw.get("text_config"), dict):  # a multimodal model's (Gemma 3 4b+): its text
-        raw = {"model_type": TEXT_MODEL_TYPES.get(raw.get("model_type")), **raw["text_config"]}
+    text = raw.get("text_config")
+    if text is not None and (not isinstance(text, dict) or "text_config" in text):
+        raise UsageError(
+            f"{config_path}: text_config is a {type(text).__name__}"
+            f"{' holding a text_config' * isinstance(text, dict)}, expected an object of the "
+            f"text model's own keys"
+        )
+    if text is not None:  # a multimodal model's (Gemma 3 4b+): its text
+        raw = {"model_type": TEXT_MODEL_TYPES.get(raw.get("model_type")), **text}
     try:
         family = raw.get("model_type")
         if not isinstance(family, str) or family not in FAMILIES:
@@ -128,7 +136,10 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
         for key, expected in FAMILY_FIXED.get(family, HF_FIXED).items():
             if config.get(key, expected) != expected:
                 raise UsageError(f"{key} is {config[key]!r}, expected {expected!r}")
-        quantization = (config.get("quantization_config") or {}).get("quant_method")
+        quantization = config.get("quantization_config") or {}
+        if not isinstance(quantization, dict):
+            raise UsageError(f"quantization_config is {quantization!r}, expected an object")
+        quantization = quantization.get("quant_method")
         if quantization not in (None, "mxfp4") or (quantization and family != "gpt_oss"):
             raise UsageError(
                 f"quantization_config's quant_method is {quantization!r}: longtune reads "
@@ -196,6 +207,8 @@ def _gemma_fields(config: dict, rope: dict) -> dict:
     """Gemma 3's local RoPE base (unscaled: anything else is refused) and attention scale."""
     local = rope.get("sliding_attention") if "full_attention" in rope else None
     local = local or {"rope_theta": config["rope_local_base_freq"]}
+    if not isinstance(local, dict):
+        raise UsageError(f"rope_parameters' sliding_attention is {local!r}, expected an object")
     if local.get("rope_type", "default") != "default":
         raise UsageError(
             f"sliding_attention's rope_type is {local['rope_type']!r}, expected 'default'"
@@ -231,23 +244,39 @@ def _sliding_window(
         return window, tuple(range(n_layers))
     if family in ("gemma3_text", "gpt_oss"):  # by default 5 windowed layers in 6, or 1 in 2
         pattern = config["sliding_window_pattern"] if family == "gemma3_text" else 2
-        types = config.get("layer_types")
-        if not isinstance(types, list) or len(types) < n_layers:
-            types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                     for i in range(n_layers)]  # fmt: skip
+        types = _layer_types(config, n_layers, lambda i: (i + 1) % pattern)
         layers = tuple(i for i in range(n_layers) if types[i] == "sliding_attention")
         return (window, layers) if layers else (None, ())
     if not config["use_sliding_window"]:
         return None, ()
     if family == "qwen3_moe":  # on every layer
         return window, tuple(range(n_layers))
-    types = config.get("layer_types")
-    if not isinstance(types, list) or len(types) < n_layers:
-        first = config["max_window_layers"] if family != "smollm3" else n_layers
-        types = ["sliding_attention" if i >= first or i in nope_layers else "full_attention"
-                 for i in range(n_layers)]  # fmt: skip
+    first = config["max_window_layers"] if family != "smollm3" else n_layers
+    types = _layer_types(config, n_layers, lambda i: i >= first or i in nope_layers)
     layers = tuple(i for i in range(n_layers) if types[i] == "sliding_attention")
     return (window, layers) if layers else (None, ())
+
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def _layer_types(config: dict, n_layers: int, sliding: Callable[[int], bool]) -> list[str]:
+    """`layer_types`, refused as transformers refuses it unless one known type a layer; where
+    it is missing (null), the layers `sliding` picks."""
+    types = config.get("layer_types")
+    if types is None:
+        return [LAYER_TYPES[not sliding(i)] for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or set(types) - set(LAYER_TYPES):
+        raise UsageError(
+            f"layer_types is {types!r}, expected one of {', '.join(LAYER_TYPES)} for each of "
+            f"the {n_layers} layers"
+        )
+    return types
+
+
+# The hub's most experts, Kimi K2's 384 on 60 layers, are 23,040; the checkpoint names each
+# one's tensors (hf.hf_names), so 10^7 took minutes before anything was refused.
+MAX_EXPERTS = 2**18
 
 
 def _experts(config: dict, family: str, n_layers: int) -> dict:
@@ -268,14 +297,26 @@ def _experts(config: dict, family: str, n_layers: int) -> dict:
                 f"on the router's input)"
             )
         experts = {"expert_ffn_dim": config["intermediate_size"], "norm_topk_prob": True}
-        return fields | experts | {"moe_layers": tuple(range(n_layers))}
-    dense = config["mlp_only_layers"] or []
-    if not isinstance(dense, list) or not all(type(i) is int for i in dense):
-        raise UsageError(f"mlp_only_layers is {dense!r}, expected a list of layer numbers")
-    step = config["decoder_sparse_step"]
-    layers = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
-    experts = {"expert_ffn_dim": config["moe_intermediate_size"], "moe_layers": layers}
-    return fields | experts | {"norm_topk_prob": config["norm_topk_prob"]}
+        experts["moe_layers"] = tuple(range(n_layers))
+    else:
+        dense = config["mlp_only_layers"] or []
+        layer_numbers = isinstance(dense, list) and all(type(i) is int for i in dense)
+        if not layer_numbers or not set(dense) <= set(range(n_layers)):
+            raise UsageError(
+                f"mlp_only_layers is {dense!r}, expected a list of layer numbers from 0 to "
+                f"{n_layers - 1}"
+            )
+        step = config["decoder_sparse_step"]
+        layers = tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0)
+        experts = {"expert_ffn_dim": config["moe_intermediate_size"], "moe_layers": layers}
+        experts["norm_topk_prob"] = config["norm_topk_prob"]
+    total = fields["n_experts"] * len(experts["moe_layers"])
+    if total > MAX_EXPERTS:
+        raise UsageError(
+            f"{fields['n_experts']} experts on {len(experts['moe_layers'])} layers make {total}, "
+            f"expected at most {MAX_EXPERTS} (each is tensors of its own in a checkpoint)"
+        )
+    return fields | experts
 
 
 def _check_hf_numbers(config: dict, rope: dict) -> None:

@@ -198,6 +198,11 @@ def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
+def not_float(name: str, dtype: str) -> str:
+    # Copied into a float parameter an integer tensor would load without a word.
+    return f"tensor {name}: dtype {dtype}, expected one of {sorted(FLOAT_DTYPES)}"
+
+
 def _open_safetensors(file: Path):
     # A device or a FIFO is never opened (/dev/zero has no end, a FIFO waits for a writer).
     if not file.is_file():
@@ -251,6 +256,11 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
             expected |= dict.fromkeys(theirs, shape[1:])
         elif isinstance(theirs, FusedRows) and f"{theirs.name}_blocks" in files:
             n_experts, out, k = dataclasses.replace(theirs, transposed=False).full_shape(shape)
+            if k % 32:  # else dequantized rows of another length than the parameter's
+                problems.append(
+                    f"tensor {theirs.name}_blocks: MXFP4 holds rows in blocks of 32 values, "
+                    f"the model's are {k} long"
+                )
             expected[f"{theirs.name}_blocks"] = (n_experts, out, k // 32, 16)
             expected[f"{theirs.name}_scales"] = (n_experts, out, k // 32)
             mxfp4 |= {f"{theirs.name}_blocks", f"{theirs.name}_scales"}
@@ -261,30 +271,41 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
     shapes, dtypes = {}, {}
     for file in sorted(set(files.values())):
         with _open_safetensors(file) as f:
-            for name in f.keys():
+            listed = {name for name, at in files.items() if at == file}  # the index's word
+            for name in listed & set(f.keys()):
                 shapes[name] = tuple(f.get_slice(name).get_shape())
                 dtypes[name] = f.get_slice(name).get_dtype()
     for name, shape in expected.items():
         if name not in shapes:
-            problems.append(f"missing tensor {name}: expected shape {shape}")
+            where = f" (the index puts it in {files[name].name})" if name in files else ""
+            problems.append(f"missing tensor {name}: expected shape {shape}{where}")
         elif shapes[name] != shape:
             problems.append(f"tensor {name}: checkpoint shape {shapes[name]}, model {shape}")
         elif name in mxfp4 and dtypes[name] != "U8":
             problems.append(f"tensor {name}: dtype {dtypes[name]}, expected U8 (MXFP4)")
         elif dtypes[name] not in FLOAT_DTYPES and name not in mxfp4:
-            # Copied into a float parameter an integer tensor would load without a word.
-            problems.append(
-                f"tensor {name}: dtype {dtypes[name]}, expected one of {sorted(FLOAT_DTYPES)}"
-            )
+            problems.append(not_float(name, dtypes[name]))
     # A tied model's checkpoint may still carry a copy of the embedding as lm_head.
     tolerated = {"lm_head.weight"} if args.tie_embeddings else set()
     for name in sorted(set(shapes) - set(expected) - tolerated):
         beside = prefix != "model." and not name.startswith(prefix)  # a multimodal model's
         if not beside and not name.endswith("rotary_emb.inv_freq"):  # older exports saved it
             problems.append(f"unexpected tensor {name} with shape {shapes[name]}")
-    if problems:
-        raise UsageError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(problems))
+    refuse_problems(f"checkpoint {path} does not fit the model", problems)
     return files
+
+
+# A model with every expert's tensor wrong would be thousands of lines: the first say what.
+SHOWN_PROBLEMS = 8
+
+
+def refuse_problems(heading: str, problems: list[str]) -> None:
+    """A UsageError listing the first SHOWN_PROBLEMS `problems` under `heading`, if any."""
+    problems = list(dict.fromkeys(problems))  # gate_up_proj's parts find the same ones
+    if problems:
+        more = len(problems) - SHOWN_PROBLEMS
+        shown = problems[:SHOWN_PROBLEMS] + [f"and {more} more"] * (more > 0)
+        raise UsageError(f"{heading}:\n  " + "\n  ".join(shown))
 
 
 class CheckedSlice:
@@ -657,8 +678,9 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
     path = Path(path)
     config_file, tensors_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     for file in (config_file, tensors_file):
-        if not file.is_file():
-            raise UsageError(f"LoRA adapter: {file} does not exist")
+        if not file.is_file():  # never opened: a FIFO waits for a writer, /dev/zero has no end
+            wrong = "is not a regular file" if file.exists() else "does not exist"
+            raise UsageError(f"LoRA adapter: {file} {wrong}")
     theirs = read_json(config_file)
     ours = peft_adapter_config(args, config, None)
     problems = [
@@ -715,6 +737,7 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
         expected[peft] = tuple(to_peft_experts(peft, empty, [*parts.values()]).shape)
     with _open_safetensors(tensors_file) as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+        dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
     if theirs.get("r") != ours["r"]:  # every adapter's shape differs by the rank: not listed
         expected = {name: shapes.get(name, shape) for name, shape in expected.items()}
     if some_layers:  # the other layers' tensors are missing: said above, not listed
@@ -724,9 +747,10 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
             problems.append(f"missing tensor {name}: expected shape {shape}")
         elif shapes[name] != shape:
             problems.append(f"tensor {name}: adapter shape {shapes[name]}, model {shape}")
+        elif dtypes[name] not in FLOAT_DTYPES:
+            problems.append(not_float(name, dtypes[name]))
     problems += [f"unexpected tensor {n}" for n in sorted(set(shapes) - set(expected))]
-    if problems:
-        raise UsageError(f"LoRA adapter {path} does not fit:\n  " + "\n  ".join(problems))
+    refuse_problems(f"LoRA adapter {path} does not fit", problems)
     return tensors_file
 
 

@@ -192,10 +192,11 @@ class ModelArgs:
             problems.append(f"head_dim {self.head_dim} is odd; RoPE rotates pairs")
         problems += self._family_problems()
         if self.num_params() > MAX_PARAMS:
+            experts = f", {self.n_experts} experts of {self.expert_ffn_dim}" * bool(self.n_experts)
             problems.append(
-                f"dim {self.dim}, n_layers {self.n_layers}, ffn_dim {self.ffn_dim} and vocab_size "
-                f"{self.vocab_size} make {self.num_params():.3g} parameters, expected at most "
-                f"{MAX_PARAMS:.0e}"
+                f"dim {self.dim}, n_layers {self.n_layers}, ffn_dim {self.ffn_dim}{experts} and "
+                f"vocab_size {self.vocab_size} make {self.num_params():.3g} parameters, expected "
+                f"at most {MAX_PARAMS:.0e}"
             )
         if problems:
             raise UsageError("; ".join(problems))

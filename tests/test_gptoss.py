@@ -200,28 +200,34 @@ def test_mxfp4_dequantizes_as_transformers_does():
     assert torch.equal(ours.transpose(1, 2), theirs)
 
 
+def mxfp4_copy(path: Path, out: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint at `path` with random MXFP4 experts (as the hub's gpt-oss) written to
+    `out`; returns `path`'s tensors with those experts as transformers dequantizes them."""
+    tensors = safetensors.torch.load_file(path / "model.safetensors")
+    quantized = dict(tensors)
+    g = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
+        n_experts, k, rows = tensors[name].shape  # transformers' [E, in, out]
+        blocks = torch.randint(0, 256, (n_experts, rows, k // 32, 16), generator=g).byte()
+        scales = torch.randint(122, 130, (n_experts, rows, k // 32), generator=g).byte()
+        tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        del quantized[name]
+        quantized |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
+    out.mkdir()
+    safetensors.torch.save_file(quantized, out / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (out / "config.json").write_text(json.dumps(config))
+    return tensors
+
+
 def test_mxfp4_experts_load_and_export_in_bf16(tmp_path):
     """A checkpoint with MXFP4 experts (quantization_config mxfp4, as the hub's gpt-oss) loads
     as the same checkpoint with the experts transformers' dequantization gives; the export is
     bf16 and has no quantization_config."""
     _, path = gpt_oss_checkpoint(tmp_path / "plain")
-    tensors = safetensors.torch.load_file(path / "model.safetensors")
-    quantized = dict(tensors)
-    g = torch.Generator().manual_seed(0)
-    for name in [n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))]:
-        n_experts, k, out = tensors[name].shape  # transformers' [E, in, out]
-        blocks = torch.randint(0, 256, (n_experts, out, k // 32, 16), generator=g).byte()
-        scales = torch.randint(122, 130, (n_experts, out, k // 32), generator=g).byte()
-        tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-        del quantized[name]
-        quantized |= {f"{name}_blocks": blocks, f"{name}_scales": scales}
-    safetensors.torch.save_file(tensors, path / "model.safetensors")
     mxfp4 = tmp_path / "mxfp4"
-    mxfp4.mkdir()
-    safetensors.torch.save_file(quantized, mxfp4 / "model.safetensors")
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (mxfp4 / "config.json").write_text(json.dumps(config))
+    safetensors.torch.save_file(mxfp4_copy(path, mxfp4), path / "model.safetensors")
 
     args = args_from_hf_config(mxfp4)
     plain, ours = Llama(args), Llama(args)
@@ -236,6 +242,16 @@ def test_mxfp4_experts_load_and_export_in_bf16(tmp_path):
     load_hf_checkpoint(back, tmp_path / "out")
     for (name, p), q in zip(back.named_parameters(), ours.parameters(), strict=True):
         assert torch.equal(p, q.to(torch.bfloat16).float()), name
+
+
+def test_mxfp4_experts_whose_rows_are_no_whole_blocks_are_refused_naming_them(tmp_path):
+    """Rows of 48 in blocks of 32 (one block a row in the file): before, a RuntimeError with a
+    traceback at the copy, after the model was built."""
+    _, path = gpt_oss_checkpoint(tmp_path / "plain", intermediate_size=48)
+    mxfp4_copy(path, tmp_path / "mxfp4")
+    message = "down_proj_blocks: MXFP4 holds rows in blocks of 32 values, the model's are 48 long"
+    with pytest.raises(UsageError, match=re.escape(message)):
+        load_hf_checkpoint(Llama(args_from_hf_config(tmp_path / "mxfp4")), tmp_path / "mxfp4")
 
 
 # openai/gpt-oss-20b's config.json on the hub, as transformers 4.55 wrote it (rope_scaling and

@@ -299,6 +299,66 @@ def test_config_sizes_past_any_machine_or_values_of_another_kind_are_named(
         args_from_hf_config(good_checkpoint)
 
 
+# The newer families' configs, tiny, with what transformers would default besides.
+TINY = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "intermediate_size": 48,
+    "vocab_size": 64,
+}
+GEMMA3 = TINY | {"model_type": "gemma3_text", "sliding_window": 8}
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        # transformers refuses layer_types of another length or unknown types; read otherwise
+        # as the default pattern, the windows would have fallen on other layers unsaid.
+        (GEMMA3 | {"layer_types": ["sliding_attention"]}, "layer_types is ['sliding_attention'], "
+         "expected one of sliding_attention, full_attention for each of the 2 layers"),
+        (GEMMA3 | {"layer_types": ["local", "global"]}, "layer_types is ['local', 'global']"),
+        (TINY | {"model_type": "gpt_oss", "layer_types": "sliding_attention"},
+         "layer_types is 'sliding_attention', expected one of"),
+        (TINY | {"model_type": "qwen3", "use_sliding_window": True, "layer_types": [None] * 2},
+         "layer_types is [None, None], expected one of"),
+        (TINY | {"model_type": "qwen3_moe", "mlp_only_layers": [2]},
+         "mlp_only_layers is [2], expected a list of layer numbers from 0 to 1"),
+        # Before, an AttributeError with a traceback, or 300 lines of the default's tensors.
+        (TINY | {"model_type": "gpt_oss", "quantization_config": "mxfp4"},
+         "quantization_config is 'mxfp4', expected an object"),
+        (GEMMA3 | {"rope_parameters": {"full_attention": {}, "sliding_attention": "x"}},
+         "rope_parameters' sliding_attention is 'x', expected an object"),
+        ({"model_type": "gemma3", "text_config": {"text_config": GEMMA3}},
+         "text_config is a dict holding a text_config, expected an object of the text model's"),
+        ({"model_type": "gemma3", "text_config": [GEMMA3]}, "text_config is a list, expected"),
+    ],
+)  # fmt: skip
+def test_config_structures_of_the_newer_families_are_refused_in_one_line(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(message)) as refused:
+        args_from_hf_config(tmp_path)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        # Each expert's tensors are named one by one: 10^7 took minutes before any error.
+        (TINY | {"model_type": "mixtral", "num_local_experts": 10**7},
+         "10000000 experts on 2 layers make 20000000, expected at most 262144"),
+        (TINY | {"model_type": "qwen3_moe", "num_experts": 2**17, "moe_intermediate_size": 2**20},
+         "n_layers 2, ffn_dim 48, 131072 experts of 1048576 and vocab_size 64 make 2.64e+13"),
+    ],
+)  # fmt: skip
+def test_experts_past_any_checkpoint_are_refused_naming_them(tmp_path, config, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        args_from_hf_config(tmp_path)
+
+
 @pytest.mark.parametrize(
     "shard, message",
     [
@@ -318,6 +378,38 @@ def test_a_shard_that_is_not_a_safetensors_file_is_named(tmp_path, shard, messag
         first = path / index["weight_map"]["lm_head.weight"]
         first.unlink()
         os.mkfifo(first) if shard == "a FIFO" else first.symlink_to(shard)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_longtune(path)
+
+
+def test_a_checkpoint_with_many_problems_names_the_first_and_counts_the_rest(good_checkpoint):
+    """An MoE model's every expert tensor of another size would be thousands of lines."""
+    config = json.loads((good_checkpoint / "config.json").read_text())
+    (good_checkpoint / "config.json").write_text(json.dumps(config | {"intermediate_size": 64}))
+    with pytest.raises(ValueError) as refused:
+        load_longtune(good_checkpoint)
+    lines = str(refused.value).splitlines()
+    assert len(lines) == 10 and lines[-1] == "  and 1 more"
+    assert "layers.0.mlp.gate_proj.weight: checkpoint shape (136, 72), model (64, 72)" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda weight_map: weight_map.pop("model.norm.weight"),
+         "missing tensor model.norm.weight: expected shape (72,)"),  # was a KeyError
+        (lambda weight_map: weight_map.update({"model.norm.weight": weight_map["lm_head.weight"]}),
+         "missing tensor model.norm.weight: expected shape (72,) (the index puts it in model-"),
+    ],
+)  # fmt: skip
+def test_an_index_that_disagrees_with_its_shards_is_refused_naming_the_tensor(
+    tmp_path, edit, message
+):
+    path = save_hf(make_hf_model("gqa-untied"), tmp_path / "hf", max_shard_size="40KB")
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["model.norm.weight"] != index["weight_map"]["lm_head.weight"]
+    edit(index["weight_map"])
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=re.escape(message)):
         load_longtune(path)
 
@@ -509,6 +601,31 @@ def test_an_adapter_of_another_config_is_refused_with_each_difference(tmp_path):
                      "target_modules", "unexpected tensor"):  # fmt: skip
         assert expected in message
     assert "adapter shape" not in message  # each shape differs by the rank: that says it
+
+
+def test_an_adapter_tensor_of_integers_is_refused_as_a_checkpoints_is(tmp_path):
+    """Copied into the float adapters it would have loaded rounded, without a word."""
+    path = hf_checkpoint(tmp_path / "base")
+    model = lora_model(path)
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), tmp_path / "adapter")
+    tensors = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    name = next(n for n in tensors if n.endswith("lora_A.weight"))
+    tensors[name] = (tensors[name] * 100).int()
+    save_file(tensors, tmp_path / "adapter" / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=re.escape(f"tensor {name}: dtype I32, expected one of")):
+        load_peft_adapter(lora_model(path), CONFIG, tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("name", ["adapter_config.json", "adapter_model.safetensors"])
+def test_an_adapter_file_that_is_no_regular_file_is_named_so(tmp_path, name):
+    """A FIFO in the place of one: before, said not to exist."""
+    path = hf_checkpoint(tmp_path / "base")
+    model = lora_model(path)
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), tmp_path / "adapter")
+    (tmp_path / "adapter" / name).unlink()
+    os.mkfifo(tmp_path / "adapter" / name)
+    with pytest.raises(ValueError, match=re.escape(f"{name} is not a regular file")):
+        load_peft_adapter(model, CONFIG, tmp_path / "adapter")
 
 
 def test_an_adapter_with_peft_settings_longtune_lacks_is_refused(tmp_path):

@@ -8,6 +8,7 @@ import random
 import signal
 import sysconfig
 import time
+import tracemalloc
 import unicodedata
 from pathlib import Path
 
@@ -1340,6 +1341,24 @@ def test_byte_fallback_tokenizer_json_it_cannot_encode_faithfully_is_refused(
     with pytest.raises(files.UsageError, match=message) as refused:
         tokenizer.load_tokenizer(directory)
     assert "\n" not in str(refused.value)
+
+
+def test_a_long_token_is_refused_without_cutting_it_at_every_place(tmp_path):
+    """A token 10^4 long made by one merge: cut at every place into all its splits it was 100 MB
+    held (a 200k-long one, in a 500 kB file, 20 GB: the process killed); now cut only where
+    both parts may be tokens, and sentencepiece refuses the piece in one line."""
+    directory = sentencepiece_style_json(tmp_path / "bf", LLAMA2_NORMALIZER(), None)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    ids = [*spec["model"]["vocab"].values(), *(t["id"] for t in spec["added_tokens"])]
+    spec["model"]["vocab"] |= {"q" * 5000: max(ids) + 1, "q" * 10_000: max(ids) + 2}
+    spec["model"]["merges"].append(["q" * 5000, "q" * 5000])
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    tracemalloc.start()
+    with pytest.raises(files.UsageError, match=r"sentencepiece refuses .*piece is too long"):
+        tokenizer.load_tokenizer(directory)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 30 * 2**20
 
 
 def test_prepare_reads_a_directory_with_a_byte_fallback_tokenizer_json_only(tmp_path, capsys):
