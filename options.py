@@ -729,7 +729,7 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resumin
     if opts.hf_checkpoint:
         check_hf_checkpoint(args, opts.hf_checkpoint)
     if opts.lora_adapter:
-        check_peft_adapter(args, lora, opts.lora_adapter)
+        check_peft_adapter(args, lora, opts.lora_adapter, opts.hf_checkpoint)
     if opts.export_hf:
         HF_EXPORT.check(opts.export_hf)
     if opts.export_adapter:
