@@ -206,7 +206,8 @@ class Options:
         "the projections that get adapters: all, or a comma list of wq,wk,wv,wo,w1,w2,w3 or "
         "their HF names q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,up_proj; on an MoE "
         "model w1,w2,w3 take none, and experts_w13,experts_w2 (PEFT's target_parameters "
-        "mlp.experts.gate_up_proj,mlp.experts.down_proj) adapt each expert (not in all)",
+        "mlp.experts.gate_up_proj,mlp.experts.down_proj) adapt each expert (not in all: "
+        "all,experts_w13,experts_w2 adds them)",
     )
     quantize_base: str | None = option(
         None, "store the frozen base's adapted projections in 4 bits (QLoRA)", choices=["nf4"]
