@@ -766,6 +766,11 @@ def check_this_machine(opts: Options) -> None:
         raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
     if opts.memory_snapshot:
         raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
+    if opts.attention_backend in ("cudnn", "efficient"):  # SDPA would fail at the first step
+        raise UsageError(
+            f"--attention-backend {opts.attention_backend} is a CUDA kernel; this run has no "
+            f"GPU (auto, flash and math run on the CPU)"
+        )
     if opts.gpu_memory is not None:
         raise UsageError(
             "--gpu-memory sets how much of the GPU a run plans within; this run has no GPU "
