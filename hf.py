@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -507,10 +508,19 @@ def _join_parts(parts: list[tuple[FusedRows, torch.Tensor]]) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------
 
 
-def peft_names(args: ModelArgs, targets: tuple[str, ...]) -> dict[str, str]:
+def peft_prefix(base_model: str | os.PathLike | None) -> str:
+    """Where PEFT finds the decoder's modules on the model transformers builds from
+    `base_model`: a multimodal checkpoint's (Gemma3ForConditionalGeneration) under its
+    language model, whichever of LANGUAGE_MODEL_PREFIXES its files use."""
+    if base_model is None or language_model_prefix(hf_tensor_files(base_model)) == "model.":
+        return "model."
+    return "model.language_model."
+
+
+def peft_names(args: ModelArgs, targets: tuple[str, ...], prefix: str = "model.") -> dict[str, str]:
     """longtune adapter name -> PEFT's (`base_model.model.model.layers.0.self_attn.q_proj.
-    lora_A.weight`), the linear layers' (the experts': peft_expert_names)."""
-    hf = hf_names(args)
+    lora_A.weight`; `prefix`: peft_prefix), the linear layers' (the experts': peft_expert_names)."""
+    hf = hf_names(args, prefix=prefix)
     names = {}
     for path in lora_module_paths(args.n_layers, targets, args.moe_layers):
         module = "base_model.model." + hf[f"{path}.weight"].removesuffix(".weight")
@@ -585,9 +595,13 @@ PEFT_ADAPTER = OutputDir(
 def peft_adapter_config(args: ModelArgs, config: LoRAConfig, base_model: str | None) -> dict:
     """PEFT's adapter_config.json, its target_modules the linear layers that take adapters on
     this model (lora_module_paths: on a mixture-of-experts model, PEFT would put gate_proj's on
-    the experts), its target_parameters the experts' tensors."""
+    the experts; on a multimodal one, a regular expression of the language model's, since the
+    vision tower's have the same names), its target_parameters the experts' tensors."""
     paths = lora_module_paths(args.n_layers, config.targets, args.moe_layers)
     experts = sorted(EXPERT_LORA_TARGETS[t] for t in config.expert_targets)
+    modules = sorted({HF_LORA_TARGETS[p.rpartition(".")[2]] for p in paths})
+    if (prefix := peft_prefix(base_model)) != "model.":
+        modules = rf"{re.escape(prefix)}layers\.\d+\.(self_attn|mlp)\.({'|'.join(modules)})"
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -595,7 +609,7 @@ def peft_adapter_config(args: ModelArgs, config: LoRAConfig, base_model: str | N
         "r": config.rank,
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout,
-        "target_modules": sorted({HF_LORA_TARGETS[p.rpartition(".")[2]] for p in paths}),
+        "target_modules": modules,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -616,7 +630,7 @@ def save_peft_adapter(
 ) -> None:
     """Writes adapter_config.json + adapter_model.safetensors (fp32, PEFT's names), which
     `peft.PeftModel.from_pretrained(base, out_dir)` loads. Atomic like save_hf_checkpoint."""
-    names = peft_names(args, config.targets)
+    names = peft_names(args, config.targets, peft_prefix(base_model))
     expert_names = peft_expert_names(args, config.targets)
     held = {part for parts in expert_names.values() for part in parts}
     tensors, parts = {}, {}
@@ -648,11 +662,11 @@ PEFT_DEFAULTS_ONLY = {
 }
 
 
-def _peft_targets(args: ModelArgs, config: LoRAConfig) -> dict[str, tuple[set, set]]:
+def _peft_targets(args: ModelArgs, config: LoRAConfig, prefix: str) -> dict[str, tuple[set, set]]:
     """adapter_config.json's target_modules and target_parameters -> (the HF names of what
     they may name on this model: its linear layers', its experts' tensors, and those `config`
     adapts): the names PEFT matches its targets against ("model.layers.0.self_attn.q_proj")."""
-    hf = hf_names(args)
+    hf = hf_names(args, prefix=prefix)
 
     def modules(paths: list[str]) -> set[str]:
         return {hf[f"{p}.weight"].removesuffix(".weight") for p in paths if f"{p}.weight" in hf}
@@ -672,17 +686,20 @@ def _peft_targets(args: ModelArgs, config: LoRAConfig) -> dict[str, tuple[set, s
     }
 
 
-def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathLike) -> Path:
+def check_peft_adapter(
+    args: ModelArgs, config: LoRAConfig, path: str | os.PathLike, base_model: str | None = None
+) -> Path:
     """Refuses a PEFT adapter that does not fit (config, tensor shapes from the headers) with
-    one error listing every difference. Returns the safetensors file."""
-    path = Path(path)
+    one error listing every difference, its names those PEFT gives on `base_model`'s model.
+    Returns the safetensors file."""
+    path, prefix = Path(path), peft_prefix(base_model)
     config_file, tensors_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     for file in (config_file, tensors_file):
         if not file.is_file():  # never opened: a FIFO waits for a writer, /dev/zero has no end
             wrong = "is not a regular file" if file.exists() else "does not exist"
             raise UsageError(f"LoRA adapter: {file} {wrong}")
     theirs = read_json(config_file)
-    ours = peft_adapter_config(args, config, None)
+    ours = peft_adapter_config(args, config, base_model)
     problems = [
         f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected {ours[key]!r}"
         + (f" (--lora-rank {ours['r']}: pass --lora-rank {theirs.get('r')})" * (key == "r"))
@@ -705,11 +722,12 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
             f"(save_pretrained's path_initial_model_for_weight_conversion)"
         )
     some_layers = False
-    for key, (known, wanted) in _peft_targets(args, config).items():
+    for key, (known, wanted) in _peft_targets(args, config, prefix).items():
         targets = theirs.get(key) or []
-        targets = targets if isinstance(targets, list) else [targets]
-        # PEFT's rule: a target is a module's (a parameter's) name or its end after a dot.
-        picked = {n for n in known if any(n == t or n.endswith(f".{t}") for t in targets)}
+        if isinstance(targets, str):  # PEFT's rule: a regular expression of the whole name,
+            picked = {n for n in known if re.fullmatch(targets, n)}
+        else:  # or a list, each a module's (a parameter's) name or its end after a dot
+            picked = {n for n in known if any(n == t or n.endswith(f".{t}") for t in targets)}
         kinds = [
             {n.partition(".layers.")[2].partition(".")[2] for n in s} for s in (picked, wanted)
         ]
@@ -730,7 +748,7 @@ def check_peft_adapter(args: ModelArgs, config: LoRAConfig, path: str | os.PathL
     apply_lora(model, config, torch.float32)
     expected = {
         peft: tuple(model.get_parameter(name).shape)
-        for name, peft in peft_names(args, config.targets).items()
+        for name, peft in peft_names(args, config.targets, prefix).items()
     }
     for peft, parts in peft_expert_names(args, config.targets).items():
         empty = [torch.empty(model.get_parameter(name).shape, device="meta") for name in parts]
@@ -759,14 +777,17 @@ def load_peft_adapter(
     model: Llama,
     config: LoRAConfig,
     path: str | os.PathLike,
+    base_model: str | os.PathLike | None = None,
     copy: Callable[[torch.Tensor, object], None] = copy_whole_tensor,
     agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
 ) -> None:
-    """Loads a PEFT adapter into the LoRA model; `copy` and `agree` as in load_hf_checkpoint."""
-    file = check_peft_adapter(model.args, config, path)
+    """Loads a PEFT adapter of `base_model`'s model (check_peft_adapter) into the LoRA model;
+    `copy` and `agree` as in load_hf_checkpoint."""
+    file = check_peft_adapter(model.args, config, path, base_model)
     nonfinite = []
+    prefix = peft_prefix(base_model)
     with _open_safetensors(file) as f:
-        for ours, theirs in peft_names(model.args, config.targets).items():
+        for ours, theirs in peft_names(model.args, config.targets, prefix).items():
             copy(model.get_parameter(ours), CheckedSlice(f.get_slice(theirs), theirs, nonfinite))
         # The experts' adapters, small, read whole on every rank and rearranged to [E, ...].
         for theirs, ours in peft_expert_names(model.args, config.targets).items():

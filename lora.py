@@ -94,13 +94,12 @@ class LoRAConfig:
 
 
 def parse_lora_targets(text: str) -> tuple[str, ...]:
-    """ "all" (the linear layers: LORA_TARGETS) or comma-separated longtune or HF names
-    (HF_LORA_TARGETS, EXPERT_LORA_TARGETS), in that order."""
-    if text == "all":
-        return LORA_TARGETS
+    """Comma-separated longtune or HF names (HF_LORA_TARGETS, EXPERT_LORA_TARGETS), "all" among
+    them the linear layers (LORA_TARGETS: "all,experts_w2" adds the experts'), in that order."""
     ours = (*LORA_TARGETS, *EXPERT_LORA_TARGETS)
     by_hf = {hf: o for o, hf in (HF_LORA_TARGETS | EXPERT_LORA_TARGETS).items()}
     names = [n.strip() for n in text.split(",") if n.strip()]
+    names = [t for n in names for t in (LORA_TARGETS if n == "all" else (n,))]
     unknown = [n for n in names if n not in ours and n not in by_hf]
     if unknown or not names:
         raise UsageError(

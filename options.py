@@ -206,7 +206,8 @@ class Options:
         "the projections that get adapters: all, or a comma list of wq,wk,wv,wo,w1,w2,w3 or "
         "their HF names q_proj,k_proj,v_proj,o_proj,gate_proj,down_proj,up_proj; on an MoE "
         "model w1,w2,w3 take none, and experts_w13,experts_w2 (PEFT's target_parameters "
-        "mlp.experts.gate_up_proj,mlp.experts.down_proj) adapt each expert (not in all)",
+        "mlp.experts.gate_up_proj,mlp.experts.down_proj) adapt each expert (not in all: "
+        "all,experts_w13,experts_w2 adds them)",
     )
     quantize_base: str | None = option(
         None, "store the frozen base's adapted projections in 4 bits (QLoRA)", choices=["nf4"]
@@ -729,7 +730,7 @@ def check_given(opts: Options, args: ModelArgs, lora: LoRAConfig | None, resumin
     if opts.hf_checkpoint:
         check_hf_checkpoint(args, opts.hf_checkpoint)
     if opts.lora_adapter:
-        check_peft_adapter(args, lora, opts.lora_adapter)
+        check_peft_adapter(args, lora, opts.lora_adapter, opts.hf_checkpoint)
     if opts.export_hf:
         HF_EXPORT.check(opts.export_hf)
     if opts.export_adapter:
@@ -765,6 +766,11 @@ def check_this_machine(opts: Options) -> None:
         raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
     if opts.memory_snapshot:
         raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
+    if opts.attention_backend in ("cudnn", "efficient"):  # SDPA would fail at the first step
+        raise UsageError(
+            f"--attention-backend {opts.attention_backend} is a CUDA kernel; this run has no "
+            f"GPU (auto, flash and math run on the CPU)"
+        )
     if opts.gpu_memory is not None:
         raise UsageError(
             "--gpu-memory sets how much of the GPU a run plans within; this run has no GPU "

@@ -256,7 +256,7 @@ def fill_weights(
                 if param.requires_grad:
                     copy(param, model.initial_value(name, seed, device))
     if lora_adapter is not None:
-        load_peft_adapter(model, lora, lora_adapter, copy, agree)
+        load_peft_adapter(model, lora, lora_adapter, hf_path, copy, agree)
 
 
 # ----------------------------------------------------------------------------------------

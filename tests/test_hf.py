@@ -28,6 +28,7 @@ from test_model import (
     FAMILY_CONFIGS,
     FP32_RTOL,
     HF_CONFIGS,
+    gemma3_multimodal_checkpoint,
     load_longtune,
     make_family_model,
     make_hf_model,
@@ -585,6 +586,26 @@ def test_saved_adapter_loads_in_peft_and_back(tmp_path):
     assert rel_err(model(tokens), theirs(tokens).logits) <= FP32_RTOL
     fresh = lora_model(path)
     load_peft_adapter(fresh, CONFIG, out)
+    loaded = adapters(fresh)
+    assert all(torch.equal(t, loaded[n]) for n, t in adapters(model).items())
+
+
+@pytest.mark.parametrize("saved_as", ["hub", "transformers-5"])
+def test_an_adapter_of_a_multimodal_base_loads_in_peft_on_it_and_back(tmp_path, saved_as):
+    """Gemma 3 4b+: PEFT finds the decoder's projections of Gemma3ForConditionalGeneration
+    under model.language_model., beside the vision tower's q/k/v_proj, which the adapter's
+    target_modules (a regular expression) leave alone: PEFT's logits on the base it names."""
+    _, path = gemma3_multimodal_checkpoint(tmp_path / "base", saved_as)
+    model = lora_model(path)
+    randomize_adapters(model)
+    out = tmp_path / "adapter"
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), out, base_model=str(path))
+    theirs = peft.PeftModel.from_pretrained(hf_model(path), out).eval()
+    tokens = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(1))
+    assert rel_err(model(tokens), theirs(tokens).logits) <= FP32_RTOL  # below the image tokens
+    assert not any("vision" in n for n, _ in theirs.named_modules() if n.endswith("lora_A"))
+    fresh = lora_model(path)
+    load_peft_adapter(fresh, CONFIG, out, str(path))
     loaded = adapters(fresh)
     assert all(torch.equal(t, loaded[n]) for n, t in adapters(model).items())
 

@@ -636,6 +636,7 @@ def test_expert_targets_parse_from_peft_names_and_are_refused_where_they_adapt_n
     both = parse_lora_targets("mlp.experts.down_proj,q_proj,experts_w13")
     assert both == ("wq", "experts_w13", "experts_w2")
     assert parse_lora_targets("all") == LORA_TARGETS  # the default adapts no expert
+    assert parse_lora_targets("experts_w2, all") == (*LORA_TARGETS, "experts_w2")
     with pytest.raises(UsageError, match="dropout must be 0 with the experts' adapters"):
         LoRAConfig(rank=2, alpha=2.0, dropout=0.1, targets=("experts_w2",))
     experts = LoRAConfig(rank=2, alpha=2.0, targets=("wq", "experts_w2"))

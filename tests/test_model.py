@@ -709,12 +709,10 @@ def test_a_sliding_window_matches_transformers_past_it(tmp_path, variant, packed
     assert rel_err(exported_logits, logits) <= FP32_RTOL
 
 
-@pytest.mark.parametrize("saved_as", ["hub", "transformers-5"])
-def test_gemma3_multimodal_checkpoint_reads_its_language_model(tmp_path, saved_as):
-    """A Gemma3ForConditionalGeneration checkpoint (the larger Gemma 3s): config.json's
-    text_config and the decoder under language_model's prefix, as the hub's files have it
-    (language_model.model.) and as transformers 5 keeps it in memory (model.language_model.);
-    the vision tower is not read. Text-only logits equal transformers'."""
+def gemma3_multimodal_checkpoint(path: Path, saved_as: str = "hub"):
+    """A Gemma3ForConditionalGeneration checkpoint (the larger Gemma 3s), its decoder under
+    language_model's prefix as the hub's files have it (language_model.model.) or as
+    transformers 5 keeps it in memory (model.language_model.); transformers' model beside."""
     text = {**SMALL, **FAMILY_CONFIGS["gemma3"][1]}
     vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                   intermediate_size=32, image_size=28, patch_size=14)  # fmt: skip
@@ -728,12 +726,21 @@ def test_gemma3_multimodal_checkpoint_reads_its_language_model(tmp_path, saved_a
         for name, p in hf.named_parameters():
             if "language_model" in name and "norm" in name:
                 p.uniform_(-0.5, 0.5)
-    save_hf(hf, tmp_path)
+    save_hf(hf, path)
     if saved_as == "transformers-5":
-        tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
+        tensors = safetensors.torch.load_file(path / "model.safetensors")
         renamed = {re.sub(r"^language_model\.model\.", "model.language_model.", k): v
                    for k, v in tensors.items()}  # fmt: skip
-        safetensors.torch.save_file(renamed, tmp_path / "model.safetensors")
+        safetensors.torch.save_file(renamed, path / "model.safetensors")
+    return hf, path
+
+
+@pytest.mark.parametrize("saved_as", ["hub", "transformers-5"])
+def test_gemma3_multimodal_checkpoint_reads_its_language_model(tmp_path, saved_as):
+    """A Gemma3ForConditionalGeneration checkpoint: config.json's text_config and the decoder
+    under language_model's prefix, either way saved; the vision tower is not read. Text-only
+    logits equal transformers'."""
+    hf, _ = gemma3_multimodal_checkpoint(tmp_path, saved_as)
     args = args_from_hf_config(tmp_path)
     assert (args.family, args.window_layers, args.local_rope_theta) == ("gemma3_text", (0, 2), 100)
     ours = load_longtune(tmp_path)

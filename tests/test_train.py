@@ -840,6 +840,10 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--memory-snapshot"],
             "--memory-snapshot records CUDA allocations; this run has no GPU",
         ),
+        "CUDA's attention kernel without a GPU": (
+            ["--data", str(dataset), "--attention-backend", "efficient"],
+            "--attention-backend efficient is a CUDA kernel; this run has no GPU",
+        ),
         "fp8 without a GPU": (  # a model of widths FP8 takes (the tiny one's are not)
             ["--data", str(dataset), "--fp8", "--model", "llama3.2-1b"],
             "--fp8 needs a GPU with FP8 matmuls (Ada, Hopper); this run has none",
@@ -981,6 +985,7 @@ CASES = [
     "bad option",
     "non-finite option",
     "memory snapshot without CUDA",
+    "CUDA's attention kernel without a GPU",
     "fp8 without a GPU",
     "fp8 on a base all in 4 bits",
     "lora options without a rank",
@@ -1012,7 +1017,10 @@ CASES = [
 
 
 # The cases that only a machine without a GPU can show.
-WITHOUT_A_GPU = ("memory snapshot without CUDA", "gpu memory without a GPU", "fp8 without a GPU")
+WITHOUT_A_GPU = (
+    "memory snapshot without CUDA", "gpu memory without a GPU", "fp8 without a GPU",
+    "CUDA's attention kernel without a GPU",
+)  # fmt: skip
 
 
 def test_every_bad_input_is_a_case(dataset, reference_run, tmp_path):
