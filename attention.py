@@ -23,6 +23,7 @@ _SDPA = {
     "math": SDPBackend.MATH,
 }
 SDPA_BACKENDS = {"auto": list(_SDPA.values())} | {name: [b] for name, b in _SDPA.items()}
+CUDA_ONLY_BACKENDS = ("cudnn", "efficient")  # no CPU kernel: a run without a GPU is refused
 
 
 # FlexAttention's tiles where they beat its defaults (bench/RESULTS.md, "FlexAttention's

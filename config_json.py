@@ -261,8 +261,8 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def _layer_types(config: dict, n_layers: int, sliding: Callable[[int], bool]) -> list[str]:
-    """`layer_types`, refused as transformers refuses it unless one known type a layer; where
-    it is missing (null), the layers `sliding` picks."""
+    """`layer_types`: one of LAYER_TYPES a layer (the only two longtune reads; anything else is
+    refused); where it is missing (null), the layers `sliding` picks."""
     types = config.get("layer_types")
     if types is None:
         return [LAYER_TYPES[not sliding(i)] for i in range(n_layers)]
@@ -274,8 +274,8 @@ def _layer_types(config: dict, n_layers: int, sliding: Callable[[int], bool]) ->
     return types
 
 
-# The hub's most experts, Kimi K2's 384 on 60 layers, are 23,040; the checkpoint names each
-# one's tensors (hf.hf_names), so 10^7 took minutes before anything was refused.
+# Far above any hub model's experts times their layers (tens of thousands): the checkpoint
+# names each one's tensors (hf.hf_names), so millions would take minutes to check.
 MAX_EXPERTS = 2**18
 
 

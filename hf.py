@@ -199,7 +199,7 @@ def hf_tensor_files(path: str | os.PathLike) -> dict[str, Path]:
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
-def not_float(name: str, dtype: str) -> str:
+def dtype_problem(name: str, dtype: str) -> str:
     # Copied into a float parameter an integer tensor would load without a word.
     return f"tensor {name}: dtype {dtype}, expected one of {sorted(FLOAT_DTYPES)}"
 
@@ -233,18 +233,18 @@ def has_fused_experts(files: dict[str, Path]) -> bool:
 
 # The fields a run may set over its checkpoint's config: the length (--max-seq-len extends
 # RoPE's) and the load-balancing loss (--router-aux-loss-coef).
-RUN_CHOICES = ("max_seq_len", "router_aux_loss", "router_aux_loss_coef")
+RUN_OVERRIDES = ("max_seq_len", "router_aux_loss", "router_aux_loss_coef")
 
 
 def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, Path]:
-    """Refuses a checkpoint that does not fit `args` with one error listing every difference,
-    reading only config and headers. Returns HF tensor name -> file."""
+    """Refuses a checkpoint that does not fit `args` with one error listing the differences
+    (refuse_problems), reading only config and headers. Returns HF tensor name -> file."""
     theirs = args_from_hf_config(path)
     problems = [
         f"config {f.name}: checkpoint has {getattr(theirs, f.name)!r}, model has "
         f"{getattr(args, f.name)!r}"
         for f in dataclasses.fields(ModelArgs)
-        if f.name not in RUN_CHOICES and getattr(theirs, f.name) != getattr(args, f.name)
+        if f.name not in RUN_OVERRIDES and getattr(theirs, f.name) != getattr(args, f.name)
     ]
     files = hf_tensor_files(path)
     prefix = language_model_prefix(files)
@@ -269,11 +269,12 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
             expected[theirs.name] = theirs.full_shape(shape)
         else:
             expected[theirs] = shape
-    shapes, dtypes = {}, {}
-    for file in sorted(set(files.values())):
+    shapes, dtypes, listed = {}, {}, collections.defaultdict(set)  # listed: the index's word
+    for name, file in files.items():
+        listed[file].add(name)
+    for file in sorted(listed):
         with _open_safetensors(file) as f:
-            listed = {name for name, at in files.items() if at == file}  # the index's word
-            for name in listed & set(f.keys()):
+            for name in listed[file] & set(f.keys()):
                 shapes[name] = tuple(f.get_slice(name).get_shape())
                 dtypes[name] = f.get_slice(name).get_dtype()
     for name, shape in expected.items():
@@ -285,7 +286,7 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
         elif name in mxfp4 and dtypes[name] != "U8":
             problems.append(f"tensor {name}: dtype {dtypes[name]}, expected U8 (MXFP4)")
         elif dtypes[name] not in FLOAT_DTYPES and name not in mxfp4:
-            problems.append(not_float(name, dtypes[name]))
+            problems.append(dtype_problem(name, dtypes[name]))
     # A tied model's checkpoint may still carry a copy of the embedding as lm_head.
     tolerated = {"lm_head.weight"} if args.tie_embeddings else set()
     for name in sorted(set(shapes) - set(expected) - tolerated):
@@ -512,9 +513,10 @@ def peft_prefix(base_model: str | os.PathLike | None) -> str:
     """Where PEFT finds the decoder's modules on the model transformers builds from
     `base_model`: a multimodal checkpoint's (Gemma3ForConditionalGeneration) under its
     language model, whichever of LANGUAGE_MODEL_PREFIXES its files use."""
-    if base_model is None or language_model_prefix(hf_tensor_files(base_model)) == "model.":
+    if base_model is None or not Path(base_model).is_dir():  # a name only: a text model's
         return "model."
-    return "model.language_model."
+    multimodal = language_model_prefix(hf_tensor_files(base_model)) != "model."
+    return "model.language_model." if multimodal else "model."
 
 
 def peft_names(args: ModelArgs, targets: tuple[str, ...], prefix: str = "model.") -> dict[str, str]:
@@ -690,8 +692,8 @@ def check_peft_adapter(
     args: ModelArgs, config: LoRAConfig, path: str | os.PathLike, base_model: str | None = None
 ) -> Path:
     """Refuses a PEFT adapter that does not fit (config, tensor shapes from the headers) with
-    one error listing every difference, its names those PEFT gives on `base_model`'s model.
-    Returns the safetensors file."""
+    one error listing the differences (refuse_problems), its names those PEFT gives on
+    `base_model`'s model. Returns the safetensors file."""
     path, prefix = Path(path), peft_prefix(base_model)
     config_file, tensors_file = path / "adapter_config.json", path / "adapter_model.safetensors"
     for file in (config_file, tensors_file):
@@ -725,7 +727,11 @@ def check_peft_adapter(
     for key, (known, wanted) in _peft_targets(args, config, prefix).items():
         targets = theirs.get(key) or []
         if isinstance(targets, str):  # PEFT's rule: a regular expression of the whole name,
-            picked = {n for n in known if re.fullmatch(targets, n)}
+            try:
+                picked = {n for n in known if re.fullmatch(targets, n)}
+            except re.error as e:
+                problem = f"{config_file} {key}: {targets!r} is no regular expression: {e}"
+                raise UsageError(problem) from None
         else:  # or a list, each a module's (a parameter's) name or its end after a dot
             picked = {n for n in known if any(n == t or n.endswith(f".{t}") for t in targets)}
         kinds = [
@@ -766,7 +772,7 @@ def check_peft_adapter(
         elif shapes[name] != shape:
             problems.append(f"tensor {name}: adapter shape {shapes[name]}, model {shape}")
         elif dtypes[name] not in FLOAT_DTYPES:
-            problems.append(not_float(name, dtypes[name]))
+            problems.append(dtype_problem(name, dtypes[name]))
     problems += [f"unexpected tensor {n}" for n in sorted(set(shapes) - set(expected))]
     refuse_problems(f"LoRA adapter {path} does not fit", problems)
     return tensors_file

@@ -25,7 +25,7 @@ from typing import NoReturn
 import torch
 
 import shard
-from attention import LONG_DOCUMENT, SDPA_BACKENDS
+from attention import CUDA_ONLY_BACKENDS, LONG_DOCUMENT, SDPA_BACKENDS
 from config_json import args_from_hf_config
 from data import RunData, TokenDataset, attended_per_token, open_data, open_eval_data
 from files import UsageError, params_text
@@ -490,7 +490,7 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     except ValueError as e:
         problems.append(str(e))
     else:  # fp8_ops leaves a 4-bit projection as it is
-        if opts.fp8 and lora and lora.quantize_base and set(lora.targets) == set(LORA_TARGETS):
+        if opts.fp8 and lora and lora.quantize_base and set(LORA_TARGETS) <= set(lora.targets):
             problems.append(
                 "--fp8 multiplies the bf16 projections in e4m3, and --quantize-base nf4 on "
                 "--lora-targets all leaves none: drop --fp8, or adapt fewer projections"
@@ -766,7 +766,7 @@ def check_this_machine(opts: Options) -> None:
         raise UsageError("--kernels on the CPU needs TRITON_INTERPRET=1 (slow); use --no-kernels")
     if opts.memory_snapshot:
         raise UsageError("--memory-snapshot records CUDA allocations; this run has no GPU")
-    if opts.attention_backend in ("cudnn", "efficient"):  # SDPA would fail at the first step
+    if opts.attention_backend in CUDA_ONLY_BACKENDS:  # SDPA would fail at the first step
         raise UsageError(
             f"--attention-backend {opts.attention_backend} is a CUDA kernel; this run has no "
             f"GPU (auto, flash and math run on the CPU)"

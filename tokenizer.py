@@ -648,7 +648,7 @@ def _sentencepiece_pieces(
     byte_tokens = {f"<0x{b:02X}>" for b in range(256)}
     if missing := sorted(byte_tokens - set(tokens)):
         raise UsageError(
-            f"{path}: lacks {len(missing)} of the 256 byte tokens (the first: {missing[0]})"
+            f"{path}: byte fallback lacks {len(missing)} of the 256 byte tokens, e.g. {missing[0]}"
         )
     pairs = _merge_pairs(path, model.pop("merges"), model["vocab"])
     made = [token for token, _ in groupby(map("".join, pairs))]
@@ -661,7 +661,7 @@ def _sentencepiece_pieces(
         )
     plain = set(tokens) - set(added) - byte_tokens - {unknown}
     normal = {t for t in plain if len(t) == 1 or t in place}
-    sizes = {len(t) for t in normal}  # cut only there: all cuts of a 200k-long token took 20 GB
+    sizes = {len(t) for t in normal}  # a part is a token, so of one of these lengths
     cuts = ((t, i) for t in normal for i in range(1, len(t)) if i in sizes and len(t) - i in sizes)
     joined = {(t[:i], t[i:]) for t, i in cuts if t[:i] in normal and t[i:] in normal}
     if unmerged := joined - set(map(tuple, pairs)):

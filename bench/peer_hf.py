@@ -21,6 +21,7 @@ Prints one JSON line of results on rank 0.
 """
 
 import argparse
+import importlib.metadata
 import json
 import os
 import resource
@@ -126,6 +127,7 @@ def main():
         "impl": ("hf" if opts.no_liger else "hf+liger")
         + (f" qlora r={opts.qlora}" if opts.qlora else "")
         + (f" {opts.attn}" if opts.data or opts.attn != "sdpa" else ""),
+        "liger": None if opts.no_liger else importlib.metadata.version("liger-kernel"),
         "preset": opts.preset,
         "seq_len": opts.seq_len,
         "world_size": world,
@@ -156,8 +158,8 @@ def hf_model(args: ModelArgs, attn: str, dtype: torch.dtype, device: str, liger:
     if liger:
         import liger_kernel.transformers
 
-        # Each family's defaults: RoPE, RMSNorm, the gated activation (Gemma's GeGLU; not
-        # gpt-oss's clamped experts) and the fused linear cross-entropy.
+        # Each family's defaults in Liger 0.8.5 (the result names the release): RoPE, RMSNorm,
+        # the gated activation (Gemma's GeGLU; not gpt-oss's clamped experts), the fused loss.
         getattr(liger_kernel.transformers, f"apply_liger_kernel_to_{args.family}")()
     config = transformers.AutoConfig.for_model(**hf_config(args, torch.float32))
     config.use_cache = False

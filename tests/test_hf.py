@@ -610,6 +610,21 @@ def test_an_adapter_of_a_multimodal_base_loads_in_peft_on_it_and_back(tmp_path, 
     assert all(torch.equal(t, loaded[n]) for n, t in adapters(model).items())
 
 
+def test_a_base_named_only_and_a_broken_expression_are_each_said_in_one_line(tmp_path):
+    """base_model is also PEFT's label (a hub id, no directory here): the adapter is named as a
+    text model's; target_modules that is no regular expression is refused, naming it."""
+    path = hf_checkpoint(tmp_path / "base")
+    model = lora_model(path)
+    out = tmp_path / "adapter"
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), out, base_model="org/model")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "org/model"
+    assert isinstance(config["target_modules"], list)
+    (out / "adapter_config.json").write_text(json.dumps(config | {"target_modules": "(q_proj"}))
+    with pytest.raises(ValueError, match=r"target_modules: '\(q_proj' is no regular expression"):
+        load_peft_adapter(lora_model(path), CONFIG, out)
+
+
 def test_an_adapter_of_another_config_is_refused_with_each_difference(tmp_path):
     path = hf_checkpoint(tmp_path / "base")
     model = lora_model(path)

@@ -381,3 +381,11 @@ def test_the_planner_counts_qloras_experts_in_nf4():
     saved = bf16.frozen_bytes - nf4.frozen_bytes
     assert saved / quantized == pytest.approx(2 - 0.516, rel=0.01)
     assert nf4.dequantized == experts and bf16.dequantized == 0
+
+
+def test_fp8_is_refused_where_every_linear_projection_is_in_4_bits_with_the_experts_too():
+    """--lora-targets all,experts_w13,experts_w2 leaves no bf16 projection, as all does."""
+    opts = options.Options(model="qwen3-30b-a3b", lora_rank=16, quantize_base="nf4", fp8=True,
+                           lora_targets="all,experts_w13,experts_w2")  # fmt: skip
+    with pytest.raises(UsageError, match="--fp8 multiplies the bf16 projections in e4m3"):
+        options.check_options(opts, options.model_args(opts), 1, 1)
