@@ -110,10 +110,10 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
     raw = read_json(config_path)
     text = raw.get("text_config")
     if text is not None and (not isinstance(text, dict) or "text_config" in text):
+        what = "dict holding a text_config" if isinstance(text, dict) else type(text).__name__
         raise UsageError(
-            f"{config_path}: text_config is a {type(text).__name__}"
-            f"{' holding a text_config' * isinstance(text, dict)}, expected an object of the "
-            f"text model's own keys"
+            f"{config_path}: text_config is a {what}, expected an object of the text model's "
+            f"own keys"
         )
     if text is not None:  # a multimodal model's (Gemma 3 4b+): its text
         raw = {"model_type": TEXT_MODEL_TYPES.get(raw.get("model_type")), **text}
