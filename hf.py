@@ -688,6 +688,41 @@ def _peft_targets(args: ModelArgs, config: LoRAConfig, prefix: str) -> dict[str,
     }
 
 
+def _target_problems(
+    args: ModelArgs, config: LoRAConfig, prefix: str, theirs: dict, ours: dict, file: Path
+) -> tuple[list[str], bool]:
+    """`file`'s targets (`theirs`) matched as PEFT matches them against what `config` adapts
+    on this model (`ours`: peft_adapter_config's): the problems, and whether the adapter is on
+    some layers only."""
+    problems, some_layers = [], False
+    for key, (known, wanted) in _peft_targets(args, config, prefix).items():
+        targets = theirs.get(key) or []
+        if isinstance(targets, str):  # PEFT's rule: a regular expression of the whole name,
+            try:
+                picked = {n for n in known if re.fullmatch(targets, n)}
+            except re.error as e:
+                problem = f"{file} {key}: {targets!r} is no regular expression: {e}"
+                raise UsageError(problem) from None
+        else:  # or a list, each a module's (a parameter's) name or its end after a dot
+            picked = {n for n in known if any(n == t or n.endswith(f".{t}") for t in targets)}
+        kinds = [
+            {n.partition(".layers.")[2].partition(".")[2] for n in s} for s in (picked, wanted)
+        ]
+        if picked != wanted and kinds[0] == kinds[1]:  # PEFT's "7.mlp.experts.gate_up_proj"
+            some_layers = True
+            problems.append(
+                f"adapter_config.json {key}: adapter has {theirs[key]!r}, on some layers only "
+                f"(not on {sorted(wanted - picked)[:3]}): longtune adapts every layer's and "
+                f"reads no such adapter"
+            )
+        elif picked != wanted:
+            problems.append(
+                f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected "
+                f"{ours.get(key, [])} (--lora-targets)"
+            )
+    return problems, some_layers
+
+
 def check_peft_adapter(
     args: ModelArgs, config: LoRAConfig, path: str | os.PathLike, base_model: str | None = None
 ) -> Path:
@@ -723,32 +758,8 @@ def check_peft_adapter(
             f"PEFT changed: convert it to a plain LoRA adapter with PEFT first "
             f"(save_pretrained's path_initial_model_for_weight_conversion)"
         )
-    some_layers = False
-    for key, (known, wanted) in _peft_targets(args, config, prefix).items():
-        targets = theirs.get(key) or []
-        if isinstance(targets, str):  # PEFT's rule: a regular expression of the whole name,
-            try:
-                picked = {n for n in known if re.fullmatch(targets, n)}
-            except re.error as e:
-                problem = f"{config_file} {key}: {targets!r} is no regular expression: {e}"
-                raise UsageError(problem) from None
-        else:  # or a list, each a module's (a parameter's) name or its end after a dot
-            picked = {n for n in known if any(n == t or n.endswith(f".{t}") for t in targets)}
-        kinds = [
-            {n.partition(".layers.")[2].partition(".")[2] for n in s} for s in (picked, wanted)
-        ]
-        if picked != wanted and kinds[0] == kinds[1]:  # PEFT's "7.mlp.experts.gate_up_proj"
-            some_layers = True
-            problems.append(
-                f"adapter_config.json {key}: adapter has {theirs[key]!r}, on some layers only "
-                f"(not on {sorted(wanted - picked)[:3]}): longtune adapts every layer's and "
-                f"reads no such adapter"
-            )
-        elif picked != wanted:
-            problems.append(
-                f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected "
-                f"{ours.get(key, [])} (--lora-targets)"
-            )
+    targeted, some_layers = _target_problems(args, config, prefix, theirs, ours, config_file)
+    problems += targeted
     with torch.device("meta"):
         model = Llama(args)
     apply_lora(model, config, torch.float32)
