@@ -697,6 +697,7 @@ def _target_problems(
     problems, some_layers = [], False
     for key, (known, wanted) in _peft_targets(args, config, prefix).items():
         targets = theirs.get(key) or []
+        targets = targets if isinstance(targets, (str, list)) else [targets]  # refused below
         if isinstance(targets, str):  # PEFT's rule: a regular expression of the whole name,
             try:
                 picked = {n for n in known if re.fullmatch(targets, n)}

@@ -623,6 +623,9 @@ def test_a_base_named_only_and_a_broken_expression_are_each_said_in_one_line(tmp
     (out / "adapter_config.json").write_text(json.dumps(config | {"target_modules": "(q_proj"}))
     with pytest.raises(ValueError, match=r"target_modules: '\(q_proj' is no regular expression"):
         load_peft_adapter(lora_model(path), CONFIG, out)
+    (out / "adapter_config.json").write_text(json.dumps(config | {"target_modules": 5}))
+    with pytest.raises(ValueError, match="adapter_config.json target_modules: adapter has 5, "):
+        load_peft_adapter(lora_model(path), CONFIG, out)  # a number: named, no traceback
 
 
 def test_an_adapter_of_another_config_is_refused_with_each_difference(tmp_path):
