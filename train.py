@@ -268,7 +268,7 @@ class StepResult:
     loss_sum: torch.Tensor  # of this rank's labelled tokens
     n_labels: torch.Tensor  # labelled tokens of the step on all ranks
     grad_norm: torch.Tensor  # before clipping
-    optimizer_s: float  # host seconds in the optimizer's step
+    optimizer_span: tuple  # device_clock's readings before and after the optimizer's step
     # An MoE model's last micro-batch: its load-balancing loss, its busiest expert's load.
     routing: torch.Tensor | None = None
 
@@ -298,10 +298,30 @@ def train_step(
         # by the global count gives the gradient of the global mean.
         (loss / n_labels).backward()
         loss_sum += loss.detach()
-    started = time.perf_counter()
+    started = device_clock(n_labels.device)
     grad_norm = optimizer.step()
-    optimizer_s = time.perf_counter() - started
-    return StepResult(loss_sum, n_labels, grad_norm, optimizer_s, model.routing)
+    span = (started, device_clock(n_labels.device))
+    return StepResult(loss_sum, n_labels, grad_norm, span, model.routing)
+
+
+def device_clock(device: torch.device) -> torch.cuda.Event | float:
+    """Now on `device`'s timeline. On a GPU, an event the GPU records when its work gets there:
+    the host runs ahead of the GPU, and its own clock would count the waits for the work queued
+    before (a whole backward, at long sequences). On a CPU, the host's clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(start: torch.cuda.Event | float, end: torch.cuda.Event | float) -> float:
+    """The time from one device_clock reading to a later one; on a GPU it waits for the GPU to
+    reach `end`, so it is read when the step is logged, not in the step."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 # Dense bf16 tensor-core FLOP/s by GPU name, the denominator of MFU.
@@ -393,7 +413,7 @@ class MetricsLog:
             "loss": loss,
             "lr": lr,
             "grad_norm": grad_norm,
-            "optimizer_s": self.last.optimizer_s,
+            "optimizer_s": seconds_between(*self.last.optimizer_span),
             "tokens": step * tokens_per_step,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / world.world_size,

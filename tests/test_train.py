@@ -1234,6 +1234,22 @@ def test_gpu_run_with_kernels_in_bf16(dataset, tmp_path):
         assert 0 < records[-1]["mfu"] < 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_optimizers_time_is_the_gpus_not_the_hosts():
+    # The logged optimizer_s: the host queues GPU work and runs on; its clock would time the
+    # queueing (here about nothing), the GPU's events the work (here a sleep of ~0.2 s).
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    host_started = time.perf_counter()
+    started = train.device_clock(device)
+    torch.cuda._sleep(400_000_000)  # GPU clock cycles
+    ended = train.device_clock(device)
+    host_s = time.perf_counter() - host_started
+    gpu_s = train.seconds_between(started, ended)
+    assert gpu_s > 0.05 and host_s < gpu_s / 5
+
+
 @CPU_ONLY
 def test_max_seq_len_extends_the_context_and_is_exported(dataset, tmp_path):
     # tiny allows 2048 positions; --max-seq-len raises the limit the data check enforces.
