@@ -4,9 +4,9 @@ and exported beside the config.json config_json.py writes, and LoRA's adapters a
 files. Joined to the model by data, as torchtitan's state_dict_adapter is: tables of
 parameter names.
 
-In order: HF checkpoints, then PEFT adapters. It imports model.py, config_json.py, lora.py,
-kernels/' NF4 reference (exports dequantize QLoRA's base), tokenizer.py's files (an export
-carries its files and ids) and files.py's rules.
+In order: HF checkpoints, then PEFT adapters. It imports model.py, config_json.py, lora.py
+(its names; an export's weights come merged, lora.merged_named_tensors), tokenizer.py's files (an
+export carries its files and ids) and files.py's rules.
 """
 
 import collections
@@ -25,24 +25,19 @@ from safetensors.torch import save_file
 
 from config_json import args_from_hf_config, hf_config
 from files import OutputDir, UsageError, give_ordinary_mode, read_json
-from kernels import dequantize_nf4_reference
 from lora import (
     EXPERT_LORA_TARGETS,
-    EXPERT_WEIGHTS,
     HF_LAYER_NAMES,
     HF_LORA_TARGETS,
     LORA_TARGETS,
-    NF4_SUFFIX,
     LoRAConfig,
-    LoRALinear,
-    NF4MoE,
     apply_lora,
     copy_into,
     copy_whole_tensor,
     lora_module_paths,
 )
 from model import FAMILIES, Llama, ModelArgs
-from moe import EXPERT_ADAPTERS, MoE
+from moe import EXPERT_ADAPTERS
 from tokenizer import HFTokenizer
 
 # ----------------------------------------------------------------------------------------
@@ -504,8 +499,7 @@ def _join_parts(parts: list[tuple[FusedRows, torch.Tensor]]) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------
 # PEFT adapters: LoRA's adapters (lora.LoRALinear, and the experts') as PEFT's
-# adapter_config.json and adapter_model.safetensors, and the adapted model merged into a plain
-# HF checkpoint
+# adapter_config.json and adapter_model.safetensors
 # ----------------------------------------------------------------------------------------
 
 
@@ -814,45 +808,3 @@ def load_peft_adapter(
             for name, part in zip(ours, parts, strict=True):
                 copy(model.get_parameter(name), part)
     refuse_nonfinite(file, agree(nonfinite))
-
-
-def merged_named_tensors(
-    model: Llama, gather: Callable[[torch.Tensor], torch.Tensor]
-) -> Iterable[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for save_hf_checkpoint, each LoRALinear merged into one weight
-    W + scale * B @ A in fp32, so that a plain Llama (transformers' or longtune's) computes
-    what the adapted model does without dropout; the experts' too (merged_experts), 4-bit
-    ones (NF4MoE) dequantized. `gather(param)`: the whole parameter."""
-    lora = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
-    moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
-    for name, param in model.named_parameters():
-        owner_path, _, leaf = name.rpartition(".")
-        if owner_path in moes and leaf.removesuffix(NF4_SUFFIX) in EXPERT_WEIGHTS:
-            weight = leaf.removesuffix(NF4_SUFFIX)
-            yield f"{owner_path}.{weight}", merged_experts(moes[owner_path], weight, param, gather)
-        elif owner_path in moes and leaf.endswith(("lora_A", "lora_B")):
-            continue
-        elif owner_path not in lora or leaf == "bias":
-            yield name, gather(param)
-        elif leaf in ("weight", "weight" + NF4_SUFFIX):
-            module = lora[owner_path]
-            base = module.base_weight(gather(param))
-            delta = gather(module.lora_B).float() @ gather(module.lora_A).float()
-            yield f"{owner_path}.weight", base + module.scale * delta
-
-
-# Each expert tensor's adapters: its B, and its A (w1's and w3's shared).
-EXPERT_LORA_FACTORS = {w: (b, a) for a, bs in EXPERT_ADAPTERS.values() for w, b in bs.items()}
-
-
-def merged_experts(moe: MoE, weight: str, stored: torch.Tensor, gather: Callable) -> torch.Tensor:
-    """Expert tensor `weight` [E, out, in] whole from `stored` (its parameter, 4-bit in an
-    NF4MoE: dequantized), with its adapters W[e] + scale * B[e] @ A[e] in fp32 where it has any."""
-    whole = gather(stored)
-    if isinstance(moe, NF4MoE):
-        whole = moe.expert_weight(weight, torch.float32, whole, dequantize_nf4_reference)
-    b, a = EXPERT_LORA_FACTORS[weight]
-    if not hasattr(moe, a):
-        return whole
-    delta = torch.bmm(gather(getattr(moe, b)).float(), gather(getattr(moe, a)).float())
-    return whole.float() + moe.lora_scale * delta

@@ -13,12 +13,12 @@ target_parameters format. QLoRA stores the experts, most of such a model's weigh
 (`NF4MoE`).
 
 In order: the projections by name (longtune's and Hugging Face's), `LoRAConfig`, the layer
-(`LoRALinear`), the experts in NF4 (`NF4MoE`), the experts' adapters, `apply_lora`, and the
-copy into a parameter that quantizes a 4-bit base.
+(`LoRALinear`), the experts in NF4 (`NF4MoE`), the experts' adapters, `apply_lora`, the
+copy into a parameter that quantizes a 4-bit base, and the adapters merged into plain weights.
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -419,3 +419,45 @@ def copy_into(model: nn.Module, name: str, tensor_slice, copy: Callable) -> None
         owner.load_expert(leaf, tensor_slice, copy)
     else:
         copy(model.get_parameter(name), tensor_slice)
+
+
+def merged_named_tensors(
+    model: nn.Module, gather: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for hf.save_hf_checkpoint, each LoRALinear merged into one weight
+    W + scale * B @ A in fp32, so that a plain Llama (transformers' or longtune's) computes
+    what the adapted model does without dropout; the experts' too (merged_experts), 4-bit
+    ones (NF4MoE) dequantized. `gather(param)`: the whole parameter."""
+    lora = {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+    moes = {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+    for name, param in model.named_parameters():
+        owner_path, _, leaf = name.rpartition(".")
+        if owner_path in moes and leaf.removesuffix(NF4_SUFFIX) in EXPERT_WEIGHTS:
+            weight = leaf.removesuffix(NF4_SUFFIX)
+            yield f"{owner_path}.{weight}", merged_experts(moes[owner_path], weight, param, gather)
+        elif owner_path in moes and leaf.endswith(("lora_A", "lora_B")):
+            continue
+        elif owner_path not in lora or leaf == "bias":
+            yield name, gather(param)
+        elif leaf in ("weight", "weight" + NF4_SUFFIX):
+            module = lora[owner_path]
+            base = module.base_weight(gather(param))
+            delta = gather(module.lora_B).float() @ gather(module.lora_A).float()
+            yield f"{owner_path}.weight", base + module.scale * delta
+
+
+# Each expert tensor's adapters: its B, and its A (w1's and w3's shared).
+EXPERT_LORA_FACTORS = {w: (b, a) for a, bs in EXPERT_ADAPTERS.values() for w, b in bs.items()}
+
+
+def merged_experts(moe: MoE, weight: str, stored: torch.Tensor, gather: Callable) -> torch.Tensor:
+    """Expert tensor `weight` [E, out, in] whole from `stored` (its parameter, 4-bit in an
+    NF4MoE: dequantized), with its adapters W[e] + scale * B[e] @ A[e] in fp32 where it has any."""
+    whole = gather(stored)
+    if isinstance(moe, NF4MoE):
+        whole = moe.expert_weight(weight, torch.float32, whole, dequantize_nf4_reference)
+    b, a = EXPERT_LORA_FACTORS[weight]
+    if not hasattr(moe, a):
+        return whole
+    delta = torch.bmm(gather(getattr(moe, b)).float(), gather(getattr(moe, a)).float())
+    return whole.float() + moe.lora_scale * delta

@@ -56,11 +56,10 @@ from hf import (
     PEFT_ADAPTER,
     load_hf_checkpoint,
     load_peft_adapter,
-    merged_named_tensors,
     save_hf_checkpoint,
     save_peft_adapter,
 )
-from lora import LoRAConfig, copy_whole_tensor
+from lora import LoRAConfig, copy_whole_tensor, merged_named_tensors
 from model import FAMILIES, Llama, ModelArgs, RopeScaling
 from moe import Routed
 from plan import GiB, Machine, host_memory_gib, shard_group_size, strategy_of

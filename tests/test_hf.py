@@ -41,11 +41,10 @@ from config_json import HF_CONFIG_DEFAULTS, args_from_hf_config, hf_config
 from hf import (
     check_hf_checkpoint,
     load_peft_adapter,
-    merged_named_tensors,
     save_hf_checkpoint,
     save_peft_adapter,
 )
-from lora import LoRAConfig
+from lora import LoRAConfig, merged_named_tensors
 from model import PRESETS, RopeScaling
 from tokenizer import ByteTokenizer, read_hf_tokenizer
 

@@ -24,7 +24,6 @@ from hf import (
     hf_names,
     load_hf_checkpoint,
     load_peft_adapter,
-    merged_named_tensors,
     peft_expert_names,
     peft_names,
     save_hf_checkpoint,
@@ -43,6 +42,7 @@ from lora import (
     NF4MoE,
     _DequantizeInBackward,
     apply_lora,
+    merged_named_tensors,
     parse_lora_targets,
 )
 from model import REFERENCE_OPS, Llama, ModelArgs, fp8_ops, triton_ops
