@@ -588,7 +588,9 @@ PEFT_ADAPTER = OutputDir(
 )
 
 
-def peft_adapter_config(args: ModelArgs, config: LoRAConfig, base_model: str | None) -> dict:
+def peft_adapter_config(
+    args: ModelArgs, config: LoRAConfig, base_model: str | None, prefix: str
+) -> dict:
     """PEFT's adapter_config.json, its target_modules the linear layers that take adapters on
     this model (lora_module_paths: on a mixture-of-experts model, PEFT would put gate_proj's on
     the experts; on a multimodal one, a regular expression of the language model's, since the
@@ -596,7 +598,7 @@ def peft_adapter_config(args: ModelArgs, config: LoRAConfig, base_model: str | N
     paths = lora_module_paths(args.n_layers, config.targets, args.moe_layers)
     experts = sorted(EXPERT_LORA_TARGETS[t] for t in config.expert_targets)
     modules = sorted({HF_LORA_TARGETS[p.rpartition(".")[2]] for p in paths})
-    if (prefix := peft_prefix(base_model)) != "model.":
+    if prefix != "model.":
         modules = rf"{re.escape(prefix)}layers\.\d+\.(self_attn|mlp)\.({'|'.join(modules)})"
     return {
         "peft_type": "LORA",
@@ -623,10 +625,14 @@ def save_peft_adapter(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     out_dir: str | os.PathLike,
     base_model: str | None = None,
+    prefix: str | None = None,
 ) -> None:
     """Writes adapter_config.json + adapter_model.safetensors (fp32, PEFT's names), which
-    `peft.PeftModel.from_pretrained(base, out_dir)` loads. Atomic like save_hf_checkpoint."""
-    names = peft_names(args, config.targets, peft_prefix(base_model))
+    `peft.PeftModel.from_pretrained(base, out_dir)` loads. Atomic like save_hf_checkpoint.
+    `prefix`: peft_prefix(base_model), read from the base unless given (train.py reads it as
+    the run starts: the base may have moved by the time it exports)."""
+    prefix = peft_prefix(base_model) if prefix is None else prefix
+    names = peft_names(args, config.targets, prefix)
     expert_names = peft_expert_names(args, config.targets)
     held = {part for parts in expert_names.values() for part in parts}
     tensors, parts = {}, {}
@@ -643,7 +649,7 @@ def save_peft_adapter(
     with PEFT_ADAPTER.writing(out_dir) as tmp:
         save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
         give_ordinary_mode(tmp / "adapter_model.safetensors")
-        adapter_config = peft_adapter_config(args, config, base_model)
+        adapter_config = peft_adapter_config(args, config, base_model, prefix)
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
 
 
@@ -731,7 +737,7 @@ def check_peft_adapter(
             wrong = "is not a regular file" if file.exists() else "does not exist"
             raise UsageError(f"LoRA adapter: {file} {wrong}")
     theirs = read_json(config_file)
-    ours = peft_adapter_config(args, config, base_model)
+    ours = peft_adapter_config(args, config, base_model, prefix)
     problems = [
         f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected {ours[key]!r}"
         + (f" (--lora-rank {ours['r']}: pass --lora-rank {theirs.get('r')})" * (key == "r"))

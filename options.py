@@ -29,7 +29,7 @@ from attention import CUDA_ONLY_BACKENDS, LONG_DOCUMENT, SDPA_BACKENDS
 from config_json import args_from_hf_config
 from data import RunData, TokenDataset, attended_per_token, open_data, open_eval_data
 from files import UsageError, params_text
-from hf import HF_EXPORT, PEFT_ADAPTER, check_hf_checkpoint, check_peft_adapter
+from hf import HF_EXPORT, PEFT_ADAPTER, check_hf_checkpoint, check_peft_adapter, peft_prefix
 from lora import LORA_TARGETS, LoRAConfig, check_lora_targets, parse_lora_targets
 from metrics import report_to_problems
 from model import PRESETS, ModelArgs
@@ -844,6 +844,9 @@ class Resolved:
     resume_from: Path | None
     saved: dict | None  # resume_from's train_state
     damaged: list[Path]  # checkpoints newer than resume_from, which failed their check
+    # Where PEFT finds the decoder on the base's model (hf.peft_prefix), read before the run:
+    # --export-adapter names the adapter's tensors by it, and the base may move meanwhile.
+    peft_prefix: str
 
 
 def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
@@ -888,5 +891,5 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     run_record |= {"tokens_per_step": plan.tokens_per_step, "max_steps": max_steps}
     return Resolved(
         opts, given, args, plan, world, run_data, held_out, max_steps, run_record, resume_from,
-        saved, damaged,
+        saved, damaged, peft_prefix(opts.hf_checkpoint),
     )  # fmt: skip

@@ -864,13 +864,15 @@ def export_adapter(
     lora: LoRAConfig,
     out_dir: str,
     base_model: str | None,
+    prefix: str,
     world: World,
 ) -> None:
-    """The LoRA adapters in PEFT's format, gathered like export_hf's weights."""
+    """The LoRA adapters in PEFT's format (PEFT's names under `prefix`, hf.peft_prefix's),
+    gathered like export_hf's weights."""
     trained = model.named_parameters()
     adapters = ((name, full_tensor(p, world.device)) for name, p in trained if p.requires_grad)
     write_gathered(
-        lambda named: save_peft_adapter(args, lora, named, out_dir, base_model=base_model),
+        lambda named: save_peft_adapter(args, lora, named, out_dir, base_model, prefix),
         adapters,
         world.is_main,
     )

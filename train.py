@@ -746,8 +746,8 @@ def finish(run: Run, step: int) -> None:
         shard.export_hf(run.model, run.args, opts.export_hf, dtype, tokenizer, run.world)
         log(f"exported {opts.export_hf} ({run.plan.param_dtype})")
     if opts.export_adapter:
-        lora, base_model = run.plan.lora, opts.hf_checkpoint
-        shard.export_adapter(run.model, run.args, lora, opts.export_adapter, base_model, run.world)
+        lora, base_model, out = run.plan.lora, opts.hf_checkpoint, opts.export_adapter
+        shard.export_adapter(run.model, run.args, lora, out, base_model, run.peft_prefix, run.world)
         log(f"exported the LoRA adapter to {opts.export_adapter}")
     if step > run.start_step:  # a finished run's sample was printed when it finished
         print_sample(run)

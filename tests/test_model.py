@@ -709,11 +709,11 @@ def test_a_sliding_window_matches_transformers_past_it(tmp_path, variant, packed
     assert rel_err(exported_logits, logits) <= FP32_RTOL
 
 
-def gemma3_multimodal_checkpoint(path: Path, saved_as: str = "hub"):
+def gemma3_multimodal_checkpoint(path: Path, saved_as: str = "hub", **text_config):
     """A Gemma3ForConditionalGeneration checkpoint (the larger Gemma 3s), its decoder under
     language_model's prefix as the hub's files have it (language_model.model.) or as
     transformers 5 keeps it in memory (model.language_model.); transformers' model beside."""
-    text = {**SMALL, **FAMILY_CONFIGS["gemma3"][1]}
+    text = {**SMALL, **FAMILY_CONFIGS["gemma3"][1], **text_config}
     vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                   intermediate_size=32, image_size=28, patch_size=14)  # fmt: skip
     config = transformers.Gemma3Config(

@@ -1250,6 +1250,32 @@ def test_the_optimizers_time_is_the_gpus_not_the_hosts():
     assert gpu_s > 0.05 and host_s < gpu_s / 5
 
 
+def test_an_adapter_is_named_for_its_multimodal_base_as_the_run_found_it(
+    dataset, tmp_path, monkeypatch
+):
+    """--export-adapter names the tensors where PEFT finds them on the base's model (a
+    multimodal Gemma 3's under model.language_model.), read as the run starts: a base moved
+    while the run trains does not turn them into a text model's."""
+    from test_model import gemma3_multimodal_checkpoint
+
+    _, base = gemma3_multimodal_checkpoint(tmp_path / "base", vocab_size=512)
+    setup = train.setup
+
+    def setup_then_move_the_base(*a):
+        run = setup(*a)
+        base.rename(tmp_path / "moved")
+        return run
+
+    monkeypatch.setattr(train, "setup", setup_then_move_the_base)
+    adapter = tmp_path / "adapter"
+    train.main(["--data", str(dataset), *SMALL, "--hf-checkpoint", str(base), "--lora-rank", "2",
+                "--lr", "1e-3", "--max-steps", "1", "--checkpoint-interval", "0",
+                "--export-adapter", str(adapter), "--run-dir", str(tmp_path / "run")])  # fmt: skip
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        names = list(f.keys())
+    assert names and all(n.startswith("base_model.model.model.language_model.") for n in names)
+
+
 @CPU_ONLY
 def test_max_seq_len_extends_the_context_and_is_exported(dataset, tmp_path):
     # tiny allows 2048 positions; --max-seq-len raises the limit the data check enforces.
