@@ -778,6 +778,17 @@ def check_peft_adapter(
         expected = {name: shapes.get(name, shape) for name, shape in expected.items()}
     if some_layers:  # the other layers' tensors are missing: said above, not listed
         expected = {name: shape for name, shape in expected.items() if name in shapes}
+    # An adapter of the other kind of base (a text model's on a multimodal one, or the reverse,
+    # as longtune exported a multimodal Gemma 3's before 2026-11-29): said once, not listed.
+    other = "model." if prefix != "model." else "model.language_model."
+    renamed = set(peft_names(args, config.targets, other).values())
+    if renamed and renamed <= set(shapes) - set(expected):
+        problems.append(
+            f"its tensors are named for a decoder under {other} (base_model.model.{other}layers"
+            f"...), this base's is under {prefix}: an adapter of another kind of base (rename them)"
+        )
+        shapes = {name: shape for name, shape in shapes.items() if name not in renamed}
+        expected = {name: shape for name, shape in expected.items() if name in shapes}
     for name, shape in expected.items():
         if name not in shapes:
             problems.append(f"missing tensor {name}: expected shape {shape}")

@@ -609,6 +609,23 @@ def test_an_adapter_of_a_multimodal_base_loads_in_peft_on_it_and_back(tmp_path, 
     assert all(torch.equal(t, loaded[n]) for n, t in adapters(model).items())
 
 
+def test_an_adapter_of_the_other_kind_of_base_is_said_so_in_one_problem(tmp_path):
+    """A text model's adapter names (base_model.model.model.layers.*, as longtune exported a
+    multimodal Gemma 3's before) on a multimodal base, and the reverse: one problem saying so,
+    not each tensor missing and unexpected."""
+    _, multimodal = gemma3_multimodal_checkpoint(tmp_path / "multimodal")
+    text = hf_checkpoint(tmp_path / "text")
+    for base, named_as in ((multimodal, "model."), (text, "model.language_model.")):
+        model = lora_model(base)
+        out = tmp_path / f"adapter-{base.name}"
+        save_peft_adapter(model.args, CONFIG, model.named_parameters(), out, str(base), named_as)
+        with pytest.raises(ValueError) as refused:
+            load_peft_adapter(lora_model(base), CONFIG, out, str(base))
+        message = str(refused.value)
+        assert f"named for a decoder under {named_as} " in message
+        assert "missing tensor" not in message and "unexpected tensor" not in message
+
+
 def test_a_base_named_only_and_a_broken_expression_are_each_said_in_one_line(tmp_path):
     """base_model is also PEFT's label (a hub id, no directory here): the adapter is named as a
     text model's; target_modules that is no regular expression is refused, naming it."""
