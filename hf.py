@@ -257,8 +257,9 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
                     f"tensor {theirs.name}_blocks: MXFP4 holds rows in blocks of 32 values, "
                     f"the model's are {k} long"
                 )
-            expected[f"{theirs.name}_blocks"] = (n_experts, out, k // 32, 16)
-            expected[f"{theirs.name}_scales"] = (n_experts, out, k // 32)
+            blocks = -(-k // 32)  # a row's last block padded: said above, not again as a shape
+            expected[f"{theirs.name}_blocks"] = (n_experts, out, blocks, 16)
+            expected[f"{theirs.name}_scales"] = (n_experts, out, blocks)
             mxfp4 |= {f"{theirs.name}_blocks", f"{theirs.name}_scales"}
         elif isinstance(theirs, FusedRows):  # w1 and w3 together
             expected[theirs.name] = theirs.full_shape(shape)
