@@ -560,6 +560,11 @@ def model_args(opts: Options) -> ModelArgs:
     else:
         args = ModelArgs.from_name(opts.model or "tiny")
         args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, opts.seq_len))
+    if opts.max_seq_len and opts.hf_checkpoint and opts.max_seq_len < args.max_seq_len:
+        raise UsageError(
+            f"--max-seq-len {opts.max_seq_len} is below the {args.max_seq_len} positions "
+            f"{opts.hf_checkpoint} was trained on: it extends a context, never shortens one"
+        )
     if opts.max_seq_len:
         args = dataclasses.replace(args, max_seq_len=opts.max_seq_len)
     if opts.seq_len > args.max_seq_len and opts.max_seq_len:
@@ -624,9 +629,14 @@ FIXED_BY_CHECKPOINT = ("model", "hf_checkpoint", "max_seq_len", "seq_len", "stra
                        "lora_rank", "lora_alpha", "lora_targets", "data", "tokenizer")  # fmt: skip
 
 
-# The options of the run's course, which may change when given again.
+# The options of the run's course, which may change when given again (the seed may not:
+# resume_options). Those of the machine (the memory techniques, --kernels, the attention
+# backend, context parallelism) are planned anew.
 KEPT_ON_RESUME = ("lr", "min_lr", "warmup_steps", "decay", "weight_decay", "beta1", "beta2",
-                  "seed", "document_mask", "lora_dropout", "quantize_base")  # fmt: skip
+                  "grad_clip", "seed", "document_mask", "lora_dropout", "quantize_base",
+                  "router_aux_loss_coef", "param_dtype", "fp8", "eval_data", "eval_interval",
+                  "eval_tokens", "checkpoint_interval", "keep_checkpoints", "export_hf",
+                  "export_adapter", "log_interval", "sample_tokens", "report_to")  # fmt: skip
 
 
 # An option given keeps its partner from being taken (from a checkpoint, or a --config file):
@@ -663,6 +673,11 @@ def resume_options(
     """The resumed options, `taken` in them: `saved`'s global batch and schedule unless given,
     so that another number of processes (`data_parallel`: see loader_of) splits the same batch."""
     saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
+    if opts.seed != saved["options"]["seed"]:  # taken unless given: given, another
+        raise UsageError(
+            f"--seed {opts.seed}: a resumed run goes on with its checkpoint's data order and "
+            f"random state (seed {saved['options']['seed']}); start a new run for another seed"
+        )
     said = []
     if taken:
         said.append(

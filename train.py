@@ -465,7 +465,10 @@ def evaluate(model: Llama, loader: PackedLoader, samples: int, device) -> tuple[
         for b in loader.in_order(samples):
             b = b.to(device, non_blocking=True)
             loss = model(b.tokens, b.labels, b.positions, "sum", b.document_starts)
-            totals += torch.stack([loss.double(), (b.labels != IGNORE_INDEX).sum().double()])
+            labelled = (b.labels != IGNORE_INDEX).sum()
+            if model.args.router_aux_loss:  # the cross-entropy alone: forward's aux term taken off
+                loss = loss - model.args.router_aux_loss_coef * model.routing[0] * labelled
+            totals += torch.stack([loss.double(), labelled.double()])
     model.train()
     dist.all_reduce(totals)
     loss_sum, count = totals.tolist()

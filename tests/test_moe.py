@@ -7,6 +7,8 @@ experts' odd routings are tests/test_moe_kernels.py's; sharded training tests/te
 
 import dataclasses
 import json
+import sysconfig
+from pathlib import Path
 
 import pytest
 import torch
@@ -236,6 +238,28 @@ def test_the_expert_load_is_the_busiest_experts_share_against_the_mean():
     one = routed(torch.zeros(6, 1, dtype=torch.int64), probs)
     skewed = routed(torch.tensor([[0], [0], [0], [0], [1], [2]]), probs)
     assert expert_load([even, one, skewed]).tolist() == pytest.approx([1, 3, 2])
+
+
+def test_the_held_out_loss_is_the_cross_entropy_alone(tmp_path):
+    """--eval-data's loss leaves out the load-balancing term training adds: at lr 0 (the weights
+    unchanged) it is the same with the term weighed 0 and 1, where the training loss is not."""
+    _, path = checkpoint(tmp_path, "mixtral", aux=True, vocab_size=300)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    data, held_out = (
+        prepare.prepare([stdlib / f"{name}.py"], tmp_path / name, workers=1)
+        for name in ("textwrap", "shlex")
+    )
+    records = {}
+    for coef in ("0", "1"):
+        run_dir = tmp_path / f"run-{coef}"
+        train.main(["--hf-checkpoint", str(path), "--data", str(data), "--eval-data",
+                    str(held_out), "--eval-tokens", "128", "--eval-interval", "1",
+                    "--seq-len", "64", "--batch-tokens", "128", "--lr", "0", "--max-steps", "1",
+                    "--router-aux-loss-coef", coef, "--checkpoint-interval", "0",
+                    "--sample-tokens", "0", "--run-dir", str(run_dir)])  # fmt: skip
+        records[coef] = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert records["1"]["loss"] > records["0"]["loss"] + 0.1
+    assert records["1"]["eval_loss"] == pytest.approx(records["0"]["eval_loss"], rel=1e-6)
 
 
 def test_a_negative_aux_loss_coefficient_is_refused(tmp_path):

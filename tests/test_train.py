@@ -2077,6 +2077,41 @@ def test_a_checkpoint_with_a_sliding_window_trains_past_it_as_transformers_compu
         assert planned == pytest.approx(pairs(every_row) / every_row.numel(), rel=1e-9)
 
 
+def test_a_bare_resume_goes_on_as_the_run_was(dataset, tmp_path, capsys):
+    """A bare --resume takes the run's course from its checkpoint: clipping, the held-out data,
+    the checkpoints kept (before, each fell back to its default, and the default of 2 rotated
+    away three of the run's checkpoints). Another --seed is refused: the checkpoint's data
+    order and random state go on whatever it says."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    held_out = prepare.prepare([stdlib / "textwrap.py"], tmp_path / "held_out", workers=1)
+    run_dir = tmp_path / "run"
+    argv = ["--data", str(dataset), *SMALL, "--grad-clip", "0.05", "--eval-data", str(held_out),
+            "--eval-interval", "2", "--eval-tokens", "256", "--checkpoint-interval", "1",
+            "--keep-checkpoints", "5", "--run-dir", str(run_dir)]  # fmt: skip
+    train.main([*argv, "--max-steps", "3"])
+    train.main(["--resume", "--max-steps", "5", "--run-dir", str(run_dir)])
+    kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert kept == [f"step-00000{i}" for i in range(1, 6)]
+    state = json.loads((run_dir / "checkpoints/step-000005/train_state.json").read_text())
+    assert state["options"]["grad_clip"] == 0.05
+    assert state["options"]["eval_data"] == str(held_out)
+    assert metrics(run_dir)[-1]["eval_loss"] is not None
+    with pytest.raises(SystemExit):
+        train.main(["--resume", "--max-steps", "6", "--seed", "7", "--run-dir", str(run_dir)])
+    assert "--seed 7: a resumed run goes on with its checkpoint's data order" in (
+        capsys.readouterr().err
+    )
+
+
+def test_max_seq_len_never_shortens_a_checkpoints_context(tmp_path):
+    tiny = PRESETS["tiny"]  # 2048 positions
+    save_hf_checkpoint(tiny, Llama(tiny).named_parameters(), tmp_path / "hf", torch.float32)
+    argv = ["--hf-checkpoint", str(tmp_path / "hf"), "--max-seq-len", "1024"]
+    opts, _ = options.parse_options(argv)
+    with pytest.raises(files.UsageError, match="--max-seq-len 1024 is below the 2048 positions"):
+        options.model_args(opts)
+
+
 def test_a_checkpoint_saved_before_rope_scaling_had_a_type_resumes():
     """The run record of a llama3.2-1b checkpoint saved at c52560e, before RopeScaling had a
     type and YaRN's fields: it resumes (the missing fields are Llama 3.1's defaults), and a
