@@ -119,7 +119,9 @@ class Options:
         None, "micro-batches per optimizer step (default: --batch-tokens / the micro-batches)"
     )
     max_steps: int = option(1000, "optimizer steps to train for")
-    max_tokens: int | None = option(None, "train for this many tokens instead (sets max steps)")
+    max_tokens: int | None = option(
+        None, "train on this many tokens in all instead (sets max steps; counted over resumes)"
+    )
     lr: float | None = option(
         None,
         "peak learning rate, after the warmup; required with --hf-checkpoint, unless "
