@@ -119,7 +119,9 @@ class Options:
         None, "micro-batches per optimizer step (default: --batch-tokens / the micro-batches)"
     )
     max_steps: int = option(1000, "optimizer steps to train for")
-    max_tokens: int | None = option(None, "train for this many tokens instead (sets max steps)")
+    max_tokens: int | None = option(
+        None, "train on this many tokens in all instead (sets max steps; counted over resumes)"
+    )
     lr: float | None = option(
         None,
         "peak learning rate, after the warmup; required with --hf-checkpoint, unless "
@@ -900,9 +902,10 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     machine = shard.this_machine(planned.gpu_memory, planned.host_memory, world)
     plan = plan_of(planned, args, machine, lora=lora, **data_fields(planned, args, dataset))
     opts = settle_options(planned, args, plan)
-    max_steps = (
-        math.ceil(opts.max_tokens / plan.tokens_per_step) if opts.max_tokens else opts.max_steps
-    )
+    max_steps = opts.max_steps
+    if opts.max_tokens:  # the steps to train on the tokens left, at this run's batch
+        step, seen = (saved["step"], shard.tokens_trained(saved)) if saved else (0, 0)
+        max_steps = step + max(-(-(opts.max_tokens - seen) // plan.tokens_per_step), 0)
     run_record |= {"tokens_per_step": plan.tokens_per_step, "max_steps": max_steps}
     return Resolved(
         opts, given, args, plan, world, run_data, held_out, max_steps, run_record, resume_from,

@@ -507,6 +507,7 @@ CPU_RNG_BYTES = len(torch.get_rng_state())
 # any: the field (dotted: within an object; absent: None) -> what is expected, and its test.
 TRAIN_STATE_FIELDS = {
     "step": ("a count", _count),
+    "tokens": ("a count, or none", lambda v: v is None or _count(v)),
     **{f"loader.{k}": ("a count", _count) for k in ("epoch", "cursor", "seed", "num_samples")},
     "rng.cpu": (f"a list of {CPU_RNG_BYTES} bytes", _list_of(_byte, CPU_RNG_BYTES)),
     "rng.cuda": ("a list of bytes, or none", lambda v: v is None or _list_of(_byte)(v)),
@@ -535,6 +536,13 @@ def _train_state_problems(train_state: dict) -> list[str]:
             found = found if len(found) <= 40 else found[:40] + "..."
             problems.append(f"{field} is {found}, expected {expected}")
     return problems
+
+
+def tokens_trained(train_state: dict) -> int:
+    """The tokens trained on up to a checkpoint. One saved before they were counted (no
+    "tokens") had one batch for all its steps: its run record's tokens_per_step."""
+    tokens = train_state.get("tokens")
+    return train_state["step"] * train_state["run"]["tokens_per_step"] if tokens is None else tokens
 
 
 def step_of(checkpoint: Path) -> int:
@@ -730,7 +738,8 @@ class Checkpointer:
         self.last = path
         return saved["step"]
 
-    def save(self, step: int, optimizer, loader) -> Path:
+    def save(self, step: int, tokens: int, optimizer, loader) -> Path:
+        """Saves the run after `step`, `tokens` trained on by then (tokens_trained)."""
         SAVING.set()
         final = self.root / f"step-{step:06d}"
         tmp = self.root / f".tmp-{final.name}"
@@ -747,6 +756,7 @@ class Checkpointer:
             # tensor's shape go in, so check_checkpoint catches a truncated or lost shard.
             train_state = {
                 "step": step,
+                "tokens": tokens,
                 "loader": loader.state_dict(),
                 "rng": rng_state(self.world.device),
                 **self.record,

@@ -139,6 +139,7 @@ class Run(options.Resolved):
     checkpointer: shard.Checkpointer
     evaluate: Callable[[], tuple[float, int]] | None  # --eval-data's loss and labelled tokens
     start_step: int
+    start_tokens: int  # trained on by start_step, at the batch sizes of the runs before
     log: Callable
     lock: object  # run_dir/.lock, held open as long as the run lives (shard.lock_run_dir)
     reporters: list  # the main rank's metrics.py reporters, which MetricsLog hands each record
@@ -166,13 +167,14 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
         world,
         record={"run": resolved.run_record, "options": dataclasses.asdict(opts)},
     )
-    step = 0
+    step = tokens = 0
     if resolved.saved:  # the weights, optimizer state, data cursor and random state
         step = checkpointer.restore(resolved.resume_from, resolved.saved, optimizer, loader)
+        tokens = shard.tokens_trained(resolved.saved)
         by = plural(resolved.saved["run"]["world_size"], "process")
         log(
-            f"resumed from {resolved.resume_from} at step {step} (saved by {by}, now "
-            f"{world.world_size})"
+            f"resumed from {resolved.resume_from} at step {step}, {tokens:,} tokens trained "
+            f"(saved by {by}, now {world.world_size})"
         )
     elif opts.resume:
         start = f"from {opts.hf_checkpoint}" if opts.hf_checkpoint else "from random weights"
@@ -190,8 +192,8 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
             reporters = open_reporters(opts.report_to, run_dir, config, step, last, log)
     return Run(
         **vars(resolved), model=model, optimizer=optimizer, loader=loader, run_dir=run_dir,
-        checkpointer=checkpointer, evaluate=evaluate_held_out, start_step=step, log=log, lock=lock,
-        reporters=reporters,
+        checkpointer=checkpointer, evaluate=evaluate_held_out, start_step=step, start_tokens=tokens,
+        log=log, lock=lock, reporters=reporters,
     )  # fmt: skip
 
 
@@ -394,7 +396,9 @@ class MetricsLog:
         self.checked_step = step
         return loss, grad_norm
 
-    def write(self, step: int, lr: float, loss: float, grad_norm: float, stopping: bool) -> None:
+    def write(
+        self, step: int, tokens: int, lr: float, loss: float, grad_norm: float, stopping: bool
+    ) -> None:
         run = self.run
         world, max_steps, tokens_per_step = run.world, run.max_steps, run.plan.tokens_per_step
         now, steps = time.perf_counter(), step - self.logged_step
@@ -414,7 +418,7 @@ class MetricsLog:
             "lr": lr,
             "grad_norm": grad_norm,
             "optimizer_s": seconds_between(*self.last.optimizer_span),
-            "tokens": step * tokens_per_step,
+            "tokens": tokens,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / world.world_size,
             "model_tflops_per_device": flops_per_device / 1e12,
@@ -690,7 +694,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
     batches = iter(run.loader)
     stop = StopSignals(run.world.is_main, lambda: run.checkpointer.last)
     metrics, instruments = MetricsLog(run), Instruments(run)
-    step, stopping = run.start_step, False
+    step, tokens, stopping = run.start_step, run.start_tokens, False
     model.train()
     while step < run.max_steps and not stopping:
         lr = lr_at(step, run.opts, run.max_steps)
@@ -704,7 +708,7 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
             model, optimizer, metrics.counting(micro_batches), plan.grad_accum,
             n_labels.to(device, non_blocking=True), offload_activations,
         )  # fmt: skip
-        step += 1
+        step, tokens = step + 1, tokens + plan.tokens_per_step
         metrics.add(result)
         instruments.after(step)
 
@@ -714,9 +718,9 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
         if logging or saving:
             loss, grad_norm = metrics.read(step, run.checkpointer.last)
         if logging:
-            metrics.write(step, lr, loss, grad_norm, stopping)
+            metrics.write(step, tokens, lr, loss, grad_norm, stopping)
         if saving:
-            run.log(f"saved {run.checkpointer.save(step, optimizer, run.loader)}")
+            run.log(f"saved {run.checkpointer.save(step, tokens, optimizer, run.loader)}")
             # A signal during the save stops here: the step in progress was this one.
             stopping = stopping or stop.agreed()
     stop.restore()

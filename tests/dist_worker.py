@@ -381,7 +381,7 @@ def full_disk_on_main(world, out: Path) -> None:
     full_on_main = unittest.mock.patch.object(Path, "write_text", full)
     try:
         with full_on_main if world.is_main else nullcontext():
-            checkpointer.save(10, optimizer, loader)
+            checkpointer.save(10, 160, optimizer, loader)
         message = "no error"
     except UsageError as e:
         message = str(e)

@@ -402,7 +402,7 @@ def test_a_save_removes_only_its_own_temporary_directories(tmp_path):
     (checkpoints / ".tmp-notes.txt").write_text("the user's")
     (checkpoints / ".tmp-step-000005").mkdir()  # a killed run's
     checkpointer = shard.Checkpointer(checkpoints, 10, 2, init_distributed(), record={})
-    checkpointer.save(10, ONE_TENSOR, NO_DATA)
+    checkpointer.save(10, 160, ONE_TENSOR, NO_DATA)
     held = sorted(p.name for p in checkpoints.iterdir())
     assert held == [".tmp-mine", ".tmp-notes.txt", "step-000010"]
     assert (checkpoints / ".tmp-mine" / "data").read_text() == "the user's"
@@ -434,7 +434,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(tmp_path, monk
     monkeypatch.setattr(torch.distributed.checkpoint.filesystem, "_write_item", full)
     checkpointer = shard.Checkpointer(tmp_path, 10, 2, init_distributed(), record={})
     with pytest.raises(UsageError, match=f"no space left to write checkpoint {tmp_path}/step-0"):
-        checkpointer.save(10, ONE_TENSOR, NO_DATA)
+        checkpointer.save(10, 160, ONE_TENSOR, NO_DATA)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -454,6 +454,7 @@ TRAIN_STATE_EDITS = {
         lambda s: s | {"run": {k: v for k, v in s["run"].items() if k != "model"}},
         "run.model is none, expected an object",
     ),
+    "tokens trained negative": (lambda s: s | {"tokens": -1}, "tokens is -1, expected a count"),
     "no tokens per step": (
         lambda s: s | {"run": s["run"] | {"tokens_per_step": 0}},
         "run.tokens_per_step is 0, expected a count above 0",
@@ -466,7 +467,7 @@ def checkpoint(tmp_path_factory) -> Path:
     checkpoints = tmp_path_factory.mktemp("checkpoints")
     record = {"run": RUN, "options": {}}
     return shard.Checkpointer(checkpoints, 1, 1, init_distributed(), record).save(
-        1, ONE_TENSOR, LOADER
+        1, 16, ONE_TENSOR, LOADER
     )
 
 

@@ -1191,6 +1191,26 @@ def test_lr_follows_the_model_size_and_is_required_for_a_hf_checkpoint(dataset, 
     assert [r["lr"] for r in records if "lr" in r] == [pytest.approx(4e-4), pytest.approx(8e-4)]
 
 
+def test_max_tokens_counts_the_tokens_trained_before_a_resume_at_another_batch(dataset, tmp_path):
+    """A checkpoint keeps the tokens trained by its step (2 x 1,024); resumed at 2,048 a step,
+    --max-tokens 8192 trains the 6,144 left (3 steps) and the log counts on from 2,048. A
+    checkpoint saved before the count was kept took its run record's tokens/step each step."""
+    argv = ["--data", str(dataset), *SMALL, "--checkpoint-interval", "1"]
+    train.main([*argv, "--max-steps", "2", "--run-dir", str(tmp_path / "run")])
+    state = tmp_path / "run" / "checkpoints" / "step-000002" / "train_state.json"
+    resume = [*argv, "--resume", str(state.parent), "--batch-tokens", "2048"]
+    resume += ["--max-tokens", "8192"]
+    for run in ("resumed", "resumed_from_an_older_checkpoint"):
+        train.main([*resume, "--run-dir", str(tmp_path / run)])
+        records = [r for r in metrics(tmp_path / run) if "tokens" in r]
+        assert [(r["step"], r["tokens"]) for r in records] == [(3, 4096), (4, 6144), (5, 8192)]
+        assert records[-1]["eta_s"] == 0
+        last = tmp_path / run / "checkpoints" / "step-000005"
+        assert json.loads((last / "train_state.json").read_text())["tokens"] == 8192
+        older = json.loads(state.read_text())
+        state.write_text(json.dumps({k: v for k, v in older.items() if k != "tokens"}))
+
+
 @CPU_ONLY
 def test_the_plan_is_saved_with_the_peaks_reached_and_keeps_the_flags_given(dataset, tmp_path,
                                                                              capsys):  # fmt: skip
