@@ -255,7 +255,7 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
     with torch.device("meta"):
         params = dict(Llama(args).named_parameters())
     expected, mxfp4 = {}, set()
-    if args.tie_embeddings and lm_head_name(prefix) in files:  # compared as it loads
+    if args.tie_embeddings and lm_head_name(prefix) in files:  # a copy? TiedSlice compares
         expected[lm_head_name(prefix)] = tuple(params["tok_embeddings.weight"].shape)
     for ours, theirs in hf_names(args, has_fused_experts(files), prefix).items():
         shape = tuple(params[ours].shape)
@@ -382,11 +382,8 @@ def load_hf_checkpoint(
     files = check_hf_checkpoint(model.args, path)
     prefix = language_model_prefix(files)
     names = hf_names(model.args, has_fused_experts(files), prefix)
-    head = (
-        lm_head_name(prefix)
-        if model.args.tie_embeddings and lm_head_name(prefix) in files
-        else None
-    )
+    head = lm_head_name(prefix)
+    tied_copy = model.args.tie_embeddings and head in files
     # Each file opened once for the whole load: an expert tensor's E pieces may span files.
     with contextlib.ExitStack() as stack:
         opened = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
@@ -405,13 +402,13 @@ def load_hf_checkpoint(
                 tensor_slice = read(theirs.name, theirs)
             else:
                 tensor_slice = read(theirs)
-            if ours == "tok_embeddings.weight" and head is not None:
+            if ours == "tok_embeddings.weight" and tied_copy:
                 tensor_slice = TiedSlice(tensor_slice, read(head), differs)
             copy_into(model, ours, tensor_slice, copy)
             if progress is not None:
                 progress(done, len(names))
     refuse_nonfinite(path, agree(found))
-    if agree(differs):  # transformers would not tie them, and would train another model
+    if agree(differs):  # transformers would not tie them: it would load another model
         raise UsageError(
             f"{path}: {head} differs from {names['tok_embeddings.weight']}, but config.json's "
             f"top-level tie_word_embeddings is true (transformers then unties them): set it to "
