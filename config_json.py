@@ -115,8 +115,15 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
             f"{config_path}: text_config is a {what}, expected an object of the text model's "
             f"own keys"
         )
-    if text is not None:  # a multimodal model's (Gemma 3 4b+): its text
-        raw = {"model_type": TEXT_MODEL_TYPES.get(raw.get("model_type")), **text}
+    if text is not None:  # a multimodal model's (Gemma 3 4b+): its text, whose output
+        # transformers ties by the top-level key (Gemma3Config's: true if left out, null is
+        # false), not by text_config's
+        tie = raw.get("tie_word_embeddings", True)
+        raw = {
+            "model_type": TEXT_MODEL_TYPES.get(raw.get("model_type")),
+            **text,
+            "tie_word_embeddings": False if tie is None else tie,
+        }
     try:
         family = raw.get("model_type")
         if not isinstance(family, str) or family not in FAMILIES:

@@ -85,7 +85,7 @@ def hf_names(
         "norm.weight": f"{prefix}norm.weight",
     }
     if not args.tie_embeddings:
-        names["output.weight"] = "lm_head.weight"
+        names["output.weight"] = lm_head_name(prefix)
     layer = dict(HF_LAYER_NAMES)
     if args.qkv_bias:
         layer |= {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
@@ -210,15 +210,24 @@ def _open_safetensors(file: Path):
         raise UsageError(f"{file} is not a readable safetensors file: {e}") from e
 
 
-# Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its text decoder: the
-# hub's files, and transformers 5's save_pretrained. Its other tensors (vision) are not read.
-LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+# Where a multimodal checkpoint (Gemma3ForConditionalGeneration) keeps its text decoder, and
+# beside it an untied output: the hub's files, and transformers 5's names in memory. Its other
+# tensors (vision) are not read.
+LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "language_model.lm_head.weight",
+    "model.language_model.": "lm_head.weight",
+}
 
 
 def language_model_prefix(files: dict[str, Path]) -> str:
     """The decoder's tensors' prefix in a checkpoint: "model.", or a language model's."""
     found = (p for p in LANGUAGE_MODEL_PREFIXES if f"{p}embed_tokens.weight" in files)
     return next(found, "model.")
+
+
+def lm_head_name(prefix: str) -> str:
+    """The output's tensor in a checkpoint whose decoder is under `prefix`."""
+    return LANGUAGE_MODEL_PREFIXES.get(prefix, "lm_head.weight")
 
 
 def has_fused_experts(files: dict[str, Path]) -> bool:
@@ -246,6 +255,8 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
     with torch.device("meta"):
         params = dict(Llama(args).named_parameters())
     expected, mxfp4 = {}, set()
+    if args.tie_embeddings and lm_head_name(prefix) in files:  # a copy? TiedSlice compares
+        expected[lm_head_name(prefix)] = tuple(params["tok_embeddings.weight"].shape)
     for ours, theirs in hf_names(args, has_fused_experts(files), prefix).items():
         shape = tuple(params[ours].shape)
         if isinstance(theirs, tuple):  # one tensor per expert
@@ -283,9 +294,7 @@ def check_hf_checkpoint(args: ModelArgs, path: str | os.PathLike) -> dict[str, P
             problems.append(f"tensor {name}: dtype {dtypes[name]}, expected U8 (MXFP4)")
         elif dtypes[name] not in FLOAT_DTYPES and name not in mxfp4:
             problems.append(dtype_problem(name, dtypes[name]))
-    # A tied model's checkpoint may still carry a copy of the embedding as lm_head.
-    tolerated = {"lm_head.weight"} if args.tie_embeddings else set()
-    for name in sorted(set(shapes) - set(expected) - tolerated):
+    for name in sorted(set(shapes) - set(expected)):
         beside = prefix != "model." and not name.startswith(prefix)  # a multimodal model's
         if not beside and not name.endswith("rotary_emb.inv_freq"):  # older exports saved it
             problems.append(f"unexpected tensor {name} with shape {shapes[name]}")
@@ -333,6 +342,21 @@ class CheckedSlice:
         return tensor
 
 
+class TiedSlice:
+    """A tied model's embedding read beside the lm_head its checkpoint also holds: the same rows
+    of each are compared (a rank reads only its own), and the head named in `differs` where they
+    are not equal."""
+
+    def __init__(self, embedding: CheckedSlice, head: CheckedSlice, differs: list[str]):
+        self.embedding, self.head, self.differs = embedding, head, differs
+
+    def __getitem__(self, index) -> torch.Tensor:
+        tensor = self.embedding[index]
+        if not torch.equal(self.head[index].to(tensor.dtype), tensor):
+            self.differs.append(self.head.name)
+        return tensor
+
+
 def refuse_nonfinite(path: str | os.PathLike, nonfinite: list[str]) -> None:
     if nonfinite:
         raise UsageError(
@@ -351,11 +375,15 @@ def load_hf_checkpoint(
 ) -> None:
     """Loads HF weights into `model`'s materialized parameters one tensor at a time, so that
     host memory peaks near one tensor. `copy(param, safetensors_slice)` moves each in (shard.py's
-    reads only its rank's rows). NaN and inf (CheckedSlice) are refused at the end, after
-    `agree` has gathered what each rank found."""
-    found = []
+    reads only its rank's rows). NaN and inf (CheckedSlice), and a tied model's lm_head that is
+    no copy of its embedding (TiedSlice), are refused at the end, after `agree` has gathered
+    what each rank found."""
+    found, differs = [], []
     files = check_hf_checkpoint(model.args, path)
-    names = hf_names(model.args, has_fused_experts(files), language_model_prefix(files))
+    prefix = language_model_prefix(files)
+    names = hf_names(model.args, has_fused_experts(files), prefix)
+    head = lm_head_name(prefix)
+    tied_copy = model.args.tie_embeddings and head in files
     # Each file opened once for the whole load: an expert tensor's E pieces may span files.
     with contextlib.ExitStack() as stack:
         opened = {f: stack.enter_context(_open_safetensors(f)) for f in sorted(set(files.values()))}
@@ -374,10 +402,18 @@ def load_hf_checkpoint(
                 tensor_slice = read(theirs.name, theirs)
             else:
                 tensor_slice = read(theirs)
+            if ours == "tok_embeddings.weight" and tied_copy:
+                tensor_slice = TiedSlice(tensor_slice, read(head), differs)
             copy_into(model, ours, tensor_slice, copy)
             if progress is not None:
                 progress(done, len(names))
     refuse_nonfinite(path, agree(found))
+    if agree(differs):  # transformers would not tie them: it would load another model
+        raise UsageError(
+            f"{path}: {head} differs from {names['tok_embeddings.weight']}, but config.json's "
+            f"top-level tie_word_embeddings is true (transformers then unties them): set it to "
+            f"false to train that head, or remove {head} to tie the output to the embedding"
+        )
 
 
 # MXFP4, gpt-oss's experts on the hub (quantization_config's quant_method "mxfp4"): each 32

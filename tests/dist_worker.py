@@ -46,6 +46,7 @@ from train import leave, train_step  # noqa: E402
 TINY = ModelArgs.from_name("tiny")
 # Dims that 2 ranks do not divide evenly (w1: 201 rows = 101 + 100; vocab 321).
 ODD = dataclasses.replace(TINY, vocab_size=321, ffn_dim=201)
+TIED_ODD = dataclasses.replace(ODD, tie_embeddings=True)
 
 # QLoRA: rows that are multiples of 64 (NF4 blocks), w1/w3's 192 rows split 96 + 96; a
 # large alpha so that the adapters' gradient norm exceeds MAX_NORM from the first step.
@@ -335,16 +336,18 @@ def hf_load(world, out: Path) -> None:
         weights = full_weights(model)
         if world.is_main:
             torch.save(weights, out / f"hf_{strategy}.pt")
-    # A checkpoint of another shape: every rank must raise, none may wait for the others.
-    with torch.device("meta"):
-        model = Llama(ODD)
-    apply_fsdp(model, build_mesh("FULL_SHARD", world), "FULL_SHARD", param_dtype=torch.float32)
-    try:
-        materialize(model, world, hf_path=out / "hf_mismatch")
-        message = "no error"
-    except ValueError as e:
-        message = str(e)
-    (out / f"hf_mismatch.rank{world.rank}.txt").write_text(message)
+    # A checkpoint of another shape, and one whose config ties the output but whose lm_head
+    # differs in the last rank's rows alone: every rank must raise, none may wait for the others.
+    for name, args in (("hf_mismatch", ODD), ("hf_untied_head", TIED_ODD)):
+        with torch.device("meta"):
+            model = Llama(args)
+        apply_fsdp(model, build_mesh("FULL_SHARD", world), "FULL_SHARD", param_dtype=torch.float32)
+        try:
+            materialize(model, world, hf_path=out / name)
+            message = "no error"
+        except ValueError as e:
+            message = str(e)
+        (out / f"{name}.rank{world.rank}.txt").write_text(message)
     dist.barrier()  # both ranks got here: neither is stuck in a collective
 
 

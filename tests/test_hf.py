@@ -454,6 +454,31 @@ def test_a_nan_or_inf_weight_is_refused_naming_the_tensor(tmp_path, value):
         load_longtune(save_hf(hf, tmp_path / "hf"))
 
 
+def test_a_tied_checkpoint_holding_another_lm_head_is_refused_as_transformers_unties_it(tmp_path):
+    """config.json ties the output (tie_word_embeddings true) and the file also holds
+    lm_head.weight: a copy of the embedding loads tied, with transformers' logits; another
+    head, which transformers uses untied, is refused naming the tensor and the key, even one
+    that differs in its last row alone (2 ranks: tests/test_shard.py)."""
+    path = save_hf(make_hf_model("gqa-llama3.1-scaling-tied"), tmp_path)
+    tensors = load_file(path / "model.safetensors")
+    head = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors | {"lm_head.weight": head}, path / "model.safetensors")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert theirs.lm_head.weight is theirs.model.embed_tokens.weight
+    tokens, _ = sample_batch(211)
+    assert rel_err(load_longtune(path)(tokens), theirs(tokens).logits) <= FP32_RTOL
+    head[-1] += 1e-3
+    save_file(tensors | {"lm_head.weight": head}, path / "model.safetensors")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert theirs.lm_head.weight is not theirs.model.embed_tokens.weight
+    message = (
+        "lm_head.weight differs from model.embed_tokens.weight, but config.json's top-level "
+        "tie_word_embeddings is true"
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_longtune(path)
+
+
 @pytest.mark.parametrize("variant", sorted(FAMILY_CONFIGS))
 def test_each_family_exports_as_its_own_class(tmp_path, variant):
     hf = make_family_model(variant)

@@ -709,16 +709,17 @@ def test_a_sliding_window_matches_transformers_past_it(tmp_path, variant, packed
     assert rel_err(exported_logits, logits) <= FP32_RTOL
 
 
-def gemma3_multimodal_checkpoint(path: Path, saved_as: str = "hub", **text_config):
+def gemma3_multimodal_checkpoint(path: Path, saved_as: str = "hub", tie=True, **text_config):
     """A Gemma3ForConditionalGeneration checkpoint (the larger Gemma 3s), its decoder under
-    language_model's prefix as the hub's files have it (language_model.model.) or as
-    transformers 5 keeps it in memory (model.language_model.); transformers' model beside."""
+    language_model's prefix as the hub's files have it (language_model.model., an untied head
+    language_model.lm_head.) or as transformers 5 keeps it in memory (model.language_model.,
+    lm_head.); `tie`: the top-level tie_word_embeddings; transformers' model beside."""
     text = {**SMALL, **FAMILY_CONFIGS["gemma3"][1], **text_config}
     vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                   intermediate_size=32, image_size=28, patch_size=14)  # fmt: skip
     config = transformers.Gemma3Config(
         text_config=text, vision_config=vision, mm_tokens_per_image=4,
-        image_token_index=210, boi_token_index=208, eoi_token_index=209,
+        image_token_index=210, boi_token_index=208, eoi_token_index=209, tie_word_embeddings=tie,
     )  # fmt: skip
     torch.manual_seed(0)
     hf = transformers.Gemma3ForConditionalGeneration(config).float().eval()
@@ -729,9 +730,10 @@ def gemma3_multimodal_checkpoint(path: Path, saved_as: str = "hub", **text_confi
     save_hf(hf, path)
     if saved_as == "transformers-5":
         tensors = safetensors.torch.load_file(path / "model.safetensors")
-        renamed = {re.sub(r"^language_model\.model\.", "model.language_model.", k): v
-                   for k, v in tensors.items()}  # fmt: skip
-        safetensors.torch.save_file(renamed, path / "model.safetensors")
+        for hub, theirs in (("language_model.model.", "model.language_model."),
+                            ("language_model.lm_head.", "lm_head.")):  # fmt: skip
+            tensors = {re.sub(f"^{re.escape(hub)}", theirs, k): v for k, v in tensors.items()}
+        safetensors.torch.save_file(tensors, path / "model.safetensors")
     return hf, path
 
 
@@ -746,6 +748,27 @@ def test_gemma3_multimodal_checkpoint_reads_its_language_model(tmp_path, saved_a
     ours = load_longtune(tmp_path)
     tokens, _ = sample_batch(200)  # below the image tokens
     assert rel_err(ours(tokens), hf(tokens, use_cache=False).logits) <= FP32_RTOL
+
+
+@pytest.mark.parametrize("saved_as", ["hub", "transformers-5"])
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_gemma3_multimodal_head_is_tied_as_the_top_level_config_says(tmp_path, saved_as, tie):
+    """transformers ties a multimodal Gemma 3's output by config.json's top-level
+    tie_word_embeddings, not text_config's (here the opposite): untied, the checkpoint's head is
+    loaded (language_model.lm_head.weight in the hub's files); tied, none is needed. Logits
+    equal transformers', and the export (Gemma3ForCausalLM) loads back with the same."""
+    hf, _ = gemma3_multimodal_checkpoint(
+        tmp_path / "in", saved_as, tie, tie_word_embeddings=not tie
+    )
+    ours = load_longtune(tmp_path / "in")
+    assert ours.args.tie_embeddings == tie
+    tokens, _ = sample_batch(200)  # below the image tokens
+    logits = ours(tokens)
+    assert rel_err(logits, hf(tokens, use_cache=False).logits) <= FP32_RTOL
+    save_hf_checkpoint(ours.args, ours.named_parameters(), tmp_path / "out", dtype=torch.float32)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(exported) is transformers.Gemma3ForCausalLM
+    assert rel_err(exported(tokens, use_cache=False).logits, logits) <= FP32_RTOL
 
 
 def test_family_presets_have_the_published_sizes():

@@ -71,6 +71,14 @@ def dist_out(tmp_path_factory) -> Path:
     )  # fmt: skip
     other = dataclasses.replace(w.ODD, n_layers=3)
     save_hf_checkpoint(other, Llama(other).named_parameters(), out / "hf_mismatch")
+    untied = random_model(w.ODD, 6)  # its head the embedding but for the last row
+    with torch.no_grad():
+        untied.output.weight.copy_(untied.tok_embeddings.weight)
+        untied.output.weight[-1] += 1
+    save_hf_checkpoint(w.ODD, untied.named_parameters(), out / "hf_untied_head", torch.float32)
+    config = json.loads((out / "hf_untied_head" / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (out / "hf_untied_head" / "config.json").write_text(json.dumps(config))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
            str(REPO / "tests" / "dist_worker.py"), str(out)]  # fmt: skip
@@ -355,6 +363,12 @@ def test_mismatched_checkpoint_fails_on_every_rank_alike(dist_out):
     assert messages[0] == messages[1]
     assert "does not fit the model" in messages[0]
     assert "num_hidden_layers" in messages[0] or "n_layers" in messages[0]
+
+
+def test_a_tied_checkpoint_with_another_head_in_one_ranks_rows_fails_on_every_rank(dist_out):
+    messages = [(dist_out / f"hf_untied_head.rank{r}.txt").read_text() for r in range(2)]
+    assert messages[0] == messages[1]
+    assert "lm_head.weight differs from model.embed_tokens.weight" in messages[0]
 
 
 RUN_PLAN = json.dumps(dict.fromkeys(["flags", "planned", "plan", "machine", "estimate"]))
