@@ -366,8 +366,8 @@ def open_data(
         text_tokenizer = ByteTokenizer()
     ends = (text_tokenizer.bos_id, text_tokenizer.eos_id) if text_tokenizer else None
     if ends and (meta["bos_id"], meta["eos_id"]) != ends:
-        # The name hashes tokenizer.json alone; BOS and EOS come from tokenizer_config.json
-        # beside it (and once a null bos_token did not mean "none").
+        # The name hashes tokenizer.json alone: BOS and EOS come from the tokenizer_config.json
+        # beside it (and data prepared before a null bos_token meant none has a BOS).
         raise UsageError(
             f"{dataset.path / 'meta.json'} has bos_id {meta['bos_id']} and eos_id "
             f"{meta['eos_id']}, but the tokenizer {source or prepared_with} has BOS {ends[0]} and "
