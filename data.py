@@ -378,14 +378,15 @@ def open_data(
         text_tokenizer.use_chat_template(dataset.chat_template)
     export_tokenizer = read_hf_tokenizer(hf_checkpoint) if hf_checkpoint else None
     from_checkpoint = own and any(Path(source).samefile(p) for p in (own, hf_checkpoint))
-    if text_tokenizer and not from_checkpoint:
-        # The tokenizer that prepared the data, not the checkpoint's (another, or none).
+    if from_checkpoint and export_tokenizer.has_tokenizer():
+        if dataset.chat_template:  # the template trained with, in place of the checkpoint's
+            set_chat_template(export_tokenizer.files, dataset.chat_template.read_bytes())
+    elif text_tokenizer:
+        # From its own files: the checkpoint's are another tokenizer's, or hold none beside an
+        # original/tokenizer.model.
         ids = (text_tokenizer.bos_id, text_tokenizer.eos_id, text_tokenizer.pad_id)
         special_ids = dict(zip(SPECIAL_TOKEN_KEYS, ids, strict=True))
         export_tokenizer = HFTokenizer(text_tokenizer.hf_files(), special_ids)
-    elif export_tokenizer and export_tokenizer.has_tokenizer() and dataset.chat_template:
-        # The template the model was trained with, the dataset's, in place of the checkpoint's.
-        set_chat_template(export_tokenizer.files, dataset.chat_template.read_bytes())
     return RunData(dataset, text_tokenizer, export_tokenizer)
 
 
