@@ -340,8 +340,9 @@ def open_data(
     is_main: bool,
 ) -> RunData:
     """The dataset, checked against the model and the tokenizer: --tokenizer's, else the
-    --hf-checkpoint directory's, must be the one the data was prepared with. The export carries
-    the checkpoint's tokenizer files, else that one's, with the dataset's chat template."""
+    --hf-checkpoint directory's, must be the one the data was prepared with, with the same BOS
+    and EOS. The export carries that tokenizer, with the dataset's chat template: when it is
+    the checkpoint's, the checkpoint's files and config.json's ids, else its own."""
     if data:
         dataset = TokenDataset(data)
     else:
@@ -350,8 +351,9 @@ def open_data(
         dist.barrier()
         dataset = TokenDataset(default_corpus(CACHE))
     dataset.check(vocab_size, seq_len)
-    prepared_with = dataset.meta["tokenizer"]
-    source = tokenizer or (hf_checkpoint and tokenizer_file(hf_checkpoint))
+    meta, prepared_with = dataset.meta, dataset.meta["tokenizer"]
+    own = hf_checkpoint and tokenizer_file(hf_checkpoint)
+    source = tokenizer or own
     text_tokenizer = load_tokenizer(source) if source else None
     if text_tokenizer and text_tokenizer.name != prepared_with:
         given = "--tokenizer" if tokenizer else "the checkpoint's tokenizer"
@@ -362,21 +364,26 @@ def open_data(
         )
     if prepared_with == ByteTokenizer.name:
         text_tokenizer = ByteTokenizer()
-    if text_tokenizer and dataset.meta["bos_id"] != text_tokenizer.bos_id:
-        # The same tokenizer.json read another way: a dataset prepared before a null
-        # bos_token in tokenizer_config.json meant no BOS has one before each document.
+    ends = (text_tokenizer.bos_id, text_tokenizer.eos_id) if text_tokenizer else None
+    if ends and (meta["bos_id"], meta["eos_id"]) != ends:
+        # The name hashes tokenizer.json alone: BOS and EOS come from the tokenizer_config.json
+        # beside it (and data prepared before a null bos_token meant none has a BOS).
         raise UsageError(
-            f"dataset {dataset.path} starts its documents with BOS id {dataset.meta['bos_id']}, "
-            f"but its tokenizer {source or prepared_with} has BOS {text_tokenizer.bos_id}: "
-            f"prepare the data again (python data.py prepare ...)"
+            f"{dataset.path / 'meta.json'} has bos_id {meta['bos_id']} and eos_id "
+            f"{meta['eos_id']}, but the tokenizer {source or prepared_with} has BOS {ends[0]} and "
+            f"EOS {ends[1]}: pass --tokenizer with the directory that prepared the data (its "
+            f"tokenizer_config.json names BOS and EOS), or prepare the data again with this one"
         )
     if dataset.chat_template and hasattr(text_tokenizer, "use_chat_template"):
         text_tokenizer.use_chat_template(dataset.chat_template)
     export_tokenizer = read_hf_tokenizer(hf_checkpoint) if hf_checkpoint else None
-    if export_tokenizer and export_tokenizer.has_tokenizer() and dataset.chat_template:
-        # The template the model was trained with, the dataset's, in place of the checkpoint's.
-        set_chat_template(export_tokenizer.files, dataset.chat_template.read_bytes())
-    if not (export_tokenizer and export_tokenizer.has_tokenizer()) and text_tokenizer:
+    from_checkpoint = own and any(Path(source).samefile(p) for p in (own, hf_checkpoint))
+    if from_checkpoint and export_tokenizer.has_tokenizer():
+        if dataset.chat_template:  # the template trained with, in place of the checkpoint's
+            set_chat_template(export_tokenizer.files, dataset.chat_template.read_bytes())
+    elif text_tokenizer:
+        # From its own files: the checkpoint's are another tokenizer's, or hold none beside an
+        # original/tokenizer.model.
         ids = (text_tokenizer.bos_id, text_tokenizer.eos_id, text_tokenizer.pad_id)
         special_ids = dict(zip(SPECIAL_TOKEN_KEYS, ids, strict=True))
         export_tokenizer = HFTokenizer(text_tokenizer.hf_files(), special_ids)

@@ -427,13 +427,17 @@ SHAREGPT_ROLES |= {"gpt": "assistant", "assistant": "assistant"}
 MAPPINGS = {  # the shapes mapped to messages, as prepare's summary says
     "ShareGPT": "conversations' from human or user -> user, gpt or assistant -> assistant, "
     "system -> system, value -> content",
-    "Alpaca": 'system -> system, instruction + "\\n\\n" + input -> user, output -> assistant',
+    "Alpaca": 'system -> system, instruction + "\\n\\n" + input -> user, output -> assistant '
+    '(a "text" beside them is not read)',
 }
 
 
 def _example(record: object, where: str, text_key: str) -> tuple[Example, str]:
-    """The example of a record, and the name of its shape. A null field counts as absent: a
-    table (parquet, or JSONL written from one) has every column in every row."""
+    """The example of a record, and the name of its shape: the first it has of messages,
+    ShareGPT, prompt/response, Alpaca, then text. A text beside a shape of prompts is not read,
+    as TRL takes a prompt before its text field: tatsu-lab/alpaca's "text" is its instruction,
+    input and output written into one, which would train on the prompt. A null field counts as
+    absent: a table (parquet, or JSONL written from one) has every column in every row."""
     if isinstance(record, dict):
         record = {key: value for key, value in record.items() if value is not None}
         if "messages" in record:
@@ -441,8 +445,6 @@ def _example(record: object, where: str, text_key: str) -> tuple[Example, str]:
         if "conversations" in record:
             messages = _from_sharegpt(record["conversations"], where)
             return _check_messages(messages, where, "conversations"), "ShareGPT"
-        if isinstance(record.get(text_key), str):
-            return ("", record[text_key]), "text"
         if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
             return (record["prompt"], record["response"]), "prompt/response"
         alpaca = ("instruction", "output", "input", "system")
@@ -450,6 +452,8 @@ def _example(record: object, where: str, text_key: str) -> tuple[Example, str]:
             isinstance(record.get(key, ""), str) for key in alpaca
         ):
             return _check_messages(_from_alpaca(record), where), "Alpaca"
+        if isinstance(record.get(text_key), str):
+            return ("", record[text_key]), "text"
     raise UsageError(f"{where}: expected a record (a JSON object, or a row) with {SHAPES}")
 
 

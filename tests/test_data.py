@@ -420,6 +420,18 @@ def test_sharegpt_and_alpaca_records_are_the_same_conversations_as_messages(tmp_
     assert "mapped" not in capsys.readouterr().out
 
 
+def test_a_text_beside_alpaca_or_prompt_response_fields_is_not_read(tmp_path):
+    """tatsu-lab/alpaca's rows hold a "text" (the whole prompt formatted) beside instruction,
+    input and output: read as Alpaca, only the output trained, as a prompt/response's response."""
+    text = "Below is an instruction. ### Instruction: Hi ### Response: Hello"
+    records = [{**ALPACA[1], "text": text}, {"prompt": "Q?", "response": "A.", "text": text}]
+    both = prepare.prepare([write_jsonl(tmp_path / "both.jsonl", records)], tmp_path / "both")
+    alone = [{"messages": ALPACA_MESSAGES[1]}, {"prompt": "Q?", "response": "A."}]
+    same_dataset(both, prepare.prepare([write_jsonl(tmp_path / "a.jsonl", alone)], tmp_path / "a"))
+    meta = data.TokenDataset(both).meta
+    assert meta["records_by_shape"] == {"Alpaca": 1, "prompt/response": 1} and meta["sft"]
+
+
 @pytest.mark.parametrize(
     "record, error",
     [

@@ -355,6 +355,38 @@ def test_the_template_prepare_was_given_renders_the_sample_and_goes_into_the_exp
     assert "chat_template" not in json.loads(export_tokenizer.files["tokenizer_config.json"])
 
 
+def test_the_export_carries_the_tokenizer_that_prepared_the_data_whose_eos_is_checked(tmp_path):
+    """The checkpoint's tokenizer.json beside another tokenizer_config.json (EOS "\\n"): data it
+    prepared is refused with the checkpoint's own EOS, and trained with it (--tokenizer), the
+    export carries its files and ids, not the checkpoint's; --tokenizer naming the checkpoint
+    keeps the checkpoint's files and config.json's ids."""
+    checkpoint, other = tmp_path / "checkpoint", tmp_path / "other"
+    for directory in (checkpoint, other):
+        directory.mkdir()
+        for name, contents in tokenizer.ByteTokenizer().hf_files().items():
+            (directory / name).write_bytes(contents)
+    (checkpoint / "config.json").write_text('{"eos_token_id": [257, 10]}')
+    (other / "tokenizer_config.json").write_text('{"bos_token": "<bos>", "eos_token": "Ċ"}')
+    text = tmp_path / "a.txt"
+    text.write_text("some text " * 20)
+    prepared = prepare.prepare([text], tmp_path / "ds", other, workers=1)
+    with pytest.raises(ValueError) as error:
+        data.open_data(str(prepared), None, str(checkpoint), 258, 8, True)
+    assert str(error.value).startswith(
+        f"{prepared / 'meta.json'} has bos_id 256 and eos_id 10, but the tokenizer "
+        f"{checkpoint / 'tokenizer.json'} has BOS 256 and EOS 257: pass --tokenizer"
+    )
+    exported = data.open_data(str(prepared), str(other), str(checkpoint), 258, 8, True)
+    ids = exported.export_tokenizer.special_ids
+    assert (ids["bos_token_id"], ids["eos_token_id"]) == (256, 10)
+    config = json.loads(exported.export_tokenizer.files["tokenizer_config.json"])
+    assert config["eos_token"] == "Ċ"
+    mine = prepare.prepare([text], tmp_path / "mine", checkpoint, workers=1)
+    for given in (None, checkpoint, checkpoint / "tokenizer.json"):
+        exported = data.open_data(str(mine), given and str(given), str(checkpoint), 258, 8, True)
+        assert exported.export_tokenizer.special_ids["eos_token_id"] == [257, 10]
+
+
 def test_special_ids_come_from_config_json_where_tokenizer_config_names_none(tmp_path):
     path = build_tokenizer_json(tmp_path, "gpt2 byte level")
     (path.parent / "tokenizer_config.json").write_text("{}")

@@ -650,6 +650,8 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
     other_bos = write_dataset(tmp / "other_bos", [1, 2, 3] * 200)
     meta = json.loads((other_bos / "meta.json").read_text())
     (other_bos / "meta.json").write_text(json.dumps({**meta, "bos_id": 5}))
+    other_eos = write_dataset(tmp / "other_eos", [1, 2, 3] * 200)
+    (other_eos / "meta.json").write_text(json.dumps({**meta, "eos_id": 10}))
     users_dir = tmp / "users_dir"
     users_dir.mkdir()
     (users_dir / "notes.txt").write_text("the user's")
@@ -945,7 +947,13 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
         ),
         "data whose BOS is not its tokenizer's": (
             ["--data", str(other_bos), "--seq-len", "128"],
-            "starts its documents with BOS id 5, but its tokenizer bytes has BOS 256",
+            "other_bos/meta.json has bos_id 5 and eos_id 257, but the tokenizer bytes has "
+            "BOS 256 and EOS 257: pass --tokenizer with the directory that prepared the data",
+        ),
+        "data whose EOS is not its tokenizer's": (
+            ["--data", str(other_eos), "--seq-len", "128"],
+            "other_eos/meta.json has bos_id 256 and eos_id 10, but the tokenizer bytes has "
+            "BOS 256 and EOS 257",
         ),
         "export of a resume that finds no checkpoint": (
             ["--data", str(dataset), "--resume", "--export-hf", str(tmp / "new_export")],
@@ -1012,6 +1020,7 @@ CASES = [
     "lr times weight decay past float32",
     "export of a resume that finds no checkpoint",
     "data whose BOS is not its tokenizer's",
+    "data whose EOS is not its tokenizer's",
     "report to an unknown reporter",
 ]
 
