@@ -94,6 +94,27 @@ HF_RANGES = {
 TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
+def _text_model(raw: dict, config_path: Path) -> dict:
+    """The config of the text model: a multimodal model's (Gemma 3 4b+) text_config, whose
+    output transformers ties by the top-level key (Gemma3Config's: true if left out, null is
+    false), not by text_config's; any other config as it is."""
+    text = raw.get("text_config")
+    if text is None:
+        return raw
+    if not isinstance(text, dict) or "text_config" in text:
+        what = "dict holding a text_config" if isinstance(text, dict) else type(text).__name__
+        raise UsageError(
+            f"{config_path}: text_config is a {what}, expected an object of the text model's "
+            f"own keys"
+        )
+    tie = raw.get("tie_word_embeddings", True)
+    return {
+        "model_type": TEXT_MODEL_TYPES.get(raw.get("model_type")),
+        **text,
+        "tie_word_embeddings": False if tie is None else tie,
+    }
+
+
 def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
     """The `config.json` of a HF checkpoint's directory (a file given in the directory's place
     is refused); a missing key is read from HF_CONFIG_DEFAULTS."""
@@ -107,23 +128,7 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
         )
     if not config_path.is_file():
         raise UsageError(f"no Hugging Face config.json at {config_path}")
-    raw = read_json(config_path)
-    text = raw.get("text_config")
-    if text is not None and (not isinstance(text, dict) or "text_config" in text):
-        what = "dict holding a text_config" if isinstance(text, dict) else type(text).__name__
-        raise UsageError(
-            f"{config_path}: text_config is a {what}, expected an object of the text model's "
-            f"own keys"
-        )
-    if text is not None:  # a multimodal model's (Gemma 3 4b+): its text, whose output
-        # transformers ties by the top-level key (Gemma3Config's: true if left out, null is
-        # false), not by text_config's
-        tie = raw.get("tie_word_embeddings", True)
-        raw = {
-            "model_type": TEXT_MODEL_TYPES.get(raw.get("model_type")),
-            **text,
-            "tie_word_embeddings": False if tie is None else tie,
-        }
+    raw = _text_model(read_json(config_path), config_path)
     try:
         family = raw.get("model_type")
         if not isinstance(family, str) or family not in FAMILIES:
