@@ -411,7 +411,7 @@ def load_hf_checkpoint(
     if agree(differs):  # transformers would not tie them: it would load another model
         raise UsageError(
             f"{path}: {head} differs from {names['tok_embeddings.weight']}, but config.json's "
-            f"top-level tie_word_embeddings is true (transformers then unties them): set it to "
+            f"top-level tie_word_embeddings is true (transformers 5 unties them): set it to "
             f"false to train that head, or remove {head} to tie the output to the embedding"
         )
 

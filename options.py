@@ -592,16 +592,15 @@ def default_lr(args: ModelArgs) -> float:
 
 
 def settle_options(opts: Options, args: ModelArgs, plan: Plan) -> Options:
-    """The options with lr, min_lr and grad_clip decided (the planned ones: read the plan)."""
+    """The options with lr and min_lr decided (the planned ones: read the plan). grad_clip
+    stays as asked: its default is the machine's plan's (train.build), which a resumed run
+    on another machine makes anew."""
     lr = default_lr(args) if opts.lr is None else opts.lr
     min_lr = lr / 10 if opts.min_lr is None else opts.min_lr
     if not 0 <= min_lr <= lr:
         raise UsageError(f"need 0 <= --min-lr <= --lr, got {min_lr} and {lr}")
     check_adamw_range(lr, opts.beta1, opts.weight_decay)
-    grad_clip = opts.grad_clip
-    if grad_clip is None:
-        grad_clip = 0.0 if plan.optimizer_in_backward else 1.0
-    return dataclasses.replace(opts, lr=lr, min_lr=min_lr, grad_clip=grad_clip)
+    return dataclasses.replace(opts, lr=lr, min_lr=min_lr)
 
 
 def check_adamw_range(lr: float, beta1: float, weight_decay: float) -> None:
@@ -633,12 +632,13 @@ FIXED_BY_CHECKPOINT = ("model", "hf_checkpoint", "max_seq_len", "seq_len", "stra
 
 # The options of the run's course, which may change when given again (the seed may not:
 # resume_options). Those of the machine (the memory techniques, --kernels, the attention
-# backend, context parallelism) are planned anew.
+# backend, context parallelism) are planned anew; the exports are given again, as a branch
+# off the run (another --run-dir) would write over the run's own.
 KEPT_ON_RESUME = ("lr", "min_lr", "warmup_steps", "decay", "weight_decay", "beta1", "beta2",
                   "grad_clip", "seed", "document_mask", "lora_dropout", "quantize_base",
                   "router_aux_loss_coef", "param_dtype", "fp8", "eval_data", "eval_interval",
-                  "eval_tokens", "checkpoint_interval", "keep_checkpoints", "export_hf",
-                  "export_adapter", "log_interval", "sample_tokens", "report_to")  # fmt: skip
+                  "eval_tokens", "checkpoint_interval", "keep_checkpoints", "log_interval",
+                  "sample_tokens", "report_to")  # fmt: skip
 
 
 # An option given keeps its partner from being taken (from a checkpoint, or a --config file):
@@ -669,36 +669,35 @@ def resume_options(
     given: frozenset[str],
     saved: dict,
     data_parallel: int,
-    taken: dict,
     log: Callable,
 ) -> Options:
-    """The resumed options, `taken` in them: `saved`'s global batch and schedule unless given,
-    so that another number of processes (`data_parallel`: see loader_of) splits the same batch."""
-    saved_tokens, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
+    """The resumed options: `saved`'s global batch and schedule unless given, so that another
+    number of processes (`data_parallel`: see loader_of) splits the same batch."""
+    saved_batch, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
     if opts.seed != saved["options"]["seed"]:  # taken unless given: given, another
         raise UsageError(
             f"--seed {opts.seed}: a resumed run goes on with its checkpoint's data order and "
             f"random state (seed {saved['options']['seed']}); start a new run for another seed"
         )
-    said = []
-    if taken:
-        said.append(
-            "the checkpoint's " + ", ".join(f"{flag_name(k)} {v}" for k, v in taken.items())
-        )
+    said = [
+        f"the checkpoint's {flag_name(k)} not kept: give it again to export"
+        for k in ("export_hf", "export_adapter")
+        if saved["options"].get(k) and not getattr(opts, k)
+    ]
     if given & {"batch_tokens", "micro_batch", "grad_accum"}:
-        said.append(f"global batch of {saved_tokens:,} tokens/step changed as given")
+        said.append(f"global batch of {saved_batch:,} tokens/step changed as given")
     else:
-        if saved_tokens % (data_parallel * opts.seq_len):
+        if saved_batch % (data_parallel * opts.seq_len):
             raise UsageError(
-                f"the checkpoint's global batch of {saved_tokens:,} tokens does not split into "
+                f"the checkpoint's global batch of {saved_batch:,} tokens does not split into "
                 f"rows of {opts.seq_len} over {data_parallel} data-parallel ranks: pass "
                 f"--batch-tokens to choose another"
             )
-        opts = dataclasses.replace(opts, batch_tokens=saved_tokens)
-        said.append(f"global batch of {saved_tokens:,} tokens/step kept")
+        opts = dataclasses.replace(opts, batch_tokens=saved_batch)
+        said.append(f"global batch of {saved_batch:,} tokens/step kept")
     if given & {"max_steps", "max_tokens"}:
-        steps = f"--max-tokens {opts.max_tokens}" if opts.max_tokens else opts.max_steps
-        said.append(f"schedule {saved_steps} -> {steps} steps as given")
+        asked = f"--max-tokens {opts.max_tokens}" if opts.max_tokens else f"{opts.max_steps} steps"
+        said.append(f"schedule of {saved_steps} steps -> {asked} as given")
     else:
         opts = dataclasses.replace(opts, max_steps=saved_steps, max_tokens=None)
         said.append(f"schedule of {saved_steps} steps kept")
@@ -849,7 +848,7 @@ def plan_of(opts: Options, args: ModelArgs, machine: Machine, **fixed) -> Plan:
 class Resolved:
     """What the command line (and a resumed run's checkpoint) come to, every check passed."""
 
-    opts: Options  # final: the checkpoint's where taken, lr, min_lr and grad_clip decided
+    opts: Options  # final: the checkpoint's where taken, lr and min_lr decided
     given: frozenset[str]
     args: ModelArgs
     plan: Plan
@@ -860,6 +859,7 @@ class Resolved:
     run_record: dict  # a checkpoint's record of the run (shard.check_resumable compares it)
     resume_from: Path | None
     saved: dict | None  # resume_from's train_state
+    start_tokens: int  # trained on before this run (shard.tokens_trained), at its batch sizes
     damaged: list[Path]  # checkpoints newer than resume_from, which failed their check
     # Where PEFT finds the decoder on the base's model (hf.peft_prefix), read before the run:
     # --export-adapter names the adapter's tensors by it, and the base may move meanwhile.
@@ -876,6 +876,11 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     found = shard.find_checkpoint(asked.resume, checkpoints, log) if asked.resume else None
     resume_from, saved, damaged = found or (None, None, [])
     taken = taken_on_resume(asked, given, saved) if saved else {}
+    if taken:  # before the checks: a problem with one of them is said after it
+        log(
+            "resuming: the checkpoint's "
+            + ", ".join(f"{flag_name(k)} {v}" for k, v in taken.items())
+        )
     chosen = dataclasses.replace(asked, **taken)
     args = model_args(chosen)
     check_options(chosen, args, *shard.torchrun_processes())
@@ -898,16 +903,16 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     if saved:
         shard.check_resumable(saved["run"], json.loads(json.dumps(run_record)))
         data_parallel = world.world_size // chosen.context_parallel
-        planned = resume_options(chosen, given, saved, data_parallel, taken, log)
+        planned = resume_options(chosen, given, saved, data_parallel, log)
     machine = shard.this_machine(planned.gpu_memory, planned.host_memory, world)
     plan = plan_of(planned, args, machine, lora=lora, **data_fields(planned, args, dataset))
     opts = settle_options(planned, args, plan)
-    max_steps = opts.max_steps
+    max_steps, seen = opts.max_steps, shard.tokens_trained(saved) if saved else 0
     if opts.max_tokens:  # the steps to train on the tokens left, at this run's batch
-        step, seen = (saved["step"], shard.tokens_trained(saved)) if saved else (0, 0)
+        step = saved["step"] if saved else 0
         max_steps = step + max(-(-(opts.max_tokens - seen) // plan.tokens_per_step), 0)
     run_record |= {"tokens_per_step": plan.tokens_per_step, "max_steps": max_steps}
     return Resolved(
         opts, given, args, plan, world, run_data, held_out, max_steps, run_record, resume_from,
-        saved, damaged, peft_prefix(opts.hf_checkpoint),
+        saved, seen, damaged, peft_prefix(opts.hf_checkpoint),
     )  # fmt: skip

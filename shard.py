@@ -540,7 +540,8 @@ def _train_state_problems(train_state: dict) -> list[str]:
 
 def tokens_trained(train_state: dict) -> int:
     """The tokens trained on up to a checkpoint. One saved before they were counted (no
-    "tokens") had one batch for all its steps: its run record's tokens_per_step."""
+    "tokens"): its steps at its run record's tokens_per_step, exact unless an earlier resume
+    changed the batch."""
     tokens = train_state.get("tokens")
     return train_state["step"] * train_state["run"]["tokens_per_step"] if tokens is None else tokens
 

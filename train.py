@@ -139,7 +139,6 @@ class Run(options.Resolved):
     checkpointer: shard.Checkpointer
     evaluate: Callable[[], tuple[float, int]] | None  # --eval-data's loss and labelled tokens
     start_step: int
-    start_tokens: int  # trained on by start_step, at the batch sizes of the runs before
     log: Callable
     lock: object  # run_dir/.lock, held open as long as the run lives (shard.lock_run_dir)
     reporters: list  # the main rank's metrics.py reporters, which MetricsLog hands each record
@@ -167,13 +166,13 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
         world,
         record={"run": resolved.run_record, "options": dataclasses.asdict(opts)},
     )
-    step = tokens = 0
+    step = 0
     if resolved.saved:  # the weights, optimizer state, data cursor and random state
         step = checkpointer.restore(resolved.resume_from, resolved.saved, optimizer, loader)
-        tokens = shard.tokens_trained(resolved.saved)
         by = plural(resolved.saved["run"]["world_size"], "process")
         log(
-            f"resumed from {resolved.resume_from} at step {step}, {tokens:,} tokens trained "
+            f"resumed from {resolved.resume_from} at step {step}, {resolved.start_tokens:,} "
+            f"tokens trained "
             f"(saved by {by}, now {world.world_size})"
         )
     elif opts.resume:
@@ -192,8 +191,8 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
             reporters = open_reporters(opts.report_to, run_dir, config, step, last, log)
     return Run(
         **vars(resolved), model=model, optimizer=optimizer, loader=loader, run_dir=run_dir,
-        checkpointer=checkpointer, evaluate=evaluate_held_out, start_step=step, start_tokens=tokens,
-        log=log, lock=lock, reporters=reporters,
+        checkpointer=checkpointer, evaluate=evaluate_held_out, start_step=step, log=log, lock=lock,
+        reporters=reporters,
     )  # fmt: skip
 
 
@@ -226,9 +225,11 @@ def build(opts: Options, args: ModelArgs, plan: Plan, world, resumed: bool, log)
     if plan.optimizer_in_backward:
         dtype = DTYPES[plan.param_dtype]
         return model, optim.OptimizerInBackward(model, world.device, dtype, opts.lr, betas, decay)
-    # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then.
+    # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then. Clipping
+    # at 1.0 unless asked otherwise (the optimizer in backward clips nothing: plan_problems).
     fused = world.device.type == "cuda" or plan.cpu_offload
-    return model, optim.ShardedAdamW(model, betas, decay, opts.grad_clip, fused)
+    clip = 1.0 if opts.grad_clip is None else opts.grad_clip
+    return model, optim.ShardedAdamW(model, betas, decay, clip, fused)
 
 
 def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -> None:

@@ -1179,11 +1179,9 @@ def test_lr_follows_the_model_size_and_is_required_for_a_hf_checkpoint(dataset, 
     assert (options.default_lr(tiny), options.default_lr(eight_b)) == (3e-3, 3e-4)
     plan = Plan(256)
     settled = options.settle_options(options.Options(), eight_b, plan)
-    assert (settled.lr, settled.min_lr, settled.grad_clip) == (3e-4, pytest.approx(3e-5), 1.0)
+    assert (settled.lr, settled.min_lr, settled.grad_clip) == (3e-4, pytest.approx(3e-5), None)
     settled = options.settle_options(options.Options(lr=1e-5), eight_b, plan)
     assert settled.min_lr == pytest.approx(1e-6)  # follows --lr unless set
-    in_backward = dataclasses.replace(plan, optimizer_in_backward=True)
-    assert options.settle_options(options.Options(), tiny, in_backward).grad_clip == 0
 
     hf = tmp_path / "hf"
     model = Llama(tiny)
@@ -2110,15 +2108,21 @@ def test_a_bare_resume_goes_on_as_the_run_was(dataset, tmp_path, capsys):
     """A bare --resume takes the run's course from its checkpoint: clipping, the held-out data,
     the checkpoints kept (before, each fell back to its default, and the default of 2 rotated
     away three of the run's checkpoints). Another --seed is refused: the checkpoint's data
-    order and random state go on whatever it says."""
+    order and random state go on whatever it says. The exports are not kept (a branch would
+    write over the run's own): the resume line names them. A clipping left to its default is
+    the new plan's: the optimizer in backward, which clips nothing, may be asked."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     held_out = prepare.prepare([stdlib / "textwrap.py"], tmp_path / "held_out", workers=1)
     run_dir = tmp_path / "run"
     argv = ["--data", str(dataset), *SMALL, "--grad-clip", "0.05", "--eval-data", str(held_out),
             "--eval-interval", "2", "--eval-tokens", "256", "--checkpoint-interval", "1",
             "--keep-checkpoints", "5", "--run-dir", str(run_dir)]  # fmt: skip
-    train.main([*argv, "--max-steps", "3"])
+    train.main([*argv, "--max-steps", "3", "--export-hf", str(tmp_path / "export")])
+    capsys.readouterr()
     train.main(["--resume", "--max-steps", "5", "--run-dir", str(run_dir)])
+    out = capsys.readouterr().out
+    assert "the checkpoint's --export-hf not kept: give it again to export" in out
+    assert "exported" not in out
     kept = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert kept == [f"step-00000{i}" for i in range(1, 6)]
     state = json.loads((run_dir / "checkpoints/step-000005/train_state.json").read_text())
@@ -2130,6 +2134,11 @@ def test_a_bare_resume_goes_on_as_the_run_was(dataset, tmp_path, capsys):
     assert "--seed 7: a resumed run goes on with its checkpoint's data order" in (
         capsys.readouterr().err
     )
+    default_clip = ["--data", str(dataset), *SMALL, "--checkpoint-interval", "1"]
+    train.main([*default_clip, "--max-steps", "1", "--run-dir", str(tmp_path / "clip")])
+    train.main(["--resume", "--max-steps", "2", "--optimizer-in-backward", "--run-dir",
+                str(tmp_path / "clip")])  # fmt: skip
+    assert list(losses(tmp_path / "clip")) == [1, 2]
 
 
 def test_max_seq_len_never_shortens_a_checkpoints_context(tmp_path):
