@@ -674,10 +674,10 @@ def resume_options(
     """The resumed options: `saved`'s global batch and schedule unless given, so that another
     number of processes (`data_parallel`: see loader_of) splits the same batch."""
     saved_batch, saved_steps = saved["run"]["tokens_per_step"], saved["run"]["max_steps"]
-    if opts.seed != saved["options"]["seed"]:  # taken unless given: given, another
+    if opts.seed != (seed := saved["options"].get("seed", opts.seed)):  # given: another
         raise UsageError(
             f"--seed {opts.seed}: a resumed run goes on with its checkpoint's data order and "
-            f"random state (seed {saved['options']['seed']}); start a new run for another seed"
+            f"random state (seed {seed}); start a new run for another seed"
         )
     said = [
         f"the checkpoint's {flag_name(k)} not kept: give it again to export"
