@@ -172,8 +172,7 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
         by = plural(resolved.saved["run"]["world_size"], "process")
         log(
             f"resumed from {resolved.resume_from} at step {step}, {resolved.start_tokens:,} "
-            f"tokens trained "
-            f"(saved by {by}, now {world.world_size})"
+            f"tokens trained (saved by {by}, now {world.world_size})"
         )
     elif opts.resume:
         start = f"from {opts.hf_checkpoint}" if opts.hf_checkpoint else "from random weights"
