@@ -905,10 +905,12 @@ class Llama(nn.Module):
         seed: int = 0,
         device: torch.device | None = None,
         copy: Callable[[torch.Tensor, object], None] | None = None,
+        trainable_only: bool = False,
     ) -> None:
-        """Each parameter's initial value, computed whole on `device` (default: the parameter's)
-        and moved in by `copy(param, full_tensor)` (shard.py's keeps this rank's rows)."""
+        """Each parameter's initial value (or the trainable ones' alone) computed whole on `device`
+        (default: its own), moved in by `copy(param, full_tensor)` (shard.py's: a rank's rows)."""
         for name, param in self.named_parameters():
-            name = name.removesuffix(NF4_SUFFIX)  # a quantized weight's value is the weight's
-            full = self.initial_value(name, seed, device or param.device)
-            copy_into(self, name, full, copy or copy_whole_tensor)
+            if param.requires_grad or not trainable_only:
+                name = name.removesuffix(NF4_SUFFIX)  # a quantized weight's value is the weight's
+                full = self.initial_value(name, seed, device or param.device)
+                copy_into(self, name, full, copy or copy_whole_tensor)

@@ -243,17 +243,15 @@ def fill_weights(
     lora_adapter: str | os.PathLike | None = None,
     agree: Callable[[list[str]], list[str]] = lambda nonfinite: nonfinite,
 ) -> None:
-    """Fills a materialized model through `copy`: from a HF checkpoint (as load_hf_checkpoint)
-    or from initial values drawn on `device` (so any layout gets the same weights); LoRA's
-    adapters from `lora_adapter` (a PEFT adapter directory) or their initial values."""
+    """Fills a materialized model through `copy`, each step over the last: initial values drawn
+    on `device`, so any layout gets the same weights (all of them, or over a checkpoint only
+    LoRA's adapters'); a HF checkpoint (as load_hf_checkpoint); a PEFT adapter directory."""
     if hf_path is None:
-        model.init_weights(seed, device=device, copy=copy)
-    else:
+        model.init_weights(seed, device, copy)
+    elif lora is not None and lora_adapter is None:  # a checkpoint holds no adapters
+        model.init_weights(seed, device, copy, trainable_only=True)
+    if hf_path is not None:
         load_hf_checkpoint(model, hf_path, copy, progress, agree)
-        if lora is not None and lora_adapter is None:  # adapters from their initial values
-            for name, param in model.named_parameters():
-                if param.requires_grad:
-                    copy(param, model.initial_value(name, seed, device))
     if lora_adapter is not None:
         load_peft_adapter(model, lora, lora_adapter, hf_path, copy, agree)
 

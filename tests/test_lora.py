@@ -22,7 +22,6 @@ from files import UsageError
 from hf import (
     check_peft_adapter,
     hf_names,
-    load_hf_checkpoint,
     load_peft_adapter,
     peft_expert_names,
     peft_names,
@@ -47,6 +46,7 @@ from lora import (
 )
 from model import REFERENCE_OPS, Llama, ModelArgs, fp8_ops, triton_ops
 from moe import LORA_PARAMS
+from shard import fill_weights
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -110,8 +110,7 @@ def lora_model(path: Path, config: LoRAConfig = CONFIG, seed: int = 0, ops=REFER
         model = Llama(args_from_hf_config(path), ops)
     apply_lora(model, config, torch.float32)
     model.to_empty(device="cpu")
-    model.init_weights(seed)  # the adapters' initial values (the base is then loaded)
-    load_hf_checkpoint(model, path)
+    fill_weights(model, seed, torch.device("cpu"), path, lora=config)  # adapters' initial values
     return model
 
 
