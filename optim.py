@@ -39,8 +39,15 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return total
 
 
+def decayed(name: str, param: torch.Tensor) -> bool:
+    """Whether AdamW decays a parameter: the weight matrices (embeddings, LoRA's adapters, an
+    MoE's router and experts), as transformers' Trainer, not the norms, gpt-oss's sinks or a
+    bias (gpt-oss's experts' are matrices too: [E, out])."""
+    return param.ndim >= 2 and not name.endswith("bias")
+
+
 class ShardedAdamW:
-    """torch.optim.AdamW over FSDP's shards (weight decay on the matrices, not the norms),
+    """torch.optim.AdamW over FSDP's shards (weight decay where `decayed`),
     behind the interface optim.OptimizerInBackward shares: set_lr() before a step's
     backward, step() after it, state_dict() / load_state_dict() as {"model": fp32 weights,
     "optim": AdamW's state} by parameter name, so either kind of run resumes the other's."""
@@ -48,11 +55,11 @@ class ShardedAdamW:
     def __init__(self, model: Llama, betas, weight_decay: float, grad_clip: float, fused: bool):
         self.model = model
         self.grad_clip = grad_clip
-        params = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters
+        trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # LoRA's alone
         self.adamw = torch.optim.AdamW(
             [
-                {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-                {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+                {"params": [p for n, p in trained if decayed(n, p)], "weight_decay": weight_decay},
+                {"params": [p for n, p in trained if not decayed(n, p)], "weight_decay": 0.0},
             ],
             lr=0.0,  # set_lr sets each step's
             betas=betas,
@@ -108,8 +115,8 @@ def adamw_(
     betas: tuple[float, float],
     weight_decay: float,
 ) -> None:
-    """AdamW(fused=True)'s kernel on the fp32 `master`, weight decay on matrices only (as
-    optim.ShardedAdamW's): the callers own the state, and the optimizer's per-call bookkeeping
+    """AdamW(fused=True)'s kernel on the fp32 `master` (`weight_decay`: 0 where not `decayed`,
+    as ShardedAdamW's): the callers own the state, and the optimizer's per-call bookkeeping
     would take a third of the time (a 58M-element tensor on 2 CPU cores)."""
     state["step"] += 1
     torch._fused_adamw_(
@@ -122,7 +129,7 @@ def adamw_(
         lr=lr,
         beta1=betas[0],
         beta2=betas[1],
-        weight_decay=weight_decay if master.ndim >= 2 else 0.0,
+        weight_decay=weight_decay,
         eps=1e-8,  # torch.optim.AdamW's default, as optim.ShardedAdamW's
         amsgrad=False,
         maximize=False,
@@ -135,8 +142,8 @@ class _AdamWInBackward:
     gradient. optim.ShardedAdamW's interface (checkpoints go between them), no zeroing."""
 
     def __init__(self, params: dict[str, nn.Parameter], master: dict, lr, betas, weight_decay):
-        self.lr, self.betas, self.weight_decay = lr, betas, weight_decay
-        self.master = master
+        self.lr, self.betas, self.master = lr, betas, master
+        self.weight_decay = {n: weight_decay if decayed(n, p) else 0.0 for n, p in params.items()}
         self.state = {
             name: {"step": torch.zeros(()), "exp_avg": torch.zeros_like(weight),
                    "exp_avg_sq": torch.zeros_like(weight)}
@@ -274,7 +281,7 @@ class OptimizerInBackward(_AdamWInBackward):
             grad = None
             copied.set()
         grad32 = self.grad32[: staging.numel()].view(staging.shape).copy_(staging)
-        adamw_(master, grad32, state, lr, self.betas, self.weight_decay)
+        adamw_(master, grad32, state, lr, self.betas, self.weight_decay[name])
         self._copy_to_working(name)
 
     def _copy_to_working(self, name: str) -> None:
@@ -353,7 +360,7 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
         self.sq_norm += grad.square().sum()
         state = {key: t.to_local() if isinstance(t, DTensor) else t
                  for key, t in self.state[name].items()}  # fmt: skip
-        adamw_(self.master[name].to_local(), grad, state, lr, self.betas, self.weight_decay)
+        adamw_(self.master[name].to_local(), grad, state, lr, self.betas, self.weight_decay[name])
 
     def step(self) -> torch.Tensor:
         """As OptimizerInBackward's, but the norm on the host, from every rank's sum of squares."""

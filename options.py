@@ -133,7 +133,7 @@ class Options:
     decay: str = option(
         "cosine", "decay from lr to min-lr after the warmup", choices=["cosine", "linear"]
     )
-    weight_decay: float = option(0.1, "AdamW weight decay of the matrices (not norms)")
+    weight_decay: float = option(0.1, "AdamW weight decay of the matrices (not norms or biases)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.95, "AdamW beta2")
     grad_clip: float | None = option(

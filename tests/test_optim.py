@@ -167,3 +167,33 @@ def test_optimizer_in_backward_on_cuda_takes_adamws_steps(tied):
     want, _, want_norms = adamw_steps(args, in_backward=False, device="cuda")
     assert_weights_close(got, want)
     assert norms == pytest.approx(want_norms, rel=1e-5)
+
+
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_weight_decay_spares_norms_biases_and_sinks(in_backward):
+    """A step on zero gradients moves only what AdamW decays: gpt-oss's expert biases are
+    [E, out] matrices, its sinks vectors; transformers' Trainer decays neither."""
+    args = dataclasses.replace(
+        PRESETS["gpt-oss-20b"], dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+        vocab_size=64, ffn_dim=16, expert_ffn_dim=16, n_experts=3, experts_per_token=2,
+        window_layers=(0,), moe_layers=(0, 1),
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for param in model.parameters():  # biases start at 0, which decay would not move
+            param.uniform_(0.5, 1.5)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if in_backward:
+        optimizer = OptimizerInBackward(model, torch.device("cpu"), torch.float32, LR, BETAS, 0.5)
+    else:
+        optimizer = optim.ShardedAdamW(model, BETAS, 0.5, grad_clip=0.0, fused=False)
+    optimizer.set_lr(LR)
+    tokens = torch.randint(0, args.vocab_size, (1, 8))
+    (0 * model(tokens, tokens)).backward()
+    optimizer.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    spared = {n for n, p in model.named_parameters() if n.endswith("bias") or p.ndim < 2}
+    assert {"layers.0.feed_forward.w1_bias", "layers.0.attention.sinks"} <= spared
+    assert moved == set(before) - spared
