@@ -81,6 +81,13 @@ def document_ids(positions: torch.Tensor) -> torch.Tensor:
     return restarts.cumsum(dim=-1) - restarts[:, :1].to(positions.dtype)
 
 
+def document_starts(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """[B, S] -> per row, 0 (a row may begin inside a document) and each later 0's offset. On
+    the host: the model picks its attention kernels by it, which on a GPU tensor would wait."""
+    positions = positions.cpu()
+    return tuple((0, *(1 + torch.nonzero(row[1:] == 0).flatten()).tolist()) for row in positions)
+
+
 def causal_prefix(length: int) -> int:
     """How many of a long document's first rows SDPA's causal kernel takes: `length` rounded
     down to a 32nd of its power of two, so that SDPA meets few shapes (cuDNN plans each new

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from attention import document_starts
 from files import UsageError, read_json
 from kernels import IGNORE_INDEX
 from prepare import (
@@ -141,13 +142,6 @@ class TokenDataset:
             )
         if problems:
             raise UsageError(f"dataset {self.path} cannot {use} this model: " + "; ".join(problems))
-
-
-def document_starts(positions: torch.Tensor) -> tuple[tuple[int, ...], ...]:
-    """[B, S] -> per row, 0 (a row may begin inside a document) and each later 0's offset. On
-    the host: the model picks its attention kernels by it, which on a GPU tensor would wait."""
-    positions = positions.cpu()
-    return tuple((0, *(1 + torch.nonzero(row[1:] == 0).flatten()).tolist()) for row in positions)
 
 
 @dataclass

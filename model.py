@@ -6,7 +6,7 @@ norms and GeGLU, `Family.gemma`; gpt-oss biases, attention sinks and biased expe
 In order: the model's numbers (`ModelArgs`, presets, FLOPs), the ops the kernels replace
 (`Ops`), then the network. It imports kernels/, attention.py (the kernels and masks over packed
 documents and windows), lora.py's layers and copy helpers, moe.py's `MoE`, files.py's
-`UsageError` and data.py's `document_starts`.
+`UsageError`.
 
 The model knows nothing of sharding, checkpointing or offload: shard.py and offload.py apply
 them from outside, in train.apply_techniques' order. Build it on the meta device and
@@ -37,10 +37,10 @@ from attention import (
     Masks,
     PackedRows,
     attention_kernel,
+    document_starts,
     packed_rows,
     window_mask,
 )
-from data import document_starts
 from files import UsageError
 from kernels import (
     IGNORE_INDEX,

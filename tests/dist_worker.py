@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from data import Batch, document_starts  # noqa: E402
+from attention import document_starts  # noqa: E402
+from data import Batch  # noqa: E402
 from files import UsageError  # noqa: E402
 from kernels import IGNORE_INDEX  # noqa: E402
 from lora import LoRAConfig, apply_lora

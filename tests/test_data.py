@@ -18,6 +18,7 @@ import pytest
 import sentencepiece
 import torch
 
+import attention
 import data
 import files
 import prepare
@@ -841,9 +842,9 @@ def test_context_parallel_ranks_read_their_halves_of_the_same_rows(tmp_path):
             assert torch.equal(joined, getattr(row, name)), name
         # Of the whole rows, so that the ranks sharing them pick the same attention kernels.
         assert parts[0].document_starts == parts[1].document_starts == row.document_starts
-        assert row.document_starts == data.document_starts(row.positions)
+        assert row.document_starts == attention.document_starts(row.positions)
         half_alone_differs += any(
-            data.document_starts(part.positions) != row.document_starts for part in parts
+            attention.document_starts(part.positions) != row.document_starts for part in parts
         )
     assert half_alone_differs > 0
 

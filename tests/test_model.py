@@ -24,10 +24,10 @@ from attention import (
     causal_prefix,
     dense_document_mask,
     document_block_mask,
+    document_starts,
     packed_rows,
 )
 from config_json import args_from_hf_config
-from data import document_starts
 from hf import hf_names, load_hf_checkpoint, save_hf_checkpoint
 from kernels.swiglu import _GLU
 from model import PRESETS, REFERENCE_OPS, Llama, ModelArgs, triton_ops

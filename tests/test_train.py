@@ -30,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from test_readme import first_screen_commands
 
+import attention
 import data
 import files
 import options
@@ -2195,7 +2196,9 @@ def test_a_step_makes_its_micro_batches_one_at_a_time():
     def micro_batches():
         for i in range(w.MICRO_BATCHES):
             assert len(forwards) == i  # the micro-batches before it have been through the model
-            yield data.Batch(tokens[i], labels[i], positions[i], data.document_starts(positions[i]))
+            yield data.Batch(
+                tokens[i], labels[i], positions[i], attention.document_starts(positions[i])
+            )
 
     n_labels = (labels != data.IGNORE_INDEX).sum()
     result = train.train_step(model, optimizer, micro_batches(), w.MICRO_BATCHES, n_labels)
