@@ -680,7 +680,8 @@ class Attention(nn.Module):
         a call runs, outermost first: shard._attend_whole_sequence (context parallelism: an
         all-to-all trades the sequence for heads), offload._KeptAttention (the "attention" and
         "selective" checkpointing of this block), then this method. Context parallelism also
-        wraps `Llama.forward` (shard._forward_rows) and `Llama.attention_mask` (_whole_row_mask)."""
+        wraps `Llama.forward` (shard._forward_rows), `Llama.attention_mask` (_whole_row_mask)
+        and an MoE model's `Llama.routed` (_pooled_routing)."""
         return attention_kernel(q, k, v, mask, self.sdpa_backends, sinks)
 
 

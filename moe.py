@@ -109,6 +109,9 @@ class MoE(nn.Module):
         self.lora_scale: float | None = None  # alpha / rank where apply_lora adapts the experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route, then `run_experts`. As FeedForward.forward, MLP tiling replaces it on the
+        instance (offload._tiled_forward); lora.NF4MoE overrides `run_experts` (4-bit experts
+        dequantized for the layer), which calls `apply_experts` -> Ops.moe_experts."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)

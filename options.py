@@ -2,7 +2,8 @@
 dataclass, each field the flag of its name) and their parser; the checks of the options against
 each other, the model and this machine; what a resumed run takes from its checkpoint; last,
 `resolve`, which turns the command line (and a checkpoint's recorded options) into the final
-options, the model's numbers and the plan, every check passed before anything is built.
+options, the model's numbers and the plan before anything is built: each file's checks of what
+it owns (the plan's rules, a dataset, a checkpoint) run from here.
 """
 
 from __future__ import annotations

@@ -126,7 +126,8 @@ def shard_group_size(strategy: str, world_size: int, local_world_size: int) -> i
 @dataclass(frozen=True)
 class Plan:
     """How a run takes its steps: all but the model that the memory per rank depends on, each
-    field the train.py flag of its name, then what make_plan made it for (MADE_FOR)."""
+    field the train.py flag of its name or what its comment says, then what make_plan made it
+    for (MADE_FOR)."""
 
     seq_len: int
     micro_batch: int = 1  # sequences per rank per forward
@@ -145,7 +146,7 @@ class Plan:
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
     fp8: bool = False  # the projections in e4m3 (kernels/fp8.py): their copies in backward
     fp8_projections: tuple[str, ...] = ()  # those --fp8 multiplies in e4m3 (fp8_projections)
-    lora: LoRAConfig | None = None
+    lora: LoRAConfig | None = None  # the --lora-* flags
     context_parallel: int = 1
     document_mask: bool = False
     # Whether some packed document may reach attention.LONG_DOCUMENT tokens, so that the causal
@@ -227,7 +228,7 @@ class Plan:
             return f"--fp8: {', '.join(self.fp8_projections)} in e4m3"
         return (
             f"--fp8: every projection stays in bf16: at {self.tokens:,} tokens a matmul the "
-            f'blocks are too small for e4m3 to gain (README, "FP8 matmuls")'
+            f'blocks are too small for e4m3 to gain (docs/techniques.md, "FP8 matmuls")'
         )
 
     def format_measured(self, measured: dict) -> str:

@@ -135,7 +135,7 @@ def this_machine(gpu_memory: float | None, host_memory: float | None, world: Wor
 
 
 # ----------------------------------------------------------------------------------------
-# FSDP: the mesh of the plan's strategy, the sharded model, the gradient norm
+# FSDP: the mesh of the plan's strategy, the sharded model, materialized and filled
 # ----------------------------------------------------------------------------------------
 
 
