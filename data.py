@@ -392,12 +392,13 @@ def open_eval_data(
     held_out.check(vocab_size, seq_len, use="evaluate")
     if held_out.path.resolve() == training.path.resolve():
         raise UsageError(f"--eval-data {held_out.path} is the training data: nothing is held out")
-    if held_out.meta["tokenizer"] != training.meta["tokenizer"]:
-        raise UsageError(
-            f"--eval-data {held_out.path} was prepared with tokenizer "
-            f"{held_out.meta['tokenizer']}, the training data {training.path} with "
-            f"{training.meta['tokenizer']}: prepare both with the same one"
-        )
+    for key in ("tokenizer", "bos_id", "eos_id"):  # the name hashes tokenizer.json alone
+        if held_out.meta[key] != training.meta[key]:
+            raise UsageError(
+                f"--eval-data {held_out.path} was prepared with {key} {held_out.meta[key]}, "
+                f"the training data {training.path} with {training.meta[key]}: prepare both "
+                f"with the same one"
+            )
     return held_out
 
 

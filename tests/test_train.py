@@ -929,6 +929,10 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--seq-len", "128", "--eval-data", str(other_tokenizer)],
             "the training data " + str(dataset) + " with bytes: prepare both with the same one",
         ),
+        "eval data of another BOS": (  # the same tokenizer.json, another tokenizer_config.json
+            ["--data", str(dataset), "--seq-len", "128", "--eval-data", str(other_bos)],
+            "other_bos was prepared with bos_id 5, the training data",
+        ),
         "eval data is the training data": (
             ["--data", str(dataset), "--eval-data", str(dataset)],
             "is the training data: nothing is held out",
@@ -1010,6 +1014,7 @@ CASES = [
     "batch tokens against gradient accumulation",
     "machine flags without --estimate-memory",
     "eval data of another tokenizer",
+    "eval data of another BOS",
     "eval data is the training data",
     "eval data shorter than a sequence",
     "export over a checkpoint longtune did not write",
