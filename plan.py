@@ -589,10 +589,8 @@ def checkpoint_cache(args: ModelArgs, plan: Plan, p: int, out: int, qkv: int, ma
     """What a checkpointed block keeps in the checkpoint's cache (None without checkpointing):
     attention's output `out`; selective: the matmuls' outputs too."""
     cached = {"none": None, "full": 0, "attention": out, "selective": out + matmuls}[plan.ac]
-    windowed = args.sliding_window is not None and plan.seq_len > args.sliding_window
-    sinks = FAMILIES[args.family].gpt_oss  # always a mask
-    if (plan.document_mask or windowed or sinks) and cached:
-        # The document-masked or windowed attention's kept output comes with the q, k, v its
+    if args.attention_masked(plan.document_mask, plan.seq_len) and cached:
+        # A masked attention's kept output (documents, a window, sinks) comes with the q, k, v its
         # backward needs (offload._KeptAttention) and, up to a row's worth, long documents'
         # causal prefixes' outputs, kept for the causal kernel's backward
         # (attention.packed_attention). A window counts on every block: at most all are windowed.
