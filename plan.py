@@ -247,6 +247,8 @@ class Plan:
 
 
 MADE_FOR = ("machine", "estimate", "planned", "tokens_per_step_asked", "seconds_per_step")
+# Plan.param_dtype's names (--param-dtype's choices) and the dtypes they stand for.
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def flag_name(field: str) -> str:
@@ -689,7 +691,7 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     end). Activations assume cuDNN attention and, with activation offload, host copies that
     keep up (Planner.candidates says when). Under context parallelism N, a rank holds
     seq_len / N tokens of each row (attention: the whole row for H/N heads): activations / N."""
-    p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
+    p = PARAM_DTYPES[plan.param_dtype].itemsize  # bytes of a gathered weight, of activations
     w = count_weights(args, plan.lora, p)
     if plan.optimizer_in_backward and not plan.cpu_offload:
         state, optimizer, host = in_backward_state(args, w, p)
