@@ -22,7 +22,7 @@ from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
 from lora import LoRAConfig, expert_lora_shapes
 from model import FAMILIES, Llama, ModelArgs
-from offload import AC_MODES
+from offload import check_ac_mode
 from optim import STAGING_SLOTS
 
 GiB = 2**30
@@ -517,10 +517,7 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     checkpointing); what its backward holds beyond those, not checkpointed and checkpointed:
     the larger of the MLP's and attention's (bench/RESULTS.md, "The block in backward,
     measured"), the latter's inputs counted in the uncheckpointed block's saved tensors."""
-    if plan.ac not in AC_MODES:
-        raise UsageError(
-            f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
-        )
+    check_ac_mode(plan.ac)
     n, d, f, h = plan.tokens, args.dim, args.ffn_dim, args.n_heads
     # MLP tiling (offload.apply_mlp_tiling): [tokens, ffn_dim] tensors exist m tokens at a time.
     m = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
