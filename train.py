@@ -132,7 +132,7 @@ class Run(options.Resolved):
     """What setup makes of the resolved options, and the loop uses."""
 
     model: Llama
-    optimizer: optim.ShardedAdamW | optim.OptimizerInBackward
+    optimizer: optim.Optimizer
     loader: PackedLoader
     run_dir: Path
     checkpointer: shard.Checkpointer
@@ -276,7 +276,7 @@ class StepResult:
 
 def train_step(
     model: Llama,
-    optimizer: optim.ShardedAdamW | optim.OptimizerInBackward,
+    optimizer: optim.Optimizer,
     micro_batches: Iterable[Batch],
     n_micro_batches: int,
     n_labels: torch.Tensor,
