@@ -143,8 +143,8 @@ class Plan:
     optimizer_in_backward: bool = False
     param_dtype: str = "bf16"  # of the gathered weights and the activations
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
-    fp8: bool = False  # the projections in e4m3 (kernels/fp8.py): their copies in backward
-    fp8_projections: tuple[str, ...] = ()  # those --fp8 multiplies in e4m3 (fp8_projections)
+    fp8: bool = False  # asked: large enough blocks' projections in e4m3 (kernels/fp8.py)
+    fp8_projections: tuple[str, ...] = ()  # make_plan's fp8_projections: those in e4m3
     lora: LoRAConfig | None = None
     context_parallel: int = 1
     document_mask: bool = False
@@ -289,7 +289,9 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
                 f"{args.n_heads} query heads, and divide the {args.n_kv_heads} key/value heads or "
                 f"be a multiple of them"
             )
-    if plan.fp8:  # cuBLAS's e4m3 matmul multiplies dimensions of multiples of 16 only
+    # cuBLAS's e4m3 matmul multiplies dimensions of multiples of 16 only: a rule of --fp8
+    # itself, whatever fp8_projections keeps in bf16 at this plan's tokens.
+    if plan.fp8:
         sizes = {"dim": args.dim, "ffn_dim": args.ffn_dim,
                  "heads x head_dim": args.n_heads * args.head_dim,
                  "kv heads x head_dim": args.n_kv_heads * args.head_dim,
@@ -564,10 +566,13 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
         # more where expert_ffn_dim <= dim (bench/RESULTS.md, "The planner's MoE block in
         # backward, counted on the CPU").
         mlp = x + (m * d * p if m < n else 0) + max(expert_rows, tile)
-    # --fp8 adds e4m3 copies (a byte an element): two of an output gradient and its input's
-    # columns, at most w2's; q's beside the block's input (bench/RESULTS.md, "FP8 matmuls").
-    if plan.fp8:
+    # --fp8 adds e4m3 copies (a byte an element) where its projections multiply in e4m3: two
+    # of an output gradient and its input's columns, at most w2's; q's beside the block's
+    # input (bench/RESULTS.md, "FP8 matmuls").
+    in_e4m3 = fp8_projections(args, plan)
+    if "w2" in in_e4m3:
         mlp += m * f + 2 * m * d
+    if in_e4m3:
         attention += n * d + 2 * n * q
     # A checkpointed block's recomputed forward: attention's inputs (and q and k before
     # qk_norm), and its output unless the cache kept it; the MLP's tile again (selective keeps
@@ -863,7 +868,7 @@ def make_plan(
         planned=tuple(name for name in PLANNED if name not in wanted),
         tokens_per_step_asked=asked,
         seconds_per_step=step_seconds(args, plan, GPU_FLOPS if machine.gpu_gib else CPU_FLOPS),
-        fp8_projections=fp8_projections(args, plan) if plan.fp8 else (),
+        fp8_projections=fp8_projections(args, plan),
     )
 
 
@@ -879,8 +884,10 @@ FP8_SMALLEST_BLOCK = 700e9
 
 def fp8_projections(args: ModelArgs, plan: Plan) -> tuple[str, ...]:
     """The projections --fp8 multiplies in e4m3: all of them where the block's are large
-    enough at the plan's tokens a matmul (FP8_SMALLEST_BLOCK), else none (model.fp8_ops is
-    not applied). Under --mlp-tile the MLP's matmuls are a tile's."""
+    enough at the plan's tokens a matmul (FP8_SMALLEST_BLOCK), else (or without --fp8) none
+    (model.fp8_ops is not applied). Under --mlp-tile the MLP's matmuls are a tile's."""
+    if not plan.fp8:
+        return ()
     rows = plan.seq_len // plan.context_parallel
     mlp_tokens = plan.micro_batch * min(plan.mlp_tile or rows, rows)
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
