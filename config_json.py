@@ -1,8 +1,8 @@
 """A Hugging Face checkpoint's config.json, read into `ModelArgs` (`args_from_hf_config`: every
 key's type and range checked, what each family's block fixes refused when it differs, a
 missing key read as transformers' config class reads it) and written back (`hf_config`), as
-tables of keys and defaults. hf.py holds the tensors. It imports model.py, tokenizer.py's
-special token keys and files.py's rules.
+tables of keys and defaults. hf.py holds the tensors. It imports model.py, moe.py's SwiGLU
+constants, tokenizer.py's special token keys and files.py's rules.
 """
 
 import math
@@ -14,6 +14,7 @@ import torch
 
 from files import UsageError, read_json
 from model import FAMILIES, ROPE_TYPES, ModelArgs, RopeScaling, yarn_mscale
+from moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from tokenizer import SPECIAL_TOKEN_KEYS
 
 # Each scaling's RopeScaling fields -> their keys in HF rope settings.
@@ -60,7 +61,8 @@ GEMMA3_FIXED = {
 }
 # gpt-oss's: biases on the attention's projections, its experts' clamped SwiGLU (moe.py).
 GPT_OSS_FIXED = {
-    "hidden_act": "silu", "attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0
+    "hidden_act": "silu", "attention_bias": True,
+    "swiglu_alpha": SWIGLU_ALPHA, "swiglu_limit": SWIGLU_LIMIT,
 }  # fmt: skip
 FAMILY_FIXED = {"gemma3_text": GEMMA3_FIXED, "gpt_oss": GPT_OSS_FIXED}
 # What each number or switch of config.json may be, (kind, least, most): integers within

@@ -323,6 +323,14 @@ class ModelArgs:
             return of_window(math.inf)
         return (1 - windowed) * of_window(math.inf) + windowed * of_window(self.sliding_window)
 
+    def attention_masked(self, documents: bool, seq_len: int | None = None) -> bool:
+        """Whether Llama.attention_mask may give attention a mask, not SDPA's causal kernel
+        alone: `documents` packed in a row kept apart, a window shorter than rows of `seq_len`
+        (None: of any length), or gpt-oss's attention sinks (a kernel's logsumexp: not SDPA's)."""
+        window = self.sliding_window
+        windowed = window is not None and (seq_len is None or seq_len > window)
+        return documents or windowed or FAMILIES[self.family].gpt_oss
+
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
@@ -794,8 +802,9 @@ class Llama(nn.Module):
     def attention_mask(
         self, positions: torch.Tensor, starts: tuple[tuple[int, ...], ...] | None = None
     ) -> Masks:
-        """Every block's mask, chosen once per forward so that a block recomputed in backward
-        gets the same kernels. `starts` (data.Batch has them) saves reading them off the GPU."""
+        """Every block's mask (some block's one where `ModelArgs.attention_masked`), chosen once
+        per forward so that a block recomputed in backward gets the same kernels. `starts`
+        (data.Batch has them) saves reading them off the GPU."""
         window = self.args.sliding_window
         within_window = window is None or positions.shape[1] <= window
         has_sinks = FAMILIES[self.args.family].gpt_oss  # need a kernel's logsumexp: not SDPA's

@@ -44,16 +44,18 @@ MATMUL_OPS = {aten.mm.default, aten._scaled_mm.default}
 SAVED_OPS = {"attention": ATTENTION_OPS, "selective": ATTENTION_OPS | MATMUL_OPS}
 
 
-def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
-    """Checkpoints the blocks: "full" keeps only a block's input and recomputes it in backward;
-    "attention" and "selective" also keep their SAVED_OPS' outputs and the document-masked
-    attention's (`_KeptAttention`). every=k checkpoints blocks 0, k, 2k, ... only."""
+def check_ac_mode(mode: str) -> None:
     if mode not in AC_MODES:
         raise UsageError(
             f"unknown activation checkpointing mode {mode!r}; expected one of {AC_MODES}"
         )
-    if every < 1:
-        raise ValueError(f"activation checkpointing 'every' must be >= 1, got {every}")
+
+
+def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
+    """Checkpoints the blocks: "full" keeps only a block's input and recomputes it in backward;
+    "attention" and "selective" also keep their SAVED_OPS' outputs and the document-masked
+    attention's (`_KeptAttention`). every=k checkpoints blocks 0, k, 2k, ... only."""
+    check_ac_mode(mode)
     if mode == "none":
         return
     context_fn = None  # "full": the checkpoint's own contexts, which keep nothing
@@ -317,8 +319,6 @@ def activation_offload(
         yield None
         return
     last = len(model.layers) - 1
-    if blocks is not None and not 0 <= blocks <= last:
-        raise ValueError(f"activation offload of {blocks} blocks; expected 0 to {last}")
     offloader = _Offloader(min_bytes)
     handles = []
     for i, block in enumerate(model.layers[: last if blocks is None else blocks]):

@@ -1,5 +1,4 @@
-"""The optimizers, behind one interface the loop calls (set_lr() before a step's backward,
-step() after it, state_dict() / load_state_dict() by parameter name): `ShardedAdamW`,
+"""The optimizers, behind the one interface the loop calls (`Optimizer`): `ShardedAdamW`,
 torch's AdamW over FSDP's shards after clipping the global gradient norm; and the optimizer
 step in backward (`OptimizerInBackward` on one GPU, `ShardedOptimizerInBackward` on FSDP's
 host shards: AdamW on the CPU for each parameter once its gradient is complete), which trades
@@ -12,6 +11,7 @@ import contextlib
 import functools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,17 @@ from torch.distributed.tensor import DTensor
 
 from files import UsageError
 from model import Llama
+
+
+class Optimizer(Protocol):
+    """What the loop (train.train_step) and the checkpoints call, on each optimizer here:
+    set_lr() before a step's backward, step() after it (the gradient norm, unread),
+    state_dict() / load_state_dict() by parameter name."""
+
+    def set_lr(self, lr: float) -> None: ...
+    def step(self) -> torch.Tensor: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:

@@ -37,6 +37,7 @@ from model import PRESETS, ModelArgs
 from offload import AC_MODES
 from plan import (
     BATCH_TOKENS,
+    PARAM_DTYPES,
     PLANNED,
     SMALL_MODEL_BATCH_TOKENS,
     STRATEGIES,
@@ -179,7 +180,7 @@ class Options:
         None,
         "compute dtype of parameters (default: bf16 on GPU, fp32 on CPU); master "
         "weights and gradient reduction stay fp32",
-        choices=["bf16", "fp32"],
+        choices=list(PARAM_DTYPES),
     )
     attention_backend: str = option("auto", "SDPA backend", choices=sorted(SDPA_BACKENDS))
     kernels: bool | None = option(None, "the Triton kernels (default: on with CUDA, off on CPU)")

@@ -22,7 +22,7 @@ from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
 from lora import LoRAConfig, expert_lora_shapes
 from model import FAMILIES, Llama, ModelArgs
-from offload import AC_MODES
+from offload import check_ac_mode
 from optim import STAGING_SLOTS
 
 GiB = 2**30
@@ -144,8 +144,8 @@ class Plan:
     optimizer_in_backward: bool = False
     param_dtype: str = "bf16"  # of the gathered weights and the activations
     kernels: bool = True  # the Triton kernels' saved tensors, or the PyTorch references'
-    fp8: bool = False  # the projections in e4m3 (kernels/fp8.py): their copies in backward
-    fp8_projections: tuple[str, ...] = ()  # those --fp8 multiplies in e4m3 (fp8_projections)
+    fp8: bool = False  # asked: large enough blocks' projections in e4m3 (kernels/fp8.py)
+    fp8_projections: tuple[str, ...] = ()  # make_plan's fp8_projections: those in e4m3
     lora: LoRAConfig | None = None  # the --lora-* flags
     context_parallel: int = 1
     document_mask: bool = False
@@ -248,6 +248,8 @@ class Plan:
 
 
 MADE_FOR = ("machine", "estimate", "planned", "tokens_per_step_asked", "seconds_per_step")
+# Plan.param_dtype's names (--param-dtype's choices) and the dtypes they stand for.
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def flag_name(field: str) -> str:
@@ -288,7 +290,9 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
                 f"{args.n_heads} query heads, and divide the {args.n_kv_heads} key/value heads or "
                 f"be a multiple of them"
             )
-    if plan.fp8:  # cuBLAS's e4m3 matmul multiplies dimensions of multiples of 16 only
+    # cuBLAS's e4m3 matmul multiplies dimensions of multiples of 16 only: a rule of --fp8
+    # itself, whatever fp8_projections keeps in bf16 at this plan's tokens.
+    if plan.fp8:
         sizes = {"dim": args.dim, "ffn_dim": args.ffn_dim,
                  "heads x head_dim": args.n_heads * args.head_dim,
                  "kv heads x head_dim": args.n_kv_heads * args.head_dim,
@@ -516,10 +520,7 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     checkpointing); what its backward holds beyond those, not checkpointed and checkpointed:
     the larger of the MLP's and attention's (bench/RESULTS.md, "The block in backward,
     measured"), the latter's inputs counted in the uncheckpointed block's saved tensors."""
-    if plan.ac not in AC_MODES:
-        raise UsageError(
-            f"unknown activation checkpointing mode {plan.ac!r}; expected one of {AC_MODES}"
-        )
+    check_ac_mode(plan.ac)
     n, d, f, h = plan.tokens, args.dim, args.ffn_dim, args.n_heads
     # MLP tiling (offload.apply_mlp_tiling): [tokens, ffn_dim] tensors exist m tokens at a time.
     m = min(n, plan.micro_batch * plan.mlp_tile) if plan.mlp_tile else n
@@ -566,10 +567,13 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
         # more where expert_ffn_dim <= dim (bench/RESULTS.md, "The planner's MoE block in
         # backward, counted on the CPU").
         mlp = x + (m * d * p if m < n else 0) + max(expert_rows, tile)
-    # --fp8 adds e4m3 copies (a byte an element): two of an output gradient and its input's
-    # columns, at most w2's; q's beside the block's input (bench/RESULTS.md, "FP8 matmuls").
-    if plan.fp8:
+    # --fp8 adds e4m3 copies (a byte an element) where its projections multiply in e4m3: two
+    # of an output gradient and its input's columns, at most w2's; q's beside the block's
+    # input (bench/RESULTS.md, "FP8 matmuls").
+    in_e4m3 = fp8_projections(args, plan)
+    if "w2" in in_e4m3:
         mlp += m * f + 2 * m * d
+    if in_e4m3:
         attention += n * d + 2 * n * q
     # A checkpointed block's recomputed forward: attention's inputs (and q and k before
     # qk_norm), and its output unless the cache kept it; the MLP's tile again (selective keeps
@@ -590,10 +594,8 @@ def checkpoint_cache(args: ModelArgs, plan: Plan, p: int, out: int, qkv: int, ma
     """What a checkpointed block keeps in the checkpoint's cache (None without checkpointing):
     attention's output `out`; selective: the matmuls' outputs too."""
     cached = {"none": None, "full": 0, "attention": out, "selective": out + matmuls}[plan.ac]
-    windowed = args.sliding_window is not None and plan.seq_len > args.sliding_window
-    sinks = FAMILIES[args.family].gpt_oss  # always a mask
-    if (plan.document_mask or windowed or sinks) and cached:
-        # The document-masked or windowed attention's kept output comes with the q, k, v its
+    if args.attention_masked(plan.document_mask, plan.seq_len) and cached:
+        # A masked attention's kept output (documents, a window, sinks) comes with the q, k, v its
         # backward needs (offload._KeptAttention) and, up to a row's worth, long documents'
         # causal prefixes' outputs, kept for the causal kernel's backward
         # (attention.packed_attention). A window counts on every block: at most all are windowed.
@@ -692,7 +694,7 @@ def estimate_memory(args: ModelArgs, plan: Plan) -> MemoryEstimate:
     end). Activations assume cuDNN attention and, with activation offload, host copies that
     keep up (Planner.candidates says when). Under context parallelism N, a rank holds
     seq_len / N tokens of each row (attention: the whole row for H/N heads): activations / N."""
-    p = 2 if plan.param_dtype == "bf16" else 4  # bytes of a gathered weight and of activations
+    p = PARAM_DTYPES[plan.param_dtype].itemsize  # bytes of a gathered weight, of activations
     w = count_weights(args, plan.lora, p)
     if plan.optimizer_in_backward and not plan.cpu_offload:
         state, optimizer, host = in_backward_state(args, w, p)
@@ -867,7 +869,7 @@ def make_plan(
         planned=tuple(name for name in PLANNED if name not in wanted),
         tokens_per_step_asked=asked,
         seconds_per_step=step_seconds(args, plan, GPU_FLOPS if machine.gpu_gib else CPU_FLOPS),
-        fp8_projections=fp8_projections(args, plan) if plan.fp8 else (),
+        fp8_projections=fp8_projections(args, plan),
     )
 
 
@@ -883,8 +885,10 @@ FP8_SMALLEST_BLOCK = 700e9
 
 def fp8_projections(args: ModelArgs, plan: Plan) -> tuple[str, ...]:
     """The projections --fp8 multiplies in e4m3: all of them where the block's are large
-    enough at the plan's tokens a matmul (FP8_SMALLEST_BLOCK), else none (model.fp8_ops is
-    not applied). Under --mlp-tile the MLP's matmuls are a tile's."""
+    enough at the plan's tokens a matmul (FP8_SMALLEST_BLOCK), else (or without --fp8) none
+    (model.fp8_ops is not applied). Under --mlp-tile the MLP's matmuls are a tile's."""
+    if not plan.fp8:
+        return ()
     rows = plan.seq_len // plan.context_parallel
     mlp_tokens = plan.micro_batch * min(plan.mlp_tile or rows, rows)
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim

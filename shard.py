@@ -60,7 +60,7 @@ from hf import (
     save_peft_adapter,
 )
 from lora import LoRAConfig, copy_whole_tensor, merged_named_tensors
-from model import FAMILIES, Llama, ModelArgs, RopeScaling
+from model import Llama, ModelArgs, RopeScaling
 from moe import Routed
 from plan import GiB, Machine, host_memory_gib, shard_group_size, strategy_of
 
@@ -386,9 +386,8 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
         block.attention.attend = functools.partial(
             _attend_whole_sequence, block.attention.attend, group
         )
-    # Masks from the positions (else None, whatever they are); attention sinks always need one.
-    has_sinks = FAMILIES[model.args.family].gpt_oss
-    if model.mask_documents or model.args.window_layers or has_sinks:
+    # The masks from the whole rows' positions, wherever attention may take one.
+    if model.args.attention_masked(model.mask_documents):
         model.attention_mask = functools.partial(_whole_row_mask, model.attention_mask, group)
     model.forward = functools.partial(_forward_rows, model.forward, group)
     if model.args.moe_layers:

@@ -51,9 +51,8 @@ from model import (
     triton_ops,
 )
 from options import Options, command_line, exit_after_rank_0, other_rank, parse_options
-from plan import Plan, host_peak_rss_gib, measured_memory
+from plan import PARAM_DTYPES, Plan, host_peak_rss_gib, measured_memory
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # The exit status of a run stopped by SIGTERM or Ctrl-C after saving a checkpoint (EX_TEMPFAIL:
 # "try again"), so `train.py && export` stops there and a requeue script can tell it apart.
 EXIT_STOPPED = 75
@@ -101,7 +100,7 @@ def apply_techniques(
     Activation offload wraps each forward instead (train_step); --fp8 picks the ops in build.
     torch.compile of each block (between 2 and 4) measured slower than eager: not offered."""
     if plan.lora:
-        apply_lora(model, plan.lora, base_dtype=DTYPES[plan.param_dtype], kernels=plan.kernels)
+        apply_lora(model, plan.lora, PARAM_DTYPES[plan.param_dtype], kernels=plan.kernels)
     offload.apply_ac(model, plan.ac, every=plan.ac_every)
     offload.apply_mlp_tiling(model, plan.mlp_tile)
     shard.apply_context_parallel(model, shard.context_parallel_group(world, plan.context_parallel))
@@ -117,7 +116,7 @@ def apply_techniques(
         mesh,
         plan.strategy,
         cpu_offload=plan.cpu_offload,
-        param_dtype=DTYPES[plan.param_dtype],
+        param_dtype=PARAM_DTYPES[plan.param_dtype],
         # The optimizer in backward reads each gradient in FSDP's hook: into pinned shards,
         # torch < 2.13 copies it without blocking, and the hook could read it too early.
         # Plain memory also spares the pinned allocator's rounding up, for slower copies.
@@ -133,7 +132,7 @@ class Run(options.Resolved):
     """What setup makes of the resolved options, and the loop uses."""
 
     model: Llama
-    optimizer: optim.ShardedAdamW | optim.OptimizerInBackward
+    optimizer: optim.Optimizer
     loader: PackedLoader
     run_dir: Path
     checkpointer: shard.Checkpointer
@@ -222,7 +221,7 @@ def build(opts: Options, args: ModelArgs, plan: Plan, world, resumed: bool, log)
     if plan.optimizer_in_backward and plan.cpu_offload:  # on FSDP's shards on the host
         return model, optim.ShardedOptimizerInBackward(model, opts.lr, betas, decay)
     if plan.optimizer_in_backward:
-        dtype = DTYPES[plan.param_dtype]
+        dtype = PARAM_DTYPES[plan.param_dtype]
         return model, optim.OptimizerInBackward(model, world.device, dtype, opts.lr, betas, decay)
     # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then. Clipping
     # at 1.0 unless asked otherwise (the optimizer in backward clips nothing: plan_problems).
@@ -277,7 +276,7 @@ class StepResult:
 
 def train_step(
     model: Llama,
-    optimizer: optim.ShardedAdamW | optim.OptimizerInBackward,
+    optimizer: optim.Optimizer,
     micro_batches: Iterable[Batch],
     n_micro_batches: int,
     n_labels: torch.Tensor,
@@ -749,7 +748,7 @@ def finish(run: Run, step: int) -> None:
             log(f"{stopped}; no checkpoint (--checkpoint-interval 0): nothing to resume from")
         return
     if opts.export_hf:
-        dtype, tokenizer = DTYPES[run.plan.param_dtype], run.run_data.export_tokenizer
+        dtype, tokenizer = PARAM_DTYPES[run.plan.param_dtype], run.run_data.export_tokenizer
         shard.export_hf(run.model, run.args, opts.export_hf, dtype, tokenizer, run.world)
         log(f"exported {opts.export_hf} ({run.plan.param_dtype})")
     if opts.export_adapter:

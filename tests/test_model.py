@@ -6,6 +6,7 @@ Tolerances: fp32 on CPU, max |a - b| / max |b| <= 1e-5 for logits, loss and grad
 
 import dataclasses
 import importlib.util
+import itertools
 import re
 from pathlib import Path
 
@@ -295,6 +296,31 @@ def test_attention_mask_chooses_the_kernel_by_document_length():
     assert model.attention_mask(two).causal == PackedRows(None, (((0, 15), (15, 40)),) * 2)
     model.mask_documents = False
     assert model.attention_mask(two) == Masks(None, None)
+
+
+@pytest.mark.parametrize(
+    ("family", "window"),
+    [("llama", None), ("mistral", 40), ("mistral", 39), ("gpt_oss", None), ("gpt_oss", 40)],
+)
+def test_attention_masked_is_true_where_the_model_gives_a_mask(family, window):
+    """ModelArgs.attention_masked, which context parallelism (whose positions to gather) and
+    the memory estimate (what a checkpointed block keeps) read, against Llama.attention_mask
+    on 40-token rows of one document or two: documents, a window, attention sinks."""
+    args = dataclasses.replace(
+        PRESETS["gpt-oss-20b" if family == "gpt_oss" else "tiny"], family=family, n_layers=2,
+        moe_layers=(0, 1) if family == "gpt_oss" else (), sliding_window=window,
+        window_layers=() if window is None else (0, 1),
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = Llama(args)
+    one = torch.arange(40).expand(2, 40)
+    two = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
+    for documents, positions in itertools.product([False, True], [one, two]):
+        model.mask_documents = documents
+        masks = model.attention_mask(positions)
+        given = masks.causal is not None or masks.windowed is not None
+        assert given == args.attention_masked(documents and positions is two, 40)
+        assert given <= args.attention_masked(documents)  # any row: what to gather
 
 
 @pytest.mark.parametrize(

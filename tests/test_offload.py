@@ -343,8 +343,6 @@ def test_unknown_checkpointing_mode_is_refused():
         ValueError, match=r"expected one of \('none', 'full', 'attention', 'selective'\)"
     ):
         apply_ac(model, "layers")
-    with pytest.raises(ValueError, match="every"):
-        apply_ac(model, "full", every=0)
 
 
 def test_offload_skips_weights_and_small_tensors_and_frees_its_copies():
@@ -418,9 +416,6 @@ def test_offload_of_the_first_blocks_only(reference):
     loss.backward()
     grads = {n: p.grad.detach().cpu() for n, p in model.named_parameters()}
     assert_grads_close(grads, reference)
-    too_many = activation_offload(model, blocks=ARGS.n_layers)
-    with pytest.raises(ValueError, match=f"expected 0 to {ARGS.n_layers - 1}"), too_many:
-        pass
 
 
 def test_disabled_offload_is_a_plain_forward(reference):

@@ -669,6 +669,15 @@ def test_fp8_adds_its_e4m3_copies_to_the_block_backward_as_measured():
     assert abs(fp8.gpu_total - bf16.gpu_total - 1.5) < 0.1
 
 
+def test_fp8_counts_no_e4m3_copies_where_every_projection_stays_in_bf16():
+    """llama3.2-1b at 8,192 tokens a matmul: blocks too small for e4m3 to gain, so --fp8
+    multiplies none in e4m3 (test_fp8_keeps_blocks_too_small_to_gain_in_bf16) and the
+    estimate is bf16's, not bf16's plus copies no projection makes."""
+    args = ModelArgs.from_name("llama3.2-1b")
+    plan = Plan(8192, ac="selective", activation_offload=True)
+    assert estimate_memory(args, dataclasses.replace(plan, fp8=True)) == estimate_memory(args, plan)
+
+
 def test_the_options_are_refused_by_the_rules_the_planner_follows():
     """One statement of each rule: the options break it (technique_problems), and the
     planner never picks a plan that breaks it (the optimizer in backward with another
