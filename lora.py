@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from files import UsageError
 from kernels import dequantize_nf4, dequantize_nf4_reference, nf4_linear, quantize_nf4
 from kernels.nf4 import check_quantizable, row_bytes, scale_count
-from moe import EXPERT_ADAPTERS, MoE
+from moe import EXPERT_ADAPTERS, EXPERT_WEIGHTS, MoE
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 HF_LAYER_NAMES = {
@@ -56,7 +56,6 @@ EXPERT_LORA_TARGETS = {
     "experts_w2": "mlp.experts.down_proj",
 }
 NF4_SUFFIX = "_nf4"  # `wq.weight_nf4`: the 4-bit storage of `wq.weight`
-EXPERT_WEIGHTS = ("w1", "w3", "w2")  # moe.MoE's [E, out, in] expert tensors
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,8 @@ from kernels import (
     rms_norm_reference,
     swiglu_reference,
 )
-from lora import EXPERT_WEIGHTS, NF4_SUFFIX, LoRALinear, NF4MoE, copy_into, copy_whole_tensor
-from moe import MoE, Routed, expert_load, load_balancing_loss
+from lora import NF4_SUFFIX, LoRALinear, NF4MoE, copy_into, copy_whole_tensor
+from moe import EXPERT_WEIGHTS, MoE, Routed, expert_load, load_balancing_loss
 
 # ----------------------------------------------------------------------------------------
 # The model's numbers

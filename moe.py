@@ -38,6 +38,8 @@ class Routed:
         )
 
 
+EXPERT_WEIGHTS = ("w1", "w3", "w2")  # MoE's [E, out, in] expert tensors
+
 # LoRA's adapters on the experts (lora.apply_lora), by target: the A it adds and, for each
 # expert tensor it adapts, that tensor's B (w1 and w3 share one A: PEFT's adapter on their
 # fused gate_up_proj). LORA_PARAMS: all of them, in kernels.moe.ExpertLoRA's order.

@@ -33,7 +33,6 @@ from kernels import dequantize_nf4, dequantize_nf4_reference, quantize_nf4
 from kernels.moe import ExpertLoRA, moe_experts, moe_experts_reference
 from lora import (
     EXPERT_LORA_TARGETS,
-    EXPERT_WEIGHTS,
     HF_LORA_TARGETS,
     LORA_TARGETS,
     LoRAConfig,
@@ -45,7 +44,7 @@ from lora import (
     parse_lora_targets,
 )
 from model import REFERENCE_OPS, Llama, ModelArgs, fp8_ops, triton_ops
-from moe import LORA_PARAMS
+from moe import EXPERT_WEIGHTS, LORA_PARAMS
 from shard import fill_weights
 
 transformers = pytest.importorskip("transformers")
