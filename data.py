@@ -20,18 +20,19 @@ import torch
 import torch.distributed as dist
 
 from attention import document_starts
-from files import UsageError, read_json
+from files import UsageError, plural, read_json
 from kernels import IGNORE_INDEX
 from prepare import (
     BOS_INSIDE,
+    CONVERSATION_SHAPES,
     DATASET_CHAT_TEMPLATE,
     FORMAT_VERSION,
     LABEL,
     META_FIELDS,
     STARTS_DOCUMENT,
     default_corpus,
-    mapping_notes,
     prepare,
+    reading_notes,
     show,
 )
 from tokenizer import (
@@ -61,9 +62,16 @@ class TokenDataset:
                 f"`python data.py prepare --input {self.path} --output DIR`, then pass DIR"
             )
         if not meta_path.is_file():
+            # A directory of the user's files is prepare's input, never its output.
+            if (self.path / "config.json").is_file():
+                how = "--input FILES --output DIR`; a checkpoint is --hf-checkpoint's"
+            elif self.path.is_dir() and any(self.path.iterdir()):
+                how = f"--input {self.path} --output NEW_DIR`, then pass --data NEW_DIR"
+            else:
+                how = f"--input FILES --output {self.path}`"
             raise UsageError(
-                f"{meta_path} not found: {self.path} is not a prepared dataset "
-                f"(make one with `python data.py prepare --input FILES --output {self.path}`)"
+                f"{meta_path} not found: {self.path} is not a prepared dataset (make one with "
+                f"`python data.py prepare {how})"
             )
         self.meta = read_json(meta_path)
         if self.meta.get("format_version") != FORMAT_VERSION:
@@ -337,8 +345,18 @@ def open_data(
     --hf-checkpoint directory's, must be the one the data was prepared with, with the same BOS
     and EOS. The export carries that tokenizer, with the dataset's chat template: when it is
     the checkpoint's, the checkpoint's files and config.json's ids, else its own."""
+    own = hf_checkpoint and tokenizer_file(hf_checkpoint)
+    source = tokenizer or own
+    text_tokenizer = load_tokenizer(source) if source else None
+    given = "--tokenizer" if tokenizer else "the checkpoint's tokenizer"
     if data:
         dataset = TokenDataset(data)
+    elif source:  # before the default corpus is prepared: bytes are no tokenizer file's
+        raise UsageError(
+            f"no --data: the default corpus is byte-tokenized, but {given} {source} is "
+            f"{text_tokenizer.name}: prepare data with it (python data.py prepare --tokenizer "
+            f"{source} --input FILES --output DIR), then pass --data DIR"
+        )
     else:
         if is_main:
             default_corpus(CACHE)
@@ -346,11 +364,7 @@ def open_data(
         dataset = TokenDataset(default_corpus(CACHE))
     dataset.check(vocab_size, seq_len)
     meta, prepared_with = dataset.meta, dataset.meta["tokenizer"]
-    own = hf_checkpoint and tokenizer_file(hf_checkpoint)
-    source = tokenizer or own
-    text_tokenizer = load_tokenizer(source) if source else None
     if text_tokenizer and text_tokenizer.name != prepared_with:
-        given = "--tokenizer" if tokenizer else "the checkpoint's tokenizer"
         raise UsageError(
             f"dataset {dataset.path} was prepared with tokenizer {prepared_with}, but {given} "
             f"{source} is {text_tokenizer.name}: prepare the data with it (python data.py "
@@ -480,21 +494,27 @@ def summary(meta: dict, output: Path) -> str:
         f"{meta['n_tokens']:,} tokens, "
         f"tokenizer {meta['tokenizer']}, longest document {meta['longest_document']:,} tokens"
     ]
-    lines += mapping_notes(meta.get("records_by_shape", {}))  # absent from older datasets
+    shapes, seq_len = meta.get("records_by_shape", {}), meta["split_seq_len"]  # absent: older
+    lines += reading_notes(shapes, meta.get("inputs_passed_over", []))
     if meta["sft"]:
-        lines.append("SFT data: loss only on responses and assistant turns")
-    seq_len = meta["split_seq_len"]
+        whole = meta.get("n_documents_trained_whole", 0)
+        text = f"; {plural(whole, 'document')} with no prompt (text) trained on whole"
+        lines.append(f"SFT data: loss only on responses and assistant turns{text if whole else ''}")
+    conversations = any(shapes.get(shape) for shape in CONVERSATION_SHAPES)
     if seq_len is None:
-        lines.append(
-            "conversations were not split (no --seq-len): the loader cuts any document longer "
-            "than a sample, and one crossing a sample boundary, into pieces that see only "
-            "themselves"
-        )
+        if conversations:
+            lines.append(
+                "conversations were not split (no --seq-len): the loader cuts any document "
+                "longer than a sample, and one crossing a sample boundary, into pieces that see "
+                "only themselves"
+            )
         return "\n".join(lines)
-    lines.append(
-        f"{meta['n_conversations_split']:,} conversations longer than --seq-len {seq_len:,} "
-        f"tokens were split between exchanges into {meta['n_documents_from_splits']:,} documents"
-    )
+    if conversations:
+        lines.append(
+            f"{meta['n_conversations_split']:,} conversations longer than --seq-len {seq_len:,} "
+            f"tokens were split between exchanges into {meta['n_documents_from_splits']:,} "
+            f"documents"
+        )
     if meta["n_documents_longer_than_seq_len"]:
         lines.append(
             f"{meta['n_documents_longer_than_seq_len']:,} documents are still longer than "

@@ -54,6 +54,9 @@ def no_follow(path: str | os.PathLike, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW, 0o666)
 
 
+# What a path not found may be: a Hugging Face hub id, which longtune does not download.
+LOCAL_PATH = "a local path: for a hub id, `huggingface-cli download ID --local-dir DIR`, then DIR"
+
 # A full filesystem, or the user's quota on it: what was given to write into holds no more.
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 

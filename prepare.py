@@ -55,7 +55,11 @@ META_FIELDS = {  # what meta.json holds besides format_version
 }
 
 
-Example = tuple[str, str] | list[Message]  # (prompt, text), prompt "" for a text; or messages
+# (prompt, text), prompt "" for a text; or (messages, how many of them are a prompt: its
+# assistant turns are not trained on, as TRL's completion_only_loss)
+Example = tuple[str, str] | tuple[list[Message], int]
+RECORD_SUFFIXES = (".jsonl", ".parquet", ".csv")
+InputFile = tuple[Path, str]  # and how it is read: a suffix of RECORD_SUFFIXES, ".json" or "text"
 Document = tuple[Example, int, str]  # with the bytes of input it came from, and where
 Encoded = tuple[np.ndarray, np.ndarray]  # (tokens uint32, loss mask uint8)
 ROLES = ("system", "user", "assistant")
@@ -76,15 +80,17 @@ def prepare(
     With `seq_len`, longer conversations are split (`_split_conversation`); meta.json counts the
     splits, the documents still longer, and each shape's records. Output is the same for any
     number of workers (None: one per CPU)."""
-    files, tokenizer = _open_inputs(inputs, tokenizer_path, chat_template, seq_len, text_column)
+    files, passed_over, tokenizer = _open_inputs(
+        inputs, tokenizer_path, chat_template, seq_len, text_column
+    )
     output = Path(output_dir).resolve()
-    if inside := [str(f) for f in files if output in f.resolve().parents]:
+    if inside := [str(f) for f, _ in files if output in f.resolve().parents]:
         raise UsageError(f"the inputs {inside} are inside the output directory {output_dir}")
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
         raise UsageError(f"workers must be at least 1, got {workers}")
-    progress = _Progress(total_bytes=sum(f.stat().st_size for f in files))
-    sft, split, pieces, longest, too_long, shapes = False, 0, 0, 0, 0, Counter()
+    progress = _Progress(total_bytes=sum(f.stat().st_size for f, _ in files))
+    split, pieces, longest, too_long, whole, shapes = 0, 0, 0, 0, 0, Counter()
     with progress, DatasetWriter(output_dir) as writer:
         loading = (tokenizer_path, chat_template)
         examples = _read_documents(files, text_column or "text", shapes)
@@ -94,16 +100,16 @@ def prepare(
             for tokens, mask in documents:
                 writer.add(tokens, mask)
                 # An unlabelled token after the first (BOS or not) is a prompt: SFT data.
-                sft = sft or not (mask[1:] & LABEL).all()
+                whole += bool((mask[1:] & LABEL).all())
                 longest = max(longest, len(tokens))
                 too_long += seq_len is not None and len(tokens) > seq_len
             progress.update(n_bytes, len(documents), sum(len(t) for t, _ in documents))
         if writer.n_documents == 0:
-            raise UsageError(f"no documents in the inputs {[str(f) for f in files]}")
+            raise UsageError(f"no documents in the inputs {[str(f) for f, _ in files]}")
         template = getattr(tokenizer, "chat_template", None)
         return writer.finish(
             tokenizer,
-            sft=sft,
+            sft=whole < writer.n_documents,
             files={DATASET_CHAT_TEMPLATE: template.source.encode()} if template else {},
             chat_template=template and template.name,
             longest_document=longest,
@@ -112,6 +118,8 @@ def prepare(
             n_documents_from_splits=pieces,
             n_documents_longer_than_seq_len=too_long,
             records_by_shape=dict(shapes),
+            n_documents_trained_whole=whole,
+            inputs_passed_over=passed_over,
         )
 
 
@@ -129,7 +137,9 @@ def show(
     preprocess --debug shows, to check a template and its labels before a run."""
     if n < 1:
         raise UsageError(f"show takes a number of examples of at least 1, got {n}")
-    files, tokenizer = _open_inputs(inputs, tokenizer_path, chat_template, seq_len, text_column)
+    files, passed_over, tokenizer = _open_inputs(
+        inputs, tokenizer_path, chat_template, seq_len, text_column
+    )
     shapes = Counter()
     examples = list(islice(_read_documents(files, text_column or "text", shapes), n))
     encoded = _encode_all(iter(examples), tokenizer, (tokenizer_path, chat_template), seq_len, 1)
@@ -140,16 +150,24 @@ def show(
             trained = int(np.count_nonzero(mask & LABEL))
             lines.append(f"--- {where}: {len(tokens):,} tokens, {trained:,} trained")
             lines.append(_marked(tokenizer, tokens, mask, marks))
-    return "\n".join(lines + mapping_notes(shapes))
+    return "\n".join(lines + reading_notes(shapes, passed_over))
 
 
-def mapping_notes(shapes: dict[str, int]) -> list[str]:
-    """A line for each shape of record mapped to messages: `show` and prepare's summary say it."""
-    return [
+def reading_notes(shapes: dict[str, int], passed_over: list[str]) -> list[str]:
+    """What `show` and prepare's summary say of how the inputs were read: a line for each shape
+    of record mapped to messages, and one naming the files of a directory of records left out."""
+    notes = [
         f"{plural(n, f'{shape} record')} mapped to messages: {MAPPINGS[shape]}"
         for shape, n in shapes.items()
         if shape in MAPPINGS
     ]
+    if passed_over:
+        names = ", ".join(passed_over[:5]) + (", ..." if len(passed_over) > 5 else "")
+        notes.append(
+            f"{plural(len(passed_over), 'file')} beside the record files not read (a directory "
+            f"of .jsonl, .parquet or .csv files stands for those): {names}"
+        )
+    return notes
 
 
 def _open_inputs(
@@ -158,13 +176,13 @@ def _open_inputs(
     chat_template: str | Path | None,
     seq_len: int | None,
     text_column: str | None,
-) -> tuple[list[Path], Tokenizer]:
-    files = _input_files(inputs, text_column)
+) -> tuple[list[InputFile], list[str], Tokenizer]:
+    files, passed_over = _input_files(inputs, text_column)
     # A bad tokenizer or template fails here, not in each worker.
     tokenizer = load_tokenizer(tokenizer_path, chat_template)
     if seq_len is not None and seq_len < 1:
         raise UsageError(f"seq_len must be at least 1 (or None: split nothing), got {seq_len}")
-    return files, tokenizer
+    return files, passed_over, tokenizer
 
 
 def _marked(tokenizer: Tokenizer, tokens: np.ndarray, mask: np.ndarray, marks: tuple) -> str:
@@ -263,12 +281,18 @@ class DatasetWriter:
             raise no_space(f"the dataset {self.output_dir}", self._tmp.parent) from None
 
 
-def _input_files(inputs: Iterable[str | Path], text_column: str | None = None) -> list[Path]:
-    """A directory stands for its files, sorted, hidden ones left out, each read by its suffix
-    as if named alone, but a .json file as text (as a code tree's are). Refused: a .json file
-    named alone (JSON lines read as one text would train on their syntax), a prepared dataset
-    (its binary files would too), a .csv without `text_column`, and parquet without pyarrow."""
-    inputs, files = [Path(i) for i in inputs], []
+def _input_files(
+    inputs: Iterable[str | Path], text_column: str | None = None
+) -> tuple[list[InputFile], list[str]]:
+    """The files to read, and those of the inputs' directories passed over. A directory stands
+    for its files, sorted, hidden ones left out, each read by its suffix as if named alone, but
+    a .json file as text (as a code tree's are); a directory holding record files (.jsonl,
+    .parquet, .csv: a downloaded hub dataset) stands for those alone, as datasets.load_dataset
+    reads it: its card (README.md) and dataset_infos.json are no documents. Refused: a .json
+    file named alone that is not a JSON array of records (`_json_records`), a prepared dataset
+    (its binary files would train on their syntax), a .csv without `text_column`, and parquet
+    without pyarrow."""
+    inputs, files, passed_over = [Path(i) for i in inputs], [], []
     for item in inputs:
         if (item / DATASET.marker).is_file() and (item / "tokens.bin").is_file():
             raise UsageError(
@@ -276,41 +300,47 @@ def _input_files(inputs: Iterable[str | Path], text_column: str | None = None) -
                 f"prepare the files it was made from"
             )
         if item.is_dir():
-            files += sorted(
+            found = sorted(
                 p
                 for p in item.rglob("*")
                 if p.is_file()
                 and not any(part.startswith(".") for part in p.relative_to(item).parts)
             )
-        elif item.suffix.lower() == ".json":
-            raise UsageError(
-                f"input {item}: a .json file is not read; prepare reads .jsonl files (one JSON "
-                f"object a line), .parquet, .csv and text files; rename it .jsonl if it holds "
-                f"one object a line"
-            )
+            records = [p for p in found if p.suffix.lower() in RECORD_SUFFIXES]
+            files += [(p, _kind(p, json_as="text")) for p in records or found]
+            passed_over += [
+                str(p) for p in found if records and p.suffix.lower() not in RECORD_SUFFIXES
+            ]
         elif item.is_file():
-            files.append(item)
+            files.append((item, _kind(item, json_as=".json")))
         else:
             raise UsageError(f"input {item} not found")
     if not files:
         raise UsageError(f"no files in the inputs {[str(i) for i in inputs]}")
-    for path in files:  # before any is read
-        if path.suffix.lower() == ".csv" and text_column is None:
+    for path, kind in files:  # before any is read
+        if kind == ".csv" and text_column is None:
             raise UsageError(
                 f"input {path}: a .csv file is read only with --text-column NAME, the column "
                 f"that holds each row's document (its other columns are not trained on)"
             )
-        if path.suffix.lower() == ".parquet":
+        if kind == ".parquet":
             _parquet_module(path)
-    return files
+    return files, passed_over
 
 
-def _read_documents(files: list[Path], text_key: str, shapes: Counter) -> Iterator[Document]:
+def _kind(path: Path, json_as: str) -> str:
+    suffix = path.suffix.lower()
+    return suffix if suffix in RECORD_SUFFIXES else json_as if suffix == ".json" else "text"
+
+
+def _read_documents(files: list[InputFile], text_key: str, shapes: Counter) -> Iterator[Document]:
     """Each file's examples, counting in `shapes` the shapes of their records (`_example`)."""
-    for path in files:
-        match path.suffix.lower():
+    for path, kind in files:
+        match kind:
             case ".jsonl":
                 records = _jsonl_records(path)
+            case ".json":
+                records = _json_records(path)
             case ".parquet":
                 records = _parquet_records(path, text_key)
             case ".csv":
@@ -361,6 +391,31 @@ def _jsonl_records(path: Path) -> Iterator[tuple[object, int, str]]:
             if b"\\ud" in line.lower():  # an escaped UTF-16 surrogate, maybe a lone one
                 record = without_lone_surrogates(record)
             yield record, len(line), where
+
+
+def _json_records(path: Path) -> Iterator[tuple[object, int, str]]:
+    """A JSON array of records (alpaca_data.json), read whole as datasets' json loader reads it.
+    A record's bytes are its share of the file's size."""
+    content = path.read_bytes()
+    try:
+        records = json.loads(content)
+    except ValueError as e:
+        raise UsageError(
+            f"input {path}: not a JSON array of records ({e}); rename it .jsonl if it holds one "
+            f"JSON object a line"
+        ) from e
+    except RecursionError:
+        raise UsageError(f"input {path}: JSON nested too deep to read") from None
+    if not isinstance(records, list):
+        raise UsageError(
+            f"input {path}: a .json file is read as a JSON array of records, this one holds a "
+            f"JSON {'object' if isinstance(records, dict) else type(records).__name__}"
+        )
+    if b"\\ud" in content.lower():  # an escaped UTF-16 surrogate, maybe a lone one
+        records = without_lone_surrogates(records)
+    size, n = len(content), len(records)
+    for i, record in enumerate(records):
+        yield record, size * (i + 1) // n - size * i // n, f"{path} record {i + 1}"
 
 
 def _parquet_module(path: Path):
@@ -415,15 +470,18 @@ def _csv_records(path: Path, text_key: str) -> Iterator[tuple[object, int, str]]
 
 # Shapes: each record becomes an example, as one of these (other fields of it are not read)
 
-RECORD_KEYS = ("text", "prompt", "response", "messages", "conversations")
+RECORD_KEYS = ("text", "prompt", "response", "completion", "messages", "conversations")
 RECORD_KEYS += ("instruction", "input", "output", "system")
 SHAPES = (
-    'a string "text" (or --text-column\'s), strings "prompt" and "response", a list '
-    '"messages", a list "conversations" (ShareGPT: "from" and "value"), or strings '
-    '"instruction" and "output" (Alpaca: "input" and "system" optional)'
+    'a string "text" (or --text-column\'s), strings "prompt" and "response" (or "completion"), '
+    'lists of messages "prompt" and "completion", a list "messages", a list "conversations" '
+    '(ShareGPT: "from" and "value"), or strings "instruction" and "output" (Alpaca: "input" and '
+    '"system" optional)'
 )
 SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user"}
 SHAREGPT_ROLES |= {"gpt": "assistant", "assistant": "assistant"}
+# The shapes whose records are conversations, which prepare --seq-len splits.
+CONVERSATION_SHAPES = ("messages", "ShareGPT", "Alpaca", "conversational prompt/completion")
 MAPPINGS = {  # the shapes mapped to messages, as prepare's summary says
     "ShareGPT": "conversations' from human or user -> user, gpt or assistant -> assistant, "
     "system -> system, value -> content",
@@ -434,27 +492,38 @@ MAPPINGS = {  # the shapes mapped to messages, as prepare's summary says
 
 def _example(record: object, where: str, text_key: str) -> tuple[Example, str]:
     """The example of a record, and the name of its shape: the first it has of messages,
-    ShareGPT, prompt/response, Alpaca, then text. A text beside a shape of prompts is not read,
-    as TRL takes a prompt before its text field: tatsu-lab/alpaca's "text" is its instruction,
-    input and output written into one, which would train on the prompt. A null field counts as
-    absent: a table (parquet, or JSONL written from one) has every column in every row."""
+    ShareGPT, prompt/response (TRL's string prompt/completion too), TRL's conversational
+    prompt/completion (lists of messages), Alpaca, then text. A text beside a shape of prompts
+    is not read, as TRL takes a prompt before its text field: tatsu-lab/alpaca's "text" is its
+    instruction, input and output written into one, which would train on the prompt. A null
+    field counts as absent: a table (parquet, or JSONL written from one) has every column in
+    every row."""
     if isinstance(record, dict):
         record = {key: value for key, value in record.items() if value is not None}
         if "messages" in record:
-            return _check_messages(record["messages"], where), "messages"
+            return (_check_messages(record["messages"], where), 0), "messages"
         if "conversations" in record:
             messages = _from_sharegpt(record["conversations"], where)
-            return _check_messages(messages, where, "conversations"), "ShareGPT"
-        if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
-            return (record["prompt"], record["response"]), "prompt/response"
+            return (_check_messages(messages, where, "conversations"), 0), "ShareGPT"
+        prompt, answer = record.get("prompt"), record.get("response", record.get("completion"))
+        if isinstance(prompt, str) and isinstance(answer, str):
+            return (prompt, answer), "prompt/response"
+        if isinstance(prompt, list) and isinstance(answer, list):
+            messages = _check_messages(prompt + answer, where, "prompt + completion")
+            if all(m["role"] != "assistant" for m in answer):
+                raise UsageError(
+                    f"{where}: completion has no assistant turn, so nothing to train on"
+                )
+            return (messages, len(prompt)), "conversational prompt/completion"
         alpaca = ("instruction", "output", "input", "system")
         if {"instruction", "output"} <= record.keys() and all(
             isinstance(record.get(key, ""), str) for key in alpaca
         ):
-            return _check_messages(_from_alpaca(record), where), "Alpaca"
+            return (_check_messages(_from_alpaca(record), where), 0), "Alpaca"
         if isinstance(record.get(text_key), str):
             return ("", record[text_key]), "text"
-    raise UsageError(f"{where}: expected a record (a JSON object, or a row) with {SHAPES}")
+    got = f"its keys are {sorted(record)}" if isinstance(record, dict) else f"got {record!r:.80}"
+    raise UsageError(f"{where}: expected a record (a JSON object, or a row) with {SHAPES}; {got}")
 
 
 def _from_sharegpt(turns: object, where: str) -> list[Message]:
@@ -522,10 +591,14 @@ def _encode_document(
     """The documents of one example (one, or several for a conversation split at seq_len), and
     its bytes of input."""
     example, n_bytes, where = document
-    if isinstance(example, list):
+    if isinstance(example[0], list):
+        messages, n_prompt = example
+        untrained = {id(m) for m in messages[:n_prompt] if m["role"] == "assistant"}
+        encoded, bos = [], tokenizer.bos_id
         try:
-            pieces = _split_conversation(tokenizer, example, seq_len)
-            encoded = [_encode_segments(tokenizer.render_chat(p), tokenizer.bos_id) for p in pieces]
+            for piece in _split_conversation(tokenizer, messages, seq_len, untrained):
+                n = sum(id(m) in untrained for m in piece)
+                encoded.append(_encode_segments(_unlabelled(tokenizer.render_chat(piece), n), bos))
         except UsageError as e:  # a chat template refusing a conversation: name it
             raise UsageError(f"{where}: {e}") from e
         return encoded, n_bytes
@@ -535,6 +608,13 @@ def _encode_document(
     segments = [([*bos, *tokenizer.encode(prompt)], False)]
     segments.append(([*tokenizer.encode(text), tokenizer.eos_id], True))
     return [_encode_segments(segments, tokenizer.bos_id)], n_bytes
+
+
+def _unlabelled(segments: Segments, n: int) -> Segments:
+    """`segments` with their first `n` labelled runs (a prompt's assistant turns) unlabelled:
+    a chat rendering labels each assistant turn as one run."""
+    runs = [i for i, (_, is_label) in enumerate(segments) if is_label][:n]
+    return [(ids, is_label and i not in runs) for i, (ids, is_label) in enumerate(segments)]
 
 
 def _encode_segments(segments: Segments, bos_id: int | None) -> Encoded:
@@ -551,11 +631,12 @@ def _encode_segments(segments: Segments, bos_id: int | None) -> Encoded:
 
 
 def _split_conversation(
-    tokenizer: Tokenizer, messages: list[Message], seq_len: int | None
+    tokenizer: Tokenizer, messages: list[Message], seq_len: int | None, untrained: set[int]
 ) -> list[list[Message]]:
     """A conversation longer than seq_len tokens cut between exchanges (a user turn and its
     answer) into pieces of at most seq_len, each led by the system prompt: one the model could
-    have seen. A longer exchange stays whole (the loader cuts it); a lone user turn is dropped."""
+    have seen. A longer exchange stays whole (the loader cuts it); a piece with no answer to
+    train on (a lone user turn, or answers whose ids are in `untrained`) is dropped."""
 
     def length(piece: list[Message]) -> int:
         return sum(len(ids) for ids, _ in tokenizer.render_chat(piece))
@@ -571,7 +652,8 @@ def _split_conversation(
             current = []
         current = current + exchange
     pieces.append(system + current)
-    return [piece for piece in pieces if any(m["role"] == "assistant" for m in piece)]
+    trained = {id(m) for m in messages if m["role"] == "assistant"} - untrained
+    return [piece for piece in pieces if any(id(m) in trained for m in piece)]
 
 
 _worker_tokenizer: Tokenizer | None = None  # each pool process loads its own from the path

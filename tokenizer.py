@@ -34,7 +34,7 @@ from chat_template import (
     find_chat_template,
     labelled_runs,
 )
-from files import UsageError, read_json
+from files import LOCAL_PATH, UsageError, read_json
 
 
 class Tokenizer:
@@ -923,7 +923,7 @@ def load_tokenizer(path: str | Path | None, chat_template: str | Path | None = N
                 )
             path = found
         if not path.is_file():
-            raise UsageError(f"tokenizer file {path} not found")
+            raise UsageError(f"tokenizer file {path} not found ({LOCAL_PATH})")
         if path.stat().st_size == 0:
             raise UsageError(f"tokenizer file {path} is empty")
         with open(path, "rb") as f:

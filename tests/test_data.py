@@ -128,9 +128,16 @@ def test_sentencepiece_model_loads_and_round_trips(tmp_path):
     assert tok.decode(ids) == text
 
 
-def test_missing_tokenizer_file_names_the_path(tmp_path):
+def test_missing_tokenizer_file_names_the_path_and_how_to_fetch_a_hub_id(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="nope.model"):
         tokenizer.load_tokenizer(tmp_path / "nope.model")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ValueError, match=r"HuggingFaceTB/SmolLM2-135M-Instruct not found \(a local"
+    ):
+        tokenizer.load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ValueError, match=r"huggingface-cli download ID --local-dir DIR`, then DIR"):
+        prepare.show([write_jsonl(tmp_path / "t.jsonl", [{"text": "x"}])], 1, "Org/model")
 
 
 def test_garbage_tokenizer_file_names_expected_formats(tmp_path):
@@ -433,6 +440,43 @@ def test_a_text_beside_alpaca_or_prompt_response_fields_is_not_read(tmp_path):
     assert meta["records_by_shape"] == {"Alpaca": 1, "prompt/response": 1} and meta["sft"]
 
 
+def test_trl_prompt_completion_records_train_the_completion_only(tmp_path):
+    """TRL's shapes: strings as prompt/response; lists of messages one conversation, its prompt's
+    answers not trained on (TRL's completion_only_loss), pieces left with none dropped."""
+    pairs = [{"prompt": "Q?", "completion": "A."}]
+    same_dataset(
+        prepare.prepare([write_jsonl(tmp_path / "c.jsonl", pairs)], tmp_path / "c"),
+        prepare.prepare([write_jsonl(tmp_path / "r.jsonl", [{"prompt": "Q?", "response": "A."}])],
+                        tmp_path / "r"),
+    )  # fmt: skip
+    record = {"prompt": CONVERSATION[:4], "completion": CONVERSATION[4:]}
+    chat = write_jsonl(tmp_path / "chat.jsonl", [record])
+    ds = data.TokenDataset(prepare.prepare([chat], tmp_path / "ds"))
+    whole = data.TokenDataset(prepare.prepare([write_jsonl(
+        tmp_path / "m.jsonl", [{"messages": CONVERSATION}])], tmp_path / "m"))  # fmt: skip
+    assert ds.tokens.tolist() == whole.tokens.tolist()
+    assert labelled(ds) == [*b"Ciao", 257] and labelled(whole) == [*b" Hello! ", 257, *b"Ciao", 257]
+    assert ds.meta["records_by_shape"] == {"conversational prompt/completion": 1}
+    # Split one exchange a piece: the piece of the prompt's answer alone trains nothing.
+    long = {"prompt": [*exchange(1, 6), *exchange(2, 6), *exchange(3, 6)[:1]],
+            "completion": exchange(3, 6)[1:]}  # fmt: skip
+    split = prepare.prepare([write_jsonl(tmp_path / "l.jsonl", [long])], tmp_path / "l", seq_len=40)
+    assert BYTES.decode(data.TokenDataset(split).tokens.tolist()).count("<|user|>") == 1
+
+
+def test_a_json_array_file_is_read_as_its_records(tmp_path):
+    """alpaca_data.json as tatsu-lab ships it: one JSON array, read whole as datasets reads it."""
+    records = [*ALPACA, {"text": "a\ud800b"}]
+    (tmp_path / "alpaca.json").write_text(json.dumps(records, indent=4))
+    from_json = prepare.prepare([tmp_path / "alpaca.json"], tmp_path / "json")
+    same_dataset(
+        from_json, prepare.prepare([write_jsonl(tmp_path / "a.jsonl", records)], tmp_path / "l")
+    )
+    (tmp_path / "bad.json").write_text(json.dumps([ALPACA[0], {"body": "x"}]))
+    with pytest.raises(ValueError, match=r"bad.json record 2: expected a record .* \['body'\]"):
+        prepare.prepare([tmp_path / "bad.json"], tmp_path / "bad")
+
+
 @pytest.mark.parametrize(
     "record, error",
     [
@@ -445,6 +489,17 @@ def test_a_text_beside_alpaca_or_prompt_response_fields_is_not_read(tmp_path):
         ),
         ({"instruction": "x", "output": 3}, "expected a record .*Alpaca"),
         ({"instruction": "x"}, "expected a record .*Alpaca"),
+        ({"question": "q", "answer": "a"}, r"expected a record .*; its keys are \['answer', 'q"),
+        ({"prompt": "q", "completion": None}, r"expected .*; its keys are \['prompt'\]$"),
+        (["q", "a"], r"expected a record .*; got \['q', 'a'\]$"),
+        (
+            {"prompt": CONVERSATION[1:3], "completion": []},
+            "completion has no assistant turn, so nothing to train on",
+        ),
+        (
+            {"prompt": CONVERSATION[1:2], "completion": CONVERSATION[3:4]},
+            r"prompt \+ completion\[1\]\.role is 'user', expected 'assistant'",
+        ),
     ],
 )
 def test_bad_sharegpt_or_alpaca_record_names_file_line_and_shapes(tmp_path, record, error):
@@ -569,13 +624,37 @@ def test_missing_input_and_empty_input_are_errors(tmp_path):
         prepare.prepare([tmp_path / "empty.txt"], tmp_path / "ds")
 
 
+def test_a_directory_of_record_files_reads_those_alone_and_names_the_rest(tmp_path, capsys):
+    """A hub dataset as downloaded: its card and dataset_infos.json are no documents. A
+    directory of text files (a .json among them) reads them all, as text."""
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    write_jsonl(hub / "data" / "train.jsonl", [SHAREGPT])
+    (hub / "README.md").write_text("---\nlicense: mit\n---\n# A card")
+    (hub / "dataset_infos.json").write_text('{"default": {}}')
+    (hub / ".gitattributes").write_text("*.jsonl filter=lfs")
+    data.main(["prepare", "--input", str(hub), "--output", str(tmp_path / "ds")])
+    same_dataset(tmp_path / "ds", prepare.prepare([hub / "data"], tmp_path / "alone"))
+    names = f"{hub / 'README.md'}, {hub / 'dataset_infos.json'}"
+    out = capsys.readouterr().out
+    assert "2 files beside the record files not read (a directory of .jsonl, " in out
+    assert out.count(names) == 1 and ".gitattributes" not in out
+    assert prepare.show([hub], 1).endswith(names)
+    (hub / "data" / "train.jsonl").unlink()
+    texts = data.TokenDataset(prepare.prepare([hub], tmp_path / "texts"))
+    assert texts.meta["n_documents"] == 2 and texts.meta["inputs_passed_over"] == []
+
+
 def test_inputs_that_would_train_on_file_syntax_are_refused(tmp_path):
-    """A .json file named alone, a prepared dataset and a binary file are not read as text;
-    an upper-case .JSONL is read as JSON lines."""
+    """A .json file named alone that is no JSON array, a prepared dataset and a binary file
+    are not read as text; an upper-case .JSONL is read as JSON lines."""
     folder = tmp_path / "folder"
     folder.mkdir()
-    (folder / "d.json").write_text('[{"text": "hello"}]')
-    with pytest.raises(ValueError, match=r"d.json: a .json file is not read"):
+    (folder / "d.json").write_text('{"text": "hello"}\n{"text": "world"}\n')
+    with pytest.raises(ValueError, match=r"d.json: not a JSON array .* rename it .jsonl if it"):
+        prepare.prepare([folder / "d.json"], tmp_path / "ds")
+    (folder / "d.json").write_text('{"text": "hello"}')
+    with pytest.raises(ValueError, match=r"d.json: a .json file is read as a JSON array of rec"):
         prepare.prepare([folder / "d.json"], tmp_path / "ds")
     (folder / "d.json").unlink()  # in a directory, a text as any other (a code tree's)
     (folder / "d.txt").write_bytes(b"text\0more")
@@ -616,13 +695,13 @@ def test_output_is_identical_with_one_and_two_workers(tmp_path):
     for i in range(24):  # ~2.4 MB: several chunks of about 1 MB for the pool
         (corpus / f"{i:02d}.txt").write_text("\n".join(sentences(1200, seed=i)))
     conversation = [*exchange(1, 40), *exchange(2, 40)]  # split at seq_len 64 into two
-    write_jsonl(
-        corpus / "sft.jsonl",
+    sft = write_jsonl(  # beside the folder: a folder with record files stands for those alone
+        tmp_path / "sft.jsonl",
         [{"prompt": "the", "response": "thing"}, {"messages": conversation}],
     )
     ranks = write_ranks_file(tmp_path / "tokenizer.model")
-    one = prepare.prepare([corpus], tmp_path / "one", ranks, workers=1, seq_len=64)
-    two = prepare.prepare([corpus], tmp_path / "two", ranks, workers=2, seq_len=64)
+    one = prepare.prepare([corpus, sft], tmp_path / "one", ranks, workers=1, seq_len=64)
+    two = prepare.prepare([corpus, sft], tmp_path / "two", ranks, workers=2, seq_len=64)
     for name in ("tokens.bin", "loss_mask.bin", "meta.json"):
         assert (one / name).read_bytes() == (two / name).read_bytes(), name
     assert json.loads((one / "meta.json").read_text())["n_documents"] == 27
@@ -713,8 +792,24 @@ def test_command_line_prepare(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("hello")
     before = signal.getsignal(signal.SIGTERM)
     data.main(["prepare", "--input", str(tmp_path / "a.txt"), "--output", str(tmp_path / "ds")])
-    assert "1 document, 7 tokens" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "1 document, 7 tokens" in out and "SFT" not in out and "conversations" not in out
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_summary_of_mixed_data_names_the_documents_trained_whole(tmp_path, capsys):
+    records = [{"text": "a"}, {"text": "b"}, {"messages": CONVERSATION}]
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", records)
+    data.main(["prepare", "--input", str(mixed), "--output", str(tmp_path / "ds")])
+    out = capsys.readouterr().out
+    assert (
+        "SFT data: loss only on responses and assistant turns; 2 documents with no prompt (text) "
+        "trained on whole\nconversations were not split"
+    ) in out
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q", "response": "A"}])
+    data.main(["prepare", "--input", str(pairs), "--output", str(tmp_path / "ds")])
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("assistant turns") and "conversations" not in out
 
 
 def test_command_line_takes_no_abbreviations(tmp_path):
@@ -923,8 +1018,28 @@ def test_resume_with_another_seq_len_is_refused(tmp_path):
 
 
 def test_missing_meta_json_says_how_to_prepare(tmp_path):
-    with pytest.raises(ValueError, match="meta.json.*data.py prepare"):
+    """An empty directory may be prepare's output; one holding files is its input, or a model."""
+    with pytest.raises(ValueError, match=r"meta.json.*data.py prepare --input FILES --output /"):
         data.TokenDataset(tmp_path)
+    (tmp_path / "a.txt").write_text("hello")
+    with pytest.raises(
+        ValueError, match=r"prepare --input \S+ --output NEW_DIR`, then pass --data"
+    ):
+        data.TokenDataset(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"--output DIR`; a checkpoint is --hf-checkpoint's\)$"):
+        data.TokenDataset(tmp_path)
+
+
+def test_a_checkpoints_tokenizer_without_data_is_refused_before_the_default_corpus(
+    tmp_path, monkeypatch
+):
+    """The default corpus is bytes: it is never prepared only to be refused."""
+    write_ranks_file((tmp_path / "ckpt").mkdir() or tmp_path / "ckpt" / "tokenizer.model")
+    monkeypatch.setattr(data, "default_corpus", lambda *a: pytest.fail("prepared"))
+    for tok, checkpoint in [(None, tmp_path / "ckpt"), (tmp_path / "ckpt", None)]:
+        with pytest.raises(ValueError, match=r"no --data: the default corpus is byte-tokenized"):
+            data.open_data(None, tok and str(tok), checkpoint and str(checkpoint), 300, 8, True)
 
 
 def test_missing_token_file_is_named(tmp_path):

@@ -291,6 +291,22 @@ def test_chat_template_ids_equal_apply_chat_template_and_only_assistant_turns_ar
         assert ours.chat_prompt(messages[:-1]) == prompt
 
 
+def test_trl_conversational_prompt_completion_renders_as_apply_chat_template(tmp_path):
+    """TRL's {"prompt": [messages], "completion": [messages]}: one conversation, rendered as
+    apply_chat_template renders prompt + completion; the labels are the completion's answer
+    through its end of turn, after the prompt TRL renders with the generation prompt."""
+    directory, theirs = template_dir(tmp_path, "chatml")
+    prompt, completion = CONVERSATIONS[1][:-1], CONVERSATIONS[1][-1:]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(json.dumps({"prompt": prompt, "completion": completion}) + "\n")
+    ds = data.TokenDataset(prepare.prepare([chat], tmp_path / "ds", tokenizer_path=directory))
+    tokens, labels = ds.tokens.tolist(), ds.loss_mask & prepare.LABEL
+    assert tokens == rendered(theirs, prompt + completion)
+    trl_prompt = rendered(theirs, prompt, add_generation_prompt=True)
+    assert tokens[: len(trl_prompt)] == trl_prompt and not labels[: len(trl_prompt)].any()
+    assert theirs.decode([t for t, m in zip(tokens, labels, strict=True) if m]) == "Ciao<|im_end|>"
+
+
 def test_prepare_with_a_template_writing_bos_per_exchange_keeps_one_document(tmp_path):
     """Llama 2's template opens every exchange with BOS: those do not start new documents."""
     directory, theirs = template_dir(tmp_path, "llama2")
