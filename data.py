@@ -66,7 +66,7 @@ class TokenDataset:
             if (self.path / "config.json").is_file():
                 how = "--input FILES --output DIR`; a checkpoint is --hf-checkpoint's"
             elif self.path.is_dir() and any(self.path.iterdir()):
-                how = f"--input {self.path} --output NEW_DIR`, then pass --data NEW_DIR"
+                how = f"--input {self.path} --output NEW_DIR`, then pass NEW_DIR"
             else:
                 how = f"--input FILES --output {self.path}`"
             raise UsageError(

@@ -1,9 +1,10 @@
-"""`prepare`: text files and files of records (.jsonl, .parquet, .csv: plain text, prompt/response
-pairs, chat conversations, ShareGPT and Alpaca records mapped to them) into a dataset directory,
-encoded by a pool of workers; `show`, the first examples as they would be trained; then the
-default corpus. The order: prepare and show, the dataset writer, reading the inputs (files,
-records, their shapes), encoding them, the default corpus. The format `prepare` writes
-(and data.py's TokenDataset reads) is a directory of three files:
+"""`prepare`: text files and files of records (.jsonl, a .json array, .parquet, .csv: plain text,
+prompt/response pairs, chat conversations, TRL's prompt/completion, ShareGPT and Alpaca records
+mapped to them) into a dataset directory, encoded by a pool of workers; `show`, the first
+examples as they would be trained; then the default corpus. The order: prepare and show, the
+dataset writer, reading the inputs (files, records, their shapes), encoding them, the default
+corpus. The format `prepare` writes (and data.py's TokenDataset reads) is a directory of three
+files:
     tokens.bin     uint32, documents back to back, each BOS (if there is one) + tokens + EOS
     loss_mask.bin  uint8, one per token: bit 0 (LABEL) where the token may be a label (not in an
                    SFT prompt, nor a document's first token); bit 1 (BOS_INSIDE) on a BOS inside a
@@ -75,11 +76,12 @@ def prepare(
     text_column: str | None = None,
 ) -> Path:
     """Tokenize `inputs` into the dataset directory `output_dir`, replacing any there. Each
-    input is a text file (one document), a file of records (.jsonl, .parquet, or .csv with a
-    `text_column`) of one of the shapes `_example` reads, or a directory standing for its files.
-    With `seq_len`, longer conversations are split (`_split_conversation`); meta.json counts the
-    splits, the documents still longer, and each shape's records. Output is the same for any
-    number of workers (None: one per CPU)."""
+    input is a text file (one document), a file of records (.jsonl, a .json array, .parquet, or
+    .csv with a `text_column`) of one of the shapes `_example` reads, or a directory standing
+    for its files (`_input_files`). With `seq_len`, longer conversations are split
+    (`_split_conversation`); meta.json counts the splits, the documents still longer, those
+    trained on whole, each shape's records, and the files a directory's records passed over.
+    Output is the same for any number of workers (None: one per CPU)."""
     files, passed_over, tokenizer = _open_inputs(
         inputs, tokenizer_path, chat_template, seq_len, text_column
     )
@@ -99,7 +101,8 @@ def prepare(
                 split, pieces = split + 1, pieces + len(documents)
             for tokens, mask in documents:
                 writer.add(tokens, mask)
-                # An unlabelled token after the first (BOS or not) is a prompt: SFT data.
+                # An unlabelled token after the first (BOS or not) is a prompt: a document
+                # with none is trained on whole, and any other makes the data SFT data.
                 whole += bool((mask[1:] & LABEL).all())
                 longest = max(longest, len(tokens))
                 too_long += seq_len is not None and len(tokens) > seq_len

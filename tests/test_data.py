@@ -1023,7 +1023,7 @@ def test_missing_meta_json_says_how_to_prepare(tmp_path):
         data.TokenDataset(tmp_path)
     (tmp_path / "a.txt").write_text("hello")
     with pytest.raises(
-        ValueError, match=r"prepare --input \S+ --output NEW_DIR`, then pass --data"
+        ValueError, match=r"prepare --input \S+ --output NEW_DIR`, then pass NEW_DIR\)$"
     ):
         data.TokenDataset(tmp_path)
     (tmp_path / "config.json").write_text("{}")
