@@ -351,7 +351,7 @@ def open_data(
     given = "--tokenizer" if tokenizer else "the checkpoint's tokenizer"
     if data:
         dataset = TokenDataset(data)
-    elif source:  # before the default corpus is prepared: bytes are no tokenizer file's
+    elif text_tokenizer and text_tokenizer.name != ByteTokenizer.name:  # before it is prepared
         raise UsageError(
             f"no --data: the default corpus is byte-tokenized, but {given} {source} is "
             f"{text_tokenizer.name}: prepare data with it (python data.py prepare --tokenizer "
