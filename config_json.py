@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from files import UsageError, read_json
+from files import LOCAL_PATH, UsageError, read_json
 from model import FAMILIES, ROPE_TYPES, ModelArgs, RopeScaling, yarn_mscale
 from moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from tokenizer import SPECIAL_TOKEN_KEYS
@@ -129,7 +129,10 @@ def args_from_hf_config(path: str | os.PathLike) -> ModelArgs:
             f"config.json and the safetensors files" + (f" (give {path.parent})" if beside else "")
         )
     if not config_path.is_file():
-        raise UsageError(f"no Hugging Face config.json at {config_path}")
+        hub_id = not path.exists() and len(path.parts) == 2  # as `org/model`
+        raise UsageError(
+            f"no Hugging Face config.json at {config_path}" + (f" ({LOCAL_PATH})" if hub_id else "")
+        )
     raw = _text_model(read_json(config_path), config_path)
     try:
         family = raw.get("model_type")

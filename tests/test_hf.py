@@ -38,6 +38,7 @@ from test_model import (
 )
 
 from config_json import HF_CONFIG_DEFAULTS, args_from_hf_config, hf_config
+from files import UsageError
 from hf import (
     check_hf_checkpoint,
     load_peft_adapter,
@@ -749,3 +750,12 @@ def test_merged_export_loads_in_transformers(tmp_path, family):
     save_hf_checkpoint(model.args, named, out, dtype=torch.float32)
     tokens = tokens_for(model)
     assert rel_err(hf_model(out)(tokens).logits, model(tokens)) <= FP32_RTOL
+
+
+def test_a_hub_id_given_as_a_checkpoint_is_told_to_download_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match="huggingface-cli download ID --local-dir DIR"):
+        args_from_hf_config("meta-llama/Llama-3.2-1B")
+    with pytest.raises(UsageError) as missing:  # a path of other shape: no hub id
+        args_from_hf_config(tmp_path / "nothing")
+    assert "huggingface-cli" not in str(missing.value)
