@@ -422,14 +422,21 @@ def config_flags(values: dict) -> list[str]:
 
 def config_toml(opts: Options) -> str:
     """The options as a --config file (--run-dir's config.toml): what the run is, not how it
-    was started (--resume is left out). None, the default of options without a value, is
-    left out, and --max-steps where --max-tokens sets the steps. Strings as JSON writes
-    them, which TOML's basic strings read."""
+    was started (--resume is left out), nor where it exported to (the exports are left out, as
+    a bare --resume leaves them: a run of the file with another --run-dir would write over
+    this run's). None, the default of options without a value, is left out, and --max-steps
+    where --max-tokens sets the steps. Strings as JSON writes them, which TOML's basic strings
+    read."""
     values = dataclasses.asdict(opts)
-    del values["resume"]
+    for name in ("resume", "export_hf", "export_adapter"):
+        del values[name]
     if opts.max_tokens:
         del values["max_steps"]
-    lines = ["# A run's options, resolved: python train.py --config FILE (plan.json: its plan)"]
+    lines = [
+        "# A run's options, resolved: python train.py --config FILE (plan.json: its plan)",
+        "# --export-hf and --export-adapter left out, as a bare --resume leaves them (a run of "
+        "this file would write over this run's exports): give them again",
+    ]
     for name, value in values.items():
         if isinstance(value, bool):
             lines.append(f"{name} = {str(value).lower()}")

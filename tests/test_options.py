@@ -143,3 +143,8 @@ def test_a_config_toml_reads_back_as_the_options_it_was_written_from(tmp_path):
     # --resume is how a run was started, not what it is: a config of a resumed run has none
     config.write_text(options.config_toml(dataclasses.replace(written, resume="latest")))
     assert options.parse_options(["--config", str(config)])[0] == written
+    # nor where it exported: a run of the file with another --run-dir would write over them
+    exported = dataclasses.replace(written, export_hf="r/hf", export_adapter="r/adapter")
+    config.write_text(options.config_toml(exported))
+    assert options.parse_options(["--config", str(config)])[0] == written
+    assert "--export-hf and --export-adapter left out" in config.read_text()
