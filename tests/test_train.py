@@ -182,6 +182,16 @@ def test_resuming_with_other_lora_settings_is_refused_naming_them():
         shard.check_resumable(run, {**run, "lora": None})
 
 
+def test_resuming_on_another_dataset_is_refused_and_an_older_checkpoint_resumes():
+    run = {"model": {}, "seq_len": 8, "tokenizer": "bytes", "strategy": "FULL_SHARD",
+           "lora": None, "dataset": "0123456789ab"}  # fmt: skip
+    shard.check_resumable(run, run)
+    with pytest.raises(files.UsageError, match="another dataset .* then start a new run with"):
+        shard.check_resumable(run, {**run, "dataset": "ba9876543210"})
+    # saved before the record had the dataset's identity: resumes as it did
+    shard.check_resumable({k: v for k, v in run.items() if k != "dataset"}, run)
+
+
 def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_files(tmp_path):
     saved = {"run": {"tokens_per_step": 1024, "max_steps": 10}, "options": {
         "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "seed": 7}}  # fmt: skip
@@ -652,6 +662,7 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
     meta = json.loads((other_bos / "meta.json").read_text())
     (other_bos / "meta.json").write_text(json.dumps({**meta, "bos_id": 5}))
     other_eos = write_dataset(tmp / "other_eos", [1, 2, 3] * 200)
+    other_data = write_dataset(tmp / "other_data", [4, 5, 6] * 200)
     (other_eos / "meta.json").write_text(json.dumps({**meta, "eos_id": 10}))
     users_dir = tmp / "users_dir"
     users_dir.mkdir()
@@ -829,6 +840,10 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(other_tokenizer), "--seq-len", "128", "--resume", ckpt],
             "tokenizer: checkpoint 'bytes', this run 'tiktoken:abc'",
         ),
+        "checkpoint of another dataset": (
+            ["--data", str(other_data), "--seq-len", "128", "--resume", ckpt],
+            "cannot resume on another dataset (meta.json sha256 ",
+        ),
         "earlier run without --resume": (
             ["--data", str(dataset), "--run-dir", str(reference_run)],
             "holds checkpoints of an earlier run: pass --resume",
@@ -993,6 +1008,7 @@ CASES = [
     "checkpoint of another model",
     "checkpoint of another seq len",
     "checkpoint of another tokenizer",
+    "checkpoint of another dataset",
     "earlier run without --resume",
     "older checkpoint in place",
     "bad option",
