@@ -582,10 +582,11 @@ def model_args(opts: Options) -> ModelArgs:
     if opts.seq_len > args.max_seq_len and opts.max_seq_len:
         raise UsageError(f"--seq-len {opts.seq_len} is past --max-seq-len {opts.max_seq_len}")
     if opts.seq_len > args.max_seq_len:
+        default = " (the default)" if opts.seq_len == Options.seq_len else ""
         raise UsageError(
-            f"--seq-len {opts.seq_len} is past the {args.max_seq_len} positions "
-            f"{opts.hf_checkpoint} was trained on: pass --max-seq-len {opts.seq_len} to extend "
-            f"its context"
+            f"--seq-len {opts.seq_len}{default} is past the {args.max_seq_len} positions "
+            f"{opts.hf_checkpoint} was trained on: pass --seq-len {args.max_seq_len}, or "
+            f"--max-seq-len {opts.seq_len} to extend its context"
         )
     if opts.router_aux_loss_coef is not None and not args.moe_layers:
         raise UsageError("--router-aux-loss-coef is for mixture-of-experts models")

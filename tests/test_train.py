@@ -821,7 +821,7 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
                 "4096",
             ],
             "--seq-len 4096 is past the 512 positions " + str(tmp / "hf") + " was trained on: "
-            "pass --max-seq-len 4096",
+            "pass --seq-len 512, or --max-seq-len 4096 to extend its context",
         ),  # fmt: skip
         "missing data dir": (["--data", str(tmp / "nowhere")], "is not a prepared dataset"),
         "missing hf checkpoint": (
@@ -2170,6 +2170,18 @@ def test_max_seq_len_never_shortens_a_checkpoints_context(tmp_path):
     opts, _ = options.parse_options(argv)
     with pytest.raises(files.UsageError, match="--max-seq-len 1024 is below the 2048 positions"):
         options.model_args(opts)
+
+
+def test_a_default_seq_len_past_a_checkpoints_positions_is_named_so(tmp_path):
+    short = dataclasses.replace(PRESETS["tiny"], max_seq_len=128)
+    save_hf_checkpoint(short, Llama(short).named_parameters(), tmp_path / "hf", torch.float32)
+    opts, _ = options.parse_options(["--hf-checkpoint", str(tmp_path / "hf")])
+    with pytest.raises(files.UsageError) as error:
+        options.model_args(opts)
+    assert str(error.value) == (
+        f"--seq-len 256 (the default) is past the 128 positions {tmp_path / 'hf'} was trained "
+        f"on: pass --seq-len 128, or --max-seq-len 256 to extend its context"
+    )
 
 
 def test_a_checkpoint_saved_before_rope_scaling_had_a_type_resumes():
