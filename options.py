@@ -285,6 +285,28 @@ class Options:
     )
 
 
+# Hugging Face TrainingArguments' and TRL's names of the options that longtune names otherwise,
+# each with longtune's option, for the suggestion an unknown option gets.
+HF_NAMES = {"learning_rate": "lr", "num_train_epochs": "max_tokens", "epochs": "max_tokens",
+            "per_device_train_batch_size": "micro_batch", "gradient_accumulation_steps":
+            "grad_accum", "max_seq_length": "seq_len", "max_length": "seq_len", "output_dir":
+            "run_dir", "lr_scheduler_type": "decay", "save_steps": "checkpoint_interval",
+            "logging_steps": "log_interval", "eval_steps": "eval_interval",
+            "resume_from_checkpoint": "resume", "max_grad_norm": "grad_clip"}  # fmt: skip
+
+
+def did_you_mean(name: str, known: list[str], spell: Callable[[str], str]) -> str:
+    """ ": did you mean X?" for the unknown option `name`: longtune's of a Hugging Face name or
+    of a name with - for _ or _ for - (`spell` writes a field's name as `known` are written),
+    else the closest of `known`, if any."""
+    field = name.lstrip("-").replace("-", "_")
+    ours = HF_NAMES.get(field, field)
+    if ours == "max_tokens" and field != ours:  # epochs are counted in tokens
+        return f": did you mean {spell(ours)} (the epochs x the dataset's tokens)?"
+    close = [spell(ours)] if spell(ours) in known else difflib.get_close_matches(name, known, n=1)
+    return f": did you mean {close[0]}?" if close else ""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that suggests a flag for a mistyped one, and takes no abbreviation (--max-step)."""
 
@@ -294,10 +316,7 @@ class Parser(argparse.ArgumentParser):
         for word in argv:
             name = word.split("=")[0]
             if name.startswith("--") and name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                self.error(
-                    f"unknown option {name}" + (f": did you mean {close[0]}?" if close else "")
-                )
+                self.error(f"unknown option {name}" + did_you_mean(name, known, flag_name))
         return super().parse_args(argv, namespace)
 
     def error(self, message):
@@ -400,8 +419,7 @@ def read_config(path: str) -> dict:
     said = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
     for key, value in values.items():
         if key not in types:
-            close = difflib.get_close_matches(key.replace("-", "_"), types, n=1)
-            hint = f": did you mean {close[0]}?" if close else ""
+            hint = did_you_mean(key.replace("-", "_"), list(types), str)
             raise UsageError(f"--config {path}: unknown option {key!r}{hint}")
         kind = types[key]
         if not isinstance(value, expected[kind]) or isinstance(value, bool) != (kind == "bool"):
