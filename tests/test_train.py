@@ -1258,6 +1258,18 @@ def test_the_plan_is_saved_with_the_peaks_reached_and_keeps_the_flags_given(data
     assert saved["measured"]["steps"] == 2 and saved["measured"]["host_peak_rss_gib"] > 0
 
 
+def test_the_start_says_the_epochs_and_a_warmup_as_long_as_the_run(dataset, tmp_path, capsys):
+    argv = ["--data", str(dataset), *SMALL, "--lr", "2e-3", "--max-steps", "2"]
+    train.main([*argv, "--run-dir", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    epochs = 2 * 1024 / data.TokenDataset(dataset).n_tokens  # ~0.0073: two figures
+    assert f"1,024 tokens/step, 2 steps ({epochs:.2g} epochs of the data)\n" in out, out
+    assert (
+        "note: --warmup-steps 5 is not below the run's 2 steps: the learning rate rises the "
+        "whole run, to 8.00e-04 at its last step (--lr 2.00e-03), and never decays\n"
+    ) in out
+
+
 def test_a_runs_config_toml_gives_back_its_options(dataset, tmp_path):
     """A run given --config and flags keeps its options, resolved (lr's min_lr decided), in
     config.toml; --config of that file parses to the options its checkpoint records."""
