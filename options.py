@@ -286,19 +286,21 @@ class Options:
 
 
 # Hugging Face TrainingArguments' and TRL's names of the options that longtune names otherwise,
-# each with longtune's option, for the suggestion an unknown option gets.
-HF_NAMES = {"learning_rate": "lr", "num_train_epochs": "max_tokens", "epochs": "max_tokens",
-            "per_device_train_batch_size": "micro_batch", "gradient_accumulation_steps":
-            "grad_accum", "max_seq_length": "seq_len", "max_length": "seq_len", "output_dir":
-            "run_dir", "lr_scheduler_type": "decay", "save_steps": "checkpoint_interval",
-            "logging_steps": "log_interval", "eval_steps": "eval_interval",
-            "resume_from_checkpoint": "resume", "max_grad_norm": "grad_clip"}  # fmt: skip
+# each with longtune's, for the suggestion an unknown option gets.
+HF_NAMES = {
+    "learning_rate": "lr", "lr_scheduler_type": "decay", "max_grad_norm": "grad_clip",
+    "num_train_epochs": "max_tokens", "epochs": "max_tokens", "max_seq_length": "seq_len",
+    "max_length": "seq_len", "per_device_train_batch_size": "micro_batch",
+    "gradient_accumulation_steps": "grad_accum", "output_dir": "run_dir",
+    "resume_from_checkpoint": "resume", "save_steps": "checkpoint_interval",
+    "logging_steps": "log_interval", "eval_steps": "eval_interval",
+}  # fmt: skip
 
 
 def did_you_mean(name: str, known: list[str], spell: Callable[[str], str]) -> str:
-    """ ": did you mean X?" for the unknown option `name`: longtune's of a Hugging Face name or
-    of a name with - for _ or _ for - (`spell` writes a field's name as `known` are written),
-    else the closest of `known`, if any."""
+    """The ": did you mean X?" of the unknown option `name`: longtune's of a Hugging Face
+    name, or of the name with - for _ or _ for - (`spell` writes a field's name as `known`
+    are written), else the closest of `known`, if any."""
     field = name.lstrip("-").replace("-", "_")
     ours = HF_NAMES.get(field, field)
     if ours == "max_tokens" and field != ours:  # epochs are counted in tokens

@@ -676,8 +676,8 @@ def check_resumable(saved: dict, run: dict) -> None:
         raise UsageError(
             f"cannot resume on another dataset (meta.json sha256 {run['dataset']}, the "
             f"checkpoint's {saved['dataset']}): to train on from the checkpoint with this data, "
-            f"export it (--resume CHECKPOINT --max-steps ITS_STEP --export-hf DIR, without "
-            f"--data), then start a new run with --hf-checkpoint DIR"
+            f"export it (--resume CHECKPOINT --max-steps ITS_STEP --export-hf DIR, with its "
+            f"own data), then start a new run with --hf-checkpoint DIR"
         )
 
 
