@@ -49,6 +49,7 @@ from plan import (
     make_plan,
     plan_problems,
 )
+from tokenizer import sha256_of
 
 REPO = Path(__file__).resolve().parent
 
@@ -284,6 +285,30 @@ class Options:
     )
 
 
+# Hugging Face TrainingArguments' and TRL's names of the options that longtune names otherwise,
+# each with longtune's, for the suggestion an unknown option gets.
+HF_NAMES = {
+    "learning_rate": "lr", "lr_scheduler_type": "decay", "max_grad_norm": "grad_clip",
+    "num_train_epochs": "max_tokens", "epochs": "max_tokens", "max_seq_length": "seq_len",
+    "max_length": "seq_len", "per_device_train_batch_size": "micro_batch",
+    "gradient_accumulation_steps": "grad_accum", "output_dir": "run_dir",
+    "resume_from_checkpoint": "resume", "save_steps": "checkpoint_interval",
+    "logging_steps": "log_interval", "eval_steps": "eval_interval",
+}  # fmt: skip
+
+
+def did_you_mean(name: str, known: list[str], spell: Callable[[str], str]) -> str:
+    """The ": did you mean X?" of the unknown option `name`: longtune's of a Hugging Face
+    name, or of the name with - for _ or _ for - (`spell` writes a field's name as `known`
+    are written), else the closest of `known`, if any."""
+    field = name.lstrip("-").replace("-", "_")
+    ours = HF_NAMES.get(field, field)
+    if ours == "max_tokens" and field != ours:  # epochs are counted in tokens
+        return f": did you mean {spell(ours)} (the epochs x the dataset's tokens)?"
+    close = [spell(ours)] if spell(ours) in known else difflib.get_close_matches(name, known, n=1)
+    return f": did you mean {close[0]}?" if close else ""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse that suggests a flag for a mistyped one, and takes no abbreviation (--max-step)."""
 
@@ -293,10 +318,7 @@ class Parser(argparse.ArgumentParser):
         for word in argv:
             name = word.split("=")[0]
             if name.startswith("--") and name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                self.error(
-                    f"unknown option {name}" + (f": did you mean {close[0]}?" if close else "")
-                )
+                self.error(f"unknown option {name}" + did_you_mean(name, known, flag_name))
         return super().parse_args(argv, namespace)
 
     def error(self, message):
@@ -399,8 +421,7 @@ def read_config(path: str) -> dict:
     said = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string"}
     for key, value in values.items():
         if key not in types:
-            close = difflib.get_close_matches(key.replace("-", "_"), types, n=1)
-            hint = f": did you mean {close[0]}?" if close else ""
+            hint = did_you_mean(key.replace("-", "_"), list(types), str)
             raise UsageError(f"--config {path}: unknown option {key!r}{hint}")
         kind = types[key]
         if not isinstance(value, expected[kind]) or isinstance(value, bool) != (kind == "bool"):
@@ -422,14 +443,21 @@ def config_flags(values: dict) -> list[str]:
 
 def config_toml(opts: Options) -> str:
     """The options as a --config file (--run-dir's config.toml): what the run is, not how it
-    was started (--resume is left out). None, the default of options without a value, is
-    left out, and --max-steps where --max-tokens sets the steps. Strings as JSON writes
-    them, which TOML's basic strings read."""
+    was started (--resume is left out), nor where it exported to (the exports are left out, as
+    a bare --resume leaves them: a run of the file with another --run-dir would write over
+    this run's). None, the default of options without a value, is left out, and --max-steps
+    where --max-tokens sets the steps. Strings as JSON writes them, which TOML's basic strings
+    read."""
     values = dataclasses.asdict(opts)
-    del values["resume"]
+    for name in ("resume", "export_hf", "export_adapter"):
+        del values[name]
     if opts.max_tokens:
         del values["max_steps"]
-    lines = ["# A run's options, resolved: python train.py --config FILE (plan.json: its plan)"]
+    lines = [
+        "# A run's options, resolved: python train.py --config FILE (plan.json: its plan)",
+        "# --export-hf and --export-adapter left out, as a bare --resume leaves them (a run of "
+        "this file would write over this run's exports): give them again",
+    ]
     for name, value in values.items():
         if isinstance(value, bool):
             lines.append(f"{name} = {str(value).lower()}")
@@ -574,10 +602,11 @@ def model_args(opts: Options) -> ModelArgs:
     if opts.seq_len > args.max_seq_len and opts.max_seq_len:
         raise UsageError(f"--seq-len {opts.seq_len} is past --max-seq-len {opts.max_seq_len}")
     if opts.seq_len > args.max_seq_len:
+        default = " (the default)" if opts.seq_len == Options.seq_len else ""
         raise UsageError(
-            f"--seq-len {opts.seq_len} is past the {args.max_seq_len} positions "
-            f"{opts.hf_checkpoint} was trained on: pass --max-seq-len {opts.seq_len} to extend "
-            f"its context"
+            f"--seq-len {opts.seq_len}{default} is past the {args.max_seq_len} positions "
+            f"{opts.hf_checkpoint} was trained on: pass --seq-len {args.max_seq_len}, or "
+            f"--max-seq-len {opts.seq_len} to extend its context"
         )
     if opts.router_aux_loss_coef is not None and not args.moe_layers:
         raise UsageError("--router-aux-loss-coef is for mixture-of-experts models")
@@ -896,6 +925,8 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
         "model": dataclasses.asdict(args),
         "seq_len": chosen.seq_len,
         "tokenizer": dataset.meta["tokenizer"],
+        # Its identity, which a move keeps: meta.json's counts, tokenizer and preparation.
+        "dataset": sha256_of(json.dumps(dataset.meta, sort_keys=True).encode()),
         "strategy": chosen.strategy,
         "world_size": world.world_size,
         "lora": dataclasses.asdict(lora) if lora else None,

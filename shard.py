@@ -670,6 +670,15 @@ def check_resumable(saved: dict, run: dict) -> None:
             "length, strategy and adapters from the checkpoint unless given: these differ "
             "from it):\n  " + "\n  ".join(problems)
         )
+    # The loader would go on with the checkpoint's order and cursor over other samples.
+    # (Checkpoints saved before the record had the dataset's identity resume as they did.)
+    if "dataset" in saved and saved["dataset"] != run["dataset"]:
+        raise UsageError(
+            f"cannot resume on another dataset (meta.json sha256 {run['dataset']}, the "
+            f"checkpoint's {saved['dataset']}): to train on from the checkpoint with this data, "
+            f"export it (--resume CHECKPOINT --max-steps ITS_STEP --export-hf DIR, with its "
+            f"own data), then start a new run with --hf-checkpoint DIR"
+        )
 
 
 def check_no_newer_checkpoints(root: Path, step: int, resume_from: Path) -> list[Path]:

@@ -232,6 +232,9 @@ def build(opts: Options, args: ModelArgs, plan: Plan, world, resumed: bool, log)
 
 def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -> None:
     frozen = plan.lora is not None
+    # The passes over the data, as Hugging Face's "Num Epochs": two figures below one.
+    epochs = plan.tokens_per_step * max_steps / dataset.n_tokens
+    epochs_text = f"{epochs:.2g}" if epochs < 1 else f"{epochs:,.1f}"
     flops_per_token = args.flops_per_token(opts.seq_len, frozen)
     layout = "optimizer in backward" if plan.optimizer_in_backward else plan.strategy
     if plan.context_parallel > 1:
@@ -253,8 +256,16 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
         f"{', attention masked between documents' if masked else ''}) | "
         f"{plural(world.world_size, 'process')} x {world.device.type}, "
         f"{layout}, {plan.param_dtype} params, kernels {'on' if plan.kernels else 'off'} | "
-        f"{plan.tokens_per_step:,} tokens/step, {max_steps} steps"
+        f"{plan.tokens_per_step:,} tokens/step, {max_steps} steps ({epochs_text} epochs of "
+        f"the data)"
     )
+    if opts.warmup_steps >= max_steps:
+        log(
+            f"note: --warmup-steps {opts.warmup_steps} is not below the run's {max_steps} "
+            f"steps: the learning rate rises the whole run, to "
+            f"{lr_at(max_steps - 1, opts, max_steps):.2e} at its last step (--lr {opts.lr:.2e}), "
+            f"and never decays"
+        )
 
 
 # ----------------------------------------------------------------------------------------

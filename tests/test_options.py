@@ -62,6 +62,17 @@ def test_abbreviations_are_refused_and_a_typo_is_told_the_flag(capsys, help_text
         options.parse_options(["--max-step", "3"])
     assert exit_info.value.code == 2
     assert "unknown option --max-step: did you mean --max-steps?" in capsys.readouterr().err
+    # Hugging Face's names (TrainingArguments, TRL) are told longtune's
+    told = {"--learning-rate": "--lr", "--per_device_train_batch_size": "--micro-batch",
+            "--epochs": "--max-tokens (the epochs x the dataset's tokens)",
+            "--output-dir": "--run-dir", "--max-grad-norm": "--grad-clip",
+            "--warmup_steps": "--warmup-steps"}  # fmt: skip
+    for word, ours in told.items():
+        with pytest.raises(SystemExit):
+            options.parse_options([f"{word}=3"])
+        assert f"unknown option {word}: did you mean {ours}?" in capsys.readouterr().err
+    fields = {f.name for f in dataclasses.fields(options.Options)}
+    assert set(options.HF_NAMES.values()) <= fields and not set(options.HF_NAMES) & fields
     for group in ["model and data:", "batch and schedule:", "memory plan", "LoRA and QLoRA:"]:
         assert group in help_text
     assert help_text.count("(default:") >= len(dataclasses.fields(options.Options))
@@ -116,6 +127,8 @@ def test_a_config_file_gives_options_and_the_command_line_wins(tmp_path):
     [
         ("seq-len = 512", "unknown option 'seq-len': did you mean seq_len?"),
         ("zzqqxx = 1", "unknown option 'zzqqxx' (--help"),
+        ("learning_rate = 1e-4", "unknown option 'learning_rate': did you mean lr?"),
+        ("num_train_epochs = 3", "did you mean max_tokens (the epochs x the dataset's tokens)?"),
         ("seq_len = 1.5", "seq_len must be an integer, got 1.5"),
         ("fp8 = 1", "fp8 must be true or false, got 1"),
         ("lr = true", "lr must be a number, got True"),
@@ -143,3 +156,8 @@ def test_a_config_toml_reads_back_as_the_options_it_was_written_from(tmp_path):
     # --resume is how a run was started, not what it is: a config of a resumed run has none
     config.write_text(options.config_toml(dataclasses.replace(written, resume="latest")))
     assert options.parse_options(["--config", str(config)])[0] == written
+    # nor where it exported: a run of the file with another --run-dir would write over them
+    exported = dataclasses.replace(written, export_hf="r/hf", export_adapter="r/adapter")
+    config.write_text(options.config_toml(exported))
+    assert options.parse_options(["--config", str(config)])[0] == written
+    assert "--export-hf and --export-adapter left out" in config.read_text()

@@ -182,6 +182,16 @@ def test_resuming_with_other_lora_settings_is_refused_naming_them():
         shard.check_resumable(run, {**run, "lora": None})
 
 
+def test_resuming_on_another_dataset_is_refused_and_an_older_checkpoint_resumes():
+    run = {"model": {}, "seq_len": 8, "tokenizer": "bytes", "strategy": "FULL_SHARD",
+           "lora": None, "dataset": "0123456789ab"}  # fmt: skip
+    shard.check_resumable(run, run)
+    with pytest.raises(files.UsageError, match="another dataset .* then start a new run with"):
+        shard.check_resumable(run, {**run, "dataset": "ba9876543210"})
+    # saved before the record had the dataset's identity: resumes as it did
+    shard.check_resumable({k: v for k, v in run.items() if k != "dataset"}, run)
+
+
 def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_files(tmp_path):
     saved = {"run": {"tokens_per_step": 1024, "max_steps": 10}, "options": {
         "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "seed": 7}}  # fmt: skip
@@ -652,6 +662,7 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
     meta = json.loads((other_bos / "meta.json").read_text())
     (other_bos / "meta.json").write_text(json.dumps({**meta, "bos_id": 5}))
     other_eos = write_dataset(tmp / "other_eos", [1, 2, 3] * 200)
+    other_data = write_dataset(tmp / "other_data", [4, 5, 6] * 200)
     (other_eos / "meta.json").write_text(json.dumps({**meta, "eos_id": 10}))
     users_dir = tmp / "users_dir"
     users_dir.mkdir()
@@ -810,7 +821,7 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
                 "4096",
             ],
             "--seq-len 4096 is past the 512 positions " + str(tmp / "hf") + " was trained on: "
-            "pass --max-seq-len 4096",
+            "pass --seq-len 512, or --max-seq-len 4096 to extend its context",
         ),  # fmt: skip
         "missing data dir": (["--data", str(tmp / "nowhere")], "is not a prepared dataset"),
         "missing hf checkpoint": (
@@ -828,6 +839,10 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
         "checkpoint of another tokenizer": (
             ["--data", str(other_tokenizer), "--seq-len", "128", "--resume", ckpt],
             "tokenizer: checkpoint 'bytes', this run 'tiktoken:abc'",
+        ),
+        "checkpoint of another dataset": (
+            ["--data", str(other_data), "--seq-len", "128", "--resume", ckpt],
+            "cannot resume on another dataset (meta.json sha256 ",
         ),
         "earlier run without --resume": (
             ["--data", str(dataset), "--run-dir", str(reference_run)],
@@ -993,6 +1008,7 @@ CASES = [
     "checkpoint of another model",
     "checkpoint of another seq len",
     "checkpoint of another tokenizer",
+    "checkpoint of another dataset",
     "earlier run without --resume",
     "older checkpoint in place",
     "bad option",
@@ -1240,6 +1256,18 @@ def test_the_plan_is_saved_with_the_peaks_reached_and_keeps_the_flags_given(data
     assert saved["planned"] == planned
     assert saved["tokens_per_step"] == 1024 and saved["machine"]["gpu_gib"] is None
     assert saved["measured"]["steps"] == 2 and saved["measured"]["host_peak_rss_gib"] > 0
+
+
+def test_the_start_says_the_epochs_and_a_warmup_as_long_as_the_run(dataset, tmp_path, capsys):
+    argv = ["--data", str(dataset), *SMALL, "--lr", "2e-3", "--max-steps", "2"]
+    train.main([*argv, "--run-dir", str(tmp_path / "run")])
+    out = capsys.readouterr().out
+    epochs = 2 * 1024 / data.TokenDataset(dataset).n_tokens  # ~0.0073: two figures
+    assert f"1,024 tokens/step, 2 steps ({epochs:.2g} epochs of the data)\n" in out, out
+    assert (
+        "note: --warmup-steps 5 is not below the run's 2 steps: the learning rate rises the "
+        "whole run, to 8.00e-04 at its last step (--lr 2.00e-03), and never decays\n"
+    ) in out
 
 
 def test_a_runs_config_toml_gives_back_its_options(dataset, tmp_path):
@@ -2154,6 +2182,18 @@ def test_max_seq_len_never_shortens_a_checkpoints_context(tmp_path):
     opts, _ = options.parse_options(argv)
     with pytest.raises(files.UsageError, match="--max-seq-len 1024 is below the 2048 positions"):
         options.model_args(opts)
+
+
+def test_a_default_seq_len_past_a_checkpoints_positions_is_named_so(tmp_path):
+    short = dataclasses.replace(PRESETS["tiny"], max_seq_len=128)
+    save_hf_checkpoint(short, Llama(short).named_parameters(), tmp_path / "hf", torch.float32)
+    opts, _ = options.parse_options(["--hf-checkpoint", str(tmp_path / "hf")])
+    with pytest.raises(files.UsageError) as error:
+        options.model_args(opts)
+    assert str(error.value) == (
+        f"--seq-len 256 (the default) is past the 128 positions {tmp_path / 'hf'} was trained "
+        f"on: pass --seq-len 128, or --max-seq-len 256 to extend its context"
+    )
 
 
 def test_a_checkpoint_saved_before_rope_scaling_had_a_type_resumes():
