@@ -725,6 +725,19 @@ def _peft_targets(args: ModelArgs, config: LoRAConfig, prefix: str) -> dict[str,
     }
 
 
+def _picked(theirs: dict, key: str, known: set[str], file: Path) -> set[str]:
+    """The names of `known` that adapter_config.json's `key` (`theirs[key]`) targets."""
+    targets = theirs.get(key) or []
+    targets = targets if isinstance(targets, (str, list)) else [targets]  # refused by the caller
+    if isinstance(targets, str):  # PEFT's rule: a regular expression of the whole name,
+        try:
+            return {n for n in known if re.fullmatch(targets, n)}
+        except re.error as e:
+            raise UsageError(f"{file} {key}: {targets!r} is no regular expression: {e}") from None
+    # or a list, each a module's (a parameter's) name or its end after a dot
+    return {n for n in known if any(n == t or n.endswith(f".{t}") for t in targets)}
+
+
 def _target_problems(
     args: ModelArgs, config: LoRAConfig, prefix: str, theirs: dict, ours: dict, file: Path
 ) -> tuple[list[str], bool]:
@@ -733,16 +746,7 @@ def _target_problems(
     some layers only."""
     problems, some_layers = [], False
     for key, (known, wanted) in _peft_targets(args, config, prefix).items():
-        targets = theirs.get(key) or []
-        targets = targets if isinstance(targets, (str, list)) else [targets]  # refused below
-        if isinstance(targets, str):  # PEFT's rule: a regular expression of the whole name,
-            try:
-                picked = {n for n in known if re.fullmatch(targets, n)}
-            except re.error as e:
-                problem = f"{file} {key}: {targets!r} is no regular expression: {e}"
-                raise UsageError(problem) from None
-        else:  # or a list, each a module's (a parameter's) name or its end after a dot
-            picked = {n for n in known if any(n == t or n.endswith(f".{t}") for t in targets)}
+        picked = _picked(theirs, key, known, file)
         kinds = [
             {n.partition(".layers.")[2].partition(".")[2] for n in s} for s in (picked, wanted)
         ]
@@ -761,6 +765,34 @@ def _target_problems(
     return problems, some_layers
 
 
+def peft_adapter_settings(
+    args: ModelArgs, path: str | os.PathLike, base_model: str | None = None
+) -> dict:
+    """What the PEFT adapter at `path` says of LoRAConfig's fields, as PeftModel.from_pretrained
+    reads them: rank, alpha and dropout, and the targets its target_modules and
+    target_parameters pick on this model (longtune's names). A value of the wrong type, or
+    targets that pick nothing here, are left out, and all where there is no such file:
+    check_peft_adapter says what is wrong, after the options' own problems."""
+    config_file = Path(path) / "adapter_config.json"
+    if not config_file.is_file():
+        return {}
+    theirs, every = read_json(config_file), (*LORA_TARGETS, *EXPERT_LORA_TARGETS)
+    known = _peft_targets(args, LoRAConfig(1, 1.0, targets=every), peft_prefix(base_model))
+    by_hf = {hf: o for o, hf in (HF_LORA_TARGETS | EXPERT_LORA_TARGETS).items()}
+    picked = {
+        by_hf[name.rpartition(".")[2] if key == "target_modules" else name.split(".", 3)[3]]
+        for key, (names, _) in known.items()
+        for name in _picked(theirs, key, names, config_file)
+    }
+    settings = {"targets": tuple(t for t in every if t in picked)} if picked else {}
+    for ours, key, kind in (("rank", "r", int), ("alpha", "lora_alpha", float),
+                            ("dropout", "lora_dropout", float)):  # fmt: skip
+        value = theirs.get(key)
+        if isinstance(value, (int, kind)) and not isinstance(value, bool):
+            settings[ours] = kind(value)
+    return settings
+
+
 def check_peft_adapter(
     args: ModelArgs, config: LoRAConfig, path: str | os.PathLike, base_model: str | None = None
 ) -> Path:
@@ -777,9 +809,10 @@ def check_peft_adapter(
     ours = peft_adapter_config(args, config, base_model, prefix)
     problems = [
         f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected {ours[key]!r}"
-        + (f" (--lora-rank {ours['r']}: pass --lora-rank {theirs.get('r')})" * (key == "r"))
+        + (f" ({flag} {ours[key]:g}: pass {flag} {theirs.get(key)})" if flag else "")
         for key in ("peft_type", "r", "lora_alpha", "bias", "use_rslora", "use_dora")
         if theirs.get(key, ours[key]) != ours[key]
+        for flag in [{"r": "--lora-rank", "lora_alpha": "--lora-alpha"}.get(key)]
     ]
     # Unimplemented PEFT settings load only at their defaults (a pattern changes ranks or scales).
     problems += [

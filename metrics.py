@@ -4,7 +4,7 @@ which train.setup opens with the run's other files: always `JsonLines` (run_dir/
 and with --report-to, `TensorBoard` (run_dir/tensorboard) and `WandB` (Weights & Biases), which
 start with the run's config (its options and plan.json). A resumed run continues each.
 TensorBoard's and W&B's packages are imported only when asked, and a missing one is told before
-the run starts (report_to_problems).
+the run starts (report_to_problems); so is a W&B that cannot start without the user (no login).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 import os
 from pathlib import Path
 
-from files import no_follow, plural
+from files import UsageError, no_follow, plural
 
 # --report-to's names, and the package each needs (pip install it).
 REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
@@ -129,14 +129,21 @@ class WandB:
 
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else None  # None: a new one
-        self.run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "longtune"),
-            name=run_dir.resolve().name,
-            id=run_id,
-            resume="allow",
-            config=config,
-            dir=os.environ.get("WANDB_DIR", run_dir),
-        )
+        try:
+            self.run = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "longtune"),
+                name=run_dir.resolve().name,
+                id=run_id,
+                resume="allow",
+                config=config,
+                dir=os.environ.get("WANDB_DIR", run_dir),
+            )
+        except (wandb.errors.UsageError, wandb.errors.CommError) as e:  # no key, a wrong one
+            said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(
+                f"--report-to wandb: W&B did not start ({said}): run `wandb login` or set "
+                f"WANDB_API_KEY, or log offline with WANDB_MODE=offline (wandb sync uploads later)"
+            ) from None
         if run_id is None:
             with open(id_file, "w", opener=no_follow) as f:
                 f.write(self.run.id + "\n")

@@ -30,7 +30,14 @@ from attention import CUDA_ONLY_BACKENDS, LONG_DOCUMENT, SDPA_BACKENDS
 from config_json import args_from_hf_config
 from data import RunData, TokenDataset, attended_per_token, open_data, open_eval_data
 from files import UsageError, params_text
-from hf import HF_EXPORT, PEFT_ADAPTER, check_hf_checkpoint, check_peft_adapter, peft_prefix
+from hf import (
+    HF_EXPORT,
+    PEFT_ADAPTER,
+    check_hf_checkpoint,
+    check_peft_adapter,
+    peft_adapter_settings,
+    peft_prefix,
+)
 from lora import LORA_TARGETS, LoRAConfig, check_lora_targets, parse_lora_targets
 from metrics import report_to_problems
 from model import PRESETS, ModelArgs
@@ -218,7 +225,10 @@ class Options:
         None, "store the frozen base's adapted projections in 4 bits (QLoRA)", choices=["nf4"]
     )
     lora_adapter: str | None = option(
-        None, "start the adapters from this PEFT adapter directory", metavar="DIR"
+        None,
+        "start the adapters from this PEFT adapter directory (its rank, alpha, targets and "
+        "dropout unless given)",
+        metavar="DIR",
     )
     run_dir: str = option(
         "runs/default",
@@ -512,9 +522,12 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     if not opts.lora_rank:
         problems += [
             f"{flag_name(name)} needs --lora-rank > 0"
-            for name in ("quantize_base", "lora_adapter", "export_adapter")
+            for name in ("quantize_base", "export_adapter")
             if getattr(opts, name)
         ]
+    if not opts.lora_rank and opts.lora_adapter:  # else its r was taken (taken_from_adapter)
+        adapter = Path(opts.lora_adapter) / "adapter_config.json"
+        problems.append(f"--lora-adapter: no {adapter} with the adapter's r (its rank)")
     try:
         lora = lora_config(opts)
         if lora:
@@ -552,6 +565,41 @@ def output_clashes(opts: Options) -> list[str]:
             problems.append(f"{flag_name(name)} {given} is {clash}: the export would replace it")
         taken[out] = f"the {flag_name(name)} directory"
     return problems
+
+
+# --lora-adapter's settings (hf.peft_adapter_settings) -> the options that give them.
+ADAPTER_OPTIONS = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout",
+                   "lora_targets": "targets"}  # fmt: skip
+
+
+def taken_from_adapter(opts: Options, args: ModelArgs, given: frozenset[str]) -> dict:
+    """The options a new run takes from --lora-adapter's adapter_config.json where not given,
+    as PeftModel.from_pretrained reads it. A rank, alpha or targets given otherwise is refused,
+    named (the adapter's weights are of its own); a --lora-dropout given replaces its dropout,
+    a choice of the training, as on a resume (KEPT_ON_RESUME). (A resumed run's adapters are
+    its checkpoint's, and so are these options: taken_on_resume.)"""
+    if not opts.lora_adapter:
+        return {}
+    settings = peft_adapter_settings(args, opts.lora_adapter, opts.hf_checkpoint)
+    taken, problems = {}, []
+    for name, key in ADAPTER_OPTIONS.items():
+        if key not in settings:
+            continue
+        ours = parse_lora_targets(opts.lora_targets) if key == "targets" else getattr(opts, name)
+        theirs = ",".join(settings[key]) if key == "targets" else settings[key]
+        if name not in given:
+            taken[name] = theirs
+        elif ours != settings[key] and key != "dropout":
+            problems.append(
+                f"{flag_name(name)} {getattr(opts, name)} differs from the adapter's {theirs}"
+            )
+    if problems:
+        raise UsageError(
+            f"--lora-adapter {opts.lora_adapter}: "
+            + "; ".join(problems)
+            + " (leave the flags out to take the adapter's)"
+        )
+    return taken
 
 
 def lora_config(opts: Options) -> LoRAConfig | None:
@@ -736,10 +784,11 @@ def resume_options(
     return opts
 
 
-def estimate(opts: Options) -> None:
+def estimate(opts: Options, given: frozenset[str]) -> None:
     """--estimate-memory: the plan, and its memory, for the machine the flags describe (a
     GPU machine: the GPU defaults of --kernels and --param-dtype), checked as a run is."""
     args = model_args(opts)
+    opts = dataclasses.replace(opts, **taken_from_adapter(opts, args, given))
     machine = machine_to_estimate(
         opts.world_size, opts.nproc_per_node, opts.gpu_memory, opts.host_memory
     )
@@ -914,6 +963,10 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
         )
     chosen = dataclasses.replace(asked, **taken)
     args = model_args(chosen)
+    if not saved and (from_adapter := taken_from_adapter(chosen, args, given)):
+        said = ", ".join(f"{flag_name(k)} {v}" for k, v in from_adapter.items())
+        log(f"the --lora-adapter's {said}")
+        chosen = dataclasses.replace(chosen, **from_adapter)
     check_options(chosen, args, *shard.torchrun_processes())
     check_this_machine(chosen)
     world = shard.init_distributed()

@@ -590,7 +590,10 @@ class Instruments:
 class StopSignals:
     """SIGTERM and SIGINT (Ctrl-C, SLURM's preemption, torchrun passing either on) stop the
     run after this step, with a checkpoint; a second one, at once. One within a second of the
-    first is the same: a Ctrl-C reaches every worker, and torchrun passes it on again."""
+    first is the same: a Ctrl-C reaches every worker, and torchrun passes it on again.
+    Python runs a signal's handler once for all its arrivals during one long call (a CPU
+    backward), so each is counted where it lands: the C handler writes a byte a signal to
+    set_wakeup_fd's pipe, which a thread reads and times while that call holds no GIL."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -599,7 +602,20 @@ class StopSignals:
         self.last_checkpoint = last_checkpoint
         self.received: str | None = None
         self.received_at = 0.0
-        self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        self.previous = {s: signal.signal(s, lambda signum, frame: None) for s in self.SIGNALS}
+        self.arrivals, self.wakeup = os.pipe()
+        os.set_blocking(self.wakeup, False)  # as set_wakeup_fd needs: a full pipe drops a byte
+        self.previous_fd = signal.set_wakeup_fd(self.wakeup, warn_on_full_buffer=False)
+        self.reader = threading.Thread(target=self._read, name="stop-signals", daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            for signum in os.read(self.arrivals, 64):  # a byte each: the signal's number
+                if signum == 0:  # restore's: no signal is 0
+                    return
+                if signum in self.SIGNALS:  # the pipe has every Python-handled signal's
+                    self._handle(signum, None)
 
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
@@ -624,8 +640,13 @@ class StopSignals:
         return bool(stop)
 
     def restore(self) -> None:
+        signal.set_wakeup_fd(self.previous_fd)
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        os.write(self.wakeup, b"\0")
+        self.reader.join()
+        os.close(self.arrivals)
+        os.close(self.wakeup)
 
 
 # How long a worker whose torchrun died may take to stop on its own, as torchrun itself waits
@@ -861,7 +882,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         finished = True
         if opts.estimate_memory:  # the plan and its memory, nothing trained
-            options.estimate(opts)
+            options.estimate(opts, given)
         else:
             finished = train(opts, given)
     except KeyboardInterrupt:

@@ -23,6 +23,7 @@ from hf import (
     check_peft_adapter,
     hf_names,
     load_peft_adapter,
+    peft_adapter_settings,
     peft_expert_names,
     peft_names,
     save_hf_checkpoint,
@@ -598,6 +599,8 @@ def test_an_adapter_made_by_peft_as_the_gpt_oss_recipe_reads_back_with_peft_logi
         EXPERTS_CONFIG, targets=("wq", "wk", "wv", "wo", *EXPERT_LORA_TARGETS)
     )
     ours = lora_model(path, config)
+    settings = {"targets": config.targets, "rank": 4, "alpha": 8.0, "dropout": 0.0}
+    assert peft_adapter_settings(ours.args, tmp_path / "adapter") == settings  # --lora-adapter's
     load_peft_adapter(ours, config, tmp_path / "adapter")
     assert rel_err(ours(tokens), want) <= FP32_RTOL
     refused = r"target_parameters: .* some layers only \(not on \['model.layers.0.mlp.experts"

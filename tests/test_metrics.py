@@ -112,6 +112,29 @@ def test_a_missing_package_is_one_line_before_any_step(dataset, tmp_path, monkey
     assert not run_dir.exists()
 
 
+def test_wandb_without_a_login_is_one_line_before_any_step(dataset, tmp_path, monkeypatch, capsys):
+    """W&B's UsageError (no API key) told as what the user does about it, no traceback; its
+    server a closed local port, so that nothing reaches the network whatever W&B tries."""
+    import wandb
+
+    wandb.teardown()  # W&B keeps the settings it first read (the offline run's above) until then
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT", "WANDB_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"HOME": tmp_path, "NETRC": tmp_path / "netrc", "WANDB_SILENT": "true",
+                        "WANDB_CONFIG_DIR": tmp_path / "wandb-config",
+                        "WANDB_BASE_URL": "http://127.0.0.1:9"}.items():  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--data", str(dataset), *SMALL, "--run-dir", str(run_dir),
+                    "--max-steps", "1", "--report-to", "wandb"])  # fmt: skip
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("train.py error: --report-to wandb: W&B did not start (No API key")
+    assert err.count("\n") == 1 and "wandb login" in err and "WANDB_API_KEY" in err
+    assert "WANDB_MODE=offline" in err and (run_dir / "metrics.jsonl").read_text() == ""
+
+
 def test_the_metrics_log_is_never_written_through_a_link(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("the user's")

@@ -127,6 +127,32 @@ def test_a_second_signal_stops_at_once_and_exits_as_stopped(monkeypatch, capsys)
     )
 
 
+# One long call that holds no GIL and no signal interrupts (as a CPU backward): a wait on a
+# future, which a thread ends after two SIGINTs 1.3 s apart.
+TWO_SIGNALS_IN_ONE_CALL = """
+import os, signal, threading, time
+import torch, train
+stop, done = train.StopSignals(True, lambda: None), torch.futures.Future()
+def send():
+    for pause in (0.2, 1.3):
+        time.sleep(pause)
+        os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)
+    done.set_result(None)
+threading.Thread(target=send).start()
+done.wait()
+stop.restore()
+"""
+
+
+def test_a_second_signal_during_one_long_call_stops_at_once():
+    """Python would run the handler once for both: each arrival is counted where it lands."""
+    result = subprocess.run([sys.executable, "-c", TWO_SIGNALS_IN_ONE_CALL], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == train.EXIT_STOPPED, result.stderr
+    assert "SIGINT again: stopped at once; the last checkpoint is none" in result.stderr
+
+
 def test_a_bad_command_line_is_said_once_under_torchrun(capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # the default --run-dir is the cwd's runs/default
     with pytest.raises(SystemExit) as exit_info:
@@ -887,6 +913,10 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
             ["--data", str(dataset), "--lora-rank", "2", "--lora-adapter", str(tmp / "nowhere")],
             "adapter_config.json does not exist",
         ),
+        "missing lora adapter to take the rank from": (
+            ["--data", str(dataset), "--lora-adapter", str(tmp / "nowhere")],
+            f"--lora-adapter: no {tmp / 'nowhere' / 'adapter_config.json'} with the adapter's r",
+        ),
         "context parallel not dividing the sequence": (
             ["--data", str(dataset), "--seq-len", "100", "--context-parallel", "3"],
             "--context-parallel 3 must divide --seq-len 100",
@@ -1021,6 +1051,7 @@ CASES = [
     "nf4 on rows of 96",
     "experts' adapters on a model without experts",
     "missing lora adapter",
+    "missing lora adapter to take the rank from",
     "context parallel not dividing the sequence",
     "context parallel not dividing the heads",
     "context parallel past the processes",
@@ -1476,8 +1507,7 @@ def test_nan_in_adapter_rows_one_rank_reads_ends_every_process(dataset, tmp_path
     tensors[name][-1, 0] = float("nan")  # the last row: in rank 1's shard
     save_file(tensors, file, metadata={"format": "pt"})
     argv = ["--data", str(dataset), *SMALL, "--micro-batch", "4", "--hf-checkpoint", str(base),
-            "--lr", "1e-4", "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets",
-            "q_proj,v_proj", "--lora-adapter", str(tmp_path / "adapter"),
+            "--lr", "1e-4", "--lora-adapter", str(tmp_path / "adapter"),
             "--run-dir", str(tmp_path / "run")]  # fmt: skip
     result = run_subprocess(*argv, nproc=2, check=False)
     assert result.returncode != 0
@@ -1542,9 +1572,35 @@ def test_qlora_trains_resumes_and_exports_what_peft_and_transformers_load(datase
     assert torch.equal(exported.model.layers[1].self_attn.k_proj.weight,
                        original.model.layers[1].self_attn.k_proj.weight)  # fmt: skip
 
+    # The adapter's r, alpha, targets and dropout, as PEFT reads them, unless given: the run
+    # records them in its config.toml; one given otherwise is refused, named.
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(json.dumps(config | {"lora_dropout": 0.05}))
     continued = tmp_path / "continued"
-    train.main([*argv[:-1], str(continued), "--lora-adapter", str(adapter), "--max-steps", "1"])
+    given = [
+        "--data",
+        str(dataset),
+        *SMALL,
+        "--hf-checkpoint",
+        str(base),
+        "--lr",
+        "1e-2",
+        "--quantize-base",
+        "nf4",
+        "--lora-adapter",
+        str(adapter),
+        "--max-steps",
+        "1",
+    ]
+    with pytest.raises(files.UsageError, match=r"--lora-alpha 16.0 differs from the adapter's 8"):
+        options.resolve(*options.parse_options([*given, "--lora-alpha", "16"]), print)
+    train.main([*given, "--run-dir", str(continued)])
     assert losses(continued)[1] < first[1]
+    train.main([*given, "--estimate-memory"])  # taken as a run takes them, not refused
+    recorded = (continued / "config.toml").read_text()
+    for line in ('lora_rank = 4', 'lora_alpha = 8.0', 'lora_dropout = 0.05',
+                 'lora_targets = "wq,wv,w2"', 'quantize_base = "nf4"'):  # fmt: skip
+        assert f"\n{line}\n" in recorded
 
 
 @CPU_ONLY
