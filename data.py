@@ -7,6 +7,7 @@ run's data with its tokenizers (options.resolve); last, the command line of
 """
 
 import argparse
+import json
 import math
 import signal
 import sys
@@ -43,6 +44,7 @@ from tokenizer import (
     load_tokenizer,
     read_hf_tokenizer,
     set_chat_template,
+    sha256_of,
     tokenizer_file,
 )
 
@@ -127,6 +129,12 @@ class TokenDataset:
         chunk = 1 << 28  # 256 MB at a time; a normal dataset answers in its first chunk
         masks = (self.loss_mask[i : i + chunk] for i in range(1, self.n_tokens, chunk))
         return any((mask & LABEL).any() for mask in masks)
+
+    def identity(self) -> str:
+        """What a resumed run compares (options.resolve's run record): the tokenizer and the
+        numbers of tokens and documents (META_FIELDS), not where the dataset is or how it was
+        prepared, so that a move or a second prepare of the same inputs keeps it."""
+        return sha256_of(json.dumps({k: self.meta[k] for k in META_FIELDS}).encode())
 
     def check(self, vocab_size: int, seq_len: int, use: str = "train") -> None:
         """One error naming each reason this dataset cannot `use` ("train", "evaluate") with

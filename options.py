@@ -56,7 +56,6 @@ from plan import (
     make_plan,
     plan_problems,
 )
-from tokenizer import sha256_of
 
 REPO = Path(__file__).resolve().parent
 
@@ -978,8 +977,7 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
         "model": dataclasses.asdict(args),
         "seq_len": chosen.seq_len,
         "tokenizer": dataset.meta["tokenizer"],
-        # Its identity, which a move keeps: meta.json's counts, tokenizer and preparation.
-        "dataset": sha256_of(json.dumps(dataset.meta, sort_keys=True).encode()),
+        "dataset": dataset.identity(),
         "strategy": chosen.strategy,
         "world_size": world.world_size,
         "lora": dataclasses.asdict(lora) if lora else None,

@@ -1234,3 +1234,16 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_output(tmp_path):
         writer._tokens_file = open("/dev/full", "wb")  # noqa: SIM115 (closed by the writer)
         writer.add(np.zeros(100_000, np.uint32), np.ones(100_000, np.uint8))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_datasets_identity_is_what_it_holds_not_where_or_how_it_was_prepared(tmp_path):
+    """What a resume compares: a moved dataset, or the same inputs prepared again from another
+    path (meta.json's chat_template and passed-over files name paths), keeps it."""
+    first = write_dataset(tmp_path / "first", [1, 2, 3] * 10)
+    again = write_dataset(tmp_path / "again", [1, 2, 3] * 10)
+    meta = json.loads((again.path / "meta.json").read_text())
+    extra = {"chat_template": "/elsewhere/tok", "inputs_passed_over": ["README.md"], "sft": True}
+    (again.path / "meta.json").write_text(json.dumps({**extra, **meta}))
+    assert data.TokenDataset(again.path).identity() == first.identity()
+    other = write_dataset(tmp_path / "other", [1, 2, 3] * 11)
+    assert other.identity() != first.identity()
