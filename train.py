@@ -602,12 +602,16 @@ class StopSignals:
         self.last_checkpoint = last_checkpoint
         self.received: str | None = None
         self.received_at = 0.0
-        self.previous = {s: signal.signal(s, lambda signum, frame: None) for s in self.SIGNALS}
+
+    def __enter__(self) -> StopSignals:
+        # The pipe and its reader first, the handlers last: no signal between them is lost.
         self.arrivals, self.wakeup = os.pipe()
         os.set_blocking(self.wakeup, False)  # as set_wakeup_fd needs: a full pipe drops a byte
         self.previous_fd = signal.set_wakeup_fd(self.wakeup, warn_on_full_buffer=False)
         self.reader = threading.Thread(target=self._read, name="stop-signals", daemon=True)
         self.reader.start()
+        self.previous = {s: signal.signal(s, lambda signum, frame: None) for s in self.SIGNALS}
+        return self
 
     def _read(self) -> None:
         while True:
@@ -639,10 +643,12 @@ class StopSignals:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
         return bool(stop)
 
-    def restore(self) -> None:
-        signal.set_wakeup_fd(self.previous_fd)
+    def __exit__(self, *exception) -> None:
+        """The handlers and the wakeup fd as they were, however the loop ended: in-process
+        callers (tests, notebooks) get their Ctrl-C back."""
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+        signal.set_wakeup_fd(self.previous_fd)
         os.write(self.wakeup, b"\0")
         self.reader.join()
         os.close(self.arrivals)
@@ -723,38 +729,37 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
         offload.activation_offload, model, plan.activation_offload, blocks=plan.offload_blocks
     )
     batches = iter(run.loader)
-    stop = StopSignals(run.world.is_main, lambda: run.checkpointer.last)
-    metrics, instruments = MetricsLog(run), Instruments(run)
-    step, tokens, stopping = run.start_step, run.start_tokens, False
-    model.train()
-    while step < run.max_steps and not stopping:
-        lr = lr_at(step, run.opts, run.max_steps)
-        optimizer.set_lr(lr)  # before backward, where the optimizer in backward updates
-        n_labels = torch.tensor(metrics.loading(run.loader.labels_ahead, plan.grad_accum))
-        micro_batches = (
-            metrics.loading(next, batches).to(device, non_blocking=True)
-            for _ in range(plan.grad_accum)
-        )
-        result = train_step(
-            model, optimizer, metrics.counting(micro_batches), plan.grad_accum,
-            n_labels.to(device, non_blocking=True), offload_activations,
-        )  # fmt: skip
-        step, tokens = step + 1, tokens + plan.tokens_per_step
-        metrics.add(result)
-        instruments.after(step)
+    with StopSignals(run.world.is_main, lambda: run.checkpointer.last) as stop:
+        metrics, instruments = MetricsLog(run), Instruments(run)
+        step, tokens, stopping = run.start_step, run.start_tokens, False
+        model.train()
+        while step < run.max_steps and not stopping:
+            lr = lr_at(step, run.opts, run.max_steps)
+            optimizer.set_lr(lr)  # before backward, where the optimizer in backward updates
+            n_labels = torch.tensor(metrics.loading(run.loader.labels_ahead, plan.grad_accum))
+            micro_batches = (
+                metrics.loading(next, batches).to(device, non_blocking=True)
+                for _ in range(plan.grad_accum)
+            )
+            result = train_step(
+                model, optimizer, metrics.counting(micro_batches), plan.grad_accum,
+                n_labels.to(device, non_blocking=True), offload_activations,
+            )  # fmt: skip
+            step, tokens = step + 1, tokens + plan.tokens_per_step
+            metrics.add(result)
+            instruments.after(step)
 
-        stopping = stop.agreed()
-        logging = metrics.logging(step, stopping)
-        saving = run.checkpointer.due(step, run.max_steps, stopping)
-        if logging or saving:
-            loss, grad_norm = metrics.read(step, run.checkpointer.last)
-        if logging:
-            metrics.write(step, tokens, lr, loss, grad_norm, stopping)
-        if saving:
-            run.log(f"saved {run.checkpointer.save(step, tokens, optimizer, run.loader)}")
-            # A signal during the save stops here: the step in progress was this one.
-            stopping = stopping or stop.agreed()
-    stop.restore()
+            stopping = stop.agreed()
+            logging = metrics.logging(step, stopping)
+            saving = run.checkpointer.due(step, run.max_steps, stopping)
+            if logging or saving:
+                loss, grad_norm = metrics.read(step, run.checkpointer.last)
+            if logging:
+                metrics.write(step, tokens, lr, loss, grad_norm, stopping)
+            if saving:
+                run.log(f"saved {run.checkpointer.save(step, tokens, optimizer, run.loader)}")
+                # A signal during the save stops here: the step in progress was this one.
+                stopping = stopping or stop.agreed()
     instruments.close()
     metrics.close()
     finish(run, step)

@@ -111,15 +111,14 @@ def test_a_second_signal_stops_at_once_and_exits_as_stopped(monkeypatch, capsys)
     once, with the status of a stopped run (75): its last checkpoint resumes it."""
     exits = []
     monkeypatch.setattr(train.os, "_exit", exits.append)
-    stop = train.StopSignals(True, lambda: Path("runs/x/checkpoints/step-000007"))
-    try:
+    before = signal.getsignal(signal.SIGINT)
+    with train.StopSignals(True, lambda: Path("runs/x/checkpoints/step-000007")) as stop:
         stop._handle(signal.SIGTERM, None)
         stop._handle(signal.SIGTERM, None)  # within a second: the same stop
         assert exits == [] and stop.received == "SIGTERM"
         stop.received_at -= 2
         stop._handle(signal.SIGINT, None)
-    finally:
-        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before  # the caller's Ctrl-C back
     assert exits == [train.EXIT_STOPPED]
     err = capsys.readouterr().err
     assert (
@@ -132,16 +131,16 @@ def test_a_second_signal_stops_at_once_and_exits_as_stopped(monkeypatch, capsys)
 TWO_SIGNALS_IN_ONE_CALL = """
 import os, signal, threading, time
 import torch, train
-stop, done = train.StopSignals(True, lambda: None), torch.futures.Future()
+done = torch.futures.Future()
 def send():
     for pause in (0.2, 1.3):
         time.sleep(pause)
         os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.5)
     done.set_result(None)
-threading.Thread(target=send).start()
-done.wait()
-stop.restore()
+with train.StopSignals(True, lambda: None):
+    threading.Thread(target=send).start()
+    done.wait()
 """
 
 
@@ -1148,8 +1147,10 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(in_backward, dataset,
         "--run-dir",
         str(tmp_path),
     ]
+    handler = signal.getsignal(signal.SIGINT)
     with pytest.raises(SystemExit):
         train.main(argv)
+    assert signal.getsignal(signal.SIGINT) is handler  # StopSignals let go on the error too
     err = capsys.readouterr().err
     # Checked at log steps, with no host sync in between: the update of the step is made.
     assert "step 2: loss" in err and "nan" in err and "Stopped after its update" in err
