@@ -884,9 +884,10 @@ FP8_SMALLEST_BLOCK = 700e9
 
 
 def fp8_projections(args: ModelArgs, plan: Plan) -> tuple[str, ...]:
-    """The projections --fp8 multiplies in e4m3: all of them where the block's are large
-    enough at the plan's tokens a matmul (FP8_SMALLEST_BLOCK), else (or without --fp8) none
-    (model.fp8_ops is not applied). Under --mlp-tile the MLP's matmuls are a tile's."""
+    """The projections --fp8 multiplies in e4m3: all of them (but QLoRA's 4-bit ones) where the
+    block's are large enough at the plan's tokens a matmul (FP8_SMALLEST_BLOCK), else (or
+    without --fp8) none (model.fp8_ops is not applied). Under --mlp-tile the MLP's matmuls are
+    a tile's."""
     if not plan.fp8:
         return ()
     rows = plan.seq_len // plan.context_parallel
@@ -897,6 +898,8 @@ def fp8_projections(args: ModelArgs, plan: Plan) -> tuple[str, ...]:
     dense_mlp = 3 * args.dim * args.ffn_dim if len(args.moe_layers) < args.n_layers else 0
     multiply_adds = plan.tokens * attention + mlp_tokens * dense_mlp
     projections = PROJECTIONS if dense_mlp else PROJECTIONS[:4]
+    if plan.lora and plan.lora.quantize_base:  # a 4-bit base multiplies in bf16 (fp8_ops)
+        projections = tuple(p for p in projections if p not in plan.lora.targets)
     return projections if multiply_adds >= FP8_SMALLEST_BLOCK else ()
 
 

@@ -32,11 +32,11 @@ from attention import (  # noqa: E402
     attention_kernel,
     compiled_flex_attention,
     document_block_mask,
+    document_starts,
     packed_rows,
 )
 from bench.attention import time_ms  # noqa: E402
 from bench.sft_corpus import document_lengths  # noqa: E402
-from data import document_starts  # noqa: E402
 from model import PRESETS  # noqa: E402
 
 CUDNN = [SDPBackend.CUDNN_ATTENTION]

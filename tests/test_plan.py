@@ -38,6 +38,7 @@ from plan import (
     count_weights,
     estimate_memory,
     fits,
+    fp8_projections,
     memory_needed,
     pinned_shard_bytes,
     plan_problems,
@@ -701,6 +702,15 @@ def test_the_options_are_refused_by_the_rules_the_planner_follows():
     assert choose_plan(args, machine, Plan(131072), {}, 1, True).optimizer_in_backward
     with pytest.raises(ValueError, match="no plan fits"):
         choose_plan(args, machine, Plan(131072, strategy="NO_SHARD"), {}, 1, True)
+
+
+def test_fp8_leaves_a_4_bit_base_in_bf16():
+    """model.fp8_ops multiplies QLoRA's 4-bit projections in bf16: the plan names the rest."""
+    args = ModelArgs.from_name("llama3.1-8b")
+    qlora = LoRAConfig(16, 32.0, targets=("wq", "wk", "wv", "wo"), quantize_base="nf4")
+    plan = Plan(8192, fp8=True, lora=qlora)
+    assert fp8_projections(args, plan) == ("w1", "w3", "w2")
+    assert fp8_projections(args, dataclasses.replace(plan, lora=None)) == PROJECTIONS
 
 
 def test_fp8_asks_for_the_multiples_of_16_of_cublas_e4m3_matmul():
