@@ -314,6 +314,8 @@ def _input_files(
             if len(others) < len(read) and all(map(_is_hub_metadata, others)):
                 read = [(p, kind) for p, kind in read if kind != "text"]
                 passed_over += map(str, others)
+            else:  # a tree of texts: its .json files are texts too, whatever they hold
+                read = [(p, "text" if kind == ".json" else kind) for p, kind in read]
             files += read
         elif item.is_file():
             files.append((item, _kind(item, in_folder=False)))
@@ -334,8 +336,8 @@ def _input_files(
 
 def _kind(path: Path, in_folder: bool) -> str:
     """How a file is read: by its suffix, but a .json file in a folder as records only when it
-    holds a JSON array of objects (a hub dataset's data), else as text (a code tree's
-    package.json); a malformed one is refused when read."""
+    holds a JSON array of objects (a hub dataset's data, if the folder is one), else as text (a
+    code tree's package.json); a malformed one is refused when read."""
     suffix = path.suffix.lower()
     if suffix == ".json" and in_folder:
         with path.open("rb") as f:

@@ -660,8 +660,8 @@ def test_a_hub_folder_of_a_json_array_reads_its_records(tmp_path):
 
 
 def test_a_code_tree_with_fixture_records_reads_every_file(tmp_path):
-    """A fixture .jsonl and .json array among code: those read as records, the rest (a
-    package.json too) as texts, none passed over."""
+    """A fixture .jsonl among code: read as records, the rest as texts (the .json files too,
+    an array of records as well: a tree's fixture may be of no record shape), none passed over."""
     tree = tmp_path / "tree"
     (tree / "tests" / "fixtures").mkdir(parents=True)
     for name in ("a.py", "b.py", "README.md"):
@@ -670,9 +670,9 @@ def test_a_code_tree_with_fixture_records_reads_every_file(tmp_path):
     write_jsonl(tree / "tests" / "fixtures" / "sample.jsonl", [{"text": "one"}])
     (tree / "tests" / "fixtures" / "more.json").write_text('[{"text": "two"}, {"text": "3"}]')
     ds = data.TokenDataset(prepare.prepare([tree], tmp_path / "tree_ds"))
-    assert ds.meta["n_documents"] == 7 and ds.meta["inputs_passed_over"] == []
+    assert ds.meta["n_documents"] == 6 and ds.meta["inputs_passed_over"] == []
     texts = BYTES.decode([t for t in ds.tokens.tolist() if t < 256])
-    assert texts == '# README.md# a.py# b.py{"name": "tree"}two3one'
+    assert texts == '# README.md# a.py# b.py{"name": "tree"}[{"text": "two"}, {"text": "3"}]one'
 
 
 def test_inputs_that_would_train_on_file_syntax_are_refused(tmp_path):
