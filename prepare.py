@@ -80,7 +80,7 @@ def prepare(
     .csv with a `text_column`) of one of the shapes `_example` reads, or a directory standing
     for its files (`_input_files`). With `seq_len`, longer conversations are split
     (`_split_conversation`); meta.json counts the splits, the documents still longer, those
-    trained on whole, each shape's records, and the files a directory's records passed over.
+    trained on whole, each shape's records, and the hub metadata a directory's records passed over.
     Output is the same for any number of workers (None: one per CPU)."""
     files, passed_over, tokenizer = _open_inputs(
         inputs, tokenizer_path, chat_template, seq_len, text_column
@@ -158,7 +158,7 @@ def show(
 
 def reading_notes(shapes: dict[str, int], passed_over: list[str]) -> list[str]:
     """What `show` and prepare's summary say of how the inputs were read: a line for each shape
-    of record mapped to messages, and one naming the files of a directory of records left out."""
+    of record mapped to messages, and one naming the hub metadata of a directory left out."""
     notes = [
         f"{plural(n, f'{shape} record')} mapped to messages: {MAPPINGS[shape]}"
         for shape, n in shapes.items()
@@ -167,8 +167,8 @@ def reading_notes(shapes: dict[str, int], passed_over: list[str]) -> list[str]:
     if passed_over:
         names = ", ".join(passed_over[:5]) + (", ..." if len(passed_over) > 5 else "")
         notes.append(
-            f"{plural(len(passed_over), 'file')} beside the record files not read (a directory "
-            f"of .jsonl, .parquet or .csv files stands for those): {names}"
+            f"{plural(len(passed_over), 'file')} of hub metadata beside the record files not "
+            f"read: {names}"
         )
     return notes
 
@@ -288,13 +288,13 @@ def _input_files(
     inputs: Iterable[str | Path], text_column: str | None = None
 ) -> tuple[list[InputFile], list[str]]:
     """The files to read, and those of the inputs' directories passed over. A directory stands
-    for its files, sorted, hidden ones left out, each read by its suffix as if named alone, but
-    a .json file as text (as a code tree's are); a directory holding record files (.jsonl,
-    .parquet, .csv: a downloaded hub dataset) stands for those alone, as datasets.load_dataset
-    reads it: its card (README.md) and dataset_infos.json are no documents. Refused: a .json
-    file named alone that is not a JSON array of records (`_json_records`), a prepared dataset
-    (its binary files would train on their syntax), a .csv without `text_column`, and parquet
-    without pyarrow."""
+    for its files, sorted, hidden ones left out, each read as `_kind` says; one whose files are
+    record files (.jsonl, .parquet, .csv, a .json array) and hub metadata alone (a downloaded
+    hub dataset) stands for the record files, as datasets.load_dataset reads it: its card is no
+    document. Any other mix (a code tree with a fixture .jsonl) reads every file. Refused: a
+    .json file named alone that is not a JSON array of records (`_json_records`), a prepared
+    dataset (its binary files would train on their syntax), a .csv without `text_column`, and
+    parquet without pyarrow."""
     inputs, files, passed_over = [Path(i) for i in inputs], [], []
     for item in inputs:
         if (item / DATASET.marker).is_file() and (item / "tokens.bin").is_file():
@@ -309,13 +309,16 @@ def _input_files(
                 if p.is_file()
                 and not any(part.startswith(".") for part in p.relative_to(item).parts)
             )
-            records = [p for p in found if p.suffix.lower() in RECORD_SUFFIXES]
-            files += [(p, _kind(p, json_as="text")) for p in records or found]
-            passed_over += [
-                str(p) for p in found if records and p.suffix.lower() not in RECORD_SUFFIXES
-            ]
+            read = [(p, _kind(p, in_folder=True)) for p in found]
+            others = [p for p, kind in read if kind == "text"]
+            if len(others) < len(read) and all(map(_is_hub_metadata, others)):
+                read = [(p, kind) for p, kind in read if kind != "text"]
+                passed_over += map(str, others)
+            else:  # a tree of texts: its .json files are texts too, whatever they hold
+                read = [(p, "text" if kind == ".json" else kind) for p, kind in read]
+            files += read
         elif item.is_file():
-            files.append((item, _kind(item, json_as=".json")))
+            files.append((item, _kind(item, in_folder=False)))
         else:
             raise UsageError(f"input {item} not found")
     if not files:
@@ -331,9 +334,23 @@ def _input_files(
     return files, passed_over
 
 
-def _kind(path: Path, json_as: str) -> str:
+def _kind(path: Path, in_folder: bool) -> str:
+    """How a file is read: by its suffix, but a .json file in a folder as records only when it
+    holds a JSON array of objects (a hub dataset's data, if the folder is one), else as text (a
+    code tree's package.json); a malformed one is refused when read."""
     suffix = path.suffix.lower()
-    return suffix if suffix in RECORD_SUFFIXES else json_as if suffix == ".json" else "text"
+    if suffix == ".json" and in_folder:
+        with path.open("rb") as f:
+            head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
+        return suffix if head[:1] == b"[" and head[1:].lstrip()[:1] == b"{" else "text"
+    return suffix if suffix in (*RECORD_SUFFIXES, ".json") else "text"
+
+
+def _is_hub_metadata(path: Path) -> bool:
+    """A file a hub dataset's repository holds beside its data: cards, dataset_infos.json, a
+    license (hidden files, such as .gitattributes, are left out before)."""
+    name = path.name.lower()
+    return name.endswith(".md") or name == "dataset_infos.json" or name.startswith("license")
 
 
 def _read_documents(files: list[InputFile], text_key: str, shapes: Counter) -> Iterator[Document]:

@@ -637,12 +637,42 @@ def test_a_directory_of_record_files_reads_those_alone_and_names_the_rest(tmp_pa
     same_dataset(tmp_path / "ds", prepare.prepare([hub / "data"], tmp_path / "alone"))
     names = f"{hub / 'README.md'}, {hub / 'dataset_infos.json'}"
     out = capsys.readouterr().out
-    assert "2 files beside the record files not read (a directory of .jsonl, " in out
+    assert "2 files of hub metadata beside the record files not read: " in out
     assert out.count(names) == 1 and ".gitattributes" not in out
     assert prepare.show([hub], 1).endswith(names)
     (hub / "data" / "train.jsonl").unlink()
     texts = data.TokenDataset(prepare.prepare([hub], tmp_path / "texts"))
     assert texts.meta["n_documents"] == 2 and texts.meta["inputs_passed_over"] == []
+
+
+def test_a_hub_folder_of_a_json_array_reads_its_records(tmp_path):
+    """yahma/alpaca-cleaned as downloaded (its card, one .json array) reads as the file named
+    alone."""
+    hub = tmp_path / "alpaca-cleaned"
+    hub.mkdir()
+    (hub / "alpaca_data_cleaned.json").write_text(json.dumps(ALPACA))
+    (hub / "README.md").write_text("---\nlicense: cc-by-4.0\n---\n# A card")
+    (hub / "LICENSE").write_text("CC BY 4.0")
+    ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "hub"))
+    same_dataset(ds.path, prepare.prepare([hub / "alpaca_data_cleaned.json"], tmp_path / "alone"))
+    passed_over = [str(hub / "LICENSE"), str(hub / "README.md")]
+    assert ds.meta["sft"] and ds.meta["inputs_passed_over"] == passed_over
+
+
+def test_a_code_tree_with_fixture_records_reads_every_file(tmp_path):
+    """A fixture .jsonl among code: read as records, the rest as texts (the .json files too,
+    an array of records as well: a tree's fixture may be of no record shape), none passed over."""
+    tree = tmp_path / "tree"
+    (tree / "tests" / "fixtures").mkdir(parents=True)
+    for name in ("a.py", "b.py", "README.md"):
+        (tree / name).write_text(f"# {name}")
+    (tree / "package.json").write_text('{"name": "tree"}')
+    write_jsonl(tree / "tests" / "fixtures" / "sample.jsonl", [{"text": "one"}])
+    (tree / "tests" / "fixtures" / "more.json").write_text('[{"text": "two"}, {"text": "3"}]')
+    ds = data.TokenDataset(prepare.prepare([tree], tmp_path / "tree_ds"))
+    assert ds.meta["n_documents"] == 6 and ds.meta["inputs_passed_over"] == []
+    texts = BYTES.decode([t for t in ds.tokens.tolist() if t < 256])
+    assert texts == '# README.md# a.py# b.py{"name": "tree"}[{"text": "two"}, {"text": "3"}]one'
 
 
 def test_inputs_that_would_train_on_file_syntax_are_refused(tmp_path):
@@ -695,7 +725,7 @@ def test_output_is_identical_with_one_and_two_workers(tmp_path):
     for i in range(24):  # ~2.4 MB: several chunks of about 1 MB for the pool
         (corpus / f"{i:02d}.txt").write_text("\n".join(sentences(1200, seed=i)))
     conversation = [*exchange(1, 40), *exchange(2, 40)]  # split at seq_len 64 into two
-    sft = write_jsonl(  # beside the folder: a folder with record files stands for those alone
+    sft = write_jsonl(
         tmp_path / "sft.jsonl",
         [{"prompt": "the", "response": "thing"}, {"messages": conversation}],
     )
