@@ -38,7 +38,7 @@ from hf import (
     peft_adapter_settings,
     peft_prefix,
 )
-from lora import LORA_TARGETS, LoRAConfig, check_lora_targets, parse_lora_targets
+from lora import LoRAConfig, check_lora_targets, parse_lora_targets
 from metrics import report_to_problems
 from model import PRESETS, ModelArgs
 from offload import AC_MODES
@@ -52,6 +52,7 @@ from plan import (
     Plan,
     flag_name,
     flags_of,
+    fp8_candidates,
     machine_to_estimate,
     make_plan,
     plan_problems,
@@ -534,10 +535,11 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
     except ValueError as e:
         problems.append(str(e))
     else:  # fp8_ops leaves a 4-bit projection as it is
-        if opts.fp8 and lora and lora.quantize_base and set(LORA_TARGETS) <= set(lora.targets):
+        if opts.fp8 and not fp8_candidates(args, lora):
             problems.append(
-                "--fp8 multiplies the bf16 projections in e4m3, and --quantize-base nf4 on "
-                "--lora-targets all leaves none: drop --fp8, or adapt fewer projections"
+                f"--fp8 multiplies the bf16 projections in e4m3, and --quantize-base nf4 on "
+                f"--lora-targets {opts.lora_targets} leaves none: drop --fp8, or adapt fewer "
+                f"projections"
             )
     problems += technique_problems(opts, args, world_size, per_node)
     if problems:

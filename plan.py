@@ -883,11 +883,19 @@ PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w3", "w2")
 FP8_SMALLEST_BLOCK = 700e9
 
 
+def fp8_candidates(args: ModelArgs, lora: LoRAConfig | None) -> tuple[str, ...]:
+    """The projections --fp8 may multiply in e4m3: a block's seven, of an all-MoE model
+    attention's four (the experts multiply in bf16, kernels/moe.py), but QLoRA's 4-bit ones
+    (model.fp8_ops leaves them in bf16)."""
+    projections = PROJECTIONS if len(args.moe_layers) < args.n_layers else PROJECTIONS[:4]
+    quantized = lora.targets if lora and lora.quantize_base else ()
+    return tuple(p for p in projections if p not in quantized)
+
+
 def fp8_projections(args: ModelArgs, plan: Plan) -> tuple[str, ...]:
-    """The projections --fp8 multiplies in e4m3: all of them (but QLoRA's 4-bit ones) where the
-    block's are large enough at the plan's tokens a matmul (FP8_SMALLEST_BLOCK), else (or
-    without --fp8) none (model.fp8_ops is not applied). Under --mlp-tile the MLP's matmuls are
-    a tile's."""
+    """The projections --fp8 multiplies in e4m3: the fp8_candidates where the block's are large
+    enough at the plan's tokens a matmul (FP8_SMALLEST_BLOCK), else (or without --fp8) none
+    (model.fp8_ops is not applied). Under --mlp-tile the MLP's matmuls are a tile's."""
     if not plan.fp8:
         return ()
     rows = plan.seq_len // plan.context_parallel
@@ -897,10 +905,7 @@ def fp8_projections(args: ModelArgs, plan: Plan) -> tuple[str, ...]:
     # An MoE block's experts multiply in bf16 (kernels/moe.py): of an all-MoE model, attention's.
     dense_mlp = 3 * args.dim * args.ffn_dim if len(args.moe_layers) < args.n_layers else 0
     multiply_adds = plan.tokens * attention + mlp_tokens * dense_mlp
-    projections = PROJECTIONS if dense_mlp else PROJECTIONS[:4]
-    if plan.lora and plan.lora.quantize_base:  # a 4-bit base multiplies in bf16 (fp8_ops)
-        projections = tuple(p for p in projections if p not in plan.lora.targets)
-    return projections if multiply_adds >= FP8_SMALLEST_BLOCK else ()
+    return fp8_candidates(args, plan.lora) if multiply_adds >= FP8_SMALLEST_BLOCK else ()
 
 
 def choose_plan(

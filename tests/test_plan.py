@@ -38,6 +38,7 @@ from plan import (
     count_weights,
     estimate_memory,
     fits,
+    fp8_candidates,
     fp8_projections,
     memory_needed,
     pinned_shard_bytes,
@@ -711,6 +712,10 @@ def test_fp8_leaves_a_4_bit_base_in_bf16():
     plan = Plan(8192, fp8=True, lora=qlora)
     assert fp8_projections(args, plan) == ("w1", "w3", "w2")
     assert fp8_projections(args, dataclasses.replace(plan, lora=None)) == PROJECTIONS
+    # An all-MoE model's experts multiply in bf16: 4-bit attention leaves --fp8 nothing, which
+    # check_options refuses (fp8_candidates), as it does a dense model's seven in 4 bits.
+    assert fp8_candidates(ModelArgs.from_name("qwen3-30b-a3b"), qlora) == ()
+    assert fp8_candidates(args, qlora) == ("w1", "w3", "w2")
 
 
 def test_fp8_asks_for_the_multiples_of_16_of_cublas_e4m3_matmul():
