@@ -60,6 +60,7 @@ META_FIELDS = {  # what meta.json holds besides format_version
 # assistant turns are not trained on, as TRL's completion_only_loss)
 Example = tuple[str, str] | tuple[list[Message], int]
 RECORD_SUFFIXES = (".jsonl", ".parquet", ".csv")
+HUB_IMAGES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".svg")  # a card's pictures
 InputFile = tuple[Path, str]  # and how it is read: a suffix of RECORD_SUFFIXES, ".json" or "text"
 Document = tuple[Example, int, str]  # with the bytes of input it came from, and where
 Encoded = tuple[np.ndarray, np.ndarray]  # (tokens uint32, loss mask uint8)
@@ -311,7 +312,7 @@ def _input_files(
             )
             read = [(p, _kind(p, in_folder=True)) for p in found]
             others = [p for p, kind in read if kind == "text"]
-            if len(others) < len(read) and all(map(_is_hub_metadata, others)):
+            if len(others) < len(read) and all(_is_hub_metadata(p, item) for p in others):
                 read = [(p, kind) for p, kind in read if kind != "text"]
                 passed_over += map(str, others)
             else:  # a tree of texts: its .json files are texts too, whatever they hold
@@ -346,11 +347,15 @@ def _kind(path: Path, in_folder: bool) -> str:
     return suffix if suffix in (*RECORD_SUFFIXES, ".json") else "text"
 
 
-def _is_hub_metadata(path: Path) -> bool:
-    """A file a hub dataset's repository holds beside its data: cards, dataset_infos.json, a
-    license (hidden files, such as .gitattributes, are left out before)."""
+def _is_hub_metadata(path: Path, folder: Path) -> bool:
+    """A file a hub dataset's repository holds beside its data, at its top: its card
+    (README.md), dataset_infos.json, a license, an image (hidden files, such as
+    .gitattributes, are left out before). A docs tree's other .md files are documents."""
     name = path.name.lower()
-    return name.endswith(".md") or name == "dataset_infos.json" or name.startswith("license")
+    top = path.parent == folder and (
+        name in ("readme.md", "dataset_infos.json") or name.startswith("license")
+    )
+    return top or path.suffix.lower() in HUB_IMAGES
 
 
 def _read_documents(files: list[InputFile], text_key: str, shapes: Counter) -> Iterator[Document]:

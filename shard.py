@@ -674,10 +674,10 @@ def check_resumable(saved: dict, run: dict) -> None:
     # (Checkpoints saved before the record had the dataset's identity resume as they did.)
     if "dataset" in saved and saved["dataset"] != run["dataset"]:
         raise UsageError(
-            f"cannot resume on another dataset (meta.json sha256 {run['dataset']}, the "
-            f"checkpoint's {saved['dataset']}): to train on from the checkpoint with this data, "
-            f"export it (--resume CHECKPOINT --max-steps ITS_STEP --export-hf DIR, with its "
-            f"own data), then start a new run with --hf-checkpoint DIR"
+            f"cannot resume on another dataset (its identity, of its tokenizer and counts, "
+            f"{run['dataset']}; the checkpoint's {saved['dataset']}): to train on from the "
+            f"checkpoint with this data, export it (--resume CHECKPOINT --max-steps ITS_STEP "
+            f"--export-hf DIR, with its own data), then start a new run with --hf-checkpoint DIR"
         )
 
 

@@ -657,6 +657,19 @@ def test_a_hub_folder_of_a_json_array_reads_its_records(tmp_path):
     same_dataset(ds.path, prepare.prepare([hub / "alpaca_data_cleaned.json"], tmp_path / "alone"))
     passed_over = [str(hub / "LICENSE"), str(hub / "README.md")]
     assert ds.meta["sft"] and ds.meta["inputs_passed_over"] == passed_over
+    (hub / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # a card's picture is metadata too
+    ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "with_logo"))
+    assert ds.meta["inputs_passed_over"] == [*passed_over, str(hub / "logo.png")]
+
+
+def test_a_docs_tree_with_a_json_array_reads_every_file_as_text(tmp_path):
+    """Pages beside a sidebar.json array are no hub card and its data: all texts, as before."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "intro.md").write_text("# Intro")
+    (docs / "sidebar.json").write_text('[{"label": "Intro", "id": "intro"}]')
+    ds = data.TokenDataset(prepare.prepare([docs], tmp_path / "docs_ds"))
+    assert ds.meta["n_documents"] == 2 and ds.meta["inputs_passed_over"] == []
 
 
 def test_a_code_tree_with_fixture_records_reads_every_file(tmp_path):

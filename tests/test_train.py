@@ -867,7 +867,7 @@ def bad_inputs(tmp: Path, dataset: Path, reference_run: Path) -> dict[str, tuple
         ),
         "checkpoint of another dataset": (
             ["--data", str(other_data), "--seq-len", "128", "--resume", ckpt],
-            "cannot resume on another dataset (meta.json sha256 ",
+            "cannot resume on another dataset (its identity, of its tokenizer and counts, ",
         ),
         "earlier run without --resume": (
             ["--data", str(dataset), "--run-dir", str(reference_run)],
