@@ -607,10 +607,16 @@ class StopSignals:
         # The pipe and its reader first, the handlers last: no signal between them is lost.
         self.arrivals, self.wakeup = os.pipe()
         os.set_blocking(self.wakeup, False)  # as set_wakeup_fd needs: a full pipe drops a byte
-        self.previous_fd = signal.set_wakeup_fd(self.wakeup, warn_on_full_buffer=False)
         self.reader = threading.Thread(target=self._read, name="stop-signals", daemon=True)
         self.reader.start()
-        self.previous = {s: signal.signal(s, lambda signum, frame: None) for s in self.SIGNALS}
+        self.previous, self.previous_fd = {}, -1
+        try:
+            self.previous_fd = signal.set_wakeup_fd(self.wakeup, warn_on_full_buffer=False)
+            for s in self.SIGNALS:
+                self.previous[s] = signal.signal(s, lambda signum, frame: None)
+        except BaseException:  # a Ctrl-C before our handlers (KeyboardInterrupt): let all go
+            self.__exit__()
+            raise
         return self
 
     def _read(self) -> None:
@@ -645,14 +651,17 @@ class StopSignals:
 
     def __exit__(self, *exception) -> None:
         """The handlers and the wakeup fd as they were, however the loop ended: in-process
-        callers (tests, notebooks) get their Ctrl-C back."""
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-        signal.set_wakeup_fd(self.previous_fd)
-        os.write(self.wakeup, b"\0")
-        self.reader.join()
-        os.close(self.arrivals)
-        os.close(self.wakeup)
+        callers (tests, notebooks) get their Ctrl-C back; the reader stops, even when a signal
+        arrives meanwhile (the caller's handler may raise)."""
+        try:
+            for s, handler in self.previous.items():
+                signal.signal(s, handler)
+            signal.set_wakeup_fd(self.previous_fd)
+        finally:
+            os.write(self.wakeup, b"\0")
+            self.reader.join()
+            os.close(self.arrivals)
+            os.close(self.wakeup)
 
 
 # How long a worker whose torchrun died may take to stop on its own, as torchrun itself waits
