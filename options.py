@@ -947,6 +947,11 @@ class Resolved:
     peft_prefix: str
 
 
+def as_flags(taken: dict) -> str:
+    """Options taken from elsewhere (a checkpoint, an adapter), as the log line names them."""
+    return ", ".join(f"{flag_name(k)} {v}" for k, v in taken.items())
+
+
 def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     """The options as the run uses them, resolved in one place before anything is built. A
     resumed run's checkpoint first (read from its headers alone): the checks and the plan are
@@ -958,15 +963,11 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     resume_from, saved, damaged = found or (None, None, [])
     taken = taken_on_resume(asked, given, saved) if saved else {}
     if taken:  # before the checks: a problem with one of them is said after it
-        log(
-            "resuming: the checkpoint's "
-            + ", ".join(f"{flag_name(k)} {v}" for k, v in taken.items())
-        )
+        log(f"resuming: the checkpoint's {as_flags(taken)}")
     chosen = dataclasses.replace(asked, **taken)
     args = model_args(chosen)
     if not saved and (from_adapter := taken_from_adapter(chosen, args, given)):
-        said = ", ".join(f"{flag_name(k)} {v}" for k, v in from_adapter.items())
-        log(f"the --lora-adapter's {said}")
+        log(f"the --lora-adapter's {as_flags(from_adapter)}")
         chosen = dataclasses.replace(chosen, **from_adapter)
     check_options(chosen, args, *shard.torchrun_processes())
     check_this_machine(chosen)

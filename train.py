@@ -622,7 +622,7 @@ class StopSignals:
     def _read(self) -> None:
         while True:
             for signum in os.read(self.arrivals, 64):  # a byte each: the signal's number
-                if signum == 0:  # restore's: no signal is 0
+                if signum == 0:  # __exit__'s: no signal is 0
                     return
                 if signum in self.SIGNALS:  # the pipe has every Python-handled signal's
                     self._handle(signum, None)
