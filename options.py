@@ -37,6 +37,7 @@ from hf import (
     check_peft_adapter,
     peft_adapter_settings,
     peft_prefix,
+    weights_fingerprint,
 )
 from lora import LoRAConfig, check_lora_targets, parse_lora_targets
 from metrics import report_to_problems
@@ -985,6 +986,10 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
         "world_size": world.world_size,
         "lora": dataclasses.asdict(lora) if lora else None,
         "context_parallel": chosen.context_parallel,
+        # The base a LoRA checkpoint resumes on, read again from --hf-checkpoint.
+        "base": weights_fingerprint(chosen.hf_checkpoint)
+        if lora and chosen.hf_checkpoint
+        else None,
     }
     planned = chosen
     if saved:

@@ -670,6 +670,14 @@ def check_resumable(saved: dict, run: dict) -> None:
             "length, strategy and adapters from the checkpoint unless given: these differ "
             "from it):\n  " + "\n  ".join(problems)
         )
+    # The adapters were trained on the base's weights, which the checkpoint does not hold.
+    # (Checkpoints saved before the record had the base's fingerprint resume as they did.)
+    if saved.get("base") and saved["base"] != run.get("base"):
+        raise UsageError(
+            f"cannot resume: the weights of the base checkpoint (--hf-checkpoint) changed since "
+            f"this checkpoint was saved (fingerprint {saved['base']}, now {run.get('base')}): "
+            f"give --hf-checkpoint the base its adapters were trained on"
+        )
     # The loader would go on with the checkpoint's order and cursor over other samples.
     # (Checkpoints saved before the record had the dataset's identity resume as they did.)
     if "dataset" in saved and saved["dataset"] != run["dataset"]:

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,7 @@ from hf import (
     load_peft_adapter,
     save_hf_checkpoint,
     save_peft_adapter,
+    weights_fingerprint,
 )
 from lora import LoRAConfig, merged_named_tensors
 from model import PRESETS, RopeScaling
@@ -141,6 +143,18 @@ def rewrite_tensors(path: Path, edit) -> None:
     tensors = load_file(path / "model.safetensors")
     edit(tensors)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_weights_fingerprint_tells_changed_weights_from_a_copy(good_checkpoint, tmp_path):
+    """A LoRA checkpoint resumes on its base (shard.check_resumable): a copy elsewhere or an
+    edited config.json is the same base, weights written over (a fine-tune) are not."""
+    before = weights_fingerprint(good_checkpoint)
+    copy = shutil.copytree(good_checkpoint, tmp_path / "copy")
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(config | {"torch_dtype": "bfloat16"}))
+    assert weights_fingerprint(copy) == before
+    rewrite_tensors(copy, lambda tensors: [t.add_(1e-3) for t in tensors.values()])
+    assert weights_fingerprint(copy) != before
 
 
 def test_missing_tensor_is_named(good_checkpoint):

@@ -217,6 +217,17 @@ def test_resuming_on_another_dataset_is_refused_and_an_older_checkpoint_resumes(
     shard.check_resumable({k: v for k, v in run.items() if k != "dataset"}, run)
 
 
+def test_resuming_on_a_changed_base_is_refused_and_an_older_checkpoint_resumes():
+    """A LoRA checkpoint holds the adapters alone: its base's fingerprint is recorded."""
+    run = {"model": {}, "seq_len": 8, "tokenizer": "bytes", "strategy": "FULL_SHARD",
+           "lora": None, "base": "0123456789ab"}  # fmt: skip
+    shard.check_resumable(run, run)
+    with pytest.raises(files.UsageError, match="weights of the base checkpoint .* changed"):
+        shard.check_resumable(run, {**run, "base": "ba9876543210"})
+    # saved before the record had the base's fingerprint: resumes as it did
+    shard.check_resumable({k: v for k, v in run.items() if k != "base"}, run)
+
+
 def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_files(tmp_path):
     saved = {"run": {"tokens_per_step": 1024, "max_steps": 10}, "options": {
         "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "seed": 7}}  # fmt: skip
@@ -1476,7 +1487,7 @@ def nan_checkpoint(path: Path) -> Path:
     return base
 
 
-def qlora_base(path: Path) -> Path:
+def qlora_base(path: Path, seed: int = 0) -> Path:
     """A small HF Llama whose rows are multiples of 64 (NF4 blocks), for the byte dataset."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -1484,7 +1495,7 @@ def qlora_base(path: Path) -> Path:
         hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=192, vocab_size=320, max_position_embeddings=512,
     )  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     LlamaForCausalLM(config).float().save_pretrained(path)
     return path
 
@@ -1548,6 +1559,14 @@ def test_qlora_trains_resumes_and_exports_what_peft_and_transformers_load(datase
     for step, loss in losses(branch).items():
         assert loss == pytest.approx(first[step], rel=1e-6), step
     assert sorted(losses(branch)) == [4, 5, 6]
+    # A base written over since (a fine-tune of it, say): the adapters would train on it.
+    changed = qlora_base(tmp_path / "changed", seed=1)
+    shutil.copytree(changed, base, dirs_exist_ok=True)
+    again = [*argv, "--resume", str(run_dir / "checkpoints" / "step-000003"), "--run-dir",
+             str(tmp_path / "again")]  # fmt: skip
+    with pytest.raises(files.UsageError, match="weights of the base checkpoint .* changed"):
+        options.resolve(*options.parse_options(again), print)
+    shutil.copytree(qlora_base(tmp_path / "same"), base, dirs_exist_ok=True)
 
     theirs = peft.PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter
