@@ -452,15 +452,16 @@ def config_flags(values: dict) -> list[str]:
     return words
 
 
-def config_toml(opts: Options) -> str:
+def config_toml(opts: Options, given: frozenset[str]) -> str:
     """The options as a --config file (--run-dir's config.toml): what the run is, not how it
     was started (--resume is left out), nor where it exported to (the exports are left out, as
     a bare --resume leaves them: a run of the file with another --run-dir would write over
-    this run's). None, the default of options without a value, is left out, and --max-steps
-    where --max-tokens sets the steps. Strings as JSON writes them, which TOML's basic strings
-    read."""
-    values = dataclasses.asdict(opts)
-    for name in ("resume", "export_hf", "export_adapter"):
+    this run's), nor what --lora-adapter's file gave (left_to_adapter: a run of the file takes
+    them from its own adapter). None, the default of options without a value, is left out, and
+    --max-steps where --max-tokens sets the steps. Strings as JSON writes them, which TOML's
+    basic strings read."""
+    values, from_adapter = dataclasses.asdict(opts), left_to_adapter(opts, given)
+    for name in ("resume", "export_hf", "export_adapter", *from_adapter):
         del values[name]
     if opts.max_tokens:
         del values["max_steps"]
@@ -469,6 +470,11 @@ def config_toml(opts: Options) -> str:
         "# --export-hf and --export-adapter left out, as a bare --resume leaves them (a run of "
         "this file would write over this run's exports): give them again",
     ]
+    if from_adapter:
+        lines.append(
+            f"# {', '.join(map(flag_name, from_adapter))} left out: taken from lora_adapter's "
+            f"adapter_config.json, as a run of this file takes them from its own"
+        )
     for name, value in values.items():
         if isinstance(value, bool):
             lines.append(f"{name} = {str(value).lower()}")
@@ -574,6 +580,12 @@ ADAPTER_OPTIONS = {"lora_rank": "rank", "lora_alpha": "alpha", "lora_dropout": "
                    "lora_targets": "targets"}  # fmt: skip
 
 
+def left_to_adapter(opts: Options, given: frozenset[str]) -> list[str]:
+    """The options --lora-adapter's adapter_config.json gives where it says them: those not
+    given (a --config file's values count as given)."""
+    return [name for name in ADAPTER_OPTIONS if name not in given] if opts.lora_adapter else []
+
+
 def taken_from_adapter(opts: Options, args: ModelArgs, given: frozenset[str]) -> dict:
     """The options a new run takes from --lora-adapter's adapter_config.json where not given,
     as PeftModel.from_pretrained reads it. A rank, alpha or targets given otherwise is refused,
@@ -583,13 +595,13 @@ def taken_from_adapter(opts: Options, args: ModelArgs, given: frozenset[str]) ->
     if not opts.lora_adapter:
         return {}
     settings = peft_adapter_settings(args, opts.lora_adapter, opts.hf_checkpoint)
-    taken, problems = {}, []
+    taken, problems, left = {}, [], left_to_adapter(opts, given)
     for name, key in ADAPTER_OPTIONS.items():
         if key not in settings:
             continue
         ours = parse_lora_targets(opts.lora_targets) if key == "targets" else getattr(opts, name)
         theirs = ",".join(settings[key]) if key == "targets" else settings[key]
-        if name not in given:
+        if name in left:
             taken[name] = theirs
         elif ours != settings[key] and key != "dropout":
             problems.append(

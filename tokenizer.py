@@ -315,9 +315,9 @@ class SentencePieceTokenizer(_TemplateTokenizer):
 # ---- Hugging Face tokenizer.json
 
 
-def _read_tokenizer_json(path: Path, chat_template: Path | None) -> "_JsonTokenizer":
-    """The tokenizer of a tokenizer.json: a BPE with byte fallback, else a byte-level BPE (whose
-    reader refuses any other model, naming it)."""
+def _read_tokenizer_json(path: Path, chat_template: Path | None) -> Tokenizer:
+    """The tokenizer of a tokenizer.json: the bytes tokenizer where it is that one's export whole,
+    else a BPE with byte fallback, else a byte-level BPE (refusing any other model, naming it)."""
     data = path.read_bytes()
     # GC off while the 100k+ merges and what is made of them live: its passes would outlast both.
     with _gc_paused():
@@ -328,7 +328,10 @@ def _read_tokenizer_json(path: Path, chat_template: Path | None) -> "_JsonTokeni
         model = spec.get("model") or {}
         byte_fallback = model.get("type") == "BPE" and model.get("byte_fallback")
         kind = ByteFallbackBPETokenizer if byte_fallback else ByteLevelBPETokenizer
-        return kind(path, data, spec, chat_template)
+        read = kind(path, data, spec, chat_template)
+    ours = ByteTokenizer()  # a bytes run's export: its data fits a run from the export
+    exported = (ours.hf_files()["tokenizer.json"], ours.bos_id, ours.eos_id, None)
+    return ours if (data, read.bos_id, read.eos_id, read.chat_template) == exported else read
 
 
 class _JsonTokenizer(_TemplateTokenizer):
@@ -337,12 +340,10 @@ class _JsonTokenizer(_TemplateTokenizer):
     id's `_bytes` (decoding) and `_lengths` (the bytes of the text it encodes as
     `_bytes_before` counts them). A subclass gives `_encode` and `_pieces`."""
 
-    _refused_flags = ("lstrip", "rstrip", "single_word")
-
     def _read_added(self, path: Path, spec: dict) -> dict[str, int]:
         added = {}
         for token in spec.get("added_tokens") or []:
-            flags = [f for f in self._refused_flags if token.get(f)]
+            flags = [f for f in ("lstrip", "rstrip", "single_word") if token.get(f)]
             if flags:
                 raise UsageError(
                     f"{path}: added token {token['content']!r} sets {', '.join(flags)}, which "
@@ -572,7 +573,6 @@ class ByteFallbackBPETokenizer(_JsonTokenizer):
         self.use_chat_template(chat_template)
 
     def _encode(self, text: str, allowed_special: set[str] | str) -> np.ndarray:
-        """Added tokens in `allowed_special` ("all": all) are tokens, others text."""
         pieces = self._pieces(text, allowed_special)
         try:
             encoded = iter(self._sp.encode([piece.encode() for piece in pieces[::2]]))

@@ -183,7 +183,7 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
         if step < max_steps:  # a finished run logs nothing; its plan.json keeps its peaks
             planned = plan.to_json()
             write_json(run_dir / "plan.json", planned)
-            write_whole(run_dir / "config.toml", options.config_toml(opts))
+            write_whole(run_dir / "config.toml", options.config_toml(opts, resolved.given))
             config = {"options": dataclasses.asdict(opts), **planned}  # the reporters' run
             last = checkpointer.last
             reporters = open_reporters(opts.report_to, run_dir, config, step, last, log)

@@ -2,6 +2,7 @@
 checkpoint. The checks reach a run through train.main: test_train.py's bad inputs."""
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import options
+from files import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -151,13 +153,42 @@ def test_a_config_toml_reads_back_as_the_options_it_was_written_from(tmp_path):
     written = options.Options(data='a "quoted"\\path\n', lr=1e-05, grad_clip=float("inf"),
                               kernels=False, max_tokens=5000)  # fmt: skip
     config = tmp_path / "config.toml"
-    config.write_text(options.config_toml(written))
+    config.write_text(options.config_toml(written, frozenset()))
     assert options.parse_options(["--config", str(config)])[0] == written
     # --resume is how a run was started, not what it is: a config of a resumed run has none
-    config.write_text(options.config_toml(dataclasses.replace(written, resume="latest")))
+    resumed = dataclasses.replace(written, resume="latest")
+    config.write_text(options.config_toml(resumed, frozenset()))
     assert options.parse_options(["--config", str(config)])[0] == written
     # nor where it exported: a run of the file with another --run-dir would write over them
     exported = dataclasses.replace(written, export_hf="r/hf", export_adapter="r/adapter")
-    config.write_text(options.config_toml(exported))
+    config.write_text(options.config_toml(exported, frozenset()))
     assert options.parse_options(["--config", str(config)])[0] == written
     assert "--export-hf and --export-adapter left out" in config.read_text()
+
+
+def from_adapter(argv: list[str]) -> tuple[options.Options, frozenset[str]]:
+    """`argv`'s options with what --lora-adapter's file gives, as options.resolve takes them."""
+    opts, given = options.parse_options(argv)
+    taken = options.taken_from_adapter(opts, options.model_args(opts), given)
+    return dataclasses.replace(opts, **taken), given
+
+
+def test_a_config_toml_leaves_the_adapters_settings_to_the_next_adapter(tmp_path):
+    """The rank, alpha, targets and dropout a run took from --lora-adapter's adapter_config.json
+    are not written in its config.toml: run again with another adapter, it takes that one's
+    (they were refused, as if the user had given them). One given is written, and checked."""
+    for name, rank in [("a", 4), ("b", 8)]:
+        (tmp_path / name).mkdir()
+        adapter = {"r": rank, "lora_alpha": 2 * rank, "target_modules": ["q_proj", "v_proj"]}
+        (tmp_path / name / "adapter_config.json").write_text(json.dumps(adapter))
+    first = ["--model", "tiny", "--lora-adapter", str(tmp_path / "a")]
+    config = tmp_path / "config.toml"
+    again = ["--config", str(config), "--lora-adapter", str(tmp_path / "b")]
+    config.write_text(options.config_toml(*from_adapter(first)))
+    assert "lora_rank" not in config.read_text() and "lora_alpha" not in config.read_text()
+    opts, _ = from_adapter(again)
+    assert (opts.lora_rank, opts.lora_alpha, opts.lora_targets) == (8, 16.0, "wq,wv")
+    config.write_text(options.config_toml(*from_adapter([*first, "--lora-rank", "4"])))
+    assert "\nlora_rank = 4\n" in config.read_text() and "lora_alpha" not in config.read_text()
+    with pytest.raises(UsageError, match=r": --lora-rank 4 differs from the adapter's 8 \("):
+        from_adapter(again)

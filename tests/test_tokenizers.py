@@ -371,6 +371,13 @@ def test_the_template_prepare_was_given_renders_the_sample_and_goes_into_the_exp
     assert "chat_template" not in json.loads(export_tokenizer.files["tokenizer_config.json"])
 
 
+def bytes_ids_files() -> dict[str, bytes]:
+    """The files of a tokenizer with the bytes tokenizer's ids, but not it (its BOS and EOS
+    named apart: another tokenizer.json)."""
+    ranks = {bytes([b]): b for b in range(256)}
+    return tokenizer.byte_level_bpe_files(ranks, {"<s>": 256, "</s>": 257}, None, "</s>")
+
+
 def test_the_export_carries_the_tokenizer_that_prepared_the_data_whose_eos_is_checked(tmp_path):
     """The checkpoint's tokenizer.json beside another tokenizer_config.json (EOS "\\n"): data it
     prepared is refused with the checkpoint's own EOS, and trained with it (--tokenizer), the
@@ -379,10 +386,10 @@ def test_the_export_carries_the_tokenizer_that_prepared_the_data_whose_eos_is_ch
     checkpoint, other = tmp_path / "checkpoint", tmp_path / "other"
     for directory in (checkpoint, other):
         directory.mkdir()
-        for name, contents in tokenizer.ByteTokenizer().hf_files().items():
+        for name, contents in bytes_ids_files().items():
             (directory / name).write_bytes(contents)
     (checkpoint / "config.json").write_text('{"eos_token_id": [257, 10]}')
-    (other / "tokenizer_config.json").write_text('{"bos_token": "<bos>", "eos_token": "Ċ"}')
+    (other / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "Ċ"}')
     text = tmp_path / "a.txt"
     text.write_text("some text " * 20)
     prepared = prepare.prepare([text], tmp_path / "ds", other, workers=1)
@@ -401,6 +408,44 @@ def test_the_export_carries_the_tokenizer_that_prepared_the_data_whose_eos_is_ch
     for given in (None, checkpoint, checkpoint / "tokenizer.json"):
         exported = data.open_data(str(mine), given and str(given), str(checkpoint), 258, 8, True)
         assert exported.export_tokenizer.special_ids["eos_token_id"] == [257, 10]
+
+
+def test_a_bytes_runs_export_is_the_bytes_tokenizer_and_another_file_is_not(tmp_path):
+    """A run on byte-tokenized data exports the bytes tokenizer's files (hf_files): a run from
+    the export (--hf-checkpoint) reads that data (it was refused as another tokenizer), and data
+    prepared with the export is bytes data. The same tokenizer.json with another EOS or a chat
+    template, or another tokenizer.json of the same ids, is another tokenizer: refused."""
+
+    def checkpoint(name: str, changed: dict[str, bytes]) -> Path:
+        directory = tmp_path / name
+        directory.mkdir()
+        for file, contents in (tokenizer.ByteTokenizer().hf_files() | changed).items():
+            (directory / file).write_bytes(contents)
+        (directory / "config.json").write_text('{"bos_token_id": 256, "eos_token_id": 257}')
+        return directory
+
+    text = tmp_path / "a.txt"
+    text.write_text("some text " * 20)
+    prepared = prepare.prepare([text], tmp_path / "ds", workers=1)
+    export = checkpoint("export", {})
+    run = data.open_data(str(prepared), None, str(export), 258, 8, True)
+    assert isinstance(run.text_tokenizer, tokenizer.ByteTokenizer)
+    assert run.export_tokenizer.files["tokenizer.json"] == (export / "tokenizer.json").read_bytes()
+    again = prepare.prepare([text], tmp_path / "again", export, workers=1)
+    assert data.TokenDataset(again).meta["tokenizer"] == "bytes"
+    others = {
+        "eos": {"tokenizer_config.json": '{"bos_token": "<bos>", "eos_token": "Ċ"}'.encode()},
+        "template": {"chat_template.jinja": CHATML_TEMPLATE.encode()},
+        "file": bytes_ids_files(),
+    }
+    for name, changed in others.items():
+        other = checkpoint(name, changed)
+        with pytest.raises(files.UsageError) as error:
+            data.open_data(str(prepared), None, str(other), 258, 8, True)
+        refused = (
+            f"bytes, but the checkpoint's tokenizer {other / 'tokenizer.json'} is tokenizer.json:"
+        )
+        assert refused in str(error.value), name
 
 
 def test_special_ids_come_from_config_json_where_tokenizer_config_names_none(tmp_path):

@@ -1592,8 +1592,9 @@ def test_qlora_trains_resumes_and_exports_what_peft_and_transformers_load(datase
     assert torch.equal(exported.model.layers[1].self_attn.k_proj.weight,
                        original.model.layers[1].self_attn.k_proj.weight)  # fmt: skip
 
-    # The adapter's r, alpha, targets and dropout, as PEFT reads them, unless given: the run
-    # records them in its config.toml; one given otherwise is refused, named.
+    # The adapter's r, alpha, targets and dropout, as PEFT reads them, unless given: the run's
+    # plan.json records them, its config.toml leaves them to the adapter a run of it names
+    # (test_options); one given otherwise is refused, named.
     config = json.loads((adapter / "adapter_config.json").read_text())
     (adapter / "adapter_config.json").write_text(json.dumps(config | {"lora_dropout": 0.05}))
     continued = tmp_path / "continued"
@@ -1617,10 +1618,11 @@ def test_qlora_trains_resumes_and_exports_what_peft_and_transformers_load(datase
     train.main([*given, "--run-dir", str(continued)])
     assert losses(continued)[1] < first[1]
     train.main([*given, "--estimate-memory"])  # taken as a run takes them, not refused
+    used = json.loads((continued / "plan.json").read_text())["plan"]["lora"]
+    assert used == {"rank": 4, "alpha": 8.0, "dropout": 0.05, "targets": ["wq", "wv", "w2"],
+                    "quantize_base": "nf4"}  # fmt: skip
     recorded = (continued / "config.toml").read_text()
-    for line in ('lora_rank = 4', 'lora_alpha = 8.0', 'lora_dropout = 0.05',
-                 'lora_targets = "wq,wv,w2"', 'quantize_base = "nf4"'):  # fmt: skip
-        assert f"\n{line}\n" in recorded
+    assert '\nquantize_base = "nf4"\n' in recorded and "\nlora_rank" not in recorded
 
 
 @CPU_ONLY
