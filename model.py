@@ -830,10 +830,13 @@ class Llama(nn.Module):
         positions: torch.Tensor | None = None,
         reduction: str = "mean",
         document_starts: tuple[tuple[int, ...], ...] | None = None,
+        aux_loss: bool = True,
     ) -> torch.Tensor:
         """tokens, labels, positions: [B, S]. Without labels, logits [B, S, V]; with them, the
         loss ("mean" over labels that are not -100, or "sum") by `Ops.linear_cross_entropy`,
-        which need not build the logits. Packed documents' positions restart at 0."""
+        which need not build the logits, plus the load-balancing term where `router_aux_loss`
+        and `aux_loss` (train.evaluate's is the cross-entropy alone). Packed documents'
+        positions restart at 0."""
         bsz, seq_len = tokens.shape
         if positions is None:
             positions = torch.arange(seq_len, device=tokens.device).expand(bsz, seq_len)
@@ -869,7 +872,7 @@ class Llama(nn.Module):
         aux = load_balancing_loss(routed)
         # The metrics log's figures (train.StepResult), left on the device: no wait for the GPU.
         self.routing = torch.stack([aux.detach(), expert_load(routed).max()])
-        if not self.args.router_aux_loss:
+        if not (self.args.router_aux_loss and aux_loss):
             return loss
         # transformers adds coef x the load-balancing loss to the mean; to a sum, the same per
         # labelled token, so that train_step's division by the step's count gives that mean.

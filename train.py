@@ -478,10 +478,9 @@ def evaluate(model: Llama, loader: PackedLoader, samples: int, device) -> tuple[
     with torch.no_grad():
         for b in loader.in_order(samples):
             b = b.to(device, non_blocking=True)
-            loss = model(b.tokens, b.labels, b.positions, "sum", b.document_starts)
+            # The cross-entropy alone: the load-balancing term is training's.
+            loss = model(b.tokens, b.labels, b.positions, "sum", b.document_starts, aux_loss=False)
             labelled = (b.labels != IGNORE_INDEX).sum()
-            if model.args.router_aux_loss:  # the cross-entropy alone: forward's aux term taken off
-                loss = loss - model.args.router_aux_loss_coef * model.routing[0] * labelled
             totals += torch.stack([loss.double(), labelled.double()])
     model.train()
     dist.all_reduce(totals)
