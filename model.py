@@ -323,13 +323,17 @@ class ModelArgs:
             return of_window(math.inf)
         return (1 - windowed) * of_window(math.inf) + windowed * of_window(self.sliding_window)
 
+    def window_shorter(self, seq_len: int | None = None) -> bool:
+        """Whether the sliding window is shorter than rows of `seq_len` (None: of any length, some
+        longer): then the windowed layers need a mask of their own."""
+        window = self.sliding_window
+        return window is not None and (seq_len is None or seq_len > window)
+
     def attention_masked(self, documents: bool, seq_len: int | None = None) -> bool:
         """Whether Llama.attention_mask may give attention a mask, not SDPA's causal kernel
         alone: `documents` packed in a row kept apart, a window shorter than rows of `seq_len`
         (None: of any length), or gpt-oss's attention sinks (a kernel's logsumexp: not SDPA's)."""
-        window = self.sliding_window
-        windowed = window is not None and (seq_len is None or seq_len > window)
-        return documents or windowed or FAMILIES[self.family].gpt_oss
+        return documents or self.window_shorter(seq_len) or FAMILIES[self.family].gpt_oss
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -806,7 +810,7 @@ class Llama(nn.Module):
         per forward so that a block recomputed in backward gets the same kernels. `starts`
         (data.Batch has them) saves reading them off the GPU."""
         window = self.args.sliding_window
-        within_window = window is None or positions.shape[1] <= window
+        within_window = not self.args.window_shorter(positions.shape[1])
         has_sinks = FAMILIES[self.args.family].gpt_oss  # need a kernel's logsumexp: not SDPA's
         causal = None
         if self.mask_documents and not has_sinks:
