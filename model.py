@@ -291,19 +291,18 @@ class ModelArgs:
         return sum(self._block_params(i, active)[0] for i in range(self.n_layers))
 
     def training_flops(self, tokens: float, attended_pairs: float, frozen: bool = False) -> float:
-        """Training FLOPs of `tokens` tokens attending `attended_pairs` (query, key) pairs: 6 per
-        matmul weight per token (forward 2, backward 4; 4 if `frozen`: LoRA's base, no weight
-        gradient, adapters not counted), plus 12*L*H*Dh per pair (QK^T and AV, 2*H*Dh each, x3).
-        An MoE block counts the experts a token passes through."""
+        """Training FLOPs of `tokens` tokens attending `attended_pairs` (query, key) pairs:
+        weight_flops per matmul weight per token, plus 12*L*H*Dh per pair (QK^T and AV,
+        2*H*Dh each, x3). An MoE block counts the experts a token passes through."""
         # The embedding lookup is not a matmul; a tied embedding still is the output matmul.
         output = self.vocab_size * self.dim
         matmul_params = self.matmul_params(active=True) + output
         per_pair = 12 * self.n_layers * self.n_heads * self.head_dim
-        return (4 if frozen else 6) * matmul_params * tokens + per_pair * attended_pairs
+        return weight_flops(frozen) * matmul_params * tokens + per_pair * attended_pairs
 
     def flops_per_token(self, seq_len: int, frozen: bool = False) -> float:
-        """Per token of causal rows of `seq_len` tokens: 6N + 6*L*S*d (4N frozen), S/2 keys
-        each on a causal layer (fewer on a windowed one: attended_per_token)."""
+        """Per token of causal rows of `seq_len` tokens: flops_formula's, S/2 keys each on a
+        causal layer (fewer on a windowed one: attended_per_token)."""
         return self.training_flops(1, self.attended_per_token(seq_len), frozen)
 
     def attended_per_token(self, seq_len: int) -> float:
@@ -334,6 +333,18 @@ class ModelArgs:
         alone: `documents` packed in a row kept apart, a window shorter than rows of `seq_len`
         (None: of any length), or gpt-oss's attention sinks (a kernel's logsumexp: not SDPA's)."""
         return documents or self.window_shorter(seq_len) or FAMILIES[self.family].gpt_oss
+
+
+def weight_flops(frozen: bool = False) -> int:
+    """Training FLOPs per matmul weight per token: forward 2, backward 4 (the input's gradient
+    and the weight's); 4 if `frozen` (LoRA's base: no weight gradient, adapters not counted)."""
+    return 4 if frozen else 6
+
+
+def flops_formula(frozen: bool = False) -> str:
+    """ModelArgs.flops_per_token as the log writes it: N matmul weights, L layers of H heads of
+    Dh, a causal row of S tokens (S/2 keys a token, 12*L*H*Dh FLOPs a (query, key) pair)."""
+    return f"{weight_flops(frozen)}N + 6*L*S*H*Dh"
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -47,6 +47,7 @@ from model import (
     Llama,
     ModelArgs,
     attended_pairs,
+    flops_formula,
     fp8_ops,
     triton_ops,
 )
@@ -248,7 +249,7 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
         )
     log(
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {params}, "
-        f"{flops_per_token / 1e6:.1f} MFLOP/token ({4 if frozen else 6}N + 6LSd"
+        f"{flops_per_token / 1e6:.1f} MFLOP/token ({flops_formula(frozen)}"
         f"{'; MFU counts attention within documents' if masked else ''}"
         f"{'; windowed layers count their window' if args.sliding_window else ''}"
         f"{'; MFU against the bf16 peak, matmuls in FP8' if plan.fp8_projections else ''}) | "

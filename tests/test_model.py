@@ -426,7 +426,7 @@ def test_llama31_8b_preset_has_the_published_size():
 
 def test_flops_per_token_count_weight_gradients_only_for_trained_weights():
     """8B at 8192: 6 FLOPs per matmul weight (4 for LoRA's frozen base: no weight gradient)
-    and 6LSd of causal attention; the embedding lookup is no matmul."""
+    and 6*L*S*H*Dh of causal attention; the embedding lookup is no matmul."""
     args = PRESETS["llama3.1-8b"]
     matmul_weights = args.num_params() - args.vocab_size * args.dim - (2 * 32 + 1) * args.dim
     attention = 6 * 32 * 8192 * 4096
