@@ -303,7 +303,7 @@ def in_backward(world, out: Path) -> None:
     STEPS steps of one micro-batch (it cannot accumulate), each rank its rows of it, no
     clipping. Also run in one process by tests/test_shard.py."""
     model = sharded_model(world, TINY, "FULL_SHARD", world.world_size, cpu_offload=True)
-    optimizer = ShardedOptimizerInBackward(model, LR, weight_decay=WEIGHT_DECAY)
+    optimizer = ShardedOptimizerInBackward(model, LR, (0.9, 0.999), WEIGHT_DECAY)  # AdamW's
     tokens, labels, positions = batches(TINY, 2)
     rows = torch.arange(2 * BATCH).chunk(world.world_size)[world.rank]
     losses, norms = [], []
