@@ -328,11 +328,12 @@ class ModelArgs:
         window = self.sliding_window
         return window is not None and (seq_len is None or seq_len > window)
 
-    def attention_masked(self, documents: bool, seq_len: int | None = None) -> bool:
+    def attention_masked(self, document_mask: bool, seq_len: int | None = None) -> bool:
         """Whether Llama.attention_mask may give attention a mask, not SDPA's causal kernel
-        alone: `documents` packed in a row kept apart, a window shorter than rows of `seq_len`
-        (None: of any length), or gpt-oss's attention sinks (a kernel's logsumexp: not SDPA's)."""
-        return documents or self.window_shorter(seq_len) or FAMILIES[self.family].gpt_oss
+        alone: the documents packed in a row kept apart (`document_mask`), a window shorter than
+        rows of `seq_len` (None: of any length), or gpt-oss's attention sinks (a kernel's
+        logsumexp: not SDPA's)."""
+        return document_mask or self.window_shorter(seq_len) or FAMILIES[self.family].gpt_oss
 
 
 def weight_flops(frozen: bool = False) -> int:
@@ -787,9 +788,9 @@ class Llama(nn.Module):
         args: ModelArgs,
         ops: Ops = REFERENCE_OPS,
         attention_backend: str = "auto",
-        mask_documents: bool = False,
+        document_mask: bool = False,
     ):
-        """`mask_documents`: no attention across the documents packed in a row (attention_mask)."""
+        """`document_mask`: no attention across the documents packed in a row (attention_mask)."""
         super().__init__()
         if attention_backend not in SDPA_BACKENDS:
             raise UsageError(
@@ -798,7 +799,7 @@ class Llama(nn.Module):
             )
         self.args = args
         self.ops = ops
-        self.mask_documents = mask_documents
+        self.document_mask = document_mask
         self.long_document = LONG_DOCUMENT  # tests lower it to try both routes on small rows
         # An MoE model's last load-balancing loss and busiest expert's load, for the metrics.
         self.routing: torch.Tensor | None = None
@@ -824,13 +825,13 @@ class Llama(nn.Module):
         within_window = not self.args.window_shorter(positions.shape[1])
         has_sinks = FAMILIES[self.args.family].gpt_oss  # need a kernel's logsumexp: not SDPA's
         causal = None
-        if self.mask_documents and not has_sinks:
+        if self.document_mask and not has_sinks:
             if starts is None:
                 starts = document_starts(positions)
             causal = packed_rows(positions, starts, self.long_document)
         if within_window and not has_sinks:
             return Masks(causal, causal)
-        if not self.mask_documents:  # the window counts along the row, whatever its documents
+        if not self.document_mask:  # the window counts along the row, whatever its documents
             bsz, seq_len = positions.shape
             positions = torch.arange(seq_len, device=positions.device).expand(bsz, seq_len)
         if not has_sinks:

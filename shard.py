@@ -387,7 +387,7 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
             _attend_whole_sequence, block.attention.attend, group
         )
     # The masks from the whole rows' positions, wherever attention may take one.
-    if model.args.attention_masked(model.mask_documents):
+    if model.args.attention_masked(model.document_mask):
         model.attention_mask = functools.partial(_whole_row_mask, model.attention_mask, group)
     model.forward = functools.partial(_forward_rows, model.forward, group)
     if model.args.moe_layers:

@@ -225,7 +225,7 @@ def sharded_model(
 ):
     world = dataclasses.replace(world, local_world_size=local_world_size)
     with torch.device("meta"):
-        model = Llama(args, ops, mask_documents=mask)
+        model = Llama(args, ops, document_mask=mask)
     # The documents of 8 and 14 tokens (DOCUMENT_STARTS) go through the causal kernel on their
     # slices, the others through the mask; the reference masks them all.
     model.long_document = 8
