@@ -592,9 +592,10 @@ def triton_ops() -> Ops:
     )
 
 
-def fp8_ops(ops: Ops, triton_kernels: bool) -> Ops:
+def fp8_ops(ops: Ops, kernels: bool) -> Ops:
     """`ops` with the projections reading one input in one fp8_linears call (--fp8), which
-    quantizes it once; a LoRA base too, not a 4-bit one. Head and embedding stay in bf16."""
+    quantizes it once; a LoRA base too, not a 4-bit one. Head and embedding stay in bf16. The
+    scales by the Triton kernels, or (not `kernels`) their references."""
 
     def fp8_project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
         in_fp8 = [
@@ -602,7 +603,7 @@ def fp8_ops(ops: Ops, triton_kernels: bool) -> Ops:
             if type(m) is nn.Linear or (isinstance(m, LoRALinear) and not m.quantized)
         ]  # fmt: skip
         weights, biases = [m.weight for m in in_fp8], [m.bias for m in in_fp8]
-        outputs = iter(fp8_linears(x, weights, biases, triton_kernels) if in_fp8 else ())
+        outputs = iter(fp8_linears(x, weights, biases, kernels) if in_fp8 else ())
         projected = []
         for m in linears:
             if m not in in_fp8:

@@ -100,7 +100,7 @@ class Scenario:
     fp8: bool = False  # the projections in e4m3 (model.fp8_ops; the CPU dequantizes them)
 
     def ops(self):
-        return fp8_ops(REFERENCE_OPS, triton_kernels=False) if self.fp8 else REFERENCE_OPS
+        return fp8_ops(REFERENCE_OPS, kernels=False) if self.fp8 else REFERENCE_OPS
 
 
 TRAIN_SCENARIOS = {

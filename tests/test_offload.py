@@ -167,7 +167,7 @@ def fp8_gradients():
     """The plain FP8 model's (model.fp8_ops; on the CPU the e4m3 values dequantized, then
     multiplied), scaled by the quantizers' references: what is tested here is what
     checkpointing does with them (tests/test_kernels.py tests the Triton ones)."""
-    return gradients(build(ops=fp8_ops(triton_ops(), triton_kernels=False)))[0]
+    return gradients(build(ops=fp8_ops(triton_ops(), kernels=False)))[0]
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,7 @@ def test_fp8_projections_keep_gradients_under_checkpointing_and_offload(fp8_grad
     """--fp8's projections: recomputation quantizes the same inputs again, and selective
     checkpointing keeps the e4m3 matmuls' outputs, so each mode gives the gradients of the
     plain FP8 model."""
-    ops = fp8_ops(triton_ops(), triton_kernels=False)
+    ops = fp8_ops(triton_ops(), kernels=False)
     grads, _ = gradients(build(ac, ops=ops), offload=True)
     assert_grads_close(grads, fp8_gradients)
 
@@ -225,7 +225,7 @@ def test_selective_checkpointing_keeps_the_fp8_matmuls_outputs():
             return func(*args, **(kwargs or {}))
 
     def backward_matmuls(ac: str) -> int:
-        model = build(ac, ops=fp8_ops(triton_ops(), triton_kernels=True))
+        model = build(ac, ops=fp8_ops(triton_ops(), kernels=True))
         loss = model(*batch())
         Count.calls = 0
         with Count():
