@@ -291,19 +291,18 @@ class ModelArgs:
         return sum(self._block_params(i, active)[0] for i in range(self.n_layers))
 
     def training_flops(self, tokens: float, attended_pairs: float, frozen: bool = False) -> float:
-        """Training FLOPs of `tokens` tokens attending `attended_pairs` (query, key) pairs: 6 per
-        matmul weight per token (forward 2, backward 4; 4 if `frozen`: LoRA's base, no weight
-        gradient, adapters not counted), plus 12*L*H*Dh per pair (QK^T and AV, 2*H*Dh each, x3).
-        An MoE block counts the experts a token passes through."""
+        """Training FLOPs of `tokens` tokens attending `attended_pairs` (query, key) pairs:
+        weight_flops per matmul weight per token, plus 12*L*H*Dh per pair (QK^T and AV,
+        2*H*Dh each, x3). An MoE block counts the experts a token passes through."""
         # The embedding lookup is not a matmul; a tied embedding still is the output matmul.
         output = self.vocab_size * self.dim
         matmul_params = self.matmul_params(active=True) + output
         per_pair = 12 * self.n_layers * self.n_heads * self.head_dim
-        return (4 if frozen else 6) * matmul_params * tokens + per_pair * attended_pairs
+        return weight_flops(frozen) * matmul_params * tokens + per_pair * attended_pairs
 
     def flops_per_token(self, seq_len: int, frozen: bool = False) -> float:
-        """Per token of causal rows of `seq_len` tokens: 6N + 6*L*S*d (4N frozen), S/2 keys
-        each on a causal layer (fewer on a windowed one: attended_per_token)."""
+        """Per token of causal rows of `seq_len` tokens: flops_formula's, S/2 keys each on a
+        causal layer (fewer on a windowed one: attended_per_token)."""
         return self.training_flops(1, self.attended_per_token(seq_len), frozen)
 
     def attended_per_token(self, seq_len: int) -> float:
@@ -323,13 +322,30 @@ class ModelArgs:
             return of_window(math.inf)
         return (1 - windowed) * of_window(math.inf) + windowed * of_window(self.sliding_window)
 
-    def attention_masked(self, documents: bool, seq_len: int | None = None) -> bool:
-        """Whether Llama.attention_mask may give attention a mask, not SDPA's causal kernel
-        alone: `documents` packed in a row kept apart, a window shorter than rows of `seq_len`
-        (None: of any length), or gpt-oss's attention sinks (a kernel's logsumexp: not SDPA's)."""
+    def window_shorter(self, seq_len: int | None = None) -> bool:
+        """Whether the sliding window is shorter than rows of `seq_len` (None: of any length, some
+        longer): then the windowed layers need a mask of their own."""
         window = self.sliding_window
-        windowed = window is not None and (seq_len is None or seq_len > window)
-        return documents or windowed or FAMILIES[self.family].gpt_oss
+        return window is not None and (seq_len is None or seq_len > window)
+
+    def attention_masked(self, document_mask: bool, seq_len: int | None = None) -> bool:
+        """Whether Llama.attention_mask may give attention a mask, not SDPA's causal kernel
+        alone: the documents packed in a row kept apart (`document_mask`), a window shorter than
+        rows of `seq_len` (None: of any length), or gpt-oss's attention sinks (a kernel's
+        logsumexp: not SDPA's)."""
+        return document_mask or self.window_shorter(seq_len) or FAMILIES[self.family].gpt_oss
+
+
+def weight_flops(frozen: bool = False) -> int:
+    """Training FLOPs per matmul weight per token: forward 2, backward 4 (the input's gradient
+    and the weight's); 4 if `frozen` (LoRA's base: no weight gradient, adapters not counted)."""
+    return 4 if frozen else 6
+
+
+def flops_formula(frozen: bool = False) -> str:
+    """ModelArgs.flops_per_token as the log writes it: N matmul weights, L layers of H heads of
+    Dh, a causal row of S tokens (S/2 keys a token, 12*L*H*Dh FLOPs a (query, key) pair)."""
+    return f"{weight_flops(frozen)}N + 6*L*S*H*Dh"
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -576,9 +592,10 @@ def triton_ops() -> Ops:
     )
 
 
-def fp8_ops(ops: Ops, triton_kernels: bool) -> Ops:
+def fp8_ops(ops: Ops, kernels: bool) -> Ops:
     """`ops` with the projections reading one input in one fp8_linears call (--fp8), which
-    quantizes it once; a LoRA base too, not a 4-bit one. Head and embedding stay in bf16."""
+    quantizes it once; a LoRA base too, not a 4-bit one. Head and embedding stay in bf16. The
+    scales by the Triton kernels, or (not `kernels`) their references."""
 
     def fp8_project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
         in_fp8 = [
@@ -586,7 +603,7 @@ def fp8_ops(ops: Ops, triton_kernels: bool) -> Ops:
             if type(m) is nn.Linear or (isinstance(m, LoRALinear) and not m.quantized)
         ]  # fmt: skip
         weights, biases = [m.weight for m in in_fp8], [m.bias for m in in_fp8]
-        outputs = iter(fp8_linears(x, weights, biases, triton_kernels) if in_fp8 else ())
+        outputs = iter(fp8_linears(x, weights, biases, kernels) if in_fp8 else ())
         projected = []
         for m in linears:
             if m not in in_fp8:
@@ -772,9 +789,9 @@ class Llama(nn.Module):
         args: ModelArgs,
         ops: Ops = REFERENCE_OPS,
         attention_backend: str = "auto",
-        mask_documents: bool = False,
+        document_mask: bool = False,
     ):
-        """`mask_documents`: no attention across the documents packed in a row (attention_mask)."""
+        """`document_mask`: no attention across the documents packed in a row (attention_mask)."""
         super().__init__()
         if attention_backend not in SDPA_BACKENDS:
             raise UsageError(
@@ -783,7 +800,7 @@ class Llama(nn.Module):
             )
         self.args = args
         self.ops = ops
-        self.mask_documents = mask_documents
+        self.document_mask = document_mask
         self.long_document = LONG_DOCUMENT  # tests lower it to try both routes on small rows
         # An MoE model's last load-balancing loss and busiest expert's load, for the metrics.
         self.routing: torch.Tensor | None = None
@@ -806,16 +823,16 @@ class Llama(nn.Module):
         per forward so that a block recomputed in backward gets the same kernels. `starts`
         (data.Batch has them) saves reading them off the GPU."""
         window = self.args.sliding_window
-        within_window = window is None or positions.shape[1] <= window
+        within_window = not self.args.window_shorter(positions.shape[1])
         has_sinks = FAMILIES[self.args.family].gpt_oss  # need a kernel's logsumexp: not SDPA's
         causal = None
-        if self.mask_documents and not has_sinks:
+        if self.document_mask and not has_sinks:
             if starts is None:
                 starts = document_starts(positions)
             causal = packed_rows(positions, starts, self.long_document)
         if within_window and not has_sinks:
             return Masks(causal, causal)
-        if not self.mask_documents:  # the window counts along the row, whatever its documents
+        if not self.document_mask:  # the window counts along the row, whatever its documents
             bsz, seq_len = positions.shape
             positions = torch.arange(seq_len, device=positions.device).expand(bsz, seq_len)
         if not has_sinks:
@@ -830,10 +847,13 @@ class Llama(nn.Module):
         positions: torch.Tensor | None = None,
         reduction: str = "mean",
         document_starts: tuple[tuple[int, ...], ...] | None = None,
+        aux_loss: bool = True,
     ) -> torch.Tensor:
         """tokens, labels, positions: [B, S]. Without labels, logits [B, S, V]; with them, the
         loss ("mean" over labels that are not -100, or "sum") by `Ops.linear_cross_entropy`,
-        which need not build the logits. Packed documents' positions restart at 0."""
+        which need not build the logits, plus the load-balancing term where `router_aux_loss`
+        and `aux_loss` (train.evaluate's is the cross-entropy alone). Packed documents'
+        positions restart at 0."""
         bsz, seq_len = tokens.shape
         if positions is None:
             positions = torch.arange(seq_len, device=tokens.device).expand(bsz, seq_len)
@@ -869,7 +889,7 @@ class Llama(nn.Module):
         aux = load_balancing_loss(routed)
         # The metrics log's figures (train.StepResult), left on the device: no wait for the GPU.
         self.routing = torch.stack([aux.detach(), expert_load(routed).max()])
-        if not self.args.router_aux_loss:
+        if not (self.args.router_aux_loss and aux_loss):
             return loss
         # transformers adds coef x the load-balancing loss to the mean; to a sum, the same per
         # labelled token, so that train_step's division by the step's count gives that mean.

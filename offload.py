@@ -53,8 +53,9 @@ def check_ac_mode(mode: str) -> None:
 
 def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
     """Checkpoints the blocks: "full" keeps only a block's input and recomputes it in backward;
-    "attention" and "selective" also keep their SAVED_OPS' outputs and the document-masked
-    attention's (`_KeptAttention`). every=k checkpoints blocks 0, k, 2k, ... only."""
+    "attention" and "selective" also keep their SAVED_OPS' outputs and a masked attention's
+    (documents, a window, sinks: `_KeptAttention`). every=k checkpoints blocks 0, k, 2k, ...
+    only."""
     check_ac_mode(mode)
     if mode == "none":
         return

@@ -208,8 +208,8 @@ class OptimizerInBackward(_AdamWInBackward):
         device: torch.device,
         param_dtype: torch.dtype,
         lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
+        betas: tuple[float, float],
+        weight_decay: float,
     ):
         """`model`'s fp32 host parameters become the masters (the model in fp32 only once),
         each with a `param_dtype` copy on `device`."""
@@ -341,8 +341,8 @@ class ShardedOptimizerInBackward(_AdamWInBackward):
         self,
         model: Llama,
         lr: float,
-        betas: tuple[float, float] = (0.9, 0.999),
-        weight_decay: float = 0.0,
+        betas: tuple[float, float],
+        weight_decay: float,
     ):
         params = dict(model.named_parameters())
         for name, param in params.items():

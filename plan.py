@@ -111,10 +111,10 @@ def strategy_of(name: str) -> Strategy:
     return STRATEGIES[name]
 
 
-def shard_group_size(strategy: str, world_size: int, local_world_size: int) -> int:
+def shard_group_size(strategy: str, world_size: int, nproc_per_node: int) -> int:
     """How many ranks share one copy of the parameters (the mesh's "shard" dim)."""
     shard_over = strategy_of(strategy).shard_over
-    return {"world": world_size, "node": local_world_size, "none": 1}[shard_over]
+    return {"world": world_size, "node": nproc_per_node, "none": 1}[shard_over]
 
 
 # ----------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ from plan import GiB, Machine, host_memory_gib, shard_group_size, strategy_of
 class World:
     rank: int
     world_size: int
-    local_world_size: int  # processes per node: the shard group of HYBRID_SHARD
+    nproc_per_node: int  # processes per node: the shard group of HYBRID_SHARD
     device: torch.device
 
     @property
@@ -89,10 +89,10 @@ def torchrun_processes() -> tuple[int, int]:
 
 def check_gpus() -> None:
     """torchrun starts --nproc-per-node processes, each taking the GPU of its local rank."""
-    per_node = torchrun_processes()[1]
-    if torch.cuda.is_available() and per_node > (gpus := torch.cuda.device_count()):
+    nproc = torchrun_processes()[1]
+    if torch.cuda.is_available() and nproc > (gpus := torch.cuda.device_count()):
         raise UsageError(
-            f"{per_node} processes per node were asked (torchrun --nproc-per-node={per_node}), "
+            f"{nproc} processes per node were asked (torchrun --nproc-per-node={nproc}), "
             f"and this machine has {plural(gpus, 'GPU')}: one process per GPU"
         )
 
@@ -104,7 +104,7 @@ def init_distributed() -> World:
     env = os.environ
     rank = int(env.get("RANK", 0))
     local_rank = int(env.get("LOCAL_RANK", 0))
-    world_size, local_world_size = torchrun_processes()
+    world_size, nproc_per_node = torchrun_processes()
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -119,7 +119,7 @@ def init_distributed() -> World:
         else:
             # One process: an in-memory store, no port to find or collide on.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return World(rank, world_size, local_world_size, device)
+    return World(rank, world_size, nproc_per_node, device)
 
 
 def this_machine(gpu_memory: float | None, host_memory: float | None, world: World) -> Machine:
@@ -131,7 +131,7 @@ def this_machine(gpu_memory: float | None, host_memory: float | None, world: Wor
     memory = torch.tensor([gpu or 0.0, host_memory or host_memory_gib()], dtype=torch.float64)
     dist.all_reduce(memory, op=dist.ReduceOp.MIN)
     gpu_gib = memory[0].item() if gpu is not None else None
-    return Machine(world.world_size, world.local_world_size, gpu_gib, memory[1].item())
+    return Machine(world.world_size, world.nproc_per_node, gpu_gib, memory[1].item())
 
 
 # ----------------------------------------------------------------------------------------
@@ -143,11 +143,11 @@ def build_mesh(strategy: str, world: World) -> DeviceMesh:
     """("shard",) for FULL_SHARD / SHARD_GRAD_OP; ("replicate", "shard") for HYBRID_SHARD
     (nodes x ranks per node) and NO_SHARD (world x 1): fully_shard replicates over the first
     dim, so a shard dim of 1 is plain data parallelism with gradients all-reduced."""
-    shard = shard_group_size(strategy, world.world_size, world.local_world_size)
+    shard = shard_group_size(strategy, world.world_size, world.nproc_per_node)
     if world.world_size % shard:
         raise UsageError(
             f"{strategy} needs the world size {world.world_size} to be a multiple of the "
-            f"ranks per node {world.local_world_size}"
+            f"ranks per node {world.nproc_per_node}"
         )
     if strategy_of(strategy).shard_over == "world":
         return init_device_mesh(world.device.type, (shard,), mesh_dim_names=("shard",))
@@ -387,7 +387,7 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
             _attend_whole_sequence, block.attention.attend, group
         )
     # The masks from the whole rows' positions, wherever attention may take one.
-    if model.args.attention_masked(model.mask_documents):
+    if model.args.attention_masked(model.document_mask):
         model.attention_mask = functools.partial(_whole_row_mask, model.attention_mask, group)
     model.forward = functools.partial(_forward_rows, model.forward, group)
     if model.args.moe_layers:

@@ -47,6 +47,7 @@ from model import (
     Llama,
     ModelArgs,
     attended_pairs,
+    flops_formula,
     fp8_ops,
     triton_ops,
 )
@@ -248,7 +249,7 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
         )
     log(
         f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {params}, "
-        f"{flops_per_token / 1e6:.1f} MFLOP/token ({4 if frozen else 6}N + 6LSd"
+        f"{flops_per_token / 1e6:.1f} MFLOP/token ({flops_formula(frozen)}"
         f"{'; MFU counts attention within documents' if masked else ''}"
         f"{'; windowed layers count their window' if args.sliding_window else ''}"
         f"{'; MFU against the bf16 peak, matmuls in FP8' if plan.fp8_projections else ''}) | "
@@ -478,10 +479,9 @@ def evaluate(model: Llama, loader: PackedLoader, samples: int, device) -> tuple[
     with torch.no_grad():
         for b in loader.in_order(samples):
             b = b.to(device, non_blocking=True)
-            loss = model(b.tokens, b.labels, b.positions, "sum", b.document_starts)
+            # The cross-entropy alone: the load-balancing term is training's.
+            loss = model(b.tokens, b.labels, b.positions, "sum", b.document_starts, aux_loss=False)
             labelled = (b.labels != IGNORE_INDEX).sum()
-            if model.args.router_aux_loss:  # the cross-entropy alone: forward's aux term taken off
-                loss = loss - model.args.router_aux_loss_coef * model.routing[0] * labelled
             totals += torch.stack([loss.double(), labelled.double()])
     model.train()
     dist.all_reduce(totals)

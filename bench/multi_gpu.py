@@ -23,9 +23,9 @@ from shard import apply_fsdp, build_mesh, init_distributed, materialize  # noqa:
 
 
 def losses(world, args, strategy, cpu_offload=False, ac="none", act_offload=False,
-           dtype=torch.float32, seq=1024, local_world_size=None, steps=3):  # fmt: skip
-    if local_world_size is not None:
-        world = dataclasses.replace(world, local_world_size=local_world_size)
+           dtype=torch.float32, seq=1024, nproc_per_node=None, steps=3):  # fmt: skip
+    if nproc_per_node is not None:
+        world = dataclasses.replace(world, nproc_per_node=nproc_per_node)
     with torch.device("meta"):
         model = Llama(args)
     apply_ac(model, ac)
@@ -69,7 +69,7 @@ def main():
             ("SHARD_GRAD_OP", dict(strategy="SHARD_GRAD_OP")),
             ("NO_SHARD", dict(strategy="NO_SHARD")),
             ("HYBRID_SHARD 1x2", dict(strategy="HYBRID_SHARD")),
-            ("HYBRID_SHARD 2x1", dict(strategy="HYBRID_SHARD", local_world_size=1)),
+            ("HYBRID_SHARD 2x1", dict(strategy="HYBRID_SHARD", nproc_per_node=1)),
             ("FULL_SHARD cpu_offload", dict(strategy="FULL_SHARD", cpu_offload=True)),
             ("FULL_SHARD full AC + act. offload",
              dict(strategy="FULL_SHARD", ac="full", act_offload=True)),

@@ -1,6 +1,10 @@
 """Hand-written Triton kernels, each beside its plain-PyTorch reference.
 
-The model picks between the two sets through `model.Ops`; both have the same signatures.
+`model.Ops` holds the ops the model picks by reference (`model.REFERENCE_OPS`) or Triton
+(`model.triton_ops`): each kernel takes its reference's arguments, swiglu and geglu also an
+`overwrite` (set by triton_ops). The rest are picked where used, by the same switch (--kernels,
+Plan.kernels): nf4_linear takes the dequantization that lora.apply_lora picks, and fp8_linears
+picks its quantizers, kernels or references, by its `kernels` argument.
 """
 
 from kernels.cross_entropy import (

@@ -412,12 +412,12 @@ def fp8_linears(
     x: torch.Tensor,
     weights: list[torch.Tensor],
     biases: list[torch.Tensor | None],
-    triton_kernels: bool = True,
+    kernels: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """F.linear(x, w, b) for each weight and bias, each matmul in e4m3 (the module
-    docstring), the scales computed by the Triton kernels or their references. x [..., K],
-    each weight [N, K]; K, N and the number of tokens multiples of 16, as cuBLAS's e4m3
-    matmul requires."""
-    quantizers = TRITON_QUANTIZERS if triton_kernels else REFERENCE_QUANTIZERS
+    docstring), the scales computed by the Triton kernels or (not `kernels`) their references.
+    x [..., K], each weight [N, K]; K, N and the number of tokens multiples of 16, as cuBLAS's
+    e4m3 matmul requires."""
+    quantizers = TRITON_QUANTIZERS if kernels else REFERENCE_QUANTIZERS
     pairs = [t for pair in zip(weights, biases, strict=True) for t in pair]
     return _FP8Linears.apply(x, quantizers, *pairs)

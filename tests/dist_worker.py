@@ -89,7 +89,7 @@ LR, WEIGHT_DECAY, MAX_NORM, SEED = 1e-3, 0.1, 1.0, 1
 @dataclass(frozen=True)
 class Scenario:
     strategy: str = "FULL_SHARD"
-    local_world_size: int = 2  # ranks per node, as torchrun would say
+    nproc_per_node: int = 2  # ranks per node, as torchrun would say
     cpu_offload: bool = False
     args: ModelArgs = TINY
     ac: str = "none"
@@ -100,7 +100,7 @@ class Scenario:
     fp8: bool = False  # the projections in e4m3 (model.fp8_ops; the CPU dequantizes them)
 
     def ops(self):
-        return fp8_ops(REFERENCE_OPS, triton_kernels=False) if self.fp8 else REFERENCE_OPS
+        return fp8_ops(REFERENCE_OPS, kernels=False) if self.fp8 else REFERENCE_OPS
 
 
 TRAIN_SCENARIOS = {
@@ -111,7 +111,7 @@ TRAIN_SCENARIOS = {
     "no_shard": Scenario("NO_SHARD"),
     "no_shard_cpu_offload": Scenario("NO_SHARD", cpu_offload=True),
     "hybrid_1x2": Scenario("HYBRID_SHARD"),
-    "hybrid_2x1_cpu_offload": Scenario("HYBRID_SHARD", local_world_size=1, cpu_offload=True),
+    "hybrid_2x1_cpu_offload": Scenario("HYBRID_SHARD", nproc_per_node=1, cpu_offload=True),
     "tied_full_shard": Scenario(args=dataclasses.replace(TINY, tie_embeddings=True)),
     "full_shard_ac_offload": Scenario(ac="full", activation_offload=True),
     "full_shard_selective_ac": Scenario(args=ODD, ac="selective"),
@@ -214,7 +214,7 @@ def sharded_model(
     world,
     args,
     strategy,
-    local_world_size,
+    nproc_per_node,
     cpu_offload,
     ac="none",
     seed=SEED,
@@ -223,9 +223,9 @@ def sharded_model(
     mask=False,
     ops=REFERENCE_OPS,
 ):
-    world = dataclasses.replace(world, local_world_size=local_world_size)
+    world = dataclasses.replace(world, nproc_per_node=nproc_per_node)
     with torch.device("meta"):
-        model = Llama(args, ops, mask_documents=mask)
+        model = Llama(args, ops, document_mask=mask)
     # The documents of 8 and 14 tokens (DOCUMENT_STARTS) go through the causal kernel on their
     # slices, the others through the mask; the reference masks them all.
     model.long_document = 8
@@ -263,7 +263,7 @@ def train(world, out: Path, name: str) -> None:
     """train.train_step, step after step, on each rank's part of the global batches."""
     s = TRAIN_SCENARIOS[name]
     model = sharded_model(
-        world, s.args, s.strategy, s.local_world_size, s.cpu_offload, s.ac, lora=s.lora,
+        world, s.args, s.strategy, s.nproc_per_node, s.cpu_offload, s.ac, lora=s.lora,
         cp=s.context_parallel, mask=s.document_mask, ops=s.ops(),
     )  # fmt: skip
     optimizer = RecordingAdamW(model)
@@ -303,7 +303,7 @@ def in_backward(world, out: Path) -> None:
     STEPS steps of one micro-batch (it cannot accumulate), each rank its rows of it, no
     clipping. Also run in one process by tests/test_shard.py."""
     model = sharded_model(world, TINY, "FULL_SHARD", world.world_size, cpu_offload=True)
-    optimizer = ShardedOptimizerInBackward(model, LR, weight_decay=WEIGHT_DECAY)
+    optimizer = ShardedOptimizerInBackward(model, LR, (0.9, 0.999), WEIGHT_DECAY)  # AdamW's
     tokens, labels, positions = batches(TINY, 2)
     rows = torch.arange(2 * BATCH).chunk(world.world_size)[world.rank]
     losses, norms = [], []

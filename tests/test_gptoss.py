@@ -119,7 +119,7 @@ def test_gpt_oss_matches_transformers_past_its_window(tmp_path, packed):
     args = args_from_hf_config(path)
     assert (args.family, args.sliding_window, args.window_layers) == ("gpt_oss", WINDOW, (0, 2))
     assert args.rope_scaling.rope_type == "yarn" and args.rope_scaling.truncate is False
-    ours = Llama(args, mask_documents=packed)
+    ours = Llama(args, document_mask=packed)
     load_hf_checkpoint(ours, path)
     assert sum(p.numel() for p in ours.parameters()) == args.num_params()
     tokens, labels = sample_batch(args.vocab_size)
@@ -141,7 +141,7 @@ def test_gpt_oss_matches_transformers_past_its_window(tmp_path, packed):
     assert rel_err(ours(tokens, labels, positions), loss) > 1e-4
     ours.load_state_dict(state)
     unwindowed = dataclasses.replace(args, sliding_window=None, window_layers=())
-    causal = Llama(unwindowed, mask_documents=packed)
+    causal = Llama(unwindowed, document_mask=packed)
     causal.load_state_dict(state)
     assert rel_err(causal(tokens, labels, positions), loss) > 1e-4
 
@@ -301,12 +301,12 @@ def test_sinks_through_flex_attention_on_gpu_match_the_dense_path(kernels):
         ffn_dim=128, expert_ffn_dim=128, n_experts=4, experts_per_token=2, window_layers=(0,),
         moe_layers=(0, 1),
     )  # fmt: skip
-    on_cpu = Llama(args, mask_documents=True)
+    on_cpu = Llama(args, document_mask=True)
     on_cpu.init_weights(seed=0)
     with torch.no_grad():  # sinks that matter
         for block in on_cpu.layers:
             block.attention.sinks.normal_(0, 1)
-    on_gpu = Llama(args, triton_ops() if kernels else REFERENCE_OPS, mask_documents=True).cuda()
+    on_gpu = Llama(args, triton_ops() if kernels else REFERENCE_OPS, document_mask=True).cuda()
     on_gpu.load_state_dict(on_cpu.state_dict())
     tokens, labels = sample_batch(args.vocab_size, bsz=2, seq_len=1024)
     positions = torch.cat([torch.arange(300), torch.arange(724)]).expand(2, 1024)

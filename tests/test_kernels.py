@@ -652,7 +652,7 @@ FP8_NAMES = ["y1", "y2", "dx", "dW1", "dW2", "db1"]
 def test_fp8_linears_kernels_equal_the_reference_quantization(dtype):
     inputs, grad_out = fp8_linears_case(dtype)
     triton = forward_and_grads(two_projections(kernels.fp8_linears), inputs, grad_out)
-    reference = two_projections(lambda *a: kernels.fp8_linears(*a, triton_kernels=False))
+    reference = two_projections(lambda *a: kernels.fp8_linears(*a, kernels=False))
     ref = forward_and_grads(reference, inputs, grad_out)
     for name, a, b in zip(FP8_NAMES, triton[0] + triton[1], ref[0] + ref[1], strict=True):
         assert torch.equal(a, b), name

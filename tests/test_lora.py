@@ -244,7 +244,7 @@ def test_fp8_runs_a_bf16_base_in_e4m3_and_leaves_a_4_bit_base_as_it_is(tmp_path,
     adds the adapters as they are: their gradients are within FP8's error of the model
     without --fp8, and not equal to them. QLoRA's 4-bit base is not in FP8: equal."""
     path = hf_checkpoint(tmp_path, family)
-    fp8 = fp8_ops(REFERENCE_OPS, triton_kernels=False)
+    fp8 = fp8_ops(REFERENCE_OPS, kernels=False)
     for config, tolerance in [(CONFIG, FP8_TOLERANCE), (NF4_CONFIG, 0.0)]:
         models = [lora_model(path, config, ops=ops) for ops in (fp8, REFERENCE_OPS)]
         grads = []

@@ -154,7 +154,7 @@ def test_packed_positions_match_transformers_position_ids(tmp_path):
 
 
 def test_document_mask_keeps_attention_inside_each_document():
-    model = Llama(PRESETS["tiny"], mask_documents=True)
+    model = Llama(PRESETS["tiny"], document_mask=True)
     model.init_weights(seed=0)
     tokens, _ = sample_batch(model.args.vocab_size)
     positions = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
@@ -162,12 +162,12 @@ def test_document_mask_keeps_attention_inside_each_document():
     # Each document alone (one document: the mask is plain causal) gives the same logits.
     assert rel_err(packed[:, :15], model(tokens[:, :15])) <= FP32_RTOL
     assert rel_err(packed[:, 15:], model(tokens[:, 15:])) <= FP32_RTOL
-    model.mask_documents = False  # without the mask the second document sees the first
+    model.document_mask = False  # without the mask the second document sees the first
     assert rel_err(model(tokens, positions=positions)[:, 15:], packed[:, 15:]) > 1e-3
 
 
 def test_document_mask_gradients_equal_each_document_alone():
-    model = Llama(PRESETS["tiny"], mask_documents=True)
+    model = Llama(PRESETS["tiny"], document_mask=True)
     model.init_weights(seed=0)
     tokens, labels = sample_batch(model.args.vocab_size)
     positions = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
@@ -283,7 +283,7 @@ def test_causal_prefixs_take_a_32nd_of_an_octave():
 
 
 def test_attention_mask_chooses_the_kernel_by_document_length():
-    model = Llama(PRESETS["tiny"], mask_documents=True)
+    model = Llama(PRESETS["tiny"], document_mask=True)
     one = torch.arange(40).expand(2, 40)
     two = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
     assert model.attention_mask(one).causal is None
@@ -294,7 +294,7 @@ def test_attention_mask_chooses_the_kernel_by_document_length():
     assert model.attention_mask(two).causal.prefixes == (((15, 40),), ((15, 40),))
     model.long_document = 15
     assert model.attention_mask(two).causal == PackedRows(None, (((0, 15), (15, 40)),) * 2)
-    model.mask_documents = False
+    model.document_mask = False
     assert model.attention_mask(two) == Masks(None, None)
 
 
@@ -316,7 +316,7 @@ def test_attention_masked_is_true_where_the_model_gives_a_mask(family, window):
     one = torch.arange(40).expand(2, 40)
     two = torch.cat([torch.arange(15), torch.arange(25)]).expand(2, 40)
     for documents, positions in itertools.product([False, True], [one, two]):
-        model.mask_documents = documents
+        model.document_mask = documents
         masks = model.attention_mask(positions)
         given = masks.causal is not None or masks.windowed is not None
         assert given == args.attention_masked(documents and positions is two, 40)
@@ -336,7 +336,7 @@ def test_long_documents_attended_alone_equal_the_dense_mask(lengths, long_docume
     """PackedRows (long documents' causal prefixes through the causal kernel on their slices,
     the rest through the mask, pieces joined) gives the loss and every gradient of the dense mask,
     fp32, with documents crossing in from the row before, on rows of different documents."""
-    model = Llama(PRESETS["tiny"], mask_documents=True)
+    model = Llama(PRESETS["tiny"], document_mask=True)
     model.init_weights(seed=0)
     tokens, labels = sample_batch(model.args.vocab_size, bsz=2, seq_len=320)
     positions = torch.cat([random_positions(lengths[:1], 11), random_positions(lengths[1:])])
@@ -426,7 +426,7 @@ def test_llama31_8b_preset_has_the_published_size():
 
 def test_flops_per_token_count_weight_gradients_only_for_trained_weights():
     """8B at 8192: 6 FLOPs per matmul weight (4 for LoRA's frozen base: no weight gradient)
-    and 6LSd of causal attention; the embedding lookup is no matmul."""
+    and 6*L*S*H*Dh of causal attention; the embedding lookup is no matmul."""
     args = PRESETS["llama3.1-8b"]
     matmul_weights = args.num_params() - args.vocab_size * args.dim - (2 * 32 + 1) * args.dim
     attention = 6 * 32 * 8192 * 4096
@@ -463,9 +463,9 @@ def test_flex_document_mask_on_gpu_matches_the_dense_mask(documents, window):
         args = dataclasses.replace(
             args, family="mistral", sliding_window=window, window_layers=(0, 1)
         )
-    on_cpu = Llama(args, mask_documents=documents)
+    on_cpu = Llama(args, document_mask=documents)
     on_cpu.init_weights(seed=0)
-    on_gpu = Llama(args, mask_documents=documents).cuda().to(torch.bfloat16)
+    on_gpu = Llama(args, document_mask=documents).cuda().to(torch.bfloat16)
     on_gpu.load_state_dict(on_cpu.state_dict())
     tokens, labels = sample_batch(args.vocab_size, bsz=2, seq_len=1024)
     positions = torch.cat([torch.arange(300), torch.arange(724)]).expand(2, 1024)
@@ -710,7 +710,7 @@ def test_a_sliding_window_matches_transformers_past_it(tmp_path, variant, packed
     args = args_from_hf_config(tmp_path / "in")
     layers = {"mistral": (0, 1, 2), "qwen2": (1, 2), "qwen3": (1,), "gemma3": (0, 2)}[variant]
     assert (args.sliding_window, args.window_layers) == (window, layers)
-    ours = Llama(args, mask_documents=packed)
+    ours = Llama(args, document_mask=packed)
     load_hf_checkpoint(ours, tmp_path / "in")
     positions = None
     if packed:  # documents crossing the window's edge, a different split in each row
@@ -719,7 +719,7 @@ def test_a_sliding_window_matches_transformers_past_it(tmp_path, variant, packed
     assert_same_gradients(ours, hf)
 
     causal = Llama(
-        dataclasses.replace(args, sliding_window=None, window_layers=()), mask_documents=packed
+        dataclasses.replace(args, sliding_window=None, window_layers=()), document_mask=packed
     )
     causal.load_state_dict(ours.state_dict())
     tokens, labels = sample_batch(args.vocab_size)

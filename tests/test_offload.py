@@ -51,12 +51,12 @@ def build(
     ac: str = "none",
     every: int = 1,
     device="cpu",
-    mask_documents=False,
+    document_mask=False,
     long_document=None,
     ops=REFERENCE_OPS,
 ) -> Llama:
     with torch.device("meta"):
-        model = Llama(ARGS, ops=ops, mask_documents=mask_documents)
+        model = Llama(ARGS, ops=ops, document_mask=document_mask)
     model.long_document = long_document or model.long_document
     apply_ac(model, ac, every)
     model.to_empty(device=device)
@@ -167,7 +167,7 @@ def fp8_gradients():
     """The plain FP8 model's (model.fp8_ops; on the CPU the e4m3 values dequantized, then
     multiplied), scaled by the quantizers' references: what is tested here is what
     checkpointing does with them (tests/test_kernels.py tests the Triton ones)."""
-    return gradients(build(ops=fp8_ops(triton_ops(), triton_kernels=False)))[0]
+    return gradients(build(ops=fp8_ops(triton_ops(), kernels=False)))[0]
 
 
 @pytest.mark.parametrize(
@@ -188,7 +188,7 @@ def test_fp8_projections_keep_gradients_under_checkpointing_and_offload(fp8_grad
     """--fp8's projections: recomputation quantizes the same inputs again, and selective
     checkpointing keeps the e4m3 matmuls' outputs, so each mode gives the gradients of the
     plain FP8 model."""
-    ops = fp8_ops(triton_ops(), triton_kernels=False)
+    ops = fp8_ops(triton_ops(), kernels=False)
     grads, _ = gradients(build(ac, ops=ops), offload=True)
     assert_grads_close(grads, fp8_gradients)
 
@@ -225,7 +225,7 @@ def test_selective_checkpointing_keeps_the_fp8_matmuls_outputs():
             return func(*args, **(kwargs or {}))
 
     def backward_matmuls(ac: str) -> int:
-        model = build(ac, ops=fp8_ops(triton_ops(), triton_kernels=True))
+        model = build(ac, ops=fp8_ops(triton_ops(), kernels=True))
         loss = model(*batch())
         Count.calls = 0
         with Count():
@@ -237,7 +237,7 @@ def test_selective_checkpointing_keeps_the_fp8_matmuls_outputs():
 
 @pytest.fixture(scope="module")
 def packed_reference():
-    return gradients(build(mask_documents=True), positions=PACKED)[0]
+    return gradients(build(document_mask=True), positions=PACKED)[0]
 
 
 @pytest.mark.parametrize(
@@ -249,7 +249,7 @@ def packed_reference():
 def test_document_masked_attention_keeps_gradients(
     packed_reference, ac, offload, tile, long_document
 ):
-    model = build(ac, mask_documents=True, long_document=long_document)
+    model = build(ac, document_mask=True, long_document=long_document)
     apply_mlp_tiling(model, tile)
     grads, _ = gradients(model, offload=offload, min_bytes=0, positions=PACKED)
     assert_grads_close(grads, packed_reference)
@@ -266,7 +266,7 @@ def test_offload_leaves_what_the_checkpoint_keeps_on_the_device(ac, positions):
     for mode in ("full", ac):
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)
-            model = build(mode, mask_documents=positions is not None)
+            model = build(mode, document_mask=positions is not None)
             _, offloader = gradients(model, offload=True, min_bytes=0, positions=positions)
         offloaded[mode] = offloader.offloaded_bytes
     assert offloaded[ac] == offloaded["full"] > 0
@@ -303,7 +303,7 @@ def test_attention_runs_once_per_block_unless_fully_recomputed(
         return attend(self, q, k, v, mask, sinks)
 
     monkeypatch.setattr(Attention, "attend", counted)
-    model = build(ac, mask_documents=True)
+    model = build(ac, document_mask=True)
     with CountSDPA() as sdpa:
         gradients(model, positions=positions)
     if positions is None:
@@ -447,10 +447,10 @@ def test_flex_attention_on_cuda_is_kept_and_keeps_gradients(
     no checkpointing (and the dense mask), and only "full" runs the kernel twice."""
     import attention as attention_module
 
-    on_cpu = build(mask_documents=True)  # the dense mask
+    on_cpu = build(document_mask=True)  # the dense mask
 
     def on_cuda(ac: str, long_document: int | None = None) -> Llama:
-        model = build(ac, device="cuda", mask_documents=True, long_document=long_document)
+        model = build(ac, device="cuda", document_mask=True, long_document=long_document)
         model.load_state_dict(on_cpu.state_dict())  # CUDA's generator draws other weights
         return model
 

@@ -94,7 +94,9 @@ def test_optimizer_in_backward_state_dict_restores_weights_and_moments():
         fresh = Llama(ARGS)
     fresh.to_empty(device="cpu")
     fill_weights(fresh, 1, torch.device("cpu"))
-    restored = OptimizerInBackward(fresh, torch.device("cpu"), torch.float32, LR)
+    restored = OptimizerInBackward(
+        fresh, torch.device("cpu"), torch.float32, LR, BETAS, WEIGHT_DECAY
+    )
     restored.load_state_dict(optimizer.state_dict())
     for a, b in zip(fresh.parameters(), trained.parameters(), strict=True):
         assert torch.equal(a, b)  # the working weights, copied from the loaded masters
@@ -128,7 +130,9 @@ def test_optimizer_in_backward_copies_a_blocks_gradients_during_a_long_update(
         model = Llama(args)
     model.to_empty(device="cpu")
     fill_weights(model, 0, torch.device("cpu"))
-    optimizer = OptimizerInBackward(model, torch.device("cpu"), torch.float32, LR)
+    optimizer = OptimizerInBackward(
+        model, torch.device("cpu"), torch.float32, LR, BETAS, WEIGHT_DECAY
+    )
     tokens, labels = torch.randint(0, vocab_size, (2, BATCH, SEQ), generator=torch.manual_seed(0))
     backward = threading.Thread(target=lambda: model(tokens, labels).backward())
     backward.start()
@@ -153,7 +157,7 @@ def test_optimizer_in_backward_copies_a_blocks_gradients_during_a_long_update(
 def test_optimizer_in_backward_wants_a_host_fp32_model():
     model = Llama(ARGS).to(torch.bfloat16)
     with pytest.raises(ValueError, match="on the host in fp32.*tok_embeddings.weight is"):
-        OptimizerInBackward(model, torch.device("cpu"), torch.bfloat16, LR)
+        OptimizerInBackward(model, torch.device("cpu"), torch.bfloat16, LR, BETAS, WEIGHT_DECAY)
 
 
 @pytest.mark.gpu

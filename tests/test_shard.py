@@ -126,7 +126,7 @@ def reference_run(scenario: w.Scenario) -> dict:
 
 
 def reference_steps(scenario: w.Scenario) -> dict:
-    model = Llama(scenario.args, scenario.ops(), mask_documents=scenario.document_mask)
+    model = Llama(scenario.args, scenario.ops(), document_mask=scenario.document_mask)
     if scenario.lora is not None:
         apply_lora(model, scenario.lora, torch.float32)
     model.init_weights(w.SEED)
