@@ -22,7 +22,7 @@ from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
 from lora import LoRAConfig, expert_lora_shapes
 from model import FAMILIES, Llama, ModelArgs
-from offload import check_ac_mode
+from offload import check_ac_mode, checkpointed, offloaded_blocks
 from optim import STAGING_SLOTS
 
 GiB = 2**30
@@ -652,17 +652,15 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int
     fetched with the one before it."""
     n, d, layers = plan.tokens, args.dim, args.n_layers
     full_block, cache, working, working_checkpointed = block_bytes(args, plan, p)
-    checkpointed = [cache is not None and i % plan.ac_every == 0 for i in range(layers)]
-    saved = [n * d * p if c else full_block for c in checkpointed]
-    cached = [cache if c else 0 for c in checkpointed]
-    offloaded = 0
-    if plan.activation_offload:
-        offloaded = layers - 1 if plan.offload_blocks is None else plan.offload_blocks
+    is_checkpointed = [checkpointed(plan.ac, i, plan.ac_every) for i in range(layers)]
+    saved = [n * d * p if c else full_block for c in is_checkpointed]
+    cached = [cache if c else 0 for c in is_checkpointed]
+    offloaded = offloaded_blocks(layers, plan.offload_blocks) if plan.activation_offload else 0
     final_norm = n * d * p + n * 4 if plan.kernels else 2 * n * d * 4 + n * 4
 
     def in_backward(i: int) -> int:
         on_gpu = saved[offloaded : i + 1] if i >= offloaded else saved[max(i - 1, 0) : i + 1]
-        held = working_checkpointed if checkpointed[i] else working
+        held = working_checkpointed if is_checkpointed[i] else working
         return sum(on_gpu) + sum(cached[: i + 1]) + held
 
     # The last block; each offloaded one but the first (later ones keep more of the
@@ -800,7 +798,7 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     """The modelled seconds of a step of `plan` on one rank. Under context parallelism N a rank
     computes seq_len / N tokens through the blocks and the whole row's attention for H/N heads."""
     layers, s = args.n_layers, plan.seq_len
-    checkpointed = -(-layers // plan.ac_every) / layers
+    share = sum(checkpointed(plan.ac, i, plan.ac_every) for i in range(layers)) / layers
     blocks_forward = 2 * args.matmul_params(active=True)  # FLOPs per token
     attended = plan.attended_per_token or args.attended_per_token(s)
     per_token = args.training_flops(1, attended, frozen=plan.lora is not None)
@@ -811,9 +809,9 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
         "attention": blocks_forward,
         "full": blocks_forward + attention_forward,
     }
-    per_token += checkpointed * recomputed[plan.ac]
+    per_token += share * recomputed[plan.ac]
     if 0 < plan.mlp_tile < s:  # the MLP's forward once more, where no block recompute was
-        recomputing_mlp = checkpointed if plan.ac in ("full", "attention") else 0.0
+        recomputing_mlp = share if plan.ac in ("full", "attention") else 0.0
         mlp = sum(args.feed_forward_params(i, active=True) for i in range(layers))
         per_token += (1 - recomputing_mlp) * 2 * mlp
     compute_s = plan.tokens * plan.grad_accum * per_token / flops
