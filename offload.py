@@ -57,6 +57,12 @@ def checkpointed(mode: str, block: int, every: int) -> bool:
     return mode != "none" and block % every == 0
 
 
+def keeps(mode: str, ops: set) -> bool:
+    """Whether a block checkpointed under `mode` keeps the outputs of `ops` (ATTENTION_OPS,
+    MATMUL_OPS) through its recompute."""
+    return ops <= SAVED_OPS.get(mode, set())
+
+
 def offloaded_blocks(n_layers: int, blocks: int | None) -> int:
     """How many blocks, from the first, activation_offload moves to the host: `blocks`, or all
     but the last (backward needs it first)."""

@@ -22,7 +22,14 @@ from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
 from lora import LoRAConfig, expert_lora_shapes
 from model import FAMILIES, Llama, ModelArgs
-from offload import check_ac_mode, checkpointed, offloaded_blocks
+from offload import (
+    ATTENTION_OPS,
+    MATMUL_OPS,
+    check_ac_mode,
+    checkpointed,
+    keeps,
+    offloaded_blocks,
+)
 from optim import STAGING_SLOTS
 
 GiB = 2**30
@@ -578,10 +585,10 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     # A checkpointed block's recomputed forward: attention's inputs (and q and k before
     # qk_norm), and its output unless the cache kept it; the MLP's tile again (selective keeps
     # gate and up, not the experts' grouped products: offload.MATMUL_OPS), what the experts keep.
-    recomputed = x + qkv + (0 if plan.ac in ("attention", "selective") else out + rescaled)
+    recomputed = x + qkv + (0 if keeps(plan.ac, ATTENTION_OPS) else out + rescaled)
     if args.qk_norm:
         recomputed += n * (q + kv) * (p if plan.kernels else 8)
-    kept_tiles = 1 if plan.ac == "selective" and not (args.moe_layers and plan.kernels) else 3
+    kept_tiles = 1 if keeps(plan.ac, MATMUL_OPS) and not (args.moe_layers and plan.kernels) else 3
     mlp_recomputed = mlp + 2 * x + kept_tiles * tile + activation + moe_kept
     if not plan.kernels:  # the references keep an fp32 input and output in each norm
         norm = 2 * n * d * 4 - x
@@ -592,9 +599,12 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
 
 def checkpoint_cache(args: ModelArgs, plan: Plan, p: int, out: int, qkv: int, matmuls: int):
     """What a checkpointed block keeps in the checkpoint's cache (None without checkpointing):
-    attention's output `out`; selective: the matmuls' outputs too."""
-    cached = {"none": None, "full": 0, "attention": out, "selective": out + matmuls}[plan.ac]
-    if args.attention_masked(plan.document_mask, plan.seq_len) and cached:
+    the outputs of the ops its mode keeps (offload.SAVED_OPS), attention's `out`, `matmuls`."""
+    if plan.ac == "none":
+        return None
+    kept_attention = keeps(plan.ac, ATTENTION_OPS)
+    cached = (out if kept_attention else 0) + (matmuls if keeps(plan.ac, MATMUL_OPS) else 0)
+    if args.attention_masked(plan.document_mask, plan.seq_len) and kept_attention:
         # A masked attention's kept output (documents, a window, sinks) comes with the q, k, v its
         # backward needs (offload._KeptAttention) and, up to a row's worth, long documents'
         # causal prefixes' outputs, kept for the causal kernel's backward
