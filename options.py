@@ -59,6 +59,7 @@ from plan import (
 )
 
 REPO = Path(__file__).resolve().parent
+GRAD_CLIP = 1.0  # the gradient norm clipped at without --grad-clip (Resolved.grad_clip)
 
 
 def option(default, help: str, **argparse_kwargs):
@@ -148,8 +149,8 @@ class Options:
     beta2: float = option(0.95, "AdamW beta2")
     grad_clip: float | None = option(
         None,
-        "clip the gradient's global norm to this, 0: no clipping (default: 1.0; 0 with the "
-        "optimizer in backward, which cannot clip)",
+        f"clip the gradient's global norm to this, 0: no clipping (default: {GRAD_CLIP}; 0 "
+        "with the optimizer in backward, which cannot clip)",
     )
     seed: int = option(0, "seed of the initialization and the data order")
     ac: str | None = option(
@@ -671,10 +672,10 @@ def default_lr(args: ModelArgs) -> float:
     return 3e-3 if n < 100e6 else 3e-4 if n <= 10e9 else 1.5e-4
 
 
-def settle_options(opts: Options, args: ModelArgs, plan: Plan) -> Options:
+def settle_options(opts: Options, args: ModelArgs) -> Options:
     """The options with lr and min_lr decided (the planned ones: read the plan). grad_clip
-    stays as asked: its default is the machine's plan's (train.build), which a resumed run
-    on another machine makes anew."""
+    stays as asked: its default follows the machine's plan (Resolved.grad_clip), which a
+    resumed run on another machine makes anew."""
     lr = default_lr(args) if opts.lr is None else opts.lr
     min_lr = lr / 10 if opts.min_lr is None else opts.min_lr
     if not 0 <= min_lr <= lr:
@@ -945,6 +946,7 @@ class Resolved:
     # Where PEFT finds the decoder on the base's model (hf.peft_prefix), read before the run:
     # --export-adapter names the adapter's tensors by it, and the base may move meanwhile.
     peft_prefix: str
+    grad_clip: float  # --grad-clip, or its default on this plan
 
 
 def as_flags(taken: dict) -> str:
@@ -993,7 +995,10 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
         planned = resume_options(chosen, given, saved, data_parallel, log)
     machine = shard.this_machine(planned.gpu_memory, planned.host_memory, world)
     plan = plan_of(planned, args, machine, lora=lora, **data_fields(planned, args, dataset))
-    opts = settle_options(planned, args, plan)
+    opts = settle_options(planned, args)
+    grad_clip = opts.grad_clip
+    if grad_clip is None:  # the optimizer in backward cannot clip
+        grad_clip = 0.0 if plan.optimizer_in_backward else GRAD_CLIP
     max_steps, seen = opts.max_steps, shard.tokens_trained(saved) if saved else 0
     if opts.max_tokens:  # the steps to train on the tokens left, at this run's batch
         step = saved["step"] if saved else 0
@@ -1001,5 +1006,5 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     run_record |= {"tokens_per_step": plan.tokens_per_step, "max_steps": max_steps}
     return Resolved(
         opts, given, args, plan, world, run_data, held_out, max_steps, run_record, resume_from,
-        saved, seen, damaged, peft_prefix(opts.hf_checkpoint),
+        saved, seen, damaged, peft_prefix(opts.hf_checkpoint), grad_clip,
     )  # fmt: skip
