@@ -59,6 +59,7 @@ from plan import (
 )
 
 REPO = Path(__file__).resolve().parent
+DEFAULT_MODEL = "tiny"  # the preset trained without --model or --hf-checkpoint
 GRAD_CLIP = 1.0  # the gradient norm clipped at without --grad-clip (Resolved.grad_clip)
 
 
@@ -72,7 +73,7 @@ class Options:
 
     model: str | None = option(
         None,
-        "model preset (default: tiny, unless --hf-checkpoint)",
+        f"model preset (default: {DEFAULT_MODEL}, unless --hf-checkpoint)",
         choices=sorted(PRESETS),
         group="model and data",
     )
@@ -634,13 +635,18 @@ def command_line(opts: Options, given: frozenset[str], **changes) -> str:
     return shlex.join(words + flags_of(fields, negated=True))
 
 
+def model_name(opts: Options) -> str:
+    """The model the options name: --hf-checkpoint's directory, or the preset."""
+    return opts.hf_checkpoint or opts.model or DEFAULT_MODEL
+
+
 def model_args(opts: Options) -> ModelArgs:
     """The model's shape. A preset trained from scratch has no learned length (RoPE's angles
     come from positions): its max_seq_len follows --seq-len; a HF checkpoint's is its own."""
     if opts.hf_checkpoint:
         args = args_from_hf_config(opts.hf_checkpoint)
     else:
-        args = ModelArgs.from_name(opts.model or "tiny")
+        args = ModelArgs.from_name(model_name(opts))
         args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, opts.seq_len))
     if opts.max_seq_len and opts.hf_checkpoint and opts.max_seq_len < args.max_seq_len:
         raise UsageError(

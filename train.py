@@ -246,7 +246,7 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
             f"{args.experts_per_token} of {args.n_experts} experts a token)"
         )
     log(
-        f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {params}, "
+        f"model {options.model_name(opts)}: {params}, "
         f"{flops_per_token / 1e6:.1f} MFLOP/token ({4 if frozen else 6}N + 6LSd"
         f"{'; MFU counts attention within documents' if masked else ''}"
         f"{'; windowed layers count their window' if args.sliding_window else ''}"
