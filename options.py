@@ -936,14 +936,17 @@ def plan_of(opts: Options, args: ModelArgs, machine: Machine, **fixed) -> Plan:
 class Resolved:
     """What the command line (and a resumed run's checkpoint) come to, every check passed."""
 
-    opts: Options  # final: the checkpoint's where taken, lr and min_lr decided
+    # Final: the checkpoint's where taken, lr and min_lr decided. As recorded (checkpoints,
+    # config.toml), so not the run's steps or clip where --max-tokens or the plan decide them:
+    # max_steps and grad_clip below.
+    opts: Options
     given: frozenset[str]
     args: ModelArgs
     plan: Plan
     world: shard.World
     run_data: RunData
     held_out: TokenDataset | None  # --eval-data's
-    max_steps: int
+    max_steps: int  # --max-steps, or the steps --max-tokens leaves at this run's batch
     run_record: dict  # a checkpoint's record of the run (shard.check_resumable compares it)
     resume_from: Path | None
     saved: dict | None  # resume_from's train_state
