@@ -919,7 +919,8 @@ def technique_problems(
     opts: Options, args: ModelArgs, world_size: int, nproc_per_node: int
 ) -> list[str]:
     """plan_problems of the plan the options ask for on `world_size` processes,
-    `nproc_per_node` a node. (Whether LoRA is on matters, not how: train.py checks that.)"""
+    `nproc_per_node` a node. Whether LoRA is on matters, not how: check_options checks how,
+    and LoRA options it refuses build no LoRAConfig, hence this stand-in."""
     lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
     machine = Machine(world_size, nproc_per_node, gpu_gib=None, host_gib=0.0)
     base, wanted = options_plan(opts, machine, lora=lora)
