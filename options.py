@@ -805,8 +805,7 @@ def estimate(opts: Options, given: frozenset[str]) -> None:
     dataset = TokenDataset(opts.data) if opts.data else None
     if dataset is not None:
         dataset.check(args.vocab_size, opts.seq_len)
-    plan = plan_of(opts, args, machine, lora=lora_config(opts), **data_fields(opts, args, dataset))
-    print(plan.format())
+    print(plan_of(opts, args, machine, dataset).format())
 
 
 def data_fields(opts: Options, args: ModelArgs, dataset: TokenDataset | None) -> dict:
@@ -927,9 +926,13 @@ def technique_problems(
     return plan_problems(args, dataclasses.replace(base, **wanted), opts.grad_clip)
 
 
-def plan_of(opts: Options, args: ModelArgs, machine: Machine, **fixed) -> Plan:
-    """The options' plan on `machine` (plan.make_plan); `fixed`: the data's and LoRA's fields."""
-    base, wanted = options_plan(opts, machine, **fixed)
+def plan_of(
+    opts: Options, args: ModelArgs, machine: Machine, dataset: TokenDataset | None = None
+) -> Plan:
+    """The options' plan on `machine` (plan.make_plan), with LoRA's fields and the data's
+    (data_fields: without `dataset`, causal rows)."""
+    fixed = data_fields(opts, args, dataset)
+    base, wanted = options_plan(opts, machine, lora=lora_config(opts), **fixed)
     return make_plan(args, machine, base, wanted, opts.batch_tokens, opts.grad_clip)
 
 
@@ -1004,7 +1007,7 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
         data_parallel = world.world_size // chosen.context_parallel
         planned = resume_options(chosen, given, saved, data_parallel, log)
     machine = shard.this_machine(planned.gpu_memory, planned.host_memory, world)
-    plan = plan_of(planned, args, machine, lora=lora, **data_fields(planned, args, dataset))
+    plan = plan_of(planned, args, machine, dataset)
     opts = settle_options(planned, args)
     grad_clip = opts.grad_clip
     if grad_clip is None:  # the optimizer in backward cannot clip
