@@ -821,7 +821,7 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     }
     per_token += share * recomputed[plan.ac]
     if 0 < plan.mlp_tile < s:  # the MLP's forward once more, where no block recompute was
-        recomputing_mlp = share if plan.ac in ("full", "attention") else 0.0
+        recomputing_mlp = 0.0 if keeps(plan.ac, MATMUL_OPS) else share
         mlp = sum(args.feed_forward_params(i, active=True) for i in range(layers))
         per_token += (1 - recomputing_mlp) * 2 * mlp
     compute_s = plan.tokens * plan.grad_accum * per_token / flops
