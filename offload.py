@@ -51,19 +51,35 @@ def check_ac_mode(mode: str) -> None:
         )
 
 
+def checkpointed(mode: str, block: int, every: int) -> bool:
+    """Whether apply_ac checkpoints block `block`: under any mode but "none", blocks 0, every,
+    2*every, ..."""
+    return mode != "none" and block % every == 0
+
+
+def keeps(mode: str, ops: set) -> bool:
+    """Whether a block checkpointed under `mode` keeps the outputs of `ops` (ATTENTION_OPS,
+    MATMUL_OPS) through its recompute."""
+    return ops <= SAVED_OPS.get(mode, set())
+
+
+def offloaded_blocks(n_layers: int, blocks: int | None) -> int:
+    """How many blocks, from the first, activation_offload moves to the host: `blocks`, or all
+    but the last (backward needs it first)."""
+    return n_layers - 1 if blocks is None else blocks
+
+
 def apply_ac(model: Llama, mode: str, every: int = 1) -> None:
     """Checkpoints the blocks: "full" keeps only a block's input and recomputes it in backward;
     "attention" and "selective" also keep their SAVED_OPS' outputs and a masked attention's
     (documents, a window, sinks: `_KeptAttention`). every=k checkpoints blocks 0, k, 2k, ...
     only."""
     check_ac_mode(mode)
-    if mode == "none":
-        return
     context_fn = None  # "full": the checkpoint's own contexts, which keep nothing
     if mode in SAVED_OPS:
         context_fn = functools.partial(_keeping_contexts, list(SAVED_OPS[mode]))
     for i, block in enumerate(model.layers):
-        if i % every == 0:
+        if checkpointed(mode, i, every):
             if context_fn is not None:
                 block.attention.attend = _KeptAttention(block.attention.attend)
             # No randomness in the model (no dropout): no RNG state to save and restore.
@@ -319,10 +335,9 @@ def activation_offload(
     if not enabled:
         yield None
         return
-    last = len(model.layers) - 1
     offloader = _Offloader(min_bytes)
     handles = []
-    for i, block in enumerate(model.layers[: last if blocks is None else blocks]):
+    for i, block in enumerate(model.layers[: offloaded_blocks(len(model.layers), blocks)]):
         enter = functools.partial(offloader.enter_block, i)
         handles.append(block.register_forward_pre_hook(enter, prepend=True))
         handles.append(block.register_forward_hook(offloader.exit_block, always_call=True))

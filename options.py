@@ -60,6 +60,8 @@ from plan import (
 )
 
 REPO = Path(__file__).resolve().parent
+DEFAULT_MODEL = "tiny"  # the preset trained without --model or --hf-checkpoint
+GRAD_CLIP = 1.0  # the gradient norm clipped at without --grad-clip (Resolved.grad_clip)
 
 
 def option(default, help: str, **argparse_kwargs):
@@ -72,7 +74,7 @@ class Options:
 
     model: str | None = option(
         None,
-        "model preset (default: tiny, unless --hf-checkpoint)",
+        f"model preset (default: {DEFAULT_MODEL}, unless --hf-checkpoint)",
         choices=sorted(PRESETS),
         group="model and data",
     )
@@ -149,8 +151,8 @@ class Options:
     beta2: float = option(0.95, "AdamW beta2")
     grad_clip: float | None = option(
         None,
-        "clip the gradient's global norm to this, 0: no clipping (default: 1.0; 0 with the "
-        "optimizer in backward, which cannot clip)",
+        f"clip the gradient's global norm to this, 0: no clipping (default: {GRAD_CLIP}; 0 "
+        "with the optimizer in backward, which cannot clip)",
     )
     seed: int = option(0, "seed of the initialization and the data order")
     ac: str | None = option(
@@ -646,13 +648,18 @@ def command_line(opts: Options, given: frozenset[str], **changes) -> str:
     return shlex.join(words + flags_of(fields, negated=True))
 
 
+def model_name(opts: Options) -> str:
+    """The model the options name: --hf-checkpoint's directory, or the preset."""
+    return opts.hf_checkpoint or opts.model or DEFAULT_MODEL
+
+
 def model_args(opts: Options) -> ModelArgs:
     """The model's shape. A preset trained from scratch has no learned length (RoPE's angles
     come from positions): its max_seq_len follows --seq-len; a HF checkpoint's is its own."""
     if opts.hf_checkpoint:
         args = args_from_hf_config(opts.hf_checkpoint)
     else:
-        args = ModelArgs.from_name(opts.model or "tiny")
+        args = ModelArgs.from_name(model_name(opts))
         args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, opts.seq_len))
     if opts.max_seq_len and opts.hf_checkpoint and opts.max_seq_len < args.max_seq_len:
         raise UsageError(
@@ -684,10 +691,10 @@ def default_lr(args: ModelArgs) -> float:
     return 3e-3 if n < 100e6 else 3e-4 if n <= 10e9 else 1.5e-4
 
 
-def settle_options(opts: Options, args: ModelArgs, plan: Plan) -> Options:
+def settle_options(opts: Options, args: ModelArgs) -> Options:
     """The options with lr and min_lr decided (the planned ones: read the plan). grad_clip
-    stays as asked: its default is the machine's plan's (train.build), which a resumed run
-    on another machine makes anew."""
+    stays as asked: its default follows the machine's plan (Resolved.grad_clip), which a
+    resumed run on another machine makes anew."""
     lr = default_lr(args) if opts.lr is None else opts.lr
     min_lr = lr / 10 if opts.min_lr is None else opts.min_lr
     if not 0 <= min_lr <= lr:
@@ -811,8 +818,7 @@ def estimate(opts: Options, given: frozenset[str]) -> None:
     dataset = TokenDataset(opts.data) if opts.data else None
     if dataset is not None:
         dataset.check(args.vocab_size, opts.seq_len)
-    plan = plan_of(opts, args, machine, lora=lora_config(opts), **data_fields(opts, args, dataset))
-    print(plan.format())
+    print(plan_of(opts, args, machine, dataset).format())
 
 
 def data_fields(opts: Options, args: ModelArgs, dataset: TokenDataset | None) -> dict:
@@ -925,16 +931,21 @@ def technique_problems(
     opts: Options, args: ModelArgs, world_size: int, nproc_per_node: int
 ) -> list[str]:
     """plan_problems of the plan the options ask for on `world_size` processes,
-    `nproc_per_node` a node. (Whether LoRA is on matters, not how: train.py checks that.)"""
+    `nproc_per_node` a node. Whether LoRA is on matters, not how: check_options checks how,
+    and LoRA options it refuses build no LoRAConfig, hence this stand-in."""
     lora = LoRAConfig(opts.lora_rank, opts.lora_alpha) if opts.lora_rank > 0 else None
     machine = Machine(world_size, nproc_per_node, gpu_gib=None, host_gib=0.0)
     base, wanted = options_plan(opts, machine, lora=lora)
     return plan_problems(args, dataclasses.replace(base, **wanted), opts.grad_clip)
 
 
-def plan_of(opts: Options, args: ModelArgs, machine: Machine, **fixed) -> Plan:
-    """The options' plan on `machine` (plan.make_plan); `fixed`: the data's and LoRA's fields."""
-    base, wanted = options_plan(opts, machine, **fixed)
+def plan_of(
+    opts: Options, args: ModelArgs, machine: Machine, dataset: TokenDataset | None = None
+) -> Plan:
+    """The options' plan on `machine` (plan.make_plan), with LoRA's fields and the data's
+    (data_fields: without `dataset`, causal rows)."""
+    fixed = data_fields(opts, args, dataset)
+    base, wanted = options_plan(opts, machine, lora=lora_config(opts), **fixed)
     return make_plan(args, machine, base, wanted, opts.batch_tokens, opts.grad_clip)
 
 
@@ -942,14 +953,17 @@ def plan_of(opts: Options, args: ModelArgs, machine: Machine, **fixed) -> Plan:
 class Resolved:
     """What the command line (and a resumed run's checkpoint) come to, every check passed."""
 
-    opts: Options  # final: the checkpoint's where taken, lr and min_lr decided
+    # Final: the checkpoint's where taken, lr and min_lr decided. As recorded (checkpoints,
+    # config.toml), so not the run's steps or clip where --max-tokens or the plan decide them:
+    # max_steps and grad_clip below.
+    opts: Options
     given: frozenset[str]
     args: ModelArgs
     plan: Plan
     world: shard.World
     run_data: RunData
     held_out: TokenDataset | None  # --eval-data's
-    max_steps: int
+    max_steps: int  # --max-steps, or the steps --max-tokens leaves at this run's batch
     run_record: dict  # a checkpoint's record of the run (shard.check_resumable compares it)
     resume_from: Path | None
     saved: dict | None  # resume_from's train_state
@@ -958,6 +972,7 @@ class Resolved:
     # Where PEFT finds the decoder on the base's model (hf.peft_prefix), read before the run:
     # --export-adapter names the adapter's tensors by it, and the base may move meanwhile.
     peft_prefix: str
+    grad_clip: float  # --grad-clip, or its default on this plan
 
 
 def as_flags(taken: dict) -> str:
@@ -1009,8 +1024,11 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
         data_parallel = world.world_size // chosen.context_parallel
         planned = resume_options(chosen, given, saved, data_parallel, log)
     machine = shard.this_machine(planned.gpu_memory, planned.host_memory, world)
-    plan = plan_of(planned, args, machine, lora=lora, **data_fields(planned, args, dataset))
-    opts = settle_options(planned, args, plan)
+    plan = plan_of(planned, args, machine, dataset)
+    opts = settle_options(planned, args)
+    grad_clip = opts.grad_clip
+    if grad_clip is None:  # the optimizer in backward cannot clip
+        grad_clip = 0.0 if plan.optimizer_in_backward else GRAD_CLIP
     max_steps, seen = opts.max_steps, shard.tokens_trained(saved) if saved else 0
     if opts.max_tokens:  # the steps to train on the tokens left, at this run's batch
         step = saved["step"] if saved else 0
@@ -1018,5 +1036,5 @@ def resolve(asked: Options, given: frozenset[str], log: Callable) -> Resolved:
     run_record |= {"tokens_per_step": plan.tokens_per_step, "max_steps": max_steps}
     return Resolved(
         opts, given, args, plan, world, run_data, held_out, max_steps, run_record, resume_from,
-        saved, seen, damaged, peft_prefix(opts.hf_checkpoint),
+        saved, seen, damaged, peft_prefix(opts.hf_checkpoint), grad_clip,
     )  # fmt: skip

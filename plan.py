@@ -22,7 +22,14 @@ from kernels.nf4 import BLOCK as NF4_BLOCK
 from kernels.nf4 import stored_bytes as nf4_stored_bytes
 from lora import LoRAConfig, expert_lora_shapes
 from model import FAMILIES, Llama, ModelArgs
-from offload import check_ac_mode
+from offload import (
+    ATTENTION_OPS,
+    MATMUL_OPS,
+    check_ac_mode,
+    checkpointed,
+    keeps,
+    offloaded_blocks,
+)
 from optim import STAGING_SLOTS
 
 GiB = 2**30
@@ -578,10 +585,10 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     # A checkpointed block's recomputed forward: attention's inputs (and q and k before
     # qk_norm), and its output unless the cache kept it; the MLP's tile again (selective keeps
     # gate and up, not the experts' grouped products: offload.MATMUL_OPS), what the experts keep.
-    recomputed = x + qkv + (0 if plan.ac in ("attention", "selective") else out + rescaled)
+    recomputed = x + qkv + (0 if keeps(plan.ac, ATTENTION_OPS) else out + rescaled)
     if args.qk_norm:
         recomputed += n * (q + kv) * (p if plan.kernels else 8)
-    kept_tiles = 1 if plan.ac == "selective" and not (args.moe_layers and plan.kernels) else 3
+    kept_tiles = 1 if keeps(plan.ac, MATMUL_OPS) and not (args.moe_layers and plan.kernels) else 3
     mlp_recomputed = mlp + 2 * x + kept_tiles * tile + activation + moe_kept
     if not plan.kernels:  # the references keep an fp32 input and output in each norm
         norm = 2 * n * d * 4 - x
@@ -592,9 +599,12 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
 
 def checkpoint_cache(args: ModelArgs, plan: Plan, p: int, out: int, qkv: int, matmuls: int):
     """What a checkpointed block keeps in the checkpoint's cache (None without checkpointing):
-    attention's output `out`; selective: the matmuls' outputs too."""
-    cached = {"none": None, "full": 0, "attention": out, "selective": out + matmuls}[plan.ac]
-    if args.attention_masked(plan.document_mask, plan.seq_len) and cached:
+    the outputs of the ops its mode keeps (offload.SAVED_OPS), attention's `out`, `matmuls`."""
+    if plan.ac == "none":
+        return None
+    kept_attention = keeps(plan.ac, ATTENTION_OPS)
+    cached = (out if kept_attention else 0) + (matmuls if keeps(plan.ac, MATMUL_OPS) else 0)
+    if args.attention_masked(plan.document_mask, plan.seq_len) and kept_attention:
         # A masked attention's kept output (documents, a window, sinks) comes with the q, k, v its
         # backward needs (offload._KeptAttention) and, up to a row's worth, long documents'
         # causal prefixes' outputs, kept for the causal kernel's backward
@@ -652,17 +662,15 @@ def activation_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, dict[int
     fetched with the one before it."""
     n, d, layers = plan.tokens, args.dim, args.n_layers
     full_block, cache, working, working_checkpointed = block_bytes(args, plan, p)
-    checkpointed = [cache is not None and i % plan.ac_every == 0 for i in range(layers)]
-    saved = [n * d * p if c else full_block for c in checkpointed]
-    cached = [cache if c else 0 for c in checkpointed]
-    offloaded = 0
-    if plan.activation_offload:
-        offloaded = layers - 1 if plan.offload_blocks is None else plan.offload_blocks
+    is_checkpointed = [checkpointed(plan.ac, i, plan.ac_every) for i in range(layers)]
+    saved = [n * d * p if c else full_block for c in is_checkpointed]
+    cached = [cache if c else 0 for c in is_checkpointed]
+    offloaded = offloaded_blocks(layers, plan.offload_blocks) if plan.activation_offload else 0
     final_norm = n * d * p + n * 4 if plan.kernels else 2 * n * d * 4 + n * 4
 
     def in_backward(i: int) -> int:
         on_gpu = saved[offloaded : i + 1] if i >= offloaded else saved[max(i - 1, 0) : i + 1]
-        held = working_checkpointed if checkpointed[i] else working
+        held = working_checkpointed if is_checkpointed[i] else working
         return sum(on_gpu) + sum(cached[: i + 1]) + held
 
     # The last block; each offloaded one but the first (later ones keep more of the
@@ -800,7 +808,7 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     """The modelled seconds of a step of `plan` on one rank. Under context parallelism N a rank
     computes seq_len / N tokens through the blocks and the whole row's attention for H/N heads."""
     layers, s = args.n_layers, plan.seq_len
-    checkpointed = -(-layers // plan.ac_every) / layers
+    share = sum(checkpointed(plan.ac, i, plan.ac_every) for i in range(layers)) / layers
     blocks_forward = 2 * args.matmul_params(active=True)  # FLOPs per token
     attended = plan.attended_per_token or args.attended_per_token(s)
     per_token = args.training_flops(1, attended, frozen=plan.lora is not None)
@@ -811,9 +819,9 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
         "attention": blocks_forward,
         "full": blocks_forward + attention_forward,
     }
-    per_token += checkpointed * recomputed[plan.ac]
+    per_token += share * recomputed[plan.ac]
     if 0 < plan.mlp_tile < s:  # the MLP's forward once more, where no block recompute was
-        recomputing_mlp = checkpointed if plan.ac in ("full", "attention") else 0.0
+        recomputing_mlp = 0.0 if keeps(plan.ac, MATMUL_OPS) else share
         mlp = sum(args.feed_forward_params(i, active=True) for i in range(layers))
         per_token += (1 - recomputing_mlp) * 2 * mlp
     compute_s = plan.tokens * plan.grad_accum * per_token / flops

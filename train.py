@@ -154,7 +154,8 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
     dataset, max_steps = resolved.run_data.dataset, resolved.max_steps
     log(plan.format())
     torch.manual_seed(opts.seed)
-    model, optimizer = build(opts, args, plan, world, resolved.resume_from is not None, log)
+    resumed = resolved.resume_from is not None
+    model, optimizer = build(opts, args, plan, world, resumed, resolved.grad_clip, log)
     log_start(opts, args, plan, world, dataset, max_steps, log)
     loader = loader_of(dataset, plan, world, seed=opts.seed)
     evaluate_held_out = held_out_evaluation(opts, resolved.held_out, plan, world, model)
@@ -195,7 +196,7 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
     )  # fmt: skip
 
 
-def build(opts: Options, args: ModelArgs, plan: Plan, world, resumed: bool, log):
+def build(opts: Options, args: ModelArgs, plan: Plan, world, resumed: bool, clip: float, log):
     """The model the plan describes, loaded or initialized, and its optimizer. Resuming reads
     the checkpoint's weights later, but a LoRA run's frozen base here: the checkpoint lacks it."""
     with torch.device("meta"):
@@ -224,10 +225,8 @@ def build(opts: Options, args: ModelArgs, plan: Plan, world, resumed: bool, log)
     if plan.optimizer_in_backward:
         dtype = PARAM_DTYPES[plan.param_dtype]
         return model, optim.OptimizerInBackward(model, world.device, dtype, opts.lr, betas, decay)
-    # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then. Clipping
-    # at 1.0 unless asked otherwise (the optimizer in backward clips nothing: plan_problems).
+    # Fused on the GPU, and on the CPU with --cpu-offload, where the step runs then.
     fused = world.device.type == "cuda" or plan.cpu_offload
-    clip = 1.0 if opts.grad_clip is None else opts.grad_clip
     return model, optim.ShardedAdamW(model, betas, decay, clip, fused)
 
 
@@ -248,7 +247,7 @@ def log_start(opts, args, plan, world, dataset, max_steps: int, log: Callable) -
             f"{args.experts_per_token} of {args.n_experts} experts a token)"
         )
     log(
-        f"model {opts.hf_checkpoint or opts.model or 'tiny'}: {params}, "
+        f"model {options.model_name(opts)}: {params}, "
         f"{flops_per_token / 1e6:.1f} MFLOP/token ({flops_formula(frozen)}"
         f"{'; MFU counts attention within documents' if masked else ''}"
         f"{'; windowed layers count their window' if args.sliding_window else ''}"

@@ -743,7 +743,7 @@ def test_fp8_keeps_blocks_too_small_to_gain_in_bf16(preset, micro_batch, in_e4m3
     args = ModelArgs.from_name(preset)
     machine = Machine(world_size=4, nproc_per_node=4, gpu_gib=139.0, host_gib=500.0)
     fixed = Options(seq_len=8192, fp8=True, micro_batch=micro_batch, grad_accum=1, mlp_tile=0)
-    plan = plan_of(fixed, args, machine, document_mask=False)
+    plan = plan_of(fixed, args, machine)
     assert plan.fp8_projections == in_e4m3
     said = f"{', '.join(in_e4m3)} in e4m3" if in_e4m3 else "every projection stays in bf16"
     assert plan.format().splitlines()[-1].startswith(f"--fp8: {said}")
@@ -775,7 +775,7 @@ def test_the_plan_is_one_object_printed_and_saved_as_it_is():
     cpu = Machine(world_size=1, nproc_per_node=1, gpu_gib=None, host_gib=20.0)
     tiny = ModelArgs.from_name("tiny")
     start = time.perf_counter()
-    plan = plan_of(Options(seq_len=131072), tiny, cpu, document_mask=False)
+    plan = plan_of(Options(seq_len=131072), tiny, cpu)
     assert time.perf_counter() - start < 2
     assert plan.tokens_per_step == 131072 and plan.estimate == estimate_memory(tiny, plan)
     text = plan.format()
@@ -789,7 +789,7 @@ def test_the_plan_is_one_object_printed_and_saved_as_it_is():
     assert saved["plan"]["seq_len"] == 131072 and "estimate" not in saved["plan"]
     assert saved["planned"] == list(PLANNED) and saved["tokens_per_step_asked"] == 4096
     pair = Machine(world_size=2, nproc_per_node=2, gpu_gib=80.0, host_gib=100.0)
-    shared = plan_of(Options(context_parallel=2), tiny, pair, document_mask=False)
+    shared = plan_of(Options(context_parallel=2), tiny, pair)
     assert "x 1 group of 2 context-parallel ranks" in shared.format()
 
 

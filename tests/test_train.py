@@ -41,7 +41,6 @@ import train
 from config_json import args_from_hf_config
 from hf import save_hf_checkpoint
 from model import PRESETS, Llama, ModelArgs
-from plan import Plan
 
 REPO = Path(__file__).resolve().parent.parent
 # Tests that pin CPU numbers (fp32, reference ops, no MFU) or start 2 processes on one device;
@@ -1242,10 +1241,9 @@ def test_estimate_memory_refuses_what_the_run_would(tmp_path, capsys):
 def test_lr_follows_the_model_size_and_is_required_for_a_hf_checkpoint(dataset, tmp_path, capsys):
     tiny, eight_b = ModelArgs.from_name("tiny"), ModelArgs.from_name("llama3.1-8b")
     assert (options.default_lr(tiny), options.default_lr(eight_b)) == (3e-3, 3e-4)
-    plan = Plan(256)
-    settled = options.settle_options(options.Options(), eight_b, plan)
+    settled = options.settle_options(options.Options(), eight_b)
     assert (settled.lr, settled.min_lr, settled.grad_clip) == (3e-4, pytest.approx(3e-5), None)
-    settled = options.settle_options(options.Options(lr=1e-5), eight_b, plan)
+    settled = options.settle_options(options.Options(lr=1e-5), eight_b)
     assert settled.min_lr == pytest.approx(1e-6)  # follows --lr unless set
 
     hf = tmp_path / "hf"
