@@ -1,8 +1,8 @@
 """A Hugging Face checkpoint's config.json, read into `ModelArgs` (`args_from_hf_config`: every
 key's type and range checked, what each family's block fixes refused when it differs, a
 missing key read as transformers' config class reads it) and written back (`hf_config`), as
-tables of keys and defaults. hf.py holds the tensors. It imports model.py, moe.py's SwiGLU
-constants, tokenizer.py's special token keys and files.py's rules.
+tables of keys and defaults. hf.py holds the tensors. It imports model.py, gpt-oss's SwiGLU
+constants (kernels/swiglu.py), tokenizer.py's special token keys and files.py's rules.
 """
 
 import math
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from files import LOCAL_PATH, UsageError, read_json
+from kernels.swiglu import SWIGLU_ALPHA, SWIGLU_LIMIT
 from model import FAMILIES, ROPE_TYPES, ModelArgs, RopeScaling, yarn_mscale
-from moe import SWIGLU_ALPHA, SWIGLU_LIMIT
 from tokenizer import SPECIAL_TOKEN_KEYS
 
 # Each scaling's RopeScaling fields -> their keys in HF rope settings.
@@ -59,7 +59,7 @@ GEMMA3_FIXED = {
     "attn_logit_softcapping": None,
     "use_bidirectional_attention": False,
 }
-# gpt-oss's: biases on the attention's projections, its experts' clamped SwiGLU (moe.py).
+# gpt-oss's: biases on the attention's projections, its experts' clamped SwiGLU (kernels.swiglu).
 GPT_OSS_FIXED = {
     "hidden_act": "silu", "attention_bias": True,
     "swiglu_alpha": SWIGLU_ALPHA, "swiglu_limit": SWIGLU_LIMIT,

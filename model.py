@@ -112,7 +112,7 @@ class Family:
     gemma: bool = False
     # gpt-oss's: a bias on wo too, attention sinks (a learned logit per head in the softmax's
     # denominator, attention.attention_with_sinks), and experts whose router and projections
-    # have biases, with moe.clamped_swiglu.
+    # have biases, with a clamped SwiGLU (kernels.clamped_swiglu).
     gpt_oss: bool = False
 
 
@@ -556,8 +556,8 @@ class Ops:
     linear_cross_entropy: Callable  # (hidden [N,D], weight [V,D], labels [N], ignore, reduction)
     project: Callable  # (x, linears) -> [linear(x) for each], the projections reading one x
     moe_experts: Callable  # (x [T,D], experts [T,k], weights [T,k], w1, w3, w2[, biases,
-    # activation, lora]) -> [T,D]; gpt-oss's experts add biases and a clamped SwiGLU, LoRA
-    # its adapters (kernels.moe.ExpertLoRA)
+    # activation, lora]) -> [T,D]; gpt-oss's experts add biases and a clamped SwiGLU
+    # (activation "clamped_swiglu"), LoRA its adapters (kernels.moe.ExpertLoRA)
 
 
 def project(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:

@@ -1,8 +1,8 @@
 """The mixture-of-experts feed-forward of Qwen3-MoE, Mixtral and gpt-oss: a router picks k of E
 experts for each token, each expert a SwiGLU of its own, and the layer adds the chosen experts'
 outputs weighted by the router. gpt-oss's router and experts have biases, its experts a clamped
-SwiGLU (`clamped_swiglu`). model.py's block takes it in place of its dense FeedForward on the
-layers ModelArgs.moe_layers names.
+SwiGLU (kernels/swiglu.py's `clamped_swiglu`). model.py's block takes it in place of its dense
+FeedForward on the layers ModelArgs.moe_layers names.
 
 The experts' computation is `Ops.moe_experts`: kernels/moe.py's Triton path (sort by expert,
 grouped matrix products, combine; no host sync) or its plain-PyTorch reference, with LoRA's
@@ -49,17 +49,6 @@ EXPERT_ADAPTERS = {
 }
 LORA_PARAMS = tuple(n for a, bs in EXPERT_ADAPTERS.values() for n in (a, *bs.values()))
 
-# gpt-oss's SwiGLU (transformers' GptOssExperts, its config's swiglu_alpha and swiglu_limit).
-SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's experts' activation as transformers' GptOssExperts computes it: the gate
-    clamped from above, the up on both sides, a sigmoid of gain alpha, and up + 1."""
-    gate = gate.clamp(max=SWIGLU_LIMIT)
-    up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
-    return (up + 1) * gate * torch.sigmoid(gate * SWIGLU_ALPHA)
-
 
 def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     """The (token, choice) pairs each expert was given, int64 [E]: scatter_add, as bincount
@@ -75,8 +64,9 @@ class MoE(nn.Module):
     activations' dtype when `rounds_weights` (Qwen3-MoE), then the experts (`Ops.moe_experts`).
     Each expert's projections are stored together as [E, out, in] tensors, named as the dense
     FeedForward's: w1 (gate), w3 (up), w2 (down). `gpt_oss`: a bias on the router and on each
-    expert's projections ([E, out]: w1_bias ...), and clamped_swiglu. gpt-oss's softmax over the
-    top k logits is the renormalized top k of the softmax over all of them (norm_topk_prob)."""
+    expert's projections ([E, out]: w1_bias ...), and the clamped SwiGLU (Ops.moe_experts'
+    activation "clamped_swiglu"). gpt-oss's softmax over the top k logits is the renormalized
+    top k of the softmax over all of them (norm_topk_prob)."""
 
     def __init__(
         self,
@@ -142,7 +132,7 @@ class MoE(nn.Module):
         if not self.gpt_oss:
             return self.ops.moe_experts(x, experts, weights, w1, w3, w2, lora=lora)
         biases = (self.w1_bias, self.w3_bias, self.w2_bias)
-        return self.ops.moe_experts(x, experts, weights, w1, w3, w2, biases, clamped_swiglu, lora)
+        return self.ops.moe_experts(x, experts, weights, w1, w3, w2, biases, "clamped_swiglu", lora)
 
 
 def load_balancing_loss(routed: Sequence[Routed]) -> torch.Tensor:

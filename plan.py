@@ -549,13 +549,14 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     gpt_oss = FAMILIES[args.family].gpt_oss
     rescaled = out if gpt_oss else 0
 
-    if plan.kernels:  # SwiGLU's or GeGLU's kernel: gate, up
+    if plan.kernels:  # the gated activation's kernel (SwiGLU, GeGLU, gpt-oss's): gate, up
         saved = norms_saved(args, plan, p) + 2 * tile
     else:  # RoPE: fp32 cos and sin; SwiGLU or GeGLU: gate, its activation, up
         saved = norms_saved(args, plan, p) + n * args.head_dim * 4 + 3 * tile
-    # gpt-oss's clamped SwiGLU runs in PyTorch: the clamps, sigmoid and products keep six
-    # (moe.clamped_swiglu, counted), recomputed in a checkpointed block's backward too.
-    activation = (6 - (2 if plan.kernels else 3)) * tile if gpt_oss else 0
+    # gpt-oss's clamped SwiGLU in PyTorch: the clamps, sigmoid and products keep six, three
+    # more (kernels.swiglu.clamped_swiglu_reference, counted), recomputed in a checkpointed
+    # block's backward too.
+    activation = 3 * tile if gpt_oss and not plan.kernels else 0
     # The linears' inputs (normed x, normed h, w2's) and attention's q, k, v and output.
     saved += activation + 2 * x + tile + qkv + out + rescaled + moe_kept
 
@@ -569,7 +570,7 @@ def block_bytes(args: ModelArgs, plan: Plan, p: int) -> tuple[int, int | None, i
     if args.moe_layers:
         # The experts' backward beside what they keep peaks in combine's, the rows' gradients,
         # or in w2's, a tile's once the output rows are freed; with the block's output
-        # gradient (and a tile's copy of it under MLP tiling). gpt-oss's PyTorch activation
+        # gradient (and a tile's copy of it under MLP tiling). gpt-oss's activation in PyTorch
         # makes two tiles anew only once w2's input and the rows' gradients are freed: no
         # more where expert_ffn_dim <= dim (bench/RESULTS.md, "The planner's MoE block in
         # backward, counted on the CPU").

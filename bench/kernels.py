@@ -3,6 +3,7 @@ of the reference, and Liger-Kernel, at Llama 3 8B shapes in bf16, on one CUDA GP
 
     PYTHONUNBUFFERED=1 python bench/kernels.py       (Liger's rows are skipped without it)
     PYTHONUNBUFFERED=1 python bench/kernels.py --only nf4      (the copy and NF4 only)
+    PYTHONUNBUFFERED=1 python bench/kernels.py --only clamped_swiglu      (gpt-oss's only)
 
 Each kernel is timed forward and forward + backward: median ms of triton.testing.do_bench
 (which flushes the L2 cache between calls), and for the memory-bound kernels also of
@@ -11,7 +12,8 @@ from Python (autograd, the Triton launcher) takes longer than the GPU work: the 
 is the GPU's time, the one that counts inside a training step whose GPU queue is full. Rates
 use these counts, each tensor read or written once:
     RMSNorm   fwd: x, y                       bwd: x, dy, dx (+ weight, rstd: negligible)
-    SwiGLU    fwd: gate, up, out              bwd: gate, up, dout, dgate, dup
+    SwiGLU    fwd: gate, up, out              bwd: gate, up, dout, dgate, dup (gpt-oss's
+              clamped SwiGLU too, at gpt-oss-20b's experts' rows for 16384 tokens)
     RoPE      fwd: q, k read and written      bwd: the same for their gradients
     linear + cross-entropy: 2 N V D flops per matmul, 3 matmuls (logits, dhidden, dweight)
     NF4 dequantize: the packed rows read (K/2 + K/64 bytes a row, padded to 4), W written;
@@ -44,6 +46,8 @@ from kernels import (  # noqa: E402
     IGNORE_INDEX,
     apply_rope,
     apply_rope_reference,
+    clamped_swiglu,
+    clamped_swiglu_reference,
     dequantize_nf4,
     dequantize_nf4_reference,
     linear_cross_entropy,
@@ -160,17 +164,21 @@ def bench_rms_norm(tokens=16384, dim=4096, eps=1e-5):
     bench_bandwidth_op(kernel, variants, [x, weight, eps], grads, 2 * size, 3 * size)
 
 
-def bench_swiglu(tokens=16384, ffn_dim=14336):
+def bench_swiglu(tokens=16384, ffn_dim=14336, clamped=False):
+    """clamped: gpt-oss's activation (its experts' rows as the tokens), which Liger has not."""
     gate, up = leaf(tokens, ffn_dim), leaf(tokens, ffn_dim)
+    reference, fused = swiglu_reference, swiglu
+    if clamped:
+        reference, fused = clamped_swiglu_reference, clamped_swiglu
     variants = [
-        ("torch eager", swiglu_reference),
-        ("torch.compile", torch.compile(swiglu_reference)),
-        ("longtune", swiglu),
+        ("torch eager", reference),
+        ("torch.compile", torch.compile(reference)),
+        ("longtune", fused),
     ]
-    if LIGER:
+    if LIGER and not clamped:
         variants.append(("Liger", LigerSiLUMulFunction.apply))
     size = tokens * ffn_dim * 2
-    kernel = f"SwiGLU T={tokens} f={ffn_dim}"
+    kernel = f"{'clamped SwiGLU' if clamped else 'SwiGLU'} T={tokens} f={ffn_dim}"
     bench_bandwidth_op(kernel, variants, [gate, up], [torch.randn_like(gate)], 3 * size, 5 * size)
 
 
@@ -327,20 +335,26 @@ def bench_nf4_linear() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=["nf4"], help="run only this part (and the copy)")
+    parser.add_argument(
+        "--only", choices=["nf4", "clamped_swiglu"], help="run only this part (and the copy)"
+    )
     only = parser.parse_args().only
     props = torch.cuda.get_device_properties(0)
     versions = f"torch {torch.__version__}, triton {triton.__version__}, liger {LIGER or 'absent'}"
     print(f"{props.name}, {versions}")
     copy_rate = bench_copy()
+    nf4_check = ""
     if only is None:
         bench_rms_norm()
         bench_swiglu()
         bench_rope()
         bench_linear_cross_entropy()
         bench_cross_entropy_memory()
-    nf4_check = bench_nf4_dequantize(copy_rate)
-    bench_nf4_linear()
+    if only in (None, "clamped_swiglu"):  # gpt-oss-20b's experts at 16384 tokens, k = 4
+        bench_swiglu(16384 * 4, 2880, clamped=True)
+    if only in (None, "nf4"):
+        nf4_check = bench_nf4_dequantize(copy_rate)
+        bench_nf4_linear()
     print(f"\n{props.name}, {versions}")
     print("| kernel | mode | variant | ms | rate | graph ms | graph TB/s | extra GiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

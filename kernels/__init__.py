@@ -17,12 +17,21 @@ from kernels.moe import moe_experts, moe_experts_reference
 from kernels.nf4 import dequantize_nf4, dequantize_nf4_reference, nf4_linear, quantize_nf4
 from kernels.rmsnorm import rms_norm, rms_norm_reference
 from kernels.rope import apply_rope, apply_rope_reference
-from kernels.swiglu import geglu, geglu_reference, swiglu, swiglu_reference
+from kernels.swiglu import (
+    clamped_swiglu,
+    clamped_swiglu_reference,
+    geglu,
+    geglu_reference,
+    swiglu,
+    swiglu_reference,
+)
 
 __all__ = [
     "IGNORE_INDEX",
     "apply_rope",
     "apply_rope_reference",
+    "clamped_swiglu",
+    "clamped_swiglu_reference",
     "dequantize_nf4",
     "dequantize_nf4_reference",
     "fp8_linears",

@@ -4,7 +4,8 @@ SwiGLU of its own, added with the router's weights:
 x [T, D] (the tokens flattened); experts [T, k], integers in [0, E) (not checked: that would
 need a host sync); weights [T, k], in x's dtype or fp32; w1 (gate) and w3 (up) [E, F, D], w2
 (down) [E, D, F], as moe.py's MoE holds them. gpt-oss's experts add `biases` (b1, b3 [E, F],
-b2 [E, D]) to their products and take another `activation` of (gate, up) than silu(gate) * up.
+b2 [E, D]) to their products and a clamped SwiGLU in place of SwiGLU (`activation`
+"clamped_swiglu": kernels/swiglu.py's).
 LoRA on the experts (`ExpertLoRA`) adds each expert's own low-rank products to its gate, up and
 down products, computed on the same sorted rows: W[e] + scale * B[e] A[e] is never formed.
 
@@ -13,11 +14,12 @@ expert's rows are contiguous:
     sort_by_expert  each pair's row in expert order (a stable counting sort: two Triton kernels
                     and a cumsum) and the experts' row offsets [E + 1]
     dispatch        x's rows copied to their pairs' rows, [T*k, D]
-    grouped_mm      each expert's rows times its own weights: w1 and w3, kernels/swiglu.py's
-                    swiglu, then w2; a Triton grouped GEMM whose programs find their expert in
-                    the offsets (dispatch_gate_up: dispatch and the w1 and w3 products in one
-                    autograd Function, whose backward never adds their [T*k, D] gradients);
-                    gpt-oss's biases added to the products in place (add_expert_bias_)
+    grouped_mm      each expert's rows times its own weights: w1 and w3, the activation's
+                    fused kernel (kernels/swiglu.py), then w2; a Triton grouped GEMM whose
+                    programs find their expert in the offsets (dispatch_gate_up: dispatch and
+                    the w1 and w3 products in one autograd Function, whose backward never adds
+                    their [T*k, D] gradients); gpt-oss's biases added to the products in place
+                    (add_expert_bias_)
     combine         y[t] = sum_j weights[t, j] * rows[position[t, j]]: a gather, the same sum
                     on every run (a scatter-add with atomics would not be)
 Nothing on the way reads a value back to the host (no .item(), .tolist(), nonzero or
@@ -34,7 +36,6 @@ its autograd Function and its public function; and last `dispatch_gate_up` and `
 which takes the reference's arguments.
 """
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -43,7 +44,13 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from kernels.swiglu import swiglu
+from kernels.swiglu import clamped_swiglu, clamped_swiglu_reference, swiglu, swiglu_reference
+
+# The experts' activations by name (`activation`): each one's fused kernel and its reference.
+ACTIVATIONS = {
+    "swiglu": (swiglu, swiglu_reference),
+    "clamped_swiglu": (clamped_swiglu, clamped_swiglu_reference),  # gpt-oss's
+}
 
 
 class ExpertLoRA(NamedTuple):
@@ -70,12 +77,13 @@ def moe_experts_reference(
     w3: torch.Tensor,
     w2: torch.Tensor,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    activation: str = "swiglu",
     lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """The experts in plain PyTorch, a loop over experts; returns x's dtype. Each expert's
     tokens are found with nonzero, which reads their count on the host: a wait for the GPU
     per expert."""
+    _, reference = ACTIVATIONS[activation]
     y = torch.zeros_like(x)
     for e in range(w1.shape[0]):
         token, choice = (experts == e).nonzero(as_tuple=True)
@@ -86,7 +94,7 @@ def moe_experts_reference(
             up = up + lora.scale * (low @ lora.b3[e].t())
         if biases is not None:
             gate, up = gate + biases[0][e], up + biases[1][e]
-        hidden = F.silu(gate) * up if activation is None else activation(gate, up)
+        hidden = reference(gate, up)
         out = hidden @ w2[e].t() + (0 if biases is None else biases[2][e])
         if lora is not None and lora.a2 is not None:
             out = out + lora.scale * ((hidden @ lora.a2[e].t()) @ lora.b2[e].t())
@@ -663,13 +671,13 @@ def moe_experts(
     w3: torch.Tensor,
     w2: torch.Tensor,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    activation: str = "swiglu",
     lora: ExpertLoRA | None = None,
 ) -> torch.Tensor:
     """moe_experts_reference's y [T, D] in x's dtype, by the steps above, with no host sync;
     gradients for x, weights, w1, w3 and w2 (and the biases and adapters), each in its own
     dtype. Biases are added to the sorted rows in place (no selective checkpoint keeps a
-    grouped product: offload.MATMUL_OPS), and another activation runs in PyTorch; the
+    grouped product: offload.MATMUL_OPS), and the activation is its fused kernel; the
     adapters' products are grouped products of the same rows."""
     if experts.dim() != 2 or w1.dim() != 3:
         raise ValueError(
@@ -707,6 +715,8 @@ def moe_experts(
         problems.append(f"weights {weights.dtype}, expected x's {x.dtype} or float32")
     if experts.dtype.is_floating_point or experts.dtype == torch.bool:
         problems.append(f"experts {experts.dtype}, expected integers")
+    if activation not in ACTIVATIONS:
+        problems.append(f"activation {activation!r}, expected one of {', '.join(ACTIVATIONS)}")
     if problems:
         raise ValueError("moe_experts: " + "; ".join(problems))
     position, offsets = sort_by_expert(experts, n_experts)
@@ -714,9 +724,10 @@ def moe_experts(
     if biases is not None:
         gate = add_expert_bias_(gate, biases[0], offsets)
         up = add_expert_bias_(up, biases[1], offsets)
-    # swiglu's backward may write the gradients over gate and up, read by nothing else, as
-    # the dense MLP's does (model.triton_ops).
-    hidden = swiglu(gate, up, overwrite=True) if activation is None else activation(gate, up)
+    # The activation's backward may write the gradients over gate and up, read by nothing
+    # else, as the dense MLP's does (model.triton_ops).
+    fused, _ = ACTIVATIONS[activation]
+    hidden = fused(gate, up, overwrite=True)
     out = grouped_mm(hidden, w2, offsets)
     if lora is not None and lora.a2 is not None:
         low = grouped_mm(hidden, lora.a2, offsets)

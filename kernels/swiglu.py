@@ -1,9 +1,13 @@
-"""The gated feed-forward activations: SwiGLU, silu(gate) * up, and Gemma's GeGLU, gelu(gate) * up
-with tanh GELU. One kernel computes both: each gate is g * sigmoid(x(g)), and a constexpr picks x.
+"""The gated feed-forward activations: SwiGLU, silu(gate) * up; Gemma's GeGLU, gelu(gate) * up
+with tanh GELU; and gpt-oss's experts' clamped SwiGLU, (clamp(up) + 1) * g * sigmoid(1.702 g)
+with g the gate clamped from above. One kernel computes all three as a(gate) * b(up), a the
+gate g * sigmoid(x(g)) and b the up, or gpt-oss's clamped up + 1; a constexpr picks x and the
+clamps.
 
-Read in order: the plain-PyTorch references, the launch configuration, the gate's sigmoid, the
-forward and backward Triton kernels, the autograd Function, and `swiglu` and `geglu`, which take
-the references' arguments (and `overwrite`, for the MLP's own memory).
+Read in order: the plain-PyTorch references, the launch configuration, the gate's and the up's
+factors, the forward and backward Triton kernels, the autograd Function, and `swiglu`, `geglu`
+and `clamped_swiglu`, which take the references' arguments (and `overwrite`, for the MLP's or
+the experts' own memory).
 """
 
 import torch
@@ -11,6 +15,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
+
+# gpt-oss's (transformers' GptOssExperts, its config's swiglu_alpha and swiglu_limit).
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -20,6 +27,14 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def geglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """Gemma's activation: transformers' gelu_pytorch_tanh of gate, times up."""
     return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's experts' activation as transformers' GptOssExperts computes it: the gate
+    clamped from above, the up on both sides, a sigmoid of gain alpha, and up + 1."""
+    gate = gate.clamp(max=SWIGLU_LIMIT)
+    up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return (up + 1) * gate * torch.sigmoid(gate * SWIGLU_ALPHA)
 
 
 def _launch_config(numel: int) -> tuple[int, int]:
@@ -32,50 +47,76 @@ def _launch_config(numel: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _gate_sigmoid(g, GELU: tl.constexpr):
-    """(s, dx/dg) for the gate g * s, s = sigmoid(x):
-    silu: x = g;
-    tanh GELU: 0.5 * g * (1 + tanh(z)) with z = sqrt(2/pi) * (g + 0.044715 g^3), and
-        0.5 * (1 + tanh(z)) = sigmoid(2z): x = 2z (no cancellation in 1 + tanh for g < 0).
+def _gate(
+    g, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr = SWIGLU_ALPHA,
+    LIMIT: tl.constexpr = SWIGLU_LIMIT,
+):  # fmt: skip
+    """(a, da/dg) for the gate a = g * s, s = sigmoid(x(g)), where
+    d/dg [g * s] = s + g * s * (1 - s) * dx/dg, and x by the activation:
+    swiglu: x = g;
+    geglu: tanh GELU, 0.5 * g * (1 + tanh(z)) with z = sqrt(2/pi) * (g + 0.044715 g^3), and
+        0.5 * (1 + tanh(z)) = sigmoid(2z): x = 2z (no cancellation in 1 + tanh for g < 0);
+    clamped_swiglu: g clamped from above at LIMIT, then x = ALPHA * g; da/dg = 0 where g was
+        clamped, not at LIMIT itself (torch.clamp's gradient passes at its bounds).
     """
-    if GELU:
+    if ACTIVATION == "clamped_swiglu":
+        kept = g <= LIMIT
+        g = tl.where(g > LIMIT, LIMIT, g)  # a NaN stays NaN, as torch.clamp's
+        x, dx = ALPHA * g, ALPHA
+    elif ACTIVATION == "geglu":
         x = 1.5957691216057308 * (g + 0.044715 * g * g * g)  # 2 * sqrt(2/pi) = 1.5957...
         dx = 1.5957691216057308 * (1.0 + 3.0 * 0.044715 * g * g)
     else:
-        x = g
-        dx = 1.0
-    return tl.sigmoid(x), dx
+        x, dx = g, 1.0
+    s = tl.sigmoid(x)
+    da = s * (1.0 + g * (1.0 - s) * dx)
+    if ACTIVATION == "clamped_swiglu":
+        da = tl.where(kept, da, 0.0)
+    return g * s, da
 
 
 @triton.jit
-def _glu_forward_kernel(gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr, GELU: tl.constexpr):
-    """out = g * sigmoid(x(g)) * u, in fp32, stored in out's dtype."""
+def _up(u, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr = SWIGLU_LIMIT):
+    """(b, db/du) for the up: u itself, or clamped_swiglu's u clamped to [-LIMIT, LIMIT] plus 1,
+    db/du = 0 where u was clamped (1 at the bounds themselves, as torch.clamp's)."""
+    if ACTIVATION == "clamped_swiglu":
+        db = tl.where((u >= -LIMIT) & (u <= LIMIT), 1.0, 0.0)
+        b = tl.where(u > LIMIT, LIMIT, tl.where(u < -LIMIT, -LIMIT, u)) + 1.0
+    else:
+        b, db = u, 1.0
+    return b, db
+
+
+@triton.jit
+def _glu_forward_kernel(
+    gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr, ACTIVATION: tl.constexpr
+):
+    """out = a(g) * b(u), in fp32, stored in out's dtype."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    s, _ = _gate_sigmoid(g, GELU)
-    out = g * s * u
-    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    a, _ = _gate(g, ACTIVATION)
+    b, _ = _up(u, ACTIVATION)
+    tl.store(out_ptr + offsets, (a * b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _glu_backward_kernel(
-    gate_ptr, up_ptr, dout_ptr, dgate_ptr, dup_ptr, numel, BLOCK: tl.constexpr, GELU: tl.constexpr
-):
-    """With s = sigmoid(x(g)) recomputed rather than saved (one fewer tensor to store and read):
-        du = dout * g * s,   dg = dout * u * s * (1 + g * (1 - s) * dx/dg),
-    the second from d/dg [g * s] = s + g * s * (1 - s) * dx/dg.
-    """
+    gate_ptr, up_ptr, dout_ptr, dgate_ptr, dup_ptr, numel, BLOCK: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+):  # fmt: skip
+    """du = dout * a * db/du and dg = dout * b * da/dg, with a(g) and b(u) recomputed rather
+    than saved (one fewer tensor to store and read)."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     dout = tl.load(dout_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    s, dx = _gate_sigmoid(g, GELU)
-    tl.store(dup_ptr + offsets, (dout * g * s).to(dup_ptr.dtype.element_ty), mask=mask)
-    dg = dout * u * s * (1.0 + g * (1.0 - s) * dx)
-    tl.store(dgate_ptr + offsets, dg.to(dgate_ptr.dtype.element_ty), mask=mask)
+    a, da = _gate(g, ACTIVATION)
+    b, db = _up(u, ACTIVATION)
+    tl.store(dup_ptr + offsets, (dout * a * db).to(dup_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgate_ptr + offsets, (dout * b * da).to(dgate_ptr.dtype.element_ty), mask=mask)
 
 
 def _grid(numel: int, block: int) -> tuple[int]:
@@ -84,7 +125,7 @@ def _grid(numel: int, block: int) -> tuple[int]:
 
 class _GLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, overwrite: bool, gelu: bool):
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, overwrite: bool, activation: str):
         # Leaves and aliased inputs are never overwritten (each element is read before it is
         # written, in the same program, so only distinct storages are safe).
         ctx.overwrite = (
@@ -99,9 +140,9 @@ class _GLU(torch.autograd.Function):
         out = torch.empty_like(gate)
         block, num_warps = _launch_config(gate.numel())
         _glu_forward_kernel[_grid(gate.numel(), block)](
-            gate, up, out, gate.numel(), BLOCK=block, GELU=gelu, num_warps=num_warps
+            gate, up, out, gate.numel(), BLOCK=block, ACTIVATION=activation, num_warps=num_warps
         )
-        ctx.gelu = gelu
+        ctx.activation = activation
         ctx.save_for_backward(gate, up)
         return out
 
@@ -118,19 +159,19 @@ class _GLU(torch.autograd.Function):
             dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         block, num_warps = _launch_config(gate.numel())
         _glu_backward_kernel[_grid(gate.numel(), block)](
-            gate, up, dout.contiguous(), dgate, dup, gate.numel(), BLOCK=block, GELU=ctx.gelu,
-            num_warps=num_warps,
+            gate, up, dout.contiguous(), dgate, dup, gate.numel(), BLOCK=block,
+            ACTIVATION=ctx.activation, num_warps=num_warps,
         )  # fmt: skip
         return dgate, dup, None, None
 
 
-def _glu(gate: torch.Tensor, up: torch.Tensor, overwrite: bool, gelu: bool) -> torch.Tensor:
+def _glu(gate: torch.Tensor, up: torch.Tensor, overwrite: bool, activation: str) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(
             f"gate and up must match in shape and dtype, got {tuple(gate.shape)} {gate.dtype} "
             f"and {tuple(up.shape)} {up.dtype}"
         )
-    return _GLU.apply(gate, up, overwrite, gelu)
+    return _GLU.apply(gate, up, overwrite, activation)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
@@ -139,9 +180,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, overwrite: bool = False) -> tor
     and up are its own intermediates that nothing else reads (the MLP's linears' outputs):
     its backward then holds three [tokens, ffn_dim] tensors at its peak, not five. Leaves
     and aliased inputs are left alone."""
-    return _glu(gate, up, overwrite, gelu=False)
+    return _glu(gate, up, overwrite, "swiglu")
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
     """geglu_reference's tanh-GELU(gate) * up, as `swiglu` in all else."""
-    return _glu(gate, up, overwrite, gelu=True)
+    return _glu(gate, up, overwrite, "geglu")
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+    """clamped_swiglu_reference's gpt-oss activation, as `swiglu` in all else: it keeps gate and
+    up for backward, where the reference's clamps, sigmoid and products keep six tensors."""
+    return _glu(gate, up, overwrite, "clamped_swiglu")

@@ -23,6 +23,8 @@ from kernels import (
     IGNORE_INDEX,
     apply_rope,
     apply_rope_reference,
+    clamped_swiglu,
+    clamped_swiglu_reference,
     dequantize_nf4,
     dequantize_nf4_reference,
     geglu,
@@ -38,6 +40,7 @@ from kernels import (
 )
 from kernels.fp8 import scaled_mm
 from kernels.nf4 import DYNAMIC_CODE, NF4_CODE
+from kernels.swiglu import SWIGLU_LIMIT
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 CE_GRAD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -241,6 +244,37 @@ def test_gated_activation_matches_reference_forward_and_grads(kernel, reference,
         assert_close(got, ref, TOLERANCE[dtype], name)
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 48), (7, 100), (3, 11, 72)])
+def test_clamped_swiglu_matches_reference_forward_and_grads(shape, dtype, overwrite):
+    """gpt-oss's clamped SwiGLU (the same kernel) against clamped_swiglu_reference, on gates
+    and ups up to 12 in size, past both clamps, and some exactly at them: the gradients are zero
+    where, and only where, the reference's are (torch.clamp's pass at the bound itself). Gate
+    and up are intermediates, so that overwrite=True writes the gradients over them."""
+    torch.manual_seed(0)
+    gate, up = (torch.empty(shape).uniform_(-12, 12).to(dtype) for _ in range(2))
+    gate.view(-1)[:2] = torch.tensor([SWIGLU_LIMIT, -SWIGLU_LIMIT])
+    up.view(-1)[:2] = torch.tensor([-SWIGLU_LIMIT, SWIGLU_LIMIT])
+    intermediates = []
+
+    def kernel(g, u):
+        intermediates.extend((g * 1, u * 1))
+        return clamped_swiglu(*intermediates, overwrite=overwrite)
+
+    pairs = against_reference(
+        kernel, clamped_swiglu_reference, [gate, up], [torch.randn(shape, dtype=dtype)],
+        ["out", "dgate", "dup"], torch.float64,
+    )  # fmt: skip
+    for name, got, ref in pairs:
+        assert got.dtype == dtype
+        assert_close(got, ref, TOLERANCE[dtype], name)
+        assert torch.equal(got == 0, ref == 0), name
+    (_, dgate, _), (_, dup, _) = pairs[1:]
+    assert dgate.view(-1)[0] != 0 and (dup.view(-1)[:2] != 0).all()  # at the bounds
+    assert torch.equal(intermediates[0].detach(), gate) != overwrite
+
+
 # ----------------------------------------------------------------------------------------
 # Linear + cross-entropy
 # ----------------------------------------------------------------------------------------
@@ -408,8 +442,12 @@ def test_rope_bf16_matches_fp32_reference_at_llama3_8b_shape_and_long_positions(
 @pytest.mark.parametrize("ffn_dim", [8192, 14336])
 @pytest.mark.parametrize(
     "kernel, reference",
-    [(swiglu, swiglu_reference), (geglu, geglu_reference)],
-    ids=["swiglu", "geglu"],
+    [
+        (swiglu, swiglu_reference),
+        (geglu, geglu_reference),
+        (clamped_swiglu, clamped_swiglu_reference),
+    ],
+    ids=["swiglu", "geglu", "clamped_swiglu"],
 )
 def test_gated_activation_bf16_matches_fp32_reference_at_llama_shapes(kernel, reference, ffn_dim):
     gate, up, dout = gpu_inputs(*[(8192, ffn_dim)] * 3)

@@ -42,6 +42,7 @@ from kernels.moe import (
     sort_by_expert,
     sort_by_expert_reference,
 )
+from kernels.swiglu import SWIGLU_LIMIT
 
 PATH_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-2}
 
@@ -237,6 +238,32 @@ def test_moe_experts_matches_reference(n_experts, k, empty, every_token, dtype):
         assert_close(out, ref, PATH_TOLERANCE[dtype], name)
 
 
+def test_gpt_oss_experts_match_reference():
+    """gpt-oss's experts: biases on the three products and the clamped SwiGLU (the fused
+    kernel against its reference), with gate and up products of scale 5, so that both clamps
+    cut; y and every gradient, the biases' too. In fp32: in bf16 a product within a rounding of
+    a bound lands on either side of it, a gradient of 0 against one of order 1 (at this scale
+    the bf16 reference's dw1 is 8e-2 off the float64 one)."""
+    torch.manual_seed(0)
+    x, w1, w3, w2 = layer_inputs(37, 48, 40, 5, torch.float32)
+    w1, w3 = w1 * 5, w3 * 5
+    gates, ups = (torch.einsum("td,efd->tef", x, w) for w in (w1, w3))
+    assert (gates > SWIGLU_LIMIT).any() and (ups.abs() > SWIGLU_LIMIT).any()
+    biases = [torch.randn(5, n) for n in (40, 40, 48)]
+    experts = routing(37, 5, 2, empty=[1])
+    weights, dy = router_weights(37, 2, torch.float32), torch.randn(37, 48)
+    pairs = against_reference(
+        lambda x, w, w1, w3, w2, *b: moe_experts(x, experts, w, w1, w3, w2, b, "clamped_swiglu"),
+        lambda x, w, w1, w3, w2, *b: moe_experts_reference(
+            x, experts, w, w1, w3, w2, b, "clamped_swiglu"
+        ),
+        [x, weights, w1, w3, w2, *biases], [dy],
+        ["y", "dx", "dweights", "dw1", "dw3", "dw2", "db1", "db3", "db2"], torch.float64,
+    )  # fmt: skip
+    for name, out, ref in pairs:
+        assert_close(out, ref, PATH_TOLERANCE[torch.float32], name)
+
+
 def test_moe_experts_takes_fp32_router_weights_with_bf16_activations():
     """The router's softmax is in fp32; its weights need no cast, and their gradient comes
     back in fp32."""
@@ -263,6 +290,8 @@ def test_moe_experts_and_grouped_mm_name_every_mismatch_at_once():
         moe_experts(x, experts, weights, w1, w3.bfloat16(), w2.transpose(1, 2))
     with pytest.raises(ValueError, match="experts torch.float32, expected integers"):
         moe_experts(x, experts.float(), weights, w1, w3, w2)
+    with pytest.raises(ValueError, match="activation 'gelu', expected one of swiglu, clamped_"):
+        moe_experts(x, experts, weights, w1, w3, w2, activation="gelu")
     with pytest.raises(ValueError, match=r"offsets \(6,\) torch.int64, expected int32"):
         grouped_mm(x, w1, torch.zeros(6, dtype=torch.int64))
     # The adapters' shapes too: B's rank is A's; a B without its A is refused.
