@@ -333,12 +333,6 @@ QLORA16 = LoRAConfig(rank=16, alpha=16.0, quantize_base="nf4")
 EXPERTS16 = dataclasses.replace(
     QLORA16, targets=("wq", "wk", "wv", "wo", "experts_w13", "experts_w2")
 )
-# gpt-oss-20b's peaks were measured with its experts' clamped SwiGLU in PyTorch, which kept four
-# more of the experts' [rows, k * expert_ffn_dim] tiles than kernels.clamped_swiglu, which runs
-# now and which the estimate counts (8-11% under those peaks): to be measured again.
-BEFORE_THE_FUSED_ACTIVATION = pytest.mark.xfail(
-    strict=True, reason="measured with gpt-oss's activation in PyTorch"
-)
 LORA_RECORDED = [
     ("qwen3-30b-a3b", 16384, dict(ac="selective", micro_batch=2, grad_accum=2, lora=QLORA16),
      82.08),
@@ -352,12 +346,11 @@ LORA_RECORDED = [
                                    lora=QLORA16, document_mask=False), 109.8),
     ("qwen3-30b-a3b", 524288, dict(ac="full", activation_offload=True, lora=QLORA16,
                                    document_mask=False), 106.64),
-    pytest.param(("gpt-oss-20b", 16384, dict(ac="full", mlp_tile=8192, micro_batch=16,
-                                              lora=RANK16), 116.66),
-                 marks=BEFORE_THE_FUSED_ACTIVATION),
-    pytest.param(("gpt-oss-20b", 65536, dict(ac="full", mlp_tile=16384, activation_offload=True,
-                                              micro_batch=8, lora=RANK16), 102.36),
-                 marks=BEFORE_THE_FUSED_ACTIVATION),
+    # With the experts' clamped SwiGLU fused (kernels.clamped_swiglu; in PyTorch, the peaks were
+    # 116.66 and 102.36 GiB: bench/RESULTS.md).
+    ("gpt-oss-20b", 16384, dict(ac="full", mlp_tile=8192, micro_batch=16, lora=RANK16), 105.41),
+    ("gpt-oss-20b", 65536, dict(ac="full", mlp_tile=16384, activation_offload=True,
+                                micro_batch=8, lora=RANK16), 91.11),
 ]  # fmt: skip
 
 
