@@ -136,15 +136,23 @@ class TokenDataset:
         prepared, so that a move or a second prepare of the same inputs keeps it."""
         return sha256_of(json.dumps({k: self.meta[k] for k in META_FIELDS}).encode())
 
+    def num_samples(self, seq_len: int) -> int:
+        """The samples of `seq_len` tokens the stream holds: each reads one token more, its last
+        label, with which the next sample starts (PackedLoader)."""
+        return (self.n_tokens - 1) // seq_len
+
+    def too_short(self, seq_len: int) -> str | None:
+        """Why the stream holds no sample of `seq_len` ("has N tokens, ..."), or None."""
+        if self.num_samples(seq_len) >= 1:
+            return None
+        return (
+            f"has {self.n_tokens:,} tokens, one sample of seq_len {seq_len} needs {seq_len + 1:,}"
+        )
+
     def check(self, vocab_size: int, seq_len: int, use: str = "train") -> None:
         """One error naming each reason this dataset cannot `use` ("train", "evaluate") with
         rows of `seq_len` (options.model_args holds it within the model's length)."""
-        problems = []
-        if self.n_tokens < seq_len + 1:
-            problems.append(
-                f"the dataset has {self.n_tokens:,} tokens, one sample of seq_len {seq_len} "
-                f"needs {seq_len + 1:,}"
-            )
+        problems = [f"the dataset {short}"] if (short := self.too_short(seq_len)) else []
         if self.n_tokens and (max_token_id := self.max_token_id()) >= vocab_size:
             problems.append(
                 f"token id {max_token_id:,} in tokens.bin is >= the model's vocab_size "
@@ -201,12 +209,9 @@ class PackedLoader:
         context_rank: int = 0,
         context_parallel: int = 1,
     ):
-        self.num_samples = (dataset.n_tokens - 1) // seq_len
-        if self.num_samples < 1:
-            raise ValueError(
-                f"dataset {dataset.path} has {dataset.n_tokens:,} tokens, "
-                f"one sample of seq_len {seq_len} needs {seq_len + 1:,}"
-            )
+        if short := dataset.too_short(seq_len):
+            raise ValueError(f"dataset {dataset.path} {short}")
+        self.num_samples = dataset.num_samples(seq_len)
         self.dataset = dataset
         self.seq_len = seq_len
         self.micro_batch = micro_batch
@@ -315,7 +320,7 @@ def attended_per_token(
     """The mean (query, key) pairs a token attends with documents masked apart (position + 1/2,
     at most `sliding_window`, as model.attended_pairs) over `samples` windows: for the
     planner's packed step time."""
-    n = max((dataset.n_tokens - 1) // seq_len, 1)  # one window, short, in too small a dataset
+    n = max(dataset.num_samples(seq_len), 1)  # one window, short, in too small a dataset
     means = []
     for i in np.linspace(0, n - 1, min(samples, n)).astype(np.int64):
         start = int(i) * seq_len
