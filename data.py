@@ -242,8 +242,7 @@ class PackedLoader:
         return self
 
     def __next__(self) -> Batch:
-        first = self.cursor + self.rank * self.micro_batch
-        indices = [self._sample_index(first + k) for k in range(self.micro_batch)]
+        indices = self._micro_batch(0)
         self.cursor += self.world_size * self.micro_batch
         self.epoch += self.cursor // self.num_samples
         self.cursor %= self.num_samples
@@ -255,11 +254,9 @@ class PackedLoader:
         its first backward, then makes its micro-batches one at a time."""
         count = 0
         for m in range(micro_batches):
-            first = self.cursor + (m * self.world_size + self.rank) * self.micro_batch
-            for k in range(self.micro_batch):
-                start = self._sample_index(first + k) * self.seq_len
-                mask = self.dataset.loss_mask[start + 1 : start + self.seq_len + 1]
-                count += int(np.count_nonzero(_labelled(mask[self.columns])))
+            for i in self._micro_batch(m):
+                _, mask = self._window(i)
+                count += int(np.count_nonzero(_labelled(mask)[self.columns]))
         return count
 
     def in_order(self, max_samples: int | None = None) -> Iterator[Batch]:
@@ -281,6 +278,12 @@ class PackedLoader:
             tensors = [t.pin_memory() for t in tensors]
         return Batch(*tensors, starts)
 
+    def _micro_batch(self, ahead: int) -> list[int]:
+        """The samples of this rank's micro-batch `ahead` calls of __next__ from now (0: the
+        next), the cursor left where it is."""
+        first = self.cursor + (ahead * self.world_size + self.rank) * self.micro_batch
+        return [self._sample_index(first + k) for k in range(self.micro_batch)]
+
     def _sample_index(self, offset: int) -> int:
         # `offset` counts from the current epoch's start; a step may run into the next epoch.
         epoch = self.epoch + offset // self.num_samples
@@ -290,18 +293,22 @@ class PackedLoader:
             self._orders[epoch] = rng.permutation(self.num_samples)
         return int(self._orders[epoch][offset % self.num_samples])
 
+    def _window(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample i's S + 1 tokens and loss mask values, memory-mapped (read where used)."""
+        span = slice(i * self.seq_len, (i + 1) * self.seq_len + 1)
+        return self.dataset.tokens[span], self.dataset.loss_mask[span]
+
     def _sample(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        start = i * self.seq_len
-        window = self.dataset.tokens[start : start + self.seq_len + 1].astype(np.int64)
-        mask = self.dataset.loss_mask[start : start + self.seq_len + 1]
+        window, mask = self._window(i)
+        window = window.astype(np.int64)
         tokens = window[:-1]
-        labels = np.where(_labelled(mask[1:]), window[1:], IGNORE_INDEX)
+        labels = np.where(_labelled(mask), window[1:], IGNORE_INDEX)
         return tokens, labels, window_positions(tokens, mask[:-1], self.dataset.bos_id)
 
 
 def _labelled(mask: np.ndarray) -> np.ndarray:
-    """Where a loss_mask.bin slice makes its tokens labels."""
-    return (mask & LABEL) != 0
+    """Where a sample's loss mask window (S + 1 values) makes its next tokens labels: [S]."""
+    return (mask[1:] & LABEL) != 0
 
 
 def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -> np.ndarray:
