@@ -197,6 +197,9 @@ class PackedLoader:
     `context_parallel` (N) ranks gets columns [context_rank * S/N, (context_rank + 1) * S/N) of
     the same rows, positions counted on the whole row."""
 
+    # What state_dict holds, all counts (shard.TRAIN_STATE_FIELDS checks a checkpoint's).
+    STATE_KEYS = ("epoch", "cursor", "seed", "num_samples")
+
     def __init__(
         self,
         dataset: TokenDataset,
@@ -226,7 +229,7 @@ class PackedLoader:
         self._orders: dict[int, np.ndarray] = {}
 
     def state_dict(self) -> dict[str, int]:
-        return {key: getattr(self, key) for key in ("epoch", "cursor", "seed", "num_samples")}
+        return {key: getattr(self, key) for key in self.STATE_KEYS}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_samples"] != self.num_samples:

@@ -40,6 +40,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from data import PackedLoader
 from files import (
     NO_SPACE,
     UsageError,
@@ -505,7 +506,7 @@ CPU_RNG_BYTES = len(torch.get_rng_state())
 TRAIN_STATE_FIELDS = {
     "step": ("a count", _count),
     "tokens": ("a count, or none", lambda v: v is None or _count(v)),
-    **{f"loader.{k}": ("a count", _count) for k in ("epoch", "cursor", "seed", "num_samples")},
+    **{f"loader.{k}": ("a count", _count) for k in PackedLoader.STATE_KEYS},
     "rng.cpu": (f"a list of {CPU_RNG_BYTES} bytes", _list_of(_byte, CPU_RNG_BYTES)),
     "rng.cuda": ("a list of bytes, or none", lambda v: v is None or _list_of(_byte)(v)),
     "run.model": ("an object", _is(dict)),
