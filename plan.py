@@ -174,7 +174,8 @@ class Plan:
         return " ".join(flags_of({name: getattr(self, name) for name in PLANNED}))
 
     def to_json(self) -> dict:
-        """plan.json: the plan, what it was made for, and its estimate."""
+        """plan.json: the plan, what it was made for, and its estimate (PLAN_KEYS among
+        its keys)."""
         fields = dataclasses.asdict(self)
         gpu, host = memory_needed(self.estimate, self.machine)
         return {
@@ -247,6 +248,10 @@ class Plan:
         )
 
 
+# The keys of a run's plan.json (to_json) by which a directory holding it is a run's
+# (shard.check_run_dir). A .lock, metrics.jsonl or plan.json alone is not: the run would write
+# over someone's.
+PLAN_KEYS = {"flags", "plan", "machine", "estimate"}
 MADE_FOR = ("machine", "estimate", "planned", "tokens_per_step_asked", "seconds_per_step")
 # Plan.param_dtype's names (--param-dtype's choices) and the dtypes they stand for.
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -63,7 +63,7 @@ from hf import (
 from lora import LoRAConfig, copy_whole_tensor, merged_named_tensors
 from model import Llama, ModelArgs, RopeScaling
 from moe import Routed
-from plan import GiB, Machine, host_memory_gib, shard_group_size, strategy_of
+from plan import PLAN_KEYS, GiB, Machine, host_memory_gib, shard_group_size, strategy_of
 
 # ----------------------------------------------------------------------------------------
 # Processes and devices: the process group and the memory a plan may fill
@@ -400,9 +400,6 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
 # exports (--export-hf, --export-adapter)
 # ----------------------------------------------------------------------------------------
 
-# The keys of a run's plan.json (Plan.to_json): a directory holding it, or a checkpoint, is a
-# run's. A .lock, metrics.jsonl or plan.json alone is not: the run would write over someone's.
-PLAN_KEYS = {"flags", "plan", "machine", "estimate"}
 # The files a run writes at the top of its directory (plan.json and config.toml through
 # files.write_whole's temporaries), each opened with files.no_follow.
 RUN_FILES = (".lock", "plan.json", ".tmp-plan.json", "config.toml", ".tmp-config.toml",

@@ -41,7 +41,7 @@ import train
 from config_json import args_from_hf_config
 from hf import save_hf_checkpoint
 from model import PRESETS, Llama, ModelArgs
-from plan import Plan
+from plan import PLAN_KEYS, Plan
 
 REPO = Path(__file__).resolve().parent.parent
 # Tests that pin CPU numbers (fp32, reference ops, no MFU) or start 2 processes on one device;
@@ -227,7 +227,7 @@ def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_file
     for name in ("metrics.jsonl", "metrics.png", "train.log"):
         (tmp_path / "run" / name).parent.mkdir(exist_ok=True)
         (tmp_path / "run" / name).write_text("")
-    (tmp_path / "run" / "plan.json").write_text(json.dumps(dict.fromkeys(shard.PLAN_KEYS)))
+    (tmp_path / "run" / "plan.json").write_text(json.dumps(dict.fromkeys(PLAN_KEYS)))
     shard.check_run_dir(tmp_path / "run")
     (tmp_path / "new" / "hf").mkdir(parents=True)
     shard.check_run_dir(tmp_path / "new")
