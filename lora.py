@@ -150,9 +150,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized:
-            # With FSDP's CPU offload the buffers stay on the host; they are a few KB.
-            absmax2 = self.absmax2.to(x.device, non_blocking=True)
-            offset = self.offset.to(x.device, non_blocking=True)
+            absmax2, offset = _scales_on(x.device, self.absmax2, self.offset)
             base = nf4_linear(
                 x, self.weight_nf4, absmax2, offset, self.in_features, self.dequantize
             )
@@ -184,6 +182,14 @@ class LoRALinear(nn.Module):
             stored, self.absmax2.to(stored.device), self.offset.to(stored.device),
             self.in_features, torch.float32,
         )  # fmt: skip
+
+
+def _scales_on(
+    device: torch.device, absmax2: torch.Tensor, offset: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An NF4 weight's second-level scales on `device`, where it is dequantized: with FSDP's
+    CPU offload the buffers stay on the host; they are a few KB."""
+    return absmax2.to(device, non_blocking=True), offset.to(device, non_blocking=True)
 
 
 def load_nf4(
@@ -290,9 +296,9 @@ class NF4MoE(MoE):
         storage (default: the module's)."""
         stored = getattr(self, name + NF4_SUFFIX) if stored is None else stored
         n_experts, out, k = self.shapes[name]
-        # With FSDP's CPU offload the buffers stay on the host; they are a few KB.
-        absmax2 = getattr(self, f"{name}_absmax2").to(stored.device, non_blocking=True)
-        offset = getattr(self, f"{name}_offset").to(stored.device, non_blocking=True)
+        absmax2, offset = _scales_on(
+            stored.device, getattr(self, f"{name}_absmax2"), getattr(self, f"{name}_offset")
+        )
         rows = stored.reshape(n_experts * out, -1)
         flat = (dequantize or self.dequantize)(rows, absmax2, offset, k, dtype)
         return flat.view(n_experts, out, k)
