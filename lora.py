@@ -414,16 +414,33 @@ def copy_whole_tensor(param: torch.Tensor, tensor_slice) -> None:
     param.copy_(tensor_slice[:])
 
 
-def copy_into(model: nn.Module, name: str, tensor_slice, copy: Callable) -> None:
-    """`copy(param, tensor_slice)` for `name`; a 4-bit base is quantized on the way in."""
+def _frozen_base(model: nn.Module, name: str) -> tuple[torch.Size, Callable] | None:
+    """Of a frozen base weight its module loads itself (a LoRALinear's weight, an NF4MoE's
+    experts: in NF4 no parameter has the name), its shape and `load(tensor_slice, copy)`; None
+    for any other parameter."""
     owner_path, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_path)
     if isinstance(owner, LoRALinear) and leaf == "weight":
-        owner.load_weight(tensor_slice, copy)
-    elif isinstance(owner, NF4MoE) and leaf in EXPERT_WEIGHTS:
-        owner.load_expert(leaf, tensor_slice, copy)
-    else:
+        return torch.Size((owner.out_features, owner.in_features)), owner.load_weight
+    if isinstance(owner, NF4MoE) and leaf in EXPERT_WEIGHTS:
+        return owner.shapes[leaf], functools.partial(owner.load_expert, leaf)
+    return None
+
+
+def full_shape(model: nn.Module, name: str) -> torch.Size:
+    """Parameter `name`'s shape as a checkpoint holds it: a 4-bit weight's unpacked."""
+    base = _frozen_base(model, name)
+    return model.get_parameter(name).shape if base is None else base[0]
+
+
+def copy_into(model: nn.Module, name: str, tensor_slice, copy: Callable) -> None:
+    """`copy(param, tensor_slice)` for `name`; a 4-bit base is quantized on the way in."""
+    base = _frozen_base(model, name)
+    if base is None:
         copy(model.get_parameter(name), tensor_slice)
+    else:
+        _, load = base
+        load(tensor_slice, copy)
 
 
 def merged_named_tensors(
