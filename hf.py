@@ -27,8 +27,8 @@ from config_json import args_from_hf_config, hf_config
 from files import OutputDir, UsageError, give_ordinary_mode, read_json
 from lora import (
     EXPERT_LORA_TARGETS,
-    HF_LAYER_NAMES,
     HF_LORA_TARGETS,
+    LORA_MODULES,
     LORA_TARGETS,
     LoRAConfig,
     apply_lora,
@@ -86,7 +86,11 @@ def hf_names(
     }
     if not args.tie_embeddings:
         names["output.weight"] = lm_head_name(prefix)
-    layer = dict(HF_LAYER_NAMES)
+    layer = {f"{ours}.weight": f"{theirs}.weight" for ours, theirs in LORA_MODULES.items()}
+    layer |= {
+        "attention_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+    }
     if args.qkv_bias:
         layer |= {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
     if args.qk_norm:

@@ -31,22 +31,19 @@ from kernels.nf4 import check_quantizable, row_bytes, scale_count
 from moe import EXPERT_ADAPTERS, EXPERT_WEIGHTS, MoE
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-HF_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+# Their paths in a block, ours -> Hugging Face's (hf.hf_names: the layer's tensors).
+LORA_MODULES = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
 }
 # The same projections by their HF / PEFT module names (adapter_config.json's target_modules).
 HF_LORA_TARGETS = {
-    ours.split(".")[1]: theirs.split(".")[1]
-    for ours, theirs in HF_LAYER_NAMES.items()
-    if not ours.endswith("norm.weight")
+    ours.rpartition(".")[2]: theirs.rpartition(".")[2] for ours, theirs in LORA_MODULES.items()
 }
 # The experts' targets -> PEFT's target_parameters on transformers 5's fused [E, out, in]
 # tensors (gpt-oss's [E, in, out]): one adapter on gate_up_proj (w1 and w3: one A, and a B whose
@@ -320,12 +317,12 @@ def lora_module_paths(
     such a model as the experts' (transformers 4 held them as per-expert linear layers of those
     names), so a dense layer's adapter would not load there. The experts' own adapters
     (EXPERT_LORA_TARGETS) are no linear layer's: expert_lora_shapes."""
-    where = {ours.split(".")[1]: ours.split(".")[0] for ours in HF_LAYER_NAMES}
+    path = {ours.rpartition(".")[2]: ours for ours in LORA_MODULES}
     return [
-        f"layers.{i}.{where[t]}.{t}"
+        f"layers.{i}.{path[t]}"
         for i in range(n_layers)
         for t in targets
-        if t in LORA_TARGETS and not (moe_layers and where[t] == "feed_forward")
+        if t in LORA_TARGETS and not (moe_layers and path[t].startswith("feed_forward."))
     ]
 
 
