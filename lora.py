@@ -52,6 +52,10 @@ EXPERT_LORA_TARGETS = {
     "experts_w13": "mlp.experts.gate_up_proj",
     "experts_w2": "mlp.experts.down_proj",
 }
+# Every target (LoRAConfig.targets' choices), and each by its HF name (--lora-targets and
+# adapter_config.json name them either way).
+ALL_LORA_TARGETS = (*LORA_TARGETS, *EXPERT_LORA_TARGETS)
+LORA_TARGETS_BY_HF = {hf: ours for ours, hf in (HF_LORA_TARGETS | EXPERT_LORA_TARGETS).items()}
 NF4_SUFFIX = "_nf4"  # `wq.weight_nf4`: the 4-bit storage of `wq.weight`
 
 
@@ -69,10 +73,9 @@ class LoRAConfig:
             problems.append(f"rank must be >= 1, got {self.rank}")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
-        known = (*LORA_TARGETS, *EXPERT_LORA_TARGETS)
-        unknown = [t for t in self.targets if t not in known]
+        unknown = [t for t in self.targets if t not in ALL_LORA_TARGETS]
         if unknown or not self.targets:
-            problems.append(f"targets {list(self.targets)}: expected some of {known}")
+            problems.append(f"targets {list(self.targets)}: expected some of {ALL_LORA_TARGETS}")
         if self.dropout and self.expert_targets:  # PEFT's adapter on a parameter has none
             problems.append(f"dropout must be 0 with the experts' adapters, got {self.dropout}")
         if self.quantize_base not in (None, "nf4"):
@@ -92,19 +95,16 @@ class LoRAConfig:
 def parse_lora_targets(text: str) -> tuple[str, ...]:
     """Comma-separated longtune or HF names (HF_LORA_TARGETS, EXPERT_LORA_TARGETS), "all" among
     them the linear layers (LORA_TARGETS: "all,experts_w2" adds the experts'), in that order."""
-    ours = (*LORA_TARGETS, *EXPERT_LORA_TARGETS)
-    by_hf = {hf: o for o, hf in (HF_LORA_TARGETS | EXPERT_LORA_TARGETS).items()}
     names = [n.strip() for n in text.split(",") if n.strip()]
     names = [t for n in names for t in (LORA_TARGETS if n == "all" else (n,))]
-    unknown = [n for n in names if n not in ours and n not in by_hf]
+    unknown = [n for n in names if n not in ALL_LORA_TARGETS and n not in LORA_TARGETS_BY_HF]
     if unknown or not names:
         raise UsageError(
             f"LoRA targets {text!r}: unknown {unknown}; expected 'all' or names from "
-            f"{list(ours)} or their HF names "
-            f"{[*HF_LORA_TARGETS.values(), *EXPERT_LORA_TARGETS.values()]}"
+            f"{list(ALL_LORA_TARGETS)} or their HF names {list(LORA_TARGETS_BY_HF)}"
         )
-    chosen = {by_hf.get(n, n) for n in names}
-    return tuple(t for t in ours if t in chosen)
+    chosen = {LORA_TARGETS_BY_HF.get(n, n) for n in names}
+    return tuple(t for t in ALL_LORA_TARGETS if t in chosen)
 
 
 class LoRALinear(nn.Module):
