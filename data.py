@@ -23,6 +23,7 @@ import torch.distributed as dist
 from attention import document_starts
 from files import UsageError, plural, read_json
 from kernels import IGNORE_INDEX
+from model import pairs_attended
 from prepare import (
     BOS_INSIDE,
     CONVERSATION_SHAPES,
@@ -324,12 +325,12 @@ def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -
     return index - np.maximum.accumulate(np.where(is_start, index, 0))
 
 
-def attended_per_token(
+def mean_document_pairs(
     dataset: TokenDataset, seq_len: int, sliding_window: float = math.inf, samples: int = 64
 ) -> float:
-    """The mean (query, key) pairs a token attends with documents masked apart (position + 1/2,
-    at most `sliding_window`, as model.attended_pairs) over `samples` windows: for the
-    planner's packed step time."""
+    """The mean (query, key) pairs a token attends on a layer of `sliding_window` with
+    documents masked apart (model.pairs_attended) over `samples` windows of `seq_len`: for the
+    planner's packed step time (options.data_fields averages it over the layers)."""
     n = max(dataset.num_samples(seq_len), 1)  # one window, short, in too small a dataset
     means = []
     for i in np.linspace(0, n - 1, min(samples, n)).astype(np.int64):
@@ -337,7 +338,7 @@ def attended_per_token(
         tokens = dataset.tokens[start : start + seq_len]
         mask = dataset.loss_mask[start : start + seq_len]
         positions = window_positions(tokens, mask, dataset.bos_id)
-        means.append(np.minimum(positions + 0.5, sliding_window).mean())
+        means.append(pairs_attended(positions, sliding_window).mean())
     return float(np.mean(means))
 
 

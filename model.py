@@ -482,9 +482,16 @@ def attended_pairs(
     window. A tensor stays on the device: it is read on log steps only."""
     if document_mask:
         return args.mean_over_layers(
-            lambda window: (positions + 0.5).clamp(max=window).sum(dtype=torch.float64)
+            lambda window: pairs_attended(positions, window).sum(dtype=torch.float64)
         )
     return positions.numel() * args.attended_per_token(seq_len)
+
+
+def pairs_attended(positions, window: float):
+    """The (query, key) pairs a query at each of `positions` (counted from its document's
+    start) attends, as the FLOPs count them: position + 1/2 (the diagonal's half), at most the
+    window. `positions`: a tensor, or a numpy array (data.mean_document_pairs)."""
+    return (positions + 0.5).clip(max=window)
 
 
 def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:

@@ -153,7 +153,7 @@ class Plan:
     # kernel keeps its heads' outputs (the data's longest document says; unknown: yes).
     long_documents: bool = True
     # The pairs a token attends on average with documents masked apart (the data's
-    # data.attended_per_token, averaged over the layers as windows cut them), for the step
+    # data.mean_document_pairs, averaged over the layers as windows cut them), for the step
     # time; None: a causal row's (ModelArgs.attended_per_token).
     attended_per_token: float | None = None
     machine: Machine | None = None

@@ -2148,7 +2148,7 @@ def test_a_checkpoint_with_a_sliding_window_trains_past_it_as_transformers_compu
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path / "hf")
     data_dir, flags = dataset, []
-    if documents:  # 64 rows of 128: the plan's data.attended_per_token reads each
+    if documents:  # 64 rows of 128: the plan's data.mean_document_pairs reads each
         rng = np.random.default_rng(0)
         tokens = []
         while len(tokens) <= 64 * 128:
