@@ -13,8 +13,9 @@ target_parameters format. QLoRA stores the experts, most of such a model's weigh
 (`NF4MoE`).
 
 In order: the projections by name (longtune's and Hugging Face's), `LoRAConfig`, the layer
-(`LoRALinear`), the experts in NF4 (`NF4MoE`), the experts' adapters, `apply_lora`, the
-copy into a parameter that quantizes a 4-bit base, and the adapters merged into plain weights.
+(`LoRALinear`), the experts in NF4 (`NF4MoE`), the experts' adapters, `apply_lora`, a
+parameter's full shape and the copy into it that quantizes a 4-bit base, and the adapters merged
+into plain weights.
 """
 
 import functools
