@@ -23,6 +23,7 @@ import torch.distributed as dist
 from attention import document_starts
 from files import UsageError, plural, read_json
 from kernels import IGNORE_INDEX
+from model import pairs_attended
 from prepare import (
     BOS_INSIDE,
     CONVERSATION_SHAPES,
@@ -136,15 +137,23 @@ class TokenDataset:
         prepared, so that a move or a second prepare of the same inputs keeps it."""
         return sha256_of(json.dumps({k: self.meta[k] for k in META_FIELDS}).encode())
 
+    def num_samples(self, seq_len: int) -> int:
+        """The samples of `seq_len` tokens the stream holds: each reads one token more, its last
+        label, with which the next sample starts (PackedLoader)."""
+        return (self.n_tokens - 1) // seq_len
+
+    def too_short(self, seq_len: int) -> str | None:
+        """Why the stream holds no sample of `seq_len` ("has N tokens, ..."), or None."""
+        if self.num_samples(seq_len) >= 1:
+            return None
+        return (
+            f"has {self.n_tokens:,} tokens, one sample of seq_len {seq_len} needs {seq_len + 1:,}"
+        )
+
     def check(self, vocab_size: int, seq_len: int, use: str = "train") -> None:
         """One error naming each reason this dataset cannot `use` ("train", "evaluate") with
         rows of `seq_len` (options.model_args holds it within the model's length)."""
-        problems = []
-        if self.n_tokens < seq_len + 1:
-            problems.append(
-                f"the dataset has {self.n_tokens:,} tokens, one sample of seq_len {seq_len} "
-                f"needs {seq_len + 1:,}"
-            )
+        problems = [f"the dataset {short}"] if (short := self.too_short(seq_len)) else []
         if self.n_tokens and (max_token_id := self.max_token_id()) >= vocab_size:
             problems.append(
                 f"token id {max_token_id:,} in tokens.bin is >= the model's vocab_size "
@@ -189,6 +198,9 @@ class PackedLoader:
     `context_parallel` (N) ranks gets columns [context_rank * S/N, (context_rank + 1) * S/N) of
     the same rows, positions counted on the whole row."""
 
+    # What state_dict holds, all counts (shard.TRAIN_STATE_FIELDS checks a checkpoint's).
+    STATE_KEYS = ("epoch", "cursor", "seed", "num_samples")
+
     def __init__(
         self,
         dataset: TokenDataset,
@@ -201,12 +213,9 @@ class PackedLoader:
         context_rank: int = 0,
         context_parallel: int = 1,
     ):
-        self.num_samples = (dataset.n_tokens - 1) // seq_len
-        if self.num_samples < 1:
-            raise ValueError(
-                f"dataset {dataset.path} has {dataset.n_tokens:,} tokens, "
-                f"one sample of seq_len {seq_len} needs {seq_len + 1:,}"
-            )
+        if short := dataset.too_short(seq_len):
+            raise ValueError(f"dataset {dataset.path} {short}")
+        self.num_samples = dataset.num_samples(seq_len)
         self.dataset = dataset
         self.seq_len = seq_len
         self.micro_batch = micro_batch
@@ -221,7 +230,7 @@ class PackedLoader:
         self._orders: dict[int, np.ndarray] = {}
 
     def state_dict(self) -> dict[str, int]:
-        return {key: getattr(self, key) for key in ("epoch", "cursor", "seed", "num_samples")}
+        return {key: getattr(self, key) for key in self.STATE_KEYS}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_samples"] != self.num_samples:
@@ -237,8 +246,7 @@ class PackedLoader:
         return self
 
     def __next__(self) -> Batch:
-        first = self.cursor + self.rank * self.micro_batch
-        indices = [self._sample_index(first + k) for k in range(self.micro_batch)]
+        indices = self._micro_batch(0)
         self.cursor += self.world_size * self.micro_batch
         self.epoch += self.cursor // self.num_samples
         self.cursor %= self.num_samples
@@ -250,11 +258,9 @@ class PackedLoader:
         its first backward, then makes its micro-batches one at a time."""
         count = 0
         for m in range(micro_batches):
-            first = self.cursor + (m * self.world_size + self.rank) * self.micro_batch
-            for k in range(self.micro_batch):
-                start = self._sample_index(first + k) * self.seq_len
-                mask = self.dataset.loss_mask[start + 1 : start + self.seq_len + 1]
-                count += int(np.count_nonzero(_labelled(mask[self.columns])))
+            for i in self._micro_batch(m):
+                _, mask = self._window(i)
+                count += int(np.count_nonzero(_labelled(mask)[self.columns]))
         return count
 
     def in_order(self, max_samples: int | None = None) -> Iterator[Batch]:
@@ -276,6 +282,12 @@ class PackedLoader:
             tensors = [t.pin_memory() for t in tensors]
         return Batch(*tensors, starts)
 
+    def _micro_batch(self, ahead: int) -> list[int]:
+        """The samples of this rank's micro-batch `ahead` calls of __next__ from now (0: the
+        next), the cursor left where it is."""
+        first = self.cursor + (ahead * self.world_size + self.rank) * self.micro_batch
+        return [self._sample_index(first + k) for k in range(self.micro_batch)]
+
     def _sample_index(self, offset: int) -> int:
         # `offset` counts from the current epoch's start; a step may run into the next epoch.
         epoch = self.epoch + offset // self.num_samples
@@ -285,18 +297,22 @@ class PackedLoader:
             self._orders[epoch] = rng.permutation(self.num_samples)
         return int(self._orders[epoch][offset % self.num_samples])
 
+    def _window(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sample i's S + 1 tokens and loss mask values, memory-mapped (read where used)."""
+        span = slice(i * self.seq_len, (i + 1) * self.seq_len + 1)
+        return self.dataset.tokens[span], self.dataset.loss_mask[span]
+
     def _sample(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        start = i * self.seq_len
-        window = self.dataset.tokens[start : start + self.seq_len + 1].astype(np.int64)
-        mask = self.dataset.loss_mask[start : start + self.seq_len + 1]
+        window, mask = self._window(i)
+        window = window.astype(np.int64)
         tokens = window[:-1]
-        labels = np.where(_labelled(mask[1:]), window[1:], IGNORE_INDEX)
+        labels = np.where(_labelled(mask), window[1:], IGNORE_INDEX)
         return tokens, labels, window_positions(tokens, mask[:-1], self.dataset.bos_id)
 
 
 def _labelled(mask: np.ndarray) -> np.ndarray:
-    """Where a loss_mask.bin slice makes its tokens labels."""
-    return (mask & LABEL) != 0
+    """Where a sample's loss mask window (S + 1 values) makes its next tokens labels: [S]."""
+    return (mask[1:] & LABEL) != 0
 
 
 def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -> np.ndarray:
@@ -309,20 +325,20 @@ def window_positions(tokens: np.ndarray, mask: np.ndarray, bos_id: int | None) -
     return index - np.maximum.accumulate(np.where(is_start, index, 0))
 
 
-def attended_per_token(
+def mean_document_pairs(
     dataset: TokenDataset, seq_len: int, sliding_window: float = math.inf, samples: int = 64
 ) -> float:
-    """The mean (query, key) pairs a token attends with documents masked apart (position + 1/2,
-    at most `sliding_window`, as model.attended_pairs) over `samples` windows: for the
-    planner's packed step time."""
-    n = max((dataset.n_tokens - 1) // seq_len, 1)  # one window, short, in too small a dataset
+    """The mean (query, key) pairs a token attends on a layer of `sliding_window` with
+    documents masked apart (model.pairs_attended) over `samples` windows of `seq_len`: for the
+    planner's packed step time (options.data_fields averages it over the layers)."""
+    n = max(dataset.num_samples(seq_len), 1)  # one window, short, in too small a dataset
     means = []
     for i in np.linspace(0, n - 1, min(samples, n)).astype(np.int64):
         start = int(i) * seq_len
         tokens = dataset.tokens[start : start + seq_len]
         mask = dataset.loss_mask[start : start + seq_len]
         positions = window_positions(tokens, mask, dataset.bos_id)
-        means.append(np.minimum(positions + 0.5, sliding_window).mean())
+        means.append(pairs_attended(positions, sliding_window).mean())
     return float(np.mean(means))
 
 

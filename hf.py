@@ -27,10 +27,12 @@ from safetensors.torch import save_file
 from config_json import args_from_hf_config, hf_config
 from files import OutputDir, UsageError, give_ordinary_mode, read_json
 from lora import (
+    ALL_LORA_TARGETS,
     EXPERT_LORA_TARGETS,
-    HF_LAYER_NAMES,
     HF_LORA_TARGETS,
+    LORA_MODULES,
     LORA_TARGETS,
+    LORA_TARGETS_BY_HF,
     LoRAConfig,
     apply_lora,
     copy_into,
@@ -87,7 +89,11 @@ def hf_names(
     }
     if not args.tie_embeddings:
         names["output.weight"] = lm_head_name(prefix)
-    layer = dict(HF_LAYER_NAMES)
+    layer = {f"{ours}.weight": f"{theirs}.weight" for ours, theirs in LORA_MODULES.items()}
+    layer |= {
+        "attention_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+    }
     if args.qkv_bias:
         layer |= {f"attention.w{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"}
     if args.qk_norm:
@@ -794,15 +800,16 @@ def peft_adapter_settings(
     config_file = Path(path) / "adapter_config.json"
     if not config_file.is_file():
         return {}
-    theirs, every = read_json(config_file), (*LORA_TARGETS, *EXPERT_LORA_TARGETS)
-    known = _peft_targets(args, LoRAConfig(1, 1.0, targets=every), peft_prefix(base_model))
-    by_hf = {hf: o for o, hf in (HF_LORA_TARGETS | EXPERT_LORA_TARGETS).items()}
+    theirs, everything = read_json(config_file), LoRAConfig(1, 1.0, targets=ALL_LORA_TARGETS)
+    known = _peft_targets(args, everything, peft_prefix(base_model))
     picked = {
-        by_hf[name.rpartition(".")[2] if key == "target_modules" else name.split(".", 3)[3]]
+        LORA_TARGETS_BY_HF[
+            name.rpartition(".")[2] if key == "target_modules" else name.split(".", 3)[3]
+        ]
         for key, (names, _) in known.items()
         for name in _picked(theirs, key, names, config_file)
     }
-    settings = {"targets": tuple(t for t in every if t in picked)} if picked else {}
+    settings = {"targets": tuple(t for t in ALL_LORA_TARGETS if t in picked)} if picked else {}
     for ours, key, kind in (("rank", "r", int), ("alpha", "lora_alpha", float),
                             ("dropout", "lora_dropout", float)):  # fmt: skip
         value = theirs.get(key)

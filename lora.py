@@ -13,8 +13,9 @@ target_parameters format. QLoRA stores the experts, most of such a model's weigh
 (`NF4MoE`).
 
 In order: the projections by name (longtune's and Hugging Face's), `LoRAConfig`, the layer
-(`LoRALinear`), the experts in NF4 (`NF4MoE`), the experts' adapters, `apply_lora`, the
-copy into a parameter that quantizes a 4-bit base, and the adapters merged into plain weights.
+(`LoRALinear`), the experts in NF4 (`NF4MoE`), the experts' adapters, `apply_lora`, a
+parameter's full shape and the copy into it that quantizes a 4-bit base, and the adapters merged
+into plain weights.
 """
 
 import functools
@@ -31,22 +32,19 @@ from kernels.nf4 import check_quantizable, row_bytes, scale_count
 from moe import EXPERT_ADAPTERS, EXPERT_WEIGHTS, MoE
 
 LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-HF_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+# Their paths in a block, ours -> Hugging Face's (hf.hf_names: the layer's tensors).
+LORA_MODULES = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
 }
 # The same projections by their HF / PEFT module names (adapter_config.json's target_modules).
 HF_LORA_TARGETS = {
-    ours.split(".")[1]: theirs.split(".")[1]
-    for ours, theirs in HF_LAYER_NAMES.items()
-    if not ours.endswith("norm.weight")
+    ours.rpartition(".")[2]: theirs.rpartition(".")[2] for ours, theirs in LORA_MODULES.items()
 }
 # The experts' targets -> PEFT's target_parameters on transformers 5's fused [E, out, in]
 # tensors (gpt-oss's [E, in, out]): one adapter on gate_up_proj (w1 and w3: one A, and a B whose
@@ -55,6 +53,10 @@ EXPERT_LORA_TARGETS = {
     "experts_w13": "mlp.experts.gate_up_proj",
     "experts_w2": "mlp.experts.down_proj",
 }
+# Every target (LoRAConfig.targets' choices), and each by its HF name (--lora-targets and
+# adapter_config.json name them either way).
+ALL_LORA_TARGETS = (*LORA_TARGETS, *EXPERT_LORA_TARGETS)
+LORA_TARGETS_BY_HF = {hf: ours for ours, hf in (HF_LORA_TARGETS | EXPERT_LORA_TARGETS).items()}
 NF4_SUFFIX = "_nf4"  # `wq.weight_nf4`: the 4-bit storage of `wq.weight`
 
 
@@ -72,10 +74,9 @@ class LoRAConfig:
             problems.append(f"rank must be >= 1, got {self.rank}")
         if not 0 <= self.dropout < 1:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
-        known = (*LORA_TARGETS, *EXPERT_LORA_TARGETS)
-        unknown = [t for t in self.targets if t not in known]
+        unknown = [t for t in self.targets if t not in ALL_LORA_TARGETS]
         if unknown or not self.targets:
-            problems.append(f"targets {list(self.targets)}: expected some of {known}")
+            problems.append(f"targets {list(self.targets)}: expected some of {ALL_LORA_TARGETS}")
         if self.dropout and self.expert_targets:  # PEFT's adapter on a parameter has none
             problems.append(f"dropout must be 0 with the experts' adapters, got {self.dropout}")
         if self.quantize_base not in (None, "nf4"):
@@ -95,19 +96,16 @@ class LoRAConfig:
 def parse_lora_targets(text: str) -> tuple[str, ...]:
     """Comma-separated longtune or HF names (HF_LORA_TARGETS, EXPERT_LORA_TARGETS), "all" among
     them the linear layers (LORA_TARGETS: "all,experts_w2" adds the experts'), in that order."""
-    ours = (*LORA_TARGETS, *EXPERT_LORA_TARGETS)
-    by_hf = {hf: o for o, hf in (HF_LORA_TARGETS | EXPERT_LORA_TARGETS).items()}
     names = [n.strip() for n in text.split(",") if n.strip()]
     names = [t for n in names for t in (LORA_TARGETS if n == "all" else (n,))]
-    unknown = [n for n in names if n not in ours and n not in by_hf]
+    unknown = [n for n in names if n not in ALL_LORA_TARGETS and n not in LORA_TARGETS_BY_HF]
     if unknown or not names:
         raise UsageError(
             f"LoRA targets {text!r}: unknown {unknown}; expected 'all' or names from "
-            f"{list(ours)} or their HF names "
-            f"{[*HF_LORA_TARGETS.values(), *EXPERT_LORA_TARGETS.values()]}"
+            f"{list(ALL_LORA_TARGETS)} or their HF names {list(LORA_TARGETS_BY_HF)}"
         )
-    chosen = {by_hf.get(n, n) for n in names}
-    return tuple(t for t in ours if t in chosen)
+    chosen = {LORA_TARGETS_BY_HF.get(n, n) for n in names}
+    return tuple(t for t in ALL_LORA_TARGETS if t in chosen)
 
 
 class LoRALinear(nn.Module):
@@ -150,9 +148,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized:
-            # With FSDP's CPU offload the buffers stay on the host; they are a few KB.
-            absmax2 = self.absmax2.to(x.device, non_blocking=True)
-            offset = self.offset.to(x.device, non_blocking=True)
+            absmax2, offset = _scales_on(x.device, self.absmax2, self.offset)
             base = nf4_linear(
                 x, self.weight_nf4, absmax2, offset, self.in_features, self.dequantize
             )
@@ -184,6 +180,14 @@ class LoRALinear(nn.Module):
             stored, self.absmax2.to(stored.device), self.offset.to(stored.device),
             self.in_features, torch.float32,
         )  # fmt: skip
+
+
+def _scales_on(
+    device: torch.device, absmax2: torch.Tensor, offset: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An NF4 weight's second-level scales on `device`, where it is dequantized: with FSDP's
+    CPU offload the buffers stay on the host; they are a few KB."""
+    return absmax2.to(device, non_blocking=True), offset.to(device, non_blocking=True)
 
 
 def load_nf4(
@@ -290,9 +294,9 @@ class NF4MoE(MoE):
         storage (default: the module's)."""
         stored = getattr(self, name + NF4_SUFFIX) if stored is None else stored
         n_experts, out, k = self.shapes[name]
-        # With FSDP's CPU offload the buffers stay on the host; they are a few KB.
-        absmax2 = getattr(self, f"{name}_absmax2").to(stored.device, non_blocking=True)
-        offset = getattr(self, f"{name}_offset").to(stored.device, non_blocking=True)
+        absmax2, offset = _scales_on(
+            stored.device, getattr(self, f"{name}_absmax2"), getattr(self, f"{name}_offset")
+        )
         rows = stored.reshape(n_experts * out, -1)
         flat = (dequantize or self.dequantize)(rows, absmax2, offset, k, dtype)
         return flat.view(n_experts, out, k)
@@ -314,12 +318,12 @@ def lora_module_paths(
     such a model as the experts' (transformers 4 held them as per-expert linear layers of those
     names), so a dense layer's adapter would not load there. The experts' own adapters
     (EXPERT_LORA_TARGETS) are no linear layer's: expert_lora_shapes."""
-    where = {ours.split(".")[1]: ours.split(".")[0] for ours in HF_LAYER_NAMES}
+    path = {ours.rpartition(".")[2]: ours for ours in LORA_MODULES}
     return [
-        f"layers.{i}.{where[t]}.{t}"
+        f"layers.{i}.{path[t]}"
         for i in range(n_layers)
         for t in targets
-        if t in LORA_TARGETS and not (moe_layers and where[t] == "feed_forward")
+        if t in LORA_TARGETS and not (moe_layers and path[t].startswith("feed_forward."))
     ]
 
 
@@ -408,16 +412,33 @@ def copy_whole_tensor(param: torch.Tensor, tensor_slice) -> None:
     param.copy_(tensor_slice[:])
 
 
-def copy_into(model: nn.Module, name: str, tensor_slice, copy: Callable) -> None:
-    """`copy(param, tensor_slice)` for `name`; a 4-bit base is quantized on the way in."""
+def _frozen_base(model: nn.Module, name: str) -> tuple[torch.Size, Callable] | None:
+    """Of a frozen base weight its module loads itself (a LoRALinear's weight, an NF4MoE's
+    experts: in NF4 no parameter has the name), its shape and `load(tensor_slice, copy)`; None
+    for any other parameter."""
     owner_path, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_path)
     if isinstance(owner, LoRALinear) and leaf == "weight":
-        owner.load_weight(tensor_slice, copy)
-    elif isinstance(owner, NF4MoE) and leaf in EXPERT_WEIGHTS:
-        owner.load_expert(leaf, tensor_slice, copy)
-    else:
+        return torch.Size((owner.out_features, owner.in_features)), owner.load_weight
+    if isinstance(owner, NF4MoE) and leaf in EXPERT_WEIGHTS:
+        return owner.shapes[leaf], functools.partial(owner.load_expert, leaf)
+    return None
+
+
+def full_shape(model: nn.Module, name: str) -> torch.Size:
+    """Parameter `name`'s shape as a checkpoint holds it: a 4-bit weight's unpacked."""
+    base = _frozen_base(model, name)
+    return model.get_parameter(name).shape if base is None else base[0]
+
+
+def copy_into(model: nn.Module, name: str, tensor_slice, copy: Callable) -> None:
+    """`copy(param, tensor_slice)` for `name`; a 4-bit base is quantized on the way in."""
+    base = _frozen_base(model, name)
+    if base is None:
         copy(model.get_parameter(name), tensor_slice)
+    else:
+        _, load = base
+        load(tensor_slice, copy)
 
 
 def merged_named_tensors(

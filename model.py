@@ -52,8 +52,8 @@ from kernels import (
     rms_norm_reference,
     swiglu_reference,
 )
-from lora import NF4_SUFFIX, LoRALinear, NF4MoE, copy_into, copy_whole_tensor
-from moe import EXPERT_WEIGHTS, MoE, Routed, expert_load, load_balancing_loss
+from lora import NF4_SUFFIX, LoRALinear, copy_into, copy_whole_tensor, full_shape
+from moe import MoE, Routed, expert_load, load_balancing_loss
 
 # ----------------------------------------------------------------------------------------
 # The model's numbers
@@ -498,9 +498,16 @@ def attended_pairs(
     window. A tensor stays on the device: it is read on log steps only."""
     if document_mask:
         return args.mean_over_layers(
-            lambda window: (positions + 0.5).clamp(max=window).sum(dtype=torch.float64)
+            lambda window: pairs_attended(positions, window).sum(dtype=torch.float64)
         )
     return positions.numel() * args.attended_per_token(seq_len)
+
+
+def pairs_attended(positions, window: float):
+    """The (query, key) pairs a query at each of `positions` (counted from its document's
+    start) attends, as the FLOPs count them: position + 1/2 (the diagonal's half), at most the
+    window. `positions`: a tensor, or a numpy array (data.mean_document_pairs)."""
+    return (positions + 0.5).clip(max=window)
 
 
 def rope_frequencies(args: ModelArgs, device: torch.device | None = None) -> torch.Tensor:
@@ -907,14 +914,7 @@ class Llama(nn.Module):
         device and sharding. wo and w2 write into the residual stream: scaled down so that its
         variance does not grow with depth. LoRA's adapters as PEFT's: B = 0, so an adapted model
         starts equal to its base; A as nn.Linear's default (kaiming-uniform, a = sqrt(5))."""
-        owner_path, _, leaf = name.rpartition(".")
-        owner = self.get_submodule(owner_path)
-        if isinstance(owner, LoRALinear) and leaf == "weight":  # a 4-bit one is no parameter
-            shape = torch.Size((owner.out_features, owner.in_features))
-        elif isinstance(owner, NF4MoE) and leaf in EXPERT_WEIGHTS:  # nor are 4-bit experts
-            shape = owner.shapes[leaf]
-        else:
-            shape = self.get_parameter(name).shape
+        shape = full_shape(self, name)  # a 4-bit weight's is no parameter's
         if name.endswith("norm.weight"):  # Gemma's scale by 1 + weight
             plus_one = FAMILIES[self.args.family].gemma
             return (torch.zeros if plus_one else torch.ones)(shape, device=device)

@@ -28,7 +28,7 @@ import torch
 import shard
 from attention import CUDA_ONLY_BACKENDS, LONG_DOCUMENT, SDPA_BACKENDS
 from config_json import args_from_hf_config
-from data import RunData, TokenDataset, attended_per_token, open_data, open_eval_data
+from data import RunData, TokenDataset, mean_document_pairs, open_data, open_eval_data
 from files import UsageError, params_text
 from hf import (
     HF_EXPORT,
@@ -831,7 +831,7 @@ def data_fields(opts: Options, args: ModelArgs, dataset: TokenDataset | None) ->
     longest = dataset.meta.get("longest_document", opts.seq_len)
     fields = dict(document_mask=mask, long_documents=longest >= LONG_DOCUMENT)
     if mask:
-        per_window = functools.partial(attended_per_token, dataset, opts.seq_len)
+        per_window = functools.partial(mean_document_pairs, dataset, opts.seq_len)
         fields["attended_per_token"] = args.mean_over_layers(per_window)
     return fields
 

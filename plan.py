@@ -160,7 +160,7 @@ class Plan:
     # kernel keeps its heads' outputs (the data's longest document says; unknown: yes).
     long_documents: bool = True
     # The pairs a token attends on average with documents masked apart (the data's
-    # data.attended_per_token, averaged over the layers as windows cut them), for the step
+    # data.mean_document_pairs, averaged over the layers as windows cut them), for the step
     # time; None: a causal row's (ModelArgs.attended_per_token).
     attended_per_token: float | None = None
     machine: Machine | None = None
@@ -181,7 +181,8 @@ class Plan:
         return " ".join(flags_of({name: getattr(self, name) for name in PLANNED}))
 
     def to_json(self) -> dict:
-        """plan.json: the plan, what it was made for, and its estimate."""
+        """plan.json: the plan, what it was made for, and its estimate (PLAN_KEYS among
+        its keys)."""
         fields = dataclasses.asdict(self)
         gpu, host = memory_needed(self.estimate, self.machine)
         return {
@@ -254,6 +255,10 @@ class Plan:
         )
 
 
+# The keys of a run's plan.json (to_json) by which a directory holding it is a run's
+# (shard.check_run_dir). A .lock, metrics.jsonl or plan.json alone is not: the run would write
+# over someone's.
+PLAN_KEYS = {"flags", "plan", "machine", "estimate"}
 MADE_FOR = ("machine", "estimate", "planned", "tokens_per_step_asked", "seconds_per_step")
 # Plan.param_dtype's names (--param-dtype's choices) and the dtypes they stand for.
 PARAM_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

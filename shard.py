@@ -40,6 +40,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from data import PackedLoader
 from files import (
     NO_SPACE,
     UsageError,
@@ -62,7 +63,7 @@ from hf import (
 from lora import LoRAConfig, copy_whole_tensor, merged_named_tensors
 from model import Llama, ModelArgs, RopeScaling
 from moe import Routed
-from plan import GiB, Machine, host_memory_gib, shard_group_size, strategy_of
+from plan import PLAN_KEYS, GiB, Machine, host_memory_gib, shard_group_size, strategy_of
 
 # ----------------------------------------------------------------------------------------
 # Processes and devices: the process group and the memory a plan may fill
@@ -399,9 +400,6 @@ def apply_context_parallel(model: Llama, group: dist.ProcessGroup | None) -> Non
 # exports (--export-hf, --export-adapter)
 # ----------------------------------------------------------------------------------------
 
-# The keys of a run's plan.json (Plan.to_json): a directory holding it, or a checkpoint, is a
-# run's. A .lock, metrics.jsonl or plan.json alone is not: the run would write over someone's.
-PLAN_KEYS = {"flags", "plan", "machine", "estimate"}
 # The files a run writes at the top of its directory (plan.json and config.toml through
 # files.write_whole's temporaries), each opened with files.no_follow.
 RUN_FILES = (".lock", "plan.json", ".tmp-plan.json", "config.toml", ".tmp-config.toml",
@@ -505,7 +503,7 @@ CPU_RNG_BYTES = len(torch.get_rng_state())
 TRAIN_STATE_FIELDS = {
     "step": ("a count", _count),
     "tokens": ("a count, or none", lambda v: v is None or _count(v)),
-    **{f"loader.{k}": ("a count", _count) for k in ("epoch", "cursor", "seed", "num_samples")},
+    **{f"loader.{k}": ("a count", _count) for k in PackedLoader.STATE_KEYS},
     "rng.cpu": (f"a list of {CPU_RNG_BYTES} bytes", _list_of(_byte, CPU_RNG_BYTES)),
     "rng.cuda": ("a list of bytes, or none", lambda v: v is None or _list_of(_byte)(v)),
     "run.model": ("an object", _is(dict)),

@@ -16,7 +16,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from data import TokenDataset, attended_per_token
+from data import TokenDataset, mean_document_pairs
 from lora import LoRAConfig, apply_lora
 from model import PRESETS, Llama, ModelArgs
 from offload import AC_MODES
@@ -466,10 +466,10 @@ def sft_corpus(tmp_path_factory):
 @pytest.mark.parametrize("run", PACKED_STEPS, ids=lambda r: f"{r[0]}-{r[1]}-{r[2]}")
 def test_the_step_time_guess_of_packed_rows_counts_the_attention_within_documents(run, sft_corpus):
     """Packed rows with documents masked apart attend within their documents: the plan
-    takes the data's pairs per token (data.attended_per_token), and the guess is within 2x
+    takes the data's pairs per token (data.mean_document_pairs), and the guess is within 2x
     of each recorded step (with a whole row's attention it was 24x the 1B's at 1,048,576)."""
     preset, seq_len, fields, tokens_per_s = run
-    attended = attended_per_token(sft_corpus, seq_len)
+    attended = mean_document_pairs(sft_corpus, seq_len)
     plan = recorded_plan(seq_len, H100, dict(fields, attended_per_token=attended))
     guess = step_seconds(ModelArgs.from_name(preset), plan)
     assert 0.5 < guess * tokens_per_s / seq_len < 2, guess

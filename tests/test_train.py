@@ -41,6 +41,7 @@ import train
 from config_json import args_from_hf_config
 from hf import save_hf_checkpoint
 from model import PRESETS, Llama, ModelArgs
+from plan import PLAN_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
 # Tests that pin CPU numbers (fp32, reference ops, no MFU) or start 2 processes on one device;
@@ -237,7 +238,7 @@ def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_file
     for name in ("metrics.jsonl", "metrics.png", "train.log"):
         (tmp_path / "run" / name).parent.mkdir(exist_ok=True)
         (tmp_path / "run" / name).write_text("")
-    (tmp_path / "run" / "plan.json").write_text(json.dumps(dict.fromkeys(shard.PLAN_KEYS)))
+    (tmp_path / "run" / "plan.json").write_text(json.dumps(dict.fromkeys(PLAN_KEYS)))
     shard.check_run_dir(tmp_path / "run")
     (tmp_path / "new" / "hf").mkdir(parents=True)
     shard.check_run_dir(tmp_path / "new")
@@ -2167,7 +2168,7 @@ def test_a_checkpoint_with_a_sliding_window_trains_past_it_as_transformers_compu
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).float().save_pretrained(tmp_path / "hf")
     data_dir, flags = dataset, []
-    if documents:  # 64 rows of 128: the plan's data.attended_per_token reads each
+    if documents:  # 64 rows of 128: the plan's data.mean_document_pairs reads each
         rng = np.random.default_rng(0)
         tokens = []
         while len(tokens) <= 64 * 128:
