@@ -430,6 +430,17 @@ def open_eval_data(
     held_out.check(vocab_size, seq_len, use="evaluate")
     if held_out.path.resolve() == training.path.resolve():
         raise UsageError(f"--eval-data {held_out.path} is the training data: nothing is held out")
+    # A copy under another path: the same identity and tokens (other tokens of the same
+    # number differ in the first chunk compared).
+    chunk = 1 << 26
+    if held_out.identity() == training.identity() and all(
+        np.array_equal(held_out.tokens[i : i + chunk], training.tokens[i : i + chunk])
+        for i in range(0, training.n_tokens, chunk)
+    ):
+        raise UsageError(
+            f"--eval-data {held_out.path} holds the same tokens as the training data "
+            f"{training.path}: nothing is held out"
+        )
     for key in ("tokenizer", "bos_id", "eos_id"):  # the name hashes tokenizer.json alone
         if held_out.meta[key] != training.meta[key]:
             raise UsageError(
@@ -519,7 +530,8 @@ def summary(meta: dict, output: Path) -> str:
         f"tokenizer {meta['tokenizer']}, longest document {meta['longest_document']:,} tokens"
     ]
     shapes, seq_len = meta.get("records_by_shape", {}), meta["split_seq_len"]  # absent: older
-    lines += reading_notes(shapes, meta.get("inputs_passed_over", []))
+    notes = meta.get("inputs_passed_over", {}), meta.get("json_read_as_text", [])
+    lines += reading_notes(shapes, *notes)
     if meta["sft"]:
         whole = meta.get("n_documents_trained_whole", 0)
         text = f"; {plural(whole, 'document')} with no prompt (text) trained on whole"

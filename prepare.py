@@ -20,16 +20,18 @@ import csv
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
 import sys
 import sysconfig
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, groupby, islice
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -61,6 +63,25 @@ META_FIELDS = {  # what meta.json holds besides format_version
 Example = tuple[str, str] | tuple[list[Message], int]
 RECORD_SUFFIXES = (".jsonl", ".parquet", ".csv")
 HUB_IMAGES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".svg")  # a card's pictures
+# datasets.load_dataset's names for the splits of a hub dataset's folder: a word of a file's or
+# a directory's name, between its ends or non-word characters (-, _, ., space, digits)
+SPLITS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "val", "dev"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+SPLIT_WORD = re.compile(
+    rf"(?:^|[-_. 0-9])({'|'.join(w for words in SPLITS.values() for w in words)})(?:[-_. 0-9]|$)",
+    re.IGNORECASE,
+)
+# Why a directory's files are passed over (`_folder_files`): what `reading_notes` says of them
+PASSED_OVER = {
+    "hub metadata": "{n} of hub metadata beside the record files not read",
+    "prepared dataset": "{n} inside the inputs not read (train.py --data takes a prepared dataset)",
+    "no split": "{n} naming no split beside a hub dataset's splits not read (as datasets does)",
+    "split": "the hub dataset's {split} split not read, only its train split ({n}; prepare it "
+    "alone, --input its files, e.g. for train.py --eval-data)",
+}
 InputFile = tuple[Path, str]  # and how it is read: a suffix of RECORD_SUFFIXES, ".json" or "text"
 Document = tuple[Example, int, str]  # with the bytes of input it came from, and where
 Encoded = tuple[np.ndarray, np.ndarray]  # (tokens uint32, loss mask uint8)
@@ -81,7 +102,8 @@ def prepare(
     .csv with a `text_column`) of one of the shapes `_example` reads, or a directory standing
     for its files (`_input_files`). With `seq_len`, longer conversations are split
     (`_split_conversation`); meta.json counts the splits, the documents still longer, those
-    trained on whole, each shape's records, and the hub metadata a directory's records passed over.
+    trained on whole, each shape's records, the files of a directory passed over (by why) and
+    its .json files read as text.
     Output is the same for any number of workers (None: one per CPU)."""
     files, passed_over, tokenizer = _open_inputs(
         inputs, tokenizer_path, chat_template, seq_len, text_column
@@ -124,6 +146,7 @@ def prepare(
             records_by_shape=dict(shapes),
             n_documents_trained_whole=whole,
             inputs_passed_over=passed_over,
+            json_read_as_text=_json_read_as_text(files),
         )
 
 
@@ -154,24 +177,40 @@ def show(
             trained = int(np.count_nonzero(mask & LABEL))
             lines.append(f"--- {where}: {len(tokens):,} tokens, {trained:,} trained")
             lines.append(_marked(tokenizer, tokens, mask, marks))
-    return "\n".join(lines + reading_notes(shapes, passed_over))
+    notes = reading_notes(shapes, passed_over, _json_read_as_text(files))
+    return "\n".join(lines + notes)
 
 
-def reading_notes(shapes: dict[str, int], passed_over: list[str]) -> list[str]:
+def reading_notes(
+    shapes: dict[str, int], passed_over: dict[str, list[str]], json_read_as_text: list[str]
+) -> list[str]:
     """What `show` and prepare's summary say of how the inputs were read: a line for each shape
-    of record mapped to messages, and one naming the hub metadata of a directory left out."""
+    of record mapped to messages, for each reason files of a directory were passed over
+    (PASSED_OVER), and for the .json files read as text."""
     notes = [
         f"{plural(n, f'{shape} record')} mapped to messages: {MAPPINGS[shape]}"
         for shape, n in shapes.items()
         if shape in MAPPINGS
     ]
-    if passed_over:
-        names = ", ".join(passed_over[:5]) + (", ..." if len(passed_over) > 5 else "")
+    for why, paths in passed_over.items():
+        split = why.removesuffix(" split")
+        n = plural(len(paths), "prepared dataset" if why == "prepared dataset" else "file")
+        note = PASSED_OVER.get(why, PASSED_OVER["split"]).format(n=n, split=split)
+        notes.append(f"{note}: {_some(paths)}")
+    if json_read_as_text:
         notes.append(
-            f"{plural(len(passed_over), 'file')} of hub metadata beside the record files not "
-            f"read: {names}"
+            f"{plural(len(json_read_as_text), '.json file')} read as text, as every file of a "
+            f"folder that holds more than records and hub metadata: {_some(json_read_as_text)}"
         )
     return notes
+
+
+def _some(paths: list[str]) -> str:
+    return ", ".join(paths[:5]) + (", ..." if len(paths) > 5 else "")
+
+
+def _json_read_as_text(files: list[InputFile]) -> list[str]:
+    return [str(path) for path, kind in files if kind == "text" and path.suffix.lower() == ".json"]
 
 
 def _open_inputs(
@@ -180,7 +219,7 @@ def _open_inputs(
     chat_template: str | Path | None,
     seq_len: int | None,
     text_column: str | None,
-) -> tuple[list[InputFile], list[str], Tokenizer]:
+) -> tuple[list[InputFile], dict[str, list[str]], Tokenizer]:
     files, passed_over = _input_files(inputs, text_column)
     # A bad tokenizer or template fails here, not in each worker.
     tokenizer = load_tokenizer(tokenizer_path, chat_template)
@@ -287,44 +326,30 @@ class DatasetWriter:
 
 def _input_files(
     inputs: Iterable[str | Path], text_column: str | None = None
-) -> tuple[list[InputFile], list[str]]:
-    """The files to read, and those of the inputs' directories passed over. A directory stands
-    for its files, sorted, hidden ones left out, each read as `_kind` says; one whose files are
-    record files (.jsonl, .parquet, .csv, a .json array) and hub metadata alone (a downloaded
-    hub dataset) stands for the record files, as datasets.load_dataset reads it: its card is no
-    document. Any other mix (a code tree with a fixture .jsonl) reads every file. Refused: a
-    .json file named alone that is not a JSON array of records (`_json_records`), a prepared
-    dataset (its binary files would train on their syntax), a .csv without `text_column`, and
-    parquet without pyarrow."""
-    inputs, files, passed_over = [Path(i) for i in inputs], [], []
+) -> tuple[list[InputFile], dict[str, list[str]]]:
+    """The files to read, each once (a file named and within a directory named, too), and
+    those of the inputs' directories passed over, by why (PASSED_OVER). A directory stands for
+    its files (`_folder_files`). Refused: a .json file named alone that is not a JSON array of
+    records (`_json_records`), a prepared dataset (its binary files would train on their
+    syntax), a .csv without `text_column`, and parquet without pyarrow."""
+    inputs, files, passed_over = [Path(i) for i in inputs], {}, defaultdict(list)
     for item in inputs:
-        if (item / DATASET.marker).is_file() and (item / "tokens.bin").is_file():
+        if _is_dataset(item):
             raise UsageError(
                 f"input {item} is a prepared dataset: pass it to train.py --data, or give "
                 f"prepare the files it was made from"
             )
         if item.is_dir():
-            found = sorted(
-                p
-                for p in item.rglob("*")
-                if p.is_file()
-                and not any(part.startswith(".") for part in p.relative_to(item).parts)
-            )
-            read = [(p, _kind(p, in_folder=True)) for p in found]
-            others = [p for p, kind in read if kind == "text"]
-            if len(others) < len(read) and all(_is_hub_metadata(p, item) for p in others):
-                read = [(p, kind) for p, kind in read if kind != "text"]
-                passed_over += map(str, others)
-            else:  # a tree of texts: its .json files are texts too, whatever they hold
-                read = [(p, "text" if kind == ".json" else kind) for p, kind in read]
-            files += read
+            found = _folder_files(item, passed_over)
         elif item.is_file():
-            files.append((item, _kind(item, in_folder=False)))
+            found = [(item, _kind(item, in_folder=False))]
         else:
             raise UsageError(f"input {item} not found")
+        for path, kind in found:
+            files.setdefault(path.resolve(), (path, kind))
     if not files:
         raise UsageError(f"no files in the inputs {[str(i) for i in inputs]}")
-    for path, kind in files:  # before any is read
+    for path, kind in files.values():  # before any is read
         if kind == ".csv" and text_column is None:
             raise UsageError(
                 f"input {path}: a .csv file is read only with --text-column NAME, the column "
@@ -332,28 +357,103 @@ def _input_files(
             )
         if kind == ".parquet":
             _parquet_module(path)
-    return files, passed_over
+    return list(files.values()), {why: paths for why, paths in passed_over.items() if paths}
+
+
+def _folder_files(folder: Path, passed_over: dict[str, list[str]]) -> list[InputFile]:
+    """A directory's files, sorted, hidden ones and prepared datasets within left out, each
+    read as `_kind` says. One whose files are record files (.jsonl, .parquet, .csv, a .json
+    array or JSON Lines) and hub metadata alone (a downloaded hub dataset) stands for the
+    record files of its train split, as datasets.load_dataset reads it (`_split`; all of them
+    where none names another): its card is no document. Any other mix (a code tree with a
+    fixture .jsonl) reads every file."""
+
+    def hidden(path: Path) -> bool:
+        return any(part.startswith(".") for part in path.relative_to(folder).parts)
+
+    datasets = sorted(
+        p.parent for p in folder.rglob(DATASET.marker) if not hidden(p) and _is_dataset(p.parent)
+    )
+    passed_over["prepared dataset"] += map(str, datasets)
+    found = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and not hidden(p) and not any(d in p.parents for d in datasets)
+    )
+    read = [(p, _kind(p, in_folder=True)) for p in found]
+    others = [p for p, kind in read if kind == "text"]
+    if len(others) == len(read) or not all(_is_hub_metadata(p, folder) for p in others):
+        # A tree of texts: its .json files are texts too, whatever they hold.
+        return [(p, "text" if p.suffix.lower() == ".json" else kind) for p, kind in read]
+    passed_over["hub metadata"] += map(str, others)
+    records = [(p, kind) for p, kind in read if kind != "text"]
+    splits = {p: _split(p, folder) for p, _ in records}
+    if set(splits.values()) <= {"train", None}:  # one split, or none named: all of it
+        return records
+    for path, split in splits.items():
+        if split != "train":
+            passed_over[f"{split} split" if split else "no split"].append(str(path))
+    if train := [(p, kind) for p, kind in records if splits[p] == "train"]:
+        return train
+    named = sorted({split for split in splits.values() if split})
+    raise UsageError(
+        f"input {folder}: a hub dataset with no train split, only {' and '.join(named)} (as "
+        f"datasets.load_dataset reads its file names): give the files to prepare as --input"
+    )
+
+
+def _split(path: Path, folder: Path) -> str | None:
+    """The split (of SPLITS) that `path`'s directories within `folder` name, else its name:
+    data/test/0.parquet and data/test-00000-of-00001.parquet are both of the test split."""
+    for part in path.relative_to(folder).parts:
+        if word := SPLIT_WORD.search(part):
+            return next(s for s, words in SPLITS.items() if word[1].lower() in words)
+    return None
+
+
+def _is_dataset(path: Path) -> bool:
+    return (path / DATASET.marker).is_file() and (path / "tokens.bin").is_file()
 
 
 def _kind(path: Path, in_folder: bool) -> str:
     """How a file is read: by its suffix, but a .json file in a folder as records only when it
-    holds a JSON array of objects (a hub dataset's data, if the folder is one), else as text (a
-    code tree's package.json); a malformed one is refused when read."""
+    holds a JSON array of objects, or JSON Lines (as ".jsonl"), as datasets' json loader reads
+    either (a hub dataset's data, if the folder is one), else as text (a code tree's
+    package.json); a malformed one is refused when read."""
     suffix = path.suffix.lower()
     if suffix == ".json" and in_folder:
         with path.open("rb") as f:
             head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
-        return suffix if head[:1] == b"[" and head[1:].lstrip()[:1] == b"{" else "text"
+            if head[:1] == b"[" and head[1:].lstrip()[:1] == b"{":
+                return suffix
+            f.seek(0)
+            return ".jsonl" if _holds_json_lines(f) else "text"
     return suffix if suffix in (*RECORD_SUFFIXES, ".json") else "text"
+
+
+def _holds_json_lines(f: BinaryIO) -> bool:
+    """Whether the first two non-empty lines of `f` are each a JSON object (one line of more
+    than 16 MB is not read whole, and so is none)."""
+    objects = 0
+    while objects < 2 and (line := f.readline(1 << 24)):
+        if line.strip():
+            try:
+                if not isinstance(json.loads(line), dict):
+                    return False
+            except (ValueError, RecursionError):
+                return False
+            objects += 1
+    return objects == 2
 
 
 def _is_hub_metadata(path: Path, folder: Path) -> bool:
     """A file a hub dataset's repository holds beside its data, at its top: its card
-    (README.md), dataset_infos.json, a license, an image (hidden files, such as
-    .gitattributes, are left out before). A docs tree's other .md files are documents."""
+    (README.md), dataset_infos.json, a license, a citation (CITATION.cff), an image (hidden
+    files, such as .gitattributes, are left out before). A docs tree's other .md files are
+    documents."""
     name = path.name.lower()
     top = path.parent == folder and (
-        name in ("readme.md", "dataset_infos.json") or name.startswith("license")
+        name in ("readme.md", "dataset_infos.json") or name.startswith(("license", "citation"))
     )
     return top or path.suffix.lower() in HUB_IMAGES
 

@@ -642,7 +642,7 @@ def test_a_directory_of_record_files_reads_those_alone_and_names_the_rest(tmp_pa
     assert prepare.show([hub], 1).endswith(names)
     (hub / "data" / "train.jsonl").unlink()
     texts = data.TokenDataset(prepare.prepare([hub], tmp_path / "texts"))
-    assert texts.meta["n_documents"] == 2 and texts.meta["inputs_passed_over"] == []
+    assert texts.meta["n_documents"] == 2 and texts.meta["inputs_passed_over"] == {}
 
 
 def test_a_hub_folder_of_a_json_array_reads_its_records(tmp_path):
@@ -656,10 +656,10 @@ def test_a_hub_folder_of_a_json_array_reads_its_records(tmp_path):
     ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "hub"))
     same_dataset(ds.path, prepare.prepare([hub / "alpaca_data_cleaned.json"], tmp_path / "alone"))
     passed_over = [str(hub / "LICENSE"), str(hub / "README.md")]
-    assert ds.meta["sft"] and ds.meta["inputs_passed_over"] == passed_over
+    assert ds.meta["sft"] and ds.meta["inputs_passed_over"] == {"hub metadata": passed_over}
     (hub / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # a card's picture is metadata too
     ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "with_logo"))
-    assert ds.meta["inputs_passed_over"] == [*passed_over, str(hub / "logo.png")]
+    assert ds.meta["inputs_passed_over"]["hub metadata"] == [*passed_over, str(hub / "logo.png")]
 
 
 def test_a_docs_tree_with_a_json_array_reads_every_file_as_text(tmp_path):
@@ -669,7 +669,7 @@ def test_a_docs_tree_with_a_json_array_reads_every_file_as_text(tmp_path):
     (docs / "intro.md").write_text("# Intro")
     (docs / "sidebar.json").write_text('[{"label": "Intro", "id": "intro"}]')
     ds = data.TokenDataset(prepare.prepare([docs], tmp_path / "docs_ds"))
-    assert ds.meta["n_documents"] == 2 and ds.meta["inputs_passed_over"] == []
+    assert ds.meta["n_documents"] == 2 and ds.meta["inputs_passed_over"] == {}
 
 
 def test_a_code_tree_with_fixture_records_reads_every_file(tmp_path):
@@ -683,7 +683,7 @@ def test_a_code_tree_with_fixture_records_reads_every_file(tmp_path):
     write_jsonl(tree / "tests" / "fixtures" / "sample.jsonl", [{"text": "one"}])
     (tree / "tests" / "fixtures" / "more.json").write_text('[{"text": "two"}, {"text": "3"}]')
     ds = data.TokenDataset(prepare.prepare([tree], tmp_path / "tree_ds"))
-    assert ds.meta["n_documents"] == 6 and ds.meta["inputs_passed_over"] == []
+    assert ds.meta["n_documents"] == 6 and ds.meta["inputs_passed_over"] == {}
     texts = BYTES.decode([t for t in ds.tokens.tolist() if t < 256])
     assert texts == '# README.md# a.py# b.py{"name": "tree"}[{"text": "two"}, {"text": "3"}]one'
 
@@ -1285,7 +1285,11 @@ def test_a_datasets_identity_is_what_it_holds_not_where_or_how_it_was_prepared(t
     first = write_dataset(tmp_path / "first", [1, 2, 3] * 10)
     again = write_dataset(tmp_path / "again", [1, 2, 3] * 10)
     meta = json.loads((again.path / "meta.json").read_text())
-    extra = {"chat_template": "/elsewhere/tok", "inputs_passed_over": ["README.md"], "sft": True}
+    extra = {
+        "chat_template": "/elsewhere/tok",
+        "inputs_passed_over": {"hub metadata": ["README.md"]},
+        "sft": True,
+    }
     (again.path / "meta.json").write_text(json.dumps({**extra, **meta}))
     assert data.TokenDataset(again.path).identity() == first.identity()
     other = write_dataset(tmp_path / "other", [1, 2, 3] * 11)
