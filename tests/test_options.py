@@ -149,6 +149,19 @@ def test_a_config_files_wrong_key_or_value_is_one_line(text, message, tmp_path, 
     assert message in err and err.count("\n") == 1 and err.startswith("train.py error: ")
 
 
+def test_a_config_file_with_a_byte_order_mark_reads_and_one_not_utf8_is_one_line(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_bytes("\ufeffseq_len = 512\n".encode())  # as editors on Windows save
+    assert options.parse_options(["--config", str(config)])[0].seq_len == 512
+    config.write_bytes(b"\xff\xfe")
+    with pytest.raises(SystemExit) as exit_info:
+        options.parse_options(["--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    said = f"--config {config} is not UTF-8 text (byte 0xff at offset 0): TOML files are UTF-8"
+    assert err.startswith(f"train.py error: {said}") and err.count("\n") == 1
+
+
 def test_a_config_toml_reads_back_as_the_options_it_was_written_from(tmp_path):
     written = options.Options(data='a "quoted"\\path\n', lr=1e-05, grad_clip=float("inf"),
                               kernels=False, max_tokens=5000)  # fmt: skip
