@@ -661,6 +661,8 @@ def peft_adapter_config(
     modules = sorted({HF_LORA_TARGETS[p.rpartition(".")[2]] for p in paths})
     if prefix != "model.":
         modules = rf"{re.escape(prefix)}layers\.\d+\.(self_attn|mlp)\.({'|'.join(modules)})"
+    if base_model and Path(base_model).is_dir():  # found from any directory, never the hub's
+        base_model = str(Path(base_model).resolve())
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -793,10 +795,10 @@ def peft_adapter_settings(
     args: ModelArgs, path: str | os.PathLike, base_model: str | None = None
 ) -> dict:
     """What the PEFT adapter at `path` says of LoRAConfig's fields, as PeftModel.from_pretrained
-    reads them: rank, alpha and dropout, and the targets its target_modules and
-    target_parameters pick on this model (longtune's names). A value of the wrong type, or
-    targets that pick nothing here, are left out, and all where there is no such file:
-    check_peft_adapter says what is wrong, after the options' own problems."""
+    reads them: rank, alpha and dropout (peft_numbers), and the targets its target_modules and
+    target_parameters pick on this model (longtune's names). Targets that pick nothing here
+    are left out, and all where there is no such file: check_peft_adapter says what is wrong,
+    after the options' own problems."""
     config_file = Path(path) / "adapter_config.json"
     if not config_file.is_file():
         return {}
@@ -810,12 +812,27 @@ def peft_adapter_settings(
         for name in _picked(theirs, key, names, config_file)
     }
     settings = {"targets": tuple(t for t in ALL_LORA_TARGETS if t in picked)} if picked else {}
-    for ours, key, kind in (("rank", "r", int), ("alpha", "lora_alpha", float),
-                            ("dropout", "lora_dropout", float)):  # fmt: skip
-        value = theirs.get(key)
-        if isinstance(value, (int, kind)) and not isinstance(value, bool):
-            settings[ours] = kind(value)
-    return settings
+    return settings | peft_numbers(theirs, config_file)
+
+
+# adapter_config.json's numbers -> LoRAConfig's fields, and what each must be (PEFT compares
+# each with a number: a string fails inside it; a rank sizes nn.Linear).
+PEFT_NUMBERS = {"r": ("rank", "an integer > 0"), "lora_alpha": ("alpha", "a number"),
+                "lora_dropout": ("dropout", "a number")}  # fmt: skip
+
+
+def peft_numbers(theirs: dict, config_file: Path) -> dict:
+    """The rank, alpha and dropout `theirs` (config_file's) gives; one of another type is
+    refused, named."""
+    numbers = {}
+    for key, (ours, expected) in PEFT_NUMBERS.items():
+        if key not in theirs:
+            continue
+        value, kind = theirs[key], int if key == "r" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kind) or key == "r" and value <= 0:
+            raise UsageError(f"{config_file} {key}: adapter has {value!r}, expected {expected}")
+        numbers[ours] = value if key == "r" else float(value)
+    return numbers
 
 
 def check_peft_adapter(
@@ -831,6 +848,7 @@ def check_peft_adapter(
             wrong = "is not a regular file" if file.exists() else "does not exist"
             raise UsageError(f"LoRA adapter: {file} {wrong}")
     theirs = read_json(config_file)
+    peft_numbers(theirs, config_file)  # a wrong type is said as such, not as a difference
     ours = peft_adapter_config(args, config, base_model, prefix)
     problems = [
         f"adapter_config.json {key}: adapter has {theirs.get(key)!r}, expected {ours[key]!r}"

@@ -2,7 +2,8 @@
 record (docs/training.md lists its fields); the main rank hands it to every reporter here,
 which train.setup opens with the run's other files: always `JsonLines` (run_dir/metrics.jsonl),
 and with --report-to, `TensorBoard` (run_dir/tensorboard) and `WandB` (Weights & Biases), which
-start with the run's config (its options and plan.json). A resumed run continues each.
+start with the run's config (its options and plan.json). A resumed run continues each; a new
+run where an earlier one logged and left no checkpoint sets that one's records aside first.
 TensorBoard's and W&B's packages are imported only when asked, and a missing one is told before
 the run starts (report_to_problems); so is a W&B that cannot start without the user (no login).
 """
@@ -26,28 +27,75 @@ def reporters_asked(report_to: str) -> list[str]:
 
 
 def report_to_problems(report_to: str) -> list[str]:
-    """--report-to's unknown names and missing packages, before anything is built."""
-    problems = []
-    for name in reporters_asked(report_to):
+    """--report-to's unknown names, missing packages and W&B's mode, before anything is built."""
+    problems, asked = [], reporters_asked(report_to)
+    if asked and "none" in (name.strip() for name in report_to.split(",")):
+        problems.append(f"--report-to none reports to nothing: not with {', '.join(asked)}")
+    for name in asked:
         if name not in REPORTERS:
             problems.append(
                 f"--report-to takes a comma list of {', '.join(REPORTERS)} (or none), got {name!r}"
             )
         elif importlib.util.find_spec(REPORTERS[name]) is None:
             problems.append(f"--report-to {name} needs its package: pip install {REPORTERS[name]}")
+        elif name == "wandb" and "WANDB_MODE" in os.environ:
+            problems += wandb_mode_problems(os.environ["WANDB_MODE"])
     return problems
+
+
+def wandb_mode_problems(mode: str) -> list[str]:
+    """WANDB_MODE checked by W&B's own settings (its modes change between versions), which
+    wandb.init would raise mid-start as a long pydantic traceback."""
+    import pydantic
+    import wandb
+
+    try:
+        wandb.Settings(mode=mode)
+    except pydantic.ValidationError as e:
+        expected = e.errors()[0]["msg"].removeprefix("Input should be ")
+        return [f"--report-to wandb: WANDB_MODE is {mode!r}, expected {expected}"]
+    return []
 
 
 def open_reporters(
     report_to: str, run_dir: Path, config: dict, start_step: int, resumed_from, log
 ) -> list:
     """metrics.jsonl's writer, then each reporter --report-to names."""
+    if not start_step:
+        set_aside_earlier_run(run_dir, log)
     asked, opened = reporters_asked(report_to), [JsonLines(run_dir, start_step, resumed_from, log)]
     if "tensorboard" in asked:
         opened.append(TensorBoard(run_dir, config, start_step))
     if "wandb" in asked:
         opened.append(WandB(run_dir, config))
     return opened
+
+
+# What a run's reporters keep in its directory, which a new run starts without.
+RECORDS = ("metrics.jsonl", "tensorboard", "wandb_run_id")
+
+
+def set_aside_earlier_run(run_dir: Path, log) -> None:
+    """A run starting at step 0 where an earlier one logged steps but left no checkpoint (it
+    died before its first, or ran with --checkpoint-interval 0) is another run: the earlier
+    one's records move whole to run_dir/earlier-run-N, so that metrics.jsonl, TensorBoard and
+    W&B (a new id) each hold one run's steps, and readers need no rule for a second run in a
+    file. (Moved, not marked in place: TensorBoard and W&B have no such mark.) The earlier
+    run's options are in its TensorBoard config; W&B's own files (run_dir/wandb) are per id."""
+    metrics = run_dir / "metrics.jsonl"
+    if not (metrics.is_file() and metrics.stat().st_size):  # an earlier start logged no step
+        return
+    number = 1
+    while (aside := run_dir / f"earlier-run-{number}").exists():
+        number += 1
+    aside.mkdir()
+    moved = [name for name in RECORDS if (run_dir / name).exists()]
+    for name in moved:
+        os.replace(run_dir / name, aside / name)
+    log(
+        f"{run_dir} holds the records of an earlier run with no checkpoint to resume from: "
+        f"moved its {', '.join(moved)} to {aside}, this run starts its own"
+    )
 
 
 class JsonLines:
@@ -119,8 +167,8 @@ class TensorBoard:
 
 
 class WandB:
-    """One W&B run per run directory: its id is kept in run_dir/wandb_run_id, which a resumed
-    run continues (W&B ignores a step logged again: the killed run's record of it stays).
+    """One W&B run per run: its id is kept in run_dir/wandb_run_id, which a resumed run
+    continues (W&B ignores a step logged again: the killed run's record of it stays).
     WANDB_PROJECT (default: longtune), WANDB_MODE=offline and the others apply; W&B's own
     files go to run_dir/wandb unless WANDB_DIR says where."""
 

@@ -424,9 +424,15 @@ def read_config(path: str) -> dict:
         ) from None
     try:
         with open(path, "rb") as f:
-            values = tomllib.load(f)
+            # utf-8-sig: a byte-order mark (as editors on Windows write) is read, not TOML.
+            values = tomllib.loads(f.read().decode("utf-8-sig"))
     except OSError as e:
         raise UsageError(f"--config {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"--config {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+            f"{e.start}): TOML files are UTF-8"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config {path} is not valid TOML: {e}") from None
     types = {f.name: f.type.removesuffix(" | None") for f in dataclasses.fields(Options)}

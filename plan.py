@@ -276,8 +276,9 @@ def flags_of(fields: dict, negated: bool = False) -> list[str]:
             words.append(flag_name(name))
         elif value is False:
             words += [flag_name(f"no_{name}")] if negated else []
-        elif value is not None:
-            words += [flag_name(name), str(value)]
+        elif value is not None:  # a value like "-odd" as its own word would read as a flag
+            text = str(value)
+            words += [f"{flag_name(name)}={text}"] if text[:1] == "-" else [flag_name(name), text]
     return words
 
 

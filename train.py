@@ -588,17 +588,19 @@ class Instruments:
 
 class StopSignals:
     """SIGTERM and SIGINT (Ctrl-C, SLURM's preemption, torchrun passing either on) stop the
-    run after this step, with a checkpoint; a second one, at once. One within a second of the
-    first is the same: a Ctrl-C reaches every worker, and torchrun passes it on again.
+    run after this step, with a checkpoint if the run `saves` any; a second one, at once. One
+    within a second of the first is the same: a Ctrl-C reaches every worker, and torchrun
+    passes it on again.
     Python runs a signal's handler once for all its arrivals during one long call (a CPU
     backward), so each is counted where it lands: the C handler writes a byte a signal to
     set_wakeup_fd's pipe, which a thread reads and times while that call holds no GIL."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-    def __init__(self, is_main: bool, last_checkpoint: Callable[[], Path | None]):
-        self.is_main = is_main
-        self.last_checkpoint = last_checkpoint
+    def __init__(
+        self, is_main: bool, last_checkpoint: Callable[[], Path | None], saves: bool = True
+    ):
+        self.is_main, self.last_checkpoint, self.saves = is_main, last_checkpoint, saves
         self.received: str | None = None
         self.received_at = 0.0
 
@@ -631,9 +633,8 @@ class StopSignals:
         if self.received is None:
             self.received, self.received_at = name, time.monotonic()
             if self.is_main:  # every rank gets the signal; one says so
-                to_stderr(
-                    f"{name}: stopping after this step, with a checkpoint; again to stop at once"
-                )
+                saved = "a checkpoint" if self.saves else "no checkpoint (--checkpoint-interval 0)"
+                to_stderr(f"{name}: stopping after this step, with {saved}; again to stop at once")
         elif time.monotonic() - self.received_at > 1.0:
             if self.is_main:
                 last = self.last_checkpoint()
@@ -737,7 +738,8 @@ def train(opts: Options, given: frozenset[str] = frozenset()) -> bool:
         offload.activation_offload, model, plan.activation_offload, blocks=plan.offload_blocks
     )
     batches = iter(run.loader)
-    with StopSignals(run.world.is_main, lambda: run.checkpointer.last) as stop:
+    saves = bool(run.checkpointer.interval)
+    with StopSignals(run.world.is_main, lambda: run.checkpointer.last, saves) as stop:
         metrics, instruments = MetricsLog(run), Instruments(run)
         step, tokens, stopping = run.start_step, run.start_tokens, False
         model.train()

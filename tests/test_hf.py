@@ -43,6 +43,7 @@ from files import UsageError
 from hf import (
     check_hf_checkpoint,
     load_peft_adapter,
+    peft_adapter_settings,
     save_hf_checkpoint,
     save_peft_adapter,
     weights_fingerprint,
@@ -682,6 +683,42 @@ def test_a_base_named_only_and_a_broken_expression_are_each_said_in_one_line(tmp
     (out / "adapter_config.json").write_text(json.dumps(config | {"target_modules": 5}))
     with pytest.raises(ValueError, match="adapter_config.json target_modules: adapter has 5, "):
         load_peft_adapter(lora_model(path), CONFIG, out)  # a number: named, no traceback
+
+
+def test_an_adapter_records_a_local_base_by_its_absolute_path(tmp_path, monkeypatch):
+    """PEFT's AutoPeftModelForCausalLM loads the base it names, from wherever it runs: a
+    relative path would be looked for there, then on the hub. (A hub id stays: above.)"""
+    hf_checkpoint(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    model = lora_model(Path("base"))
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), "adapter", base_model="base")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path.resolve() / "base")
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [("r", "4", "an integer > 0"), ("r", 4.0, "an integer > 0"), ("r", True, "an integer > 0"),
+     ("r", 0, "an integer > 0"), ("lora_alpha", "16", "a number"),
+     ("lora_dropout", "0.1", "a number")],
+)  # fmt: skip
+def test_an_adapter_number_of_the_wrong_type_is_refused_naming_it(tmp_path, key, value, expected):
+    """Neither dropped (a dropout of "0.1" trained without one) nor said as a missing rank or
+    a difference that a flag would mend."""
+    path = hf_checkpoint(tmp_path / "base")
+    model = lora_model(path)
+    out = tmp_path / "adapter"
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    (out / "adapter_config.json").write_text(json.dumps(config | {key: value}))
+    said = f"{out / 'adapter_config.json'} {key}: adapter has {value!r}, expected {expected}"
+    with pytest.raises(UsageError, match=f"^{re.escape(said)}$"):
+        peft_adapter_settings(model.args, out)
+    with pytest.raises(UsageError, match=f"^{re.escape(said)}$"):
+        load_peft_adapter(lora_model(path), CONFIG, out)
+    del config["r"]  # absent, as PEFT's default: none taken
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    assert "rank" not in peft_adapter_settings(model.args, out)
 
 
 def test_an_adapter_of_another_config_is_refused_with_each_difference(tmp_path):

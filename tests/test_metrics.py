@@ -46,9 +46,9 @@ def wandb_records(path: Path) -> list:
     return records
 
 
-def test_each_record_reaches_tensorboard_and_wandb_and_a_resume_continues_both(
-    dataset, tmp_path, monkeypatch
-):
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch) -> None:
+    """W&B offline, its files under tmp_path."""
     for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
                         "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
                         "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache"),
@@ -56,6 +56,11 @@ def test_each_record_reaches_tensorboard_and_wandb_and_a_resume_continues_both(
         monkeypatch.setenv(name, value)
     for name in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_RUN_ID", "WANDB_RESUME"):
         monkeypatch.delenv(name, raising=False)
+
+
+def test_each_record_reaches_tensorboard_and_wandb_and_a_resume_continues_both(
+    dataset, tmp_path, offline_wandb
+):
     run_dir = tmp_path / "run"
     argv = ["--data", str(dataset), *SMALL, "--run-dir", str(run_dir)]
     train.main([*argv, "--max-steps", "2", "--report-to", "tensorboard,wandb"])
@@ -101,6 +106,68 @@ def test_each_record_reaches_tensorboard_and_wandb_and_a_resume_continues_both(
                 )
     assert logged == {**logged, **{(step, name): value for step, name, value in numbers}}
     assert configs[-1]["options"]["max_steps"] == 3 and configs[-1]["plan"]["seq_len"] == 128
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [record["step"] for record in map(json.loads, lines) if "loss" in record]
+
+
+def test_a_new_run_sets_aside_an_earlier_one_that_left_no_checkpoint(
+    dataset, tmp_path, offline_wandb, capsys
+):
+    """An earlier run with no checkpoint to resume from (killed before its first, or
+    --checkpoint-interval 0) is another run: its records move aside whole, said in one line,
+    and the new run logs its own steps to its own file, TensorBoard directory and W&B id."""
+    run_dir = tmp_path / "run"
+    argv = ["--data", str(dataset), *SMALL, "--run-dir", str(run_dir), "--checkpoint-interval",
+            "0", "--report-to", "tensorboard,wandb"]  # fmt: skip
+    train.main([*argv, "--max-steps", "2", "--lr", "0.05"])
+    earlier_id = (run_dir / "wandb_run_id").read_text()
+    capsys.readouterr()
+    train.main([*argv, "--max-steps", "3"])
+    sys.modules["wandb"].teardown()  # the .wandb files written whole (as above)
+    aside = run_dir / "earlier-run-1"
+    assert (
+        f"moved its metrics.jsonl, tensorboard, wandb_run_id to {aside}" in capsys.readouterr().out
+    )
+    assert steps_logged(aside) == [1, 2] and steps_logged(run_dir) == [1, 2, 3]
+    assert (aside / "wandb_run_id").read_text() == earlier_id
+    assert (run_dir / "wandb_run_id").read_text() != earlier_id
+    for directory, steps in ((aside, [1, 2]), (run_dir, [1, 2, 3])):
+        events = tensorboard.EventAccumulator(str(directory / "tensorboard"))
+        events.Reload()
+        assert [e.step for e in events.Scalars("loss")] == steps
+    # --resume with no checkpoint starts anew too (a second set aside); with one, it continues.
+    saving = [*argv[:-4], "--report-to", "tensorboard"]
+    train.main([*saving, "--max-steps", "4", "--resume"])
+    train.main([*saving, "--max-steps", "5", "--resume"])
+    assert steps_logged(run_dir) == [1, 2, 3, 4, 5] and steps_logged(run_dir / "earlier-run-2") == [
+        1,
+        2,
+        3,
+    ]
+    assert not (run_dir / "earlier-run-3").exists()
+
+
+def test_a_mistyped_wandb_mode_is_one_line_before_any_step(dataset, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offine")
+    run_dir = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--data", str(dataset), *SMALL, "--run-dir", str(run_dir),
+                    "--report-to", "wandb"])  # fmt: skip
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err  # the modes as this version of W&B has them
+    assert err.startswith("train.py error: --report-to wandb: WANDB_MODE is 'offine', expected ")
+    assert "'online'" in err and "'offline'" in err and err.count("\n") == 1
+    assert not run_dir.exists()
+
+
+def test_report_to_none_is_refused_beside_a_reporter():
+    assert metrics.report_to_problems("none") == metrics.report_to_problems("") == []
+    assert metrics.report_to_problems("none,tensorboard") == [
+        "--report-to none reports to nothing: not with tensorboard"
+    ]
 
 
 def test_a_missing_package_is_one_line_before_any_step(dataset, tmp_path, monkeypatch, capsys):

@@ -3,6 +3,7 @@ checkpoint. The checks reach a run through train.main: test_train.py's bad input
 
 import dataclasses
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,31 @@ def test_a_config_files_wrong_key_or_value_is_one_line(text, message, tmp_path, 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1 and err.startswith("train.py error: ")
+
+
+def test_a_config_file_with_a_byte_order_mark_reads_and_one_not_utf8_is_one_line(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_bytes("\ufeffseq_len = 512\n".encode())  # as editors on Windows save
+    assert options.parse_options(["--config", str(config)])[0].seq_len == 512
+    config.write_bytes(b"\xff\xfe")
+    with pytest.raises(SystemExit) as exit_info:
+        options.parse_options(["--config", str(config)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    said = f"--config {config} is not UTF-8 text (byte 0xff at offset 0): TOML files are UTF-8"
+    assert err.startswith(f"train.py error: {said}") and err.count("\n") == 1
+
+
+def test_the_printed_command_reads_back_a_value_that_starts_with_a_dash(tmp_path):
+    """A resume command (options.command_line) of a --run-dir "--resume" (a --config file's
+    value) gives it as --run-dir=--resume: two words would read as two flags."""
+    config = tmp_path / "run.toml"
+    config.write_text('run_dir = "--resume"\nseq_len = 64\n')
+    opts, given = options.parse_options(["--config", str(config)])
+    command = options.command_line(opts, given, resume="latest")
+    assert "--run-dir=--resume" in command
+    again, _ = options.parse_options(shlex.split(command)[2:])
+    assert (again.run_dir, again.resume, again.seq_len) == ("--resume", "latest", 64)
 
 
 def test_a_config_toml_reads_back_as_the_options_it_was_written_from(tmp_path):

@@ -275,6 +275,26 @@ def test_sigterm_during_a_save_stops_after_it(dataset, monkeypatch, tmp_path, ca
     assert list(losses(tmp_path)) == [1, 2]
 
 
+def test_sigterm_without_checkpoints_promises_none(dataset, monkeypatch, tmp_path, capsys):
+    """--checkpoint-interval 0: the first line says no checkpoint comes; the run still exits
+    as stopped (75: run it again), which docs/training.md says starts it over."""
+    lr_at = train.lr_at
+
+    def signalled_lr_at(step, *args):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return lr_at(step, *args)
+
+    monkeypatch.setattr(train, "lr_at", signalled_lr_at)
+    argv = ["--data", str(dataset), *SMALL, "--max-steps", "50", "--checkpoint-interval", "0"]
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*argv, "--run-dir", str(tmp_path)])
+    assert exit_info.value.code == train.EXIT_STOPPED
+    err = capsys.readouterr().err
+    assert "SIGTERM: stopping after this step, with no checkpoint (--checkpoint-interval 0)" in err
+    assert "with a checkpoint" not in err and not (tmp_path / "checkpoints").exists()
+
+
 def test_a_sample_prints_control_characters_escaped():
     sampled = tokenizer.ByteTokenizer().decode(list(b"ok\x1b[2J\rdone\n\tend\x00") + [0xFF])
     assert train.printable(sampled) == "ok\\x1b[2J\\rdone\n\tend\\x00\ufffd"
