@@ -669,9 +669,9 @@ def test_each_family_matches_its_transformers_class(tmp_path, monkeypatch, varia
     """Logits, loss and every gradient equal transformers' own class's (fp32, 1e-5), with
     the references and with the Triton kernels (the interpreter on CPU), whose gated
     activation is the family's: GeGLU for Gemma 3, SwiGLU for the others."""
-    gelu_flags = []  # the `gelu` switch of each call of the kernel
+    activations = []  # the activation each call of the kernel computes
     glu = _GLU.apply
-    monkeypatch.setattr(_GLU, "apply", lambda *args: gelu_flags.append(args[3]) or glu(*args))
+    monkeypatch.setattr(_GLU, "apply", lambda *args: activations.append(args[3]) or glu(*args))
     hf = make_family_model(variant)
     save_hf(hf, tmp_path)
     args = args_from_hf_config(tmp_path)
@@ -683,8 +683,8 @@ def test_each_family_matches_its_transformers_class(tmp_path, monkeypatch, varia
     assert_same_logits_and_loss(ours, hf)
     assert_same_gradients(ours, hf)
     assert sum(p.numel() for p in ours.parameters()) == args.num_params()
-    gemma = args.family == "gemma3_text"
-    assert gelu_flags == ([gemma] * 2 * args.n_layers if kernels else [])  # logits, then loss
+    activation = "geglu" if args.family == "gemma3_text" else "swiglu"
+    assert activations == ([activation] * 2 * args.n_layers if kernels else [])  # logits, loss
 
 
 # Windows a few times shorter than sample_batch's 40 tokens: (window, config changes).
