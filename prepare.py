@@ -364,9 +364,8 @@ def _folder_files(folder: Path, passed_over: dict[str, list[str]]) -> list[Input
     """A directory's files, sorted, hidden ones and prepared datasets within left out, each
     read as `_kind` says. One whose files are record files (.jsonl, .parquet, .csv, a .json
     array or JSON Lines) and hub metadata alone (a downloaded hub dataset) stands for the
-    record files of its train split, as datasets.load_dataset reads it (`_split`; all of them
-    where none names another): its card is no document. Any other mix (a code tree with a
-    fixture .jsonl) reads every file."""
+    record files of one split (`_hub_split`): its card is no document. Any other mix (a code
+    tree with a fixture .jsonl) reads every file."""
 
     def hidden(path: Path) -> bool:
         return any(part.startswith(".") for part in path.relative_to(folder).parts)
@@ -386,20 +385,29 @@ def _folder_files(folder: Path, passed_over: dict[str, list[str]]) -> list[Input
         # A tree of texts: its .json files are texts too, whatever they hold.
         return [(p, "text" if p.suffix.lower() == ".json" else kind) for p, kind in read]
     passed_over["hub metadata"] += map(str, others)
-    records = [(p, kind) for p, kind in read if kind != "text"]
+    return _hub_split(folder, [(p, kind) for p, kind in read if kind != "text"], passed_over)
+
+
+def _hub_split(
+    folder: Path, records: list[InputFile], passed_over: dict[str, list[str]]
+) -> list[InputFile]:
+    """The record files a hub dataset's folder stands for, as datasets.load_dataset reads it:
+    where no file names a split (`_split`), all of them; else those of its train split, or,
+    with none, of its one split; the others passed over. Several splits and no train: refused."""
     splits = {p: _split(p, folder) for p, _ in records}
-    if set(splits.values()) <= {"train", None}:  # one split, or none named: all of it
-        return records
-    for path, split in splits.items():
-        if split != "train":
-            passed_over[f"{split} split" if split else "no split"].append(str(path))
-    if train := [(p, kind) for p, kind in records if splits[p] == "train"]:
-        return train
     named = sorted({split for split in splits.values() if split})
-    raise UsageError(
-        f"input {folder}: a hub dataset with no train split, only {' and '.join(named)} (as "
-        f"datasets.load_dataset reads its file names): give the files to prepare as --input"
-    )
+    if not named:
+        return records
+    if "train" not in named and len(named) > 1:
+        raise UsageError(
+            f"input {folder}: a hub dataset of the {' and '.join(named)} splits, no train split: "
+            f"prepare one, --input its files (e.g. for train.py --eval-data)"
+        )
+    read = "train" if "train" in named else named[0]
+    for path, split in splits.items():
+        if split != read:
+            passed_over[f"{split} split" if split else "no split"].append(str(path))
+    return [(p, kind) for p, kind in records if splits[p] == read]
 
 
 def _split(path: Path, folder: Path) -> str | None:

@@ -84,8 +84,35 @@ def test_a_hub_folder_with_splits_reads_its_train_split_and_names_the_others(tmp
     assert ds.meta["n_documents"] == 4
     assert ds.meta["inputs_passed_over"]["no split"] == [str(hub / "data" / "extra.jsonl")]
     (hub / "data" / "train.jsonl").unlink()
-    with pytest.raises(ValueError, match=r"hub: a hub dataset with no train split, only test and"):
+    with pytest.raises(
+        ValueError,
+        match=r"hub: a hub dataset of the test and validation splits, no train split: prepare "
+        r"one, --input its files",
+    ):
         prepare.prepare([hub], tmp_path / "none", workers=1)
+
+
+def test_a_hub_folders_train_split_beside_unnamed_files_is_read_alone(tmp_path):
+    """Once a file names a split, files naming none are passed over, as datasets does."""
+    hub = hub_folder(tmp_path / "hub", {"train.jsonl": 2, "more.jsonl": 3})
+    ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "ds", workers=1))
+    assert ds.meta["n_documents"] == 2
+    assert ds.meta["inputs_passed_over"]["no split"] == [str(hub / "more.jsonl")]
+
+
+def test_a_hub_folder_of_one_split_not_train_reads_that_split(tmp_path):
+    """With no train split, a folder of one other split stands for it (an eval set alone), files
+    naming no split passed over; with a card or without."""
+    hub = hub_folder(tmp_path / "hub", {"data/test-00000-of-00001.jsonl": 3, "extra.jsonl": 1})
+    ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "ds", workers=1))
+    assert ds.meta["n_documents"] == 3
+    assert ds.meta["inputs_passed_over"] == {
+        "hub metadata": [str(hub / "README.md")],
+        "no split": [str(hub / "extra.jsonl")],
+    }
+    bare = tmp_path / "bare"
+    write_jsonl(bare / "test.jsonl", conversations("test", 2))
+    assert data.TokenDataset(prepare.prepare([bare], tmp_path / "b")).meta["n_documents"] == 2
 
 
 def test_a_hub_folder_of_one_split_and_of_shards_reads_all_of_it(tmp_path):
