@@ -27,7 +27,7 @@ import sys
 import sysconfig
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, groupby, islice
 from pathlib import Path
@@ -78,6 +78,7 @@ SPLIT_WORD = re.compile(
 PASSED_OVER = {
     "hub metadata": "{n} of hub metadata beside the record files not read",
     "prepared dataset": "{n} inside the inputs not read (train.py --data takes a prepared dataset)",
+    "given twice": "{n} given more than once (alone, or within a folder given) read once",
     "no split": "{n} naming no split beside a hub dataset's splits not read (as datasets does)",
     "split": "the hub dataset's {split} split not read, only its train split ({n}; prepare it "
     "alone, --input its files, e.g. for train.py --eval-data)",
@@ -327,12 +328,15 @@ class DatasetWriter:
 def _input_files(
     inputs: Iterable[str | Path], text_column: str | None = None
 ) -> tuple[list[InputFile], dict[str, list[str]]]:
-    """The files to read, each once (a file named and within a directory named, too), and
-    those of the inputs' directories passed over, by why (PASSED_OVER). A directory stands for
-    its files (`_folder_files`). Refused: a .json file named alone that is not a JSON array of
-    records (`_json_records`), a prepared dataset (its binary files would train on their
-    syntax), a .csv without `text_column`, and parquet without pyarrow."""
+    """The files to read, each once, where first given (a file given twice, alone or within
+    a directory given, is said to be), and those of the inputs' directories passed over, by
+    why (PASSED_OVER), each once, none that is read. A directory stands for its files
+    (`_folder_files`), whose reading of a file wins over its reading alone. Refused: a .json
+    file named alone that is not a JSON array of records (`_json_records`), a prepared dataset
+    (its binary files would train on their syntax), a file two directories read differently, a
+    .csv without `text_column`, and parquet without pyarrow."""
     inputs, files, passed_over = [Path(i) for i in inputs], {}, defaultdict(list)
+    twice = []
     for item in inputs:
         if _is_dataset(item):
             raise UsageError(
@@ -340,16 +344,25 @@ def _input_files(
                 f"prepare the files it was made from"
             )
         if item.is_dir():
-            found = _folder_files(item, passed_over)
+            found, folder = _folder_files(item, passed_over), item
         elif item.is_file():
-            found = [(item, _kind(item, in_folder=False))]
+            found, folder = [(item, _kind(item, in_folder=False))], None
         else:
             raise UsageError(f"input {item} not found")
         for path, kind in found:
-            files.setdefault(path.resolve(), (path, kind))
+            if (key := path.resolve()) in files:
+                twice.append(key)
+            first, first_kind, first_folder = files.setdefault(key, (path, kind, folder))
+            if first_folder is None:  # a folder's reading, whichever was given first
+                files[key] = (first, kind, folder)
+            elif folder is not None and kind != first_kind:
+                raise UsageError(
+                    f"input {path} is read as {first_kind} within {first_folder} and as {kind} "
+                    f"within {folder}: give one of them"
+                )
     if not files:
         raise UsageError(f"no files in the inputs {[str(i) for i in inputs]}")
-    for path, kind in files.values():  # before any is read
+    for path, kind, _ in files.values():  # before any is read
         if kind == ".csv" and text_column is None:
             raise UsageError(
                 f"input {path}: a .csv file is read only with --text-column NAME, the column "
@@ -357,7 +370,14 @@ def _input_files(
             )
         if kind == ".parquet":
             _parquet_module(path)
-    return list(files.values()), {why: paths for why, paths in passed_over.items() if paths}
+    notes = {why: _unread(paths, files.keys()) for why, paths in passed_over.items()}
+    notes["given twice"] = [str(files[key][0]) for key in dict.fromkeys(twice)]
+    return [(path, kind) for path, kind, _ in files.values()], {w: p for w, p in notes.items() if p}
+
+
+def _unread(paths: list[str], read: Container[Path]) -> list[str]:
+    """`paths` each once, by the file each leads to, those of `read` left out."""
+    return list({key: p for p in paths if (key := Path(p).resolve()) not in read}.values())
 
 
 def _folder_files(folder: Path, passed_over: dict[str, list[str]]) -> list[InputFile]:

@@ -198,3 +198,30 @@ def test_a_prepared_dataset_inside_an_input_folder_is_passed_over(tmp_path, caps
         "1 prepared dataset inside the inputs not read (train.py --data takes a prepared "
         f"dataset): {hub / 'prepared'}" in capsys.readouterr().out
     )
+
+
+def test_a_file_given_twice_is_read_once_the_same_way_and_said_to_be(tmp_path):
+    """However a file is given twice (alone, in its folder, the folder twice, in any order): read
+    once, said to be, each passed-over file named once, and none named that is read."""
+    hub = hub_folder(tmp_path / "hub", {"data/train.jsonl": 2, "data/test.jsonl": 3})
+    alone = write_jsonl(tmp_path / "a.jsonl", conversations("a", 1))
+    files, passed_over = prepare._input_files([hub, hub, alone, alone])
+    assert [path for path, _ in files] == [hub / "data" / "train.jsonl", alone]
+    assert passed_over == {
+        "hub metadata": [str(hub / "README.md")],
+        "test split": [str(hub / "data" / "test.jsonl")],
+        "given twice": [str(hub / "data" / "train.jsonl"), str(alone)],
+    }
+    files, passed_over = prepare._input_files([hub, hub / "data" / "test.jsonl"])
+    assert len(files) == 2 and passed_over == {"hub metadata": [str(hub / "README.md")]}
+    # A JSON Lines .json: records in its folder, refused alone (not an array); the folder's
+    # reading wins, in either order.
+    write_jsonl(hub / "data" / "train.json", conversations("json", 2))
+    json_lines = hub / "data" / "train.json"
+    for inputs in ([hub, json_lines], [json_lines, hub]):
+        files, _ = prepare._input_files(inputs)
+        assert dict(files)[json_lines] == ".jsonl", inputs
+    # Within a code tree the same file is a text: two folders reading it differently, refused.
+    (tmp_path / "main.py").write_text("print('a code tree')")
+    with pytest.raises(ValueError, match=r"train.json is read as text within .* and as .jsonl"):
+        prepare._input_files([tmp_path, hub])
