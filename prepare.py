@@ -83,6 +83,7 @@ PASSED_OVER = {
     "split": "the hub dataset's {split} split not read, only its train split ({n}; prepare it "
     "alone, --input its files, e.g. for train.py --eval-data)",
 }
+NAMED = 5  # the paths a note names beside their count, as meta.json keeps them
 InputFile = tuple[Path, str]  # and how it is read: a suffix of RECORD_SUFFIXES, ".json" or "text"
 Document = tuple[Example, int, str]  # with the bytes of input it came from, and where
 Encoded = tuple[np.ndarray, np.ndarray]  # (tokens uint32, loss mask uint8)
@@ -134,6 +135,7 @@ def prepare(
         if writer.n_documents == 0:
             raise UsageError(f"no documents in the inputs {[str(f) for f, _ in files]}")
         template = getattr(tokenizer, "chat_template", None)
+        notes, json_as_text = _kept_notes(passed_over, files)
         return writer.finish(
             tokenizer,
             sft=whole < writer.n_documents,
@@ -146,8 +148,8 @@ def prepare(
             n_documents_longer_than_seq_len=too_long,
             records_by_shape=dict(shapes),
             n_documents_trained_whole=whole,
-            inputs_passed_over=passed_over,
-            json_read_as_text=_json_read_as_text(files),
+            inputs_passed_over=notes,
+            json_read_as_text=json_as_text,
         )
 
 
@@ -178,40 +180,50 @@ def show(
             trained = int(np.count_nonzero(mask & LABEL))
             lines.append(f"--- {where}: {len(tokens):,} tokens, {trained:,} trained")
             lines.append(_marked(tokenizer, tokens, mask, marks))
-    notes = reading_notes(shapes, passed_over, _json_read_as_text(files))
+    notes = reading_notes(shapes, *_kept_notes(passed_over, files))
     return "\n".join(lines + notes)
 
 
 def reading_notes(
-    shapes: dict[str, int], passed_over: dict[str, list[str]], json_read_as_text: list[str]
+    shapes: dict[str, int], passed_over: dict[str, dict], json_read_as_text: dict
 ) -> list[str]:
     """What `show` and prepare's summary say of how the inputs were read: a line for each shape
     of record mapped to messages, for each reason files of a directory were passed over
-    (PASSED_OVER), and for the .json files read as text."""
+    (PASSED_OVER), and for the .json files read as text; of files as `_kept_notes` lists them."""
     notes = [
         f"{plural(n, f'{shape} record')} mapped to messages: {MAPPINGS[shape]}"
         for shape, n in shapes.items()
         if shape in MAPPINGS
     ]
-    for why, paths in passed_over.items():
+    for why, listed in passed_over.items():
         split = why.removesuffix(" split")
-        n = plural(len(paths), "prepared dataset" if why == "prepared dataset" else "file")
+        n = plural(listed["n"], "prepared dataset" if why == "prepared dataset" else "file")
         note = PASSED_OVER.get(why, PASSED_OVER["split"]).format(n=n, split=split)
-        notes.append(f"{note}: {_some(paths)}")
-    if json_read_as_text:
+        notes.append(f"{note}: {_some(listed)}")
+    if json_read_as_text["n"]:
         notes.append(
-            f"{plural(len(json_read_as_text), '.json file')} read as text, as every file of a "
+            f"{plural(json_read_as_text['n'], '.json file')} read as text, as every file of a "
             f"folder that holds more than records and hub metadata: {_some(json_read_as_text)}"
         )
     return notes
 
 
-def _some(paths: list[str]) -> str:
-    return ", ".join(paths[:5]) + (", ..." if len(paths) > 5 else "")
+def _some(listed: dict) -> str:
+    return ", ".join(listed["first"]) + (", ..." if listed["n"] > len(listed["first"]) else "")
 
 
-def _json_read_as_text(files: list[InputFile]) -> list[str]:
-    return [str(path) for path, kind in files if kind == "text" and path.suffix.lower() == ".json"]
+def _kept_notes(
+    passed_over: dict[str, list[str]], files: list[InputFile]
+) -> tuple[dict[str, dict], dict]:
+    """The files passed over, by why, and the .json files read as text, as meta.json keeps and
+    `reading_notes` names them: each a count and the first NAMED paths (a tree's thousands of
+    package.json files, or a hub dataset's test shards, would swell meta.json)."""
+    as_text = [str(p) for p, kind in files if kind == "text" and p.suffix.lower() == ".json"]
+    return {why: _listed(paths) for why, paths in passed_over.items()}, _listed(as_text)
+
+
+def _listed(paths: list[str]) -> dict:
+    return {"n": len(paths), "first": paths[:NAMED]}
 
 
 def _open_inputs(

@@ -30,6 +30,11 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def listed(*paths: Path) -> dict:
+    """A note's files as meta.json keeps them (prepare._kept_notes): the count and first five."""
+    return {"n": len(paths), "first": [str(p) for p in paths[:5]]}
+
+
 def hub_folder(folder: Path, names: dict[str, int]) -> Path:
     """A hub dataset as downloaded: its card, and each name of `names` with that many records."""
     for name, n in names.items():
@@ -71,9 +76,9 @@ def test_a_hub_folder_with_splits_reads_its_train_split_and_names_the_others(tmp
     ds = data.TokenDataset(tmp_path / "ds")
     assert ds.meta["n_documents"] == 4
     assert ds.meta["inputs_passed_over"] == {
-        "hub metadata": [str(hub / "README.md")],
-        "test split": [str(hub / "data" / "test.jsonl")],
-        "validation split": [str(hub / "data" / "validation.jsonl")],
+        "hub metadata": listed(hub / "README.md"),
+        "test split": listed(hub / "data" / "test.jsonl"),
+        "validation split": listed(hub / "data" / "validation.jsonl"),
     }
     assert (
         "the hub dataset's test split not read, only its train split (1 file; prepare it alone, "
@@ -82,7 +87,7 @@ def test_a_hub_folder_with_splits_reads_its_train_split_and_names_the_others(tmp
     write_jsonl(hub / "data" / "extra.jsonl", conversations("extra", 1))
     ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "extra", workers=1))
     assert ds.meta["n_documents"] == 4
-    assert ds.meta["inputs_passed_over"]["no split"] == [str(hub / "data" / "extra.jsonl")]
+    assert ds.meta["inputs_passed_over"]["no split"] == listed(hub / "data" / "extra.jsonl")
     (hub / "data" / "train.jsonl").unlink()
     with pytest.raises(
         ValueError,
@@ -97,7 +102,7 @@ def test_a_hub_folders_train_split_beside_unnamed_files_is_read_alone(tmp_path):
     hub = hub_folder(tmp_path / "hub", {"train.jsonl": 2, "more.jsonl": 3})
     ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "ds", workers=1))
     assert ds.meta["n_documents"] == 2
-    assert ds.meta["inputs_passed_over"]["no split"] == [str(hub / "more.jsonl")]
+    assert ds.meta["inputs_passed_over"]["no split"] == listed(hub / "more.jsonl")
 
 
 def test_a_hub_folder_of_one_split_not_train_reads_that_split(tmp_path):
@@ -107,8 +112,8 @@ def test_a_hub_folder_of_one_split_not_train_reads_that_split(tmp_path):
     ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "ds", workers=1))
     assert ds.meta["n_documents"] == 3
     assert ds.meta["inputs_passed_over"] == {
-        "hub metadata": [str(hub / "README.md")],
-        "no split": [str(hub / "extra.jsonl")],
+        "hub metadata": listed(hub / "README.md"),
+        "no split": listed(hub / "extra.jsonl"),
     }
     bare = tmp_path / "bare"
     write_jsonl(bare / "test.jsonl", conversations("test", 2))
@@ -158,16 +163,16 @@ def test_a_hub_folders_json_lines_json_file_is_read_as_records(tmp_path, capsys)
     )
     assert ds.tokens.tolist() == alone.tokens.tolist() and ds.meta["sft"]
     assert ds.meta["inputs_passed_over"] == {
-        "hub metadata": [str(hub / "CITATION.cff"), str(hub / "README.md")]
+        "hub metadata": listed(hub / "CITATION.cff", hub / "README.md")
     }
-    assert ds.meta["json_read_as_text"] == []
+    assert ds.meta["json_read_as_text"] == listed()
     (hub / "main.py").write_text("print('a code tree')")
     data.main(
         ["prepare", "--input", str(hub), "--output", str(tmp_path / "tree"), "--workers", "1"]
     )
     tree = data.TokenDataset(tmp_path / "tree")
     assert tree.meta["n_documents"] == 4 and not tree.meta["sft"]
-    assert tree.meta["json_read_as_text"] == [str(hub / "train.json")]
+    assert tree.meta["json_read_as_text"] == listed(hub / "train.json")
     out = capsys.readouterr().out
     assert (
         "1 .json file read as text, as every file of a folder that holds more than records "
@@ -190,7 +195,7 @@ def test_a_prepared_dataset_inside_an_input_folder_is_passed_over(tmp_path, caps
     first = data.TokenDataset(prepare.prepare([hub], hub / "prepared", workers=1))
     again = data.TokenDataset(prepare.prepare([hub], hub / "prepared", workers=1))
     assert again.tokens.tolist() == first.tokens.tolist()
-    assert again.meta["inputs_passed_over"]["prepared dataset"] == [str(hub / "prepared")]
+    assert again.meta["inputs_passed_over"]["prepared dataset"] == listed(hub / "prepared")
     twice = data.TokenDataset(prepare.prepare([hub, hub / "train.jsonl"], tmp_path / "t"))
     assert twice.tokens.tolist() == first.tokens.tolist()
     data.main(["prepare", "--input", str(hub), "--output", str(tmp_path / "o"), "--workers", "1"])
@@ -225,3 +230,25 @@ def test_a_file_given_twice_is_read_once_the_same_way_and_said_to_be(tmp_path):
     (tmp_path / "main.py").write_text("print('a code tree')")
     with pytest.raises(ValueError, match=r"train.json is read as text within .* and as .jsonl"):
         prepare._input_files([tmp_path, hub])
+
+
+def test_meta_json_keeps_a_count_and_the_first_five_of_many_files_passed_over(tmp_path, capsys):
+    """A hub dataset's many test shards, a tree's many package.json files: meta.json keeps their
+    count and the first five paths, the summary says as much as before."""
+    shards = {f"data/test-{i:05}-of-00007.jsonl": 1 for i in range(7)}
+    hub = hub_folder(tmp_path / "hub", {"data/train.jsonl": 2, **shards})
+    data.main(["prepare", "--input", str(hub), "--output", str(tmp_path / "ds"), "--workers", "1"])
+    tests = sorted(hub / name for name in shards)
+    assert data.TokenDataset(tmp_path / "ds").meta["inputs_passed_over"]["test split"] == {
+        "n": 7,
+        "first": [str(p) for p in tests[:5]],
+    }
+    first = ", ".join(map(str, tests[:5]))
+    note = f"(7 files; prepare it alone, --input its files, e.g. for train.py --eval-data): {first}"
+    assert f"{note}, ...\n" in capsys.readouterr().out
+    for i in range(6):
+        (tmp_path / "tree" / str(i)).mkdir(parents=True)
+        (tmp_path / "tree" / str(i) / "package.json").write_text('{"name": "a"}')
+    tree = data.TokenDataset(prepare.prepare([tmp_path / "tree"], tmp_path / "t", workers=1))
+    assert tree.meta["json_read_as_text"]["n"] == 6
+    assert len(tree.meta["json_read_as_text"]["first"]) == 5
