@@ -462,8 +462,12 @@ def main(argv: list[str] | None = None) -> None:
     prep = commands.add_parser(
         "prepare", help="tokenize text and record files into a dataset", allow_abbrev=False
     )
-    prep.add_argument(
-        "--input", nargs="+", required=True, help="text, .jsonl, .parquet, .csv files or folders"
+    prep.add_argument(  # given again, adds (argparse's default keeps the last alone)
+        "--input",
+        nargs="+",
+        action="extend",
+        required=True,
+        help="text, .jsonl, .parquet, .csv files or folders",
     )
     prep.add_argument("--output", help="the dataset directory to write (not with --show)")
     prep.add_argument(

@@ -205,7 +205,7 @@ def test_a_prepared_dataset_inside_an_input_folder_is_passed_over(tmp_path, caps
     )
 
 
-def test_a_file_given_twice_is_read_once_the_same_way_and_said_to_be(tmp_path):
+def test_a_file_given_twice_is_read_once_the_same_way_and_said_to_be(tmp_path, capsys):
     """However a file is given twice (alone, in its folder, the folder twice, in any order): read
     once, said to be, each passed-over file named once, and none named that is read."""
     hub = hub_folder(tmp_path / "hub", {"data/train.jsonl": 2, "data/test.jsonl": 3})
@@ -217,6 +217,11 @@ def test_a_file_given_twice_is_read_once_the_same_way_and_said_to_be(tmp_path):
         "test split": [str(hub / "data" / "test.jsonl")],
         "given twice": [str(hub / "data" / "train.jsonl"), str(alone)],
     }
+    argv = ["prepare", "--input", str(alone), "--input", str(hub), str(alone), "--output"]
+    data.main([*argv, str(tmp_path / "ds"), "--workers", "1"])  # --input repeated adds
+    assert data.TokenDataset(tmp_path / "ds").meta["n_documents"] == 3
+    note = f"1 file given more than once (alone, or within a folder given) read once: {alone}"
+    assert note in capsys.readouterr().out
     files, passed_over = prepare._input_files([hub, hub / "data" / "test.jsonl"])
     assert len(files) == 2 and passed_over == {"hub metadata": [str(hub / "README.md")]}
     # A JSON Lines .json: records in its folder, refused alone (not an array); the folder's
