@@ -365,7 +365,7 @@ def _input_files(
             if (key := path.resolve()) in files:
                 twice.append(key)
             first, first_kind, first_folder = files.setdefault(key, (path, kind, folder))
-            if first_folder is None:  # a folder's reading, whichever was given first
+            if first_folder is None:  # a folder's reading wins over its alone, in either order
                 files[key] = (first, kind, folder)
             elif folder is not None and kind != first_kind:
                 raise UsageError(
