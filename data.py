@@ -52,6 +52,8 @@ from tokenizer import (
 # ---------------------------------------------------------------------------------------------
 # Loading
 
+TOKEN_CHUNK = 1 << 26  # 256 MB of uint32 at a time: flat memory on datasets larger than RAM
+
 
 class TokenDataset:
     """A prepared dataset directory, memory-mapped, checked against its meta.json."""
@@ -123,8 +125,8 @@ class TokenDataset:
         return np.memmap(file, dtype=dtype, mode="r")
 
     def max_token_id(self) -> int:
-        chunk = 1 << 26  # 256 MB of uint32 at a time: flat memory on datasets larger than RAM
-        return max(int(self.tokens[i : i + chunk].max()) for i in range(0, self.n_tokens, chunk))
+        chunks = range(0, self.n_tokens, TOKEN_CHUNK)
+        return max(int(self.tokens[i : i + TOKEN_CHUNK].max()) for i in chunks)
 
     def has_labels(self) -> bool:
         chunk = 1 << 28  # 256 MB at a time; a normal dataset answers in its first chunk
@@ -141,6 +143,12 @@ class TokenDataset:
         """The samples of `seq_len` tokens the stream holds: each reads one token more, its last
         label, with which the next sample starts (PackedLoader)."""
         return (self.n_tokens - 1) // seq_len
+
+    def window(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """`length` tokens from `start` and their loss mask values, memory-mapped (read where
+        used)."""
+        span = slice(start, start + length)
+        return self.tokens[span], self.loss_mask[span]
 
     def too_short(self, seq_len: int) -> str | None:
         """Why the stream holds no sample of `seq_len` ("has N tokens, ..."), or None."""
@@ -298,9 +306,8 @@ class PackedLoader:
         return int(self._orders[epoch][offset % self.num_samples])
 
     def _window(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sample i's S + 1 tokens and loss mask values, memory-mapped (read where used)."""
-        span = slice(i * self.seq_len, (i + 1) * self.seq_len + 1)
-        return self.dataset.tokens[span], self.dataset.loss_mask[span]
+        """Sample i's S + 1 tokens and loss mask values."""
+        return self.dataset.window(i * self.seq_len, self.seq_len + 1)
 
     def _sample(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         window, mask = self._window(i)
@@ -334,9 +341,7 @@ def mean_document_pairs(
     n = max(dataset.num_samples(seq_len), 1)  # one window, short, in too small a dataset
     means = []
     for i in np.linspace(0, n - 1, min(samples, n)).astype(np.int64):
-        start = int(i) * seq_len
-        tokens = dataset.tokens[start : start + seq_len]
-        mask = dataset.loss_mask[start : start + seq_len]
+        tokens, mask = dataset.window(int(i) * seq_len, seq_len)
         positions = window_positions(tokens, mask, dataset.bos_id)
         means.append(pairs_attended(positions, sliding_window).mean())
     return float(np.mean(means))
@@ -432,10 +437,9 @@ def open_eval_data(
         raise UsageError(f"--eval-data {held_out.path} is the training data: nothing is held out")
     # A copy under another path: the same identity and tokens (other tokens of the same
     # number differ in the first chunk compared).
-    chunk = 1 << 26
     if held_out.identity() == training.identity() and all(
-        np.array_equal(held_out.tokens[i : i + chunk], training.tokens[i : i + chunk])
-        for i in range(0, training.n_tokens, chunk)
+        np.array_equal(held_out.tokens[i : i + TOKEN_CHUNK], training.tokens[i : i + TOKEN_CHUNK])
+        for i in range(0, training.n_tokens, TOKEN_CHUNK)
     ):
         raise UsageError(
             f"--eval-data {held_out.path} holds the same tokens as the training data "
@@ -458,8 +462,12 @@ def main(argv: list[str] | None = None) -> None:
     prep = commands.add_parser(
         "prepare", help="tokenize text and record files into a dataset", allow_abbrev=False
     )
-    prep.add_argument(
-        "--input", nargs="+", required=True, help="text, .jsonl, .parquet, .csv files or folders"
+    prep.add_argument(  # given again, adds (argparse's default keeps the last alone)
+        "--input",
+        nargs="+",
+        action="extend",
+        required=True,
+        help="text, .jsonl, .parquet, .csv files or folders",
     )
     prep.add_argument("--output", help="the dataset directory to write (not with --show)")
     prep.add_argument(
@@ -530,7 +538,7 @@ def summary(meta: dict, output: Path) -> str:
         f"tokenizer {meta['tokenizer']}, longest document {meta['longest_document']:,} tokens"
     ]
     shapes, seq_len = meta.get("records_by_shape", {}), meta["split_seq_len"]  # absent: older
-    notes = meta.get("inputs_passed_over", {}), meta.get("json_read_as_text", [])
+    notes = meta.get("inputs_passed_over", {}), meta.get("json_read_as_text", {"n": 0})
     lines += reading_notes(shapes, *notes)
     if meta["sft"]:
         whole = meta.get("n_documents_trained_whole", 0)

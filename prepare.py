@@ -27,7 +27,7 @@ import sys
 import sysconfig
 import time
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, groupby, islice
 from pathlib import Path
@@ -78,10 +78,12 @@ SPLIT_WORD = re.compile(
 PASSED_OVER = {
     "hub metadata": "{n} of hub metadata beside the record files not read",
     "prepared dataset": "{n} inside the inputs not read (train.py --data takes a prepared dataset)",
+    "given twice": "{n} given more than once (alone, or within a folder given) read once",
     "no split": "{n} naming no split beside a hub dataset's splits not read (as datasets does)",
     "split": "the hub dataset's {split} split not read, only its train split ({n}; prepare it "
     "alone, --input its files, e.g. for train.py --eval-data)",
 }
+NAMED = 5  # the paths a note names beside their count, as meta.json keeps them
 InputFile = tuple[Path, str]  # and how it is read: a suffix of RECORD_SUFFIXES, ".json" or "text"
 Document = tuple[Example, int, str]  # with the bytes of input it came from, and where
 Encoded = tuple[np.ndarray, np.ndarray]  # (tokens uint32, loss mask uint8)
@@ -133,6 +135,7 @@ def prepare(
         if writer.n_documents == 0:
             raise UsageError(f"no documents in the inputs {[str(f) for f, _ in files]}")
         template = getattr(tokenizer, "chat_template", None)
+        notes, json_as_text = _kept_notes(passed_over, files)
         return writer.finish(
             tokenizer,
             sft=whole < writer.n_documents,
@@ -145,8 +148,8 @@ def prepare(
             n_documents_longer_than_seq_len=too_long,
             records_by_shape=dict(shapes),
             n_documents_trained_whole=whole,
-            inputs_passed_over=passed_over,
-            json_read_as_text=_json_read_as_text(files),
+            inputs_passed_over=notes,
+            json_read_as_text=json_as_text,
         )
 
 
@@ -177,40 +180,50 @@ def show(
             trained = int(np.count_nonzero(mask & LABEL))
             lines.append(f"--- {where}: {len(tokens):,} tokens, {trained:,} trained")
             lines.append(_marked(tokenizer, tokens, mask, marks))
-    notes = reading_notes(shapes, passed_over, _json_read_as_text(files))
+    notes = reading_notes(shapes, *_kept_notes(passed_over, files))
     return "\n".join(lines + notes)
 
 
 def reading_notes(
-    shapes: dict[str, int], passed_over: dict[str, list[str]], json_read_as_text: list[str]
+    shapes: dict[str, int], passed_over: dict[str, dict], json_read_as_text: dict
 ) -> list[str]:
     """What `show` and prepare's summary say of how the inputs were read: a line for each shape
     of record mapped to messages, for each reason files of a directory were passed over
-    (PASSED_OVER), and for the .json files read as text."""
+    (PASSED_OVER), and for the .json files read as text; of files as `_kept_notes` lists them."""
     notes = [
         f"{plural(n, f'{shape} record')} mapped to messages: {MAPPINGS[shape]}"
         for shape, n in shapes.items()
         if shape in MAPPINGS
     ]
-    for why, paths in passed_over.items():
+    for why, listed in passed_over.items():
         split = why.removesuffix(" split")
-        n = plural(len(paths), "prepared dataset" if why == "prepared dataset" else "file")
+        n = plural(listed["n"], "prepared dataset" if why == "prepared dataset" else "file")
         note = PASSED_OVER.get(why, PASSED_OVER["split"]).format(n=n, split=split)
-        notes.append(f"{note}: {_some(paths)}")
-    if json_read_as_text:
+        notes.append(f"{note}: {_some(listed)}")
+    if json_read_as_text["n"]:
         notes.append(
-            f"{plural(len(json_read_as_text), '.json file')} read as text, as every file of a "
+            f"{plural(json_read_as_text['n'], '.json file')} read as text, as every file of a "
             f"folder that holds more than records and hub metadata: {_some(json_read_as_text)}"
         )
     return notes
 
 
-def _some(paths: list[str]) -> str:
-    return ", ".join(paths[:5]) + (", ..." if len(paths) > 5 else "")
+def _some(listed: dict) -> str:
+    return ", ".join(listed["first"]) + (", ..." if listed["n"] > len(listed["first"]) else "")
 
 
-def _json_read_as_text(files: list[InputFile]) -> list[str]:
-    return [str(path) for path, kind in files if kind == "text" and path.suffix.lower() == ".json"]
+def _kept_notes(
+    passed_over: dict[str, list[str]], files: list[InputFile]
+) -> tuple[dict[str, dict], dict]:
+    """The files passed over, by why, and the .json files read as text, as meta.json keeps and
+    `reading_notes` names them: each a count and the first NAMED paths (a tree's thousands of
+    package.json files, or a hub dataset's test shards, would swell meta.json)."""
+    as_text = [str(p) for p, kind in files if kind == "text" and p.suffix.lower() == ".json"]
+    return {why: _listed(paths) for why, paths in passed_over.items()}, _listed(as_text)
+
+
+def _listed(paths: list[str]) -> dict:
+    return {"n": len(paths), "first": paths[:NAMED]}
 
 
 def _open_inputs(
@@ -327,12 +340,15 @@ class DatasetWriter:
 def _input_files(
     inputs: Iterable[str | Path], text_column: str | None = None
 ) -> tuple[list[InputFile], dict[str, list[str]]]:
-    """The files to read, each once (a file named and within a directory named, too), and
-    those of the inputs' directories passed over, by why (PASSED_OVER). A directory stands for
-    its files (`_folder_files`). Refused: a .json file named alone that is not a JSON array of
-    records (`_json_records`), a prepared dataset (its binary files would train on their
-    syntax), a .csv without `text_column`, and parquet without pyarrow."""
+    """The files to read, each once, where first given (a file given twice, alone or within
+    a directory given, is said to be), and those of the inputs' directories passed over, by
+    why (PASSED_OVER), each once, none that is read. A directory stands for its files
+    (`_folder_files`), whose reading of a file wins over its reading alone. Refused: a .json
+    file named alone that is not a JSON array of records (`_json_records`), a prepared dataset
+    (its binary files would train on their syntax), a file two directories read differently, a
+    .csv without `text_column`, and parquet without pyarrow."""
     inputs, files, passed_over = [Path(i) for i in inputs], {}, defaultdict(list)
+    twice = []
     for item in inputs:
         if _is_dataset(item):
             raise UsageError(
@@ -340,16 +356,25 @@ def _input_files(
                 f"prepare the files it was made from"
             )
         if item.is_dir():
-            found = _folder_files(item, passed_over)
+            found, folder = _folder_files(item, passed_over), item
         elif item.is_file():
-            found = [(item, _kind(item, in_folder=False))]
+            found, folder = [(item, _kind(item, in_folder=False))], None
         else:
             raise UsageError(f"input {item} not found")
         for path, kind in found:
-            files.setdefault(path.resolve(), (path, kind))
+            if (key := path.resolve()) in files:
+                twice.append(key)
+            first, first_kind, first_folder = files.setdefault(key, (path, kind, folder))
+            if first_folder is None:  # a folder's reading wins over its alone, in either order
+                files[key] = (first, kind, folder)
+            elif folder is not None and kind != first_kind:
+                raise UsageError(
+                    f"input {path} is read as {first_kind} within {first_folder} and as {kind} "
+                    f"within {folder}: give one of them"
+                )
     if not files:
         raise UsageError(f"no files in the inputs {[str(i) for i in inputs]}")
-    for path, kind in files.values():  # before any is read
+    for path, kind, _ in files.values():  # before any is read
         if kind == ".csv" and text_column is None:
             raise UsageError(
                 f"input {path}: a .csv file is read only with --text-column NAME, the column "
@@ -357,16 +382,22 @@ def _input_files(
             )
         if kind == ".parquet":
             _parquet_module(path)
-    return list(files.values()), {why: paths for why, paths in passed_over.items() if paths}
+    notes = {why: _unread(paths, files.keys()) for why, paths in passed_over.items()}
+    notes["given twice"] = [str(files[key][0]) for key in dict.fromkeys(twice)]
+    return [(path, kind) for path, kind, _ in files.values()], {w: p for w, p in notes.items() if p}
+
+
+def _unread(paths: list[str], read: Container[Path]) -> list[str]:
+    """`paths` each once, by the file each leads to, those of `read` left out."""
+    return list({key: p for p in paths if (key := Path(p).resolve()) not in read}.values())
 
 
 def _folder_files(folder: Path, passed_over: dict[str, list[str]]) -> list[InputFile]:
     """A directory's files, sorted, hidden ones and prepared datasets within left out, each
     read as `_kind` says. One whose files are record files (.jsonl, .parquet, .csv, a .json
     array or JSON Lines) and hub metadata alone (a downloaded hub dataset) stands for the
-    record files of its train split, as datasets.load_dataset reads it (`_split`; all of them
-    where none names another): its card is no document. Any other mix (a code tree with a
-    fixture .jsonl) reads every file."""
+    record files of one split (`_hub_split`): its card is no document. Any other mix (a code
+    tree with a fixture .jsonl) reads every file."""
 
     def hidden(path: Path) -> bool:
         return any(part.startswith(".") for part in path.relative_to(folder).parts)
@@ -386,20 +417,29 @@ def _folder_files(folder: Path, passed_over: dict[str, list[str]]) -> list[Input
         # A tree of texts: its .json files are texts too, whatever they hold.
         return [(p, "text" if p.suffix.lower() == ".json" else kind) for p, kind in read]
     passed_over["hub metadata"] += map(str, others)
-    records = [(p, kind) for p, kind in read if kind != "text"]
+    return _hub_split(folder, [(p, kind) for p, kind in read if kind != "text"], passed_over)
+
+
+def _hub_split(
+    folder: Path, records: list[InputFile], passed_over: dict[str, list[str]]
+) -> list[InputFile]:
+    """The record files a hub dataset's folder stands for, as datasets.load_dataset reads it:
+    where no file names a split (`_split`), all of them; else those of its train split, or,
+    with none, of its one split; the others passed over. Several splits and no train: refused."""
     splits = {p: _split(p, folder) for p, _ in records}
-    if set(splits.values()) <= {"train", None}:  # one split, or none named: all of it
-        return records
-    for path, split in splits.items():
-        if split != "train":
-            passed_over[f"{split} split" if split else "no split"].append(str(path))
-    if train := [(p, kind) for p, kind in records if splits[p] == "train"]:
-        return train
     named = sorted({split for split in splits.values() if split})
-    raise UsageError(
-        f"input {folder}: a hub dataset with no train split, only {' and '.join(named)} (as "
-        f"datasets.load_dataset reads its file names): give the files to prepare as --input"
-    )
+    if not named:
+        return records
+    if "train" not in named and len(named) > 1:
+        raise UsageError(
+            f"input {folder}: a hub dataset of the {' and '.join(named)} splits, no train split: "
+            f"prepare one, --input its files (e.g. for train.py --eval-data)"
+        )
+    read = "train" if "train" in named else named[0]
+    for path, split in splits.items():
+        if split != read:
+            passed_over[f"{split} split" if split else "no split"].append(str(path))
+    return [(p, kind) for p, kind in records if splits[p] == read]
 
 
 def _split(path: Path, folder: Path) -> str | None:

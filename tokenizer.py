@@ -59,8 +59,7 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def hf_files(self) -> dict[str, bytes]:
-        """The same tokenizer as files AutoTokenizer loads (name -> contents), adding BOS at each
-        document's start as training saw it."""
+        """The files AutoTokenizer loads (name -> contents), adding BOS to documents as trained."""
         return byte_level_bpe_files(self._ranks, self._specials, self._pattern, self._pad)
 
     def render_chat(self, messages: list[Message]) -> Segments:
@@ -316,8 +315,8 @@ class SentencePieceTokenizer(_TemplateTokenizer):
 
 
 def _read_tokenizer_json(path: Path, chat_template: Path | None) -> Tokenizer:
-    """The tokenizer of a tokenizer.json: the bytes tokenizer where it is that one's export whole,
-    else a BPE with byte fallback, else a byte-level BPE (refusing any other model, naming it)."""
+    """The tokenizer of a tokenizer.json: the bytes tokenizer where it is that one's export (same
+    JSON, same ids), else a BPE with byte fallback, else a byte-level BPE (other models refused)."""
     data = path.read_bytes()
     # GC off while the 100k+ merges and what is made of them live: its passes would outlast both.
     with _gc_paused():
@@ -329,9 +328,10 @@ def _read_tokenizer_json(path: Path, chat_template: Path | None) -> Tokenizer:
         byte_fallback = model.get("type") == "BPE" and model.get("byte_fallback")
         kind = ByteFallbackBPETokenizer if byte_fallback else ByteLevelBPETokenizer
         read = kind(path, data, spec, chat_template)
-    ours = ByteTokenizer()  # a bytes run's export: its data fits a run from the export
-    exported = (ours.hf_files()["tokenizer.json"], ours.bos_id, ours.eos_id, None)
-    return ours if (data, read.bos_id, read.eos_id, read.chat_template) == exported else read
+    ours = ByteTokenizer()  # a bytes run's export, however re-saved: its data fits a run from it
+    ids = (read.bos_id, read.eos_id, read.chat_template) == (ours.bos_id, ours.eos_id, None)
+    same = ids and json.loads(data) == json.loads(ours.hf_files()["tokenizer.json"])
+    return ours if same else read
 
 
 class _JsonTokenizer(_TemplateTokenizer):

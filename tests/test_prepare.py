@@ -30,6 +30,11 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
     return path
 
 
+def listed(*paths: Path) -> dict:
+    """A note's files as meta.json keeps them (prepare._kept_notes): the count and first five."""
+    return {"n": len(paths), "first": [str(p) for p in paths[:5]]}
+
+
 def hub_folder(folder: Path, names: dict[str, int]) -> Path:
     """A hub dataset as downloaded: its card, and each name of `names` with that many records."""
     for name, n in names.items():
@@ -71,9 +76,9 @@ def test_a_hub_folder_with_splits_reads_its_train_split_and_names_the_others(tmp
     ds = data.TokenDataset(tmp_path / "ds")
     assert ds.meta["n_documents"] == 4
     assert ds.meta["inputs_passed_over"] == {
-        "hub metadata": [str(hub / "README.md")],
-        "test split": [str(hub / "data" / "test.jsonl")],
-        "validation split": [str(hub / "data" / "validation.jsonl")],
+        "hub metadata": listed(hub / "README.md"),
+        "test split": listed(hub / "data" / "test.jsonl"),
+        "validation split": listed(hub / "data" / "validation.jsonl"),
     }
     assert (
         "the hub dataset's test split not read, only its train split (1 file; prepare it alone, "
@@ -82,10 +87,37 @@ def test_a_hub_folder_with_splits_reads_its_train_split_and_names_the_others(tmp
     write_jsonl(hub / "data" / "extra.jsonl", conversations("extra", 1))
     ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "extra", workers=1))
     assert ds.meta["n_documents"] == 4
-    assert ds.meta["inputs_passed_over"]["no split"] == [str(hub / "data" / "extra.jsonl")]
+    assert ds.meta["inputs_passed_over"]["no split"] == listed(hub / "data" / "extra.jsonl")
     (hub / "data" / "train.jsonl").unlink()
-    with pytest.raises(ValueError, match=r"hub: a hub dataset with no train split, only test and"):
+    with pytest.raises(
+        ValueError,
+        match=r"hub: a hub dataset of the test and validation splits, no train split: prepare "
+        r"one, --input its files",
+    ):
         prepare.prepare([hub], tmp_path / "none", workers=1)
+
+
+def test_a_hub_folders_train_split_beside_unnamed_files_is_read_alone(tmp_path):
+    """Once a file names a split, files naming none are passed over, as datasets does."""
+    hub = hub_folder(tmp_path / "hub", {"train.jsonl": 2, "more.jsonl": 3})
+    ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "ds", workers=1))
+    assert ds.meta["n_documents"] == 2
+    assert ds.meta["inputs_passed_over"]["no split"] == listed(hub / "more.jsonl")
+
+
+def test_a_hub_folder_of_one_split_not_train_reads_that_split(tmp_path):
+    """With no train split, a folder of one other split stands for it (an eval set alone), files
+    naming no split passed over; with a card or without."""
+    hub = hub_folder(tmp_path / "hub", {"data/test-00000-of-00001.jsonl": 3, "extra.jsonl": 1})
+    ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "ds", workers=1))
+    assert ds.meta["n_documents"] == 3
+    assert ds.meta["inputs_passed_over"] == {
+        "hub metadata": listed(hub / "README.md"),
+        "no split": listed(hub / "extra.jsonl"),
+    }
+    bare = tmp_path / "bare"
+    write_jsonl(bare / "test.jsonl", conversations("test", 2))
+    assert data.TokenDataset(prepare.prepare([bare], tmp_path / "b")).meta["n_documents"] == 2
 
 
 def test_a_hub_folder_of_one_split_and_of_shards_reads_all_of_it(tmp_path):
@@ -131,16 +163,16 @@ def test_a_hub_folders_json_lines_json_file_is_read_as_records(tmp_path, capsys)
     )
     assert ds.tokens.tolist() == alone.tokens.tolist() and ds.meta["sft"]
     assert ds.meta["inputs_passed_over"] == {
-        "hub metadata": [str(hub / "CITATION.cff"), str(hub / "README.md")]
+        "hub metadata": listed(hub / "CITATION.cff", hub / "README.md")
     }
-    assert ds.meta["json_read_as_text"] == []
+    assert ds.meta["json_read_as_text"] == listed()
     (hub / "main.py").write_text("print('a code tree')")
     data.main(
         ["prepare", "--input", str(hub), "--output", str(tmp_path / "tree"), "--workers", "1"]
     )
     tree = data.TokenDataset(tmp_path / "tree")
     assert tree.meta["n_documents"] == 4 and not tree.meta["sft"]
-    assert tree.meta["json_read_as_text"] == [str(hub / "train.json")]
+    assert tree.meta["json_read_as_text"] == listed(hub / "train.json")
     out = capsys.readouterr().out
     assert (
         "1 .json file read as text, as every file of a folder that holds more than records "
@@ -163,7 +195,7 @@ def test_a_prepared_dataset_inside_an_input_folder_is_passed_over(tmp_path, caps
     first = data.TokenDataset(prepare.prepare([hub], hub / "prepared", workers=1))
     again = data.TokenDataset(prepare.prepare([hub], hub / "prepared", workers=1))
     assert again.tokens.tolist() == first.tokens.tolist()
-    assert again.meta["inputs_passed_over"]["prepared dataset"] == [str(hub / "prepared")]
+    assert again.meta["inputs_passed_over"]["prepared dataset"] == listed(hub / "prepared")
     twice = data.TokenDataset(prepare.prepare([hub, hub / "train.jsonl"], tmp_path / "t"))
     assert twice.tokens.tolist() == first.tokens.tolist()
     data.main(["prepare", "--input", str(hub), "--output", str(tmp_path / "o"), "--workers", "1"])
@@ -171,3 +203,57 @@ def test_a_prepared_dataset_inside_an_input_folder_is_passed_over(tmp_path, caps
         "1 prepared dataset inside the inputs not read (train.py --data takes a prepared "
         f"dataset): {hub / 'prepared'}" in capsys.readouterr().out
     )
+
+
+def test_a_file_given_twice_is_read_once_the_same_way_and_said_to_be(tmp_path, capsys):
+    """However a file is given twice (alone, in its folder, the folder twice, in any order): read
+    once, said to be, each passed-over file named once, and none named that is read."""
+    hub = hub_folder(tmp_path / "hub", {"data/train.jsonl": 2, "data/test.jsonl": 3})
+    alone = write_jsonl(tmp_path / "a.jsonl", conversations("a", 1))
+    files, passed_over = prepare._input_files([hub, hub, alone, alone])
+    assert [path for path, _ in files] == [hub / "data" / "train.jsonl", alone]
+    assert passed_over == {
+        "hub metadata": [str(hub / "README.md")],
+        "test split": [str(hub / "data" / "test.jsonl")],
+        "given twice": [str(hub / "data" / "train.jsonl"), str(alone)],
+    }
+    argv = ["prepare", "--input", str(alone), "--input", str(hub), str(alone), "--output"]
+    data.main([*argv, str(tmp_path / "ds"), "--workers", "1"])  # --input repeated adds
+    assert data.TokenDataset(tmp_path / "ds").meta["n_documents"] == 3
+    note = f"1 file given more than once (alone, or within a folder given) read once: {alone}"
+    assert note in capsys.readouterr().out
+    files, passed_over = prepare._input_files([hub, hub / "data" / "test.jsonl"])
+    assert len(files) == 2 and passed_over == {"hub metadata": [str(hub / "README.md")]}
+    # A JSON Lines .json: records in its folder, refused alone (not an array); the folder's
+    # reading wins, in either order.
+    write_jsonl(hub / "data" / "train.json", conversations("json", 2))
+    json_lines = hub / "data" / "train.json"
+    for inputs in ([hub, json_lines], [json_lines, hub]):
+        files, _ = prepare._input_files(inputs)
+        assert dict(files)[json_lines] == ".jsonl", inputs
+    # Within a code tree the same file is a text: two folders reading it differently, refused.
+    (tmp_path / "main.py").write_text("print('a code tree')")
+    with pytest.raises(ValueError, match=r"train.json is read as text within .* and as .jsonl"):
+        prepare._input_files([tmp_path, hub])
+
+
+def test_meta_json_keeps_a_count_and_the_first_five_of_many_files_passed_over(tmp_path, capsys):
+    """A hub dataset's many test shards, a tree's many package.json files: meta.json keeps their
+    count and the first five paths, the summary says as much as before."""
+    shards = {f"data/test-{i:05}-of-00007.jsonl": 1 for i in range(7)}
+    hub = hub_folder(tmp_path / "hub", {"data/train.jsonl": 2, **shards})
+    data.main(["prepare", "--input", str(hub), "--output", str(tmp_path / "ds"), "--workers", "1"])
+    tests = sorted(hub / name for name in shards)
+    assert data.TokenDataset(tmp_path / "ds").meta["inputs_passed_over"]["test split"] == {
+        "n": 7,
+        "first": [str(p) for p in tests[:5]],
+    }
+    first = ", ".join(map(str, tests[:5]))
+    note = f"(7 files; prepare it alone, --input its files, e.g. for train.py --eval-data): {first}"
+    assert f"{note}, ...\n" in capsys.readouterr().out
+    for i in range(6):
+        (tmp_path / "tree" / str(i)).mkdir(parents=True)
+        (tmp_path / "tree" / str(i) / "package.json").write_text('{"name": "a"}')
+    tree = data.TokenDataset(prepare.prepare([tmp_path / "tree"], tmp_path / "t", workers=1))
+    assert tree.meta["json_read_as_text"]["n"] == 6
+    assert len(tree.meta["json_read_as_text"]["first"]) == 5

@@ -412,9 +412,10 @@ def test_the_export_carries_the_tokenizer_that_prepared_the_data_whose_eos_is_ch
 
 def test_a_bytes_runs_export_is_the_bytes_tokenizer_and_another_file_is_not(tmp_path):
     """A run on byte-tokenized data exports the bytes tokenizer's files (hf_files): a run from
-    the export (--hf-checkpoint) reads that data (it was refused as another tokenizer), and data
-    prepared with the export is bytes data. The same tokenizer.json with another EOS or a chat
-    template, or another tokenizer.json of the same ids, is another tokenizer: refused."""
+    the export (--hf-checkpoint), or from its tokenizer.json re-saved, reads that data (it was
+    refused as another tokenizer), and data prepared with the export is bytes data. The same
+    tokenizer.json with another EOS or a chat template, or another tokenizer.json of the same
+    ids, is another tokenizer: refused."""
 
     def checkpoint(name: str, changed: dict[str, bytes]) -> Path:
         directory = tmp_path / name
@@ -433,6 +434,11 @@ def test_a_bytes_runs_export_is_the_bytes_tokenizer_and_another_file_is_not(tmp_
     assert run.export_tokenizer.files["tokenizer.json"] == (export / "tokenizer.json").read_bytes()
     again = prepare.prepare([text], tmp_path / "again", export, workers=1)
     assert data.TokenDataset(again).meta["tokenizer"] == "bytes"
+    # Re-saved with other formatting (tokenizers, transformers): the same JSON, the same ids.
+    spec = json.loads(tokenizer.ByteTokenizer().hf_files()["tokenizer.json"])
+    resaved = checkpoint("resaved", {"tokenizer.json": json.dumps(spec, indent=4).encode()})
+    run = data.open_data(str(prepared), None, str(resaved), 258, 8, True)
+    assert isinstance(run.text_tokenizer, tokenizer.ByteTokenizer)
     others = {
         "eos": {"tokenizer_config.json": '{"bos_token": "<bos>", "eos_token": "Ċ"}'.encode()},
         "template": {"chat_template.jinja": CHATML_TEMPLATE.encode()},
