@@ -480,8 +480,9 @@ def config_toml(opts: Options, given: frozenset[str]) -> str:
     ]
     if from_adapter:
         lines.append(
-            f"# {', '.join(map(flag_name, from_adapter))} left out: taken from lora_adapter's "
-            f"adapter_config.json, as a run of this file takes them from its own"
+            f"# {', '.join(map(flag_name, from_adapter))} left out: a run of this file, as this "
+            f"one, takes each from lora_adapter's adapter_config.json where it gives one, else "
+            f"its default"
         )
     for name, value in values.items():
         if isinstance(value, bool):
