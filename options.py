@@ -480,8 +480,9 @@ def config_toml(opts: Options, given: frozenset[str]) -> str:
     ]
     if from_adapter:
         lines.append(
-            f"# {', '.join(map(flag_name, from_adapter))} left out: taken from lora_adapter's "
-            f"adapter_config.json, as a run of this file takes them from its own"
+            f"# {', '.join(map(flag_name, from_adapter))} left out: a run of this file, as this "
+            f"one, takes each from lora_adapter's adapter_config.json where it gives one, else "
+            f"its default"
         )
     for name, value in values.items():
         if isinstance(value, bool):
@@ -493,9 +494,10 @@ def config_toml(opts: Options, given: frozenset[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int) -> None:
+def check_options(opts: Options, args: ModelArgs, world_size: int, nproc_per_node: int) -> None:
     """The options against each other and the model's shape, before anything is read or joined,
-    every problem in one error. `world_size`, `per_node`: torchrun's, or the machine estimated."""
+    every problem in one error. `world_size`, `nproc_per_node`: torchrun's, or the machine
+    estimated."""
     problems = []
     if opts.model and opts.hf_checkpoint:
         problems.append("give --model or --hf-checkpoint, not both")
@@ -556,7 +558,7 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, per_node: int
                 f"--lora-targets {opts.lora_targets} leaves none: drop --fp8, or adapt fewer "
                 f"projections"
             )
-    problems += technique_problems(opts, args, world_size, per_node)
+    problems += technique_problems(opts, args, world_size, nproc_per_node)
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -639,13 +641,13 @@ def lora_config(opts: Options) -> LoRAConfig | None:
 def command_line(opts: Options, given: frozenset[str], **changes) -> str:
     """This run's command (the options it was given) with `changes`, runnable from here."""
     opts = dataclasses.replace(opts, **changes)
-    world_size, per_node = shard.torchrun_processes()
+    world_size, nproc_per_node = shard.torchrun_processes()
     script = os.path.relpath(REPO / "train.py")
     words = ["python", script]
     if world_size > 1:
-        words = ["torchrun", f"--nproc-per-node={per_node}", script]
-        if world_size > per_node:
-            words[1:1] = [f"--nnodes={world_size // per_node}"]
+        words = ["torchrun", f"--nproc-per-node={nproc_per_node}", script]
+        if world_size > nproc_per_node:
+            words[1:1] = [f"--nnodes={world_size // nproc_per_node}"]
     named = given | changes.keys()
     fields = {f.name: getattr(opts, f.name) for f in dataclasses.fields(Options) if f.name in named}
     if fields.get("resume") == "latest":  # the bare flag

@@ -174,6 +174,11 @@ class Plan:
         return self.micro_batch * self.seq_len // self.context_parallel
 
     @property
+    def processes_per_node(self) -> int:
+        """nproc_per_node, or where not given the world size (one node)."""
+        return self.nproc_per_node or self.world_size
+
+    @property
     def tokens_per_step(self) -> int:
         return self.tokens * self.world_size * self.grad_accum
 
@@ -290,10 +295,10 @@ def plan_problems(args: ModelArgs, plan: Plan, grad_clip: float | None = None) -
     if cp >= 1:  # options.check_options refuses the rest
         if plan.seq_len % cp:
             problems.append(f"--context-parallel {cp} must divide --seq-len {plan.seq_len}")
-        per_node = plan.nproc_per_node or plan.world_size
-        if plan.world_size % cp or per_node % cp:
+        nproc = plan.processes_per_node
+        if plan.world_size % cp or nproc % cp:
             problems.append(
-                f"--context-parallel {cp} must divide the ranks per node ({per_node}) "
+                f"--context-parallel {cp} must divide the ranks per node ({nproc}) "
                 f"and the world size ({plan.world_size}): a context-parallel group stays in a node"
             )
         kv_ok = args.n_kv_heads % cp == 0 or cp % args.n_kv_heads == 0
@@ -471,7 +476,7 @@ def sharded_state(args: ModelArgs, plan: Plan, w: Weights, p: int) -> tuple[dict
     backward: with the shard each later block wrote), AdamW's GPU moments, the host's bytes.
     Gathered in param_dtype (`p` bytes): the root through the step, the head from forward's
     end through its backward, two blocks (running, prefetched) if resharded after forward."""
-    s = shard_group_size(plan.strategy, plan.world_size, plan.nproc_per_node or plan.world_size)
+    s = shard_group_size(plan.strategy, plan.world_size, plan.processes_per_node)
     root, head = (w.embedding, w.head) if plan.lora is None else (0, 0)  # trained numel
     master = 0.0 if plan.cpu_offload else (4 * w.trained + w.frozen_bytes) / s
     optimizer = 2 * 4 * w.trained / s  # exp_avg, exp_avg_sq
@@ -834,10 +839,10 @@ def step_seconds(args: ModelArgs, plan: Plan, flops: float = GPU_FLOPS) -> float
     compute_s = plan.tokens * plan.grad_accum * per_token / flops
     if plan.activation_offload:
         compute_s *= 1 + ACTIVATION_OFFLOAD_COST
-    per_node = plan.nproc_per_node or plan.world_size
     if plan.cpu_offload:  # with the optimizer in backward too: its updates overlap backward
-        shard = shard_group_size(plan.strategy, plan.world_size, per_node)
-        return compute_s + args.num_params() / shard * CPU_OFFLOAD_S_PER_PARAM * per_node
+        nproc = plan.processes_per_node
+        shard = shard_group_size(plan.strategy, plan.world_size, nproc)
+        return compute_s + args.num_params() / shard * CPU_OFFLOAD_S_PER_PARAM * nproc
     if plan.optimizer_in_backward:  # the host's updates that backward leaves uncovered
         return compute_s + args.num_params() * IN_BACKWARD_S_PER_PARAM
     return compute_s
@@ -1058,10 +1063,10 @@ class Planner:
         if on_gpu:
             tried.append("more GPUs (up to 64x)")
             for world in (m.world_size * 2**k for k in range(1, 7)):
-                per_node = min(world, max(m.nproc_per_node, 8))
-                machine = Machine(world, per_node, m.gpu_gib, m.host_gib)
-                if fits_with({"world_size": world, "nproc_per_node": per_node}, machine=machine):
-                    ways.append(f"{world} GPUs ({per_node} per node)")
+                nproc = min(world, max(m.nproc_per_node, 8))
+                machine = Machine(world, nproc, m.gpu_gib, m.host_gib)
+                if fits_with({"world_size": world, "nproc_per_node": nproc}, machine=machine):
+                    ways.append(f"{world} GPUs ({nproc} per node)")
                     break
         tried.append("a shorter sequence")
         halves = (base.seq_len // 2**k for k in range(1, base.seq_len.bit_length()))

@@ -672,9 +672,10 @@ def check_resumable(saved: dict, run: dict) -> None:
     # (Checkpoints saved before the record had the base's fingerprint resume as they did.)
     if saved.get("base") and saved["base"] != run.get("base"):
         raise UsageError(
-            f"cannot resume: the weights of the base checkpoint (--hf-checkpoint) changed since "
-            f"this checkpoint was saved (fingerprint {saved['base']}, now {run.get('base')}): "
-            f"give --hf-checkpoint the base its adapters were trained on"
+            f"cannot resume: the weights of the base checkpoint (--hf-checkpoint) changed or were "
+            f"re-saved in other files since this checkpoint was saved (fingerprint "
+            f"{saved['base']}, now {run.get('base')}): give --hf-checkpoint the base its "
+            f"adapters were trained on"
         )
     # The loader would go on with the checkpoint's order and cursor over other samples.
     # (Checkpoints saved before the record had the dataset's identity resume as they did.)

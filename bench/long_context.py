@@ -12,14 +12,14 @@ masks attention between them with --peer-attn).
 
 One sequence per GPU per step (--batch-tokens seq x nproc); what the flags leave open,
 train.py plans (the "plan" field of each longtune row).
-Prints one row per run: tokens/s per GPU, MFU (6*N + 6*L*S*d FLOPs per token, the attention
-counted within documents where they are masked apart, against 989 TFLOP/s), peak GPU memory
-(torch.cuda.max_memory_allocated), peak host RSS. Step times are the median over the steps
-after the first two (warm-up: compilation, allocator), or the last step's when --steps is
-below 3 (for steps of minutes, where warm-up is a small part). longtune logs each step, so
-the host waits for the GPU after each one; the peer times its steps with no wait between
-them. --window T times both alike: T warm-up steps, then T steps timed as one window with
-no wait inside it (longtune logs at steps T and 2T only).
+Prints one row per run: tokens/s per GPU, MFU (model.flops_formula's 6*N + 6*L*S*H*Dh FLOPs per
+token, 4*N for a frozen base, the attention counted within documents where they are masked
+apart, against 989 TFLOP/s), peak GPU memory (torch.cuda.max_memory_allocated), peak host RSS.
+Step times are the median over the steps after the first two (warm-up: compilation, allocator),
+or the last step's when --steps is below 3 (for steps of minutes, where warm-up is a small
+part). longtune logs each step, so the host waits for the GPU after each one; the peer times its
+steps with no wait between them. --window T times both alike: T warm-up steps, then T steps
+timed as one window with no wait inside it (longtune logs at steps T and 2T only).
 A run that fails (e.g. out of memory) gets its last error line instead.
 """
 

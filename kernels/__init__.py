@@ -3,8 +3,9 @@
 `model.Ops` holds the ops the model picks by reference (`model.REFERENCE_OPS`) or Triton
 (`model.triton_ops`): each kernel takes its reference's arguments, swiglu and geglu also an
 `overwrite` (set by triton_ops). The rest are picked where used, by the same switch (--kernels,
-Plan.kernels): nf4_linear takes the dequantization that lora.apply_lora picks, and fp8_linears
-picks its quantizers, kernels or references, by its `kernels` argument.
+Plan.kernels): moe_experts runs clamped_swiglu for gpt-oss (its `overwrite` set), nf4_linear
+takes the dequantization that lora.apply_lora picks, and fp8_linears picks its quantizers,
+kernels or references, by its `kernels` argument.
 """
 
 from kernels.cross_entropy import (

@@ -53,6 +53,13 @@ ACTIVATIONS = {
 }
 
 
+def _activation(name: str, caller: str) -> tuple:
+    """ACTIVATIONS[name], or a ValueError naming `caller` and the names it takes."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{caller}: activation {name!r}, expected one of {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
 class ExpertLoRA(NamedTuple):
     """LoRA's adapters on each expert's projections, as PEFT puts them on transformers' fused
     gate_up_proj and down_proj (one A for gate and up, whose B is that tensor's two halves):
@@ -83,7 +90,7 @@ def moe_experts_reference(
     """The experts in plain PyTorch, a loop over experts; returns x's dtype. Each expert's
     tokens are found with nonzero, which reads their count on the host: a wait for the GPU
     per expert."""
-    _, reference = ACTIVATIONS[activation]
+    _, reference = _activation(activation, "moe_experts_reference")
     y = torch.zeros_like(x)
     for e in range(w1.shape[0]):
         token, choice = (experts == e).nonzero(as_tuple=True)
@@ -679,6 +686,7 @@ def moe_experts(
     dtype. Biases are added to the sorted rows in place (no selective checkpoint keeps a
     grouped product: offload.MATMUL_OPS), and the activation is its fused kernel; the
     adapters' products are grouped products of the same rows."""
+    fused, _ = _activation(activation, "moe_experts")
     if experts.dim() != 2 or w1.dim() != 3:
         raise ValueError(
             f"moe_experts: experts {tuple(experts.shape)} and w1 {tuple(w1.shape)}, expected "
@@ -715,8 +723,6 @@ def moe_experts(
         problems.append(f"weights {weights.dtype}, expected x's {x.dtype} or float32")
     if experts.dtype.is_floating_point or experts.dtype == torch.bool:
         problems.append(f"experts {experts.dtype}, expected integers")
-    if activation not in ACTIVATIONS:
-        problems.append(f"activation {activation!r}, expected one of {', '.join(ACTIVATIONS)}")
     if problems:
         raise ValueError("moe_experts: " + "; ".join(problems))
     position, offsets = sort_by_expert(experts, n_experts)
@@ -726,7 +732,6 @@ def moe_experts(
         up = add_expert_bias_(up, biases[1], offsets)
     # The activation's backward may write the gradients over gate and up, read by nothing
     # else, as the dense MLP's does (model.triton_ops).
-    fused, _ = ACTIVATIONS[activation]
     hidden = fused(gate, up, overwrite=True)
     out = grouped_mm(hidden, w2, offsets)
     if lora is not None and lora.a2 is not None:

@@ -51,16 +51,14 @@ def _gate(
     g, ACTIVATION: tl.constexpr, ALPHA: tl.constexpr = SWIGLU_ALPHA,
     LIMIT: tl.constexpr = SWIGLU_LIMIT,
 ):  # fmt: skip
-    """(a, da/dg) for the gate a = g * s, s = sigmoid(x(g)), where
-    d/dg [g * s] = s + g * s * (1 - s) * dx/dg, and x by the activation:
+    """(g, s, f) for the gate a = g * s, s = sigmoid(x(g)), and its derivative da/dg = s * f,
+    f = 1 + g * (1 - s) * dx/dg, where x by the activation:
     swiglu: x = g;
     geglu: tanh GELU, 0.5 * g * (1 + tanh(z)) with z = sqrt(2/pi) * (g + 0.044715 g^3), and
         0.5 * (1 + tanh(z)) = sigmoid(2z): x = 2z (no cancellation in 1 + tanh for g < 0);
-    clamped_swiglu: g clamped from above at LIMIT, then x = ALPHA * g; da/dg = 0 where g was
-        clamped, not at LIMIT itself (torch.clamp's gradient passes at its bounds).
+    clamped_swiglu: g clamped from above at LIMIT (the g returned), then x = ALPHA * g.
     """
     if ACTIVATION == "clamped_swiglu":
-        kept = g <= LIMIT
         g = tl.where(g > LIMIT, LIMIT, g)  # a NaN stays NaN, as torch.clamp's
         x, dx = ALPHA * g, ALPHA
     elif ACTIVATION == "geglu":
@@ -69,54 +67,54 @@ def _gate(
     else:
         x, dx = g, 1.0
     s = tl.sigmoid(x)
-    da = s * (1.0 + g * (1.0 - s) * dx)
-    if ACTIVATION == "clamped_swiglu":
-        da = tl.where(kept, da, 0.0)
-    return g * s, da
+    return g, s, 1.0 + g * (1.0 - s) * dx
 
 
 @triton.jit
 def _up(u, ACTIVATION: tl.constexpr, LIMIT: tl.constexpr = SWIGLU_LIMIT):
-    """(b, db/du) for the up: u itself, or clamped_swiglu's u clamped to [-LIMIT, LIMIT] plus 1,
-    db/du = 0 where u was clamped (1 at the bounds themselves, as torch.clamp's)."""
+    """The up's factor b: u itself, or clamped_swiglu's u clamped to [-LIMIT, LIMIT] plus 1."""
     if ACTIVATION == "clamped_swiglu":
-        db = tl.where((u >= -LIMIT) & (u <= LIMIT), 1.0, 0.0)
-        b = tl.where(u > LIMIT, LIMIT, tl.where(u < -LIMIT, -LIMIT, u)) + 1.0
-    else:
-        b, db = u, 1.0
-    return b, db
+        u = tl.where(u > LIMIT, LIMIT, tl.where(u < -LIMIT, -LIMIT, u)) + 1.0
+    return u
 
 
 @triton.jit
 def _glu_forward_kernel(
     gate_ptr, up_ptr, out_ptr, numel, BLOCK: tl.constexpr, ACTIVATION: tl.constexpr
 ):
-    """out = a(g) * b(u), in fp32, stored in out's dtype."""
+    """out = g * s * b, in fp32, stored in out's dtype."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
-    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    a, _ = _gate(g, ACTIVATION)
-    b, _ = _up(u, ACTIVATION)
-    tl.store(out_ptr + offsets, (a * b).to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    g, s, _ = _gate(gate, ACTIVATION)
+    out = g * s * _up(up, ACTIVATION)
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _glu_backward_kernel(
     gate_ptr, up_ptr, dout_ptr, dgate_ptr, dup_ptr, numel, BLOCK: tl.constexpr,
-    ACTIVATION: tl.constexpr,
+    ACTIVATION: tl.constexpr, LIMIT: tl.constexpr = SWIGLU_LIMIT,
 ):  # fmt: skip
-    """du = dout * a * db/du and dg = dout * b * da/dg, with a(g) and b(u) recomputed rather
-    than saved (one fewer tensor to store and read)."""
+    """du = dout * g * s and dg = dout * b * s * f, multiplied in this order (SwiGLU's and
+    GeGLU's gradients as before the clamped variant, to the bit), with s recomputed rather
+    than saved (one fewer tensor to store and read). clamped_swiglu's are 0 where gate or up
+    was clamped, whatever dout (a NaN too), as torch.clamp's gradient, which passes at the
+    bounds themselves."""
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
-    g = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     dout = tl.load(dout_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    a, da = _gate(g, ACTIVATION)
-    b, db = _up(u, ACTIVATION)
-    tl.store(dup_ptr + offsets, (dout * a * db).to(dup_ptr.dtype.element_ty), mask=mask)
-    tl.store(dgate_ptr + offsets, (dout * b * da).to(dgate_ptr.dtype.element_ty), mask=mask)
+    g, s, f = _gate(gate, ACTIVATION)
+    du = dout * g * s
+    dg = dout * _up(up, ACTIVATION) * s * f
+    if ACTIVATION == "clamped_swiglu":
+        du = tl.where((up >= -LIMIT) & (up <= LIMIT), du, 0.0)
+        dg = tl.where(gate <= LIMIT, dg, 0.0)
+    tl.store(dup_ptr + offsets, du.to(dup_ptr.dtype.element_ty), mask=mask)
+    tl.store(dgate_ptr + offsets, dg.to(dgate_ptr.dtype.element_ty), mask=mask)
 
 
 def _grid(numel: int, block: int) -> tuple[int]:

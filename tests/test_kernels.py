@@ -275,6 +275,23 @@ def test_clamped_swiglu_matches_reference_forward_and_grads(shape, dtype, overwr
     assert torch.equal(intermediates[0].detach(), gate) != overwrite
 
 
+def test_clamped_swiglu_gradient_is_zero_where_clamped_even_for_a_nan_dout():
+    """Where gate or up was clamped (or is NaN) its gradient is 0 whatever dout, a NaN too, as
+    torch.clamp's in the reference; elsewhere, at the bounds too, a NaN dout gives NaN."""
+    nan = float("nan")
+    gate = torch.tensor([9.0, 1.0, SWIGLU_LIMIT, 1.0, nan, 1.0])
+    up = torch.tensor([1.0, -9.0, 1.0, SWIGLU_LIMIT, 1.0, nan])
+    dout = torch.full_like(gate, nan)
+    (_, got), (_, ref) = (
+        forward_and_grads(fn, [gate, up], [dout])
+        for fn in (clamped_swiglu, clamped_swiglu_reference)
+    )
+    zero = {"dgate": [0, 4], "dup": [1, 5]}
+    for name, grad, ref_grad in zip(["dgate", "dup"], got, ref, strict=True):
+        torch.testing.assert_close(grad, ref_grad, rtol=0, atol=0, equal_nan=True, msg=name)
+        assert (grad == 0).nonzero().flatten().tolist() == zero[name], name
+
+
 # ----------------------------------------------------------------------------------------
 # Linear + cross-entropy
 # ----------------------------------------------------------------------------------------
@@ -450,12 +467,20 @@ def test_rope_bf16_matches_fp32_reference_at_llama3_8b_shape_and_long_positions(
     ids=["swiglu", "geglu", "clamped_swiglu"],
 )
 def test_gated_activation_bf16_matches_fp32_reference_at_llama_shapes(kernel, reference, ffn_dim):
+    """clamped_swiglu's gate and up scaled by 4 put ~4% of gates past their clamp and ~8% of
+    ups past theirs (7 is 1.75 sigma), where its gradients are zero as, and only where, the
+    reference's are."""
     gate, up, dout = gpu_inputs(*[(8192, ffn_dim)] * 3)
+    clamped = kernel is clamped_swiglu
+    if clamped:
+        gate, up = gate * 4, up * 4
+        assert (gate > SWIGLU_LIMIT).any() and (up.abs() > SWIGLU_LIMIT).any()
     pairs = against_reference(
         kernel, reference, [gate, up], [dout], ["out", "dgate", "dup"], torch.float32
     )
     for name, got, ref in pairs:
         assert_close_on_gpu(got, ref, GPU_BF16_TOLERANCE, name)
+        assert not clamped or torch.equal(got == 0, ref == 0), name
 
 
 @pytest.mark.gpu

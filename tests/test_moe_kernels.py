@@ -290,8 +290,11 @@ def test_moe_experts_and_grouped_mm_name_every_mismatch_at_once():
         moe_experts(x, experts, weights, w1, w3.bfloat16(), w2.transpose(1, 2))
     with pytest.raises(ValueError, match="experts torch.float32, expected integers"):
         moe_experts(x, experts.float(), weights, w1, w3, w2)
-    with pytest.raises(ValueError, match="activation 'gelu', expected one of swiglu, clamped_"):
-        moe_experts(x, experts, weights, w1, w3, w2, activation="gelu")
+    for fn in (moe_experts, moe_experts_reference):
+        with pytest.raises(
+            ValueError, match=f"{fn.__name__}: activation 'gelu', expected one of swiglu, clamped_"
+        ):
+            fn(x, experts, weights, w1, w3, w2, activation="gelu")
     with pytest.raises(ValueError, match=r"offsets \(6,\) torch.int64, expected int32"):
         grouped_mm(x, w1, torch.zeros(6, dtype=torch.int64))
     # The adapters' shapes too: B's rank is A's; a B without its A is refused.
