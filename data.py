@@ -538,8 +538,7 @@ def summary(meta: dict, output: Path) -> str:
         f"tokenizer {meta['tokenizer']}, longest document {meta['longest_document']:,} tokens"
     ]
     shapes, seq_len = meta.get("records_by_shape", {}), meta["split_seq_len"]  # absent: older
-    notes = meta.get("inputs_passed_over", {}), meta.get("json_read_as_text", {"n": 0})
-    lines += reading_notes(shapes, *notes)
+    lines += reading_notes(shapes, meta["inputs_passed_over"], meta["json_read_as_text"])
     if meta["sft"]:
         whole = meta.get("n_documents_trained_whole", 0)
         text = f"; {plural(whole, 'document')} with no prompt (text) trained on whole"

@@ -78,8 +78,8 @@ SPLIT_WORD = re.compile(
 PASSED_OVER = {
     "hub metadata": "{n} of hub metadata beside the record files not read",
     "prepared dataset": "{n} inside the inputs not read (train.py --data takes a prepared dataset)",
-    "given twice": "{n} given more than once (alone, or within a folder given) read once",
-    "no split": "{n} naming no split beside a hub dataset's splits not read (as datasets does)",
+    "reached twice": "{n} reached by more than one path (given twice, or a link) read once",
+    "no split": "{n} naming no split beside the train split not read (as datasets does)",
     "split": "the hub dataset's {split} split not read, only its train split ({n}; prepare it "
     "alone, --input its files, e.g. for train.py --eval-data)",
 }
@@ -340,13 +340,14 @@ class DatasetWriter:
 def _input_files(
     inputs: Iterable[str | Path], text_column: str | None = None
 ) -> tuple[list[InputFile], dict[str, list[str]]]:
-    """The files to read, each once, where first given (a file given twice, alone or within
-    a directory given, is said to be), and those of the inputs' directories passed over, by
+    """The files to read, each once, where first reached (one reached by more than one path,
+    given twice or a link, is said to be), and those of the inputs' directories passed over, by
     why (PASSED_OVER), each once, none that is read. A directory stands for its files
-    (`_folder_files`), whose reading of a file wins over its reading alone. Refused: a .json
-    file named alone that is not a JSON array of records (`_json_records`), a prepared dataset
-    (its binary files would train on their syntax), a file two directories read differently, a
-    .csv without `text_column`, and parquet without pyarrow."""
+    (`_folder_files`), whose reading of a file wins over its reading alone; between two readings
+    alone (a file and a link to it), the first wins. Refused: a .json file named alone that is
+    not a JSON array of records (`_json_records`), a prepared dataset (its binary files would
+    train on their syntax), a file two directories read differently, a .csv without
+    `text_column`, and parquet without pyarrow."""
     inputs, files, passed_over = [Path(i) for i in inputs], {}, defaultdict(list)
     twice = []
     for item in inputs:
@@ -365,7 +366,8 @@ def _input_files(
             if (key := path.resolve()) in files:
                 twice.append(key)
             first, first_kind, first_folder = files.setdefault(key, (path, kind, folder))
-            if first_folder is None:  # a folder's reading wins over its alone, in either order
+            # A folder's reading wins over a reading alone, in either order; else the first.
+            if first_folder is None and folder is not None:
                 files[key] = (first, kind, folder)
             elif folder is not None and kind != first_kind:
                 raise UsageError(
@@ -383,7 +385,7 @@ def _input_files(
         if kind == ".parquet":
             _parquet_module(path)
     notes = {why: _unread(paths, files.keys()) for why, paths in passed_over.items()}
-    notes["given twice"] = [str(files[key][0]) for key in dict.fromkeys(twice)]
+    notes["reached twice"] = [str(files[key][0]) for key in dict.fromkeys(twice)]
     return [(path, kind) for path, kind, _ in files.values()], {w: p for w, p in notes.items() if p}
 
 
@@ -424,16 +426,21 @@ def _hub_split(
     folder: Path, records: list[InputFile], passed_over: dict[str, list[str]]
 ) -> list[InputFile]:
     """The record files a hub dataset's folder stands for, as datasets.load_dataset reads it:
-    where no file names a split (`_split`), all of them; else those of its train split, or,
-    with none, of its one split; the others passed over. Several splits and no train: refused."""
+    where no file names a split (`_split`), all of them; else those of its train split, the
+    others passed over; with no train split, those of its one split where every file names it.
+    No train split and several splits, or files naming none beside: refused (which to read is
+    the user's choice, not a guess)."""
     splits = {p: _split(p, folder) for p, _ in records}
     named = sorted({split for split in splits.values() if split})
     if not named:
         return records
-    if "train" not in named and len(named) > 1:
+    unnamed = list(splits.values()).count(None)
+    if "train" not in named and (len(named) > 1 or unnamed):
+        beside = f" and {plural(unnamed, 'file')} naming no split" if unnamed else ""
         raise UsageError(
-            f"input {folder}: a hub dataset of the {' and '.join(named)} splits, no train split: "
-            f"prepare one, --input its files (e.g. for train.py --eval-data)"
+            f"input {folder}: a hub dataset of the {' and '.join(named)} "
+            f"split{'s' * (len(named) > 1)}{beside}, no train split: prepare one, --input its "
+            f"files (e.g. for train.py --eval-data)"
         )
     read = "train" if "train" in named else named[0]
     for path, split in splits.items():

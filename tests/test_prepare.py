@@ -31,8 +31,8 @@ def write_jsonl(path: Path, records: list[dict]) -> Path:
 
 
 def listed(*paths: Path) -> dict:
-    """A note's files as meta.json keeps them (prepare._kept_notes): the count and first five."""
-    return {"n": len(paths), "first": [str(p) for p in paths[:5]]}
+    """A note's files as meta.json keeps them (prepare._kept_notes): the count and the first."""
+    return {"n": len(paths), "first": [str(p) for p in paths[: prepare.NAMED]]}
 
 
 def hub_folder(folder: Path, names: dict[str, int]) -> Path:
@@ -91,8 +91,8 @@ def test_a_hub_folder_with_splits_reads_its_train_split_and_names_the_others(tmp
     (hub / "data" / "train.jsonl").unlink()
     with pytest.raises(
         ValueError,
-        match=r"hub: a hub dataset of the test and validation splits, no train split: prepare "
-        r"one, --input its files",
+        match=r"hub: a hub dataset of the test and validation splits and 1 file naming no split, "
+        r"no train split: prepare one, --input its files",
     ):
         prepare.prepare([hub], tmp_path / "none", workers=1)
 
@@ -106,18 +106,24 @@ def test_a_hub_folders_train_split_beside_unnamed_files_is_read_alone(tmp_path):
 
 
 def test_a_hub_folder_of_one_split_not_train_reads_that_split(tmp_path):
-    """With no train split, a folder of one other split stands for it (an eval set alone), files
-    naming no split passed over; with a card or without."""
-    hub = hub_folder(tmp_path / "hub", {"data/test-00000-of-00001.jsonl": 3, "extra.jsonl": 1})
+    """With no train split, a folder whose record files all name one other split stands for
+    them (an eval set alone), with a card or without; files naming no split beside them:
+    refused, which to read is the user's choice."""
+    hub = hub_folder(tmp_path / "hub", {"data/test-00000-of-00001.jsonl": 3})
     ds = data.TokenDataset(prepare.prepare([hub], tmp_path / "ds", workers=1))
     assert ds.meta["n_documents"] == 3
-    assert ds.meta["inputs_passed_over"] == {
-        "hub metadata": listed(hub / "README.md"),
-        "no split": listed(hub / "extra.jsonl"),
-    }
+    assert ds.meta["inputs_passed_over"] == {"hub metadata": listed(hub / "README.md")}
     bare = tmp_path / "bare"
     write_jsonl(bare / "test.jsonl", conversations("test", 2))
     assert data.TokenDataset(prepare.prepare([bare], tmp_path / "b")).meta["n_documents"] == 2
+    for folder in (hub, bare):
+        write_jsonl(folder / "sft.jsonl", conversations("sft", 1))
+        with pytest.raises(
+            ValueError,
+            match=rf"{folder.name}: a hub dataset of the test split and 1 file naming no split, "
+            r"no train split: prepare one, --input its files",
+        ):
+            prepare.prepare([folder], tmp_path / "none", workers=1)
 
 
 def test_a_hub_folder_of_one_split_and_of_shards_reads_all_of_it(tmp_path):
@@ -215,12 +221,12 @@ def test_a_file_given_twice_is_read_once_the_same_way_and_said_to_be(tmp_path, c
     assert passed_over == {
         "hub metadata": [str(hub / "README.md")],
         "test split": [str(hub / "data" / "test.jsonl")],
-        "given twice": [str(hub / "data" / "train.jsonl"), str(alone)],
+        "reached twice": [str(hub / "data" / "train.jsonl"), str(alone)],
     }
     argv = ["prepare", "--input", str(alone), "--input", str(hub), str(alone), "--output"]
     data.main([*argv, str(tmp_path / "ds"), "--workers", "1"])  # --input repeated adds
     assert data.TokenDataset(tmp_path / "ds").meta["n_documents"] == 3
-    note = f"1 file given more than once (alone, or within a folder given) read once: {alone}"
+    note = f"1 file reached by more than one path (given twice, or a link) read once: {alone}"
     assert note in capsys.readouterr().out
     files, passed_over = prepare._input_files([hub, hub / "data" / "test.jsonl"])
     assert len(files) == 2 and passed_over == {"hub metadata": [str(hub / "README.md")]}
@@ -235,6 +241,28 @@ def test_a_file_given_twice_is_read_once_the_same_way_and_said_to_be(tmp_path, c
     (tmp_path / "main.py").write_text("print('a code tree')")
     with pytest.raises(ValueError, match=r"train.json is read as text within .* and as .jsonl"):
         prepare._input_files([tmp_path, hub])
+
+
+def test_a_file_reached_through_a_link_is_read_once_as_first_reached(tmp_path, capsys):
+    """A link within a folder given once: the file read once, said to be reached by more than
+    one path (it was not given twice). A .json array and a link to it named .txt, both given
+    alone: read as the first of them reads it, in either order."""
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a.txt").write_text("a document")
+    (tree / "sub" / "b.txt").symlink_to("../a.txt")
+    data.main(["prepare", "--input", str(tree), "--output", str(tmp_path / "ds"), "--workers", "1"])
+    assert data.TokenDataset(tmp_path / "ds").meta["inputs_passed_over"] == {
+        "reached twice": listed(tree / "a.txt")
+    }
+    note = "1 file reached by more than one path (given twice, or a link) read once: "
+    assert f"{note}{tree / 'a.txt'}" in capsys.readouterr().out
+    array = tmp_path / "f" / "x.json"
+    array.parent.mkdir()
+    array.write_text(json.dumps([{"text": "a record"}]))
+    (link := tmp_path / "f" / "y.txt").symlink_to("x.json")
+    assert prepare._input_files([array, link])[0] == [(array, ".json")]
+    assert prepare._input_files([link, array])[0] == [(link, "text")]
 
 
 def test_meta_json_keeps_a_count_and_the_first_five_of_many_files_passed_over(tmp_path, capsys):
