@@ -662,7 +662,7 @@ def peft_adapter_config(
     if prefix != "model.":
         modules = rf"{re.escape(prefix)}layers\.\d+\.(self_attn|mlp)\.({'|'.join(modules)})"
     if base_model and Path(base_model).is_dir():  # found from any directory, never the hub's
-        base_model = str(Path(base_model).resolve())
+        base_model = os.path.abspath(base_model)  # as named: a link to the current base stays
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",

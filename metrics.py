@@ -3,7 +3,8 @@ record (docs/training.md lists its fields); the main rank hands it to every repo
 which train.setup opens with the run's other files: always `JsonLines` (run_dir/metrics.jsonl),
 and with --report-to, `TensorBoard` (run_dir/tensorboard) and `WandB` (Weights & Biases), which
 start with the run's config (its options and plan.json). A resumed run continues each; a new
-run where an earlier one logged and left no checkpoint sets that one's records aside first.
+run where an earlier one logged and left no checkpoint sets that one's records aside first
+(set_aside_earlier_run, before train.setup writes the new run's plan.json and config.toml).
 TensorBoard's and W&B's packages are imported only when asked, and a missing one is told before
 the run starts (report_to_problems); so is a W&B that cannot start without the user (no login).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from pathlib import Path
 
 from files import UsageError, no_follow, plural
@@ -21,15 +23,19 @@ from files import UsageError, no_follow, plural
 REPORTERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
+def report_to_names(report_to: str) -> list[str]:
+    """--report-to's comma list, each name stripped, "none" kept (report_to_problems')."""
+    return [name for name in map(str.strip, report_to.split(",")) if name]
+
+
 def reporters_asked(report_to: str) -> list[str]:
-    names = [name.strip() for name in report_to.split(",")]
-    return [name for name in names if name not in ("", "none")]
+    return [name for name in report_to_names(report_to) if name != "none"]
 
 
 def report_to_problems(report_to: str) -> list[str]:
     """--report-to's unknown names, missing packages and W&B's mode, before anything is built."""
     problems, asked = [], reporters_asked(report_to)
-    if asked and "none" in (name.strip() for name in report_to.split(",")):
+    if asked and "none" in report_to_names(report_to):
         problems.append(f"--report-to none reports to nothing: not with {', '.join(asked)}")
     for name in asked:
         if name not in REPORTERS:
@@ -61,8 +67,6 @@ def open_reporters(
     report_to: str, run_dir: Path, config: dict, start_step: int, resumed_from, log
 ) -> list:
     """metrics.jsonl's writer, then each reporter --report-to names."""
-    if not start_step:
-        set_aside_earlier_run(run_dir, log)
     asked, opened = reporters_asked(report_to), [JsonLines(run_dir, start_step, resumed_from, log)]
     if "tensorboard" in asked:
         opened.append(TensorBoard(run_dir, config, start_step))
@@ -74,27 +78,37 @@ def open_reporters(
 # What a run's reporters keep in its directory, which a new run starts without.
 RECORDS = ("metrics.jsonl", "tensorboard", "wandb_run_id")
 
+# What train.setup writes of each run, which set_aside_earlier_run keeps a copy of: the earlier
+# run's options and plan. (Copied: should the process die before the new run writes its own,
+# check_run_dir still sees the directory as a run's.)
+RUN_CONFIG = ("plan.json", "config.toml")
+
 
 def set_aside_earlier_run(run_dir: Path, log) -> None:
     """A run starting at step 0 where an earlier one logged steps but left no checkpoint (it
     died before its first, or ran with --checkpoint-interval 0) is another run: the earlier
     one's records move whole to run_dir/earlier-run-N, so that metrics.jsonl, TensorBoard and
     W&B (a new id) each hold one run's steps, and readers need no rule for a second run in a
-    file. (Moved, not marked in place: TensorBoard and W&B have no such mark.) The earlier
-    run's options are in its TensorBoard config; W&B's own files (run_dir/wandb) are per id."""
+    file. (Moved, not marked in place: TensorBoard and W&B have no such mark.) Its options
+    and plan go with them, copied (RUN_CONFIG); W&B's own files (run_dir/wandb) are per id.
+    N is the highest there + 1, so that the numbers follow the runs."""
     metrics = run_dir / "metrics.jsonl"
     if not (metrics.is_file() and metrics.stat().st_size):  # an earlier start logged no step
         return
-    number = 1
-    while (aside := run_dir / f"earlier-run-{number}").exists():
-        number += 1
+    names = (path.name.removeprefix("earlier-run-") for path in run_dir.glob("earlier-run-*"))
+    aside = run_dir / f"earlier-run-{max((int(n) for n in names if n.isdigit()), default=0) + 1}"
     aside.mkdir()
+    copied = [name for name in RUN_CONFIG if (run_dir / name).is_file()]
+    for name in copied:
+        shutil.copyfile(run_dir / name, aside / name)
     moved = [name for name in RECORDS if (run_dir / name).exists()]
     for name in moved:
         os.replace(run_dir / name, aside / name)
     log(
         f"{run_dir} holds the records of an earlier run with no checkpoint to resume from: "
-        f"moved its {', '.join(moved)} to {aside}, this run starts its own"
+        f"moved its {', '.join(moved)} to {aside}"
+        + (f" (and a copy of its {', '.join(copied)})" * bool(copied))
+        + ", this run starts its own"
     )
 
 

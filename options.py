@@ -9,6 +9,7 @@ it owns (the plan's rules, a dataset, a checkpoint) run from here.
 from __future__ import annotations
 
 import argparse
+import codecs
 import dataclasses
 import difflib
 import functools
@@ -40,7 +41,7 @@ from hf import (
     weights_fingerprint,
 )
 from lora import LoRAConfig, check_lora_targets, parse_lora_targets
-from metrics import report_to_problems
+from metrics import report_to_problems, reporters_asked
 from model import PRESETS, ModelArgs
 from offload import AC_MODES
 from plan import (
@@ -424,14 +425,16 @@ def read_config(path: str) -> dict:
         ) from None
     try:
         with open(path, "rb") as f:
-            # utf-8-sig: a byte-order mark (as editors on Windows write) is read, not TOML.
-            values = tomllib.loads(f.read().decode("utf-8-sig"))
+            data = f.read()
+        # A byte-order mark (as editors on Windows write) is not TOML; offsets count it.
+        text = data.removeprefix(codecs.BOM_UTF8)
+        values = tomllib.loads(text.decode())
     except OSError as e:
         raise UsageError(f"--config {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise UsageError(
             f"--config {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
-            f"{e.start}): TOML files are UTF-8"
+            f"{e.start + len(data) - len(text)}): TOML files are UTF-8"
         ) from None
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"--config {path} is not valid TOML: {e}") from None
@@ -494,10 +497,11 @@ def config_toml(opts: Options, given: frozenset[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_options(opts: Options, args: ModelArgs, world_size: int, nproc_per_node: int) -> None:
+def check_options(opts: Options, args: ModelArgs, world_size: int, ranks_per_node: int) -> None:
     """The options against each other and the model's shape, before anything is read or joined,
-    every problem in one error. `world_size`, `nproc_per_node`: torchrun's, or the machine
-    estimated."""
+    every problem in one error. `world_size`, `ranks_per_node`: the processes in all and on a
+    node, torchrun's or the estimated machine's (opts.nproc_per_node is only the estimate's
+    flag, None unless given)."""
     problems = []
     if opts.model and opts.hf_checkpoint:
         problems.append("give --model or --hf-checkpoint, not both")
@@ -558,7 +562,7 @@ def check_options(opts: Options, args: ModelArgs, world_size: int, nproc_per_nod
                 f"--lora-targets {opts.lora_targets} leaves none: drop --fp8, or adapt fewer "
                 f"projections"
             )
-    problems += technique_problems(opts, args, world_size, nproc_per_node)
+    problems += technique_problems(opts, args, world_size, ranks_per_node)
     if problems:
         raise UsageError("; ".join(problems))
 
@@ -763,6 +767,8 @@ def with_partners(given: frozenset[str]) -> frozenset[str]:
 def taken_on_resume(opts: Options, given: frozenset[str], saved: dict) -> dict:
     """The options a resumed run takes from `saved` where they differ: a bare --resume goes on."""
     options = saved["options"]
+    if "report_to" in options:  # an older run's "tensorboard,none" (allowed then): its reporters
+        options = options | {"report_to": ",".join(reporters_asked(options["report_to"])) or "none"}
     return {
         name: options[name]
         for name in FIXED_BY_CHECKPOINT + KEPT_ON_RESUME

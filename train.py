@@ -41,7 +41,7 @@ from data import Batch, PackedLoader, TokenDataset
 from files import UsageError, params_text, plural, write_json, write_whole
 from kernels import IGNORE_INDEX
 from lora import apply_lora, lora_module_paths
-from metrics import open_reporters
+from metrics import open_reporters, set_aside_earlier_run
 from model import (
     REFERENCE_OPS,
     Llama,
@@ -183,6 +183,8 @@ def setup(asked: Options, given: frozenset[str]) -> Run:
     if world.is_main:
         shard.set_aside(resolved.damaged, log)
         if step < max_steps:  # a finished run logs nothing; its plan.json keeps its peaks
+            if not step:  # before its plan.json and config.toml replace the earlier run's
+                set_aside_earlier_run(run_dir, log)
             planned = plan.to_json()
             write_json(run_dir / "plan.json", planned)
             write_whole(run_dir / "config.toml", options.config_toml(opts, resolved.given))

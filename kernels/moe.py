@@ -53,11 +53,11 @@ ACTIVATIONS = {
 }
 
 
-def _activation(name: str, caller: str) -> tuple:
-    """ACTIVATIONS[name], or a ValueError naming `caller` and the names it takes."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"{caller}: activation {name!r}, expected one of {', '.join(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
+def activation_problems(name: str) -> list[str]:
+    """An `activation` not in ACTIVATIONS, said with the names it takes (else nothing)."""
+    if name in ACTIVATIONS:
+        return []
+    return [f"activation {name!r}, expected one of {', '.join(ACTIVATIONS)}"]
 
 
 class ExpertLoRA(NamedTuple):
@@ -90,7 +90,9 @@ def moe_experts_reference(
     """The experts in plain PyTorch, a loop over experts; returns x's dtype. Each expert's
     tokens are found with nonzero, which reads their count on the host: a wait for the GPU
     per expert."""
-    _, reference = _activation(activation, "moe_experts_reference")
+    if problems := activation_problems(activation):
+        raise ValueError(f"moe_experts_reference: {problems[0]}")
+    _, reference = ACTIVATIONS[activation]
     y = torch.zeros_like(x)
     for e in range(w1.shape[0]):
         token, choice = (experts == e).nonzero(as_tuple=True)
@@ -686,7 +688,6 @@ def moe_experts(
     dtype. Biases are added to the sorted rows in place (no selective checkpoint keeps a
     grouped product: offload.MATMUL_OPS), and the activation is its fused kernel; the
     adapters' products are grouped products of the same rows."""
-    fused, _ = _activation(activation, "moe_experts")
     if experts.dim() != 2 or w1.dim() != 3:
         raise ValueError(
             f"moe_experts: experts {tuple(experts.shape)} and w1 {tuple(w1.shape)}, expected "
@@ -708,7 +709,7 @@ def moe_experts(
             inner, outer = (dim, ffn_dim) if a == "a13" else (ffn_dim, dim)
             rank = a_t.shape[1] if a_t.dim() == 3 else 0
             shapes |= {a: (a_t, (n_experts, rank, inner)), b: (b_t, (n_experts, outer, rank))}
-    problems = [
+    problems = activation_problems(activation) + [
         f"{name} {tuple(t.shape)}, expected {shape}"
         for name, (t, shape) in shapes.items()
         if t.shape != shape
@@ -725,6 +726,7 @@ def moe_experts(
         problems.append(f"experts {experts.dtype}, expected integers")
     if problems:
         raise ValueError("moe_experts: " + "; ".join(problems))
+    fused, _ = ACTIVATIONS[activation]
     position, offsets = sort_by_expert(experts, n_experts)
     gate, up = dispatch_gate_up(x, position, w1, w3, offsets, lora)
     if biases is not None:

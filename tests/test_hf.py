@@ -694,6 +694,10 @@ def test_an_adapter_records_a_local_base_by_its_absolute_path(tmp_path, monkeypa
     save_peft_adapter(model.args, CONFIG, model.named_parameters(), "adapter", base_model="base")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(tmp_path.resolve() / "base")
+    Path("current").symlink_to("base")  # pinned as named, not to the link's target
+    save_peft_adapter(model.args, CONFIG, model.named_parameters(), "adapter", base_model="current")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(Path.cwd() / "current")
 
 
 @pytest.mark.parametrize(

@@ -117,20 +117,26 @@ def test_a_new_run_sets_aside_an_earlier_one_that_left_no_checkpoint(
     dataset, tmp_path, offline_wandb, capsys
 ):
     """An earlier run with no checkpoint to resume from (killed before its first, or
-    --checkpoint-interval 0) is another run: its records move aside whole, said in one line,
-    and the new run logs its own steps to its own file, TensorBoard directory and W&B id."""
+    --checkpoint-interval 0) is another run: its records move aside whole with a copy of its
+    options and plan, said in one line, and the new run logs its own steps to its own file,
+    TensorBoard directory and W&B id."""
     run_dir = tmp_path / "run"
     argv = ["--data", str(dataset), *SMALL, "--run-dir", str(run_dir), "--checkpoint-interval",
             "0", "--report-to", "tensorboard,wandb"]  # fmt: skip
     train.main([*argv, "--max-steps", "2", "--lr", "0.05"])
     earlier_id = (run_dir / "wandb_run_id").read_text()
+    earlier_plan = (run_dir / "plan.json").read_text()
     capsys.readouterr()
     train.main([*argv, "--max-steps", "3"])
     sys.modules["wandb"].teardown()  # the .wandb files written whole (as above)
     aside = run_dir / "earlier-run-1"
     assert (
-        f"moved its metrics.jsonl, tensorboard, wandb_run_id to {aside}" in capsys.readouterr().out
+        f"moved its metrics.jsonl, tensorboard, wandb_run_id to {aside} (and a copy of its "
+        f"plan.json, config.toml)" in capsys.readouterr().out
     )
+    assert "max_steps = 2" in (aside / "config.toml").read_text()  # the earlier run's, not this
+    assert (aside / "plan.json").read_text() == earlier_plan
+    assert "max_steps = 3" in (run_dir / "config.toml").read_text()
     assert steps_logged(aside) == [1, 2] and steps_logged(run_dir) == [1, 2, 3]
     assert (aside / "wandb_run_id").read_text() == earlier_id
     assert (run_dir / "wandb_run_id").read_text() != earlier_id
@@ -148,6 +154,16 @@ def test_a_new_run_sets_aside_an_earlier_one_that_left_no_checkpoint(
         3,
     ]
     assert not (run_dir / "earlier-run-3").exists()
+
+
+def test_an_earlier_run_goes_aside_numbered_after_the_highest_there(tmp_path):
+    """earlier-run-2 with no -1 (removed by the user): the next is 3, so the numbers keep the
+    runs' order."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    (tmp_path / "earlier-run-2").mkdir()
+    metrics.set_aside_earlier_run(tmp_path, lambda line: None)
+    assert steps_logged(tmp_path / "earlier-run-3") == [1]
+    assert not (tmp_path / "earlier-run-1").exists()
 
 
 def test_a_mistyped_wandb_mode_is_one_line_before_any_step(dataset, tmp_path, monkeypatch, capsys):

@@ -295,6 +295,8 @@ def test_moe_experts_and_grouped_mm_name_every_mismatch_at_once():
             ValueError, match=f"{fn.__name__}: activation 'gelu', expected one of swiglu, clamped_"
         ):
             fn(x, experts, weights, w1, w3, w2, activation="gelu")
+    with pytest.raises(ValueError, match="clamped_swiglu; w3 torch.bfloat16, expected x's"):
+        moe_experts(x, experts, weights, w1, w3.bfloat16(), w2, activation="gelu")
     with pytest.raises(ValueError, match=r"offsets \(6,\) torch.int64, expected int32"):
         grouped_mm(x, w1, torch.zeros(6, dtype=torch.int64))
     # The adapters' shapes too: B's rank is A's; a B without its A is refused.

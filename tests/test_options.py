@@ -96,6 +96,14 @@ def test_resume_takes_what_the_checkpoint_fixes_unless_given_with_its_partner():
     assert taken == {"max_seq_len": 8192, "seq_len": 4096, "lora_rank": 8}
 
 
+def test_a_checkpoints_report_to_with_none_beside_a_reporter_resumes_with_its_reporters():
+    """An older run saved "tensorboard,none" (refused since: check_options): a bare --resume
+    takes its reporters, which that check passes."""
+    for saved_value, taken in (("tensorboard, none", {"report_to": "tensorboard"}), ("none", {})):
+        saved = {"options": {"report_to": saved_value}}
+        assert options.taken_on_resume(options.Options(), frozenset(), saved) == taken
+
+
 def test_a_config_file_gives_options_and_the_command_line_wins(tmp_path):
     """--config's keys are the options' names with underscores; a flag on the command line
     replaces its key and its partner's (--lr the file's min_lr, --max-tokens its max_steps);
@@ -161,6 +169,10 @@ def test_a_config_file_with_a_byte_order_mark_reads_and_one_not_utf8_is_one_line
     err = capsys.readouterr().err
     said = f"--config {config} is not UTF-8 text (byte 0xff at offset 0): TOML files are UTF-8"
     assert err.startswith(f"train.py error: {said}") and err.count("\n") == 1
+    config.write_bytes(b"\xef\xbb\xbfab\xff")  # the offset in the file, its mark counted
+    with pytest.raises(SystemExit):
+        options.parse_options(["--config", str(config)])
+    assert "(byte 0xff at offset 5)" in capsys.readouterr().err
 
 
 def test_the_printed_command_reads_back_a_value_that_starts_with_a_dash(tmp_path):
