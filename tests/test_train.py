@@ -207,25 +207,24 @@ def test_resuming_with_other_lora_settings_is_refused_naming_them():
         shard.check_resumable(run, {**run, "lora": None})
 
 
-def test_resuming_on_another_dataset_is_refused_and_an_older_checkpoint_resumes():
+@pytest.mark.parametrize(
+    "field, message",
+    [
+        ("dataset", "another dataset .* then start a new run with"),
+        # A LoRA checkpoint holds the adapters alone: its base's fingerprint is recorded.
+        ("base", "weights of the base checkpoint .* changed"),
+    ],
+)
+def test_resuming_on_another_dataset_or_base_is_refused_and_an_older_checkpoint_resumes(
+    field, message
+):
     run = {"model": {}, "seq_len": 8, "tokenizer": "bytes", "strategy": "FULL_SHARD",
-           "lora": None, "dataset": "0123456789ab"}  # fmt: skip
+           "lora": None, field: "0123456789ab"}  # fmt: skip
     shard.check_resumable(run, run)
-    with pytest.raises(files.UsageError, match="another dataset .* then start a new run with"):
-        shard.check_resumable(run, {**run, "dataset": "ba9876543210"})
-    # saved before the record had the dataset's identity: resumes as it did
-    shard.check_resumable({k: v for k, v in run.items() if k != "dataset"}, run)
-
-
-def test_resuming_on_a_changed_base_is_refused_and_an_older_checkpoint_resumes():
-    """A LoRA checkpoint holds the adapters alone: its base's fingerprint is recorded."""
-    run = {"model": {}, "seq_len": 8, "tokenizer": "bytes", "strategy": "FULL_SHARD",
-           "lora": None, "base": "0123456789ab"}  # fmt: skip
-    shard.check_resumable(run, run)
-    with pytest.raises(files.UsageError, match="weights of the base checkpoint .* changed"):
-        shard.check_resumable(run, {**run, "base": "ba9876543210"})
-    # saved before the record had the base's fingerprint: resumes as it did
-    shard.check_resumable({k: v for k, v in run.items() if k != "base"}, run)
+    with pytest.raises(files.UsageError, match=message):
+        shard.check_resumable(run, {**run, field: "ba9876543210"})
+    # saved before the record had the field: resumes as it did
+    shard.check_resumable({k: v for k, v in run.items() if k != field}, run)
 
 
 def test_a_new_lr_on_resume_recomputes_min_lr_and_a_run_dir_keeps_the_users_files(tmp_path):
